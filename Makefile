@@ -1,0 +1,38 @@
+# Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
+# On a machine without a working CUDA driver, torch==2.13.0 (a CPU wheel on local disk) is installed
+# before anything else, so that no dependency can pull a CUDA build; on a GPU machine the venv sees the
+# system site-packages and keeps the torch that is there.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv clean bench
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: setup.py Makefile
+ifeq ($(HAS_GPU),1)
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -m pip install --upgrade pip
+else
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install torch==2.13.0
+endif
+	$(PY) -m pip install -e ".[test]"
+	touch $@
+
+demo: venv
+	$(PY) pretrain_rl.py --config examples/demo_cpu.yaml
+
+test: venv
+	$(PY) -m pytest tests megatron_credit --doctest-modules $(PYTEST_ARGS)
+
+bench: venv
+	$(PY) benchmarks/credit_kernels.py
+	$(PY) benchmarks/logprob_memory.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

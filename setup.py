@@ -1,0 +1,42 @@
+"""Packaging for megatron-credit.
+
+torch is declared as a range that the CPU wheel 2.13.0 satisfies, so that on CPU machines (where the
+Makefile installs torch==2.13.0 first) pip never resolves a multi-GB CUDA build, and on GPU machines
+the torch of the container is kept.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-credit",
+    version="0.1.0",
+    description="RL post-training on megatron-core with token-level credit assignment (FIPO, CompPO)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_credit", "megatron_credit.*"]),
+    py_modules=["pretrain_rl"],
+    install_requires=[
+        "torch>=2.4",
+        # 0.16.1 is the last release for Python 3.11; 0.17-0.19 need 3.12 (NVIDIA containers).
+        "megatron-core>=0.16.1,<0.20",
+        "transformers>=4.51",
+        "safetensors>=0.4",
+        "numpy",
+        "pyyaml>=6",
+        "tqdm",
+        "sentencepiece>=0.2",
+        "math-verify>=0.7",
+        "pyarrow>=14",
+    ],
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]>=2.0", "vllm>=0.10"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    },
+    entry_points={
+        "console_scripts": [
+            "megatron-credit-train=pretrain_rl:main",
+            "mc-convert-hf-to-megatron=tools.convert_hf_to_megatron:main",
+            "mc-convert-megatron-to-hf=tools.convert_megatron_to_hf:main",
+        ],
+    },
+)
