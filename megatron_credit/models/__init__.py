@@ -1,0 +1,28 @@
+"""Hugging Face config -> megatron-core actor.
+
+Public API:
+
+- ``transformer_config_from_hf(hf_config, *, parallel, params_dtype=torch.float32, **overrides)``:
+  a megatron ``TransformerConfig`` with the architecture of a Qwen2 / Qwen2.5 / Qwen3 / Llama 3
+  ``transformers`` config (GQA, RoPE, SwiGLU, RMSNorm, QKV bias, q/k norm) and the TP / PP / CP /
+  sequence-parallel sizes of ``parallel`` (a ``megatron_credit.config.ParallelConfig``). Refuses,
+  before anything is built, a model that ``parallel`` cannot shard (``ValueError`` naming the field).
+- ``build_gpt_model(hf_config, transformer_config, *, pre_process=None, post_process=None)``: the
+  megatron ``GPTModel`` of this rank's pipeline stage (TE spec when Transformer Engine imports, local
+  spec otherwise; CPU context-parallel attention for CP > 1 with the local spec); tied embeddings
+  follow ``hf_config.tie_word_embeddings``. Needs megatron ``parallel_state`` initialised
+  (``megatron_credit.distributed.initialize``). Returns vocab-parallel logits ``[B, S, V/tp]``.
+- ``check_parallel_fits_model(hf_config, parallel, *, world_size=None)``, ``rope_settings(hf_config)``.
+
+Importing this package imports torch only; megatron-core is imported when a model is built.
+"""
+from megatron_credit.models.gpt import build_gpt_model, gpt_layer_spec, transformer_engine_available
+from megatron_credit.models.hf_config import (
+    SUPPORTED_MODEL_TYPES, RopeSettings, check_parallel_fits_model, head_dim, rope_settings,
+    transformer_config_from_hf)
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES", "RopeSettings", "build_gpt_model", "check_parallel_fits_model",
+    "gpt_layer_spec", "head_dim", "rope_settings", "transformer_config_from_hf",
+    "transformer_engine_available",
+]

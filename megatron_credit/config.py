@@ -1,0 +1,219 @@
+"""The typed recipe: keyword-only dataclasses, one YAML file plus dotted ``key.sub=value`` overrides.
+
+A recipe is read once at the entry point (``load_recipe``) and passed down as frozen objects; nothing
+mutates it at run time. Each section validates its own fields in ``__post_init__``; checks that need
+the world size or the model's shape live in ``ParallelConfig.validate`` and
+``megatron_credit.models.check_parallel_fits_model`` and run before any model is built.
+
+Sections so far: ``model``, ``parallel``, ``smoke`` (the actor smoke run of ``pretrain_rl.py`` until
+the RL trainer exists), plus ``seed``. Rollout, algorithm, optim, train, checkpoint and logging
+sections join ``Recipe`` as their modules land.
+
+>>> r = recipe_from_dict({"parallel": {"tensor_model_parallel_size": 2}},
+...                      overrides=["parallel.context_parallel_size=2", "seed=7"])
+>>> r.parallel.tensor_model_parallel_size, r.parallel.context_parallel_size, r.seed
+(2, 2, 7)
+>>> r.parallel.data_parallel_size(world_size=8)
+2
+>>> r.parallel.validate(world_size=6)
+Traceback (most recent call last):
+...
+ValueError: parallel: world_size 6 is not divisible by tensor_model_parallel_size (2) x pipeline_model_parallel_size (1) x context_parallel_size (2) = 4
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How the actor is sharded; the data-parallel size is what is left of the world size."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor (Megatron column/row) parallel ranks; must divide attention heads and KV heads."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages; must divide the number of layers."""
+    context_parallel_size: int = 1
+    """Ranks that split each sequence (load-balanced 2*cp chunks)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism inside TP regions (GPU only: the local-spec norm refuses it)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "context_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ValueError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one replica of the model: TP x PP x CP."""
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.context_parallel_size)
+
+    def validate(self, *, world_size: int) -> None:
+        """Raise ``ValueError`` unless TP x PP x CP divides ``world_size``."""
+        if world_size % self.model_parallel_size:
+            raise ValueError(
+                f"parallel: world_size {world_size} is not divisible by tensor_model_parallel_size "
+                f"({self.tensor_model_parallel_size}) x pipeline_model_parallel_size "
+                f"({self.pipeline_model_parallel_size}) x context_parallel_size "
+                f"({self.context_parallel_size}) = {self.model_parallel_size}")
+
+    def data_parallel_size(self, *, world_size: int) -> int:
+        """Data-parallel replicas for ``world_size`` ranks (after ``validate``)."""
+        self.validate(world_size=world_size)
+        return world_size // self.model_parallel_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which actor to build: a Hugging Face config (from a directory or inline) and its dtype."""
+
+    name_or_path: Optional[str] = None
+    """A local Hugging Face model directory (its ``config.json`` is read; no weights are loaded here)."""
+    architecture: Optional[Mapping[str, Any]] = None
+    """Inline Hugging Face config fields (``model_type`` required), e.g. a tiny model for tests."""
+    params_dtype: str = "float32"
+    """Parameter dtype: float32, bfloat16 or float16."""
+
+    def __post_init__(self) -> None:
+        if (self.name_or_path is None) == (self.architecture is None):
+            raise ValueError("model: give exactly one of model.name_or_path and model.architecture")
+        if self.architecture is not None and "model_type" not in self.architecture:
+            raise ValueError("model.architecture must contain 'model_type' (qwen2, qwen3 or llama)")
+        if self.params_dtype not in _DTYPES:
+            raise ValueError(f"model.params_dtype must be one of {_DTYPES}, got {self.params_dtype!r}")
+
+    def hf_config(self):
+        """The ``transformers.PretrainedConfig`` this section names."""
+        import transformers
+
+        if self.name_or_path is not None:
+            return transformers.AutoConfig.from_pretrained(self.name_or_path)
+        arch = dict(self.architecture)
+        return transformers.AutoConfig.for_model(arch.pop("model_type"), **arch)
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.params_dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SmokeConfig:
+    """The actor smoke run of ``pretrain_rl.py``: a few optimizer steps on synthetic tokens."""
+
+    steps: int = 8
+    """Optimizer steps."""
+    micro_batch_size: int = 4
+    """Sequences per step (per data-parallel rank)."""
+    seq_length: int = 32
+    """Tokens per sequence."""
+    lr: float = 3e-3
+    """AdamW learning rate."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batch_size", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"smoke.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"smoke.lr must be > 0, got {self.lr}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(architecture=TINY_QWEN2))
+    """The actor."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Sharding of the actor."""
+    smoke: SmokeConfig = field(default_factory=SmokeConfig)
+    """Actor smoke run (used by ``pretrain_rl.py`` until the RL trainer lands)."""
+    seed: int = 1234
+    """Seed of every generator (model init, dropout, data)."""
+
+
+TINY_QWEN2: Mapping[str, Any] = types.MappingProxyType(dict(
+    model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=False,
+))
+"""A Qwen2-shaped model small enough for CPU tests (GQA 4:2, QKV bias, SwiGLU, RMSNorm)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# dict / YAML -> dataclasses
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}``; values are parsed as YAML scalars.
+
+    >>> parse_overrides(["parallel.tensor_model_parallel_size=2", "model.params_dtype=bfloat16"])
+    {'parallel': {'tensor_model_parallel_size': 2}, 'model': {'params_dtype': 'bfloat16'}}
+    """
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not of the form key.sub=value")
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r} conflicts with an earlier override of {p!r}")
+        node[leaf] = yaml.safe_load(raw) if raw else ""
+    return out
+
+
+def _merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
+    return out
+
+
+def _build(cls, data: Mapping[str, Any], where: str):
+    """Build dataclass ``cls`` from ``data``, recursing into dataclass-typed fields; unknown keys fail."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where or 'recipe'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"unknown field(s) {unknown} in {where or 'recipe'}; valid: {sorted(names)}")
+    kwargs = {}
+    for key, value in data.items():
+        hint = hints[key]
+        path = f"{where}.{key}" if where else key
+        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+            kwargs[key] = _build(hint, value, path)
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def recipe_from_dict(data: Mapping[str, Any], *, overrides: Sequence[str] = ()) -> Recipe:
+    """A ``Recipe`` from a plain mapping (a parsed YAML file) plus dotted overrides."""
+    return _build(Recipe, _merge(data or {}, parse_overrides(overrides)), "")
+
+
+def load_recipe(path: str, *, overrides: Sequence[str] = ()) -> Recipe:
+    """Read a YAML recipe file and apply dotted ``key.sub=value`` overrides."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    return recipe_from_dict(data, overrides=overrides)

@@ -1,0 +1,163 @@
+"""Hugging Face config -> megatron ``TransformerConfig`` for the dense families we train.
+
+Supported ``model_type``: ``qwen2`` (Qwen2 and Qwen2.5: QKV bias, no output-projection bias),
+``qwen3`` (per-head RMSNorm on q and k, optional ``attention_bias``), ``llama`` (Llama 3 / 3.1 / 3.2,
+including the ``llama3`` RoPE scaling when it uses megatron's fixed low/high frequency factors).
+All are pre-norm RMSNorm decoders with SwiGLU MLPs, GQA and RoPE on the whole head.
+
+transformers 4.x keeps RoPE settings in ``rope_theta`` / ``rope_scaling``; 5.x in one dict
+``rope_parameters`` (``rope_theta``, ``rope_type``, scaling fields). ``rope_settings`` reads both.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+
+# megatron's RotaryEmbedding._apply_scaling (models/common/embeddings/rotary_pos_embedding.py) takes
+# only the factor from GPTModel; the other llama3 fields are fixed at these defaults.
+_MEGATRON_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeSettings:
+    """RoPE as megatron's ``GPTModel`` takes it."""
+
+    base: float
+    """``rotary_base`` (HF ``rope_theta``)."""
+    llama3_scaling_factor: Optional[float] = None
+    """Llama 3.1 frequency scaling factor, or None for plain RoPE."""
+
+
+def _get(hf_config, name: str, default: Any = None) -> Any:
+    value = getattr(hf_config, name, default)
+    return default if value is None else value
+
+
+def rope_settings(hf_config) -> RopeSettings:
+    """Read RoPE base and scaling from either transformers 4.x or 5.x attribute names.
+
+    Refuses (``ValueError`` naming the field) any scaling megatron's RoPE cannot reproduce exactly.
+    """
+    params = dict(_get(hf_config, "rope_parameters", None) or {})
+    scaling = dict(_get(hf_config, "rope_scaling", None) or {})
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", _get(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("hf_config: no rope_theta in rope_parameters or rope_theta")
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type in (None, "default"):
+        return RopeSettings(base=float(theta))
+    if rope_type == "llama3":
+        for key, fixed in _MEGATRON_LLAMA3_FIXED.items():
+            if key in merged and float(merged[key]) != fixed:
+                raise ValueError(
+                    f"hf_config.rope_parameters.{key}={merged[key]} is not supported: megatron-core's "
+                    f"llama3 RoPE scaling fixes it at {fixed}")
+        return RopeSettings(base=float(theta), llama3_scaling_factor=float(merged["factor"]))
+    raise ValueError(f"hf_config.rope_parameters.rope_type={rope_type!r} is not supported "
+                     "(supported: 'default', 'llama3')")
+
+
+def head_dim(hf_config) -> int:
+    """Per-head channels: HF ``head_dim`` when set (Qwen3 decouples it), else hidden / heads."""
+    return int(_get(hf_config, "head_dim", hf_config.hidden_size // hf_config.num_attention_heads))
+
+
+def _biases(hf_config) -> tuple[bool, bool]:
+    """(add_qkv_bias, add_bias_linear) for the family; refuses biases megatron cannot place."""
+    model_type = hf_config.model_type
+    if model_type == "qwen2":
+        return True, False  # Qwen2 hard-codes bias on q/k/v and none on o_proj / MLP.
+    if bool(_get(hf_config, "attention_bias", False)) or bool(_get(hf_config, "mlp_bias", False)):
+        # Llama's and Qwen3's attention_bias also biases o_proj (and Llama's mlp_bias the MLP):
+        # megatron's single add_bias_linear flag would bias every linear, a different model.
+        raise ValueError(f"hf_config.attention_bias / mlp_bias = True is not supported for {model_type}")
+    return False, False
+
+
+def check_parallel_fits_model(hf_config, parallel, *, world_size: Optional[int] = None) -> None:
+    """Raise ``ValueError`` naming the field when ``parallel`` cannot shard this model.
+
+    Runs before anything is built: heads and KV heads must divide by TP, layers by PP, and (when
+    ``world_size`` is given) TP x PP x CP must divide the world size.
+    """
+    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"hf_config.model_type={hf_config.model_type!r} is not supported; "
+                         f"supported: {list(SUPPORTED_MODEL_TYPES)}")
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    heads = hf_config.num_attention_heads
+    kv_heads = _get(hf_config, "num_key_value_heads", heads)
+    if heads % tp:
+        raise ValueError(f"parallel.tensor_model_parallel_size={tp} does not divide "
+                         f"num_attention_heads={heads}")
+    if kv_heads % tp:
+        raise ValueError(f"parallel.tensor_model_parallel_size={tp} does not divide "
+                         f"num_key_value_heads={kv_heads}")
+    if hf_config.num_hidden_layers % pp:
+        raise ValueError(f"parallel.pipeline_model_parallel_size={pp} does not divide "
+                         f"num_hidden_layers={hf_config.num_hidden_layers}")
+    if world_size is not None:
+        parallel.validate(world_size=world_size)
+
+
+def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype = torch.float32,
+                               **overrides):
+    """A megatron ``TransformerConfig`` equal in architecture to ``hf_config``.
+
+    ``parallel`` is a ``megatron_credit.config.ParallelConfig``. ``overrides`` are passed to
+    ``TransformerConfig`` last (e.g. ``recompute_granularity="full"``). Weights are initialised on
+    the CPU (``use_cpu_initialization``) so that TP shards are slices of the TP=1 weights for the
+    same seed, and fused kernels that need apex / TE / CUDA are off unless overridden.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    check_parallel_fits_model(hf_config, parallel)
+    rope_settings(hf_config)  # refuse unsupported RoPE before building anything
+    if parallel.sequence_parallel and not torch.cuda.is_available():
+        raise ValueError("parallel.sequence_parallel is not supported on CPU: megatron-core's local "
+                         "spec norm (WrappedTorchNorm) asserts `not config.sequence_parallel`")
+    add_qkv_bias, add_bias_linear = _biases(hf_config)
+    heads = hf_config.num_attention_heads
+    kwargs = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=heads,
+        num_query_groups=_get(hf_config, "num_key_value_heads", heads),
+        kv_channels=head_dim(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=float(_get(hf_config, "rms_norm_eps", 1e-6)),
+        qk_layernorm=hf_config.model_type == "qwen3",
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=add_bias_linear,
+        add_qkv_bias=add_qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=float(_get(hf_config, "attention_dropout", 0.0)),
+        init_method_std=float(_get(hf_config, "initializer_range", 0.02)),
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # CPU init: identical full weights on every rank for one seed, then sliced (TP invariance).
+        use_cpu_initialization=True,
+        # The fused wgrad GEMM needs apex / TE CUDA kernels.
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        # fp32 softmax in attention, as HF does.
+        attention_softmax_in_fp32=True,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)

@@ -1,0 +1,119 @@
+"""distributed.py: launch environment, CPU RNG tracker, megatron groups on gloo, the entry point."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_credit.distributed import CpuRNGStatesTracker, LaunchEnv
+from tests.distributed_harness import DistributedPool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_launch_env_from_torchrun_variables():
+    env = LaunchEnv.from_environ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                                  "MASTER_ADDR": "node0", "MASTER_PORT": "29500"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == \
+        (3, 8, 1, "node0", 29500)
+    assert LaunchEnv.from_environ({}) == LaunchEnv()
+
+
+def test_cpu_rng_tracker_forks_streams_and_restores_the_default():
+    tracker = CpuRNGStatesTracker()
+    tracker.add("a", 5)
+    with pytest.raises(RuntimeError, match="already exists"):
+        tracker.add("b", 5)
+    torch.manual_seed(0)
+    outer = torch.get_rng_state()
+    with tracker.fork("a"):
+        first = torch.rand(3)
+    with tracker.fork("a"):
+        second = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outer)  # the default stream is untouched
+    expected = torch.rand(6, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(torch.cat([first, second]), expected)  # the stream continues across forks
+    with pytest.raises(RuntimeError, match="not added"):
+        with tracker.fork("missing"):
+            pass
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=2) as p:
+        yield p
+
+
+def _groups_and_seeds(tp, cp):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from megatron_credit import distributed
+    from megatron_credit.config import ParallelConfig
+
+    distributed.initialize(ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp),
+                           seed=7)
+    default = torch.rand(2)
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        model_parallel = torch.rand(2)
+    out = dict(tp=ps.get_tensor_model_parallel_world_size(), cp=ps.get_context_parallel_world_size(),
+               dp=ps.get_data_parallel_world_size(), default=default, mp=model_parallel)
+    distributed.destroy()
+    dist.barrier()
+    return out
+
+
+def _refuse_bad_world():
+    from megatron.core import parallel_state as ps
+
+    from megatron_credit import distributed
+    from megatron_credit.config import ParallelConfig
+
+    try:
+        distributed.initialize(ParallelConfig(pipeline_model_parallel_size=4), seed=0)
+    except ValueError as e:
+        return str(e), ps.model_parallel_is_initialized()
+    return None, ps.model_parallel_is_initialized()
+
+
+def test_megatron_groups_and_seeds_on_gloo(pool):
+    a, b = pool.run(_groups_and_seeds, 2, 1)
+    assert (a["tp"], a["cp"], a["dp"]) == (2, 1, 1)
+    assert torch.equal(a["default"], b["default"])  # same default seed: same CPU-initialised weights
+    assert not torch.equal(a["mp"], b["mp"])  # TP ranks draw different dropout masks
+    a, b = pool.run(_groups_and_seeds, 1, 2)
+    assert (a["tp"], a["cp"], a["dp"]) == (1, 2, 1)
+    assert torch.equal(a["mp"], b["mp"])  # same TP rank: same model-parallel stream
+    a, _ = pool.run(_groups_and_seeds, 1, 1)
+    assert a["dp"] == 2
+
+
+def test_sizes_not_fitting_the_world_are_refused_before_any_group(pool):
+    for message, initialised in pool.run(_refuse_bad_world):
+        assert "world_size 2 is not divisible" in message and "pipeline_model_parallel_size (4)" in message
+        assert not initialised
+
+
+def test_entry_point_trains_the_tiny_actor():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config",
+         os.path.join(ROOT, "examples", "demo_cpu.yaml"), "smoke.steps=6"],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, proc.stdout
+
+
+def test_entry_point_refuses_a_bad_override():
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config",
+         os.path.join(ROOT, "examples", "demo_cpu.yaml"), "parallel.tensor_model_parallel_size=3"],
+        capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT,
+        timeout=300)
+    assert proc.returncode != 0
+    assert "tensor_model_parallel_size=3 does not divide num_attention_heads" in proc.stderr

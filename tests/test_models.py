@@ -1,0 +1,170 @@
+"""HF config -> megatron TransformerConfig / GPTModel: architecture fields, refusals, and logits equal
+to ``transformers`` for the same weights (Qwen2 with QKV bias, Qwen3 with q/k norm and tied embeddings,
+Llama 3.1 RoPE scaling), on one process (world size 1, gloo)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from megatron_credit.config import ModelConfig, ParallelConfig
+from megatron_credit.models import (check_parallel_fits_model, rope_settings,
+                                    transformer_config_from_hf)
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            rms_norm_eps=1e-6)
+
+
+def _hf(model_type, **kw):
+    return ModelConfig(architecture=dict(model_type=model_type, **{**TINY, **kw})).hf_config()
+
+
+def test_qwen2_fields():
+    hf = _hf("qwen2", rope_theta=1e6)
+    tc = transformer_config_from_hf(hf, parallel=ParallelConfig())
+    assert (tc.num_layers, tc.hidden_size, tc.ffn_hidden_size) == (2, 32, 48)
+    assert (tc.num_attention_heads, tc.num_query_groups, tc.kv_channels) == (4, 2, 8)
+    assert tc.add_qkv_bias and not tc.add_bias_linear and not tc.qk_layernorm
+    assert tc.gated_linear_unit and tc.normalization == "RMSNorm" and tc.layernorm_epsilon == 1e-6
+    assert tc.use_cpu_initialization and not tc.gradient_accumulation_fusion
+    assert rope_settings(hf).base == 1e6
+
+
+def test_qwen3_and_llama_fields():
+    q3 = transformer_config_from_hf(_hf("qwen3", head_dim=16), parallel=ParallelConfig())
+    assert q3.qk_layernorm and not q3.add_qkv_bias and q3.kv_channels == 16
+    ll = transformer_config_from_hf(_hf("llama"), parallel=ParallelConfig(),
+                                    params_dtype=torch.bfloat16)
+    assert not ll.qk_layernorm and not ll.add_qkv_bias and ll.bf16 and ll.params_dtype == torch.bfloat16
+
+
+def test_rope_settings_reads_both_attribute_styles():
+    hf = _hf("llama", rope_theta=500000.0)
+    assert rope_settings(hf).base == 500000.0
+    legacy = type("Cfg", (), dict(rope_theta=123.0, rope_scaling=None, rope_parameters=None))()
+    assert rope_settings(legacy).base == 123.0
+    scaled = type("Cfg", (), dict(rope_parameters=None, rope_theta=5e5, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8192)))()
+    assert rope_settings(scaled).llama3_scaling_factor == 8.0
+
+
+def test_unsupported_rope_is_refused_with_the_field():
+    bad = type("Cfg", (), dict(rope_theta=5e5, rope_parameters=None, rope_scaling=dict(
+        rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=4096)))()
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        rope_settings(bad)
+    yarn = type("Cfg", (), dict(rope_theta=1e4, rope_scaling=None,
+                                rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)))()
+    with pytest.raises(ValueError, match="rope_type='yarn'"):
+        rope_settings(yarn)
+
+
+@pytest.mark.parametrize("parallel,field", [
+    (ParallelConfig(tensor_model_parallel_size=3), "tensor_model_parallel_size=3 does not divide num_attention_heads"),
+    (ParallelConfig(tensor_model_parallel_size=4), "tensor_model_parallel_size=4 does not divide num_key_value_heads"),
+    (ParallelConfig(pipeline_model_parallel_size=3), "pipeline_model_parallel_size=3 does not divide num_hidden_layers"),
+])
+def test_impossible_layouts_are_refused_before_building(parallel, field):
+    with pytest.raises(ValueError, match=field):
+        transformer_config_from_hf(_hf("qwen2"), parallel=parallel)
+
+
+def test_sizes_must_multiply_to_world_size():
+    with pytest.raises(ValueError, match="world_size 6 is not divisible by tensor_model_parallel_size"):
+        check_parallel_fits_model(_hf("qwen2"), ParallelConfig(tensor_model_parallel_size=2,
+                                                               context_parallel_size=2), world_size=6)
+
+
+def test_biases_megatron_cannot_place_are_refused():
+    with pytest.raises(ValueError, match="attention_bias"):
+        transformer_config_from_hf(_hf("llama", attention_bias=True), parallel=ParallelConfig())
+    with pytest.raises(ValueError, match="model_type='gpt2'"):
+        check_parallel_fits_model(transformers.GPT2Config(), ParallelConfig())
+
+
+def test_sequence_parallel_refused_on_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only refusal")
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        transformer_config_from_hf(_hf("qwen2"), parallel=ParallelConfig(
+            tensor_model_parallel_size=2, sequence_parallel=True))
+
+
+# ----------------------------------------------------------------- logits equal to transformers
+
+
+@pytest.fixture(scope="module")
+def world1():
+    from megatron_credit import distributed
+
+    distributed.initialize(ParallelConfig(), seed=0)
+    yield
+    distributed.destroy(process_group=True)
+
+
+def _megatron_state_from_hf(hf_model, hf_config) -> dict:
+    """The (test-only) HF -> megatron name map for TP=1: fused QKV per query group, [gate; up]."""
+    sd = {k: v for k, v in hf_model.state_dict().items()}
+    heads, groups = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    hd = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": sd["model.norm.weight"]}
+    if not hf_config.tie_word_embeddings:
+        out["output_layer.weight"] = sd["lm_head.weight"]
+    for i in range(hf_config.num_hidden_layers):
+        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+
+        def qkv(kind):
+            q = sd[p + f"self_attn.q_proj.{kind}"].reshape(groups, heads // groups * hd, -1)
+            k = sd[p + f"self_attn.k_proj.{kind}"].reshape(groups, hd, -1)
+            v = sd[p + f"self_attn.v_proj.{kind}"].reshape(groups, hd, -1)
+            return torch.cat([q, k, v], dim=1).reshape(groups * (heads // groups + 2) * hd, -1).squeeze(-1)
+
+        out[m + "self_attention.linear_qkv.weight"] = qkv("weight")
+        if p + "self_attn.q_proj.bias" in sd:
+            out[m + "self_attention.linear_qkv.bias"] = qkv("bias")
+        out[m + "self_attention.linear_proj.weight"] = sd[p + "self_attn.o_proj.weight"]
+        out[m + "input_layernorm.weight"] = sd[p + "input_layernorm.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"],
+                                                     sd[p + "mlp.up_proj.weight"]])
+        out[m + "mlp.linear_fc2.weight"] = sd[p + "mlp.down_proj.weight"]
+        if p + "self_attn.q_norm.weight" in sd:
+            out[m + "self_attention.q_layernorm.weight"] = sd[p + "self_attn.q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = sd[p + "self_attn.k_norm.weight"]
+    return out
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("qwen2", dict(rope_theta=1e6, tie_word_embeddings=False)),
+    ("qwen3", dict(rope_theta=1e6, head_dim=16, tie_word_embeddings=True)),
+    ("llama", dict(rope_parameters=dict(rope_type="llama3", rope_theta=5e5, factor=8.0,
+                                        low_freq_factor=1.0, high_freq_factor=4.0,
+                                        original_max_position_embeddings=8192),
+                   max_position_embeddings=16384, tie_word_embeddings=False)),
+])
+def test_logits_match_transformers(world1, model_type, extra):
+    from megatron_credit.models import build_gpt_model
+
+    hf_config = _hf(model_type, **extra)
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    with torch.no_grad():  # random norms and biases, so a misplaced one cannot hide
+        for name, p in hf_model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.normal_(1.0 if "norm" in name else 0.0, 0.1)
+    model = build_gpt_model(hf_config, transformer_config_from_hf(hf_config, parallel=ParallelConfig()))
+    state = _megatron_state_from_hf(hf_model, hf_config)
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    assert set(own) == set(state), set(own) ^ set(state)
+    model.load_state_dict(state, strict=False)
+    ids = torch.randint(0, hf_config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(24).expand(2, -1)
+    with torch.no_grad():
+        expected = hf_model(input_ids=ids, position_ids=pos).logits
+        got = model(ids, pos, None)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
