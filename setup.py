@@ -29,7 +29,7 @@ setup(
         "pyarrow>=14",
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]>=2.0", "vllm>=0.10"],
+        "gpu": ["transformer-engine[pytorch]>=2.0", "vllm>=0.11,<0.12"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
     },
     entry_points={

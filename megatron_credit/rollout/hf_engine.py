@@ -1,0 +1,287 @@
+"""The `transformers` rollout engine: our own sampling loop over a HF causal LM with a KV cache.
+
+The default engine on machines without CUDA, and the GPU fallback when vLLM is absent. We call the
+model's forward ourselves instead of ``model.generate`` so that we control, and test, exactly what
+is sampled and which log-probs are returned:
+
+- prompts are left-padded into one batch with an attention mask and explicit position ids
+  (``cumsum(mask) - 1``), so a padded row computes the same numbers as the prompt alone;
+- the prompt is pre-filled once per prompt and the KV cache is then repeated n times
+  (``DynamicCache.batch_repeat_interleave``) instead of pre-filling n identical rows;
+- each sample has its own ``torch.Generator`` seeded from (seed, group id, sample index), so a
+  sample is reproducible and independent of which other prompts share the batch;
+- per-row stop handling: a row that sampled a stop token or ran out of budget is finished; finished
+  rows are dropped from the batch and the KV cache (``batch_select_indices``) once they are a quarter
+  of it, and until then are fed along with the rest and ignored;
+- log-probs are "raw" (full-vocabulary ``log_softmax(logits / T)``, what the trainer recomputes) or
+  "processed" (after top-k/top-p renormalisation), per ``SamplingParams.logprobs_mode``.
+
+Weights arrive from the megatron actor as HF-named tensor buckets and are copied in place
+(:mod:`megatron_credit.rollout.weight_sync`).
+"""
+from __future__ import annotations
+
+import inspect
+import secrets
+import time
+from typing import Any, Sequence
+
+import torch
+
+from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resolve_group_ids
+from megatron_credit.rollout.sampling import ExponentialNoise, noise_block_steps, row_seed, sample_step
+from megatron_credit.rollout.types import FinishStatus, RolloutBatch, RolloutSample, SamplingParams, SampleTimings
+from megatron_credit.rollout.weight_sync import load_named_tensor_buckets
+
+
+@ROLLOUT_ENGINES.register("hf")
+class HFRolloutEngine:
+    """Rollout engine over a ``transformers`` causal LM (CPU or CUDA).
+
+    Give exactly one of ``model`` (a built ``PreTrainedModel``), ``hf_config`` (a ``PretrainedConfig``
+    or its dict; weights are random until ``update_weights``) or ``model_path`` (a local HF directory).
+    ``max_batch_size`` bounds the rows (prompts x n) decoded together; None decodes all at once.
+    ``compact_finished`` drops finished rows from the batch and the KV cache as decoding goes on.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Any = None,
+        hf_config: Any = None,
+        model_path: str | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        attn_implementation: str = "sdpa",
+        max_batch_size: int | None = None,
+        compact_finished: bool = True,
+        init_seed: int = 0,
+    ):
+        if sum(x is not None for x in (model, hf_config, model_path)) != 1:
+            raise ValueError("give exactly one of model, hf_config, model_path")
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.device = torch.device(device)
+        self.max_batch_size = max_batch_size
+        self.compact_finished = compact_finished
+        if model is None:
+            model = _build_model(hf_config, model_path, dtype, attn_implementation, init_seed)
+        self._model = model.to(device=self.device).eval()
+        self._asleep = False
+        # transformers 5.x renamed the KV-cache argument `past_key_values` -> `cache` (the old name is
+        # deprecated); older releases only know the old one.
+        params = inspect.signature(self._model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @property
+    def model(self) -> Any:
+        """The live HF model (for tests and teacher-forced checks)."""
+        if self._model is None:
+            raise RuntimeError("the engine is closed")
+        return self._model
+
+    # -- generation ---------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, group_ids: Sequence[int] | None = None
+    ) -> RolloutBatch:
+        """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`."""
+        if self._asleep:
+            raise RuntimeError("the engine is asleep: call wake_up() before generate()")
+        gids = resolve_group_ids(len(prompts), group_ids)
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty")
+        if not prompts:
+            return RolloutBatch(samples=[], wall_s=0.0)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        start = time.perf_counter()
+        prompts_per_chunk = len(prompts) if self.max_batch_size is None else max(1, self.max_batch_size // params.n)
+        samples: list[RolloutSample] = []
+        with torch.inference_mode():
+            for lo in range(0, len(prompts), prompts_per_chunk):
+                hi = lo + prompts_per_chunk
+                samples += self._generate_chunk(prompts[lo:hi], gids[lo:hi], params, seed, start)
+        return RolloutBatch(samples=samples, wall_s=time.perf_counter() - start)
+
+    def _budgets(self, prompts: list[list[int]], params: SamplingParams) -> list[int]:
+        """New-token budget of each prompt: max_new_tokens, capped by the model's context length."""
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        if max_pos is None:
+            return [params.max_new_tokens] * len(prompts)
+        return [min(params.max_new_tokens, max_pos - len(p)) for p in prompts]
+
+    def _generate_chunk(
+        self, prompts: list[list[int]], gids: list[int], params: SamplingParams, seed: int, start: float
+    ) -> list[RolloutSample]:
+        budgets = self._budgets(prompts, params)
+        ok = [i for i, b in enumerate(budgets) if b > 0]
+        decoded = self._decode([prompts[i] for i in ok], [gids[i] for i in ok], [budgets[i] for i in ok],
+                               params, seed, start) if ok else []
+        by_prompt = dict(zip(ok, decoded))
+        out: list[RolloutSample] = []
+        for i, prompt in enumerate(prompts):
+            if i in by_prompt:
+                out += by_prompt[i]
+                continue
+            max_pos = self.model.config.max_position_embeddings
+            out += [
+                RolloutSample(prompt_ids=list(prompt), response_ids=[], logprobs=torch.zeros(0),
+                              status=FinishStatus.FAILED, group_id=gids[i], sample_index=j,
+                              logprobs_mode=params.logprobs_mode,
+                              error=f"prompt of {len(prompt)} tokens leaves no room in the model context "
+                                    f"({max_pos} positions)")
+                for j in range(params.n)
+            ]
+        return out
+
+    def _prefill(self, prompts: list[list[int]], n: int) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
+        """Left-pad, run the prompts once, repeat each row n times.
+
+        Returns (last logits [P*n, V] float32, KV cache with P*n rows, attention mask [P*n, L] int64,
+        next position [P*n] int64).
+        """
+        longest = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), longest), dtype=torch.long)  # pad id is irrelevant: masked out
+        mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, longest - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        # Positions count real tokens only, so a left-padded row sees the same positions as its prompt alone.
+        pos = (mask.cumsum(dim=-1) - 1).clamp_min(0)
+        logits, cache = self._forward(ids, mask, pos, None)
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+        logits = logits.repeat_interleave(n, dim=0)
+        return logits, cache, mask.repeat_interleave(n, dim=0), (pos[:, -1] + 1).repeat_interleave(n, dim=0)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any
+                 ) -> tuple[torch.Tensor, Any]:
+        """One model call: ids [R, S], mask [R, L + S], pos [R, S] -> (last logits [R, V] float32, cache)."""
+        kwargs = {} if cache is None else {self._cache_kw: cache}
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **kwargs)
+        cache = out.cache if self._cache_kw == "cache" else out.past_key_values
+        return out.logits[:, -1].float(), cache
+
+    def _decode(
+        self, prompts: list[list[int]], gids: list[int], budgets: list[int], params: SamplingParams,
+        seed: int, start: float,
+    ) -> list[list[RolloutSample]]:
+        """Sample all rows of one chunk to completion; returns the samples of each prompt.
+
+        Per-row state (``status``, ``length``, ``done``...) is indexed by row r = prompt * n + sample;
+        the model batch holds only the ``live`` rows, which shrinks when enough rows have finished.
+        """
+        n, rows, steps = params.n, len(prompts) * params.n, max(budgets)
+        logits, cache, prompt_mask, next_pos = self._prefill(prompts, n)
+        first_token_s = time.perf_counter() - start
+        # The mask grows by one column per step: allocate it once (finished rows keep attending; ignored).
+        prompt_len = prompt_mask.shape[1]
+        mask = torch.ones((rows, prompt_len + steps), dtype=torch.long, device=self.device)
+        mask[:, :prompt_len] = prompt_mask
+        gens = [torch.Generator(device=self.device).manual_seed(row_seed(seed, gids[r // n], r % n))
+                for r in range(rows)]
+        vocab = logits.shape[-1]
+        noise = ExponentialNoise(gens, vocab=vocab, block_steps=noise_block_steps(params, vocab), device=self.device)
+        dev = self.device
+        budget = torch.tensor(budgets, device=dev).repeat_interleave(n)
+        stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=dev)
+        status = torch.full((rows,), int(FinishStatus.TRUNCATED), dtype=torch.long, device=dev)
+        length = torch.zeros(rows, dtype=torch.long, device=dev)
+        done = torch.zeros(rows, dtype=torch.bool, device=dev)
+        finish_step = torch.zeros(rows, dtype=torch.long, device=dev)
+        tokens = torch.zeros((rows, steps), dtype=torch.long, device=dev)
+        logps = torch.zeros((rows, steps), dtype=torch.float32, device=dev)
+        live = torch.arange(rows, device=dev)
+        step_end_s = []
+        for step in range(steps):
+            tok, raw, processed = sample_step(logits, params=params, noise=None if params.greedy else noise.next())
+            tokens[live, step] = tok
+            logps[live, step] = raw if params.logprobs_mode == "raw" else processed
+            active = ~done[live]
+            bad = active & ~torch.isfinite(logits).all(dim=-1)
+            length[live] += (active & ~bad).long()
+            stopped = active & ~bad & torch.isin(tok, stop_ids)
+            ended = stopped | bad | (active & (length[live] >= budget[live]))
+            status[live[stopped]] = int(FinishStatus.STOPPED)
+            status[live[bad]] = int(FinishStatus.FAILED)
+            finish_step[live[ended]] = step
+            done[live[ended]] = True
+            step_end_s.append(time.perf_counter() - start)
+            keep = (~done[live]).nonzero().squeeze(-1)
+            if len(keep) == 0:
+                break
+            if self.compact_finished and len(keep) <= 0.75 * len(live):
+                # Drop finished rows from the batch (and the KV cache) once a quarter of it is dead weight.
+                live, tok, next_pos, logits = live[keep], tok[keep], next_pos[keep], None
+                cache.batch_select_indices(keep)
+                noise.select(keep)
+            logits, cache = self._forward(tok.unsqueeze(-1), mask[live, : prompt_len + step + 1],
+                                          next_pos.unsqueeze(-1), cache)
+            next_pos = next_pos + 1
+        return self._to_samples(prompts, gids, params, tokens, logps, length, status, finish_step, first_token_s,
+                                step_end_s)
+
+    @staticmethod
+    def _to_samples(prompts, gids, params, tokens, logps, length, status, finish_step, first_token_s, step_end_s):
+        """Per-row tensors (tokens, logps [rows, steps]; length, status, finish_step [rows]) -> samples per prompt."""
+        n = params.n
+        tokens, logps = tokens.cpu(), logps.float().cpu()
+        length, status, finish_step = length.tolist(), status.tolist(), finish_step.tolist()
+        out: list[list[RolloutSample]] = [[] for _ in prompts]
+        for r in range(len(prompts) * n):
+            st = FinishStatus(status[r])
+            out[r // n].append(RolloutSample(
+                prompt_ids=list(prompts[r // n]),
+                response_ids=tokens[r, : length[r]].tolist(),
+                logprobs=logps[r, : length[r]].clone(),
+                status=st, group_id=gids[r // n], sample_index=r % n, logprobs_mode=params.logprobs_mode,
+                timings=SampleTimings(first_token_s=first_token_s, finish_s=step_end_s[finish_step[r]]),
+                error=f"non-finite logits after {length[r]} tokens" if st == FinishStatus.FAILED else "",
+            ))
+        return out
+
+    # -- weights and memory -------------------------------------------------------------------------
+
+    def update_weights(self, buckets: WeightBuckets, *, strict: bool = True) -> int:
+        """Copy HF-named tensors into the model in place; returns how many tensors were copied.
+
+        Unknown names and shape mismatches raise ValueError naming the tensor; with ``strict``, so does
+        a stream that leaves a parameter uncovered. Allowed while asleep (the copy lands in host memory
+        and ``wake_up`` moves it back), which is the colocated order: sleep, train, sync, wake up.
+        """
+        return load_named_tensor_buckets(self.model, buckets, strict=strict)
+
+    def sleep(self) -> None:
+        """On CUDA, move the weights to host memory and free the cache; on CPU there is nothing to free."""
+        if self.device.type == "cuda" and not self._asleep:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._asleep = True
+
+    def wake_up(self) -> None:
+        if self.device.type == "cuda" and self._asleep:
+            self.model.to(self.device)
+        self._asleep = False
+
+    def close(self) -> None:
+        self._model = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _build_model(hf_config: Any, model_path: str | None, dtype: torch.dtype, attn_implementation: str, init_seed: int):
+    """A HF causal LM from a config (random init, seeded) or a local directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM  # heavy: only when an engine is built
+
+    if model_path is not None:
+        return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn_implementation)
+    if isinstance(hf_config, dict):
+        cfg = dict(hf_config)
+        hf_config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    # Seed the initialisation locally, without touching the caller's global RNG state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(init_seed)
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, attn_implementation=attn_implementation)

@@ -1,0 +1,79 @@
+"""Rollout-vs-trainer log-prob mismatch and truncated importance sampling (pure tensor functions).
+
+The rollout engine samples from pi_engine; the trainer recomputes pi_old with its own kernels (and,
+with vLLM's default, the engine's log-probs are even renormalised after top-k/top-p). The difference
+is logged every step with :func:`logprob_mismatch`, and can be corrected with the truncated
+importance-sampling weights of :func:`truncated_is_weights`: ``w_t = min(pi_old / pi_engine, C)``
+(Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"), applied as
+a detached per-token factor on the policy loss.
+
+>>> e = torch.tensor([[-1.0, -2.0, 0.0]]); t = torch.tensor([[-1.5, -2.0, 9.0]]); m = torch.tensor([[1, 1, 0]])
+>>> out = logprob_mismatch(e, t, m)
+>>> round(float(out["mean_abs_diff"]), 4), round(float(out["max_abs_diff"]), 4), out["seq_kl_k1"].tolist()
+(0.25, 0.5, [0.25])
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# exp() of a log-ratio beyond this is meaningless for the estimators and overflows float16/bfloat16.
+_LOG_RATIO_CLAMP = 20.0
+
+
+def logprob_mismatch(
+    engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Mismatch statistics between engine and trainer log-probs of the same sampled tokens.
+
+    engine_logp, trainer_logp: [B, T] log-probs of the sampled tokens; mask: [B, T] (bool or 0/1),
+    1 on response tokens. Tokens are samples of the engine, so with ``d = trainer - engine``:
+    k1 = -d and k3 = exp(d) - 1 - d are estimators of KL(pi_engine || pi_trainer) per token (k3 is
+    unbiased and never negative). Returns detached tensors (no host sync):
+
+    - ``mean_abs_diff`` []: token-mean of |engine - trainer| over the batch;
+    - ``max_abs_diff`` []: its maximum (0 for an empty mask);
+    - ``kl_k3`` []: token-mean of k3 over the batch;
+    - ``seq_kl_k1`` [B], ``seq_kl_k3`` [B]: per-sequence token-means (0 for an empty sequence).
+    """
+    m = mask.to(engine_logp.dtype)
+    d = (trainer_logp - engine_logp).detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP) * m
+    abs_d = d.abs()
+    k3 = (torch.expm1(d) - d) * m
+    tokens_per_seq = m.sum(dim=-1)
+    total = tokens_per_seq.sum().clamp_min(1.0)
+    per_seq = tokens_per_seq.clamp_min(1.0)
+    return {
+        "mean_abs_diff": abs_d.sum() / total,
+        "max_abs_diff": abs_d.amax() if abs_d.numel() else abs_d.sum(),
+        "kl_k3": k3.sum() / total,
+        "seq_kl_k1": -d.sum(dim=-1) / per_seq,
+        "seq_kl_k3": k3.sum(dim=-1) / per_seq,
+    }
+
+
+def truncated_is_weights(
+    trainer_old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, *, cap: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token truncated importance weights ``min(exp(old - rollout), cap)``, zero off the mask.
+
+    trainer_old_logp, rollout_logp, mask: [B, T]. cap > 0 (typically 2). The exponent is clamped at
+    log(cap) before exp, which gives exactly min(ratio, cap) without ever forming inf.
+    Returns (weights [B, T] detached, metrics) with metrics ``tis_mean_weight`` [] (token-mean of the
+    weights) and ``tis_capped_frac`` [] (fraction of tokens whose ratio exceeded cap).
+
+    >>> w, m = truncated_is_weights(torch.tensor([[0.0, 0.0]]), torch.tensor([[-2.0, 0.0]]),
+    ...                             torch.tensor([[True, True]]), cap=2.0)
+    >>> w.tolist(), float(m["tis_capped_frac"])
+    ([[2.0, 1.0]], 0.5)
+    """
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    m = mask.to(trainer_old_logp.dtype)
+    log_ratio = (trainer_old_logp - rollout_logp).detach()
+    log_cap = math.log(cap)
+    weights = torch.exp(log_ratio.clamp(max=log_cap)) * m
+    total = m.sum().clamp_min(1.0)
+    capped = (log_ratio > log_cap).to(m.dtype) * m
+    return weights, {"tis_mean_weight": weights.sum() / total, "tis_capped_frac": capped.sum() / total}

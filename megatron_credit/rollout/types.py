@@ -1,0 +1,198 @@
+"""Typed rollout records (STYLE rule 8): what an engine returns and what it was asked to do.
+
+A rollout is a list of :class:`RolloutSample` -- one response to one prompt, with the engine's
+per-token log-probs, how it ended and which group (prompt) it belongs to -- wrapped in a
+:class:`RolloutBatch`. The trainer turns a batch into right-padded ``[B, T]`` tensors with
+:meth:`RolloutBatch.to_padded`.
+
+>>> s = RolloutSample(prompt_ids=[5, 6], response_ids=[7, 2], logprobs=torch.tensor([-0.5, -1.0]),
+...                   status=FinishStatus.STOPPED, group_id=3, sample_index=0, logprobs_mode="raw")
+>>> p = RolloutBatch(samples=[s], wall_s=0.1).to_padded(pad_token_id=0)
+>>> p.input_ids.tolist(), p.response_mask.tolist(), p.rollout_logprobs.tolist()
+([[5, 6, 7, 2]], [[False, False, True, True]], [[0.0, 0.0, -0.5, -1.0]])
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+LOGPROBS_MODES = ("raw", "processed")
+
+
+class FinishStatus(enum.IntEnum):
+    """How a sample ended. Integer-valued so a batch's statuses fit in one tensor."""
+
+    STOPPED = 0
+    """A stop token was sampled; it is the last response token."""
+    TRUNCATED = 1
+    """``max_new_tokens`` (or the model's context length) was reached before a stop token."""
+    FAILED = 2
+    """The engine could not produce this sample (e.g. non-finite logits, prompt too long); see ``error``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample. The same object drives every engine; engines reject what they cannot honour."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax), whose log-probs are then taken at temperature 1."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 = off)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = off). Applied before top_p, as vLLM does."""
+    max_new_tokens: int = 128
+    """Upper bound on response length; a sample that reaches it without a stop token is TRUNCATED."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end a sample (typically EOS); the stop token is kept as the last response token."""
+    n: int = 1
+    """Samples per prompt (the group size of GRPO-style estimators)."""
+    seed: int | None = None
+    """Base seed. Each sample's randomness depends only on (seed, group id, sample index), so results
+    do not depend on batch composition. None draws fresh entropy. Vary it per iteration."""
+    logprobs_mode: str = "raw"
+    """Which log-probs samples carry: "raw" = full-vocabulary ``log_softmax(logits / temperature)``
+    (what the trainer recomputes); "processed" = after top-k/top-p filtering and renormalisation
+    (the distribution actually sampled from)."""
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        # A list would make the frozen dataclass unhashable and is easy to pass by accident.
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleTimings:
+    """Wall-clock seconds, measured from the start of the ``generate`` call that produced the sample."""
+
+    first_token_s: float = 0.0
+    """Time until this sample's first response token existed (prefill plus queueing)."""
+    finish_s: float = 0.0
+    """Time until this sample ended."""
+
+
+@dataclass(kw_only=True)
+class RolloutSample:
+    """One response to one prompt."""
+
+    prompt_ids: list[int]
+    """Prompt token ids (no padding)."""
+    response_ids: list[int]
+    """Generated token ids, including the stop token when ``status`` is STOPPED."""
+    logprobs: torch.Tensor
+    """[len(response_ids)] float32: engine log-prob of each response token, under ``logprobs_mode``."""
+    status: FinishStatus
+    """How the sample ended."""
+    group_id: int
+    """Id of the prompt group (all n samples of one prompt share it)."""
+    sample_index: int
+    """Index of this sample within its group, in [0, n)."""
+    logprobs_mode: str
+    """"raw" or "processed": which distribution ``logprobs`` were taken from (see SamplingParams)."""
+    timings: SampleTimings = field(default_factory=SampleTimings)
+    error: str = ""
+    """Why the sample FAILED; empty otherwise."""
+
+    def __post_init__(self):
+        if self.logprobs.shape != (len(self.response_ids),):
+            raise ValueError(
+                f"logprobs must have shape [{len(self.response_ids)}] (one per response token), "
+                f"got {tuple(self.logprobs.shape)}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaddedRollout:
+    """A rollout batch as right-padded tensors, row b = sample b of the batch.
+
+    Position t of a row holds token ``input_ids[b, t]``; ``rollout_logprobs[b, t]`` is the engine's
+    ``log p(input_ids[b, t] | input_ids[b, :t])`` at response positions and 0 elsewhere, i.e. it is
+    aligned with the token it scores (a trainer whose logits at t predict t+1 shifts by one).
+    """
+
+    input_ids: torch.Tensor
+    """[B, T] int64: prompt then response, right-padded with ``pad_token_id``."""
+    attention_mask: torch.Tensor
+    """[B, T] bool: True on prompt and response tokens."""
+    response_mask: torch.Tensor
+    """[B, T] bool: True on response tokens only (the tokens the policy is trained on)."""
+    rollout_logprobs: torch.Tensor
+    """[B, T] float32: engine log-probs at response positions, 0 elsewhere."""
+    prompt_lens: torch.Tensor
+    """[B] int64."""
+    response_lens: torch.Tensor
+    """[B] int64."""
+    group_ids: torch.Tensor
+    """[B] int64: prompt group of each row."""
+    status: torch.Tensor
+    """[B] int64: FinishStatus value of each row."""
+
+
+@dataclass(kw_only=True)
+class RolloutBatch:
+    """The samples of one ``generate`` call, ordered prompt-major: (prompt 0, sample 0..n-1), ..."""
+
+    samples: list[RolloutSample]
+    wall_s: float = 0.0
+    """Wall-clock seconds of the whole ``generate`` call."""
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(len(s.response_ids) for s in self.samples)
+
+    @property
+    def response_tokens_per_s(self) -> float:
+        return self.num_response_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_padded(self, *, pad_token_id: int, max_len: int | None = None) -> PaddedRollout:
+        """Right-pad into [B, T] tensors (T = longest prompt+response, or ``max_len`` if larger)."""
+        if not self.samples:
+            raise ValueError("cannot pad an empty rollout batch")
+        lens = [s.num_tokens for s in self.samples]
+        t = max(lens) if max_len is None else max_len
+        if t < max(lens):
+            raise ValueError(f"max_len={max_len} is shorter than the longest sample ({max(lens)} tokens)")
+        b = len(self.samples)
+        input_ids = torch.full((b, t), pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((b, t), dtype=torch.bool)
+        response_mask = torch.zeros((b, t), dtype=torch.bool)
+        logprobs = torch.zeros((b, t), dtype=torch.float32)
+        for i, s in enumerate(self.samples):
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
+            attention_mask[i, : p + r] = True
+            response_mask[i, p : p + r] = True
+            logprobs[i, p : p + r] = s.logprobs.float()
+        return PaddedRollout(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            response_mask=response_mask,
+            rollout_logprobs=logprobs,
+            prompt_lens=torch.tensor([len(s.prompt_ids) for s in self.samples], dtype=torch.long),
+            response_lens=torch.tensor([len(s.response_ids) for s in self.samples], dtype=torch.long),
+            group_ids=torch.tensor([s.group_id for s in self.samples], dtype=torch.long),
+            status=torch.tensor([int(s.status) for s in self.samples], dtype=torch.long),
+        )

@@ -1,0 +1,79 @@
+"""CPU tests of the rollout-vs-trainer mismatch metrics and truncated IS weights, float64 loop references."""
+import math
+
+import pytest
+import torch
+
+from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
+
+
+def _inputs(seed=0, b=5, t=9):
+    g = torch.Generator().manual_seed(seed)
+    engine = -torch.rand(b, t, generator=g, dtype=torch.float64) * 4
+    trainer = engine + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.3
+    mask = torch.rand(b, t, generator=g) < 0.7
+    mask[-1] = False  # an empty sequence
+    return engine, trainer, mask
+
+
+def test_logprob_mismatch_matches_loop_reference():
+    engine, trainer, mask = _inputs()
+    out = logprob_mismatch(engine, trainer, mask)
+    diffs, k3s, seq_k1, seq_k3 = [], [], [], []
+    for b in range(engine.shape[0]):
+        d_seq, k3_seq = [], []
+        for t in range(engine.shape[1]):
+            if mask[b, t]:
+                d = trainer[b, t].item() - engine[b, t].item()
+                d_seq.append(d)
+                k3_seq.append(math.exp(d) - 1 - d)
+        diffs += d_seq
+        k3s += k3_seq
+        seq_k1.append(-sum(d_seq) / len(d_seq) if d_seq else 0.0)
+        seq_k3.append(sum(k3_seq) / len(k3_seq) if k3_seq else 0.0)
+    assert out["mean_abs_diff"].item() == pytest.approx(sum(abs(d) for d in diffs) / len(diffs), abs=1e-12)
+    assert out["max_abs_diff"].item() == pytest.approx(max(abs(d) for d in diffs), abs=1e-12)
+    assert out["kl_k3"].item() == pytest.approx(sum(k3s) / len(k3s), abs=1e-12)
+    torch.testing.assert_close(out["seq_kl_k1"], torch.tensor(seq_k1, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out["seq_kl_k3"], torch.tensor(seq_k3, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert (out["seq_kl_k3"] >= 0).all()
+    assert all(v.requires_grad is False for v in out.values())
+
+
+def test_logprob_mismatch_is_zero_for_identical_inputs_and_empty_masks():
+    engine, _, mask = _inputs(1)
+    out = logprob_mismatch(engine, engine.clone(), mask)
+    assert all(torch.all(v == 0) for v in out.values())
+    out = logprob_mismatch(engine, engine + 1, torch.zeros_like(mask))
+    assert all(torch.all(v == 0) for v in out.values())
+
+
+def test_truncated_is_weights_match_loop_reference():
+    engine, trainer, mask = _inputs(2)
+    trainer = trainer.clone()
+    trainer[0, :3] = engine[0, :3] + torch.tensor([2.0, 50.0, 1000.0], dtype=torch.float64)  # huge ratios
+    mask[0, :3] = True
+    cap = 2.0
+    w, metrics = truncated_is_weights(trainer, engine, mask, cap=cap)
+    want = torch.zeros_like(w)
+    capped = 0
+    for b in range(w.shape[0]):
+        for t in range(w.shape[1]):
+            if mask[b, t]:
+                ratio = math.exp(min(trainer[b, t].item() - engine[b, t].item(), 700.0))
+                want[b, t] = min(ratio, cap)
+                capped += ratio > cap
+    torch.testing.assert_close(w, want, rtol=0, atol=1e-12)
+    assert torch.isfinite(w).all()
+    n = int(mask.sum())
+    assert metrics["tis_mean_weight"].item() == pytest.approx(want.sum().item() / n, abs=1e-12)
+    assert metrics["tis_capped_frac"].item() == pytest.approx(capped / n, abs=1e-12)
+    with pytest.raises(ValueError, match="cap"):
+        truncated_is_weights(trainer, engine, mask, cap=0.0)
+
+
+def test_truncated_is_weights_are_detached():
+    engine, trainer, mask = _inputs(3)
+    trainer = trainer.clone().requires_grad_(True)
+    w, _ = truncated_is_weights(trainer, engine, mask, cap=2.0)
+    assert not w.requires_grad
