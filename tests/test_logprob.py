@@ -1,0 +1,294 @@
+"""Vocab-parallel log-probs + entropy against a float64 loop reference, and TP=2/4 on gloo == TP=1."""
+import pytest
+import torch
+
+from megatron_credit.losses.logprob import logprobs_and_entropy, logprobs_from_hidden
+from tests.distributed_harness import DistributedPool
+
+F64 = torch.float64
+
+
+def _reference(logits, labels, temperature=1.0):
+    """Loop over tokens: logp = log_softmax(z)[y], H = -sum p log p, z = logits / temperature."""
+    batch, seq, _ = logits.shape
+    logp, ent = [], []
+    for b in range(batch):
+        for t in range(seq):
+            ls = torch.log_softmax(logits[b, t] / temperature, dim=-1)
+            logp.append(ls[labels[b, t]])
+            ent.append(-(ls.exp() * ls).sum())
+    return torch.stack(logp).view(batch, seq), torch.stack(ent).view(batch, seq)
+
+
+def _loss(logp, ent, g_logp, g_ent):
+    return (logp * g_logp).sum() + (0 if ent is None else (ent * g_ent).sum())
+
+
+def _data(batch, seq, vocab, seed=0, dtype=F64):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(batch, seq, vocab, generator=gen, dtype=F64)).to(dtype)
+    labels = torch.randint(0, vocab, (batch, seq), generator=gen)
+    g_logp = torch.randn(batch, seq, generator=gen, dtype=F64)
+    g_ent = torch.randn(batch, seq, generator=gen, dtype=F64)
+    return logits, labels, g_logp, g_ent
+
+
+def _ref_with_grad(logits, labels, g_logp, g_ent, temperature=1.0):
+    x = logits.detach().to(F64).requires_grad_()
+    logp, ent = _reference(x, labels, temperature)
+    _loss(logp, ent, g_logp, g_ent).backward()
+    return logp.detach(), ent.detach(), x.grad
+
+
+# ------------------------------------------------------------------------------------- single process
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_matches_reference_forward_and_backward(chunk_size, temperature):
+    logits, labels, g_logp, g_ent = _data(2, 9, 11)  # 18 tokens: 3 and 7 do not divide it
+    ref_logp, ref_ent, ref_grad = _ref_with_grad(logits, labels, g_logp, g_ent, temperature)
+    x = logits.clone().requires_grad_()
+    logp, ent = logprobs_and_entropy(x, labels, chunk_size=chunk_size, temperature=temperature)
+    _loss(logp, ent, g_logp, g_ent).backward()
+    assert logp.dtype == F64 and ent.dtype == F64 and logp.shape == (2, 9)
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-12)
+    torch.testing.assert_close(x.grad, ref_grad, rtol=0, atol=1e-12)
+
+
+def test_gradcheck_logits_and_hidden():
+    logits, labels, _, _ = _data(2, 3, 5, seed=1)
+    x = logits.clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda x: logprobs_and_entropy(x, labels, chunk_size=4, temperature=0.8), (x,))
+    gen = torch.Generator().manual_seed(2)
+    h = torch.randn(2, 3, 4, generator=gen, dtype=F64, requires_grad=True)
+    w = torch.randn(5, 4, generator=gen, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda h, w: logprobs_from_hidden(h, w, labels, chunk_size=4, temperature=1.3), (h, w))
+
+
+def test_entropy_off_and_single_output_gradients():
+    logits, labels, g_logp, g_ent = _data(3, 4, 6, seed=3)
+    x = logits.clone().requires_grad_()
+    logp, ent = logprobs_and_entropy(x, labels, chunk_size=5, compute_entropy=False)
+    assert ent is None
+    (logp * g_logp).sum().backward()
+    xr = logits.clone().requires_grad_()
+    ref_logp, _ = _reference(xr, labels)
+    (ref_logp * g_logp).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=1e-12)
+
+    # Only the entropy reaches the loss: logp's gradient arrives as None and must count as zero.
+    x.grad = None
+    _, ent = logprobs_and_entropy(x, labels, chunk_size=5)
+    (ent * g_ent).sum().backward()
+    xr.grad = None
+    _, ref_ent = _reference(xr, labels)
+    (ref_ent * g_ent).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=1e-12)
+
+
+def test_non_contiguous_logits():
+    logits, labels, g_logp, g_ent = _data(3, 5, 7, seed=4)
+    strided = logits.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()  # [B, T, V], T-major
+    assert not strided.is_contiguous()  # [B*T, V] is not a view: the chunk-copy path
+    logp, ent = logprobs_and_entropy(strided, labels, chunk_size=4)
+    _loss(logp, ent, g_logp, g_ent).backward()
+    ref_logp, ref_ent, ref_grad = _ref_with_grad(logits, labels, g_logp, g_ent)
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-12)
+    torch.testing.assert_close(strided.grad, ref_grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_inputs_are_not_modified_and_return_fp32(dtype):
+    logits, labels, g_logp, g_ent = _data(2, 6, 13, seed=5, dtype=dtype)
+    before = logits.clone()
+    x = logits.requires_grad_()
+    logp, ent = logprobs_and_entropy(x, labels, chunk_size=5, temperature=0.9)
+    _loss(logp, ent, g_logp.float(), g_ent.float()).backward()
+    assert torch.equal(logits.detach(), before)  # megatron's cross-entropy would have shifted them
+    assert logp.dtype == torch.float32 and ent.dtype == torch.float32 and x.grad.dtype == dtype
+    # Reference on exactly the same (rounded) input values: only fp32 arithmetic error remains.
+    ref_logp, ref_ent, ref_grad = _ref_with_grad(before, labels, g_logp, g_ent, 0.9)
+    torch.testing.assert_close(logp.double(), ref_logp, rtol=0, atol=2e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=2e-5)
+    grad_tol = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: 8 bits of mantissa in the output
+    torch.testing.assert_close(x.grad.double(), ref_grad, rtol=grad_tol, atol=grad_tol)
+
+
+def test_extreme_logits_are_stable():
+    logits, labels, _, _ = _data(1, 4, 9, seed=6)
+    logits = logits * 1e4
+    x = logits.clone().requires_grad_()
+    logp, ent = logprobs_and_entropy(x, labels, chunk_size=3)
+    (logp.sum() + ent.sum()).backward()
+    ref_logp, ref_ent = _reference(logits, labels)
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-12, atol=1e-9)
+    torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-9)
+    assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("chunk_size", [2, 5, 1024])
+def test_hidden_matches_reference(chunk_size):
+    gen = torch.Generator().manual_seed(7)
+    h = torch.randn(2, 5, 6, generator=gen, dtype=F64)
+    w = torch.randn(9, 6, generator=gen, dtype=F64)
+    labels = torch.randint(0, 9, (2, 5), generator=gen)
+    g_logp, g_ent = torch.randn(2, 5, generator=gen, dtype=F64), torch.randn(2, 5, generator=gen, dtype=F64)
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref_logp, ref_ent = _reference(hr @ wr.t(), labels, 0.8)
+    _loss(ref_logp, ref_ent, g_logp, g_ent).backward()
+    hx, wx = h.clone().requires_grad_(), w.clone().requires_grad_()
+    logp, ent = logprobs_from_hidden(hx, wx, labels, chunk_size=chunk_size, temperature=0.8)
+    _loss(logp, ent, g_logp, g_ent).backward()
+    for got, want in [(logp, ref_logp), (ent, ref_ent), (hx.grad, hr.grad), (wx.grad, wr.grad)]:
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=1e-11)
+
+
+def test_hidden_bf16_close_to_fp32_and_weight_only_grad():
+    gen = torch.Generator().manual_seed(8)
+    h = torch.randn(2, 7, 16, generator=gen).bfloat16()
+    w = (0.3 * torch.randn(33, 16, generator=gen)).bfloat16().requires_grad_()
+    labels = torch.randint(0, 33, (2, 7), generator=gen)
+    logp, ent = logprobs_from_hidden(h, w, labels, chunk_size=4)  # hidden needs no grad
+    (logp.sum() + ent.sum()).backward()
+    assert logp.dtype == torch.float32 and w.grad.dtype == torch.bfloat16
+    logits = (h @ w.detach().t()).double().requires_grad_()  # the same bf16 matmul, then exact math
+    ref_logp, ref_ent = _reference(logits, labels)
+    torch.testing.assert_close(logp.double(), ref_logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=1e-5)
+    (ref_logp.sum() + ref_ent.sum()).backward()
+    ref_gw = logits.grad.flatten(0, 1).t() @ h.double().flatten(0, 1)  # [V, B*T] @ [B*T, H]
+    torch.testing.assert_close(w.grad.double(), ref_gw, rtol=3e-2, atol=3e-2)
+
+
+def test_argument_errors():
+    x = torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match="labels must be"):
+        logprobs_and_entropy(x, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk_size"):
+        logprobs_and_entropy(x, torch.zeros(2, 3, dtype=torch.long), chunk_size=0)
+    with pytest.raises(ValueError, match="temperature"):
+        logprobs_and_entropy(x, torch.zeros(2, 3, dtype=torch.long), temperature=0.0)
+    with pytest.raises(ValueError, match="output_weight"):
+        logprobs_from_hidden(x, torch.zeros(5, 3), torch.zeros(2, 3, dtype=torch.long))
+
+
+@pytest.mark.gpu
+def test_cuda_peak_memory_is_grad_plus_a_few_chunks():
+    """On CUDA the allocator's peak is exact: the bf16 grad plus O(chunk) fp32, no full fp32 copy."""
+    batch, seq, vocab, chunk = 1, 4096, 32768, 256
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(batch, seq, vocab, device="cuda", generator=gen).bfloat16().requires_grad_()
+    labels = torch.randint(0, vocab, (batch, seq), device="cuda", generator=gen)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    logp, ent = logprobs_and_entropy(logits, labels, chunk_size=chunk)
+    (logp.sum() + ent.sum()).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    logits_bytes = logits.numel() * 2
+    assert peak < logits_bytes + 4 * chunk * vocab * 4 < 2 * logits_bytes  # < one full fp32 copy
+    ls = torch.log_softmax(logits.detach().float(), dim=-1)
+    torch.testing.assert_close(logp, ls.gather(-1, labels.unsqueeze(-1)).squeeze(-1), rtol=0, atol=1e-4)
+    torch.testing.assert_close(ent, -(ls.exp() * ls).sum(-1), rtol=0, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------- TP on gloo
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=WORLD) as p:
+        yield p
+
+
+def _tp_group(tp):
+    """Split the world into consecutive TP groups of size tp (every rank creates every group)."""
+    import torch.distributed as dist
+
+    rank, mine = dist.get_rank(), None
+    for start in range(0, dist.get_world_size(), tp):
+        g = dist.new_group(list(range(start, start + tp)))
+        if start <= rank < start + tp:
+            mine = g
+    return mine, rank % tp
+
+
+def _tp_logits_worker(tp, logits, labels, g_logp, g_ent, chunk_size, temperature):
+    group, r = _tp_group(tp)
+    v_local = logits.shape[-1] // tp
+    shard = logits[..., r * v_local:(r + 1) * v_local].clone().requires_grad_()
+    logp, ent = logprobs_and_entropy(shard, labels, tp_group=group, chunk_size=chunk_size,
+                                     temperature=temperature)
+    _loss(logp, ent, g_logp, g_ent).backward()
+    return logp.detach(), ent.detach(), shard.grad
+
+
+def _tp_hidden_worker(tp, hidden, weight, labels, g_logp, g_ent, chunk_size):
+    group, r = _tp_group(tp)
+    v_local = weight.shape[0] // tp
+    h = hidden.clone().requires_grad_()
+    w = weight[r * v_local:(r + 1) * v_local].clone().requires_grad_()
+    logp, ent = logprobs_from_hidden(h, w, labels, tp_group=group, chunk_size=chunk_size)
+    _loss(logp, ent, g_logp, g_ent).backward()
+    return logp.detach(), ent.detach(), h.grad, w.grad
+
+
+def _boundary_labels(batch, seq, vocab, tp, gen):
+    """Labels on both sides of every shard boundary, plus random ones."""
+    v_local = vocab // tp
+    edges = sorted({e for r in range(tp) for e in (r * v_local, r * v_local + v_local - 1)})
+    labels = torch.randint(0, vocab, (batch * seq,), generator=gen)
+    labels[:len(edges)] = torch.tensor(edges)
+    return labels.view(batch, seq)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_logits_equal_tp1(pool, tp):
+    gen = torch.Generator().manual_seed(10 + tp)
+    batch, seq, vocab = 2, 7, 16
+    logits = 3 * torch.randn(batch, seq, vocab, generator=gen, dtype=F64)
+    labels = _boundary_labels(batch, seq, vocab, tp, gen)
+    g_logp, g_ent = torch.randn(batch, seq, generator=gen, dtype=F64), torch.randn(batch, seq, generator=gen,
+                                                                                   dtype=F64)
+    x = logits.clone().requires_grad_()
+    logp1, ent1 = logprobs_and_entropy(x, labels, chunk_size=3, temperature=0.9)
+    _loss(logp1, ent1, g_logp, g_ent).backward()
+    ref_logp, ref_ent, ref_grad = _ref_with_grad(logits, labels, g_logp, g_ent, 0.9)
+    torch.testing.assert_close(x.grad, ref_grad, rtol=0, atol=1e-12)
+
+    out = pool.run(_tp_logits_worker, tp, logits, labels, g_logp, g_ent, 3, 0.9)
+    v_local = vocab // tp
+    for rank, (logp, ent, grad) in enumerate(out):
+        r = rank % tp
+        torch.testing.assert_close(logp, logp1.detach(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(ent, ent1.detach(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(grad, x.grad[..., r * v_local:(r + 1) * v_local], rtol=0, atol=1e-12)
+        torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_hidden_equal_tp1(pool, tp):
+    gen = torch.Generator().manual_seed(20 + tp)
+    batch, seq, hid, vocab = 2, 5, 6, 16
+    hidden = torch.randn(batch, seq, hid, generator=gen, dtype=F64)
+    weight = torch.randn(vocab, hid, generator=gen, dtype=F64)
+    labels = _boundary_labels(batch, seq, vocab, tp, gen)
+    g_logp, g_ent = torch.randn(batch, seq, generator=gen, dtype=F64), torch.randn(batch, seq, generator=gen,
+                                                                                   dtype=F64)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp1, ent1 = logprobs_from_hidden(h1, w1, labels, chunk_size=4)
+    _loss(logp1, ent1, g_logp, g_ent).backward()
+
+    out = pool.run(_tp_hidden_worker, tp, hidden, weight, labels, g_logp, g_ent, 4)
+    v_local = vocab // tp
+    for rank, (logp, ent, gh, gw) in enumerate(out):
+        r = rank % tp
+        torch.testing.assert_close(logp, logp1.detach(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(ent, ent1.detach(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(gh, h1.grad, rtol=0, atol=1e-12)  # complete: all-reduced inside
+        torch.testing.assert_close(gw, w1.grad[r * v_local:(r + 1) * v_local], rtol=0, atol=1e-12)
