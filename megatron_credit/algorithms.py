@@ -1,0 +1,161 @@
+"""Algorithms by name: advantage estimators, policy losses, and the pairs that make each algorithm.
+
+The one place where an algorithm's name means something (STYLE rule 3). The trainer resolves
+``ALGORITHMS.get(name)`` once at start-up and then calls the estimator and loss it names; hyperparameters
+are explicit keywords of each function (a config passes them through, nothing is read implicitly).
+
+>>> ALGORITHMS.get("fipo").policy_loss, ALGORITHMS.get("fipo").advantage_estimator
+('fipo', 'grpo')
+>>> POLICY_LOSSES.get("trpo")
+Traceback (most recent call last):
+...
+ValueError: unknown policy loss 'trpo'; valid names: ['dapo', 'fipo', 'gspo', 'ppo']
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_credit.credit import group
+from megatron_credit.credit.gae import comp_gae, gae
+from megatron_credit.losses import policy
+from megatron_credit.registry import Registry
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdvantageInputs:
+    """What an advantage estimator may read; each estimator names the fields it requires."""
+
+    response_mask: torch.Tensor
+    """``[N, T]`` bool or 0/1, 1 on response tokens; one response per row."""
+    scores: Optional[torch.Tensor] = None
+    """``[N]`` one (shaped) score per response (group estimators)."""
+    group_ids: Optional[torch.Tensor] = None
+    """``[N]`` integer id of each response's prompt group (group estimators)."""
+    token_rewards: Optional[torch.Tensor] = None
+    """``[N, T]`` per-token rewards, typically the score on the last token (GAE estimators)."""
+    values: Optional[torch.Tensor] = None
+    """``[N, T]`` critic values (GAE estimators)."""
+    gates: Optional[torch.Tensor] = None
+    """``[N, T]`` CompPO transport gates kappa (Comp-GAE)."""
+
+    def require(self, *names: str) -> None:
+        missing = [n for n in names if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"this advantage estimator needs AdvantageInputs fields {missing}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdvantageOutput:
+    """Result of an advantage estimator."""
+
+    advantages: torch.Tensor
+    """``[N, T]`` detached advantages, 0 on masked tokens."""
+    returns: Optional[torch.Tensor] = None
+    """``[N, T]`` value targets (GAE estimators only)."""
+
+
+AdvantageEstimator = Callable[..., AdvantageOutput]
+PolicyLoss = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def grpo_estimator(inputs: AdvantageInputs, *, norm_by_std: bool = True,
+                   eps: float = 1e-6) -> AdvantageOutput:
+    """GRPO (also DAPO, GSPO, FIPO): group-normalised score broadcast to tokens."""
+    inputs.require("scores", "group_ids")
+    adv = group.grpo_advantages(inputs.scores, inputs.group_ids, norm_by_std=norm_by_std, eps=eps)
+    return AdvantageOutput(advantages=group.broadcast_to_tokens(adv, inputs.response_mask))
+
+
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def dr_grpo_estimator(inputs: AdvantageInputs) -> AdvantageOutput:
+    """Dr.GRPO: score minus group mean, broadcast to tokens."""
+    inputs.require("scores", "group_ids")
+    adv = group.dr_grpo_advantages(inputs.scores, inputs.group_ids)
+    return AdvantageOutput(advantages=group.broadcast_to_tokens(adv, inputs.response_mask))
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo_estimator(inputs: AdvantageInputs) -> AdvantageOutput:
+    """RLOO: score minus the leave-one-out group mean, broadcast to tokens."""
+    inputs.require("scores", "group_ids")
+    adv = group.rloo_advantages(inputs.scores, inputs.group_ids)
+    return AdvantageOutput(advantages=group.broadcast_to_tokens(adv, inputs.response_mask))
+
+
+@ADVANTAGE_ESTIMATORS.register("gae")
+def gae_estimator(inputs: AdvantageInputs, *, gamma: float = 1.0, lam: float = 0.95,
+                  cp_group: Any = None) -> AdvantageOutput:
+    """PPO's GAE over per-token rewards and critic values (``cp_group``: inputs are CP shards)."""
+    inputs.require("token_rewards", "values")
+    adv, ret = gae(inputs.token_rewards, inputs.values, inputs.response_mask, gamma=gamma, lam=lam,
+                   cp_group=cp_group)
+    return AdvantageOutput(advantages=adv, returns=ret)
+
+
+@ADVANTAGE_ESTIMATORS.register("comp_gae")
+def comp_gae_estimator(inputs: AdvantageInputs, *, lam: float = 0.95, cp_group: Any = None) -> AdvantageOutput:
+    """CompPO's Comp-GAE: GAE with the per-token gate kappa in place of gamma (``cp_group`` as GAE)."""
+    inputs.require("token_rewards", "values", "gates")
+    adv, ret = comp_gae(inputs.token_rewards, inputs.values, inputs.gates, inputs.response_mask, lam=lam,
+                        cp_group=cp_group)
+    return AdvantageOutput(advantages=adv, returns=ret)
+
+
+@POLICY_LOSSES.register("ppo")
+def ppo_loss(logp, old_logp, advantages, response_mask, *, clip_eps: float = 0.2,
+             dual_clip_c: Optional[float] = None, is_weights=None):
+    """Vanilla PPO: symmetric clip ``[1 - eps, 1 + eps]``, dual clip off unless given."""
+    return policy.ppo_clip_loss(logp, old_logp, advantages, response_mask, clip_low=clip_eps,
+                                clip_high=clip_eps, dual_clip_c=dual_clip_c, is_weights=is_weights)
+
+
+POLICY_LOSSES.add("dapo", policy.ppo_clip_loss)   # asymmetric clip 0.2 / 0.28, dual clip c = 3
+POLICY_LOSSES.add("gspo", policy.gspo_loss)
+POLICY_LOSSES.add("fipo", policy.fipo_policy_loss)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmSpec:
+    """An algorithm = an advantage estimator + a policy loss + how the loss is reduced."""
+
+    advantage_estimator: str
+    """Name in ``ADVANTAGE_ESTIMATORS``."""
+    policy_loss: str
+    """Name in ``POLICY_LOSSES``."""
+    loss_agg_mode: str
+    """One of ``megatron_credit.losses.aggregation.AGG_MODES``."""
+    needs_critic: bool = False
+    """Whether a value model is trained (GAE estimators)."""
+    needs_gates: bool = False
+    """Whether the actor forward must produce CompPO gates."""
+
+    def __post_init__(self) -> None:
+        ADVANTAGE_ESTIMATORS.get(self.advantage_estimator)  # raise ValueError listing valid names
+        POLICY_LOSSES.get(self.policy_loss)
+        if self.loss_agg_mode not in policy.AGG_MODES:
+            raise ValueError(f"loss_agg_mode {self.loss_agg_mode!r} not in {list(policy.AGG_MODES)}")
+
+
+ALGORITHMS: Registry[AlgorithmSpec] = Registry("algorithm")
+for _name, _spec in {
+    "grpo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="ppo", loss_agg_mode="seq-mean-token-mean"),
+    "dapo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="dapo", loss_agg_mode="token-mean"),
+    "dr_grpo": AlgorithmSpec(advantage_estimator="dr_grpo", policy_loss="ppo",
+                             loss_agg_mode="seq-mean-token-sum-norm"),
+    "rloo": AlgorithmSpec(advantage_estimator="rloo", policy_loss="ppo", loss_agg_mode="token-mean"),
+    "gspo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="gspo",
+                          loss_agg_mode="seq-mean-token-mean"),
+    "ppo": AlgorithmSpec(advantage_estimator="gae", policy_loss="ppo", loss_agg_mode="token-mean",
+                         needs_critic=True),
+    "fipo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="fipo", loss_agg_mode="token-mean"),
+    "compo": AlgorithmSpec(advantage_estimator="comp_gae", policy_loss="dapo", loss_agg_mode="token-mean",
+                           needs_critic=True, needs_gates=True),
+}.items():
+    ALGORITHMS.add(_name, _spec)

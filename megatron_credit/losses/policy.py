@@ -1,0 +1,148 @@
+"""Per-token policy-gradient losses: PPO clip (asymmetric, dual clip), GSPO, FIPO-weighted DAPO.
+
+Each function returns ``(per_token_loss [B, T], metrics)``; reduce the loss with :func:`aggregate_loss`
+(re-exported here) and global denominators. Metrics are detached means over this rank's valid tokens:
+``clipfrac_low`` (A < 0 and ratio < 1 - eps_low), ``clipfrac_high`` (A > 0 and ratio > 1 + eps_high),
+``clipfrac_dual`` (A < 0 and ratio > c: the dual clip caps the loss), ``approx_kl`` (the k3 estimator
+``(r - 1) - log r`` of KL(old || new)).
+
+PPO/DAPO (DESIGN.md "DAPO"): ``r = exp(logp - old_logp)`` (log-ratio clamped to [-20, 20] as in the
+published code), ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, and for ``A < 0`` the dual clip
+``l = min(l, -A c)`` with ``c > 1``. GSPO (Zheng et al. 2025) uses the sequence ratio
+``s_i = exp(mean_t (logp - old_logp))`` in its token-level form ``s_it = sg[s_i] pi_t / sg[pi_t]``, whose
+value is ``s_i`` and whose gradient with seq-mean-token-mean aggregation equals GSPO's. Truncated
+importance sampling (rollout engine vs trainer log-probs) multiplies the per-token loss by
+``min(exp(old_logp - rollout_logp), C)``, detached.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from megatron_credit.credit.future_kl import LOG_RATIO_CLAMP, fipo_weights
+from megatron_credit.losses.aggregation import AGG_MODES, aggregate_loss
+
+__all__ = ["AGG_MODES", "aggregate_loss", "fipo_policy_loss", "gspo_loss", "ppo_clip_loss",
+           "truncated_is_weights"]
+
+Metrics = dict[str, torch.Tensor]
+
+
+def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                  response_mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.28,
+                  dual_clip_c: Optional[float] = 3.0,
+                  is_weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Metrics]:
+    """Clipped surrogate per token, ``[B, T]`` (0 on masked tokens).
+
+    Args:
+        logp: ``[B, T]`` current log-probs (with grad); old_logp: ``[B, T]`` behaviour log-probs.
+        advantages: ``[B, T]`` (detached). response_mask: ``[B, T]`` bool or 0/1.
+        clip_low, clip_high: ``eps_low, eps_high`` of the clip range ``[1 - eps_low, 1 + eps_high]``.
+        dual_clip_c: cap ``-A c`` for negative advantages (``c > 1``); ``None`` disables it.
+        is_weights: optional ``[B, T]`` truncated importance weights (see :func:`truncated_is_weights`).
+    """
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return _clipped_surrogate(log_ratio, advantages, response_mask, clip_low=clip_low,
+                              clip_high=clip_high, dual_clip_c=dual_clip_c, is_weights=is_weights)
+
+
+def _clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, *,
+                       clip_low: float, clip_high: float, dual_clip_c: Optional[float],
+                       is_weights: Optional[torch.Tensor]) -> tuple[torch.Tensor, Metrics]:
+    if not (0.0 <= clip_low < 1.0 and clip_high >= 0.0):
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
+    if dual_clip_c is not None and not dual_clip_c > 1.0:
+        raise ValueError(f"dual_clip_c must be > 1 (or None), got {dual_clip_c}")
+    ratio = torch.exp(log_ratio)
+    adv = advantages.detach()
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    neg = adv < 0
+    if dual_clip_c is not None:
+        loss = torch.where(neg, torch.minimum(loss, -adv * dual_clip_c), loss)
+    if is_weights is not None:
+        loss = loss * is_weights.detach()
+    valid = response_mask.bool()
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    with torch.no_grad():
+        r = ratio.detach()
+        lr = log_ratio.detach()
+        dual = neg & (r > dual_clip_c) if dual_clip_c is not None else torch.zeros_like(valid)
+        metrics = {
+            "clipfrac_low": _masked_mean(neg & (r < 1.0 - clip_low), valid, r.dtype),
+            "clipfrac_high": _masked_mean((adv > 0) & (r > 1.0 + clip_high), valid, r.dtype),
+            "clipfrac_dual": _masked_mean(dual, valid, r.dtype),
+            "approx_kl": _masked_mean(torch.expm1(lr) - lr, valid, r.dtype),
+        }
+    return loss, metrics
+
+
+def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+              response_mask: torch.Tensor, *, clip_low: float = 3e-4, clip_high: float = 4e-4,
+              is_weights: Optional[torch.Tensor] = None,
+              cp_group: Any = None) -> tuple[torch.Tensor, Metrics]:
+    """GSPO-token per-token loss ``[B, T]`` with the sequence ratio ``s_i`` (one response per row).
+
+    With ``cp_group`` the sequence mean of the log-ratio is summed over the CP ranks' shares of each row
+    (detached, so no gradient crosses ranks: GSPO-token stops the gradient of ``s_i``).
+    """
+    m = response_mask.to(logp.dtype)
+    with torch.no_grad():
+        stats = torch.stack([((logp - old_logp) * m).sum(-1), m.sum(-1)])  # [2, B]
+        if cp_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(stats, group=cp_group)
+        seq_log_ratio = (stats[0] / stats[1].clamp(min=1)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    # log s_it = sg[log s_i] + logp_t - sg[logp_t]: value log s_i, gradient d logp_t.
+    log_ratio = seq_log_ratio[:, None] + logp - logp.detach()
+    loss, metrics = _clipped_surrogate(log_ratio, advantages, response_mask, clip_low=clip_low,
+                                       clip_high=clip_high, dual_clip_c=None, is_weights=is_weights)
+    del metrics["clipfrac_dual"]
+    return loss, metrics
+
+
+def fipo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                     response_mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.28,
+                     dual_clip_c: float = 10.0, tau: float = 32.0,
+                     weight_clip: tuple[float, float] = (1.0, 1.2), chunk_size: int = 128,
+                     cp_group: Any = None, packed: bool = False,
+                     is_weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Metrics]:
+    """FIPO: the DAPO loss on ``f * A`` with Future-KL weights ``f`` (:func:`fipo_weights`).
+
+    With all weights 1 (e.g. ``weight_clip=(1, 1)``, or ``logp == old_logp`` and ``weight_clip[0] <= 1``)
+    this is exactly :func:`ppo_clip_loss` with the same clip settings, i.e. GRPO/DAPO.
+    """
+    w, w_metrics = fipo_weights(logp, old_logp, advantages, response_mask, tau=tau, clip=weight_clip,
+                                dual_clip_c=dual_clip_c, chunk_size=chunk_size, cp_group=cp_group,
+                                packed=packed)
+    loss, metrics = ppo_clip_loss(logp, old_logp, advantages * w, response_mask, clip_low=clip_low,
+                                  clip_high=clip_high, dual_clip_c=dual_clip_c, is_weights=is_weights)
+    metrics.update({f"fipo_weight/{k}": v for k, v in w_metrics.items()})
+    return loss, metrics
+
+
+def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor,
+                         *, cap: float = 2.0) -> tuple[torch.Tensor, Metrics]:
+    """Truncated importance weights ``min(exp(old_logp - rollout_logp), cap)``, ``[B, T]``, detached.
+
+    Corrects for the rollout engine's log-probs differing from the trainer's. 1 on masked tokens.
+    Metrics: mean weight and the fraction truncated, over valid tokens.
+    """
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    with torch.no_grad():
+        lw = (old_logp - rollout_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        valid = response_mask.bool()
+        w = torch.where(valid, torch.exp(lw).clamp(max=cap), torch.ones_like(lw))
+        metrics = {"mean": _masked_mean(w, valid, w.dtype),
+                   "frac_truncated": _masked_mean(lw > math.log(cap), valid, w.dtype)}
+    return w, metrics
+
+
+def _masked_mean(v: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Mean of ``v`` over ``valid`` in ``dtype`` (0 if nothing is valid); booleans give fractions."""
+    return (v.to(dtype) * valid).sum() / valid.sum().clamp(min=1)

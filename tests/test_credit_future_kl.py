@@ -1,0 +1,215 @@
+"""future_kl / fipo_weights against loop references from DESIGN.md's formulas; CP = 2, 4 on gloo."""
+import math
+
+import pytest
+import torch
+
+from megatron_credit.credit.future_kl import fipo_weights, future_kl, masked_summary, multi_dual_clip_keep
+from tests.distributed_harness import DistributedPool
+
+
+def make_batch(b, t, seed, *, packed=False, dtype=torch.float64):
+    """Rows: prompt (masked), a response of random length (including 0 and 1), padding (masked).
+
+    With ``packed`` rows hold several responses separated by masked (prompt) tokens. Log-ratios are
+    spread wide enough that some exceed log(c) and some hit the +-20 clamp.
+    """
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(b, t, generator=g, dtype=dtype) * 3
+    old = logp - torch.randn(b, t, generator=g, dtype=dtype) * 0.8
+    old[0, :2] = logp[0, :2] - 25.0  # clamp to +20 (and ratio > c)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    lengths = [0, 1] + torch.randint(0, t + 1, (b,), generator=g).tolist()
+    for i in range(b):
+        if packed:
+            pos = 0
+            while pos < t:
+                pos += int(torch.randint(1, 4, (1,), generator=g))       # prompt / gap
+                n = int(torch.randint(0, max(2, t // 3), (1,), generator=g))
+                mask[i, pos:pos + n] = True
+                pos += n
+        else:
+            n = min(lengths[i], t)
+            start = int(torch.randint(0, t - n + 1, (1,), generator=g))
+            mask[i, start:start + n] = True
+    return logp, old, mask
+
+
+def future_kl_reference(logp, old, mask, *, tau, c, packed):
+    d = (logp - old).clamp(-20, 20)
+    keep = (d <= math.log(c)).double()
+    m = mask.double()
+    gamma = 2.0 ** (-1.0 / tau)
+    b, t = d.shape
+    out = torch.zeros(b, t, dtype=torch.float64)
+    for i in range(b):
+        for s in range(t):
+            if not mask[i, s]:
+                continue
+            acc = 0.0
+            for k in range(s, t):
+                if packed and not mask[i, k]:
+                    break  # end of this packed response
+                acc += keep[i, k] * m[i, k] * gamma ** (k - s) * d[i, k]
+            out[i, s] = acc
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("t,k,tau", [(1, 128, 32.0), (9, 4, 2.0), (70, 8, 32.0), (300, 128, 8.0)])
+def test_future_kl_matches_loop(packed, t, k, tau):
+    logp, old, mask = make_batch(5, t, seed=t + int(packed), packed=packed)
+    for c in (3.0, 10.0):
+        got = future_kl(logp, old, mask, tau=tau, dual_clip_c=c, chunk_size=k, packed=packed)
+        ref = future_kl_reference(logp, old, mask, tau=tau, c=c, packed=packed)
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_future_kl_float32_and_interior_mask_semantics():
+    logp, old, mask = make_batch(4, 200, seed=1)
+    ref = future_kl_reference(logp, old, mask, tau=32.0, c=10.0, packed=False)
+    got = future_kl(logp.float(), old.float(), mask, tau=32.0, dual_clip_c=10.0)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-4)
+    # A masked token inside a response (e.g. a tool output) contributes nothing but does not cut the
+    # decay when packed=False, and cuts it when packed=True.
+    m = torch.ones(1, 6, dtype=torch.bool)
+    m[0, 2] = False
+    lp, ol = torch.zeros(1, 6, dtype=torch.float64), torch.full((1, 6), -0.1, dtype=torch.float64)
+    for packed in (False, True):
+        torch.testing.assert_close(future_kl(lp, ol, m, tau=4.0, dual_clip_c=3.0, packed=packed),
+                                   future_kl_reference(lp, ol, m, tau=4.0, c=3.0, packed=packed))
+    assert future_kl(lp, ol, m, tau=4.0, dual_clip_c=3.0)[0, 0] > future_kl(
+        lp, ol, m, tau=4.0, dual_clip_c=3.0, packed=True)[0, 0]
+
+
+def test_zero_length_batch_and_bad_args():
+    z = torch.zeros(2, 0, dtype=torch.float64)
+    assert future_kl(z, z, z.bool(), tau=32.0, dual_clip_c=10.0).shape == (2, 0)
+    w, metrics = fipo_weights(z, z, z, z.bool())
+    assert w.shape == (2, 0) and torch.isnan(metrics["mean"])
+    with pytest.raises(ValueError, match="dual_clip_c"):
+        future_kl(z, z, z.bool(), tau=32.0, dual_clip_c=1.0)
+    with pytest.raises(ValueError, match="clip"):
+        fipo_weights(z, z, z, z.bool(), clip=(1.2, 1.0))
+
+
+def fipo_reference(logp, old, adv, mask, *, tau, clip, c):
+    f = future_kl_reference(logp, old, mask, tau=tau, c=c, packed=False)
+    w = torch.ones_like(f)
+    b, t = f.shape
+    for i in range(b):
+        for s in range(t):
+            if not mask[i, s]:
+                continue
+            v = min(max(math.exp(f[i, s]), clip[0]), clip[1])
+            ratio = math.exp(min(max(float(logp[i, s] - old[i, s]), -20), 20))
+            if adv[i, s] < 0 and ratio > c:
+                v = min(v, 1.0)
+            w[i, s] = v
+    return w
+
+
+@pytest.mark.parametrize("clip,c", [((1.0, 1.2), 10.0), ((0.8, 1.2), 3.0)])
+def test_fipo_weights_match_loop_and_metrics(clip, c):
+    logp, old, mask = make_batch(6, 90, seed=7)
+    logp = logp.clone().requires_grad_(True)
+    adv = torch.randn(6, 90, dtype=torch.float64)
+    w, metrics = fipo_weights(logp, old, adv, mask, tau=8.0, clip=clip, dual_clip_c=c, chunk_size=16)
+    assert not w.requires_grad
+    ref = fipo_reference(logp.detach(), old, adv, mask, tau=8.0, clip=clip, c=c)
+    torch.testing.assert_close(w, ref, rtol=1e-12, atol=1e-12)
+    vals = ref[mask]
+    d = (logp.detach() - old).clamp(-20, 20)
+    over = (d > math.log(c)) & mask
+    expect = {
+        "mean": vals.mean(), "min": vals.min(), "max": vals.max(),
+        "p10": torch.quantile(vals, 0.1), "p50": torch.quantile(vals, 0.5), "p90": torch.quantile(vals, 0.9),
+        "frac_at_low": (vals <= clip[0]).double().mean(), "frac_at_high": (vals >= clip[1]).double().mean(),
+        "frac_dual_masked": over.sum().double() / mask.sum(),
+        "frac_dual_capped": (over & (adv < 0)).sum().double() / mask.sum(),
+    }
+    assert set(metrics) == set(expect)
+    for name, value in expect.items():
+        torch.testing.assert_close(metrics[name], value.to(torch.float64), rtol=1e-12, atol=1e-12,
+                                   msg=name)
+    assert expect["frac_dual_masked"] > 0 and expect["frac_at_high"] > 0  # the cases were exercised
+
+
+def test_fipo_weights_are_one_on_policy():
+    # First mini-batch of an iteration: logp == old_logp, F = 0, so f = clamp(1, lo, hi) = 1 for lo <= 1.
+    logp, _, mask = make_batch(3, 50, seed=2)
+    w, _ = fipo_weights(logp, logp, torch.randn(3, 50, dtype=torch.float64), mask)
+    torch.testing.assert_close(w, torch.ones_like(w))
+
+
+def test_masked_summary_empty_and_single():
+    v = torch.tensor([[3.0, 7.0]])
+    out = masked_summary(v, torch.tensor([[False, True]]))
+    assert all(float(x) == 7.0 for x in out.values())
+    out = masked_summary(v, torch.zeros(1, 2, dtype=torch.bool))
+    assert all(torch.isnan(x) for x in out.values())
+
+
+def test_multi_dual_clip_keep():
+    logp = torch.zeros(3, 4, dtype=torch.float64)
+    old = torch.tensor([[0.0, 0, 0, 0], [-3, 0, 0, 0], [-3, -3, 0, 0]], dtype=torch.float64)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    keep = multi_dual_clip_keep(logp, old, mask, dual_clip_c=10.0)  # exp(3) = 20 > 10
+    assert keep.tolist() == [True, True, False]
+
+
+# ---------------------------------------------------------------------------- context parallel (gloo)
+
+def cp_shard(t, cp, r):
+    c = t.shape[1] // (2 * cp)
+    return torch.cat([t[:, r * c:(r + 1) * c], t[:, (2 * cp - 1 - r) * c:(2 * cp - r) * c]], dim=1)
+
+
+def _cp_future_kl_worker(cases):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = {}
+    for cp in (2, 4):
+        for start in range(0, world, cp):
+            g = dist.new_group(list(range(start, start + cp)))
+            if start <= rank < start + cp:
+                groups[cp] = g
+    out = []
+    for logp, old, mask, adv, packed, k in cases:
+        for cp in (2, 4):
+            r = dist.get_rank(groups[cp])
+            lp, ol, m, a = (cp_shard(v, cp, r) for v in (logp, old, mask, adv))
+            f = future_kl(lp, ol, m, tau=8.0, dual_clip_c=3.0, chunk_size=k, cp_group=groups[cp],
+                          packed=packed)
+            w, _ = fipo_weights(lp, ol, a, m, tau=8.0, clip=(0.8, 1.2), dual_clip_c=3.0, chunk_size=k,
+                                cp_group=groups[cp], packed=packed)
+            out.append((cp, r, f, w))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=4) as p:
+        yield p
+
+
+def test_cp_2_and_4_equal_unsharded(pool):
+    cases = []
+    for seed, (t, k, packed) in enumerate([(16, 4, False), (16, 4, True), (240, 16, False),
+                                           (240, 8, True), (1024, 128, False)]):
+        logp, old, mask = make_batch(3, t, seed=seed, packed=packed)
+        cases.append((logp, old, mask, torch.randn(3, t, dtype=torch.float64), packed, k))
+    results = pool.run(_cp_future_kl_worker, cases)
+    for rank_results in results:
+        it = iter(rank_results)
+        for logp, old, mask, adv, packed, k in cases:
+            full_f = future_kl(logp, old, mask, tau=8.0, dual_clip_c=3.0, chunk_size=k, packed=packed)
+            full_w, _ = fipo_weights(logp, old, adv, mask, tau=8.0, clip=(0.8, 1.2), dual_clip_c=3.0,
+                                     chunk_size=k, packed=packed)
+            for cp in (2, 4):
+                got_cp, r, f, w = next(it)
+                assert got_cp == cp
+                torch.testing.assert_close(f, cp_shard(full_f, cp, r), rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(w, cp_shard(full_w, cp, r), rtol=1e-12, atol=1e-12)

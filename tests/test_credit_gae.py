@@ -1,0 +1,152 @@
+"""GAE / Comp-GAE and the CompPO gate against loop references from DESIGN.md's formulas."""
+import math
+
+import pytest
+import torch
+
+from megatron_credit.credit.gae import comp_gae, gae
+from megatron_credit.credit.gates import compo_gate, concentration_from_lse, normalized_concentration
+from tests.distributed_harness import DistributedPool
+
+
+def make_batch(b, t, seed):
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(b, t, generator=g, dtype=torch.float64)
+    values = torch.randn(b, t, generator=g, dtype=torch.float64)
+    gates = torch.rand(b, t, generator=g, dtype=torch.float64)
+    gates[torch.rand(b, t, generator=g) < 0.1] = 0.0  # zero gates cut the transport
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    for i in range(b):
+        n = [0, 1][i] if i < 2 else int(torch.randint(0, t + 1, (1,), generator=g))
+        start = int(torch.randint(0, t - n + 1, (1,), generator=g))
+        mask[i, start:start + n] = True
+    rewards = rewards * mask  # rewards live on response tokens
+    return rewards, values, gates, mask
+
+
+def comp_gae_reference(r, v, kappa, mask, lam):
+    """delta_t = r_t + k_t V_{t+1} m_{t+1} - V_t m_t;  A_t = delta_t + lam k_t A_{t+1} m_{t+1}."""
+    b, t = r.shape
+    m = mask.double()
+    adv = torch.zeros(b, t, dtype=torch.float64)
+    for i in range(b):
+        nxt_a, nxt_v, nxt_m = 0.0, 0.0, 0.0
+        for s in reversed(range(t)):
+            delta = r[i, s] + kappa[i, s] * nxt_v * nxt_m - v[i, s] * m[i, s]
+            a = delta + lam * kappa[i, s] * nxt_a * nxt_m
+            adv[i, s] = a
+            nxt_a, nxt_v, nxt_m = a, v[i, s], m[i, s]
+    return adv * m, (adv + v) * m
+
+
+@pytest.mark.parametrize("t,k", [(1, 128), (2, 2), (37, 4), (300, 128), (1000, 16)])
+def test_comp_gae_matches_loop(t, k):
+    r, v, kappa, mask = make_batch(5, t, seed=t)
+    adv, ret = comp_gae(r, v, kappa, mask, lam=0.95, chunk_size=k)
+    ref_adv, ref_ret = comp_gae_reference(r, v, kappa, mask, 0.95)
+    torch.testing.assert_close(adv, ref_adv, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ret, ref_ret, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.5, 0.0)])
+def test_gae_matches_loop_and_is_comp_gae_with_constant_gate(gamma, lam):
+    r, v, _, mask = make_batch(6, 120, seed=3)
+    adv, ret = gae(r, v, mask, gamma=gamma, lam=lam)
+    ref_adv, ref_ret = comp_gae_reference(r, v, torch.full_like(v, gamma), mask, lam)
+    torch.testing.assert_close(adv, ref_adv, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ret, ref_ret, rtol=1e-12, atol=1e-12)
+    # The reduction from the CompPO paper: a constant gate gamma is GAE, bit for bit.
+    c_adv, c_ret = comp_gae(r, v, torch.full_like(v, gamma), mask, lam=lam)
+    assert torch.equal(c_adv, adv) and torch.equal(c_ret, ret)
+
+
+def test_gae_textbook_case():
+    # One response filling the row, terminal reward: with gamma = lam = 1, A_t = R - V_t.
+    v = torch.tensor([[0.1, 0.2, 0.3, 0.4]], dtype=torch.float64)
+    r = torch.tensor([[0.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
+    adv, ret = gae(r, v, torch.ones(1, 4), gamma=1.0, lam=1.0)
+    torch.testing.assert_close(adv, 1.0 - v)
+    torch.testing.assert_close(ret, torch.ones(1, 4, dtype=torch.float64))
+
+
+def test_gae_float32_and_detached():
+    r, v, kappa, mask = make_batch(3, 500, seed=9)
+    v32 = v.float().requires_grad_(True)
+    adv, ret = comp_gae(r.float(), v32, kappa.float(), mask, lam=0.95)
+    assert adv.dtype == torch.float32 and not adv.requires_grad and not ret.requires_grad
+    ref_adv, _ = comp_gae_reference(r, v, kappa, mask, 0.95)
+    torch.testing.assert_close(adv.double(), ref_adv, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="same"):
+        comp_gae(r, v, kappa[:, :-1], mask, lam=0.95)
+
+
+def test_compo_gate_matches_formula():
+    g = torch.Generator().manual_seed(0)
+    n = torch.randint(1, 50, (200,), generator=g)
+    # A valid concentration lies in [1/n, 1].
+    h = 1.0 / n + torch.rand(200, generator=g, dtype=torch.float64) * (1.0 - 1.0 / n)
+    kappa = compo_gate(h, n, k_lo=0.1, k_hi=0.9, tau=4.0)
+    for i in range(200):
+        c = 1.0 if n[i] == 1 else (float(h[i]) - 1 / int(n[i])) / (1 - 1 / int(n[i]))
+        ref = 0.1 + 0.8 / (1 + math.exp(-4.0 * (c - 0.5)))
+        assert abs(float(kappa[i]) - ref) < 1e-12
+    assert torch.all(kappa >= 0.1) and torch.all(kappa <= 0.9)
+    # Uniform attention -> c = 0, a single visible key or one-hot attention -> c = 1.
+    torch.testing.assert_close(normalized_concentration(torch.tensor([0.25, 1.0, 1.0]), torch.tensor([4, 4, 1])),
+                               torch.tensor([0.0, 1.0, 1.0]))
+    with pytest.raises(ValueError):
+        compo_gate(h, n, k_lo=0.9, k_hi=0.1)
+
+
+def test_concentration_from_lse():
+    s = torch.randn(3, 17, dtype=torch.float64)
+    h = concentration_from_lse(torch.logsumexp(2 * s, -1), torch.logsumexp(s, -1))
+    torch.testing.assert_close(h, (torch.softmax(s, -1) ** 2).sum(-1))
+
+
+# ---------------------------------------------------------------------------- context parallel (gloo)
+
+def cp_shard(t, cp, r):
+    c = t.shape[1] // (2 * cp)
+    return torch.cat([t[:, r * c:(r + 1) * c], t[:, (2 * cp - 1 - r) * c:(2 * cp - r) * c]], dim=1)
+
+
+def _cp_gae_worker(cases):
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = {}
+    for cp in (2, 4):
+        for start in range(0, world, cp):
+            g = dist.new_group(list(range(start, start + cp)))
+            if start <= rank < start + cp:
+                groups[cp] = (g, rank - start)
+    out = []
+    for r_, v, kappa, mask, k in cases:
+        for cp, (g, r) in groups.items():
+            shards = (cp_shard(x, cp, r) for x in (r_, v, kappa, mask))
+            adv, ret = comp_gae(*shards, lam=0.95, chunk_size=k, cp_group=g)
+            out.append((cp, r, adv, ret))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=4) as p:
+        yield p
+
+
+def test_comp_gae_cp_2_and_4_equal_unsharded(pool):
+    cases = []
+    for seed, (t, k) in enumerate([(8, 2), (16, 4), (240, 8), (1024, 128)]):
+        r, v, kappa, mask = make_batch(4, t, seed=100 + seed)
+        mask[3] = True  # one response spanning every chunk boundary
+        cases.append((r * mask, v, kappa, mask, k))
+    for rank_results in pool.run(_cp_gae_worker, cases):
+        it = iter(rank_results)
+        for r, v, kappa, mask, k in cases:
+            ref_adv, ref_ret = comp_gae_reference(r, v, kappa, mask, 0.95)
+            for _ in (2, 4):
+                cp, rank, adv, ret = next(it)
+                torch.testing.assert_close(adv, cp_shard(ref_adv, cp, rank), rtol=1e-11, atol=1e-11)
+                torch.testing.assert_close(ret, cp_shard(ref_ret, cp, rank), rtol=1e-11, atol=1e-11)

@@ -1,0 +1,162 @@
+"""reverse_linear_scan against a slow loop reference, and CP = 2, 4 on gloo against CP = 1."""
+import pytest
+import torch
+
+from megatron_credit.credit.scan import reverse_linear_scan
+from tests.distributed_harness import DistributedPool
+
+
+def loop_reference(x, a):
+    """y_t = x_t + a_t y_{t+1}, y_T = 0, one position at a time in float64."""
+    x, a = x.double(), (a.double() if isinstance(a, torch.Tensor) else torch.full(x.shape, a, dtype=torch.float64))
+    y = torch.zeros_like(x)
+    nxt = torch.zeros(x.shape[0], dtype=torch.float64)
+    for t in reversed(range(x.shape[1])):
+        nxt = x[:, t] + a[:, t] * nxt
+        y[:, t] = nxt
+    return y
+
+
+def random_case(b, t, seed, dtype=torch.float64, zero_frac=0.1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, t, generator=g, dtype=dtype)
+    a = torch.rand(b, t, generator=g, dtype=dtype) * 1.05  # some coefficients > 1: growth is allowed
+    a[torch.rand(b, t, generator=g) < zero_frac] = 0.0     # cuts (packed sequence boundaries)
+    return x, a
+
+
+@pytest.mark.parametrize("t", [0, 1, 2, 3, 7, 64, 127, 128, 129, 515, 2000])
+@pytest.mark.parametrize("k", [2, 8, 128])
+def test_general_matches_loop_float64(t, k):
+    x, a = random_case(3, t, seed=t * 131 + k)
+    y = reverse_linear_scan(x, a, chunk_size=k)
+    assert y.shape == x.shape and y.dtype == torch.float64
+    torch.testing.assert_close(y, loop_reference(x, a), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("t", [0, 1, 5, 128, 300, 4100])
+@pytest.mark.parametrize("k", [4, 128])
+@pytest.mark.parametrize("gamma", [0.0, 0.5, 2 ** (-1 / 32), 1.0])
+def test_constant_coefficient_matches_loop(t, k, gamma):
+    x, _ = random_case(2, t, seed=t + k)
+    torch.testing.assert_close(reverse_linear_scan(x, gamma, chunk_size=k), loop_reference(x, gamma),
+                               rtol=1e-12, atol=1e-10)
+
+
+def test_float32_close_to_float64():
+    x, a = random_case(4, 3000, seed=5, dtype=torch.float64)
+    a = a.clamp(max=0.999)
+    ref = loop_reference(x, a)
+    y32 = reverse_linear_scan(x.float(), a.float())
+    assert y32.dtype == torch.float32
+    torch.testing.assert_close(y32.double(), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(reverse_linear_scan(x.float(), 0.98).double(), loop_reference(x, 0.98),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_zero_coefficients_cut_packed_sequences():
+    # Two packed sequences in one row: the cut at index 2 makes them independent.
+    x = torch.tensor([[1.0, 2.0, 3.0, 10.0, 20.0]], dtype=torch.float64)
+    a = torch.tensor([[0.5, 0.5, 0.0, 0.5, 0.0]], dtype=torch.float64)
+    y = reverse_linear_scan(x, a, chunk_size=2)
+    torch.testing.assert_close(y, torch.tensor([[1 + 0.5 * (2 + 0.5 * 3), 2 + 0.5 * 3, 3.0, 20.0, 20.0]],
+                                               dtype=torch.float64))
+    # Changing the second sequence never changes the first.
+    x2 = x.clone()
+    x2[0, 3:] = 1e6
+    torch.testing.assert_close(reverse_linear_scan(x2, a, chunk_size=2)[0, :3], y[0, :3])
+
+
+def test_no_overflow_on_long_sequences():
+    # gamma**(-t) tricks would give 2**(20480/32) = inf; products of coefficients only underflow.
+    x = torch.zeros(1, 20480)
+    x[0, -1] = 1.0
+    y = reverse_linear_scan(x, 2 ** (-1 / 32))
+    assert torch.isfinite(y).all() and y[0, -1] == 1.0 and y[0, 0] == 0.0
+    y = reverse_linear_scan(x, torch.full_like(x, 2 ** (-1 / 32)))
+    assert torch.isfinite(y).all() and y[0, -1] == 1.0
+
+
+def test_gradients_flow_through_local_scan():
+    x, a = random_case(2, 40, seed=3)
+    x.requires_grad_(True)
+    w = torch.randn(2, 40, dtype=torch.float64)
+    (reverse_linear_scan(x, a, chunk_size=8) * w).sum().backward()
+    # dL/dx_u = sum_t w_t W[t, u] = the forward scan of w with the coefficients shifted by one.
+    a_prev = torch.nn.functional.pad(a[:, :-1], (1, 0))
+    g_ref = loop_reference(w.flip(1), a_prev.flip(1)).flip(1)
+    torch.testing.assert_close(x.grad, g_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_gradients_flow_through_constant_scan():
+    x = torch.randn(2, 300, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 300, dtype=torch.float64)
+    (reverse_linear_scan(x, 0.9, chunk_size=16) * w).sum().backward()
+    g_ref = loop_reference(w.flip(1), 0.9).flip(1)  # the transpose of a constant scan is a forward scan
+    torch.testing.assert_close(x.grad, g_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(ValueError, match="x must be"):
+        reverse_linear_scan(torch.zeros(3), 0.5)
+    with pytest.raises(ValueError, match="coef shape"):
+        reverse_linear_scan(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+# ---------------------------------------------------------------------------- context parallel (gloo)
+
+def cp_shard(t, cp, r):
+    """Megatron's load-balanced CP layout: rank r holds chunks r and 2cp-1-r of 2cp equal chunks."""
+    c = t.shape[1] // (2 * cp)
+    return torch.cat([t[:, r * c:(r + 1) * c], t[:, (2 * cp - 1 - r) * c:(2 * cp - r) * c]], dim=1)
+
+
+def _cp_scan_worker(cases):
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    groups = {1: None}
+    # Every rank must create every group; rank r then uses the one it belongs to.
+    for cp in (2, 4):
+        for start in range(0, world, cp):
+            g = dist.new_group(list(range(start, start + cp)))
+            if start <= rank < start + cp:
+                groups[cp] = g
+    out = []
+    for x, a, k in cases:
+        for cp in (2, 4):
+            r = dist.get_rank(groups[cp])
+            for coef in (a, 0.9, 2 ** (-1 / 32)):
+                c = cp_shard(coef, cp, r) if isinstance(coef, torch.Tensor) else coef
+                y = reverse_linear_scan(cp_shard(x, cp, r), c, chunk_size=k, cp_group=groups[cp])
+                out.append((cp, r, y))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(world_size=4) as p:
+        yield p
+
+
+def test_cp_2_and_4_equal_unsharded(pool):
+    cases = []
+    for seed, (t, k) in enumerate([(8, 2), (64, 4), (400, 16), (1024, 128), (24, 128)]):
+        x, a = random_case(3, t, seed=seed)
+        cases.append((x, a, k))
+    results = pool.run(_cp_scan_worker, cases)
+    checked = 0
+    for rank_results in results:
+        it = iter(rank_results)
+        for x, a, k in cases:
+            for cp in (2, 4):
+                for coef in (a, 0.9, 2 ** (-1 / 32)):
+                    got_cp, r, y = next(it)
+                    assert got_cp == cp
+                    expect = cp_shard(reverse_linear_scan(x, coef, chunk_size=k), cp, r)
+                    torch.testing.assert_close(y, expect, rtol=1e-12, atol=1e-12)
+                    torch.testing.assert_close(y, cp_shard(loop_reference(x, coef), cp, r),
+                                               rtol=1e-11, atol=1e-11)
+                    checked += 1
+    assert checked == 4 * len(cases) * 2 * 3
