@@ -13,12 +13,16 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_credit", "megatron_credit.*"]),
+    packages=find_packages(include=["megatron_credit", "megatron_credit.*", "tools"]),  # tools: console scripts
     py_modules=["pretrain_rl"],
     install_requires=[
         "torch>=2.4",
         # 0.16.1 is the last release for Python 3.11; 0.17-0.19 need 3.12 (NVIDIA containers).
         "megatron-core>=0.16.1,<0.20",
+        # megatron-core 0.18+ imports triton on `import megatron.core` (pipeline_parallel/schedules.py
+        # -> transformer/moe/paged_stash.py) without declaring it; CUDA torch wheels and NVIDIA
+        # containers already have it (unpinned, so theirs is kept), CPU torch wheels do not.
+        "triton; python_version >= '3.12' and sys_platform == 'linux'",
         "transformers>=4.51",
         "safetensors>=0.4",
         "numpy",
@@ -27,6 +31,8 @@ setup(
         "sentencepiece>=0.2",
         "math-verify>=0.7",
         "pyarrow>=14",
+        # megatron-core's torch_dist checkpoint writer (write_preloaded_data) calls psutil.
+        "psutil>=5.9",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.0", "vllm>=0.11,<0.12"],

@@ -1,0 +1,307 @@
+"""HF folder <-> megatron-core distributed checkpoint (torch_dist), streaming one tensor at a time.
+
+Layout of a converted checkpoint folder::
+
+    <out>/model/                 dist_checkpointing.save of GPTModel.sharded_state_dict() (torch_dist)
+    <out>/config.json            the source HF config, byte for byte
+    <out>/conversion_meta.json   source architecture, family, dtype, conversion version, planned TP/PP
+    <out>/tokenizer*.json ...    the tokenizer files of the source
+
+The checkpoint is written from a TP = PP = 1 model: torch_dist stores each tensor with its global
+shape and megatron reshards on load, so the same folder loads at any TP / PP (``--tp`` / ``--pp`` only
+validate that the planned sizes divide the model). Peak memory is one model in the target dtype plus
+one HF tensor in flight (back to HF: plus one output shard).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from megatron_credit.conversion.base import ModelDims, family_for_config
+from megatron_credit.conversion.hf_io import (DTYPES, SafetensorsReader, ShardedSafetensorsWriter,
+                                              copy_tokenizer_files, resolve_dtype)
+from megatron_credit.conversion.live import load_hf_into_local_state
+from megatron_credit.conversion.streaming import check_hf_keys, expand_rules, iter_hf_from_megatron
+
+CONVERSION_VERSION = 1
+META_NAME = "conversion_meta.json"
+MODEL_SUBDIR = "model"
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def load_hf_config(folder: str | os.PathLike):
+    """``AutoConfig`` of a folder, with a clear error when ``config.json`` is missing."""
+    from transformers import AutoConfig
+
+    if not (Path(folder) / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {str(folder)!r}")
+    return AutoConfig.from_pretrained(str(folder))
+
+
+@contextlib.contextmanager
+def single_stage_parallel_state(*, seed: int = 0) -> Iterator[None]:
+    """megatron parallel state with TP = PP = 1 for the converters.
+
+    Joins the existing process group when there is one (all its ranks must call, as data-parallel
+    replicas), else creates a one-process gloo group; both are torn down on exit.
+    """
+    import torch.distributed as dist
+
+    from megatron_credit.config import ParallelConfig
+    from megatron_credit.distributed import destroy, initialize
+
+    owns_group = not dist.is_initialized()
+    # gloo: the converters keep every tensor in host memory (no GPU needed, none used).
+    initialize(ParallelConfig(), seed=seed, backend="gloo")
+    try:
+        yield
+    finally:
+        destroy(process_group=owns_group)
+
+
+def build_model(hf_config: Any, *, params_dtype: torch.dtype, tp: int = 1, pp: int = 1,
+                initialize_weights: bool = False, use_transformer_engine: bool | None = False):
+    """This rank's ``GPTModel`` for ``hf_config`` (megatron parallel state must match ``tp``/``pp``).
+
+    The converters use the local spec in host memory; the dist checkpoint's keys do not depend on the
+    spec (the TE spec maps its fused layer-norm names to the local ones in ``sharded_state_dict``).
+    """
+    from megatron_credit.config import ParallelConfig
+    from megatron_credit.models import build_gpt_model, transformer_config_from_hf
+
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tcfg = transformer_config_from_hf(hf_config, parallel=parallel, params_dtype=params_dtype,
+                                      perform_initialization=initialize_weights)
+    return build_gpt_model(hf_config, tcfg, use_transformer_engine=use_transformer_engine)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, mininterval=1.0)
+
+
+def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1,
+                           dtype: str | None = None, allow_lossy_dtype: bool = False,
+                           progress: bool = True) -> dict:
+    """Convert an HF safetensors folder to a megatron dist checkpoint; returns the metadata written."""
+    from megatron.core import dist_checkpointing
+
+    hf_dir, out = Path(hf_dir), Path(out_dir)
+    cfg = load_hf_config(hf_dir)
+    family = family_for_config(cfg)
+    ModelDims.from_hf_config(cfg).check_parallel(tp=tp, pp=pp)
+    reader = SafetensorsReader(hf_dir)
+    check_hf_keys(reader.keys(), family, cfg)
+    target = resolve_dtype(reader.dtypes(), dtype, allow_lossy=allow_lossy_dtype)
+    if (out / MODEL_SUBDIR).exists() and any((out / MODEL_SUBDIR).iterdir()):
+        raise FileExistsError(f"{str(out / MODEL_SUBDIR)!r} is not empty")
+    (out / MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
+    with single_stage_parallel_state():
+        model = build_model(cfg, params_dtype=target)
+        state = model.state_dict(keep_vars=True)
+        bar = _progress(sum(len(h) for _, h, _ in expand_rules(family, cfg)), "hf -> megatron", progress)
+
+        def get_hf(name: str) -> torch.Tensor:
+            bar.update(1)
+            return reader.get(name)
+
+        load_hf_into_local_state(state, get_hf, family, cfg, tp_rank=0, tp_size=1, layer_offset=0)
+        bar.close()
+        dist_checkpointing.save(_whole_gated_fc1(model.sharded_state_dict()), str(out / MODEL_SUBDIR),
+                                sharded_strategy=_save_strategy())
+        del model, state
+    shutil.copyfile(hf_dir / "config.json", out / "config.json")
+    tokenizer = copy_tokenizer_files(hf_dir, out)
+    meta = {"conversion_version": CONVERSION_VERSION, "source_architecture": list(cfg.architectures),
+            "family": family.name, "dtype": _DTYPE_NAMES[target], "format": "torch_dist",
+            "planned_tp": tp, "planned_pp": pp, "tokenizer_files": tokenizer,
+            "source_bytes": reader.total_bytes()}
+    (out / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _whole_gated_fc1(sharded_state_dict: dict) -> dict:
+    """Save (or load) each TP = 1 ``linear_fc1`` as one tensor instead of megatron's gate / up halves.
+
+    ``apply_swiglu_sharded_factory`` saves fc1 as two chunks of one key (rows [0, F) and [F, 2F) of the
+    global [2F, H] tensor). Those chunks are views of the parameter, and the torch_dist writer clones
+    every CPU view up front (``FileSystemWriterAsync.prepare_write_data._clone_if_needed``), holding
+    all MLP gate / up weights twice until the file is written (+0.8 GiB for a 1B model). One chunk
+    covering the whole key is the same global tensor, which torch_dist reshards on load into the
+    halves any TP asks for (the parity tests load it at TP = 2 and PP = 2).
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for k, v in sharded_state_dict.items():
+        if isinstance(v, dict):
+            v = _whole_gated_fc1(v)
+        elif isinstance(v, ShardedTensorFactory) and ".mlp.linear_fc1." in v.key:
+            half = v.build()[0]
+            n = half.prepend_axis_num  # the layer axis megatron prepends ("decoder.layers.mlp...")
+            assert tuple(half.global_shape[n:]) == tuple(v.data.shape), (v.key, half.global_shape)  # TP = 1
+            layer_offsets = [(a, half.global_offset[a], half.axis_fragmentations[a]) for a in range(n)]
+            v = ShardedTensor.from_rank_offsets(v.key, v.data, *layer_offsets, replica_id=v.replica_id,
+                                                prepend_axis_num=n)
+            assert v.global_shape == half.global_shape, (v.key, v.global_shape, half.global_shape)
+        out[k] = v
+    return out
+
+
+def _save_strategy():
+    """megatron's torch_dist save strategy, with the shard files written in this process.
+
+    ``TorchDistSaveShardedStrategy.save`` runs ``AsyncRequest.execute_sync``: its ``preload_fn``
+    (``FileSystemWriterAsync.preload_tensors(non_blocking=True)``) calls ``torch.cuda.synchronize()``,
+    and its writer forks a process per bucket (``write_preloaded_data_multiproc``) that reports through
+    queues: on our CPU runs the child died without reporting (psutil was missing) and the parent waited
+    forever, and forking a process that runs gloo threads is fragile anyway. The tensors of a converter are in host memory already, so the
+    same ``write_preloaded_data`` is run here, bucket by bucket; the files written are the same.
+    """
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    class _InProcessTorchDistSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            with _dist_checkpointing_on_host():
+                request = self.async_save(sharded_state_dict, checkpoint_dir)
+                if request.async_fn is not None:
+                    transform_list, use_msc = request.async_fn.args
+                    rank, buckets, results = request.async_fn_args
+                    if request.preload_fn is not None and torch.cuda.is_available():
+                        buckets = request.preload_fn()  # device tensors -> host, as execute_sync does
+                    _write_buckets_in_process(transform_list, use_msc, rank, buckets, results)
+                torch.distributed.barrier()
+                for fn in request.finalize_fns:
+                    fn()
+
+    return _InProcessTorchDistSave("torch_dist", 1, thread_count=1)
+
+
+_HOST_SHIMMED = ("megatron.core.dist_checkpointing.strategies.state_dict_saver",)
+
+
+@contextlib.contextmanager
+def _dist_checkpointing_on_host() -> Iterator[None]:
+    """Without CUDA, let ``state_dict_saver`` see CUDA device requests as the CPU, for one save.
+
+    ``save_state_dict_async_finalize`` builds its failure flag with
+    ``device=torch.cuda.current_device()`` (megatron-core 0.16.1, state_dict_saver.py:252). The same
+    proxy as ``megatron_credit.distributed``'s shim 2 is installed on that module and removed after.
+    """
+    import importlib
+
+    if torch.cuda.is_available():
+        yield
+        return
+    from megatron_credit.distributed import _TorchOnCpu
+
+    modules = [importlib.import_module(m) for m in _HOST_SHIMMED]
+    saved = [m.torch for m in modules]
+    for m in modules:
+        m.torch = _TorchOnCpu()
+    try:
+        yield
+    finally:
+        for m, t in zip(modules, saved):
+            m.torch = t
+
+
+def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
+    """``write_preloaded_data_multiproc`` without the worker processes (same results protocol)."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    results: dict = {}
+    for i, bucket in enumerate(write_buckets):
+        local, count = queue.Queue(), queue.Queue()
+        count.put(i)
+        FileSystemWriterAsync.write_preloaded_data(transform_list, i, bucket, local, count, True, use_msc=use_msc)
+        idx, out = local.get()
+        if isinstance(out, Exception):
+            global_results_queue.put(out)
+            return
+        results[idx] = out
+    global_results_queue.put(results)
+
+
+def read_meta(ckpt_dir: str | os.PathLike) -> dict:
+    path = Path(ckpt_dir) / META_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} not found: is {str(ckpt_dir)!r} a converted checkpoint?")
+    meta = json.loads(path.read_text())
+    if meta.get("conversion_version") != CONVERSION_VERSION:
+        raise ValueError(f"checkpoint conversion_version {meta.get('conversion_version')} != {CONVERSION_VERSION}")
+    return meta
+
+
+def load_dist_checkpoint(model, ckpt_dir: str | os.PathLike) -> None:
+    """Load ``<ckpt_dir>/model`` into ``model`` (any TP / PP: megatron reshards), strictly.
+
+    At TP = 1 fc1 is requested whole (see :func:`_whole_gated_fc1`): the swiglu factory would load
+    the halves into new tensors and concatenate them, a second copy of every MLP input weight.
+    """
+    from megatron.core import dist_checkpointing
+
+    model_dir = Path(ckpt_dir) / MODEL_SUBDIR
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"no dist checkpoint at {str(model_dir)!r}")
+    request = model.sharded_state_dict()
+    if model.config.tensor_model_parallel_size == 1:
+        request = _whole_gated_fc1(request)
+    state = dist_checkpointing.load(request, str(model_dir), strict="raise_all")
+    model.load_state_dict(state, strict=True)
+    del state, request
+
+
+def convert_megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str | None = None,
+                           allow_lossy_dtype: bool = False, max_shard_bytes: int = 5 * 1024**3,
+                           progress: bool = True) -> list[str]:
+    """Write HF safetensors shards, index, ``config.json`` and tokenizer files; returns the shard names."""
+    import torch.distributed as dist
+
+    ckpt, out = Path(ckpt_dir), Path(out_dir)
+    meta = read_meta(ckpt)
+    cfg = load_hf_config(ckpt)
+    family = family_for_config(cfg)
+    stored = DTYPES[meta["dtype"]]
+    target = resolve_dtype({stored}, dtype, allow_lossy=allow_lossy_dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    with single_stage_parallel_state():
+        model = build_model(cfg, params_dtype=stored)
+        load_dist_checkpoint(model, ckpt)
+        state = model.state_dict()
+        files: list[str] = []
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            writer = ShardedSafetensorsWriter(out, max_shard_bytes=max_shard_bytes)
+            rules = expand_rules(family, cfg)
+            bar = _progress(sum(len(h) for _, h, _ in rules), "megatron -> hf", progress)
+            for name, t in iter_hf_from_megatron(state.__getitem__, family, cfg):
+                writer.add(name, t.to(target))
+                bar.update(1)
+            bar.close()
+            files = writer.close()
+            _write_config(ckpt / "config.json", out / "config.json", stored, target)
+            copy_tokenizer_files(ckpt, out)
+        del model, state
+    return files
+
+
+def _write_config(src: Path, dst: Path, stored: torch.dtype, target: torch.dtype) -> None:
+    """Copy config.json byte for byte, unless the dtype changed (then only the dtype field changes)."""
+    if stored == target:
+        shutil.copyfile(src, dst)
+        return
+    cfg = json.loads(src.read_text())
+    name = str(target).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):
+        if key in cfg:
+            cfg[key] = name
+    dst.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

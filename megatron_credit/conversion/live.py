@@ -1,0 +1,163 @@
+"""HF weights in and out of a live, TP/PP-sharded megatron model (one rank's local state dict).
+
+* :func:`load_hf_into_local_state` fills a rank's parameters from HF tensors (used by the converter
+  and by the parity tests), slicing each full tensor to the rank's TP shard.
+* :func:`iter_hf_weight_buckets` is the weight-sync source of the rollout engines: it walks the HF
+  names in order, gathers each parameter over TP on the pipeline stage that owns it, broadcasts it over
+  PP, converts it to HF layout and yields size-bounded buckets of ``(hf_name, tensor)``. Every rank
+  yields the same buckets, so the engine may read them on any rank. At most one bucket plus one
+  gathered parameter is alive at a time.
+
+A rank's state dict numbers its decoder layers locally (0 .. layers_per_stage - 1); ``layer_offset``
+(the global index of its first layer, megatron's ``get_transformer_layer_offset``) is passed in.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from megatron_credit.conversion.base import Family, Kind, ModelDims
+from megatron_credit.conversion.streaming import expand_rules, rule_to_hf, rule_to_megatron
+from megatron_credit.conversion.transforms import TPLayout, pad_rows, tp_gather, tp_shard
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def uses_fused_norms(local_state: Mapping[str, Any]) -> bool:
+    """True for a Transformer Engine spec model (layer norms fused into linear_qkv / linear_fc1)."""
+    return any(k.endswith(".layer_norm_weight") for k in local_state)
+
+
+def parameter_names(local_state: Mapping[str, Any]) -> list[str]:
+    """The weight entries of a state dict (TE's ``_extra_state`` entries carry no weights)."""
+    return [k for k in local_state if not k.endswith("_extra_state")]
+
+
+def to_global_name(local_name: str, layer_offset: int) -> str:
+    """``decoder.layers.3.x`` on a stage whose first layer is 8 -> ``decoder.layers.11.x``."""
+    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", local_name)
+
+
+def to_local_name(global_name: str, layer_offset: int) -> str:
+    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) - layer_offset}.", global_name)
+
+
+@torch.no_grad()
+def load_hf_into_local_state(local_state: Mapping[str, torch.Tensor], get_hf: Callable[[str], torch.Tensor],
+                             family: Family, cfg: Any, *, tp_rank: int, tp_size: int, layer_offset: int) -> None:
+    """Copy HF tensors into this rank's parameters (in place), each sliced to its TP shard.
+
+    ``local_state`` maps local names to the live parameter tensors (``dict(model.named_parameters())``
+    or ``model.state_dict(keep_vars=True)``). The vocabulary is zero-padded to the model's rows.
+    A tied output layer on the last stage (PP > 1) is filled from the embedding. Every local parameter
+    must be filled: a leftover means the map and the model disagree.
+    """
+    dims = ModelDims.from_hf_config(cfg)
+    fused = uses_fused_norms(local_state)
+    local_names = set(parameter_names(local_state))
+    todo = set(local_names)
+    for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused):
+        targets = [to_local_name(name, layer_offset)]
+        if rule.megatron == "embedding.word_embeddings.weight" and dims.tie_word_embeddings:
+            targets.append("output_layer.weight")  # the last stage's copy of a tied head
+        targets = [t for t in targets if t in local_names]
+        if not targets:
+            continue
+        full = rule_to_megatron(rule, [get_hf(h) for h in hf_names], dims)
+        for t in targets:
+            dst = local_state[t]
+            if rule.kind is Kind.VOCAB:
+                full_rows = dst.shape[0] * tp_size
+                shard = tp_shard(pad_rows(full, full_rows), rule.tp, rank=tp_rank, size=tp_size)
+            else:
+                shard = tp_shard(full, rule.tp, rank=tp_rank, size=tp_size)
+            if shard.shape != dst.shape:
+                raise ValueError(f"{t}: converted shard {tuple(shard.shape)} != parameter {tuple(dst.shape)} "
+                                 f"(tp_rank={tp_rank}/{tp_size})")
+            dst.copy_(shard)
+            todo.discard(t)
+    if todo:
+        raise ValueError(f"parameters not filled from the HF checkpoint: {sorted(todo)[:5]}")
+
+
+def _plan(local_state: Mapping[str, torch.Tensor], layer_offset: int, pp_group) -> dict[str, tuple[int, tuple, Any]]:
+    """Global name -> (PP-group rank that owns it, full-ish local shape, dtype), agreed by all stages."""
+    import torch.distributed as dist
+
+    mine = {to_global_name(k, layer_offset): (tuple(local_state[k].shape), local_state[k].dtype)
+            for k in parameter_names(local_state)}
+    size = 1 if pp_group is None else dist.get_world_size(pp_group)
+    gathered: list = [mine] if size == 1 else [None] * size
+    if size > 1:
+        dist.all_gather_object(gathered, mine, group=pp_group)
+    plan: dict[str, tuple[int, tuple, Any]] = {}
+    for stage, names in enumerate(gathered):
+        for name, (shape, dtype) in names.items():
+            plan.setdefault(name, (stage, shape, dtype))  # first stage wins (tied heads live on both ends)
+    return plan
+
+
+def _gather_tp(t: torch.Tensor, layout, tp_group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    if size == 1:
+        return t
+    shards = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(shards, t.contiguous(), group=tp_group)
+    return tp_gather(shards, layout)
+
+
+@torch.no_grad()
+def iter_hf_weight_buckets(local_state: Mapping[str, torch.Tensor], family: Family, cfg: Any, *, tp_group=None,
+                           pp_group=None, layer_offset: int = 0,
+                           bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield lists of ``(hf_name, full tensor)`` whose total size is at most ``bucket_bytes``.
+
+    A single tensor larger than ``bucket_bytes`` is a bucket of its own. All ranks of the TP and PP
+    groups must call this together (it runs collectives); ``None`` groups mean size 1. Buckets are
+    in HF order (embedding, layers, final norm, head) and the same on every rank. Where no gather or
+    transform was needed (TP = PP = 1, norms) a yielded tensor *is* the parameter's memory: consume
+    (copy / send) a bucket before the next optimizer step. One model chunk per rank (no virtual PP).
+    """
+    import torch.distributed as dist
+
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    dims = ModelDims.from_hf_config(cfg)
+    fused = uses_fused_norms(local_state)
+    plan = _plan(local_state, layer_offset, pp_group)
+    pp_rank = 0 if pp_group is None else dist.get_rank(pp_group)
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    names = parameter_names(local_state)
+    device = local_state[names[0]].device if names else torch.device("cpu")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused):
+        if name not in plan:
+            raise ValueError(f"no pipeline stage holds {name!r}; is the model built for this config?")
+        owner, shape, dtype = plan[name]
+        if owner == pp_rank:
+            full = _gather_tp(local_state[to_local_name(name, layer_offset)], rule.tp, tp_group)
+        else:
+            full = torch.empty(_full_shape(shape, rule.tp, tp_size), dtype=dtype, device=device)
+        if pp_group is not None and dist.get_world_size(pp_group) > 1:
+            dist.broadcast(full, src=dist.get_global_rank(pp_group, owner), group=pp_group)
+        for hf_name, t in zip(hf_names, rule_to_hf(rule, full, dims), strict=True):
+            nbytes = t.numel() * t.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((hf_name, t))
+            size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _full_shape(local_shape: tuple, layout, tp_size: int) -> tuple:
+    if layout is TPLayout.REPLICATED or tp_size == 1:
+        return local_shape
+    dim = 1 if layout is TPLayout.COLS else 0
+    return tuple(s * tp_size if d == dim else s for d, s in enumerate(local_shape))

@@ -1,0 +1,30 @@
+"""Llama 3 / 3.1 / 3.2: the plain layout; ``attention_bias`` adds q/k/v/o biases, ``mlp_bias`` MLP biases.
+
+Llama-3 checkpoints set neither, but both flags exist in the HF config and are honoured here. The
+Llama-3 RoPE frequency scaling lives in the model config, not in the weights.
+"""
+from megatron_credit.conversion.base import (EMBEDDING, FC1_WEIGHT, FC2_WEIGHT, FINAL_NORM, INPUT_NORM, OUTPUT,
+                                             PRE_MLP_NORM, PROJ_WEIGHT, QKV_WEIGHT, Family, proj_bias, Kind, L, M, Rule,
+                                             qkv_bias, register_family)
+from megatron_credit.conversion.transforms import TPLayout
+
+
+def _attn_bias(cfg) -> bool:
+    return bool(getattr(cfg, "attention_bias", False))
+
+
+def _mlp_bias(cfg) -> bool:
+    return bool(getattr(cfg, "mlp_bias", False))
+
+
+FC1_BIAS = Rule(megatron=M + "mlp.linear_fc1.bias", hf=(L + "mlp.gate_proj.bias", L + "mlp.up_proj.bias"),
+                kind=Kind.GATE_UP, tp=TPLayout.GATED_ROWS, when=_mlp_bias)
+FC2_BIAS = Rule(megatron=M + "mlp.linear_fc2.bias", hf=(L + "mlp.down_proj.bias",),
+                kind=Kind.COPY, tp=TPLayout.REPLICATED, when=_mlp_bias)
+
+LLAMA = register_family(Family(
+    name="llama",
+    architectures=("LlamaForCausalLM",),
+    rules=(EMBEDDING, INPUT_NORM, QKV_WEIGHT, qkv_bias(when=_attn_bias), PROJ_WEIGHT, proj_bias(when=_attn_bias), PRE_MLP_NORM,
+           FC1_WEIGHT, FC1_BIAS, FC2_WEIGHT, FC2_BIAS, FINAL_NORM, OUTPUT),
+))

@@ -1,0 +1,78 @@
+"""Tiny HF configs per family and a streaming writer of random HF checkpoints (tests, benchmarks).
+
+Nothing here downloads: configs are built from ``transformers`` config classes, and random checkpoints
+are written tensor by tensor (shapes from a model instantiated on the ``meta`` device), so a ~1B model
+can be generated with one tensor in memory.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_credit.conversion.hf_io import ShardedSafetensorsWriter
+
+_ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def tiny_hf_config(family: str, **overrides: Any):
+    """A small random-init config of ``family`` (qwen2 / qwen3 / llama); GQA with 2 groups.
+
+    Qwen3 decouples head_dim from hidden / heads as the real models do (hidden 64, 4 heads of 32).
+    """
+    from transformers import AutoConfig
+
+    if family not in _ARCH:
+        raise ValueError(f"unknown family {family!r}; valid: {sorted(_ARCH)}")
+    kw: dict[str, Any] = dict(vocab_size=131, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                              rms_norm_eps=1e-6, tie_word_embeddings=False, architectures=[_ARCH[family]])
+    if family == "qwen3":
+        kw["head_dim"] = 32
+    if family == "llama":
+        kw["max_position_embeddings"] = 16384  # above the llama3 original_max_position_embeddings
+        kw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192}
+    else:
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    kw.update(overrides)
+    return AutoConfig.for_model(family, **kw)
+
+
+def hf_parameter_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """HF state-dict names and shapes of ``cfg``'s model, without allocating it."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if getattr(cfg, "tie_word_embeddings", False):
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def write_random_hf_checkpoint(cfg: Any, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,
+                               seed: int = 0, max_shard_bytes: int = 2 * 1024**3, std: float = 0.02) -> int:
+    """Write ``config.json`` and random safetensors shards for ``cfg``; returns the weight bytes.
+
+    Norm weights are ``1 + noise`` so that they are not all equal; everything else is N(0, std).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    writer = ShardedSafetensorsWriter(out, max_shard_bytes=max_shard_bytes)
+    for name, shape in hf_parameter_shapes(cfg).items():
+        t = torch.randn(shape, generator=gen, dtype=torch.float32) * std
+        if name.endswith("norm.weight"):
+            t += 1.0
+        writer.add(name, t.to(dtype))
+        del t
+    writer.close()
+    cfg_dict = cfg.to_dict()
+    cfg_dict["dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2, sort_keys=True) + "\n")
+    return writer.total_bytes
