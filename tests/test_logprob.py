@@ -129,6 +129,19 @@ def test_extreme_logits_are_stable():
     assert torch.isfinite(x.grad).all()
 
 
+def test_fp32_entropy_is_precise_for_large_offset_logits():
+    # Logits near 100 in fp32: H = lse - E_p[z] subtracts two ~100 numbers (ulp ~8e-6); the entropy must
+    # instead come from shifted logits, H = log S - E_p[z - m], precise to a few fp32 ulps of H itself.
+    logits, labels, _, _ = _data(4, 16, 257, seed=11)
+    logits32 = (logits + 100.0).float()
+    ref_logp, ref_ent = _reference(logits32.double(), labels)
+    for chunk_size in (5, 1024):
+        logp, ent = logprobs_and_entropy(logits32, labels, chunk_size=chunk_size)
+        assert ent.dtype == torch.float32
+        torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=2e-6)
+        torch.testing.assert_close(logp.double(), ref_logp, rtol=0, atol=3e-5)  # lse itself is ~100
+
+
 @pytest.mark.parametrize("chunk_size", [2, 5, 1024])
 def test_hidden_matches_reference(chunk_size):
     gen = torch.Generator().manual_seed(7)

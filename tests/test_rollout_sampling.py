@@ -137,3 +137,15 @@ def test_sample_rejects_misaligned_logprobs():
     with pytest.raises(ValueError, match="one per response token"):
         RolloutSample(prompt_ids=[1], response_ids=[2, 3], logprobs=torch.zeros(3), status=FinishStatus.STOPPED,
                       group_id=0, sample_index=0, logprobs_mode="raw")
+
+
+def test_greedy_processed_logprobs_ignore_top_k_and_top_p_as_vllm_does():
+    # vLLM's greedy path returns log-probs of the unfiltered, unscaled logits, whatever top-k/top-p say;
+    # the "hf" engine must report the same numbers so both engines honour one contract.
+    logits = torch.randn(5, 13, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    params = SamplingParams(temperature=0, top_k=3, top_p=0.4, logprobs_mode="processed")
+    tok, raw, processed = sample_step(logits, params=params, noise=None)
+    assert torch.equal(tok, logits.argmax(-1))
+    expected = torch.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
+    torch.testing.assert_close(raw, expected, rtol=0, atol=1e-12)
+    assert torch.equal(processed, raw)

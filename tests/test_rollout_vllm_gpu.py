@@ -33,7 +33,9 @@ def vllm_engine(tiny_model_dir):
     from megatron_credit.rollout.vllm_engine import VLLMRolloutEngine
 
     path, _ = tiny_model_dir
+    # Default multiprocess V1 engine: weight buckets travel as CUDA IPC handles.
     eng = VLLMRolloutEngine(model_path=str(path), gpu_memory_utilization=0.2, logprobs_mode="raw",
+                            weight_transfer="cuda_ipc", allow_insecure_serialization=True,
                             engine_kwargs={"enforce_eager": True, "max_model_len": 256})
     yield eng
     eng.close()
@@ -95,3 +97,9 @@ def test_vllm_rejects_raw_logprobs_at_other_temperatures(vllm_engine):
         vllm_engine.generate(PROMPTS, SamplingParams(temperature=0.7))
     with pytest.raises(ValueError, match="fixed per engine"):
         vllm_engine.generate(PROMPTS, SamplingParams(logprobs_mode="processed"))
+
+
+def test_vllm_overlong_prompt_fails_alone(vllm_engine):
+    batch = vllm_engine.generate([PROMPTS[0], [5] * 256, PROMPTS[2]], SamplingParams(temperature=0, max_new_tokens=4))
+    assert [s.status == FinishStatus.FAILED for s in batch.samples] == [False, True, False]
+    assert "256 tokens" in batch.samples[1].error and len(batch.samples[0].response_ids) == 4

@@ -7,10 +7,11 @@ ids ``[r * V_local, (r + 1) * V_local)``. For every token we need, over the *glo
     lse   = log sum_j exp(z_j)                        (= m + log sum_j exp(z_j - m), m = max_j z_j)
     logp  = z_y - lse                                 (y = the label)
     H     = -sum_j p_j log p_j = lse - sum_j p_j z_j  (p = softmax(z))
+          = log S - E_p[z - m]                        (S = sum_j exp(z_j - m); no cancellation at large |z|)
 
 Each needs only four per-token reductions over the vocabulary, which are all-reduced across TP:
-``max_j z_j`` (MAX), then ``sum_j exp(z_j - m)``, ``z_y`` (one rank holds it, the others add 0) and
-``sum_j exp(z_j - m) z_j`` (SUM, one collective for the three).
+``max_j z_j`` (MAX), then ``S``, ``z_y`` (one rank holds it, the others add 0) and
+``sum_j exp(z_j - m) (z_j - m)`` (SUM, one collective for the three).
 
 Gradients, with ``g`` and ``h`` the incoming gradients of ``logp`` and ``H`` (``d p_i / d z_j =
 p_i (delta_ij - p_j)``)::
@@ -109,19 +110,25 @@ def _local_labels(labels: torch.Tensor, vocab_start: int, vocab_local: int):
 def _forward_chunk(z, index, owned, group, compute_entropy):
     """Global statistics of one chunk of scaled logits ``z: [n, V_local]`` (a fresh buffer; consumed).
 
-    Returns ``logp, lse, mean_z: [n]`` (``mean_z = E_p[z]``, None without entropy).
+    Returns ``logp, lse, mean_z, ent: [n]`` (``mean_z = E_p[z]`` and ``ent = H``, None without entropy).
+    The entropy is ``log S - E_p[z - m]`` with ``S = sum_j exp(z_j - m)``: both terms are O(log V), so
+    it keeps fp32 precision when the logits are large (``lse - E_p[z]`` would cancel two ~|z| numbers).
     """
     m = z.max(dim=-1).values
     _all_reduce(m, dist.ReduceOp.MAX, group)
     z_y = z.gather(1, index.unsqueeze(1)).squeeze(1) * owned
-    e = (z - m.unsqueeze(1)).exp_()
+    zm = z.sub_(m.unsqueeze(1))  # z - m, in place: z is not needed afterwards
+    e = zm.exp()
     sums = [e.sum(dim=-1), z_y]
     if compute_entropy:
-        sums.append(e.mul_(z).sum(dim=-1))  # sum_j exp(z_j - m) z_j; e is not needed afterwards
+        sums.append(e.mul_(zm).sum(dim=-1))  # sum_j exp(z_j - m) (z_j - m)
     sums = _all_reduce(torch.stack(sums), dist.ReduceOp.SUM, group)
-    lse = m + sums[0].log()
-    mean_z = sums[2] / sums[0] if compute_entropy else None
-    return sums[1] - lse, lse, mean_z
+    log_s = sums[0].log()
+    lse = m + log_s
+    if not compute_entropy:
+        return sums[1] - lse, lse, None, None
+    mean_zm = sums[2] / sums[0]  # E_p[z - m]
+    return sums[1] - lse, lse, m + mean_zm, log_s - mean_zm
 
 
 def _grad_chunk(z, index, owned, lse, mean_z, g_logp, g_ent):
@@ -175,19 +182,20 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         logp = torch.empty(n, dtype=cdtype, device=logits.device)
         lse = torch.empty_like(logp)
         mean_z = torch.empty_like(logp) if compute_entropy else None
+        ent = torch.empty_like(logp) if compute_entropy else None
         for s, e in _chunk_bounds(n, chunk_size):
             # copy=True: z must be a fresh buffer even for fp32 input, it is overwritten below.
             z = _rows(logits, flat, s, e).to(cdtype, copy=True)
             if temperature != 1.0:
                 z.div_(temperature)
-            lp, ls, mz = _forward_chunk(z, index[s:e], owned[s:e], group, compute_entropy)
+            lp, ls, mz, h = _forward_chunk(z, index[s:e], owned[s:e], group, compute_entropy)
             logp[s:e], lse[s:e] = lp, ls
             if compute_entropy:
-                mean_z[s:e] = mz
+                mean_z[s:e], ent[s:e] = mz, h
         ctx.save_for_backward(logits, index, owned, lse, mean_z)
         ctx.chunk_size, ctx.temperature = chunk_size, temperature
         ctx.set_materialize_grads(False)
-        ent = (lse - mean_z).view(batch, seq) if compute_entropy else None
+        ent = ent.view(batch, seq) if compute_entropy else None
         return logp.view(batch, seq), ent
 
     @staticmethod
@@ -264,16 +272,17 @@ class _HiddenVocabParallelLogprobs(torch.autograd.Function):
         logp = torch.empty(n, dtype=cdtype, device=hidden.device)
         lse = torch.empty_like(logp)
         mean_z = torch.empty_like(logp) if compute_entropy else None
+        ent = torch.empty_like(logp) if compute_entropy else None
         for s, e in _chunk_bounds(n, chunk_size):
             z = _chunk_logits(hidden, flat, weight, s, e, cdtype, temperature)
-            lp, ls, mz = _forward_chunk(z, index[s:e], owned[s:e], group, compute_entropy)
+            lp, ls, mz, h = _forward_chunk(z, index[s:e], owned[s:e], group, compute_entropy)
             logp[s:e], lse[s:e] = lp, ls
             if compute_entropy:
-                mean_z[s:e] = mz
+                mean_z[s:e], ent[s:e] = mz, h
         ctx.save_for_backward(hidden, weight, index, owned, lse, mean_z)
         ctx.group, ctx.chunk_size, ctx.temperature = group, chunk_size, temperature
         ctx.set_materialize_grads(False)
-        ent = (lse - mean_z).view(batch, seq) if compute_entropy else None
+        ent = ent.view(batch, seq) if compute_entropy else None
         return logp.view(batch, seq), ent
 
     @staticmethod

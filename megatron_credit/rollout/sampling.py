@@ -111,14 +111,19 @@ def sample_step(
 
     logits: [R, V] float, the model's next-token logits; noise: [R, V] i.i.d. Exp(1) draws (ignored,
     and may be None, when greedy). Returns (tokens [R] int64, raw_logp [R], processed_logp [R]).
-    Greedy (temperature 0) takes the argmax and reports log-probs at temperature 1, as vLLM does.
+    Greedy (temperature 0) takes the argmax and reports log-probs at temperature 1 of the *unfiltered*
+    logits in both modes (processed == raw), as vLLM 0.11's greedy path does: top-k/top-p cannot change
+    the argmax, and vLLM computes greedy "processed" log-probs before applying them. Both engines thus
+    return the same numbers for the same greedy request.
     """
-    scaled = logits if params.greedy else logits / params.temperature
-    raw = torch.log_softmax(scaled, dim=-1)
-    processed = torch.log_softmax(filter_logits(scaled, top_k=params.top_k, top_p=params.top_p), dim=-1)
     if params.greedy:
-        tokens = processed.argmax(dim=-1)
+        raw = torch.log_softmax(logits, dim=-1)
+        tokens = raw.argmax(dim=-1)
+        processed = raw
     else:
+        scaled = logits / params.temperature
+        raw = torch.log_softmax(scaled, dim=-1)
+        processed = torch.log_softmax(filter_logits(scaled, top_k=params.top_k, top_p=params.top_p), dim=-1)
         # Gumbel-max: argmax(logp - log E) with E ~ Exp(1) is an exact draw from softmax(logp).
         tokens = (processed - noise.to(processed.dtype).clamp_min(1e-20).log()).argmax(dim=-1)
     pick = tokens.unsqueeze(-1)

@@ -54,7 +54,8 @@ class SamplingParams:
     logprobs_mode: str = "raw"
     """Which log-probs samples carry: "raw" = full-vocabulary ``log_softmax(logits / temperature)``
     (what the trainer recomputes); "processed" = after top-k/top-p filtering and renormalisation
-    (the distribution actually sampled from)."""
+    (the distribution actually sampled from). Greedy (temperature 0) reports the unfiltered
+    ``log_softmax(logits)`` in both modes, as vLLM does."""
 
     def __post_init__(self):
         if not self.temperature >= 0:

@@ -1,11 +1,13 @@
 """The vLLM rollout engine (GPU): colocated with the actor, weights synced as HF-named tensors.
 
-**Status: written against the documented API of vLLM 0.11.0 (V1 engine) and NOT run here** -- the
-machines this project was developed on have no GPU, and vLLM cannot be installed on them (it pins a
-CUDA build of torch). Its test (``tests/test_rollout_vllm_gpu.py``) is marked ``gpu``. The pieces that
-do not need vLLM -- translation of our ``SamplingParams`` into vLLM's and of vLLM's outputs into
-``RolloutSample`` -- are plain functions tested on CPU. Without vLLM, use the "hf" engine
-(:mod:`megatron_credit.rollout.hf_engine`), which also runs on CUDA.
+**Status: written against the documented API and source of vLLM 0.11.0 (V1 engine) and NEVER RUN
+here** -- neither the engine nor its worker extension has been executed with vLLM: the machines this
+project was developed on have no GPU, and vLLM cannot be installed on them (it pins a CUDA build of
+torch). Its test (``tests/test_rollout_vllm_gpu.py``) is marked ``gpu``. The pieces that do not need
+vLLM -- translation of our ``SamplingParams`` into vLLM's and of vLLM's outputs into ``RolloutSample``,
+the executor/weight-transfer checks, the prompt-length pre-check, and the IPC packing of weight
+buckets -- are plain functions tested on CPU (``tests/test_rollout_vllm_translate.py``). Without vLLM,
+use the "hf" engine (:mod:`megatron_credit.rollout.hf_engine`), which also runs on CUDA.
 
 The vLLM 0.11 API used, and what we rely on:
 
@@ -31,26 +33,57 @@ The vLLM 0.11 API used, and what we rely on:
   ``LLM.wake_up(tags=["weights"])`` then ``LLM.wake_up(tags=["kv_cache"])`` bring them back in two
   steps so that weights can be overwritten before the KV cache is re-allocated (less peak memory).
   ``level=2`` drops the weights too (use it when a full weight sync always follows).
-- Weight sync: ``LLM.collective_rpc("load_hf_weights", args=(bucket,))`` runs
+- Weight sync: ``LLM.collective_rpc(method, args=(payload,))`` runs a method of
   :class:`~megatron_credit.rollout.vllm_worker.WeightSyncExtension` on every TP worker, which calls
   vLLM's ``model.load_weights`` (it shards and fuses HF-named tensors itself); then
   ``LLM.reset_prefix_cache()`` so no KV computed with the old weights is reused. Unlike the "hf"
   engine, vLLM's loaders do not report parameters that no bucket covered, and skip (as another
-  pipeline stage's) names with a layer index beyond the model. With the default
-  multiprocess executor the bucket is pickled to the workers (a host copy); in-process executors
-  (TP = 1 with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or ``distributed_executor_backend=
-  "external_launcher"``) pass tensors by reference. A CUDA-IPC path is future work.
+  pipeline stage's) names with a layer index beyond the model. How the tensors travel
+  (``weight_transfer``, checked at construction by :func:`weight_transfer_env`):
+
+  * ``"cuda_ipc"`` (default; vLLM's default multiprocess V1 engine, any TP). ``collective_rpc`` sends
+    its arguments from this process to the engine-core process with vLLM's msgpack encoder, which
+    cannot carry tensors for us (CUDA tensors fail in ``.numpy()``; CPU tensors arrive as plain
+    lists). So each bucket is put on this process's GPU and sent as CUDA IPC handles from
+    ``torch.multiprocessing.reductions.reduce_tensor``, tagged with the GPU's uuid; each worker opens
+    them on its own ordinal of that GPU and loads them (no host copy) -- the approach of vLLM's
+    ``examples/offline_inference/rlhf_colocate.py`` / ``rlhf_utils.py``. Needs
+    ``allow_insecure_serialization=True``: the engine then sets ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+    (vLLM pickles the handles' function and class parts only with it; trusted single-node use only).
+    The actor and the vLLM workers must see the same physical GPUs.
+  * ``"in_process"``: ``v1_multiprocessing=False`` (the engine sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
+    and either TP = 1 with the default uniprocess executor, or ``engine_kwargs=
+    {"distributed_executor_backend": "external_launcher"}`` (one engine per torchrun rank). The
+    workers live in this process and tensors go by reference.
+
+  Both env vars are set in this process by the constructor, before vLLM starts (its engine-core and
+  worker processes inherit them); a conflicting value already in the environment is an error.
+- Prompts vLLM would reject (empty, or ``len >= max_model_len``, read from
+  ``LLM.llm_engine.model_config.max_model_len``) are not sent -- vLLM rejects the whole call for one --
+  and give FAILED samples, as in the "hf" engine.
+- Greedy (temperature 0): vLLM returns log-probs of the unscaled, unfiltered logits in both modes; so
+  does the "hf" engine (:func:`megatron_credit.rollout.sampling.sample_step`).
+- ``LLM.llm_engine.engine_core.shutdown()`` on close.
+
+Re-checked by reading (not running) vLLM's source, tests and examples through a code search: the
+``LLM`` methods above (``sleep``/``wake_up(tags)``/``reset_prefix_cache``/``collective_rpc``,
+``llm_engine.model_config``), the V1 sampler's ``logprobs_mode`` and greedy path, the decoder prompt-length
+validation (``len(prompt) >= max_model_len`` is rejected) and the RLHF colocate examples. The copies
+read were not all tagged 0.11.0 exactly; pin ``vllm==0.11.0`` and run ``tests/test_rollout_vllm_gpu.py``
+on a GPU before relying on this engine.
 """
 from __future__ import annotations
 
 import gc
+import os
 import secrets
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resolve_group_ids
 from megatron_credit.rollout.sampling import row_seed
 from megatron_credit.rollout.types import FinishStatus, RolloutBatch, RolloutSample, SamplingParams, SampleTimings
+from megatron_credit.rollout.vllm_worker import pack_ipc_bucket
 
 VLLM_API_VERSION = "0.11.0"
 """The vLLM release whose documented API this engine is written against."""
@@ -112,11 +145,96 @@ def completion_to_sample(
     )
 
 
+WEIGHT_TRANSFERS = ("cuda_ipc", "in_process")
+
+
+def weight_transfer_env(
+    weight_transfer: str,
+    *,
+    tensor_parallel_size: int,
+    v1_multiprocessing: bool,
+    allow_insecure_serialization: bool,
+    distributed_executor_backend: str | None,
+    environ: Mapping[str, str],
+) -> dict[str, str]:
+    """Check that ``weight_transfer`` can work with this executor setup; return the vLLM env vars it needs.
+
+    "cuda_ipc" needs vLLM's multiprocess V1 engine (IPC handles cannot be opened by the process that
+    made them) and ``allow_insecure_serialization`` (the handles go through vLLM's msgpack transport,
+    which pickles their function/class parts only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
+    "in_process" needs the workers inside this process: ``v1_multiprocessing=False`` and either TP = 1
+    with the default uniprocess executor, or ``distributed_executor_backend="external_launcher"`` (one
+    engine per torchrun rank). Raises ValueError, also when ``environ`` already sets one of the
+    variables to a conflicting value.
+
+    >>> weight_transfer_env("cuda_ipc", tensor_parallel_size=2, v1_multiprocessing=True,
+    ...     allow_insecure_serialization=True, distributed_executor_backend=None, environ={})
+    {'VLLM_ALLOW_INSECURE_SERIALIZATION': '1', 'VLLM_ENABLE_V1_MULTIPROCESSING': '1'}
+    """
+    if weight_transfer not in WEIGHT_TRANSFERS:
+        raise ValueError(f"weight_transfer must be one of {WEIGHT_TRANSFERS}, got {weight_transfer!r}")
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if v1_multiprocessing else "0"}
+    if weight_transfer == "cuda_ipc":
+        if not v1_multiprocessing or distributed_executor_backend == "external_launcher":
+            raise ValueError("weight_transfer='cuda_ipc' needs vLLM's multiprocess engine (v1_multiprocessing=True, "
+                             "no external_launcher): a process cannot open its own CUDA IPC handles. Use "
+                             "weight_transfer='in_process' for in-process executors")
+        if not allow_insecure_serialization:
+            raise ValueError("weight_transfer='cuda_ipc' sends torch IPC handles through vLLM's msgpack transport, "
+                             "which pickles them only with VLLM_ALLOW_INSECURE_SERIALIZATION=1: pass "
+                             "allow_insecure_serialization=True (trusted, single-node setups only)")
+        env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **env}
+    else:
+        if v1_multiprocessing:
+            raise ValueError("weight_transfer='in_process' passes tensors by reference and needs the vLLM workers "
+                             "in this process: pass v1_multiprocessing=False (sets VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        single = tensor_parallel_size == 1 and distributed_executor_backend in (None, "uni")
+        if not single and distributed_executor_backend != "external_launcher":
+            raise ValueError("weight_transfer='in_process' needs TP = 1 with the uniprocess executor, or "
+                             "distributed_executor_backend='external_launcher'; got tensor_parallel_size="
+                             f"{tensor_parallel_size}, distributed_executor_backend={distributed_executor_backend!r}")
+    for key, value in env.items():
+        if key in environ and environ[key] != value:
+            raise ValueError(f"the environment sets {key}={environ[key]!r}, but weight_transfer="
+                             f"{weight_transfer!r} with these arguments needs {value!r}")
+    return env
+
+
+def prompt_length_error(prompt: Sequence[int], max_model_len: int) -> str:
+    """Why vLLM would reject this prompt (it then rejects the whole ``generate`` call), or "".
+
+    A prompt needs at least one free position for a new token, as in the "hf" engine.
+
+    >>> prompt_length_error([1, 2, 3], 4), prompt_length_error([1, 2, 3, 4], 4)
+    ('', 'prompt of 4 tokens leaves no room in the model context (max_model_len 4)')
+    """
+    if len(prompt) == 0:
+        return "empty prompt (vLLM rejects it)"
+    if len(prompt) >= max_model_len:
+        return f"prompt of {len(prompt)} tokens leaves no room in the model context (max_model_len {max_model_len})"
+    return ""
+
+
+def failed_samples(prompt: Sequence[int], group_id: int, params: SamplingParams, error: str) -> list[RolloutSample]:
+    """The ``params.n`` FAILED samples of a prompt the engine could not run."""
+    import torch
+
+    return [
+        RolloutSample(prompt_ids=list(prompt), response_ids=[], logprobs=torch.zeros(0), status=FinishStatus.FAILED,
+                      group_id=group_id, sample_index=j, logprobs_mode=params.logprobs_mode, error=error)
+        for j in range(params.n)
+    ]
+
+
 @ROLLOUT_ENGINES.register("vllm")
 class VLLMRolloutEngine:
     """Rollout engine over ``vllm.LLM`` with sleep mode and in-memory weight sync (see module docstring).
 
     ``logprobs_mode`` ("raw" or "processed") is fixed per engine because vLLM fixes it per engine.
+    ``weight_transfer`` ("cuda_ipc" or "in_process"), ``v1_multiprocessing`` and
+    ``allow_insecure_serialization`` choose how weight buckets reach the workers; they are checked by
+    :func:`weight_transfer_env` before vLLM is imported, and the env vars it returns are set here, in
+    this process, before the engine (and its engine-core process, which inherits them) starts.
     ``engine_kwargs`` pass through to ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``,
     ``distributed_executor_backend``).
     """
@@ -132,12 +250,21 @@ class VLLMRolloutEngine:
         seed: int = 0,
         sleep_level: int = 1,
         load_format: str = "auto",
+        weight_transfer: str = "cuda_ipc",
+        v1_multiprocessing: bool = True,
+        allow_insecure_serialization: bool = False,
         engine_kwargs: dict[str, Any] | None = None,
     ):
         if logprobs_mode not in _VLLM_LOGPROBS_MODE:
             raise ValueError(f"logprobs_mode must be one of {sorted(_VLLM_LOGPROBS_MODE)}, got {logprobs_mode!r}")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        engine_kwargs = dict(engine_kwargs or {})
+        env = weight_transfer_env(
+            weight_transfer, tensor_parallel_size=tensor_parallel_size, v1_multiprocessing=v1_multiprocessing,
+            allow_insecure_serialization=allow_insecure_serialization,
+            distributed_executor_backend=engine_kwargs.get("distributed_executor_backend"), environ=os.environ,
+        )
         try:
             import vllm
         except ImportError as e:
@@ -146,15 +273,18 @@ class VLLMRolloutEngine:
                 f"{VLLM_API_VERSION}): pip install 'megatron-credit[gpu]' on a GPU machine, or use the "
                 "'hf' engine"
             ) from e
+        os.environ.update(env)  # vLLM reads these lazily, when the engine below starts
         self._vllm = vllm
         self.logprobs_mode = logprobs_mode
         self.sleep_level = sleep_level
+        self.weight_transfer = weight_transfer
         self._llm = vllm.LLM(
             model=model_path, skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep_mode=True,
             logprobs_mode=_VLLM_LOGPROBS_MODE[logprobs_mode], worker_extension_cls=WORKER_EXTENSION,
-            load_format=load_format, **(engine_kwargs or {}),
+            load_format=load_format, **engine_kwargs,
         )
+        self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
         # "awake", "asleep", or "weights" (weights on the GPU, KV cache not yet re-allocated).
         self._state = "awake"
         # Dummy weights, or weights dropped by level-2 sleep, must be overwritten before generating.
@@ -163,7 +293,11 @@ class VLLMRolloutEngine:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, *, group_ids: Sequence[int] | None = None
     ) -> RolloutBatch:
-        """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`."""
+        """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`.
+
+        Prompts vLLM would reject (empty, or no room in ``max_model_len``) give FAILED samples and are not
+        sent: vLLM rejects a whole ``generate`` call for one bad prompt.
+        """
         if self._state != "awake":
             raise RuntimeError("the engine is asleep: call wake_up() before generate()")
         if not self._weights_valid:
@@ -176,36 +310,56 @@ class VLLMRolloutEngine:
                              "(or 0) with logprobs_mode='raw', or logprobs_mode='processed'")
         gids = resolve_group_ids(len(prompts), group_ids)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
+        errors = [prompt_length_error(p, self.max_model_len) for p in prompts]
+        ok = [i for i, err in enumerate(errors) if not err]
         from vllm.inputs import TokensPrompt
 
         # One vLLM seed per prompt (vLLM derives the n samples of a request from it), kept within 31 bits.
-        sampling = [self._vllm.SamplingParams(**vllm_sampling_kwargs(params, seed=row_seed(seed, g, 0) >> 32))
-                    for g in gids]
+        sampling = [self._vllm.SamplingParams(**vllm_sampling_kwargs(params, seed=row_seed(seed, gids[i], 0) >> 32))
+                    for i in ok]
         start = time.perf_counter()
-        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sampling,
-                                     use_tqdm=False)
+        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i in ok], sampling,
+                                     use_tqdm=False) if ok else []
         wall = time.perf_counter() - start
-        samples = [
-            completion_to_sample(prompt, g, c, params, wall_s=wall)
-            for prompt, g, request in zip(prompts, gids, outputs)
-            for c in sorted(request.outputs, key=lambda c: c.index)
-        ]
+        by_prompt = dict(zip(ok, outputs))
+        samples: list[RolloutSample] = []
+        for i, (prompt, g) in enumerate(zip(prompts, gids)):
+            if errors[i]:
+                samples += failed_samples(prompt, g, params, errors[i])
+                continue
+            samples += [completion_to_sample(prompt, g, c, params, wall_s=wall)
+                        for c in sorted(by_prompt[i].outputs, key=lambda c: c.index)]
         return RolloutBatch(samples=samples, wall_s=wall)
 
     def update_weights(self, buckets: WeightBuckets) -> int:
-        """Load HF-named tensor buckets into every TP worker; returns the tensor count of rank 0."""
+        """Load HF-named tensor buckets into every TP worker; returns the tensor count of rank 0.
+
+        "cuda_ipc": each bucket is first put on this process's current GPU (a no-op for the actor's own
+        CUDA tensors), then sent as IPC handles; "in_process": tensors go by reference.
+        """
+        import torch
+
         if self._state == "asleep":
             self._llm.wake_up(tags=["weights"])
             self._state = "weights"
         count = 0
         for bucket in buckets:
-            bucket = [(name, t.detach().contiguous()) for name, t in bucket]
+            if self.weight_transfer == "cuda_ipc":
+                device = torch.device("cuda", torch.cuda.current_device())
+                tensors = [(name, t.detach().to(device).contiguous()) for name, t in bucket]
+                torch.cuda.current_stream(device).synchronize()  # the workers read this memory next
+                method, payload = "load_ipc_weights", pack_ipc_bucket(tensors)
+            else:
+                tensors = [(name, t.detach().contiguous()) for name, t in bucket]
+                method, payload = "load_hf_weights", tensors
             try:
-                count += self._llm.collective_rpc("load_hf_weights", args=(bucket,))[0]
-            except Exception as e:  # vLLM raises KeyError / AssertionError deep in its weight loaders
-                names = [n for n, _ in bucket]
-                raise ValueError(f"vLLM failed to load the weight bucket {names[:4]}{'...' if len(names) > 4 else ''}: "
-                                 f"{type(e).__name__}: {e}") from e
+                # Synchronous: ``tensors`` stay alive until every worker has copied them.
+                count += self._llm.collective_rpc(method, args=(payload,))[0]
+            except Exception as e:  # e.g. KeyError / AssertionError from vLLM's weight loaders, or transport
+                names = [n for n, _ in tensors]
+                raise ValueError(f"vLLM weight sync ({self.weight_transfer}, worker method {method}) failed for the "
+                                 f"bucket {names[:4]}{'...' if len(names) > 4 else ''}: {type(e).__name__}: {e}") from e
+            del tensors, payload
         self._llm.reset_prefix_cache()
         self._weights_valid = True
         return count

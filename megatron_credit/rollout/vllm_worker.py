@@ -1,32 +1,127 @@
-"""Worker-side half of the vLLM engine's weight sync: a vLLM ``worker_extension_cls``.
+"""Worker-side half of the vLLM engine's weight sync: a vLLM ``worker_extension_cls``, plus the pure
+packing of a bucket into CUDA IPC handles that both halves share.
 
-vLLM (>= 0.8, V1 engine) mixes this class into each of its GPU workers when the engine is built with
+vLLM (>= 0.8, V1 engine; written against 0.11.0) mixes :class:`WeightSyncExtension` into each of its
+GPU workers when the engine is built with
 ``worker_extension_cls="megatron_credit.rollout.vllm_worker.WeightSyncExtension"``; the driver then
-reaches its methods with ``LLM.collective_rpc(name, args=...)``, which runs them on every worker of
-the engine's tensor-parallel group. Each worker receives the full HF-named tensors of a bucket and
-hands them to vLLM's own ``model.load_weights``, whose per-parameter weight loaders cut the
-tensor-parallel shards and fuse q/k/v and gate/up -- so the actor never needs to know vLLM's layout.
+reaches its methods with ``LLM.collective_rpc(name, args=...)``, which runs them on every worker of the
+engine's tensor-parallel group. Each worker receives the full HF-named tensors of a bucket and hands them
+to vLLM's own ``model.load_weights``, whose per-parameter weight loaders cut the tensor-parallel shards
+and fuse q/k/v and gate/up -- so the actor never needs to know vLLM's layout.
 
-This module imports nothing from vLLM (and only torch) so that it can be imported, and its docstring
-tested, on machines without vLLM. NOT RUN on the CPU machines this was written on (see
-``megatron_credit.rollout.vllm_engine``).
+How a bucket reaches the workers (see ``megatron_credit.rollout.vllm_engine`` for when each applies):
+
+- ``load_ipc_weights`` (vLLM's default multiprocess V1 mode): tensors cannot travel as tensors -- vLLM's
+  msgpack transport copies CPU tensors to numpy (and the engine core decodes them as plain lists) and
+  rejects CUDA ones. As in vLLM's ``examples/offline_inference/rlhf_colocate.py``, the actor sends CUDA
+  IPC handles instead (:func:`pack_ipc_bucket`, from ``torch.multiprocessing.reductions.reduce_tensor``):
+  small picklable tuples; each worker maps the actor's GPU memory into its own process
+  (:func:`unpack_ipc_bucket`) -- no copy, no host round trip. The handles hold a function and torch
+  classes, which vLLM's transport only pickles with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+- ``load_hf_weights`` (in-process executors): tensors are passed by reference.
+
+This module imports nothing from vLLM (and only torch) so that it can be imported, and its packing
+tested, on machines without vLLM or CUDA. The worker methods were NOT RUN on the CPU machines this was
+written on.
 """
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+IPC_DEVICE_ARG = 6
+"""Position of ``storage_device`` (the CUDA ordinal, in the *sender's* numbering) in the arguments of
+``torch.multiprocessing.reductions.rebuild_cuda_tensor``; the receiver must replace it with its own
+ordinal of the same GPU (processes may see different ``CUDA_VISIBLE_DEVICES``)."""
+
+
+def cuda_device_uuid(index: int) -> str:
+    """A stable identity of a CUDA device across processes (the ordinal is not: it depends on
+    ``CUDA_VISIBLE_DEVICES``)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def pack_ipc_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """Actor side: one bucket of tensors, all on one device, as shareable handles.
+
+    Returns ``{"device_uuid": str | None, "tensors": [(name, rebuild_fn, rebuild_args), ...]}``; the
+    device uuid is None for CPU tensors (only useful in tests: CPU handles are shared memory).
+    The tensors must stay alive, and their producing kernels must be finished, until every receiver
+    has loaded them (``collective_rpc`` is synchronous, so: until it returns).
+
+    >>> packed = pack_ipc_bucket([("w", torch.ones(2, 3))])
+    >>> packed["device_uuid"], [name for name, _, _ in packed["tensors"]]
+    (None, ['w'])
+    """
+    devices = {t.device for _, t in bucket}
+    if len(devices) > 1:
+        raise ValueError(f"a weight bucket must lie on one device, got {sorted(map(str, devices))}")
+    device = next(iter(devices), torch.device("cpu"))
+    uuid = cuda_device_uuid(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else None
+    tensors = []
+    for name, t in bucket:
+        rebuild, args = reduce_tensor(t.detach())
+        tensors.append((name, rebuild, args))
+    return {"device_uuid": uuid, "tensors": tensors}
+
+
+def unpack_ipc_bucket(packed: dict[str, Any], *, device_index: int | None) -> list[tuple[str, torch.Tensor]]:
+    """Receiver side: rebuild the tensors of :func:`pack_ipc_bucket`.
+
+    ``device_index``: this process's CUDA ordinal of the GPU named by ``packed["device_uuid"]`` (None
+    for CPU handles). Tuples may arrive as lists (vLLM's msgpack transport turns them into lists);
+    both are accepted. Returns ``[(name, tensor)]`` viewing the sender's memory (no copy).
+    """
+    out = []
+    for name, rebuild, args in packed["tensors"]:
+        args = list(args)
+        if rebuild is rebuild_cuda_tensor:
+            if device_index is None:
+                raise ValueError(f"tensor {name!r} is a CUDA IPC handle: a device index is needed to open it")
+            args[IPC_DEVICE_ARG] = device_index
+        out.append((name, rebuild(*args)))
+    return out
+
+
+def local_device_index(uuid: str) -> int:
+    """This process's CUDA ordinal of the device with the given uuid (clear error when it is not visible)."""
+    for i in range(torch.cuda.device_count()):
+        if cuda_device_uuid(i) == uuid:
+            return i
+    raise RuntimeError(f"the actor's GPU {uuid} is not visible to this vLLM worker (CUDA_VISIBLE_DEVICES); "
+                       "CUDA IPC weight sync needs the actor and the engine on the same node and devices")
 
 
 class WeightSyncExtension:
     """Methods mixed into vLLM's GPU worker; ``self`` is the worker (``self.model_runner``, ``self.device``)."""
 
     def load_hf_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """Load one bucket of HF-named tensors into this worker's model; returns the tensor count."""
-        model = self.model_runner.model  # type: ignore[attr-defined]
+        """In-process executors: load one bucket of HF-named tensors (passed by reference)."""
         device = self.device  # type: ignore[attr-defined]
-        loaded = model.load_weights(weights=((name, t.to(device, non_blocking=True)) for name, t in named_tensors))
-        torch.cuda.synchronize(device)
+        return self._load(((name, t.to(device, non_blocking=True)) for name, t in named_tensors), len(named_tensors))
+
+    def load_ipc_weights(self, packed: dict[str, Any]) -> int:
+        """Multiprocess executors: load one bucket sent as CUDA IPC handles (:func:`pack_ipc_bucket`)."""
+        uuid = packed["device_uuid"]
+        weights = unpack_ipc_bucket(packed, device_index=None if uuid is None else local_device_index(uuid))
+        try:
+            return self._load(iter(weights), len(weights))
+        finally:
+            # Drop our mappings of the actor's memory before the actor frees or reuses it.
+            del weights
+            torch.cuda.empty_cache()
+
+    def _load(self, weights, count: int) -> int:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        loaded = model.load_weights(weights=weights)
+        device = torch.device(self.device)  # type: ignore[attr-defined]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         # vLLM returns the set of parameter names it filled (fused names, e.g. qkv_proj), or None.
-        return len(named_tensors) if loaded is None else len(loaded)
+        return count if loaded is None else len(loaded)
 
     def hf_weight_names(self) -> list[str]:
         """The worker model's own parameter names (vLLM naming), for diagnostics."""
