@@ -5,9 +5,12 @@
 DP groups and seeds every generator. The launcher's environment (torchrun's ``RANK`` etc.) is read by
 ``LaunchEnv.from_environ`` at the entry point only and passed in.
 
-CPU shims. megatron-core 0.16 assumes CUDA in a few places that the CPU tests and the demo reach.
+CPU shims. megatron-core assumes CUDA in a few places that the CPU tests and the demo reach.
 All work-arounds live in ``install_cpu_shims`` below, each naming the megatron-core line it works
-around, and are installed only when the backend is gloo on a machine without CUDA:
+around, and are installed only when the backend is gloo on a machine without CUDA. Their targets were
+checked in 0.16.1, 0.17.1, 0.18.2 and 0.19.2 (the CPU tests pass on each); ``cpu_shim_problems``
+re-checks them at install time, so a release that moves one fails loudly instead of silently not
+patching:
 
 1. RNG tracker: ``tensor_parallel/random.py`` ``CudaRNGStatesTracker.add/fork`` call
    ``torch.cuda.get_rng_state`` (so ``model_parallel_cuda_manual_seed`` fails); a generator-based
@@ -27,8 +30,17 @@ around, and are installed only when the backend is gloo on a machine without CUD
 Not shimmed (callers avoid them on CPU): sequence parallel (the local-spec ``WrappedTorchNorm``
 asserts ``not config.sequence_parallel``: refused in ``transformer_config_from_hf``), the distributed
 optimizer (refuses CPU tensors), ``clip_grad_by_total_norm_fp32`` (asserts CUDA tensors; use
-``torch.nn.utils.clip_grad_norm_``), megatron DDP (0.17+ calls ``torch.cuda.current_stream()``; on
-CPU gradients are summed with ``all_reduce_gradients``).
+``torch.nn.utils.clip_grad_norm_``), megatron DDP (0.17+ ``distributed/param_and_grad_buffer.py``
+calls ``torch.cuda.current_stream()``; on CPU gradients are summed with ``all_reduce_gradients``).
+
+megatron-core version differences handled here (supported: ``>=0.16.1,<0.20``):
+
+- 0.18+: ``import megatron.core`` imports triton (``__init__`` -> ``distributed/finalize_model_grads``
+  -> ``pipeline_parallel/schedules.py:27`` -> ``transformer/moe/paged_stash.py``), which megatron-core
+  does not declare and CPU torch wheels do not bring: setup.py declares it for Python >= 3.12 (the
+  only Pythons 0.17+ install on), and ``import_megatron_core`` names the cause when it is missing.
+- 0.18+: ``utils.get_batch_on_this_cp_rank`` takes a required ``is_hybrid_cp`` before ``cp_group``:
+  call ``get_batch_on_this_cp_rank`` here instead.
 """
 from __future__ import annotations
 
@@ -36,6 +48,7 @@ import contextlib
 import dataclasses
 import datetime
 import importlib
+import inspect
 import random
 import socket
 import types
@@ -102,6 +115,7 @@ def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
     group is created from ``launch`` (default: one process). Raises ``ValueError`` before creating
     any megatron group if the sizes do not fit the world size.
     """
+    import_megatron_core()
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
@@ -127,6 +141,41 @@ def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
     )
     set_seed(seed, on_cpu=on_cpu)
     return device
+
+
+def import_megatron_core():
+    """``import megatron.core``, naming the cause when it fails for want of triton (0.18+).
+
+    megatron-core 0.18.0+ imports triton at module scope on the unconditional import path
+    (``pipeline_parallel/schedules.py:27`` -> ``transformer/moe/paged_stash.py``; NVIDIA/Megatron-LM
+    PR #6891 proposes a guard) without declaring it; CUDA torch wheels bring triton, CPU ones do not.
+    """
+    try:
+        import megatron.core
+    except ModuleNotFoundError as e:
+        if e.name != "triton":
+            raise
+        raise ImportError(
+            "megatron-core >= 0.18 imports triton (pipeline_parallel/schedules.py -> "
+            "transformer/moe/paged_stash.py) but does not declare it, and CPU torch wheels do not "
+            "bring it: `pip install triton` (it imports without a GPU)") from e
+    return megatron.core
+
+
+def get_batch_on_this_cp_rank(batch: dict, *, cp_group=None) -> dict:
+    """megatron's ``utils.get_batch_on_this_cp_rank`` (load-balanced CP split) on every version.
+
+    megatron-core 0.18.0 inserted a required positional ``is_hybrid_cp`` before ``cp_group``
+    (``utils.py``: ``get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group=None,
+    hybrid_cp_group_func=None)``); 0.16 / 0.17 take ``(batch, cp_group=None)``. Plain (not hybrid)
+    CP is what we run, so ``is_hybrid_cp=False`` where the parameter exists.
+    """
+    from megatron.core import utils as mutils
+
+    fn = mutils.get_batch_on_this_cp_rank
+    if "is_hybrid_cp" in inspect.signature(fn).parameters:  # megatron-core >= 0.18
+        return fn(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return fn(batch, cp_group=cp_group)  # megatron-core 0.16 / 0.17
 
 
 def destroy(*, process_group: bool = False) -> None:
@@ -160,14 +209,29 @@ def set_seed(seed: int, *, on_cpu: bool) -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     tracker = CpuRNGStatesTracker()
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
-    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + _TP_SEED_OFFSET + tp_rank)
-    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + _EP_SEED_OFFSET + tp_rank)
+    for name, stream_seed in cpu_rng_stream_seeds(
+            seed, tp_rank=parallel_state.get_tensor_model_parallel_rank()).items():
+        tracker.add(name, stream_seed)
     # Shim 1: tensor_parallel/random.py initialize_rng_tracker() returns early once
-    # _CUDA_RNG_STATE_TRACKER_INITIALIZED is set, so get_cuda_rng_tracker() hands out this tracker.
+    # _CUDA_RNG_STATE_TRACKER_INITIALIZED is set, so get_cuda_rng_tracker() hands out this tracker
+    # (unchanged 0.16.1 - 0.19.2; 0.19 adds GTP-remat streams only when that axis is > 1, never here).
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    if mrandom.get_cuda_rng_tracker() is not tracker:
+        raise RuntimeError("megatron-core's tensor_parallel.random.get_cuda_rng_tracker() no longer "
+                           "returns _CUDA_RNG_STATE_TRACKER once _CUDA_RNG_STATE_TRACKER_INITIALIZED "
+                           "is set: the CPU RNG shim (megatron_credit.distributed) needs updating")
+
+
+def cpu_rng_stream_seeds(seed: int, *, tp_rank: int) -> dict[str, int]:
+    """The named RNG streams of shim 1 and their seeds: those of megatron's
+    ``model_parallel_cuda_manual_seed`` without expert parallelism (ep_rank 0, and the expert-TP rank
+    equals the TP rank because ``expert_tensor_parallel_size`` defaults to the TP size)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    return {mrandom._DATA_PARALLEL_RNG_TRACKER_NAME: seed,
+            mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME: seed + _TP_SEED_OFFSET + tp_rank,
+            mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME: seed + _EP_SEED_OFFSET + tp_rank}
 
 
 class CpuRNGStatesTracker:
@@ -275,13 +339,54 @@ _SHIMMED_MODULES = (
 _SHIMS_INSTALLED = False
 
 
+# Shim 1's targets in tensor_parallel/random.py (module attributes set or read by set_seed).
+_RNG_SHIM_ATTRIBUTES = ("_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
+                        "_DATA_PARALLEL_RNG_TRACKER_NAME", "_MODEL_PARALLEL_RNG_TRACKER_NAME",
+                        "_EXPERT_PARALLEL_RNG_TRACKER_NAME", "get_cuda_rng_tracker")
+
+
+def cpu_shim_problems() -> list[str]:
+    """What the CPU shims expect of the installed megatron-core but do not find (empty: all found).
+
+    Assigning to a module attribute never fails, so a release that renames one of these would leave
+    the shim silently inert; ``install_cpu_shims`` raises on any problem listed here instead.
+    """
+    problems = []
+    mrandom = importlib.import_module("megatron.core.tensor_parallel.random")
+    problems += [f"megatron.core.tensor_parallel.random.{a} is missing (shim 1)"
+                 for a in _RNG_SHIM_ATTRIBUTES if not hasattr(mrandom, a)]
+    for name in _SHIMMED_MODULES:
+        module = importlib.import_module(name)
+        if not isinstance(getattr(module, "torch", None), types.ModuleType):
+            problems.append(f"{name} has no module-level `torch` to redirect (shim 2)")
+    rotary = importlib.import_module("megatron.core.models.common.embeddings.rotary_pos_embedding")
+    rope_utils = importlib.import_module("megatron.core.models.common.embeddings.rope_utils")
+    for module, label in ((rotary, "rotary_pos_embedding"), (rope_utils, "rope_utils")):
+        fn = getattr(module, "get_pos_emb_on_this_cp_rank", None)
+        if fn is None:
+            problems.append(f"megatron.core.models.common.embeddings.{label}."
+                            "get_pos_emb_on_this_cp_rank is missing (shim 3)")
+        elif fn is not _pos_emb_on_this_cp_rank_cpu and \
+                list(inspect.signature(fn).parameters) != ["pos_emb", "seq_dim", "cp_group"]:
+            problems.append(f"{label}.get_pos_emb_on_this_cp_rank{inspect.signature(fn)} is not "
+                            "(pos_emb, seq_dim, cp_group) (shim 3)")
+    return problems
+
+
 def install_cpu_shims() -> None:
-    """Install shim 2 (idempotent). Shim 1 is installed by ``set_seed(on_cpu=True)``."""
+    """Install shims 2 and 3 (idempotent). Shim 1 is installed by ``set_seed(on_cpu=True)``.
+
+    Raises ``RuntimeError`` listing ``cpu_shim_problems()`` if megatron-core moved a target.
+    """
     global _SHIMS_INSTALLED
     if _SHIMS_INSTALLED:
         return
     if torch.cuda.is_available():
         raise RuntimeError("CPU shims must not be installed on a machine with CUDA")
+    problems = cpu_shim_problems()
+    if problems:
+        raise RuntimeError("megatron-core's CUDA-only code moved; the CPU shims in "
+                           "megatron_credit/distributed.py need updating:\n  " + "\n  ".join(problems))
     proxy = _TorchOnCpu()
     for name in _SHIMMED_MODULES:
         module = importlib.import_module(name)

@@ -44,7 +44,15 @@ def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool]
         from megatron_credit.models.cpu_attention import CpuContextParallelAttention
 
         spec = copy.deepcopy(spec)
-        spec.submodules.self_attention.submodules.core_attention = CpuContextParallelAttention
+        # 0.16.1 - 0.19.2: spec.submodules.self_attention.submodules is a SelfAttentionSubmodules
+        # dataclass and transformer/attention.py calls core_attention(config=, layer_number=,
+        # attn_mask_type=, attention_type=, cp_comm_type=, softmax_scale=, pg_collection=).
+        attention = getattr(getattr(spec.submodules, "self_attention", None), "submodules", None)
+        if not hasattr(attention, "core_attention"):
+            raise RuntimeError("megatron-core's local layer spec no longer has "
+                               "submodules.self_attention.submodules.core_attention: the CPU "
+                               "context-parallel attention cannot be placed (models/gpt.py)")
+        attention.core_attention = CpuContextParallelAttention
     return spec
 
 
