@@ -142,11 +142,26 @@ class AlgorithmSpec:
         if self.loss_agg_mode not in policy.AGG_MODES:
             raise ValueError(f"loss_agg_mode {self.loss_agg_mode!r} not in {list(policy.AGG_MODES)}")
 
+    @property
+    def agg_required_args(self) -> tuple[str, ...]:
+        """The ``aggregate_loss`` keywords the trainer must compute once per step for this algorithm
+        (e.g. Dr.GRPO's ``norm_length``, the fixed maximum response length)."""
+        return policy.AGG_REQUIRED_ARGS[self.loss_agg_mode]
+
+    def aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, **denominators: Any) -> torch.Tensor:
+        """:func:`~megatron_credit.losses.aggregation.aggregate_loss` in this algorithm's mode, refusing
+        to run without every argument of :attr:`agg_required_args` (no silently local denominators)."""
+        missing = [k for k in self.agg_required_args if denominators.get(k) is None]
+        if missing:
+            raise ValueError(f"loss_agg_mode {self.loss_agg_mode!r} needs {missing}")
+        return policy.aggregate_loss(per_token, mask, mode=self.loss_agg_mode, **denominators)
+
 
 ALGORITHMS: Registry[AlgorithmSpec] = Registry("algorithm")
 for _name, _spec in {
     "grpo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="ppo", loss_agg_mode="seq-mean-token-mean"),
     "dapo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="dapo", loss_agg_mode="token-mean"),
+    # Dr.GRPO divides by a fixed L: spec.aggregate(...) requires norm_length (see agg_required_args).
     "dr_grpo": AlgorithmSpec(advantage_estimator="dr_grpo", policy_loss="ppo",
                              loss_agg_mode="seq-mean-token-sum-norm"),
     "rloo": AlgorithmSpec(advantage_estimator="rloo", policy_loss="ppo", loss_agg_mode="token-mean"),

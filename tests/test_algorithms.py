@@ -73,3 +73,20 @@ def test_policy_losses_compute_what_they_name():
     assert torch.equal(fipo, dapo)  # GRPO/DAPO is FIPO with all weights 1
     gspo, _ = POLICY_LOSSES.get("gspo")(logp, old, adv, x.response_mask)
     assert gspo.shape == (6, 5) and torch.isfinite(gspo).all()
+
+
+def test_specs_require_their_aggregation_arguments():
+    # Dr.GRPO divides by a fixed length L: its spec refuses to aggregate without norm_length.
+    spec = ALGORITHMS.get("dr_grpo")
+    assert spec.agg_required_args == ("global_num_seqs", "norm_length")
+    l = torch.randn(3, 4, dtype=torch.float64)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="norm_length"):
+        spec.aggregate(l, mask, global_num_seqs=3)
+    assert torch.equal(spec.aggregate(l, mask, global_num_seqs=3, norm_length=8), l.sum() / 24)
+    with pytest.raises(ValueError, match="seq_num_tokens"):
+        ALGORITHMS.get("grpo").aggregate(l, mask, global_num_seqs=3)
+    with pytest.raises(ValueError, match="global_num_tokens"):
+        ALGORITHMS.get("dapo").aggregate(l, mask)
+    for name in ALGORITHMS:
+        assert ALGORITHMS.get(name).agg_required_args  # every mode names its denominators

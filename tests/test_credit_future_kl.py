@@ -1,4 +1,5 @@
 """future_kl / fipo_weights against loop references from DESIGN.md's formulas; CP = 2, 4 on gloo."""
+import importlib
 import math
 
 import pytest
@@ -32,7 +33,26 @@ def make_batch(b, t, seed, *, packed=False, dtype=torch.float64):
             n = min(lengths[i], t)
             start = int(torch.randint(0, t - n + 1, (1,), generator=g))
             mask[i, start:start + n] = True
+    # A *valid* token with log-ratio -25: the clamp to -20 changes F there (tokens above log c are
+    # excluded by M, so only the lower clamp is observable in F).
+    row = next((i for i in range(b) if mask[i].sum() >= 2), None)
+    if row is not None:
+        p = int(mask[row].nonzero()[0, 0])
+        old[row, p] = logp[row, p] + 25.0
     return logp, old, mask
+
+
+def nan_padded(logp, old, mask, seed=0):
+    """The same batch with padding that would poison a multiply-by-mask: logp = old = -inf (their
+    difference is NaN), NaN, or +inf at masked positions."""
+    g = torch.Generator().manual_seed(seed)
+    logp, old = logp.clone(), old.clone()
+    kind = torch.randint(0, 3, logp.shape, generator=g)
+    pad = ~mask
+    for k, (a, b) in enumerate([(-math.inf, -math.inf), (math.nan, math.nan), (math.inf, -math.inf)]):
+        sel = pad & (kind == k)
+        logp[sel], old[sel] = a, b
+    return logp, old
 
 
 def future_kl_reference(logp, old, mask, *, tau, c, packed):
@@ -65,6 +85,61 @@ def test_future_kl_matches_loop(packed, t, k, tau):
         torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 
+def test_log_ratio_clamp_is_exercised(monkeypatch):
+    # make_batch puts a valid token with log-ratio -25; without the clamp F differs there.
+    fk = importlib.import_module("megatron_credit.credit.future_kl")  # the package re-exports the function
+
+    logp, old, mask = make_batch(5, 40, seed=3)
+    assert ((logp - old)[mask] < -20).any()
+    ref = future_kl_reference(logp, old, mask, tau=8.0, c=3.0, packed=False)
+    torch.testing.assert_close(future_kl(logp, old, mask, tau=8.0, dual_clip_c=3.0), ref,
+                               rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(fk, "LOG_RATIO_CLAMP", 1e6)
+    assert not torch.allclose(future_kl(logp, old, mask, tau=8.0, dual_clip_c=3.0), ref)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_nan_and_inf_padding_do_not_leak(packed, dtype):
+    logp, old, mask = make_batch(6, 70, seed=5, packed=packed, dtype=dtype)
+    bad_lp, bad_old = nan_padded(logp, old, mask)
+    assert torch.isnan(bad_lp - bad_old).any()
+    for k in (8, 128):
+        clean = future_kl(logp, old, mask, tau=8.0, dual_clip_c=3.0, chunk_size=k, packed=packed)
+        got = future_kl(bad_lp, bad_old, mask, tau=8.0, dual_clip_c=3.0, chunk_size=k, packed=packed)
+        assert torch.equal(got, clean)
+    adv = torch.randn(6, 70, dtype=dtype)
+    bad_adv = adv.masked_fill(~mask, math.nan)
+    w_clean, m_clean = fipo_weights(logp, old, adv, mask, tau=8.0, clip=(0.8, 1.2), dual_clip_c=3.0,
+                                    packed=packed)
+    w, metrics = fipo_weights(bad_lp, bad_old, bad_adv, mask, tau=8.0, clip=(0.8, 1.2), dual_clip_c=3.0,
+                              packed=packed)
+    assert torch.equal(w, w_clean) and torch.isfinite(w).all()
+    for name, value in m_clean.items():
+        assert torch.equal(metrics[name], value), name
+    keep = multi_dual_clip_keep(bad_lp, bad_old, bad_adv, mask, dual_clip_c=3.0)
+    assert torch.equal(keep, multi_dual_clip_keep(logp, old, adv, mask, dual_clip_c=3.0))
+
+
+def test_safety_thresh_is_separate_from_dual_clip_c():
+    # ratio e**1.5 = 4.48: above safety_thresh = 4 but below c = 10, so the token is in the future sum
+    # (F > 0, f > 1) and, with A < 0, capped at 1 only by the separate safety threshold.
+    logp = torch.tensor([[0.0, 0.0, 0.0]], dtype=torch.float64)
+    old = torch.tensor([[-1.5, -1.5, -1.5]], dtype=torch.float64)
+    adv = torch.tensor([[-1.0, 1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    w_default, _ = fipo_weights(logp, old, adv, mask, tau=4.0, clip=(1.0, 1.2), dual_clip_c=10.0)
+    w, metrics = fipo_weights(logp, old, adv, mask, tau=4.0, clip=(1.0, 1.2), dual_clip_c=10.0,
+                              safety_thresh=4.0)
+    assert torch.equal(w_default, torch.full((1, 3), 1.2, dtype=torch.float64))
+    assert torch.equal(w, torch.tensor([[1.0, 1.2, 1.0]], dtype=torch.float64))
+    assert float(metrics["frac_dual_capped"]) == 2 / 3 and float(metrics["frac_dual_masked"]) == 0.0
+    ref = fipo_reference(logp, old, adv, mask, tau=4.0, clip=(1.0, 1.2), c=10.0, safety=4.0)
+    assert torch.equal(w, ref)
+    with pytest.raises(ValueError, match="safety_thresh"):
+        fipo_weights(logp, old, adv, mask, safety_thresh=0.0)
+
+
 def test_future_kl_float32_and_interior_mask_semantics():
     logp, old, mask = make_batch(4, 200, seed=1)
     ref = future_kl_reference(logp, old, mask, tau=32.0, c=10.0, packed=False)
@@ -94,7 +169,7 @@ def test_zero_length_batch_and_bad_args():
         fipo_weights(z, z, z, z.bool(), clip=(1.2, 1.0))
 
 
-def fipo_reference(logp, old, adv, mask, *, tau, clip, c):
+def fipo_reference(logp, old, adv, mask, *, tau, clip, c, safety=None):
     f = future_kl_reference(logp, old, mask, tau=tau, c=c, packed=False)
     w = torch.ones_like(f)
     b, t = f.shape
@@ -104,7 +179,7 @@ def fipo_reference(logp, old, adv, mask, *, tau, clip, c):
                 continue
             v = min(max(math.exp(f[i, s]), clip[0]), clip[1])
             ratio = math.exp(min(max(float(logp[i, s] - old[i, s]), -20), 20))
-            if adv[i, s] < 0 and ratio > c:
+            if adv[i, s] < 0 and ratio > (c if safety is None else safety):
                 v = min(v, 1.0)
             w[i, s] = v
     return w
@@ -152,11 +227,17 @@ def test_masked_summary_empty_and_single():
 
 
 def test_multi_dual_clip_keep():
-    logp = torch.zeros(3, 4, dtype=torch.float64)
-    old = torch.tensor([[0.0, 0, 0, 0], [-3, 0, 0, 0], [-3, -3, 0, 0]], dtype=torch.float64)
-    mask = torch.ones(3, 4, dtype=torch.bool)
-    keep = multi_dual_clip_keep(logp, old, mask, dual_clip_c=10.0)  # exp(3) = 20 > 10
-    assert keep.tolist() == [True, True, False]
+    logp = torch.zeros(5, 4, dtype=torch.float64)
+    old = torch.tensor([[0.0, 0, 0, 0], [-3, 0, 0, 0], [-3, -3, 0, 0], [-3, -3, -3, 0], [-3, 0, 0, -3]],
+                       dtype=torch.float64)                                   # exp(3) = 20 > c = 10
+    adv = -torch.ones(5, 4, dtype=torch.float64)
+    adv[3, :2] = 1.0     # ratio > c but A > 0: the dual clip is not active, not counted
+    mask = torch.ones(5, 4, dtype=torch.bool)
+    mask[4, 3] = False   # a masked clipped token is not counted
+    keep = multi_dual_clip_keep(logp, old, adv, mask, dual_clip_c=10.0)
+    assert keep.tolist() == [True, True, False, True, True]
+    keep = multi_dual_clip_keep(logp, old, adv, mask, dual_clip_c=10.0, max_dual_clipped=0)
+    assert keep.tolist() == [True, False, False, False, False]
 
 
 # ---------------------------------------------------------------------------- context parallel (gloo)
@@ -187,6 +268,35 @@ def _cp_future_kl_worker(cases):
                                 cp_group=groups[cp], packed=packed)
             out.append((cp, r, f, w))
     return out
+
+
+def _cp_multi_dual_clip_worker(logp, old, adv, mask):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    g = dist.new_group([0, 1])
+    dist.new_group([2, 3])  # every rank must call new_group for every group
+    if rank > 1:
+        return None
+    args = [cp_shard(v, 2, rank) for v in (logp, old, adv, mask)]
+    return (multi_dual_clip_keep(*args, dual_clip_c=10.0, cp_group=g),
+            multi_dual_clip_keep(*args, dual_clip_c=10.0))
+
+
+def test_multi_dual_clip_keep_counts_whole_response_under_cp(pool):
+    # T = 8 at CP = 2: rank 0 holds positions 0-1 and 6-7, rank 1 holds 2-5. Row 0 has one clipped token
+    # on each rank (2 in all: dropped, though each rank alone sees 1); row 1 has one in all (kept).
+    logp = torch.zeros(2, 8, dtype=torch.float64)
+    old = torch.zeros(2, 8, dtype=torch.float64)
+    old[0, 0] = old[0, 3] = old[1, 7] = -3.0
+    adv = -torch.ones(2, 8, dtype=torch.float64)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    assert multi_dual_clip_keep(logp, old, adv, mask, dual_clip_c=10.0).tolist() == [False, True]
+    results = pool.run(_cp_multi_dual_clip_worker, logp, old, adv, mask)
+    for rank in (0, 1):
+        with_cp, local = results[rank]
+        assert with_cp.tolist() == [False, True]
+        assert local.tolist() == [True, True]  # what a rank would wrongly decide from its share alone
 
 
 @pytest.fixture(scope="module")

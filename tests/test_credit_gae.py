@@ -39,6 +39,30 @@ def comp_gae_reference(r, v, kappa, mask, lam):
     return adv * m, (adv + v) * m
 
 
+def gae_reference(r, v, mask, gamma, lam):
+    """Textbook GAE per response, written independently of Comp-GAE: for each maximal run of valid
+    tokens [s, e), delta_t = r_t + gamma V_{t+1} [t+1 < e] - V_t and A_t = sum_l (gamma lam)^l delta_{t+l}
+    within the run."""
+    b, t = r.shape
+    adv = torch.zeros(b, t, dtype=torch.float64)
+    for i in range(b):
+        s = 0
+        while s < t:
+            if not mask[i, s]:
+                s += 1
+                continue
+            e = s
+            while e < t and mask[i, e]:
+                e += 1
+            delta = [float(r[i, u]) + (gamma * float(v[i, u + 1]) if u + 1 < e else 0.0) - float(v[i, u])
+                     for u in range(s, e)]
+            for u in range(s, e):
+                adv[i, u] = sum((gamma * lam) ** (w - u) * delta[w - s] for w in range(u, e))
+            s = e
+    m = mask.double()
+    return adv, (adv + v) * m
+
+
 @pytest.mark.parametrize("t,k", [(1, 128), (2, 2), (37, 4), (300, 128), (1000, 16)])
 def test_comp_gae_matches_loop(t, k):
     r, v, kappa, mask = make_batch(5, t, seed=t)
@@ -52,12 +76,38 @@ def test_comp_gae_matches_loop(t, k):
 def test_gae_matches_loop_and_is_comp_gae_with_constant_gate(gamma, lam):
     r, v, _, mask = make_batch(6, 120, seed=3)
     adv, ret = gae(r, v, mask, gamma=gamma, lam=lam)
-    ref_adv, ref_ret = comp_gae_reference(r, v, torch.full_like(v, gamma), mask, lam)
+    # gae is implemented through comp_gae, so it is checked against the independent textbook loop.
+    ref_adv, ref_ret = gae_reference(r, v, mask, gamma, lam)
     torch.testing.assert_close(adv, ref_adv, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(ret, ref_ret, rtol=1e-12, atol=1e-12)
+    # ... and the Comp-GAE loop reference with a constant gate agrees with it.
+    cg_adv, cg_ret = comp_gae_reference(r, v, torch.full_like(v, gamma), mask, lam)
+    torch.testing.assert_close(cg_adv, ref_adv, rtol=1e-12, atol=1e-12)
     # The reduction from the CompPO paper: a constant gate gamma is GAE, bit for bit.
     c_adv, c_ret = comp_gae(r, v, torch.full_like(v, gamma), mask, lam=lam)
     assert torch.equal(c_adv, adv) and torch.equal(c_ret, ret)
+
+
+@pytest.mark.parametrize("k", [4, 128])
+def test_nan_and_inf_padding_do_not_leak(k):
+    r, v, kappa, mask = make_batch(6, 90, seed=17)
+    mask[5, 40:50] = False  # a masked gap inside a row: two responses
+    g = torch.Generator().manual_seed(1)
+    kind = torch.randint(0, 3, mask.shape, generator=g)
+    pads = [math.nan, math.inf, -math.inf]
+    bad = [x.clone() for x in (r, v, kappa)]
+    for x in bad:
+        for j, val in enumerate(pads):
+            x[~mask & (kind == j)] = val
+    clean_adv, clean_ret = comp_gae(r * mask, v, kappa, mask, lam=0.9, chunk_size=k)
+    adv, ret = comp_gae(*bad, mask, lam=0.9, chunk_size=k)
+    assert torch.equal(adv, clean_adv) and torch.equal(ret, clean_ret)
+    ref_adv, ref_ret = comp_gae_reference(r * mask, v, kappa, mask, 0.9)
+    torch.testing.assert_close(adv, ref_adv, rtol=1e-12, atol=1e-12)
+    g_adv, g_ret = gae(bad[0], bad[1], mask, gamma=0.99, lam=0.9, chunk_size=k)
+    ref_adv, ref_ret = gae_reference(r * mask, v, mask, 0.99, 0.9)
+    torch.testing.assert_close(g_adv, ref_adv, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(g_ret, ref_ret, rtol=1e-12, atol=1e-12)
 
 
 def test_gae_textbook_case():

@@ -43,6 +43,20 @@ def test_constant_coefficient_matches_loop(t, k, gamma):
                                rtol=1e-12, atol=1e-10)
 
 
+@pytest.mark.parametrize("k", [64, 128])
+def test_constant_path_at_large_chunk_matches_loop(k):
+    # On CPU the public call caps the constant path's K at 32; the K used on CUDA is tested directly.
+    from megatron_credit.credit import scan
+
+    assert scan.constant_chunk_size(k, torch.device("cpu")) == 32
+    assert scan.constant_chunk_size(k, torch.device("cuda")) == k
+    for t in (1, 100, 4100):
+        x, _ = random_case(3, t, seed=t + k)
+        for gamma in (0.0, 2 ** (-1 / 32), 1.0):
+            torch.testing.assert_close(scan._scan_constant(x, gamma, k), loop_reference(x, gamma),
+                                       rtol=1e-12, atol=1e-12)
+
+
 def test_float32_close_to_float64():
     x, a = random_case(4, 3000, seed=5, dtype=torch.float64)
     a = a.clamp(max=0.999)
@@ -94,6 +108,42 @@ def test_gradients_flow_through_constant_scan():
     (reverse_linear_scan(x, 0.9, chunk_size=16) * w).sum().backward()
     g_ref = loop_reference(w.flip(1), 0.9).flip(1)  # the transpose of a constant scan is a forward scan
     torch.testing.assert_close(x.grad, g_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_tables_first_built_under_inference_mode_serve_differentiable_calls():
+    from megatron_credit.credit import scan
+
+    scan._constant_tables.cache_clear()
+    gamma = 0.123456789  # a value no other test uses
+    x = torch.randn(2, 40, dtype=torch.float64)
+    with torch.inference_mode():
+        y_inf = reverse_linear_scan(x, gamma, chunk_size=8)
+    xg = x.clone().requires_grad_(True)
+    y = reverse_linear_scan(xg, gamma, chunk_size=8)  # reuses the cached tables, saved for backward
+    y.sum().backward()
+    torch.testing.assert_close(y.detach(), y_inf, rtol=0, atol=0)
+    torch.testing.assert_close(y.detach(), loop_reference(x, gamma), rtol=1e-12, atol=1e-12)
+    # d(sum_t y_t)/dx_u = sum_{t<=u} gamma**(u-t)
+    ref_grad = torch.tensor([sum(gamma ** (u - t) for t in range(u + 1)) for u in range(40)], dtype=torch.float64)
+    torch.testing.assert_close(xg.grad, ref_grad.expand(2, 40), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_cuda_float32_constant_scan_is_not_tf32():
+    # TF32 in the constant-decay matmul would give ~1e-3 absolute error at T = 20480; the CUDA path does
+    # that matmul in float64, so float32 inputs match the float64 result to float32 rounding.
+    old_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # the setting that would hurt
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 20480, generator=g, dtype=torch.float64) * 0.3
+        gamma = 2 ** (-1 / 32)
+        ref = reverse_linear_scan(x, gamma)  # CPU float64
+        for k in (32, 128):
+            got = reverse_linear_scan(x.float().cuda(), gamma, chunk_size=k).cpu().double()
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=5e-5)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old_tf32
 
 
 def test_bad_inputs_raise():

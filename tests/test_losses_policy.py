@@ -63,11 +63,46 @@ def test_ppo_clip_loss_matches_loop(el, eh, c):
         "approx_kl": (r - 1 - torch.log(r)).mean(),
     }
     for k, v in expect.items():
-        torch.testing.assert_close(metrics[k].double(), v, rtol=1e-6, atol=1e-12, msg=k)
+        if k == "approx_kl":  # expm1(lr) - lr vs r - 1 - log r: equal up to float64 rounding
+            torch.testing.assert_close(metrics[k], v, rtol=1e-12, atol=1e-15, msg=k)
+        else:  # fractions: the same count over the same denominator, exactly
+            assert torch.equal(metrics[k], v), k
         assert not metrics[k].requires_grad
     assert expect["clipfrac_low"] > 0 and expect["clipfrac_high"] > 0
     if c:
         assert expect["clipfrac_dual"] > 0
+
+
+def _pad_with_nan(logp, old, adv, mask):
+    """Padding that poisons multiply-by-mask: logp = old = -inf (log-ratio NaN), NaN advantages."""
+    bad = [x.clone() for x in (logp, old, adv)]
+    bad[0][~mask] = -math.inf
+    bad[1][~mask] = -math.inf
+    bad[2][~mask] = math.nan
+    return bad
+
+
+@pytest.mark.parametrize("name", ["ppo", "gspo", "fipo"])
+def test_nan_padding_does_not_leak_into_loss_grad_or_metrics(name):
+    logp, old, adv, mask = make_batch(6, 40, seed=31)
+    if name == "gspo":
+        old = logp + 0.02 * torch.randn_like(logp)
+    bad_lp, bad_old, bad_adv = _pad_with_nan(logp, old, adv, mask)
+    isw, _ = truncated_is_weights(old, old + 0.3 * torch.randn_like(old), mask, cap=1.2)
+    bad_isw = isw.masked_fill(~mask, math.nan)
+    fn = {"ppo": ppo_clip_loss, "gspo": gspo_loss, "fipo": fipo_policy_loss}[name]
+    outs = []
+    for lp0, ol, a, w in ((logp, old, adv, isw), (bad_lp, bad_old, bad_adv, bad_isw)):
+        lp = lp0.clone().requires_grad_(True)
+        loss, metrics = fn(lp, ol, a, mask, is_weights=w)
+        agg = aggregate_loss(loss, mask, mode="token-mean")
+        agg.backward()
+        outs.append((loss.detach(), agg.detach(), lp.grad, metrics))
+    (loss, agg, grad, metrics), (bloss, bagg, bgrad, bmetrics) = outs
+    assert torch.isfinite(bloss).all() and torch.isfinite(bgrad).all()
+    assert torch.equal(bloss, loss) and torch.equal(bagg, agg) and torch.equal(bgrad, grad)
+    for k, v in metrics.items():
+        assert torch.equal(bmetrics[k], v), k
 
 
 def test_dual_clip_requires_c_above_one():
@@ -148,13 +183,34 @@ def aggregate_reference(l, mask, mode, n_tok, n_seq, length):
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_aggregate_matches_loop(mode):
     _, _, l, mask = make_batch(7, 25, seed=1)
-    got = aggregate_loss(l, mask, mode=mode)
+    got = aggregate_loss(l, mask, mode=mode, norm_length=25)
     ref = aggregate_reference(l, mask, mode, int(mask.sum()), 7, 25)
     assert abs(float(got) - ref) < 1e-12
-    got = aggregate_loss(l, mask, mode=mode, global_num_tokens=1000, global_num_seqs=40, norm_length=64)
+    got = aggregate_loss(l, mask, mode=mode, global_num_tokens=1000, global_num_seqs=40, norm_length=64,
+                         seq_num_tokens=mask.sum(-1))
     assert abs(float(got) - aggregate_reference(l, mask, mode, 1000, 40, 64)) < 1e-12
     with pytest.raises(ValueError, match="valid modes"):
         aggregate_loss(l, mask, mode="sum")
+    # Padding that would poison a multiply-by-mask does not reach the reduction.
+    bad = l.masked_fill(~mask, math.nan)
+    assert torch.equal(aggregate_loss(bad, mask, mode=mode, norm_length=25), aggregate_loss(
+        l, mask, mode=mode, norm_length=25))
+
+
+def test_aggregate_refuses_defaults_that_scale_with_cp():
+    # Under CP a rank's T is T_global / cp and its mask.sum(-1) is part of each row: defaults built on
+    # them would scale the loss by cp. They are refused instead of guessed.
+    _, _, l, mask = make_batch(4, 12, seed=2)
+    with pytest.raises(ValueError, match="norm_length"):
+        aggregate_loss(l, mask, mode="seq-mean-token-sum-norm", global_num_seqs=4)
+    with pytest.raises(ValueError, match="norm_length"):
+        aggregate_loss(l, mask, mode="seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="seq_num_tokens"):
+        aggregate_loss(l, mask, mode="seq-mean-token-mean", global_num_seqs=4)
+    # Single process, no global counts: local counts are the whole responses' counts.
+    torch.testing.assert_close(aggregate_loss(l, mask, mode="seq-mean-token-mean"),
+                               aggregate_loss(l, mask, mode="seq-mean-token-mean", global_num_seqs=4,
+                                              seq_num_tokens=mask.sum(-1)), rtol=0, atol=0)
 
 
 def _loss_and_grad(theta, logp0, old, adv, mask, mode, n_tok, n_seq, pieces):
@@ -167,7 +223,8 @@ def _loss_and_grad(theta, logp0, old, adv, mask, mode, n_tok, n_seq, pieces):
         lp = (logp0[rows] + theta)[:, :t_mb]
         per_token, _ = ppo_clip_loss(lp, old[rows, :t_mb], adv[rows, :t_mb], mask[rows, :t_mb])
         loss = aggregate_loss(per_token, mask[rows, :t_mb], mode=mode, global_num_tokens=n_tok,
-                              global_num_seqs=n_seq, norm_length=logp0.shape[1])
+                              global_num_seqs=n_seq, norm_length=logp0.shape[1],
+                              seq_num_tokens=mask[rows, :t_mb].sum(-1))
         loss.backward()
         total += float(loss.detach())
     return total, theta.grad
@@ -192,7 +249,7 @@ def test_sequence_split_invariance(mode):
     # of the shards' losses is the loss of the whole batch.
     _, _, l, mask = make_batch(6, 24, seed=21)
     full = aggregate_loss(l, mask, mode=mode, global_num_tokens=mask.sum(), global_num_seqs=6,
-                          norm_length=24)
+                          norm_length=24, seq_num_tokens=mask.sum(-1))
     parts = [aggregate_loss(l[:, sl], mask[:, sl], mode=mode, global_num_tokens=mask.sum(),
                             global_num_seqs=6, norm_length=24, seq_num_tokens=mask.sum(-1))
              for sl in (slice(0, 5), slice(5, 16), slice(16, 24))]
@@ -220,7 +277,8 @@ def _dp_worker(batch, theta, mode):
         th = theta.clone().requires_grad_(True)
         per_token, _ = ppo_clip_loss(logp[rows] + th, old[rows], adv[rows], mask[rows])
         aggregate_loss(per_token, mask[rows], mode=mode, global_num_tokens=counts[0],
-                       global_num_seqs=counts[1]).backward()
+                       global_num_seqs=counts[1], norm_length=logp.shape[1],
+                       seq_num_tokens=mask[rows].sum(-1)).backward()
         grad = th.grad.clone()
         dist.all_reduce(grad, group=g)
         out[dp] = grad

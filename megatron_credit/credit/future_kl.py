@@ -5,7 +5,9 @@ Follows the published FIPO code (whose numbers the paper's tables match), DESIGN
     d_k   = clamp(logp_k - old_logp_k, -20, 20)
     M_k   = [d_k <= log c]                          (c = dual-clip constant)
     F_t   = sum_{k >= t} M_k m_k gamma**(k - t) d_k,  gamma = 2**(-1/tau)
-    f_t   = clamp(exp(F_t), lo, hi);  f_t = min(f_t, 1) where A_t < 0 and ratio_t > c;  detached
+    f_t   = clamp(exp(F_t), lo, hi);  f_t = min(f_t, 1) where A_t < 0 and ratio_t > s;  detached
+
+with ``s = safety_thresh`` (default: ``c``).
 
 Departures from the published code:
 
@@ -18,6 +20,16 @@ Departures from the published code:
   token. The two agree on rows with one contiguous response.
 - Results at masked positions are 0. The published code's option of dropping responses with more than
   one dual-clipped token lives with the loss (:func:`multi_dual_clip_keep`), not here.
+- Masked positions may hold anything, including NaN or -inf (e.g. padding with ``logp = old_logp =
+  -inf``): log-ratios are made finite before any product with the mask (``NaN * 0 = NaN`` would
+  otherwise reach every valid token of the row through the scan), and results are selected with
+  ``where``.
+- Weight cap. The published code caps ``f`` at 1 for ``A < 0`` tokens whose ratio exceeds a separate
+  ``safety_thresh`` (default 4.0; 10.0 in its 32B config), not necessarily the dual-clip ``c`` that
+  defines ``M``. :func:`fipo_weights` takes ``safety_thresh`` (``None``: use ``dual_clip_c``).
+- Lower clamp. ``clip[0]`` bounds ``f`` from below; at the default ``clip = (1.0, 1.2)`` a negative
+  future KL never down-weights a token (``f`` lies in ``[1, 1.2]``, capped tokens at exactly 1). A
+  ``clip[0] < 1`` lets drifting-down futures shrink the update.
 """
 from __future__ import annotations
 
@@ -49,47 +61,59 @@ def future_kl(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.T
     if tau <= 0:
         raise ValueError(f"tau must be > 0, got {tau}")
     with torch.no_grad():  # F is only ever used detached; in-place ops keep memory at ~2 [B, T] buffers
-        m = float_mask(response_mask, logp.dtype)
-        d = (logp - old_logp).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        # 0/1 as uint8 (a view of a bool mask): multiplying by it is as fast as by a float mask and
+        # saves a [B, T] float buffer; fewer live buffers also keep glibc from trimming and re-faulting
+        # the heap on every call at long T (2-3x of the whole kernel at T = 20480 on CPU).
+        m = response_mask.view(torch.uint8) if response_mask.dtype == torch.bool else response_mask != 0
+        # Padding may hold NaN / -inf (logp = old_logp = -inf gives NaN), and NaN * 0 = NaN would reach
+        # every valid token through the scan. So every value is made finite first (NaN -> 0, +-inf ->
+        # +-20 by the clamp); after that the 0/1 products below are exact selections. This is ~2x
+        # cheaper on CPU than torch.where on a bool mask. A NaN at a *valid* token also becomes 0 here,
+        # but stays visible in the loss, whose ratio at that token is NaN.
+        d = (logp - old_logp).nan_to_num_(0.0).clamp_(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         # x_k = M_k m_k d_k: tokens with ratio > c, and masked tokens, bring no evidence. The comparison
         # writes 0/1 floats directly (bool intermediates are ~5x slower on CPU).
         keep = torch.le(d, math.log(dual_clip_c), out=torch.empty_like(d))
         x = d.mul_(keep.mul_(m))
+        del keep  # its memory is reused by the scan's output
         gamma = 2.0 ** (-1.0 / tau)
         # coef_t = gamma * m_t cuts after every masked token: y at a masked t is x_t = 0, so the token
         # before it receives nothing from beyond. No halo from the next CP chunk is needed.
-        coef = m.mul(gamma) if packed else gamma
+        coef = m.to(logp.dtype).mul_(gamma) if packed else gamma
         y = reverse_linear_scan(x, coef, chunk_size=chunk_size, cp_group=cp_group)
-        return y.mul_(m)
-
-
-def float_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``mask`` (bool or numeric, ``[B, T]``) as 0/1 in ``dtype``; bool goes through a uint8 view, which
-    converts several times faster than bool on CPU."""
-    return (mask.view(torch.uint8) if mask.dtype == torch.bool else mask).to(dtype)
+        return y.mul_(m)  # y is finite everywhere (finite x, coef), so this product is exact
 
 
 def fipo_weights(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                  response_mask: torch.Tensor, *, tau: float = 32.0, clip: tuple[float, float] = (1.0, 1.2),
-                 dual_clip_c: float = 10.0, chunk_size: int = 128, cp_group: Any = None,
-                 packed: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 dual_clip_c: float = 10.0, safety_thresh: float | None = None, chunk_size: int = 128,
+                 cp_group: Any = None, packed: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """FIPO token weights ``f: [B, T]`` (detached; 1 at masked tokens) and detached metrics.
+
+    ``f = clamp(exp(F), clip[0], clip[1])`` (``clip[0]`` is the lower clamp: at the default 1.0 a
+    negative future KL never shrinks a token's update), then ``f = min(f, 1)`` where ``A < 0`` and the
+    ratio exceeds ``safety_thresh``. ``safety_thresh=None`` uses ``dual_clip_c``; the published code has a
+    separate threshold (default 4.0, 10.0 in its 32B config), pass it to reproduce that.
 
     ``advantages: [B, T]``. The DAPO loss then uses ``f * advantages``. Metrics are over this rank's
     valid tokens: ``mean/min/max/p10/p50/p90``, ``frac_at_low``, ``frac_at_high`` (at each clip bound),
     ``frac_dual_masked`` (tokens excluded from the future sums by ``M``), ``frac_dual_capped`` (``A < 0``
-    and ratio > c, capped at 1). Statistics of an empty selection are NaN.
+    and ratio > safety_thresh, capped at 1). Statistics of an empty selection are NaN.
     """
     lo, hi = clip
     if not 0 < lo <= hi:
         raise ValueError(f"clip must satisfy 0 < clip[0] <= clip[1], got {clip}")
+    if safety_thresh is None:
+        safety_thresh = dual_clip_c
+    if not safety_thresh > 0:
+        raise ValueError(f"safety_thresh must be > 0, got {safety_thresh}")
     with torch.no_grad():
         f = future_kl(logp, old_logp, response_mask, tau=tau, dual_clip_c=dual_clip_c,
                       chunk_size=chunk_size, cp_group=cp_group, packed=packed)
         w = torch.exp(f).clamp(lo, hi)
         d = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         over_c = d > math.log(dual_clip_c)  # ratio > c, compared in log space (no overflow)
-        capped = (advantages < 0) & over_c
+        capped = (advantages < 0) & (d > math.log(safety_thresh))
         w = torch.where(capped, w.clamp(max=1.0), w)
         valid = response_mask.bool()
         w = torch.where(valid, w, torch.ones_like(w))
@@ -121,7 +145,7 @@ def masked_summary(v: torch.Tensor, valid: torch.Tensor, *,
     empty = n == 0
     inf = torch.full_like(flat, math.inf)
     out = {
-        "mean": (flat * ok).sum() / n.clamp(min=1),
+        "mean": torch.where(ok, flat, 0.0).sum() / n.clamp(min=1),  # where: NaN * 0 would be NaN
         "min": torch.where(ok, flat, inf).min(),
         "max": torch.where(ok, flat, -inf).max(),
     }
@@ -136,17 +160,33 @@ def masked_summary(v: torch.Tensor, valid: torch.Tensor, *,
     return {k: torch.where(empty, nan, x) for k, x in out.items()}
 
 
-def multi_dual_clip_keep(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.Tensor, *,
-                         dual_clip_c: float, max_dual_clipped: int = 1) -> torch.Tensor:
-    """Rows to keep in the loss, ``[B]`` bool: at most ``max_dual_clipped`` tokens with ratio > c.
+def multi_dual_clip_keep(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                         response_mask: torch.Tensor, *, dual_clip_c: float, max_dual_clipped: int = 1,
+                         cp_group: Any = None) -> torch.Tensor:
+    """Rows to keep in the loss, ``[B]`` bool: at most ``max_dual_clipped`` dual-clipped tokens.
 
-    The published FIPO code drops responses with more than one dual-clipped token (an option, off by
-    default in this project, on in the recipe that reproduces the paper). One response per row.
+    A token is dual-clipped when the dual clip is active on it: ``A < 0`` and ratio > c (as in the
+    published FIPO code; a ratio > c with ``A >= 0`` is handled by the ordinary clip). The published code
+    drops responses with more than one such token (an option, off by default in this project, on in the
+    recipe that reproduces the paper). One response per row; with ``cp_group`` the rows are CP shards
+    and the ``[B]`` counts are summed over the group, so every rank decides on the whole response.
+
+    >>> lp = torch.zeros(2, 3); old = torch.tensor([[-3.0, -3.0, 0.0], [-3.0, -3.0, 0.0]])
+    >>> adv = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, 1.0, -1.0]])
+    >>> multi_dual_clip_keep(lp, old, adv, torch.ones(2, 3), dual_clip_c=10.0)
+    tensor([False,  True])
     """
     _check_c(dual_clip_c)
-    d = (logp - old_logp).detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    over = (d > math.log(dual_clip_c)) & response_mask.bool()
-    return over.sum(dim=-1) <= max_dual_clipped
+    with torch.no_grad():
+        d = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        # Comparisons with NaN are False, so NaN padding is not counted.
+        clipped = (advantages < 0) & (d > math.log(dual_clip_c)) & response_mask.bool()
+        counts = clipped.sum(dim=-1)
+        if cp_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(counts, group=cp_group)
+        return counts <= max_dual_clipped
 
 
 def _check_c(c: float) -> None:

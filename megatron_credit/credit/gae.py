@@ -46,13 +46,19 @@ def comp_gae(rewards: torch.Tensor, values: torch.Tensor, gates: torch.Tensor,
         raise ValueError("rewards, values, gates and response_mask must have the same [B, T] shape, got "
                          f"{[tuple(t.shape) for t in (rewards, values, gates, response_mask)]}")
     with torch.no_grad():
-        m = response_mask.to(values.dtype)
-        vm = values * m
+        # Masking is by selection: masked positions may hold NaN / inf (padding), and NaN * 0 = NaN
+        # would spread to every valid token through the scan. Only valid tokens' r, V, kappa are read.
+        valid = response_mask.bool()
+        m = valid.to(values.dtype)
+        vm = torch.where(valid, values, 0.0)
         next_vm, next_m = _next_token(torch.stack([vm, m]), cp_group).unbind(0)
-        delta = rewards + gates * next_vm - vm
-        adv = reverse_linear_scan(delta, lam * gates * next_m, chunk_size=chunk_size,
-                                  cp_group=cp_group) * m
-        return adv, (adv + values) * m
+        # delta at a masked t never reaches a valid token (the transport into it is cut by m_t = 0),
+        # so it is set to 0 rather than computed from padding.
+        delta = torch.where(valid, rewards + gates * next_vm - vm, 0.0)
+        coef = torch.where(valid & (next_m != 0), lam * gates, 0.0)
+        adv = torch.where(valid, reverse_linear_scan(delta, coef, chunk_size=chunk_size, cp_group=cp_group),
+                          0.0)
+        return adv, torch.where(valid, adv + values, 0.0)
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, *, gamma: float,

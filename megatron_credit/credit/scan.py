@@ -18,8 +18,10 @@ Algorithm (exact, no division, no ``gamma**(-t)``):
    DESIGN.md's "one small matmul per chunk" only in how W is applied; the result is the same sum.
    *Constant coefficient* (``coef`` a Python float, e.g. FIPO's ``2**(-1/tau)``): W is the same Toeplitz
    matrix ``gamma**(u-t)`` in every chunk, so one ``[B*n, K] @ [K, K]`` matmul does all chunks. Its cost
-   is O(B*T*K) flops: on CPU ``chunk_size=32`` is about 2x faster than 128 (benchmarks/credit_kernels.py);
-   on GPU the matmul is nearly free and a larger K means fewer recursion levels.
+   is O(B*T*K) flops: on CPU K = 32 is about 2x faster than 128 (benchmarks/credit_kernels.py), so on
+   CPU this path caps K at ``CPU_CONSTANT_CHUNK = 32`` whatever ``chunk_size`` says; on GPU the matmul is
+   nearly free, ``chunk_size`` is used as given, and a larger K means fewer recursion levels. On CUDA the matmul of
+   float32 inputs is done in float64 (TF32 would cost ~1e-3 absolute error at T = 20480).
 3. The chunk-start values and chunk products form a recurrence of the same kind over the n chunks; it is
    solved by the same function recursively (depth log_K(T)), then ``y += p * carry`` fixes each chunk.
 
@@ -53,8 +55,12 @@ def reverse_linear_scan(x: torch.Tensor, coef: Coef, *, chunk_size: int = 128,
     Args:
         x: evidence ``[B, T]`` (float32 or float64).
         coef: transport ``[B, T]`` of the same dtype, or a Python float used at every position (the
-            constant-decay fast path). ``coef[:, t] == 0`` cuts the recurrence after t.
-        chunk_size: K; time O(B*T*K) at worst, extra memory O(B*T + K**2).
+            constant-decay fast path). ``coef[:, t] == 0`` cuts the recurrence after t. ``x`` and ``coef``
+            must be finite everywhere, padding included: a NaN anywhere in a chunk reaches the whole
+            chunk through products with 0 (``0 * NaN = NaN``); callers select padding away first.
+        chunk_size: K; time O(B*T*K) at worst, extra memory O(B*T + K**2). For a float ``coef`` on CPU
+            K is capped at ``CPU_CONSTANT_CHUNK`` (see :func:`constant_chunk_size`); the result is the
+            same sum either way.
         cp_group: a ``torch.distributed`` process group; if given, ``x`` and ``coef`` hold this rank's
             share in megatron's load-balanced context-parallel layout, and so does the result.
 
@@ -81,13 +87,29 @@ def _scan(x: torch.Tensor, coef: Coef, k: int, *, need_p: bool = False
     """
     if isinstance(coef, torch.Tensor):
         return _scan_general(x, coef, k)
-    y = _scan_constant(x, float(coef), k)
+    y = _scan_constant(x, float(coef), constant_chunk_size(k, x.device))
     if not need_p:
         return y, None
     t = x.shape[-1]
     p = torch.pow(torch.tensor(float(coef), dtype=torch.float64, device=x.device),
                   torch.arange(t, 0, -1, dtype=torch.float64, device=x.device)).to(x.dtype)
     return y, p.expand_as(x)
+
+
+CPU_CONSTANT_CHUNK = 32
+"""Largest K of the constant-coefficient path on CPU. Its in-chunk work is a ``[*, K] @ [K, K]`` matmul,
+O(B*T*K) flops; on one CPU thread at B = 8, T = 20480 (benchmarks/credit_kernels.py) K = 32 runs at
+~2.4x the cumsum floor and K = 128 at ~4.3x (K = 16 is no faster: more recursion). On CUDA the matmul
+is nearly free and ``chunk_size`` is used as given."""
+
+
+def constant_chunk_size(chunk_size: int, device: torch.device) -> int:
+    """The K the constant-coefficient path uses: ``chunk_size``, capped at ``CPU_CONSTANT_CHUNK`` on CPU.
+
+    >>> constant_chunk_size(128, torch.device("cpu")), constant_chunk_size(8, torch.device("cpu"))
+    (32, 8)
+    """
+    return chunk_size if device.type == "cuda" else min(chunk_size, CPU_CONSTANT_CHUNK)
 
 
 def _scan_general(x: torch.Tensor, a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,8 +158,15 @@ def _scan_constant(x: torch.Tensor, gamma: float, k: int) -> torch.Tensor:
     k = min(k, _next_pow2(t))
     n = -(-t // k)
     xc = (x if n * k == t else torch.nn.functional.pad(x, (0, n * k - t))).reshape(b * n, k)
-    toeplitz, tail = _constant_tables(gamma, k, x.dtype, x.device)
-    y = (xc @ toeplitz).view(b, n, k)
+    if x.is_cuda and x.dtype != torch.float64:
+        # CUDA float32 matmuls may run in TF32 (10-bit mantissa): ~1e-3 absolute error in F at T = 20480.
+        # The matmul is only B*T*K flops, so it is done in float64 on the GPU and rounded once.
+        toeplitz, _ = _constant_tables(gamma, k, torch.float64, x.device)
+        _, tail = _constant_tables(gamma, k, x.dtype, x.device)
+        y = (xc.double() @ toeplitz).to(x.dtype).view(b, n, k)
+    else:
+        toeplitz, tail = _constant_tables(gamma, k, x.dtype, x.device)
+        y = (xc @ toeplitz).view(b, n, k)
     if n > 1:
         # The chunk starts obey the same recurrence with coefficient gamma**K (underflow to 0 is fine).
         ys = _scan_constant(y[:, :, 0], gamma ** k, k)
@@ -152,8 +181,16 @@ def _constant_tables(gamma: float, k: int, dtype: torch.dtype,
                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``W_T[u, t] = gamma**(u - t)`` (``u >= t``, else 0), ``[K, K]``, so that ``y = x @ W_T``; and
     ``tail[i] = gamma**(K - i)``, ``[K]``. Powers are formed in float64 with non-negative exponents.
-    Cached: a pure function of its arguments, called once per recursion level; never mutated.
+    Cached: a pure function of its arguments, called once per recursion level; never mutated. Built
+    outside inference mode and autograd, so a table first made under ``torch.inference_mode`` is a
+    normal tensor and can be saved for backward by later differentiable calls.
     """
+    with torch.inference_mode(False), torch.no_grad():
+        return _build_constant_tables(gamma, k, dtype, device)
+
+
+def _build_constant_tables(gamma: float, k: int, dtype: torch.dtype,
+                           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     powers = torch.pow(torch.tensor(gamma, dtype=torch.float64),
                        torch.arange(k + 1, dtype=torch.float64))            # gamma**0 .. gamma**K
     idx = torch.arange(k)

@@ -22,9 +22,9 @@ from typing import Any, Optional
 import torch
 
 from megatron_credit.credit.future_kl import LOG_RATIO_CLAMP, fipo_weights
-from megatron_credit.losses.aggregation import AGG_MODES, aggregate_loss
+from megatron_credit.losses.aggregation import AGG_MODES, AGG_REQUIRED_ARGS, aggregate_loss
 
-__all__ = ["AGG_MODES", "aggregate_loss", "fipo_policy_loss", "gspo_loss", "ppo_clip_loss",
+__all__ = ["AGG_MODES", "AGG_REQUIRED_ARGS", "aggregate_loss", "fipo_policy_loss", "gspo_loss", "ppo_clip_loss",
            "truncated_is_weights"]
 
 Metrics = dict[str, torch.Tensor]
@@ -55,8 +55,13 @@ def _clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, respon
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
     if dual_clip_c is not None and not dual_clip_c > 1.0:
         raise ValueError(f"dual_clip_c must be > 1 (or None), got {dual_clip_c}")
+    # Masked positions may hold NaN / inf (padding with logp = old_logp = -inf). Select them away from
+    # every input before any arithmetic: masking only the output would leave NaN in the backward pass
+    # (where's zero gradient times d exp(NaN) is NaN) and in the metrics.
+    valid = response_mask.bool()
+    log_ratio = torch.where(valid, log_ratio, 0.0)
     ratio = torch.exp(log_ratio)
-    adv = advantages.detach()
+    adv = torch.where(valid, advantages.detach(), 0.0)
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss = torch.maximum(unclipped, clipped)
@@ -64,8 +69,7 @@ def _clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, respon
     if dual_clip_c is not None:
         loss = torch.where(neg, torch.minimum(loss, -adv * dual_clip_c), loss)
     if is_weights is not None:
-        loss = loss * is_weights.detach()
-    valid = response_mask.bool()
+        loss = loss * torch.where(valid, is_weights.detach(), 0.0)
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     with torch.no_grad():
         r = ratio.detach()
@@ -89,9 +93,11 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
     With ``cp_group`` the sequence mean of the log-ratio is summed over the CP ranks' shares of each row
     (detached, so no gradient crosses ranks: GSPO-token stops the gradient of ``s_i``).
     """
-    m = response_mask.to(logp.dtype)
+    valid = response_mask.bool()
     with torch.no_grad():
-        stats = torch.stack([((logp - old_logp) * m).sum(-1), m.sum(-1)])  # [2, B]
+        # Selection, not `* mask`: NaN padding (logp = old_logp = -inf) must not reach the row's mean.
+        stats = torch.stack([torch.where(valid, logp - old_logp, 0.0).sum(-1),
+                             valid.sum(-1).to(logp.dtype)])  # [2, B]
         if cp_group is not None:
             import torch.distributed as dist
 
@@ -108,7 +114,8 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
 def fipo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                      response_mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.28,
                      dual_clip_c: float = 10.0, tau: float = 32.0,
-                     weight_clip: tuple[float, float] = (1.0, 1.2), chunk_size: int = 128,
+                     weight_clip: tuple[float, float] = (1.0, 1.2), safety_thresh: Optional[float] = None,
+                     chunk_size: int = 128,
                      cp_group: Any = None, packed: bool = False,
                      is_weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Metrics]:
     """FIPO: the DAPO loss on ``f * A`` with Future-KL weights ``f`` (:func:`fipo_weights`).
@@ -117,8 +124,8 @@ def fipo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
     this is exactly :func:`ppo_clip_loss` with the same clip settings, i.e. GRPO/DAPO.
     """
     w, w_metrics = fipo_weights(logp, old_logp, advantages, response_mask, tau=tau, clip=weight_clip,
-                                dual_clip_c=dual_clip_c, chunk_size=chunk_size, cp_group=cp_group,
-                                packed=packed)
+                                dual_clip_c=dual_clip_c, safety_thresh=safety_thresh,
+                                chunk_size=chunk_size, cp_group=cp_group, packed=packed)
     loss, metrics = ppo_clip_loss(logp, old_logp, advantages * w, response_mask, clip_low=clip_low,
                                   clip_high=clip_high, dual_clip_c=dual_clip_c, is_weights=is_weights)
     metrics.update({f"fipo_weight/{k}": v for k, v in w_metrics.items()})
@@ -145,4 +152,4 @@ def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, res
 
 def _masked_mean(v: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Mean of ``v`` over ``valid`` in ``dtype`` (0 if nothing is valid); booleans give fractions."""
-    return (v.to(dtype) * valid).sum() / valid.sum().clamp(min=1)
+    return torch.where(valid, v.to(dtype), 0.0).sum() / valid.sum().clamp(min=1)
