@@ -1,0 +1,13 @@
+"""Rewards: math verifiers, reward shaping, and the killable reward process pool.
+
+| module | what lives there |
+| --- | --- |
+| ``base.py`` | ``RewardRecord``; the ``REWARD_FNS`` (method) and ``DATA_SOURCES`` registries |
+| ``dapo.py`` | the DAPO "Answer:" verifier (Minerva normalisation, last 300 characters, ±1) |
+| ``math.py`` | ``compute_score(response, ground_truth, *, method)``; the math-verify method |
+| ``arith.py`` | the verifier of the synthetic arithmetic task |
+| ``shaping.py`` | overlong (DAPO), format and length penalties |
+| ``pool.py`` | ``RewardPool.score_batch``: per-item timeouts in processes that can be killed |
+
+Importing this package imports nothing heavy; ``math-verify`` (sympy) loads on first use.
+"""

@@ -1,0 +1,66 @@
+"""The reward record and the two registries every verifier goes through.
+
+``REWARD_FNS`` maps a *method* name ("dapo", "math_verify", ...) to a plain callable
+``fn(response: str, ground_truth: str) -> RewardRecord``. ``DATA_SOURCES`` maps a dataset's
+``data_source`` column ("math_dapo", "math", "synthetic_arith", ...) to the method that scores it, so
+the choice of verifier is made per dataset, once, and never by comparing strings elsewhere.
+
+>>> DATA_SOURCES.get("math_dapo")
+'dapo'
+>>> method_for_data_source("nope")
+Traceback (most recent call last):
+...
+ValueError: unknown data source 'nope'; valid names: ['math', 'math_dapo', 'synthetic_arith']
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Literal
+
+from megatron_credit.registry import Registry
+
+RewardStatus = Literal["ok", "timeout", "error"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RewardRecord:
+    """The outcome of scoring one response."""
+
+    score: float
+    """Verifier score: +1.0 correct, -1.0 incorrect (DAPO convention); shaping is added later."""
+    correct: bool
+    """Whether the response's answer matches the ground truth; what dynamic sampling groups on."""
+    extracted: str | None
+    """The answer string the verifier found in the response (normalised), or None if none was found."""
+    status: RewardStatus = "ok"
+    """How scoring ended: "ok", or "timeout"/"error" in the reward pool (then scored as incorrect)."""
+
+
+RewardFn = Callable[[str, str], RewardRecord]
+
+REWARD_FNS: Registry[RewardFn] = Registry("reward method")
+"""Method name -> ``fn(response, ground_truth) -> RewardRecord``."""
+
+DATA_SOURCES: Registry[str] = Registry("data source")
+"""Dataset ``data_source`` -> method name in ``REWARD_FNS``."""
+
+# The DAPO-Math-17K file labels every row "math_dapo"; its answers are integers, and the published
+# recipe scores them with the "Answer:" string verifier. MATH-style sets need symbolic equivalence.
+DATA_SOURCES.add("math_dapo", "dapo")
+DATA_SOURCES.add("math", "math_verify")
+DATA_SOURCES.add("synthetic_arith", "synthetic_arith")
+
+
+def method_for_data_source(data_source: str) -> str:
+    """The registered reward method for a dataset's ``data_source`` (ValueError lists valid ones)."""
+    return DATA_SOURCES.get(data_source)
+
+
+def incorrect(extracted: str | None = None, *, status: RewardStatus = "ok") -> RewardRecord:
+    """The record of a response that earns nothing (wrong, unparsable, timed out or failed)."""
+    return RewardRecord(score=-1.0, correct=False, extracted=extracted, status=status)
+
+
+def graded(correct: bool, extracted: str | None) -> RewardRecord:
+    """The ±1 record of a verdict."""
+    return RewardRecord(score=1.0 if correct else -1.0, correct=bool(correct), extracted=extracted)

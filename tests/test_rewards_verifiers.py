@@ -1,0 +1,233 @@
+"""Table-driven tests of the math verifiers, the data-source mapping and reward shaping.
+
+The table pins the DAPO string verifier to the published semantics *including its known false
+negatives* (rows marked "FN"), and shows that the math-verify method scores those rows correctly.
+"""
+import pytest
+import torch
+
+from megatron_credit.rewards import dapo
+from megatron_credit.rewards.base import DATA_SOURCES, REWARD_FNS, RewardRecord, method_for_data_source
+from megatron_credit.rewards.math import compute_score, compute_score_for_source
+from megatron_credit.rewards.shaping import (
+    ShapingConfig,
+    length_penalty,
+    overlong_penalty,
+    reasoning_well_formed,
+    shape_rewards,
+)
+
+B = "\\boxed"
+LONG_PAD = "x" * 400  # pushes text out of DAPO's 300-character window
+
+# (response, ground_truth, method, expected correct)
+CASES = [
+    # --- DAPO "Answer:" semantics -------------------------------------------------------------
+    ("Let me think.\nAnswer: 42", "42", "dapo", True),
+    ("Answer: 42", "43", "dapo", False),
+    ("answer: 42", "42", "dapo", True),  # case-insensitive
+    ("ANSWER :   42", "42", "dapo", True),  # spaces around the colon
+    ("Answer: 1\nmore work\nAnswer: 2", "2", "dapo", True),  # last Answer line wins
+    ("Answer: 1\nmore work\nAnswer: 2", "1", "dapo", False),
+    ("The answer is 42.", "42", "dapo", False),  # no "Answer:" line at all
+    ("Answer: 42\n" + LONG_PAD, "42", "dapo", False),  # outside the last 300 chars
+    (LONG_PAD + "\nAnswer: 42", "42", "dapo", True),
+    ("Answer: 1,234", "1234", "dapo", True),  # thousands separator
+    ("Answer: $42$", "42", "dapo", True),
+    ("Answer: \\boxed{42}", "42", "dapo", True),
+    ("Answer: \\text{42}", "42", "dapo", True),
+    ("Answer: 42 dollars", "42", "dapo", True),  # Minerva removes listed units
+    ("Answer: 10 cm", "10", "dapo", True),
+    ("Answer: 90^\\circ", "90", "dapo", True),
+    ("Answer: x = 5", "5", "dapo", True),  # last side of "="
+    ("Answer: \\frac12", "\\frac{1}{2}", "dapo", True),  # shorthand \frac expanded
+    ("Answer: \\sqrt2", "\\sqrt{2}", "dapo", True),
+    ("Answer: 3 \\text{ and } 4", "3,4", "dapo", True),  # "\\text{and}" -> ","
+    ("Answer: 34", "3,4", "dapo", True),  # a published false POSITIVE: "3,4" normalises to "34"
+    ("Answer: -7", "-7", "dapo", True),
+    ("Answer: 42", "\\boxed{42}", "dapo", True),  # ground-truth \boxed is unwrapped
+    ("Answer: 3.0", "3", "dapo", False),
+    # --- known false negatives of string matching (FN): DAPO says no, math_verify says yes -----
+    ("Answer: 0.5", "\\frac{1}{2}", "dapo", False),  # FN
+    ("Answer: 0.5", "\\frac{1}{2}", "math_verify", True),
+    ("Answer: \\dfrac{1}{2}", "\\frac{1}{2}", "dapo", False),  # FN
+    ("Answer: \\dfrac{1}{2}", "\\frac{1}{2}", "math_verify", True),
+    ("Answer: 12 apples", "12", "dapo", False),  # FN: "apples" is not a Minerva unit
+    ("Answer: 12 apples", "12", "math_verify", True),
+    ("Answer: 42. I double-checked this twice.", "42", "dapo", False),  # FN: text after the answer
+    ("Answer: 42. I double-checked this twice.", "42", "math_verify", True),
+    (f"So {B}{{\\frac{{\\sqrt{{3}}}}{{2}}}}.", "\\frac{\\sqrt{3}}{2}", "dapo", False),  # FN: boxed only
+    (f"So {B}{{\\frac{{\\sqrt{{3}}}}{{2}}}}.", "\\frac{\\sqrt{3}}{2}", "math_verify", True),  # nested
+    ("Answer: 2/4", "\\frac{1}{2}", "dapo", False),  # FN
+    ("Answer: 2/4", "\\frac{1}{2}", "math_verify", True),
+    ("Answer: [1, 3)", "[1,3)", "dapo", True),
+    ("Answer: \\{3, 2, 1\\}", "\\{1,2,3\\}", "dapo", False),  # FN: set order
+    ("Answer: \\{3, 2, 1\\}", "\\{1,2,3\\}", "math_verify", True),
+    ("Answer: 50\\%", "50", "dapo", False),  # FN
+    ("Answer: 50\\%", "50", "math_verify", True),
+    # --- math-verify: boxed, fractions, decimals, intervals, sets, expressions ---------------------
+    (f"The answer is {B}{{\\frac{{1}}{{2}}}}", "0.5", "math_verify", True),
+    (f"The answer is {B}{{\\frac{{1}}{{2}}}}", "0.6", "math_verify", False),
+    (f"thus {B}{{12}}. Also, 7 is prime.", "12", "math_verify", True),  # text after the box
+    (f"first {B}{{3}} then {B}{{5}}", "5", "math_verify", False),  # all boxes form one set answer
+    (f"first {B}{{3}} then {B}{{5}}", "\\{3,5\\}", "math_verify", True),
+    (f"{B}{{[1, 3)}}", "[1,3)", "math_verify", True),
+    (f"{B}{{(1, 3]}}", "[1,3)", "math_verify", False),  # interval ends differ
+    (f"{B}{{(-\\infty, 2]}}", "(-\\infty,2]", "math_verify", True),
+    (f"{B}{{\\{{1,2,3\\}}}}", "\\{3,2,1\\}", "math_verify", True),
+    (f"{B}{{\\{{1,2\\}}}}", "\\{1,2,3\\}", "math_verify", False),
+    (f"{B}{{2\\pi}}", "2\\pi", "math_verify", True),
+    (f"{B}{{\\pi \\cdot 2}}", "2\\pi", "math_verify", True),
+    (f"{B}{{6.28}}", "2\\pi", "math_verify", False),
+    (f"{B}{{\\sqrt{{8}}}}", "2\\sqrt{2}", "math_verify", True),
+    (f"{B}{{x^2+2x+1}}", "(x+1)^2", "math_verify", True),
+    (f"{B}{{1{{,}}000}}", "1000", "math_verify", True),
+    ("The final answer is $\\boxed{-3}$", "-3", "math_verify", True),
+    ("The final answer is $\\boxed{-3}$", "3", "math_verify", False),
+    ("$x = 3$", "3", "math_verify", True),
+    ("Answer: 10 cm", "10", "math_verify", True),
+    ("Answer: $\\frac{1}{2}$", "0.5", "math_verify", True),  # a delimited answer line
+    ("Answer: 3", "\\boxed{3}", "math_verify", True),
+    ("I do not know.", "5", "math_verify", False),
+    ("", "5", "math_verify", False),
+    (f"{B}{{3}}", "4", "math_verify", False),
+    (f"{B}{{0.333333}}", "\\frac{1}{3}", "math_verify", True),  # 6-digit rounding
+    (f"{B}{{0.33}}", "\\frac{1}{3}", "math_verify", False),
+    (f"{B}{{\\text{{(B)}}}}", "B", "math_verify", True),
+    (f"{B}{{unclosed", "5", "math_verify", False),
+    # --- synthetic arithmetic: the prompt ends with "Answer:" -------------------------------------
+    (" 12", "12", "synthetic_arith", True),
+    ("12", "12", "synthetic_arith", True),
+    (" 12 and more tokens", "12", "synthetic_arith", True),  # leading integer counts
+    (" 13", "12", "synthetic_arith", False),
+    (" 120", "12", "synthetic_arith", False),
+    (" -4", "-4", "synthetic_arith", True),
+    (" x12", "12", "synthetic_arith", False),
+    (" 7 wait Answer: 12", "12", "synthetic_arith", True),  # a later Answer: wins
+    ("", "12", "synthetic_arith", False),
+]
+
+
+def test_table_has_enough_cases():
+    assert len(CASES) >= 60
+    assert {m for _, _, m, _ in CASES} == {"dapo", "math_verify", "synthetic_arith"}
+
+
+@pytest.mark.parametrize("response,ground_truth,method,expected", CASES)
+def test_verifier_table(response, ground_truth, method, expected):
+    record = compute_score(response, ground_truth, method=method)
+    assert isinstance(record, RewardRecord)
+    assert record.correct is expected
+    assert record.score == (1.0 if expected else -1.0)
+    assert record.status == "ok"
+    if expected:
+        assert record.extracted is not None
+
+
+@pytest.mark.parametrize(
+    "response,ground_truth,extracted",
+    [
+        ("Answer: 1,234 dollars", "1234", "1234"),
+        ("Answer: \\boxed{\\frac12}", "x", "\\frac{1}{2}"),
+        ("no answer here", "1", None),
+        ("Answer: x = \\text{10 feet}", "10", "10"),
+    ],
+)
+def test_dapo_extracted(response, ground_truth, extracted):
+    assert compute_score(response, ground_truth, method="dapo").extracted == extracted
+
+
+def test_math_verify_extracted_is_the_matched_answer():
+    rec = compute_score(f"so {B}{{\\frac{{1}}{{2}}}}", "0.5", method="math_verify")
+    assert rec.extracted == "\\frac{1}{2}"
+    assert compute_score("nothing", "0.5", method="math_verify").extracted is None
+
+
+def test_last_boxed_only_string_nested_braces():
+    s = "x \\boxed{1} y \\boxed{\\frac{a^{2}}{b_{1}}} z"
+    assert dapo.last_boxed_only_string(s) == "\\boxed{\\frac{a^{2}}{b_{1}}}"
+    assert dapo.remove_boxed(dapo.last_boxed_only_string(s)) == "\\frac{a^{2}}{b_{1}}"
+    with pytest.raises(ValueError, match="boxed"):
+        dapo.remove_boxed("\\fbox{1}")
+
+
+def test_data_source_selects_method():
+    assert method_for_data_source("math_dapo") == "dapo"
+    assert method_for_data_source("math") == "math_verify"
+    assert method_for_data_source("synthetic_arith") == "synthetic_arith"
+    # The same response is a false negative under the DAPO source and correct under "math".
+    assert not compute_score_for_source("Answer: 0.5", "\\frac{1}{2}", data_source="math_dapo").correct
+    assert compute_score_for_source("Answer: 0.5", "\\frac{1}{2}", data_source="math").correct
+    with pytest.raises(ValueError, match="valid names"):
+        compute_score("Answer: 1", "1", method="no_such_method")
+    with pytest.raises(ValueError, match="already registered"):
+        DATA_SOURCES.add("math", "dapo")
+    assert {"dapo", "math_verify", "synthetic_arith"} <= set(REWARD_FNS.names())
+
+
+# ----------------------------------------------------------------------------------------------
+# Shaping: loop references written from the formulas.
+
+
+def _overlong_ref(length, lmax, lbuf, factor):
+    if lbuf == 0:
+        return 0.0
+    return max(-factor, min(0.0, -(length - (lmax - lbuf)) / lbuf * factor))
+
+
+def test_overlong_penalty_matches_formula():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(0, 140, (200,), generator=g)
+    for lmax, lbuf, factor in [(128, 32, 1.0), (128, 128, 0.5), (100, 1, 2.0), (64, 0, 1.0)]:
+        got = overlong_penalty(lengths, max_response_len=lmax, buffer_len=lbuf, factor=factor)
+        want = torch.tensor([_overlong_ref(int(n), lmax, lbuf, factor) for n in lengths], dtype=torch.float64)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-6)
+        assert (got <= 0).all()
+
+
+def test_shape_rewards_components():
+    cfg = ShapingConfig(
+        max_response_len=20, overlong_buffer_len=4, overlong_penalty_factor=1.0, format_penalty=0.5,
+        require_reasoning_tags=True, length_coef=0.1,
+    )
+    responses = ["<think>a</think>Answer: 1", "no tags", "<think>a</think>Answer: 2", "<think>x</think>y"]
+    scores = torch.tensor([1.0, 1.0, -1.0, 1.0])
+    correct = scores > 0
+    lengths = torch.tensor([10, 18, 20, 20])
+    total, metrics = shape_rewards(scores, correct, lengths, responses, config=cfg)
+    want = []
+    for r, s, c, n in zip(responses, scores.tolist(), correct.tolist(), lengths.tolist()):
+        ok = reasoning_well_formed(r, open_tag="<think>", close_tag="</think>", required=True)
+        v = s + _overlong_ref(n, 20, 4, 1.0) + (0.0 if ok else -0.5)
+        if c and ok:
+            v -= 0.1 * min(n, 20) / 20
+        want.append(v)
+    torch.testing.assert_close(total.double(), torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-6)
+    assert torch.isclose(metrics["reward/malformed_frac"], torch.tensor(0.25))
+    # Length penalty only for correct & well formed; shaping never touches accuracy.
+    all_formed = torch.ones(4, dtype=torch.bool)
+    assert length_penalty(lengths, ~correct, all_formed, max_response_len=20, coef=1.0)[0] == 0
+
+
+@pytest.mark.parametrize(
+    "response,required,ok",
+    [
+        ("<think>r</think>a", True, True),
+        ("r</think>a", True, True),  # the template opened the block
+        ("<think>r", True, False),
+        ("a", True, False),
+        ("a", False, True),
+        ("</think>r<think>", False, False),
+        ("<think>a</think><think>b</think>", False, False),
+        ("<think><think>a</think>", False, False),
+    ],
+)
+def test_reasoning_well_formed(response, required, ok):
+    assert reasoning_well_formed(response, open_tag="<think>", close_tag="</think>", required=required) is ok
+
+
+def test_shaping_config_validates():
+    with pytest.raises(ValueError, match="overlong_buffer_len"):
+        ShapingConfig(max_response_len=10, overlong_buffer_len=11)
+    with pytest.raises(ValueError, match="format_penalty"):
+        ShapingConfig(max_response_len=10, format_penalty=-1.0)
