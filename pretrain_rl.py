@@ -50,11 +50,15 @@ def run_actor_smoke(recipe, hf_config, *, log=print) -> list[float]:
     from megatron_credit.models.cpu_attention import load_balanced_positions
 
     smoke, parallel = recipe.smoke, recipe.parallel
+    # Loss scale: loss_func returns -sum(logp) / global_tokens over this rank's tokens, where
+    # global_tokens counts the tokens of every DP x CP rank; finalize_gradients sums gradients over
+    # DP x CP, so the result is the gradient of the global token mean. calculate_per_token_loss=True
+    # stops megatron's schedule (forward_step) from dividing it again by the token count loss_func
+    # returns and by num_microbatches.
     config = transformer_config_from_hf(hf_config, parallel=parallel,
-                                        params_dtype=recipe.model.torch_dtype())
+                                        params_dtype=recipe.model.torch_dtype(),
+                                        calculate_per_token_loss=True)
     model = build_gpt_model(hf_config, config)
-    # The loss below is already divided by the global token count: no rescaling by the schedule.
-    model.config.calculate_per_token_loss = True
     optimizer = torch.optim.AdamW(model.parameters(), lr=smoke.lr, weight_decay=0.0)
     tp_group = ps.get_tensor_model_parallel_group()
     dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
@@ -87,7 +91,8 @@ def run_actor_smoke(recipe, hf_config, *, log=print) -> list[float]:
         optimizer.zero_grad(set_to_none=True)
         out = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter([ids]), model=[model],
-            num_microbatches=1, seq_length=ids.shape[1], micro_batch_size=ids.shape[0],
+            # The global length: megatron's get_tensor_shapes divides it by the CP size itself.
+            num_microbatches=1, seq_length=smoke.seq_length, micro_batch_size=ids.shape[0],
             forward_only=False)
         distributed.finalize_gradients(
             model, dp_cp_group=dp_cp_group, tp_group=tp_group,

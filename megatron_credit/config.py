@@ -201,8 +201,54 @@ def _build(cls, data: Mapping[str, Any], where: str):
         if dataclasses.is_dataclass(hint) and isinstance(hint, type):
             kwargs[key] = _build(hint, value, path)
         else:
-            kwargs[key] = value
+            kwargs[key] = _check_scalar(hint, value, path)
     return cls(**kwargs)
+
+
+def _check_scalar(hint, value: Any, path: str) -> Any:
+    """``value`` checked against a scalar type hint (``int``, ``float``, ``bool``, ``str``, or one of
+    them ``Optional``); other hints pass ``value`` through. Returns the value to store.
+
+    PyYAML 1.1 reads ``1e-6`` (no dot) as a string, so ``float`` also takes numeric strings; ``int``
+    refuses bools (YAML ``yes``) and strings; ``bool`` takes only bools.
+
+    >>> _check_scalar(float, "1e-6", "smoke.lr"), _check_scalar(float, 3, "smoke.lr")
+    (1e-06, 3.0)
+    >>> _check_scalar(int, True, "smoke.steps")
+    Traceback (most recent call last):
+    ...
+    ValueError: smoke.steps must be an int, got True (bool)
+    """
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None and len(args) < len(typing.get_args(hint)):
+            return None
+        if len(args) != 1:
+            return value
+        hint = args[0]
+
+    def refuse(kind: str):
+        return ValueError(f"{path} must be {kind}, got {value!r} ({type(value).__name__})")
+
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise refuse("a bool (true / false)")
+    elif hint is int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise refuse("an int")
+    elif hint is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise refuse("a number") from None
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise refuse("a number")
+        return float(value)
+    elif hint is str:
+        if not isinstance(value, str):
+            raise refuse("a string")
+    return value
 
 
 def recipe_from_dict(data: Mapping[str, Any], *, overrides: Sequence[str] = ()) -> Recipe:

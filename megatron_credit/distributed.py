@@ -22,10 +22,19 @@ patching:
    (``GlobalMemoryBuffer.get_tensor``, used by ``DotProductAttention`` for its score buffer); and
    ``device="cuda"`` in ``pipeline_parallel/schedules.py`` (``total_num_tokens``) and
    ``transformer/utils.py`` (``get_default_causal_mask``, the causal mask of the local softmax); and
-   ``torch.cuda.synchronize()`` in ``p2p_communication.py`` ``_communicate``. Those modules see a
-   ``torch`` proxy whose CUDA requests resolve to the CPU; the rest of the process is untouched.
+   ``torch.cuda.synchronize()`` in ``p2p_communication.py`` ``_communicate``; and in
+   ``dist_checkpointing/strategies/state_dict_saver.py`` (``device='cuda'`` in
+   ``verify_global_md_reuse``, ``device=torch.cuda.current_device()`` in
+   ``save_state_dict_async_finalize``, 0.16.1 lines 204 / 252). Those modules see a ``torch`` proxy
+   whose CUDA requests resolve to the CPU; the rest of the process is untouched.
 3. ``models/common/embeddings/rope_utils.py`` ``get_pos_emb_on_this_cp_rank`` (CP > 1) pins memory
    and calls ``.cuda()``; the rotary module gets the same function without them.
+4. Tied embeddings with PP > 1: ``models/common/language_module/language_module.py``
+   ``LanguageModule.setup_embeddings_and_output_layer`` (0.16.1 line 244) moves the shared weight
+   with ``weight.data = weight.data.cuda()`` before all-reducing it over the embedding group. The
+   method is wrapped: megatron's body runs with ``_is_in_embd_group`` answering False (so it does all
+   its other work: attributes, zero-filling the last stage's copy), then the same all-reduce runs
+   on the CPU tensor.
 
 Not shimmed (callers avoid them on CPU): sequence parallel (the local-spec ``WrappedTorchNorm``
 asserts ``not config.sequence_parallel``: refused in ``transformer_config_from_hf``), the distributed
@@ -335,6 +344,9 @@ _SHIMMED_MODULES = (
     "megatron.core.tensor_parallel.layers",  # SP all-gather buffers on current_device()
     "megatron.core.transformer.utils",  # get_default_causal_mask: torch.ones(..., device="cuda")
     "megatron.core.utils",  # GlobalMemoryBuffer.get_tensor on current_device() (attention scores)
+    # verify_global_md_reuse: torch.tensor(..., device='cuda') (line 204);
+    # save_state_dict_async_finalize: device=torch.cuda.current_device() (line 252).
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 )
 _SHIMS_INSTALLED = False
 
@@ -370,11 +382,17 @@ def cpu_shim_problems() -> list[str]:
                 list(inspect.signature(fn).parameters) != ["pos_emb", "seq_dim", "cp_group"]:
             problems.append(f"{label}.get_pos_emb_on_this_cp_rank{inspect.signature(fn)} is not "
                             "(pos_emb, seq_dim, cp_group) (shim 3)")
+    language_module = importlib.import_module(_LANGUAGE_MODULE)
+    cls = getattr(language_module, "LanguageModule", None)
+    for attr in ("setup_embeddings_and_output_layer", "_is_in_embd_group",
+                 "shared_embedding_or_output_weight"):
+        if not callable(getattr(cls, attr, None)):
+            problems.append(f"{_LANGUAGE_MODULE}.LanguageModule.{attr} is missing (shim 4)")
     return problems
 
 
 def install_cpu_shims() -> None:
-    """Install shims 2 and 3 (idempotent). Shim 1 is installed by ``set_seed(on_cpu=True)``.
+    """Install shims 2, 3 and 4 (idempotent). Shim 1 is installed by ``set_seed(on_cpu=True)``.
 
     Raises ``RuntimeError`` listing ``cpu_shim_problems()`` if megatron-core moved a target.
     """
@@ -395,7 +413,40 @@ def install_cpu_shims() -> None:
     # with torch.tensor(..., pin_memory=True).cuda(); rotary_pos_embedding.py imports it by name.
     rotary = importlib.import_module("megatron.core.models.common.embeddings.rotary_pos_embedding")
     rotary.get_pos_emb_on_this_cp_rank = _pos_emb_on_this_cp_rank_cpu
+    # Shim 4: language_module.py:244 `weight.data = weight.data.cuda()` (tied embeddings, PP > 1).
+    cls = importlib.import_module(_LANGUAGE_MODULE).LanguageModule
+    cls.setup_embeddings_and_output_layer = _cpu_setup_embeddings_and_output_layer(
+        cls.setup_embeddings_and_output_layer)
     _SHIMS_INSTALLED = True
+
+
+_LANGUAGE_MODULE = "megatron.core.models.common.language_module.language_module"
+
+
+def _cpu_setup_embeddings_and_output_layer(original):
+    """Shim 4: megatron's ``setup_embeddings_and_output_layer`` without ``weight.data.cuda()``.
+
+    megatron (0.16.1 language_module.py:241-244): ``if torch.distributed.is_initialized(): if
+    self._is_in_embd_group(): weight.data = weight.data.cuda(); all_reduce(weight.data,
+    group=self.embd_group)``. The original runs with ``_is_in_embd_group`` shadowed to answer False
+    (and to record that megatron reached that question: it returns early without tied embeddings or
+    with PP = 1), so it sets the parameter attributes and zero-fills the last stage's copy as usual;
+    then, where megatron would have, the first stage's weights are summed into that zero copy over
+    the embedding group.
+    """
+    def setup_embeddings_and_output_layer(self) -> None:
+        asked = []
+        self._is_in_embd_group = lambda: asked.append(True) and False  # shadows the method
+        try:
+            original(self)
+        finally:
+            del self._is_in_embd_group
+        if asked and self._is_in_embd_group():
+            dist.all_reduce(self.shared_embedding_or_output_weight().data, group=self.embd_group)
+
+    setup_embeddings_and_output_layer.__wrapped__ = original
+    setup_embeddings_and_output_layer.__doc__ = original.__doc__
+    return setup_embeddings_and_output_layer
 
 
 def _pos_emb_on_this_cp_rank_cpu(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
@@ -408,7 +459,10 @@ def _pos_emb_on_this_cp_rank_cpu(pos_emb: torch.Tensor, seq_dim: int, cp_group) 
 
 
 def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
-    """Sum ``grads`` in place over ``group`` with one collective on a flat buffer."""
+    """Sum ``grads`` in place over ``group`` with one collective on a flat buffer.
+
+    Every rank of ``group`` must pass tensors of the same shapes in the same order.
+    """
     if not grads or dist.get_world_size(group) == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -419,9 +473,22 @@ def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
         offset += g.numel()
 
 
+def _grads_for_reduce(params: Iterable[torch.nn.Parameter], group) -> list[torch.Tensor]:
+    """``.grad`` of every ``requires_grad`` param in the given order; a missing grad (the param was
+    unused on this rank) becomes zeros, so every rank's flat buffer has the same layout."""
+    params = [p for p in params if p.requires_grad]
+    if dist.get_world_size(group) > 1:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    return [p.grad for p in params if p.grad is not None]
+
+
 def all_reduce_gradients(params: Iterable[torch.nn.Parameter], *, group) -> None:
-    """Sum ``.grad`` of ``params`` over ``group`` (one flat buffer, one collective)."""
-    _all_reduce_flat([p.grad for p in params if p.grad is not None], group)
+    """Sum ``.grad`` of the ``requires_grad`` ``params`` over ``group`` (one flat buffer, one
+    collective). Every rank passes the same parameters in the same order; a ``None`` grad counts as
+    zeros (and is materialised) when the group has more than one rank."""
+    _all_reduce_flat(_grads_for_reduce(params, group), group)
 
 
 def finalize_gradients(model: torch.nn.Module, *, dp_cp_group, tp_group,
@@ -439,13 +506,15 @@ def finalize_gradients(model: torch.nn.Module, *, dp_cp_group, tp_group,
       output copy are one parameter: sum.
     """
     config = model.config
-    named = [(n, p) for n, p in model.named_parameters() if p.grad is not None]
+    # All trainable params in module order (the same on every rank of a group), not only those
+    # with a grad: a param unused on one rank must still take its slot in the flat buffers.
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     all_reduce_gradients([p for _, p in named], group=dp_cp_group)
-    tp_summed = [p.grad for n, p in named
+    tp_summed = [p for n, p in named
                  if (config.qk_layernorm and ("q_layernorm" in n or "k_layernorm" in n))
                  or (config.sequence_parallel and getattr(p, "sequence_parallel", False))]
-    _all_reduce_flat(tp_summed, tp_group)
+    all_reduce_gradients(tp_summed, group=tp_group)
     if embedding_group is not None and getattr(model, "share_embeddings_and_output_weights", False):
         shared = model.shared_embedding_or_output_weight()
-        if shared is not None and shared.grad is not None:
-            _all_reduce_flat([shared.grad], embedding_group)
+        if shared is not None:
+            all_reduce_gradients([shared], group=embedding_group)

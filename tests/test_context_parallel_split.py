@@ -114,7 +114,8 @@ def _gather_worker(cp, x, w, seq_dim):
 
 
 def _megatron_layout_worker(cp, batch):
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    # Through our version-neutral wrapper: megatron-core 0.18+ added a required `is_hybrid_cp`.
+    from megatron_credit.distributed import get_batch_on_this_cp_rank
 
     group, r = _cp_group(cp)
     ours = {k: split_for_cp(v, cp_size=cp, cp_rank=r) for k, v in batch.items()}

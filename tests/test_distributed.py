@@ -80,6 +80,46 @@ def _refuse_bad_world():
     return None, ps.model_parallel_is_initialized()
 
 
+class _TwoLayers(torch.nn.Module):
+    """``b`` is used only when ``use_b``: one rank of the test leaves its grad None."""
+
+    def __init__(self):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(qk_layernorm=False, sequence_parallel=False)
+        self.a = torch.nn.Parameter(torch.ones(3))
+        self.b = torch.nn.Parameter(torch.ones(2))
+        self.frozen = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+
+    def forward(self, x, *, use_b):
+        return (self.a * x).sum() + ((self.b * x[:2]).sum() if use_b else 0.0)
+
+
+def _finalize_with_a_param_unused_on_rank_1():
+    import torch.distributed as dist
+
+    from megatron_credit import distributed
+
+    rank = dist.get_rank()
+    model = _TwoLayers()
+    x = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
+    model(x, use_b=rank == 0).backward()
+    had_b = model.b.grad is not None
+    distributed.finalize_gradients(model, dp_cp_group=dist.group.WORLD, tp_group=None)
+    return had_b, model.a.grad.clone(), model.b.grad.clone(), model.frozen.grad
+
+
+def test_finalize_gradients_with_a_param_unused_on_one_rank(pool):
+    (had0, a0, b0, f0), (had1, a1, b1, f1) = pool.run(_finalize_with_a_param_unused_on_rank_1)
+    assert had0 and not had1
+    # d/da sum_r (a . x_r) = x_0 + x_1 = 3 x; b is used on rank 0 only: grad x_0[:2] on both ranks.
+    for a, b in ((a0, b0), (a1, b1)):
+        torch.testing.assert_close(a, torch.tensor([3.0, 6.0, 9.0]), rtol=0, atol=0)
+        torch.testing.assert_close(b, torch.tensor([1.0, 2.0]), rtol=0, atol=0)
+    assert f0 is None and f1 is None  # frozen params are not given a grad
+
+
 def test_megatron_groups_and_seeds_on_gloo(pool):
     a, b = pool.run(_groups_and_seeds, 2, 1)
     assert (a["tp"], a["cp"], a["dp"]) == (2, 1, 1)

@@ -90,3 +90,15 @@ def test_get_batch_on_this_cp_rank_wrapper_keeps_chunks_r_and_2cp_minus_1_minus_
         keep = [2 * rank, 2 * rank + 1, 6 - 2 * rank, 7 - 2 * rank]  # chunks r, 3 - r of 4 (c = 2)
         assert torch.equal(local["tokens"], batch["tokens"][:, keep])
         assert torch.equal(local["attention_mask"], batch["attention_mask"][:, :, keep])
+
+
+def test_moved_language_module_or_saver_targets_are_reported(monkeypatch):
+    import megatron.core.dist_checkpointing.strategies.state_dict_saver as saver
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    assert "megatron.core.dist_checkpointing.strategies.state_dict_saver" in distributed._SHIMMED_MODULES
+    monkeypatch.delattr(LanguageModule, "_is_in_embd_group")
+    monkeypatch.delattr(saver, "torch")
+    problems = distributed.cpu_shim_problems()
+    assert any("LanguageModule._is_in_embd_group is missing (shim 4)" in p for p in problems)
+    assert any("state_dict_saver has no module-level `torch`" in p for p in problems)

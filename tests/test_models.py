@@ -168,3 +168,39 @@ def test_logits_match_transformers(world1, model_type, extra):
         expected = hf_model(input_ids=ids, position_ids=pos).logits
         got = model(ids, pos, None)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_sliding_window_attention_is_refused_with_the_field():
+    hf = _hf("qwen2", use_sliding_window=True, sliding_window=32)
+    with pytest.raises(ValueError, match=r"hf_config.use_sliding_window=True is not supported"):
+        transformer_config_from_hf(hf, parallel=ParallelConfig())
+    # Off (the Qwen2 default) builds as before.
+    assert transformer_config_from_hf(_hf("qwen2", use_sliding_window=False),
+                                      parallel=ParallelConfig()).num_layers == 2
+
+
+def test_recipe_scalars_are_checked_against_the_dataclass_types():
+    from megatron_credit.config import recipe_from_dict
+
+    # PyYAML reads 1e-6 (no dot) as a string: float fields convert numeric strings.
+    r = recipe_from_dict({}, overrides=["smoke.lr=1e-6"])
+    assert r.smoke.lr == 1e-6 and isinstance(r.smoke.lr, float)
+    assert recipe_from_dict({"smoke": {"lr": 1}}).smoke.lr == 1.0
+    assert isinstance(recipe_from_dict({"smoke": {"lr": 1}}).smoke.lr, float)
+    bad = [({"smoke": {"lr": "fast"}}, r"smoke\.lr must be a number, got 'fast' \(str\)"),
+           ({"smoke": {"lr": True}}, r"smoke\.lr must be a number, got True \(bool\)"),
+           ({"smoke": {"steps": "8"}}, r"smoke\.steps must be an int, got '8' \(str\)"),
+           ({"smoke": {"steps": True}}, r"smoke\.steps must be an int, got True \(bool\)"),
+           ({"smoke": {"steps": 2.0}}, r"smoke\.steps must be an int"),
+           ({"parallel": {"sequence_parallel": 1}}, r"parallel\.sequence_parallel must be a bool"),
+           ({"parallel": {"tensor_model_parallel_size": "2"}},
+            r"parallel\.tensor_model_parallel_size must be an int"),
+           ({"seed": "x"}, r"^seed must be an int"),
+           ({"model": {"params_dtype": 16, "architecture": {"model_type": "qwen2"}}},
+            r"model\.params_dtype must be a string")]
+    for data, message in bad:
+        with pytest.raises(ValueError, match=message):
+            recipe_from_dict(data)
+    # Optional fields accept None and their type.
+    r = recipe_from_dict({"model": {"name_or_path": None, "architecture": {"model_type": "qwen2"}}})
+    assert r.model.name_or_path is None

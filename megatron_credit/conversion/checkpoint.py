@@ -169,48 +169,20 @@ def _save_strategy():
 
     class _InProcessTorchDistSave(TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
-            with _dist_checkpointing_on_host():
-                request = self.async_save(sharded_state_dict, checkpoint_dir)
-                if request.async_fn is not None:
-                    transform_list, use_msc = request.async_fn.args
-                    rank, buckets, results = request.async_fn_args
-                    if request.preload_fn is not None and torch.cuda.is_available():
-                        buckets = request.preload_fn()  # device tensors -> host, as execute_sync does
-                    _write_buckets_in_process(transform_list, use_msc, rank, buckets, results)
-                torch.distributed.barrier()
-                for fn in request.finalize_fns:
-                    fn()
+            # On CPU, state_dict_saver's CUDA device requests (its finalize flag tensor) are served
+            # by megatron_credit.distributed's CPU shims, installed by initialize() before any save.
+            request = self.async_save(sharded_state_dict, checkpoint_dir)
+            if request.async_fn is not None:
+                transform_list, use_msc = request.async_fn.args
+                rank, buckets, results = request.async_fn_args
+                if request.preload_fn is not None and torch.cuda.is_available():
+                    buckets = request.preload_fn()  # device tensors -> host, as execute_sync does
+                _write_buckets_in_process(transform_list, use_msc, rank, buckets, results)
+            torch.distributed.barrier()
+            for fn in request.finalize_fns:
+                fn()
 
     return _InProcessTorchDistSave("torch_dist", 1, thread_count=1)
-
-
-_HOST_SHIMMED = ("megatron.core.dist_checkpointing.strategies.state_dict_saver",)
-
-
-@contextlib.contextmanager
-def _dist_checkpointing_on_host() -> Iterator[None]:
-    """Without CUDA, let ``state_dict_saver`` see CUDA device requests as the CPU, for one save.
-
-    ``save_state_dict_async_finalize`` builds its failure flag with
-    ``device=torch.cuda.current_device()`` (megatron-core 0.16.1, state_dict_saver.py:252). The same
-    proxy as ``megatron_credit.distributed``'s shim 2 is installed on that module and removed after.
-    """
-    import importlib
-
-    if torch.cuda.is_available():
-        yield
-        return
-    from megatron_credit.distributed import _TorchOnCpu
-
-    modules = [importlib.import_module(m) for m in _HOST_SHIMMED]
-    saved = [m.torch for m in modules]
-    for m in modules:
-        m.torch = _TorchOnCpu()
-    try:
-        yield
-    finally:
-        for m, t in zip(modules, saved):
-            m.torch = t
 
 
 def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:

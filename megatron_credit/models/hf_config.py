@@ -118,6 +118,12 @@ def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype
 
     check_parallel_fits_model(hf_config, parallel)
     rope_settings(hf_config)  # refuse unsupported RoPE before building anything
+    if bool(_get(hf_config, "use_sliding_window", False)):
+        # Qwen2 / Qwen3 configs can turn on sliding-window attention on some layers; megatron's
+        # local spec has no sliding window, so building it would silently use full attention.
+        raise ValueError(f"hf_config.use_sliding_window=True is not supported (sliding_window="
+                         f"{_get(hf_config, 'sliding_window', None)}): the megatron actor uses full "
+                         "causal attention on every layer")
     if parallel.sequence_parallel and not torch.cuda.is_available():
         raise ValueError("parallel.sequence_parallel is not supported on CPU: megatron-core's local "
                          "spec norm (WrappedTorchNorm) asserts `not config.sequence_parallel`")
