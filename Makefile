@@ -31,8 +31,8 @@ test: venv
 	$(PY) -m pytest tests megatron_credit --doctest-modules $(PYTEST_ARGS)
 
 bench: venv
-	$(PY) benchmarks/credit_kernels.py
-	$(PY) benchmarks/logprob_memory.py
+	for b in credit_kernels step_time rollout_cpu reward_pool conversion_memory logprob_memory; do \
+		$(PY) benchmarks/$$b.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) build *.egg-info
