@@ -78,13 +78,40 @@ def run(n: int, workers: int, chunk_size: int, method: str) -> None:
     )
 
 
+def startup(workers: int, restarts: int = 3) -> None:
+    """Pool start and worker restart (start to ready) time with a trainer-like parent (torch imported).
+
+    Workers are ``python -m`` processes: they must not pay for the parent's imports.
+    """
+    t0 = time.perf_counter()
+    import torch  # noqa: F401  (the trainer's main module imports torch and megatron)
+
+    heavy_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with RewardPool(RewardPoolConfig(num_workers=workers)) as pool:
+        start_s = time.perf_counter() - t0
+        times = []
+        for _ in range(restarts):
+            t0 = time.perf_counter()
+            w = pool._start_worker()
+            w.wait_ready()
+            times.append(time.perf_counter() - t0)
+            w.kill()
+    print(f"startup: parent imports torch in {heavy_s:.2f} s | pool start ({workers} workers) "
+          f"{start_s:.2f} s | worker restart to ready {min(times):.2f}-{max(times):.2f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=10_000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--chunk-size", type=int, default=16)
     parser.add_argument("--methods", default="math_verify,dapo")
+    parser.add_argument("--startup", action="store_true", help="only measure pool start/restart time")
     args = parser.parse_args()
+    if args.startup:
+        startup(args.workers)
+        return
     for method in args.methods.split(","):
         run(args.n, args.workers, args.chunk_size, method)
 

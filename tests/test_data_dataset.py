@@ -51,7 +51,7 @@ def test_parquet_dedupe_template_and_length_filter(tmp_path, tok):
         assert rec.data_source == "math_dapo" and rec.ground_truth == str(2 * a)
         assert rec.messages[0].role == "user" and rec.messages[0].content == f"{a}+{a}="
         assert rec.extra_info == {"index": "0"}  # the first occurrence is kept
-        assert rec.uid == f"dapo.parquet:{a}"
+        assert rec.uid == f"0:dapo.parquet:{a}"
         want = tok.encode(f"<|user|>{a}+{a}=<|assistant|>Answer:")
         assert list(rec.prompt_ids) == want == tokenize_prompt(tok, rec.chat())
     # Without de-duplication every row stays (and the long one is still dropped).
@@ -175,3 +175,27 @@ def test_transformers_tokenizer_chat_template(tmp_path):
     ids = list(ds.records[0].prompt_ids)
     assert ids[0] == 1 and ids.count(1) == 1
     assert ids[1:] == [vocab[c] for c in "<|user|>1+1=<|assistant|>"]
+
+
+def test_same_named_files_in_different_folders_get_distinct_uids(tmp_path):
+    paths = []
+    for folder, q in [("a", "1+1="), ("b", "2+2=")]:
+        (tmp_path / folder).mkdir()
+        paths.append(tmp_path / folder / "train.jsonl")
+        paths[-1].write_text(json.dumps(_row(q, "2")) + "\n")
+    records, stats = read_records(paths)
+    assert stats.kept == 0 and len(records) == 2  # read_records does not tokenize: kept stays 0
+    assert [r.uid for r in records] == ["0:train.jsonl:0", "1:train.jsonl:0"]
+
+
+def test_integral_float_ground_truths_become_integer_strings(tmp_path):
+    path = tmp_path / "floats.parquet"
+    rows = [_row("a", 42.0), _row("b", 0.5), _row("c", 7)]
+    rows[2]["reward_model"]["ground_truth"] = 7.0
+    _write_parquet(path, rows)
+    records, _ = read_records([path])
+    assert [r.ground_truth for r in records] == ["42", "0.5", "7"]
+    bad = tmp_path / "nan.jsonl"
+    bad.write_text(json.dumps(_row("a", 1)).replace('"ground_truth": 1', '"ground_truth": NaN') + "\n")
+    with pytest.raises(DatasetFormatError, match=r"nan\.jsonl, row 0, column 'reward_model.ground_truth'"):
+        read_records([bad])

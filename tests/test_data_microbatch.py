@@ -119,3 +119,12 @@ def test_equal_microbatch_count_across_dp_ranks(dist_pool):
         local_counts = [o[0] for o in out]
         assert [o[1] for o in out] == [max(local_counts)] * 2
         assert all(o[2] for o in out)
+
+
+def test_tensor_seq_lens_are_accepted():
+    import torch
+
+    lens = [5, 3, 8, 1, 7, 2]
+    want = make_microbatches(lens, max_tokens_per_microbatch=10, min_num_microbatches=2)
+    assert make_microbatches(torch.tensor(lens), max_tokens_per_microbatch=10, min_num_microbatches=2) == want
+    assert make_microbatches(torch.tensor([], dtype=torch.long), max_tokens_per_microbatch=10) == []

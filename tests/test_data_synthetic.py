@@ -116,3 +116,30 @@ def test_byte_fallback_tokenizer_encodes_anything(tmp_path):
     text = "héllo, wörld: 12+3"
     ids = tok.encode(text)
     assert tok.unk_id not in ids and tok.decode(ids) == text
+
+
+def test_infeasible_config_is_rejected_not_a_hang():
+    with pytest.raises(ValueError, match="infeasible.*min_operand=1.*max_operand=1"):
+        ArithConfig(num_operands=3, min_operand=1, max_operand=1, ops=("-",))
+    # Feasible "-"-only configs still work (5 - 2 - 2 >= 0 can be drawn).
+    p = ArithmeticTask(ArithConfig(num_operands=3, min_operand=2, max_operand=5, ops=("-",))).problem(0)
+    assert int(p.answer) >= 0
+    ArithConfig(num_operands=3, min_operand=1, max_operand=1, ops=("-",), allow_negative=True)
+
+
+def test_nearly_infeasible_config_gives_up_with_a_value_error(monkeypatch):
+    from megatron_credit.data import synthetic
+
+    monkeypatch.setattr(synthetic, "_MAX_DRAWS", 3)
+    # Feasible only if the first operand is 9 and the rest 0: p = 10^-4 per draw.
+    task = ArithmeticTask(ArithConfig(num_operands=5, min_operand=0, max_operand=9, ops=("-",)))
+    with pytest.raises(ValueError, match="num_operands=5.*ops=\\('-',\\)"):
+        [task.problem(i) for i in range(20)]
+
+
+def test_majority_answer_rate_is_the_trivial_policys_reward():
+    from megatron_credit.data.synthetic import majority_answer_rate
+
+    # Two uniform operands in [0, m]: the most frequent sum, m, has m + 1 of (m + 1)^2 pairs.
+    for m in (4, 9):
+        assert majority_answer_rate(ArithConfig(max_operand=m)) == pytest.approx(1 / (m + 1), abs=0.01)

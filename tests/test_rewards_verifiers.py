@@ -105,6 +105,45 @@ CASES = [
     (" x12", "12", "synthetic_arith", False),
     (" 7 wait Answer: 12", "12", "synthetic_arith", True),  # a later Answer: wins
     ("", "12", "synthetic_arith", False),
+    (" 12 Answer:", "12", "synthetic_arith", True),  # a trailing empty Answer: does not override
+    (" 12 Answer: x", "12", "synthetic_arith", True),  # only anchors followed by an integer count
+    (" 12" + LONG_PAD, "12", "synthetic_arith", True),  # the implicit prefix is never pushed out
+    (" 12 Answer: 13" + LONG_PAD, "12", "synthetic_arith", True),  # no anchor in the window: leading int
+    (" 7 wait Answer: 12 Answer:", "12", "synthetic_arith", True),
+    # --- review rows, pinned to current behaviour; FN/FP = known false negative/positive ---------
+    ("Answer: 42.", "42", "dapo", False),  # FN of DAPO: the trailing period stays in the string
+    ("Answer: 42.", "42", "math_verify", True),
+    ("**Answer:** 42", "42", "dapo", False),  # FN of DAPO: "** 42" after the colon
+    ("**Answer:** 42", "42", "math_verify", True),
+    ("Answer: 5 m", "5", "dapo", False),  # FN of DAPO: "m" is not a Minerva unit word
+    ("Answer: 5 m", "5", "math_verify", True),
+    ("Answer: \\tfrac{1}{2}", "\\frac{1}{2}", "dapo", False),  # FN of DAPO: \tfrac is not normalised
+    ("Answer: \\tfrac{1}{2}", "\\frac{1}{2}", "math_verify", True),
+    ("Answer: \\frac{-1}{2}", "-\\frac{1}{2}", "dapo", False),  # FN of DAPO: sign placement
+    ("Answer: \\frac{-1}{2}", "-\\frac{1}{2}", "math_verify", True),
+    ("Answer: 2", "2.0", "dapo", False),  # FN of DAPO (and why datasets must not store "2.0")
+    ("Answer: 2", "2.0", "math_verify", True),
+    ("Answer: 2.0", "2", "math_verify", True),
+    ("Answer: 1\\,234", "1234", "dapo", False),  # FN of DAPO: "\\," thin space is not removed
+    ("Answer: 1\\,234", "1234", "math_verify", False),  # FN of math_verify too: read as 1 and 234
+    (f"I first got {B}{{3}} but restated: {B}{{5}}", "5", "dapo", False),  # FN: no Answer: line
+    (f"I first got {B}{{3}} but restated: {B}{{5}}", "5", "math_verify", True),  # (vs "first..then" above)
+    (f"{B}{{5}}, restated: {B}{{5}}", "5", "math_verify", True),
+    ("Answer: 1,2", "12", "dapo", True),  # FP of DAPO: "," is dropped as a thousands separator
+    ("Answer: 1,2", "12", "math_verify", False),
+    # --- math-verify reading prose on the Answer: line (once false negatives, now fixed) --------
+    ("Answer: **42**", "42", "math_verify", True),
+    ("Answer: 42, because 6 times 7 is 42", "42", "math_verify", True),
+    ("Answer: it is 12", "12", "math_verify", True),
+    ("Answer: 3 (B)", "3", "math_verify", True),
+    ("Answer: x=5, so 5", "5", "math_verify", True),
+    ("Answer: 2\\sqrt{2}", "\\sqrt{8}", "math_verify", True),
+    ("Answer: x+1", "x+1", "math_verify", True),  # a symbolic answer keeps the LaTeX reading
+    ("Answer: 5 and 7", "5", "math_verify", False),  # two answers are a set, not 5
+    # --- an escaped dollar in the ground truth is a currency sign, not a delimiter --------------
+    ("Answer: 18.90", "\\$18.90", "math_verify", True),
+    ("Answer: \\$18.90", "\\$18.90", "math_verify", True),
+    ("Answer: 18.91", "\\$18.90", "math_verify", False),
 ]
 
 
@@ -141,6 +180,44 @@ def test_math_verify_extracted_is_the_matched_answer():
     rec = compute_score(f"so {B}{{\\frac{{1}}{{2}}}}", "0.5", method="math_verify")
     assert rec.extracted == "\\frac{1}{2}"
     assert compute_score("nothing", "0.5", method="math_verify").extracted is None
+
+
+def test_unparsable_ground_truth_is_counted_not_raised():
+    rec = compute_score("Answer: 5", "", method="math_verify")
+    assert rec.status == "bad_ground_truth" and not rec.correct and rec.score == -1.0
+    assert compute_score("Answer: 18.90", "\\$18.90", method="math_verify").status == "ok"
+
+
+def test_math_verify_timeout_setting(monkeypatch):
+    import threading
+
+    import math_verify
+
+    from megatron_credit.rewards import math as reward_math
+
+    assert reward_math.MATH_VERIFY_TIMEOUT_S == 5  # on by default in-process
+    seen = []
+    real_parse = math_verify.parse
+
+    def spy(text, **kwargs):
+        seen.append(kwargs.get("parsing_timeout"))
+        return real_parse(text, **kwargs)
+
+    monkeypatch.setattr(math_verify, "parse", spy)
+    assert compute_score("Answer: 5", "5", method="math_verify").correct
+    assert seen and set(seen) == {5}
+    seen.clear()
+    monkeypatch.setattr(reward_math, "MATH_VERIFY_TIMEOUT_S", None)  # what the pool worker does
+    assert compute_score("Answer: 5", "5", method="math_verify").correct
+    assert set(seen) == {None}
+    # Outside a main thread signal.alarm cannot be used: the call still works, without a timeout.
+    monkeypatch.setattr(reward_math, "MATH_VERIFY_TIMEOUT_S", 5)
+    seen.clear()
+    out = []
+    t = threading.Thread(target=lambda: out.append(compute_score("Answer: 5", "5", method="math_verify")))
+    t.start()
+    t.join()
+    assert out[0].correct and set(seen) == {None}
 
 
 def test_last_boxed_only_string_nested_braces():

@@ -4,7 +4,9 @@ Schema (one row per prompt)::
 
     data_source:  str                                   e.g. "math_dapo"; selects the verifier
     prompt:       list[{"role": str, "content": str}]   chat messages (jsonl may give a plain str)
-    reward_model: {"ground_truth": str, ...}            the reference answer (int/float accepted)
+    reward_model: {"ground_truth": str, ...}            the reference answer (int/float accepted; an
+                                                        integral float 42.0 becomes "42", because the
+                                                        DAPO string verifier never matches "42.0")
     extra_info:   dict | null                           carried through untouched
 
 Loading = read and validate rows -> drop repeated prompts (the public DAPO-Math-17K parquet holds each
@@ -12,7 +14,8 @@ of its ~17.9K prompts about 100 times; the key is data source + messages + groun
 the tokenizer's chat template and tokenize -> drop prompts over ``max_prompt_len`` tokens. Each step's
 count is in ``DatasetStats``. A malformed row raises ``DatasetFormatError`` naming the file, the row
 index (0-based, counted over the whole file) and the column; with ``skip_malformed=True`` it is skipped
-and counted instead.
+and counted instead. A record's ``uid`` is ``"{file index}:{file name}:{row}"`` (the file's position in
+``paths``), unique even for same-named files in different folders.
 
 The tokenizer is anything with the Hugging Face methods ``apply_chat_template(messages, tokenize=False,
 add_generation_prompt=True)`` and ``encode(text, add_special_tokens=False)``: a ``transformers``
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -92,6 +96,11 @@ def _ground_truth(value: Any, path: Path, row: int) -> str:
     if isinstance(gt, bool) or not isinstance(gt, (str, int, float)):
         why = f"expected a string, got {type(gt).__name__}"
         raise DatasetFormatError(path, row, "reward_model.ground_truth", why)
+    if isinstance(gt, float):
+        if not math.isfinite(gt):
+            raise DatasetFormatError(path, row, "reward_model.ground_truth", f"not a finite number: {gt}")
+        if gt.is_integer():  # a float column stores 42 as 42.0; "Answer: 42" must match it
+            return str(int(gt))
     return str(gt)
 
 
@@ -110,8 +119,13 @@ def _messages(value: Any, path: Path, row: int) -> tuple[ChatMessage, ...]:
     return tuple(out)
 
 
-def parse_row(raw: dict[str, Any], *, path: Path, row: int, default_data_source: str | None) -> PromptRecord:
-    """Validate one raw row and turn it into a (not yet tokenized) ``PromptRecord``."""
+def parse_row(
+    raw: dict[str, Any], *, path: Path, row: int, default_data_source: str | None, file_index: int = 0
+) -> PromptRecord:
+    """Validate one raw row and turn it into a (not yet tokenized) ``PromptRecord``.
+
+    ``file_index`` is the file's position in the list being read; it makes the uid unique.
+    """
     source = raw.get("data_source")
     source = default_data_source if source is None else source  # absent or null
     if source is None:
@@ -124,7 +138,7 @@ def parse_row(raw: dict[str, Any], *, path: Path, row: int, default_data_source:
         why = f"expected a struct/dict or null, got {type(extra).__name__}"
         raise DatasetFormatError(path, row, "extra_info", why)
     return PromptRecord(
-        uid=f"{path.name}:{row}",
+        uid=f"{file_index}:{path.name}:{row}",
         data_source=source,
         messages=_messages(raw.get("prompt"), path, row),
         ground_truth=_ground_truth(raw.get("reward_model"), path, row),
@@ -172,13 +186,16 @@ def read_records(
     stats = stats or DatasetStats()
     seen: set[tuple] = set()
     records = []
-    for path in map(Path, paths):
+    uids: set[str] = set()
+    for file_index, path in enumerate(map(Path, paths)):
         for row, raw in _raw_rows(path):
             stats.rows += 1
             try:
                 if isinstance(raw, DatasetFormatError):
                     raise raw
-                rec = parse_row(raw, path=path, row=row, default_data_source=default_data_source)
+                rec = parse_row(
+                    raw, path=path, row=row, default_data_source=default_data_source, file_index=file_index
+                )
             except DatasetFormatError:
                 if not skip_malformed:
                     raise
@@ -189,6 +206,9 @@ def read_records(
                 stats.duplicates += 1
                 continue
             seen.add(key)
+            if rec.uid in uids:  # cannot happen (file index + row); a record store keyed by uid relies on it
+                raise AssertionError(f"duplicate prompt uid {rec.uid!r}")
+            uids.add(rec.uid)
             records.append(rec)
     return records, stats
 

@@ -52,14 +52,19 @@ def make_microbatches(
     seq_lens: Sequence[int], *, max_tokens_per_microbatch: int, mode: Mode = "padded",
     pad_to_multiple_of: int = 1, min_num_microbatches: int = 1,
 ) -> list[list[int]]:
-    """Index lists (ascending within each) covering ``range(len(seq_lens))`` once; see module doc."""
+    """Index lists (ascending within each) covering ``range(len(seq_lens))`` once; see module doc.
+
+    ``seq_lens`` may be a sequence of ints or a 1-D integer tensor (converted to a list on entry).
+    """
     if max_tokens_per_microbatch < 1:
         raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {max_tokens_per_microbatch}")
     if mode not in ("padded", "packed"):
         raise ValueError(f"mode must be 'padded' or 'packed', got {mode!r}")
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
-    if any(int(n) < 0 for n in seq_lens):
+    # A list of ints on entry: a tensor's truth value is ambiguous and its elements are 0-d tensors.
+    seq_lens = [int(n) for n in (seq_lens.tolist() if hasattr(seq_lens, "tolist") else seq_lens)]
+    if any(n < 0 for n in seq_lens):
         raise ValueError("seq_lens must be non-negative")
     if min_num_microbatches > max(len(seq_lens), 1):
         raise ValueError(

@@ -8,6 +8,7 @@
 | ``arith.py`` | the verifier of the synthetic arithmetic task |
 | ``shaping.py`` | overlong (DAPO), format and length penalties |
 | ``pool.py`` | ``RewardPool.score_batch``: per-item timeouts in processes that can be killed |
+| ``pool_worker.py`` | the pool's worker process (``python -m``; imports only the verifiers) |
 
 Importing this package imports nothing heavy; ``math-verify`` (sympy) loads on first use.
 """

@@ -2,13 +2,14 @@
 
 The task's chat template ends the prompt with the answer prefix ``Answer:`` so that a randomly
 initialised model only has to produce the number (a model that must first discover the literal
-string "Answer:" by chance never sees a reward). This verifier therefore reads ``ANSWER_PREFIX +
-response`` with the DAPO rule (the last ``Answer:`` within the last 300 characters wins, so a model
-that writes its own ``Answer: N`` later is scored on that), and compares the *leading integer* after
-it with the ground truth as integers: ``" 7 and more"`` answers 7. Two departures from DAPO, both so
-that a model that has learnt the sum but not yet when to stop is not scored -1: the leading integer is
-compared instead of the whole rest of the line, and the last ``Answer:`` counts even when it is not the
-first on its line.
+string "Answer:" by chance never sees a reward). This verifier therefore reads the response as if
+``Answer:`` preceded it. Like DAPO, a later ``Answer: N`` within the last 300 characters wins (a model
+that writes its own answer line is scored on that), but only an ``Answer:`` *followed by an integer*
+counts, so a trailing empty ``Answer:`` does not override the answer; if the window has none, the
+response's leading integer is the answer (the implicit prefix is never pushed out of the window by a
+long tail). The leading integer is compared with the ground truth as integers: ``" 7 and more"``
+answers 7. Both departures from DAPO are so that a model that has learnt the sum but not yet when to
+stop is not scored -1.
 
 >>> score_arith(" 12", "12")
 RewardRecord(score=1.0, correct=True, extracted='12', status='ok')
@@ -25,17 +26,23 @@ from megatron_credit.rewards.base import REWARD_FNS, RewardRecord, graded
 from megatron_credit.rewards.dapo import TAIL_CHARS
 
 ANSWER_PREFIX = "Answer:"
-_ANSWER = re.compile(r"(?i)Answer\s*:")
+_ANSWER_INT = re.compile(r"(?i)Answer\s*:\s*(-?\d+)")
 _LEADING_INT = re.compile(r"\s*(-?\d+)")
 
 
 @REWARD_FNS.register("synthetic_arith")
 def score_arith(response: str, ground_truth: str) -> RewardRecord:
-    """+1 if the leading integer of the last ``Answer:`` line equals the integer ground truth."""
-    tail = (ANSWER_PREFIX + response)[-TAIL_CHARS:]
-    anchors = list(_ANSWER.finditer(tail))
-    match = _LEADING_INT.match(tail, anchors[-1].end()) if anchors else None
-    if match is None:
-        return graded(False, None)
-    pred = match.group(1)
+    """+1 if the answer (last ``Answer: N`` in the tail, else the leading integer) equals the ground truth.
+
+    >>> score_arith(" 12 Answer:", "12").correct, score_arith(" 12" + "." * 400, "12").correct
+    (True, True)
+    """
+    anchors = list(_ANSWER_INT.finditer(response[-TAIL_CHARS:]))
+    if anchors:
+        pred = anchors[-1].group(1)
+    else:
+        match = _LEADING_INT.match(response)
+        if match is None:
+            return graded(False, None)
+        pred = match.group(1)
     return graded(int(pred) == int(ground_truth), pred)

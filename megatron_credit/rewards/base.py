@@ -19,7 +19,7 @@ from typing import Callable, Literal
 
 from megatron_credit.registry import Registry
 
-RewardStatus = Literal["ok", "timeout", "error"]
+RewardStatus = Literal["ok", "timeout", "error", "bad_ground_truth"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,7 +33,8 @@ class RewardRecord:
     extracted: str | None
     """The answer string the verifier found in the response (normalised), or None if none was found."""
     status: RewardStatus = "ok"
-    """How scoring ended: "ok", or "timeout"/"error" in the reward pool (then scored as incorrect)."""
+    """How scoring ended: "ok"; "timeout"/"error" in the reward pool; "bad_ground_truth" when the
+    verifier could not parse the dataset's answer. All but "ok" score as incorrect and are counted."""
 
 
 RewardFn = Callable[[str, str], RewardRecord]

@@ -60,5 +60,7 @@ def score_responses(
     metrics = {k: torch.tensor(v) for k, v in pool_metrics.items()}
     metrics.update(shaping_metrics)
     metrics["reward/accuracy"] = correct.float().mean() if len(records) else torch.tensor(0.0)
+    bad_gt = sum(r.status == "bad_ground_truth" for r in records)
+    metrics["reward/bad_ground_truths"] = torch.tensor(float(bad_gt))
     metrics["reward/score_mean"] = scores.mean() if len(records) else torch.tensor(0.0)
     return ScoredBatch(rewards=rewards, scores=scores, correct=correct, records=records, metrics=metrics)

@@ -5,18 +5,24 @@ Methods (``REWARD_FNS``):
 - ``"dapo"``: the DAPO "Answer:" string verifier (``rewards/dapo.py``).
 - ``"math_verify"``: symbolic equivalence through HF ``math-verify``: ``\\boxed{}`` (nested braces),
   fractions vs decimals, intervals, sets, units and text around the answer. The ground truth is
-  wrapped in ``\\boxed{}`` unless it already carries ``\\boxed`` or ``$`` delimiters, so a bare
-  ``"1/2"`` or ``"[1,3)"`` is parsed as the answer itself and not searched for an anchor. A response
+  wrapped in ``\\boxed{}`` unless it already carries ``\\boxed`` or an unescaped ``$`` delimiter
+  (``\\$18.90`` is a dollar sign, not a delimiter), so a bare ``"1/2"`` or ``"[1,3)"`` is parsed as
+  the answer itself and not searched for an anchor. A ground truth math-verify cannot parse scores
+  every response incorrect with ``status="bad_ground_truth"`` (counted in the metrics). A response
   with a ``\\boxed{}`` is parsed whole (math-verify gives boxes priority; several boxes are read as one
-  set answer). A response without one but with a DAPO ``Answer:`` line is parsed from that line as
-  LaTeX math, because math-verify does not find undelimited LaTeX after "Answer:" (``Answer:
-  \\dfrac{1}{2}`` would otherwise parse to nothing); if the line gives nothing, the whole response.
+  set answer). A response without one but with a DAPO ``Answer:`` line is parsed from that line
+  (markdown ``**``/``__`` emphasis removed) as LaTeX math, because math-verify does not find
+  undelimited LaTeX after "Answer:" (``Answer: \\dfrac{1}{2}`` would otherwise parse to nothing). Read
+  as math, prose becomes a product of symbols (``it is 12`` is ``12 i^2 s t``), so when that parse has
+  free symbols the ground truth lacks, the line is parsed as text instead, then the whole response;
+  if the line gives nothing, the whole response.
 - ``"synthetic_arith"``: the synthetic arithmetic task (``rewards/arith.py``).
 
 ``math-verify`` guards itself with ``signal.alarm``, which only works in a process's main thread and
-would fire into whatever else that process runs. We call it with its timeouts disabled; hostile input
-(a parse that never returns) is handled by ``rewards/pool.py``, which runs verifiers in processes it can
-kill. Call ``compute_score`` directly only on trusted strings (tests, evaluation of known outputs).
+would fire into whatever else that process runs. Its timeout is ``MATH_VERIFY_TIMEOUT_S`` (default
+5 s, for in-process calls from a main thread); the pool worker sets it to None, because there hostile
+input (a parse that never returns) is handled by ``rewards/pool.py``, which runs verifiers in processes
+it can kill. Outside a main thread set it to None and call ``compute_score`` only on trusted strings.
 
 >>> compute_score("... so the answer is \\\\boxed{\\\\frac{1}{2}}", "0.5", method="math_verify").correct
 True
@@ -25,12 +31,16 @@ False
 """
 from __future__ import annotations
 
+import re
+import threading
+
 from megatron_credit.rewards import arith as _arith  # noqa: F401  (registers "synthetic_arith")
 from megatron_credit.rewards import dapo as _dapo  # noqa: F401  (registers "dapo")
 from megatron_credit.rewards.base import (
     REWARD_FNS,
     RewardRecord,
     graded,
+    incorrect,
     method_for_data_source,
 )
 
@@ -45,12 +55,33 @@ def compute_score_for_source(response: str, ground_truth: str, *, data_source: s
     return compute_score(response, ground_truth, method=method_for_data_source(data_source))
 
 
+MATH_VERIFY_TIMEOUT_S: int | None = 5
+"""math-verify's own parse/verify timeout in whole seconds (``signal.alarm`` takes an int); None
+disables it (the pool worker does). It only applies in a main thread: elsewhere ``signal`` cannot
+install the handler, so calls from other threads run without it."""
+
+_UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
+_EMPHASIS = re.compile(r"\*\*|__")
+
+
 def _as_gold_latex(ground_truth: str) -> str:
-    """Give math-verify a ground truth it parses as one answer, not as text to search."""
+    """Give math-verify a ground truth it parses as one answer, not as text to search.
+
+    >>> _as_gold_latex("\\\\$18.90"), _as_gold_latex("$x$")
+    ('\\\\boxed{\\\\$18.90}', '$x$')
+    """
     gt = ground_truth.strip()
-    if "\\boxed" in gt or "$" in gt:
+    if "\\boxed" in gt or _UNESCAPED_DOLLAR.search(gt):
         return gt
     return "\\boxed{" + gt + "}"
+
+
+def _free_symbols(parsed: list) -> set[str]:
+    """Names of the free symbols of math-verify's parsed objects (strings have none)."""
+    names: set[str] = set()
+    for obj in parsed:
+        names.update(str(sym) for sym in getattr(obj, "free_symbols", ()) or ())
+    return names
 
 
 @REWARD_FNS.register("math_verify")
@@ -62,14 +93,23 @@ def score_math_verify(response: str, ground_truth: str) -> RewardRecord:
     """
     from math_verify import parse, verify  # lazy: pulls sympy (~1 s of import)
 
-    gold = parse(_as_gold_latex(ground_truth), parsing_timeout=None)
+    limit = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+    def _parse(text: str) -> list:
+        return parse(text, parsing_timeout=limit)
+
+    gold = _parse(_as_gold_latex(ground_truth))
     line = None if "\\boxed" in response else _dapo.extract_answer_line(response)
-    pred = parse(f"${line.strip()}$", parsing_timeout=None) if line is not None else []
+    pred: list = []
+    if line is not None:
+        line = _EMPHASIS.sub("", line).strip()
+        pred = _parse(f"${line}$")
+        if pred and gold and _free_symbols(pred) - _free_symbols(gold):
+            pred = _parse(line) or _parse(response) or pred  # prose read as a product of symbols
     if not pred:
-        pred = parse(response, parsing_timeout=None)
+        pred = _parse(response)
+    if not gold:
+        return incorrect(str(pred[-1]) if pred else None, status="bad_ground_truth")
     if not pred:
         return graded(False, None)
-    extracted = str(pred[-1])
-    if not gold:
-        return graded(False, extracted)
-    return graded(bool(verify(gold, pred, timeout_seconds=None)), extracted)
+    return graded(bool(verify(gold, pred, timeout_seconds=limit)), str(pred[-1]))

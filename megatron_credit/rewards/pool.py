@@ -4,36 +4,47 @@
 timeout works only in a main thread. ``concurrent.futures.ProcessPoolExecutor`` cannot kill one hung
 worker (its only remedy is to break the whole pool). So this pool owns its processes: each worker has a
 private pipe, receives a chunk of items, and answers item by item. The parent waits on all pipes with a
-deadline per *item* (the clock restarts at each answer); when a worker misses its deadline it is killed
-(SIGKILL) and replaced, the item it was on is scored as a timeout, and the rest of its chunk is
-re-queued. A verifier that raises, or a worker that dies, scores that item as an error. Timeouts and
-errors score as incorrect (``score=-1, correct=False``), carry ``status="timeout"``/``"error"`` and are
-counted in the metrics; ``score_batch`` itself never raises for them.
+deadline per *item* (the clock restarts at each answer, and answers already sent are always read before
+any deadline is checked); when a worker misses its deadline it is killed (SIGKILL) and replaced, the
+item it was on is scored as a timeout, and the rest of its chunk is re-queued. A verifier that raises,
+or a worker that dies, scores that item as an error. Timeouts and errors score as incorrect
+(``score=-1, correct=False``), carry ``status="timeout"``/``"error"`` and are counted in the metrics;
+``score_batch`` itself never raises for them.
 
-Verifier callables are sent to workers by reference (pickled as module + name), so a function
-registered in ``REWARD_FNS`` from any importable module (a test file, a plug-in) works in the pool.
+Workers are plain ``python -m megatron_credit.rewards.pool_worker`` processes (``subprocess.Popen``,
+the pipe passed as an inherited socket), not multiprocessing children: multiprocessing's spawn and
+forkserver re-import the parent's ``__main__`` in every child, which for a trainer that imports torch
+and megatron makes each worker start or restart take seconds; fork would copy CUDA contexts and
+process-group threads. A worker imports only the verifiers (sympy, ~1 s) and makes one warm-up call
+before it reports ready. The pool waits for that at construction; a replacement after a kill starts in
+the background and gets work once it is ready, so a restart never blocks the healthy workers and its
+start-up cost never counts against an item's deadline.
 
-Workers start with the "forkserver" method by default: the server process imports the verifiers
-(and sympy, ~1 s) once and each worker, including a replacement after a kill, is a cheap fork of it,
-never a fork of the trainer (which holds CUDA contexts and process-group threads). A new worker makes
-one warm-up call before it reports ready, and the parent waits for that, so start-up cost never counts
-against an item's deadline.
+Verifier callables are sent to workers by reference (module + qualified name, imported by the worker),
+so a function registered in ``REWARD_FNS`` at module level of any importable module (a test file, a
+plug-in) works in the pool; a lambda, closure, callable object or a function defined in ``__main__``
+is rejected with a ValueError naming the method. The child's ``sys.path`` is the parent's.
+
+If anything escapes ``score_batch`` (Ctrl-C, a failed worker start), every worker that still owed
+answers is killed and replaced before the exception propagates, and answers carry the batch's sequence
+number, so a later batch never reads an earlier batch's answers.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import multiprocessing
-import multiprocessing.connection
-import signal
+import os
+import pickle
+import socket
+import subprocess
+import sys
 import time
-from typing import Any, Callable, Sequence
+from multiprocessing.connection import Connection, wait
+from typing import Callable, Sequence
 
-from megatron_credit.rewards import math as _math  # noqa: F401  (registers the built-in methods)
 from megatron_credit.rewards.base import REWARD_FNS, RewardRecord, incorrect, method_for_data_source
+from megatron_credit.rewards.pool_worker import READY
 
-_PRELOAD = ["megatron_credit.rewards.math", "math_verify"]
-_READY = "ready"
 _START_TIMEOUT_S = 120.0  # a worker start is imports + one warm-up call; generous for loaded machines
 
 
@@ -61,8 +72,6 @@ class RewardPoolConfig:
     """Per-item deadline in seconds; a worker past it is killed and replaced."""
     chunk_size: int = 16
     """Items sent to a worker per message (amortises pipe overhead; the deadline stays per item)."""
-    start_method: str = "forkserver"
-    """multiprocessing start method: "forkserver" (default), "spawn" or "fork"."""
 
     def __post_init__(self):
         if self.num_workers < 1:
@@ -71,61 +80,78 @@ class RewardPoolConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
-        if self.start_method not in ("forkserver", "spawn", "fork"):
-            raise ValueError(f"start_method must be forkserver, spawn or fork, got {self.start_method!r}")
 
 
-def _worker_main(conn: multiprocessing.connection.Connection) -> None:
-    """Worker loop: receive ``[(idx, fn, response, gt), ...]``, answer ``(idx, ok, payload)`` per item."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle, then close()
-    # math-verify builds its grammars and regexes on first use (~0.1 s, seconds on a loaded machine);
-    # pay that before reporting ready, so that it never counts against the first item's deadline.
-    try:
-        _math.score_math_verify("\\boxed{\\frac{1}{2}}", "0.5")
-    except Exception:  # noqa: BLE001  (a broken math-verify install shows up as per-item errors)
-        pass
-    conn.send(_READY)
-    while True:
-        try:
-            chunk = conn.recv()
-        except (EOFError, OSError):
-            return
-        if chunk is None:
-            return
-        for idx, fn, response, ground_truth in chunk:
-            try:
-                record = fn(response, ground_truth)
-                if not isinstance(record, RewardRecord):
-                    raise TypeError(f"reward fn returned {type(record).__name__}, not RewardRecord")
-                conn.send((idx, True, record))
-            except Exception as exc:  # noqa: BLE001  (any verifier failure is one failed item)
-                conn.send((idx, False, f"{type(exc).__name__}: {exc}"))
+def _child_env() -> dict[str, str]:
+    """The parent's environment with its ``sys.path`` as PYTHONPATH (verifiers import from there)."""
+    path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
 
 
 class _Worker:
-    """One worker process, its pipe, the item indices it still owes, and its current deadline."""
+    """One worker process, its pipe, the item indices it still owes, and its deadlines."""
 
-    def __init__(self, ctx: Any):
-        self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child,), daemon=True)
-        self.proc.start()
-        child.close()
+    def __init__(self):
+        parent, child = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "megatron_credit.rewards.pool_worker", str(child.fileno())],
+                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=_child_env(),
+            )
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        self.conn = Connection(parent.detach())
         self.owed: collections.deque[int] = collections.deque()
         self.deadline = float("inf")
+        """When the item ``owed[0]`` times out (inf while idle)."""
+        self.ready = False
+        self.start_deadline = time.monotonic() + _START_TIMEOUT_S
+
+    def poll_ready(self, timeout: float = 0.0) -> bool:
+        """Whether the worker has reported ready (waiting up to ``timeout`` s for it).
+
+        Raises RuntimeError (after killing it) if it exited during start-up or missed the start deadline.
+        """
+        if self.ready:
+            return True
+        try:
+            if self.conn.poll(timeout):
+                message = self.conn.recv()
+                if message != READY:
+                    raise RuntimeError(f"reward worker sent {message!r} instead of {READY!r}")
+                self.ready = True
+                return True
+        except (EOFError, OSError):
+            try:
+                code = self.proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                code = None
+            self.kill()
+            raise RuntimeError(
+                f"reward worker (pid {self.proc.pid}) exited during start-up with exit code {code}; "
+                "its traceback is on stderr"
+            ) from None
+        if time.monotonic() > self.start_deadline:
+            self.kill()
+            raise RuntimeError(f"reward worker did not start within {_START_TIMEOUT_S:.0f} s")
+        return False
 
     def wait_ready(self) -> None:
-        """Block until the worker has warmed up (deadlines only start once it is ready)."""
-        try:
-            ready = self.conn.poll(_START_TIMEOUT_S) and self.conn.recv() == _READY
-        except (EOFError, OSError):
-            ready = False
-        if not ready:
-            self.proc.kill()
-            raise RuntimeError(f"reward worker did not start within {_START_TIMEOUT_S:.0f} s")
+        """Block until the worker has warmed up (RuntimeError if it dies or misses the start deadline)."""
+        while not self.poll_ready(max(0.0, self.start_deadline - time.monotonic()) + 0.01):
+            pass
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join()
+        """SIGKILL the process, reap it and close the pipe (idempotent)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
         self.conn.close()
 
 
@@ -137,15 +163,22 @@ class RewardPool:
 
     def __init__(self, config: RewardPoolConfig = RewardPoolConfig()):
         self.config = config
-        self._ctx = multiprocessing.get_context(config.start_method)
-        if config.start_method == "forkserver":
-            self._ctx.set_forkserver_preload(_PRELOAD)
-        self._workers = [_Worker(self._ctx) for _ in range(config.num_workers)]
-        for w in self._workers:  # started together, awaited together
-            w.wait_ready()
         self.restarts = 0
         self.last_errors: list[str] = []
         """Messages of the verifier exceptions of the last ``score_batch`` (for logs)."""
+        self._seq = 0
+        self._refs: dict[str, tuple[str, str]] = {}  # method -> (module, qualname), checked once
+        self._workers: list[_Worker] = []
+        try:  # started together, awaited together; never leak the started ones if one fails
+            for _ in range(config.num_workers):
+                self._workers.append(_Worker())
+            for w in self._workers:
+                w.wait_ready()
+        except BaseException:
+            for w in self._workers:
+                w.kill()
+            self._workers = []
+            raise
 
     def __enter__(self) -> "RewardPool":
         return self
@@ -165,71 +198,100 @@ class RewardPool:
             except (OSError, ValueError):
                 pass
         for w in self._workers:
-            w.proc.join(timeout=2.0)
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join()
-            w.conn.close()
+            try:
+                w.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
+            w.kill()
         self._workers = []
 
     def score_batch(self, items: Sequence[RewardItem]) -> tuple[list[RewardRecord], dict[str, float]]:
         """Score ``items``; returns records in input order and metrics.
 
         Metrics: ``reward_pool/items``, ``/timeouts``, ``/errors``, ``/restarts`` (this batch),
-        ``/seconds``, ``/accuracy`` (fraction correct).
+        ``/bad_ground_truths`` (ground truths the verifier could not parse), ``/seconds``,
+        ``/accuracy`` (fraction correct).
         """
         if not self._workers:
             raise RuntimeError("RewardPool is closed")
         start, restarts_before = time.perf_counter(), self.restarts
         self.last_errors = []
-        tasks = [(i, _resolve(item), item.response, item.ground_truth) for i, item in enumerate(items)]
+        tasks = [(i, *self._reference(it), it.response, it.ground_truth) for i, it in enumerate(items)]
+        self._seq += 1
         results: list[RewardRecord | None] = [None] * len(tasks)
         pending = collections.deque(range(len(tasks)))
         counts = {"timeout": 0, "error": 0}
         done = 0
-        while done < len(tasks):
-            self._dispatch(tasks, pending)
-            busy = [w for w in self._workers if w.owed]
-            wait_s = max(0.0, min(w.deadline for w in busy) - time.monotonic())
-            ready = multiprocessing.connection.wait([w.conn for w in busy], timeout=wait_s)
-            for w in busy:
-                if w.conn in ready:
-                    done += self._collect(w, results, pending, counts)
-                if w.owed and time.monotonic() > w.deadline:
-                    done += self._fail_current(w, results, pending, counts, status="timeout")
+        try:
+            while done < len(tasks):
+                if not self._workers:
+                    raise RuntimeError("RewardPool has no workers left (a replacement failed to start)")
+                self._dispatch(tasks, pending)
+                waiting = [w for w in self._workers if w.owed or not w.ready]
+                until = min([w.deadline for w in waiting if w.owed] +
+                            [w.start_deadline for w in waiting if not w.ready])
+                wait([w.conn for w in waiting], timeout=max(0.0, until - time.monotonic()) + 0.001)
+                # Read everything that has arrived, from every worker, before judging any deadline:
+                # an answer that sits unread because the parent was busy is not a timeout.
+                for w in list(self._workers):
+                    if not w.ready:
+                        w.poll_ready()  # a replacement that died or missed its start deadline raises
+                    elif w.owed:
+                        done += self._collect(w, results, pending, counts)
+                for w in list(self._workers):
+                    if w.owed and time.monotonic() > w.deadline:
+                        done += self._collect(w, results, pending, counts)  # arrived while we were busy
+                        if w.owed and time.monotonic() > w.deadline:
+                            done += self._fail_current(w, results, pending, counts, status="timeout")
+        except BaseException:
+            self._abandon_owed()
+            raise
         metrics = {
             "reward_pool/items": float(len(tasks)),
             "reward_pool/timeouts": float(counts["timeout"]),
             "reward_pool/errors": float(counts["error"]),
             "reward_pool/restarts": float(self.restarts - restarts_before),
+            "reward_pool/bad_ground_truths": float(sum(r.status == "bad_ground_truth" for r in results)),
             "reward_pool/seconds": time.perf_counter() - start,
             "reward_pool/accuracy": sum(r.correct for r in results) / max(len(results), 1),
         }
         return results, metrics  # type: ignore[return-value]  (all filled: done == len(tasks))
 
+    def _reference(self, item: RewardItem) -> tuple[str, str]:
+        """``(module, qualname)`` of an item's verifier, checked once per method (ValueError if not)."""
+        method = item.method if item.method is not None else method_for_data_source(item.data_source)
+        ref = self._refs.get(method)
+        if ref is None:
+            ref = self._refs[method] = _reference(method, REWARD_FNS.get(method))
+        return ref
+
     def _dispatch(self, tasks: list[tuple], pending: collections.deque[int]) -> None:
-        """Give each idle worker the next chunk of pending items."""
+        """Give each ready, idle worker the next chunk of pending items."""
         for k, w in enumerate(self._workers):
-            if w.owed or not pending:
+            if w.owed or not w.ready or not pending:
                 continue
-            if not w.proc.is_alive():  # died while idle: replace it before giving it work
-                w.kill()
-                w = self._workers[k] = self._start_worker()
+            if not w.alive():  # died while idle: replace it (in the background) before giving it work
+                self._replace(w)
+                continue
             n = min(self.config.chunk_size, len(pending))
             chunk = [pending.popleft() for _ in range(n)]
-            w.owed.extend(chunk)
+            w.owed.extend(chunk)  # before send: if send raises, the handler knows w owes answers
             w.deadline = time.monotonic() + self.config.timeout_s
             try:
-                w.conn.send([tasks[i] for i in chunk])
-            except (OSError, ValueError):
-                pass  # a dead worker: its pipe reports EOF on the next wait and it is replaced
+                w.conn.send((self._seq, [tasks[i] for i in chunk]))
+            except (OSError, ValueError):  # died after the check: nothing was attempted, re-queue
+                pending.extendleft(reversed(chunk))
+                w.owed.clear()
+                self._replace(w)
 
     def _collect(self, w: _Worker, results: list, pending: collections.deque[int], counts: dict) -> int:
         """Read every answer ``w`` has sent; returns how many items finished."""
         finished = 0
         try:
             while w.owed and w.conn.poll():
-                idx, ok, payload = w.conn.recv()
+                seq, idx, ok, payload = w.conn.recv()
+                if seq != self._seq:
+                    continue  # an earlier batch's answer (cannot happen after _abandon_owed; belt and braces)
                 assert idx == w.owed[0], "workers answer their chunk in order"
                 w.owed.popleft()
                 if ok:
@@ -239,7 +301,7 @@ class RewardPool:
                     counts["error"] += 1
                     self.last_errors.append(f"item {idx}: {payload}")
                 finished += 1
-                w.deadline = time.monotonic() + self.config.timeout_s
+                w.deadline = time.monotonic() + self.config.timeout_s if w.owed else float("inf")
         except (EOFError, OSError):  # the worker died (crash, OOM kill) in the middle of an item
             finished += self._fail_current(w, results, pending, counts, status="error")
         return finished
@@ -253,19 +315,51 @@ class RewardPool:
         counts[status] += 1
         pending.extendleft(reversed(w.owed))
         w.owed.clear()
-        w.kill()
-        self._workers[self._workers.index(w)] = self._start_worker()
+        self._replace(w)
         return 1
 
+    def _replace(self, w: _Worker) -> None:
+        """Kill ``w`` and start its replacement without waiting for it (it gets work once ready)."""
+        w.kill()
+        self._workers[self._workers.index(w)] = self._start_worker()
+
     def _start_worker(self) -> _Worker:
-        """A fresh, warmed-up worker (a replacement counts as a restart)."""
-        w = _Worker(self._ctx)
-        w.wait_ready()
+        """A fresh worker, still starting (a replacement counts as a restart)."""
+        w = _Worker()
         self.restarts += 1
         return w
 
+    def _abandon_owed(self) -> None:
+        """After an escaped exception: replace every worker that still owes answers.
 
-def _resolve(item: RewardItem) -> Callable[[str, str], RewardRecord]:
-    """The verifier callable of an item (raises ValueError naming valid methods/data sources)."""
-    method = item.method if item.method is not None else method_for_data_source(item.data_source)
-    return REWARD_FNS.get(method)
+        Its answers may still arrive; a fresh process is the only way to be sure they never reach a
+        later batch (the batch sequence number is the second guard).
+        """
+        for w in list(self._workers):
+            if w.owed:
+                w.owed.clear()
+                try:
+                    self._replace(w)
+                except BaseException:  # noqa: BLE001  (cannot start one now: drop it, keep the first error)
+                    self._workers.remove(w)
+
+
+def _reference(method: str, fn: Callable) -> tuple[str, str]:
+    """How a worker finds ``fn``: ``(module, qualname)``; ValueError naming ``method`` if it cannot."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    problem = None
+    if not isinstance(module, str) or not isinstance(qualname, str):
+        problem = "it has no module-level name (a callable object or functools.partial?)"
+    elif module == "__main__" or "<" in qualname:
+        problem = f"{module}.{qualname} is defined in __main__, a lambda or a closure"
+    else:
+        try:
+            pickle.dumps(fn)  # by-reference pickling checks that module.qualname is fn itself
+        except Exception as exc:  # noqa: BLE001
+            problem = f"it does not pickle by reference ({type(exc).__name__}: {exc})"
+    if problem is not None:
+        raise ValueError(
+            f"reward method {method!r} cannot be sent to a reward worker: {problem}; register a function "
+            "defined at module level of an importable module"
+        )
+    return module, qualname

@@ -30,7 +30,8 @@ class ShapingConfig:
     overlong_penalty_factor: float = 1.0
     """Penalty at L = Lmax (DAPO uses 1.0 with Lbuf = 4096 of Lmax = 20480)."""
     format_penalty: float = 0.0
-    """Subtracted when reasoning tags are malformed; 0 disables the format check."""
+    """Subtracted when reasoning tags are malformed; 0 subtracts nothing, but the check still runs:
+    ``reward/malformed_frac`` is still reported and the length penalty still spares malformed responses."""
     require_reasoning_tags: bool = False
     """If True, a response without the tags counts as malformed (else only wrongly nested ones do)."""
     open_tag: str = "<think>"

@@ -1,0 +1,69 @@
+"""The reward pool's worker process: ``python -m megatron_credit.rewards.pool_worker FD``.
+
+Started by ``rewards/pool.py`` with ``subprocess.Popen`` (never fork, never multiprocessing's spawn or
+forkserver, which re-run the trainer's ``__main__`` and so its torch/megatron imports in every worker).
+This module imports only what the verifiers need. ``FD`` is an inherited socket, wrapped in a
+``multiprocessing.connection.Connection``.
+
+Protocol (pickled messages): the worker sends ``"ready"`` once warmed up; it then receives
+``(seq, [(idx, module, qualname, response, ground_truth), ...])`` or ``None`` (exit), and answers
+``(seq, idx, ok, payload)`` per item, in order (``payload`` is the ``RewardRecord`` or an error
+message). The verifier is named by module and qualified name and imported here, so an import error is
+one failed item, not a dead worker.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+READY = "ready"
+
+
+def _lookup(module: str, qualname: str):
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def main(fd: int) -> None:
+    """Serve chunks on the connection ``fd`` until told to stop or the parent goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle, then close()
+    from megatron_credit.rewards import math as _math
+    from megatron_credit.rewards.base import RewardRecord
+
+    # The pool's per-item deadline governs here; math-verify's own signal timeout must not fire too.
+    _math.MATH_VERIFY_TIMEOUT_S = None
+    # ... and math-verify warns about the disabled timeout on every call; that is by design here.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    conn = Connection(fd)
+    # math-verify builds its grammars and regexes on first use (~0.1 s, seconds on a loaded machine);
+    # pay that before reporting ready, so that it never counts against the first item's deadline.
+    try:
+        _math.score_math_verify("\\boxed{\\frac{1}{2}}", "0.5")
+    except Exception:  # noqa: BLE001  (a broken math-verify install shows up as per-item errors)
+        pass
+    conn.send(READY)
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        seq, chunk = message
+        for idx, module, qualname, response, ground_truth in chunk:
+            try:
+                record = _lookup(module, qualname)(response, ground_truth)
+                if not isinstance(record, RewardRecord):
+                    raise TypeError(f"reward fn returned {type(record).__name__}, not RewardRecord")
+                conn.send((seq, idx, True, record))
+            except Exception as exc:  # noqa: BLE001  (any verifier failure is one failed item)
+                conn.send((seq, idx, False, f"{type(exc).__name__}: {exc}"))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
