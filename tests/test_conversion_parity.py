@@ -180,7 +180,8 @@ def converted(hf_dirs, tmp_path_factory):
         src, ck, back = hf_dirs[(f, False)], root / f"{f}_mc", root / f"{f}_hf"
         script += [f"assert a.main(['--hf-dir', '{src}', '--out', '{ck}', '--tp', '2', '--pp', '2']) == 0",
                    f"assert b.main(['--ckpt', '{ck}', '--out', '{back}', '--max-shard-size', '20KB']) == 0"]
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", "\n".join(script)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

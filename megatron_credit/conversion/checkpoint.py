@@ -4,7 +4,8 @@ Layout of a converted checkpoint folder::
 
     <out>/model/                 dist_checkpointing.save of GPTModel.sharded_state_dict() (torch_dist)
     <out>/config.json            the source HF config, byte for byte
-    <out>/conversion_meta.json   source architecture, family, dtype, conversion version, planned TP/PP
+    <out>/conversion_meta.json   source architecture, family, stored dtype, source dtype, conversion
+                                 version, planned TP/PP
     <out>/tokenizer*.json ...    the tokenizer files of the source
 
 The checkpoint is written from a TP = PP = 1 model: torch_dist stores each tensor with its global
@@ -69,8 +70,10 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype, tp: int = 1, pp: i
                 initialize_weights: bool = False, use_transformer_engine: bool | None = False):
     """This rank's ``GPTModel`` for ``hf_config`` (megatron parallel state must match ``tp``/``pp``).
 
-    The converters use the local spec in host memory; the dist checkpoint's keys do not depend on the
-    spec (the TE spec maps its fused layer-norm names to the local ones in ``sharded_state_dict``).
+    The converters use the local spec in host memory. The dist checkpoint's weight keys do not depend
+    on the spec: the TE spec's ``sharded_state_dict`` maps its fused layer-norm names
+    (``linear_qkv.layer_norm_weight``) to the local ones (``input_layernorm.weight``). Only TE's
+    ``_extra_state`` entries (FP8 metadata, no weights) differ; :func:`load_dist_checkpoint` tolerates them.
     """
     from megatron_credit.config import ParallelConfig
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
@@ -99,7 +102,8 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
     ModelDims.from_hf_config(cfg).check_parallel(tp=tp, pp=pp)
     reader = SafetensorsReader(hf_dir)
     check_hf_keys(reader.keys(), family, cfg)
-    target = resolve_dtype(reader.dtypes(), dtype, allow_lossy=allow_lossy_dtype)
+    source = reader.dtypes(consumed_names(family, cfg))
+    target = resolve_dtype(source, dtype, allow_lossy=allow_lossy_dtype)  # refuses targets outside DTYPES
     if (out / MODEL_SUBDIR).exists() and any((out / MODEL_SUBDIR).iterdir()):
         raise FileExistsError(f"{str(out / MODEL_SUBDIR)!r} is not empty")
     (out / MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
@@ -120,11 +124,23 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
     shutil.copyfile(hf_dir / "config.json", out / "config.json")
     tokenizer = copy_tokenizer_files(hf_dir, out)
     meta = {"conversion_version": CONVERSION_VERSION, "source_architecture": list(cfg.architectures),
-            "family": family.name, "dtype": _DTYPE_NAMES[target], "format": "torch_dist",
+            "family": family.name, "dtype": _DTYPE_NAMES[target], "source_dtype": _source_dtype_name(source),
+            "format": "torch_dist",
             "planned_tp": tp, "planned_pp": pp, "tokenizer_files": tokenizer,
             "source_bytes": reader.total_bytes()}
     (out / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def consumed_names(family, cfg) -> list[str]:
+    """The HF tensor names the rules read (not ``rotary_emb.inv_freq`` or a tied model's ``lm_head``)."""
+    return [h for _, hs, _ in expand_rules(family, cfg) for h in hs]
+
+
+def _source_dtype_name(source: set[torch.dtype]) -> str:
+    """"bf16" etc. for one source dtype, "fp64" / "mixed(...)" otherwise (metadata only)."""
+    names = sorted(_DTYPE_NAMES.get(d, str(d).removeprefix("torch.")) for d in source)
+    return names[0] if len(names) == 1 else f"mixed({','.join(names)})"
 
 
 def _whole_gated_fc1(sharded_state_dict: dict) -> dict:
@@ -160,10 +176,25 @@ def _save_strategy():
 
     ``TorchDistSaveShardedStrategy.save`` runs ``AsyncRequest.execute_sync``: its ``preload_fn``
     (``FileSystemWriterAsync.preload_tensors(non_blocking=True)``) calls ``torch.cuda.synchronize()``,
-    and its writer forks a process per bucket (``write_preloaded_data_multiproc``) that reports through
-    queues: on our CPU runs the child died without reporting (psutil was missing) and the parent waited
-    forever, and forking a process that runs gloo threads is fragile anyway. The tensors of a converter are in host memory already, so the
-    same ``write_preloaded_data`` is run here, bucket by bucket; the files written are the same.
+    and in megatron-core 0.16 its writer forks a process per bucket (``write_preloaded_data_multiproc``)
+    that reports through queues: on our CPU runs the child died without reporting (psutil was missing)
+    and the parent waited forever, and forking a process that runs gloo threads is fragile anyway. The
+    tensors of a converter are in host memory already, so here the preload runs only when CUDA exists
+    and the writing happens in this process:
+
+    * 0.16 (``write_preloaded_data_multiproc``): our :func:`_write_buckets_in_process` runs the same
+      ``FileSystemWriterAsync.write_preloaded_data`` bucket by bucket; the files written are the same.
+    * 0.17 - 0.19 (``write_preloaded_data_multithread``): megatron writes with threads, no fork, so our
+      in-process writer is not needed; megatron's own function is called directly (after
+      ``async_save(..., async_strategy="mcore")``, as megatron's sync ``save`` does there).
+
+    Anything else (other function names or argument counts: private megatron internals) fails with
+    "unsupported megatron-core version" rather than an opaque unpacking error.
+
+    megatron's ``FileSystemWriterAsync`` results queue is a ``multiprocessing`` *spawn* ``Manager``
+    (``_get_write_results_queue``), which starts a server process that re-imports ``__main__``: a
+    script that converts must keep its work under ``if __name__ == "__main__":`` (the tools do), and
+    a daemonic process (e.g. a multiprocessing pool worker) cannot save at all.
     """
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -171,18 +202,73 @@ def _save_strategy():
         def save(self, sharded_state_dict, checkpoint_dir):
             # On CPU, state_dict_saver's CUDA device requests (its finalize flag tensor) are served
             # by megatron_credit.distributed's CPU shims, installed by initialize() before any save.
-            request = self.async_save(sharded_state_dict, checkpoint_dir)
-            if request.async_fn is not None:
-                transform_list, use_msc = request.async_fn.args
-                rank, buckets, results = request.async_fn_args
+            import inspect
+
+            # 0.17+: async_save defaults to nvidia-resiliency-ext ("nvrx"); megatron's own sync save
+            # asks for its built-in "mcore" implementation, as we do.
+            kwargs = {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(self.async_save).parameters \
+                else {}
+            request = self.async_save(sharded_state_dict, checkpoint_dir, **kwargs)
+            write = _checked_write_fn(request)
+            if write is not None:
+                fn_name, writer_args, (rank, buckets, results) = write
                 if request.preload_fn is not None and torch.cuda.is_available():
                     buckets = request.preload_fn()  # device tensors -> host, as execute_sync does
-                _write_buckets_in_process(transform_list, use_msc, rank, buckets, results)
+                if fn_name == "write_preloaded_data_multithread":
+                    request.async_fn(rank, buckets, results)
+                else:
+                    _write_buckets_in_process(*writer_args, rank, buckets, results)
             torch.distributed.barrier()
             for fn in request.finalize_fns:
                 fn()
 
     return _InProcessTorchDistSave("torch_dist", 1, thread_count=1)
+
+
+_WRITE_FNS = ("write_preloaded_data_multiproc", "write_preloaded_data_multithread")
+_WRITE_ITEM_PARAMS = ("transform_list", "local_proc_idx", "write_bucket", "results_queue", "count_queue",
+                      "use_fsync")
+
+
+def _unsupported(detail: str) -> RuntimeError:
+    from megatron.core import package_info
+
+    return RuntimeError(f"unsupported megatron-core version {package_info.__version__} for the in-process "
+                        f"checkpoint writer (megatron_credit/conversion/checkpoint.py; checked on 0.16.1 - "
+                        f"0.19.2): {detail}")
+
+
+def _checked_write_fn(request) -> tuple[str, tuple, tuple] | None:
+    """``(function name, (transform_list, use_msc), (rank, write_buckets, results_queue))`` of megatron's
+    async save request, or None when this rank writes nothing; raises on an unknown layout."""
+    import functools
+    import inspect
+
+    for attr in ("async_fn", "async_fn_args", "preload_fn", "finalize_fns"):
+        if not hasattr(request, attr):
+            raise _unsupported(f"the async save request {type(request).__name__} has no {attr!r}")
+    fn = request.async_fn
+    if fn is None:
+        return None
+    if not isinstance(fn, functools.partial):
+        raise _unsupported(f"async_fn is a {type(fn).__name__}, expected functools.partial")
+    name = getattr(fn.func, "__name__", repr(fn.func))
+    if name not in _WRITE_FNS:
+        raise _unsupported(f"async_fn wraps {name!r}, expected one of {_WRITE_FNS}")
+    if len(fn.args) != 2 or fn.keywords:
+        raise _unsupported(f"{name} is bound to {len(fn.args)} positional / {sorted(fn.keywords)} keyword "
+                           "arguments, expected (transform_list, use_msc)")
+    args = tuple(request.async_fn_args)
+    if len(args) != 3:
+        raise _unsupported(f"async_fn_args has {len(args)} entries, expected (rank, write_buckets, results_queue)")
+    if name == "write_preloaded_data_multiproc":
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+        params = tuple(inspect.signature(FileSystemWriterAsync.write_preloaded_data).parameters)
+        if params[:len(_WRITE_ITEM_PARAMS)] != _WRITE_ITEM_PARAMS:
+            raise _unsupported(f"FileSystemWriterAsync.write_preloaded_data takes {params}, expected "
+                               f"{_WRITE_ITEM_PARAMS} first")
+    return name, tuple(fn.args), args
 
 
 def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
@@ -215,7 +301,12 @@ def read_meta(ckpt_dir: str | os.PathLike) -> dict:
 
 
 def load_dist_checkpoint(model, ckpt_dir: str | os.PathLike) -> None:
-    """Load ``<ckpt_dir>/model`` into ``model`` (any TP / PP: megatron reshards), strictly.
+    """Load ``<ckpt_dir>/model`` into ``model`` (any TP / PP: megatron reshards), strictly for weights.
+
+    Only Transformer Engine ``_extra_state`` entries (FP8 metadata, no weights) may be absent on one
+    side: a TE model asks for ``core_attention._extra_state`` that a local-spec checkpoint lacks, and
+    a TE-written checkpoint holds extra states a local model does not ask for. Any other missing or
+    unexpected key raises.
 
     At TP = 1 fc1 is requested whole (see :func:`_whole_gated_fc1`): the swiglu factory would load
     the halves into new tensors and concatenate them, a second copy of every MLP input weight.
@@ -228,9 +319,22 @@ def load_dist_checkpoint(model, ckpt_dir: str | os.PathLike) -> None:
     request = model.sharded_state_dict()
     if model.config.tensor_model_parallel_size == 1:
         request = _whole_gated_fc1(request)
-    state = dist_checkpointing.load(request, str(model_dir), strict="raise_all")
-    model.load_state_dict(state, strict=True)
+    # missing: in the checkpoint, not requested; unexpected: requested, not in the checkpoint.
+    state, missing, unexpected = dist_checkpointing.load(request, str(model_dir), strict="return_all")
+    _check_only_extra_state(missing, unexpected, f"dist checkpoint {str(model_dir)!r}")
+    result = model.load_state_dict(state, strict=False)
+    _check_only_extra_state(result.unexpected_keys, result.missing_keys, "model.load_state_dict")
     del state, request
+
+
+def _check_only_extra_state(missing, unexpected, where: str) -> None:
+    """Raise unless every key in ``missing`` (not requested) and ``unexpected`` (not stored) is a TE
+    ``_extra_state``."""
+    bad_missing = sorted(k for k in missing if not k.endswith("_extra_state"))
+    bad_unexpected = sorted(k for k in unexpected if not k.endswith("_extra_state"))
+    if bad_missing or bad_unexpected:
+        raise ValueError(f"{where}: keys stored but not in the model: {bad_missing[:5]}; keys of the model "
+                         f"not stored: {bad_unexpected[:5]} (only TE _extra_state may differ)")
 
 
 def convert_megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str | None = None,
@@ -245,7 +349,7 @@ def convert_megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLi
     family = family_for_config(cfg)
     stored = DTYPES[meta["dtype"]]
     target = resolve_dtype({stored}, dtype, allow_lossy=allow_lossy_dtype)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)  # earlier exports' weight files are removed by the writer
     with single_stage_parallel_state():
         model = build_model(cfg, params_dtype=stored)
         load_dist_checkpoint(model, ckpt)
@@ -260,20 +364,31 @@ def convert_megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLi
                 bar.update(1)
             bar.close()
             files = writer.close()
-            _write_config(ckpt / "config.json", out / "config.json", stored, target)
+            _write_config(ckpt / "config.json", out / "config.json", target,
+                          source_dtype=DTYPES.get(meta.get("source_dtype", meta["dtype"])))
             copy_tokenizer_files(ckpt, out)
         del model, state
     return files
 
 
-def _write_config(src: Path, dst: Path, stored: torch.dtype, target: torch.dtype) -> None:
-    """Copy config.json byte for byte, unless the dtype changed (then only the dtype field changes)."""
-    if stored == target:
-        shutil.copyfile(src, dst)
-        return
+def _write_config(src: Path, dst: Path, target: torch.dtype, *, source_dtype: torch.dtype | None = None) -> None:
+    """Copy config.json byte for byte when its dtype field already names ``target``, else rewrite it
+    with that field set to ``target`` (the dtype of the weights written): transformers loads a model
+    in the config's dtype by default, so a stale field would silently cast the exported weights.
+
+    transformers 5 writes ``dtype``, 4.x ``torch_dtype``: whichever fields the source has are set.
+    A config with neither is copied when the weights keep ``source_dtype``, else gets ``dtype``.
+    """
     cfg = json.loads(src.read_text())
     name = str(target).removeprefix("torch.")
-    for key in ("dtype", "torch_dtype"):
-        if key in cfg:
-            cfg[key] = name
+    keys = [k for k in ("dtype", "torch_dtype") if k in cfg]
+    if not keys and target == source_dtype:
+        shutil.copyfile(src, dst)
+        return
+    keys = keys or ["dtype"]
+    if all(cfg.get(k) == name for k in keys):
+        shutil.copyfile(src, dst)
+        return
+    for key in keys:
+        cfg[key] = name
     dst.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -4,7 +4,9 @@
 ``model.safetensors.index.json``) and reads one tensor at a time. :class:`ShardedSafetensorsWriter`
 buffers tensors up to ``max_shard_bytes``, writes a shard, and at ``close`` names the shards
 ``model-0000i-of-0000n.safetensors`` and writes the index, as ``save_pretrained`` does: peak memory is
-one shard's tensors (references to the source where no transform copied them), never the model.
+one shard's tensors (references to the source where no transform copied them), never the model. Like
+``save_pretrained`` it removes the weight files of an earlier save into the same folder that this one
+does not overwrite, so that a reader never mixes two saves.
 """
 from __future__ import annotations
 
@@ -37,6 +39,10 @@ class SafetensorsReader:
         if not self.dir.is_dir():
             raise FileNotFoundError(f"HF checkpoint folder {str(self.dir)!r} does not exist")
         index = self.dir / INDEX_NAME
+        if index.is_file() and (self.dir / SINGLE_NAME).is_file():
+            # transformers prefers the single file, we would prefer the index: which is current is unknown
+            raise ValueError(f"{str(self.dir)!r} holds both {SINGLE_NAME} and {INDEX_NAME} (two saves into one "
+                             "folder?); remove the stale one")
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
         elif (self.dir / SINGLE_NAME).is_file():
@@ -91,9 +97,9 @@ class SafetensorsReader:
             return torch.empty(info["shape"], dtype=dtype)
         return torch.frombuffer(buf, dtype=dtype).reshape(info["shape"])
 
-    def dtypes(self) -> set[torch.dtype]:
-        """The dtypes stored (from the headers)."""
-        return {_st_dtype(self._info(name)[1]["dtype"]) for name in self.weight_map}
+    def dtypes(self, names=None) -> set[torch.dtype]:
+        """The dtypes stored (from the headers), of ``names`` (default: every tensor)."""
+        return {_st_dtype(self._info(name)[1]["dtype"]) for name in (self.weight_map if names is None else names)}
 
     def total_bytes(self) -> int:
         return sum((self.dir / f).stat().st_size for f in set(self.weight_map.values()))
@@ -145,12 +151,13 @@ class ShardedSafetensorsWriter:
         if self._buffer:
             self._flush()
         n = len(self._files)
+        finals = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        remove_stale_weight_files(self.dir, keep=set(finals) | ({INDEX_NAME} if n > 1 else set()))
         if n == 1:
             os.replace(self.dir / self._files[0][0], self.dir / SINGLE_NAME)
             return [SINGLE_NAME]
         weight_map, names = {}, []
-        for i, (tmp, tensors) in enumerate(self._files):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        for (tmp, tensors), final in zip(self._files, finals, strict=True):
             os.replace(self.dir / tmp, self.dir / final)
             weight_map.update({t: final for t in tensors})
             names.append(final)
@@ -160,6 +167,17 @@ class ShardedSafetensorsWriter:
 
 
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def remove_stale_weight_files(folder: Path, *, keep: set[str]) -> list[str]:
+    """Delete ``model*.safetensors`` and ``model.safetensors.index.json`` in ``folder`` not in ``keep``
+    (only those patterns: other files, e.g. a README, are left alone); returns the names removed."""
+    stale = [p for p in folder.glob("model*.safetensors") if p.name not in keep]
+    if INDEX_NAME not in keep and (folder / INDEX_NAME).is_file():
+        stale.append(folder / INDEX_NAME)
+    for p in stale:
+        p.unlink()
+    return sorted(p.name for p in stale)
 
 
 def write_safetensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], *,
@@ -215,11 +233,14 @@ def resolve_dtype(source: set[torch.dtype], requested: str | None, *, allow_loss
     if requested is None:
         if len(source) != 1:
             raise ValueError(f"the checkpoint mixes dtypes {sorted(map(str, source))}; pass --dtype")
-        return next(iter(source))
+        (only,) = source
+        if only not in DTYPES.values():
+            raise ValueError(f"the checkpoint is {only}, not one of the supported {sorted(DTYPES)}; pass --dtype")
+        return only
     if requested not in DTYPES:
         raise ValueError(f"unknown dtype {requested!r}; valid: {sorted(DTYPES)}")
     target = DTYPES[requested]
-    lossy = [s for s in source if s != target and target != torch.float32 or s == torch.float64]
+    lossy = [s for s in source if (s != target and target != torch.float32) or s == torch.float64]
     if lossy and not allow_lossy:
         raise ValueError(f"converting {lossy[0]} weights to {target} loses precision; "
                          "pass --allow-lossy-dtype to do it anyway")

@@ -65,7 +65,7 @@ def load_hf_into_local_state(local_state: Mapping[str, torch.Tensor], get_hf: Ca
         targets = [t for t in targets if t in local_names]
         if not targets:
             continue
-        full = rule_to_megatron(rule, [get_hf(h) for h in hf_names], dims)
+        full = rule_to_megatron(rule, [get_hf(h) for h in hf_names], dims, name=name)
         for t in targets:
             dst = local_state[t]
             if rule.kind is Kind.VOCAB:
@@ -95,7 +95,14 @@ def _plan(local_state: Mapping[str, torch.Tensor], layer_offset: int, pp_group) 
     plan: dict[str, tuple[int, tuple, Any]] = {}
     for stage, names in enumerate(gathered):
         for name, (shape, dtype) in names.items():
-            plan.setdefault(name, (stage, shape, dtype))  # first stage wins (tied heads live on both ends)
+            if name in plan:
+                # Only a tied head lives on two stages (the last stage's copy of the embedding); the
+                # first stage wins. Anything else means a wrong layer_offset or a mis-built model.
+                if name != "output_layer.weight":
+                    raise ValueError(f"pipeline stages {plan[name][0]} and {stage} both hold {name!r}: "
+                                     "is layer_offset right on every stage?")
+                continue
+            plan[name] = (stage, shape, dtype)
     return plan
 
 
@@ -118,9 +125,10 @@ def iter_hf_weight_buckets(local_state: Mapping[str, torch.Tensor], family: Fami
 
     A single tensor larger than ``bucket_bytes`` is a bucket of its own. All ranks of the TP and PP
     groups must call this together (it runs collectives); ``None`` groups mean size 1. Buckets are
-    in HF order (embedding, layers, final norm, head) and the same on every rank. Where no gather or
-    transform was needed (TP = PP = 1, norms) a yielded tensor *is* the parameter's memory: consume
-    (copy / send) a bucket before the next optimizer step. One model chunk per rank (no virtual PP).
+    in HF order (embedding, layers, final norm, head) and the same on every rank. Any yielded tensor
+    may alias a parameter's memory (no gather or copying transform is guaranteed: TP = 1, norms, a
+    split of a fused tensor may be a view): consume (copy / send) a bucket before the parameters change,
+    and never write into it. One model chunk per rank (no virtual PP).
     """
     import torch.distributed as dist
 
@@ -145,7 +153,7 @@ def iter_hf_weight_buckets(local_state: Mapping[str, torch.Tensor], family: Fami
             full = torch.empty(_full_shape(shape, rule.tp, tp_size), dtype=dtype, device=device)
         if pp_group is not None and dist.get_world_size(pp_group) > 1:
             dist.broadcast(full, src=dist.get_global_rank(pp_group, owner), group=pp_group)
-        for hf_name, t in zip(hf_names, rule_to_hf(rule, full, dims), strict=True):
+        for hf_name, t in zip(hf_names, rule_to_hf(rule, full, dims, name=name), strict=True):
             nbytes = t.numel() * t.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 yield bucket

@@ -37,23 +37,24 @@ def expand_rules(family: Family, cfg: Any, *, fused_norms: bool = False) -> list
     return out
 
 
-def rule_to_megatron(rule: Rule, hf_tensors: list[torch.Tensor], dims: ModelDims) -> torch.Tensor:
-    """The full megatron tensor of one rule (vocabulary rows unpadded)."""
+def rule_to_megatron(rule: Rule, hf_tensors: list[torch.Tensor], dims: ModelDims, *,
+                     name: str | None = None) -> torch.Tensor:
+    """The full megatron tensor of one rule (vocabulary rows unpadded); ``name`` is used in errors."""
     if rule.kind is Kind.QKV:
         q, k, v = hf_tensors
         return fuse_qkv(q, k, v, num_heads=dims.num_heads, num_query_groups=dims.num_query_groups,
-                        head_dim=dims.head_dim)
+                        head_dim=dims.head_dim, name=name or rule.megatron)
     if rule.kind is Kind.GATE_UP:
         return fuse_gate_up(*hf_tensors)
     (t,) = hf_tensors
     return t
 
 
-def rule_to_hf(rule: Rule, tensor: torch.Tensor, dims: ModelDims) -> list[torch.Tensor]:
-    """Inverse of :func:`rule_to_megatron`; vocabulary padding rows are dropped."""
+def rule_to_hf(rule: Rule, tensor: torch.Tensor, dims: ModelDims, *, name: str | None = None) -> list[torch.Tensor]:
+    """Inverse of :func:`rule_to_megatron`; vocabulary padding rows are dropped; ``name`` is used in errors."""
     if rule.kind is Kind.QKV:
         return list(split_qkv(tensor, num_heads=dims.num_heads, num_query_groups=dims.num_query_groups,
-                              head_dim=dims.head_dim))
+                              head_dim=dims.head_dim, name=name or rule.megatron))
     if rule.kind is Kind.GATE_UP:
         return list(split_gate_up(tensor))
     if rule.kind is Kind.VOCAB:
@@ -85,7 +86,7 @@ def iter_megatron_from_hf(get_hf: Callable[[str], torch.Tensor], family: Family,
     """Yield ``(global megatron name, full tensor)``, reading each HF tensor once via ``get_hf``."""
     dims = ModelDims.from_hf_config(cfg)
     for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused_norms):
-        yield name, rule_to_megatron(rule, [get_hf(h) for h in hf_names], dims)
+        yield name, rule_to_megatron(rule, [get_hf(h) for h in hf_names], dims, name=name)
 
 
 def iter_hf_from_megatron(get_megatron: Callable[[str], torch.Tensor], family: Family, cfg: Any, *,
@@ -93,4 +94,4 @@ def iter_hf_from_megatron(get_megatron: Callable[[str], torch.Tensor], family: F
     """Yield ``(HF name, tensor)`` from full megatron tensors fetched by global name."""
     dims = ModelDims.from_hf_config(cfg)
     for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused_norms):
-        yield from zip(hf_names, rule_to_hf(rule, get_megatron(name), dims), strict=True)
+        yield from zip(hf_names, rule_to_hf(rule, get_megatron(name), dims, name=name), strict=True)

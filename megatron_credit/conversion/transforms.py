@@ -42,16 +42,17 @@ def _check_numel(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tens
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_heads: int,
-             num_query_groups: int, head_dim: int) -> torch.Tensor:
+             num_query_groups: int, head_dim: int, name: str = "linear_qkv") -> torch.Tensor:
     """HF ``q`` [H*d, ...], ``k``/``v`` [G*d, ...] -> megatron ``linear_qkv`` [(H + 2G)*d, ...].
 
-    Works for weights ([rows, hidden]) and biases ([rows]): only dim 0 is rearranged.
+    Works for weights ([rows, hidden]) and biases ([rows]): only dim 0 is rearranged. ``name`` (the
+    tensor being converted) is quoted in errors.
     """
     if num_heads % num_query_groups:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_query_groups={num_query_groups}")
+        raise ValueError(f"{name}: num_heads={num_heads} is not a multiple of num_query_groups={num_query_groups}")
     h, g, d = num_heads // num_query_groups, num_query_groups, head_dim
     if q.shape[0] != num_heads * d or k.shape[0] != g * d or v.shape[0] != g * d:
-        raise ValueError(f"q/k/v rows {q.shape[0]}/{k.shape[0]}/{v.shape[0]} do not match "
+        raise ValueError(f"{name}: q/k/v rows {q.shape[0]}/{k.shape[0]}/{v.shape[0]} do not match "
                          f"heads={num_heads}, groups={g}, head_dim={d}")
     rest = q.shape[1:]
     out = torch.cat([q.reshape(g, h * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
@@ -61,11 +62,13 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, num_heads: in
 
 
 def split_qkv(qkv: torch.Tensor, *, num_heads: int, num_query_groups: int,
-              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              head_dim: int, name: str = "linear_qkv") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`fuse_qkv`: megatron ``linear_qkv`` [(H + 2G)*d, ...] -> HF (q, k, v)."""
+    if num_heads % num_query_groups:
+        raise ValueError(f"{name}: num_heads={num_heads} is not a multiple of num_query_groups={num_query_groups}")
     h, g, d = num_heads // num_query_groups, num_query_groups, head_dim
     if qkv.shape[0] != (h + 2) * g * d:
-        raise ValueError(f"linear_qkv has {qkv.shape[0]} rows, expected (H + 2G) * d = {(h + 2) * g * d}")
+        raise ValueError(f"{name} has {qkv.shape[0]} rows, expected (H + 2G) * d = {(h + 2) * g * d}")
     rest = qkv.shape[1:]
     grouped = qkv.reshape(g, (h + 2) * d, *rest)
     q, k, v = torch.split(grouped, [h * d, d, d], dim=1)
