@@ -121,3 +121,28 @@ class DistributedPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def block_subgroup(size: int):
+    """This rank's group among consecutive blocks of ``size`` ranks, and its rank in it.
+
+    Call on every rank of the pool (``new_group`` is collective: every rank creates every block).
+    """
+    import torch.distributed as dist
+
+    rank, mine = dist.get_rank(), None
+    for start in range(0, dist.get_world_size(), size):
+        group = dist.new_group(list(range(start, start + size)))
+        if start <= rank < start + size:
+            mine = group
+    return mine, rank % size
+
+
+def load_balanced_shard(t: torch.Tensor, cp: int, r: int) -> torch.Tensor:
+    """Rank ``r``'s share of ``t [B, T]`` in megatron's load-balanced CP layout: chunks r and 2cp-1-r.
+
+    Written here, apart from ``megatron_credit.data.context_parallel``, so that tests of code taking
+    CP shards do not build their inputs with the code under test.
+    """
+    c = t.shape[1] // (2 * cp)
+    return torch.cat([t[:, r * c:(r + 1) * c], t[:, (2 * cp - 1 - r) * c:(2 * cp - r) * c]], dim=1)

@@ -6,7 +6,7 @@ from megatron_credit.data.context_parallel import (
     check_sequence_length, gather_from_cp, merge_cp_shards, pad_for_parallel, required_multiple,
     shift_labels, split_for_cp,
 )
-from tests.distributed_harness import DistributedPool
+from tests.distributed_harness import DistributedPool, block_subgroup
 
 
 def _expected_positions(seq, cp, rank):
@@ -93,15 +93,7 @@ def pool():
         yield p
 
 
-def _cp_group(cp):
-    import torch.distributed as dist
-
-    rank, mine = dist.get_rank(), None
-    for start in range(0, dist.get_world_size(), cp):
-        g = dist.new_group(list(range(start, start + cp)))
-        if start <= rank < start + cp:
-            mine = g
-    return mine, rank % cp
+_cp_group = block_subgroup
 
 
 def _gather_worker(cp, x, w, seq_dim):

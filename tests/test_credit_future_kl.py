@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_credit.credit.future_kl import fipo_weights, future_kl, masked_summary, multi_dual_clip_keep
-from tests.distributed_harness import DistributedPool
+from tests.distributed_harness import DistributedPool, block_subgroup, load_balanced_shard
 
 
 def make_batch(b, t, seed, *, packed=False, dtype=torch.float64):
@@ -242,21 +242,13 @@ def test_multi_dual_clip_keep():
 
 # ---------------------------------------------------------------------------- context parallel (gloo)
 
-def cp_shard(t, cp, r):
-    c = t.shape[1] // (2 * cp)
-    return torch.cat([t[:, r * c:(r + 1) * c], t[:, (2 * cp - 1 - r) * c:(2 * cp - r) * c]], dim=1)
+cp_shard = load_balanced_shard
 
 
 def _cp_future_kl_worker(cases):
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    groups = {}
-    for cp in (2, 4):
-        for start in range(0, world, cp):
-            g = dist.new_group(list(range(start, start + cp)))
-            if start <= rank < start + cp:
-                groups[cp] = g
+    groups = {cp: block_subgroup(cp)[0] for cp in (2, 4)}
     out = []
     for logp, old, mask, adv, packed, k in cases:
         for cp in (2, 4):

@@ -6,7 +6,7 @@ import torch
 
 from megatron_credit.credit.gae import comp_gae, gae
 from megatron_credit.credit.gates import compo_gate, concentration_from_lse, normalized_concentration
-from tests.distributed_harness import DistributedPool
+from tests.distributed_harness import DistributedPool, block_subgroup, load_balanced_shard
 
 
 def make_batch(b, t, seed):
@@ -156,21 +156,11 @@ def test_concentration_from_lse():
 
 # ---------------------------------------------------------------------------- context parallel (gloo)
 
-def cp_shard(t, cp, r):
-    c = t.shape[1] // (2 * cp)
-    return torch.cat([t[:, r * c:(r + 1) * c], t[:, (2 * cp - 1 - r) * c:(2 * cp - r) * c]], dim=1)
+cp_shard = load_balanced_shard
 
 
 def _cp_gae_worker(cases):
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    groups = {}
-    for cp in (2, 4):
-        for start in range(0, world, cp):
-            g = dist.new_group(list(range(start, start + cp)))
-            if start <= rank < start + cp:
-                groups[cp] = (g, rank - start)
+    groups = {cp: block_subgroup(cp) for cp in (2, 4)}
     out = []
     for r_, v, kappa, mask, k in cases:
         for cp, (g, r) in groups.items():

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megatron_credit.credit.scan import reverse_linear_scan
-from tests.distributed_harness import DistributedPool
+from tests.distributed_harness import DistributedPool, block_subgroup, load_balanced_shard
 
 
 def loop_reference(x, a):
@@ -155,24 +155,13 @@ def test_bad_inputs_raise():
 
 # ---------------------------------------------------------------------------- context parallel (gloo)
 
-def cp_shard(t, cp, r):
-    """Megatron's load-balanced CP layout: rank r holds chunks r and 2cp-1-r of 2cp equal chunks."""
-    c = t.shape[1] // (2 * cp)
-    return torch.cat([t[:, r * c:(r + 1) * c], t[:, (2 * cp - 1 - r) * c:(2 * cp - r) * c]], dim=1)
+cp_shard = load_balanced_shard
 
 
 def _cp_scan_worker(cases):
     import torch.distributed as dist
 
-    world = dist.get_world_size()
-    rank = dist.get_rank()
-    groups = {1: None}
-    # Every rank must create every group; rank r then uses the one it belongs to.
-    for cp in (2, 4):
-        for start in range(0, world, cp):
-            g = dist.new_group(list(range(start, start + cp)))
-            if start <= rank < start + cp:
-                groups[cp] = g
+    groups = {1: None, **{cp: block_subgroup(cp)[0] for cp in (2, 4)}}
     out = []
     for x, a, k in cases:
         for cp in (2, 4):

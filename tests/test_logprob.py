@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from megatron_credit.losses.logprob import logprobs_and_entropy, logprobs_from_hidden
-from tests.distributed_harness import DistributedPool
+from tests.distributed_harness import DistributedPool, block_subgroup
 
 F64 = torch.float64
 
@@ -219,16 +219,7 @@ def pool():
         yield p
 
 
-def _tp_group(tp):
-    """Split the world into consecutive TP groups of size tp (every rank creates every group)."""
-    import torch.distributed as dist
-
-    rank, mine = dist.get_rank(), None
-    for start in range(0, dist.get_world_size(), tp):
-        g = dist.new_group(list(range(start, start + tp)))
-        if start <= rank < start + tp:
-            mine = g
-    return mine, rank % tp
+_tp_group = block_subgroup
 
 
 def _tp_logits_worker(tp, logits, labels, g_logp, g_ent, chunk_size, temperature):

@@ -7,7 +7,7 @@ import torch
 from megatron_credit.credit.future_kl import fipo_weights
 from megatron_credit.losses.policy import (AGG_MODES, aggregate_loss, fipo_policy_loss, gspo_loss,
                                            ppo_clip_loss, truncated_is_weights)
-from tests.distributed_harness import DistributedPool
+from tests.distributed_harness import DistributedPool, block_subgroup, load_balanced_shard
 
 
 def make_batch(b, t, seed):
@@ -262,13 +262,7 @@ def _dp_worker(batch, theta, mode):
     import torch.distributed as dist
 
     logp, old, adv, mask = batch
-    rank, world = dist.get_rank(), dist.get_world_size()
-    groups = {}
-    for dp in (1, 2, 4):
-        for start in range(0, world, dp):
-            g = dist.new_group(list(range(start, start + dp)))
-            if start <= rank < start + dp:
-                groups[dp] = (g, rank - start)
+    groups = {dp: block_subgroup(dp) for dp in (1, 2, 4)}
     out = {}
     for dp, (g, r) in groups.items():
         rows = torch.tensor_split(torch.arange(logp.shape[0]), dp)[r]
@@ -303,21 +297,13 @@ def test_dp_invariance_on_gloo(pool):
                 torch.testing.assert_close(per_rank[dp], base, rtol=1e-12, atol=1e-14)
 
 
-def _cp_shard(t, cp, r):
-    c = t.shape[1] // (2 * cp)
-    return torch.cat([t[:, r * c:(r + 1) * c], t[:, (2 * cp - 1 - r) * c:(2 * cp - r) * c]], dim=1)
+_cp_shard = load_balanced_shard
 
 
 def _gspo_cp_worker(logp, old, adv, mask):
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for cp in (2, 4):
-        for start in range(0, world, cp):
-            g = dist.new_group(list(range(start, start + cp)))
-            if start <= rank < start + cp:
-                group, r = g, rank - start
+        group, r = block_subgroup(cp)
         lp = _cp_shard(logp, cp, r).clone().requires_grad_(True)
         loss, _ = gspo_loss(lp, _cp_shard(old, cp, r), _cp_shard(adv, cp, r), _cp_shard(mask, cp, r),
                             clip_low=3e-3, clip_high=4e-3, cp_group=group)
