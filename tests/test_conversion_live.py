@@ -76,7 +76,11 @@ def _export(family: str, tied: bool, tp: int, pp: int):
 
 
 def _export_real_model(family: str, tp: int, pp: int):
-    """The same generator on a real megatron GPTModel loaded from HF weights at TP/PP."""
+    """The same generator on a real megatron GPTModel loaded from HF weights at TP/PP.
+
+    Returns the exported HF tensors and this rank's own tied-head copy gathered over TP (the last
+    stage's ``output_layer.weight`` at PP > 1, padding rows dropped), or None where there is none.
+    """
     from megatron.core import parallel_state as ps
 
     from megatron_credit import distributed
@@ -86,7 +90,7 @@ def _export_real_model(family: str, tp: int, pp: int):
 
     distributed.initialize(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
     try:
-        cfg, hf = _hf_state(family, tied=(family == "llama" and pp == 1))  # see test_conversion_parity
+        cfg, hf = _hf_state(family, tied=(family == "llama"))  # PP=2: the last stage holds a head copy
         model = build_model(cfg, params_dtype=torch.float32, tp=tp, pp=pp)
         offset = ps.get_pipeline_model_parallel_rank() * cfg.num_hidden_layers // pp
         fam = family_for_config(cfg)
@@ -98,7 +102,12 @@ def _export_real_model(family: str, tp: int, pp: int):
                                              pp_group=ps.get_pipeline_model_parallel_group(), layer_offset=offset,
                                              bucket_bytes=BUCKET):
             out.update((n, t.clone()) for n, t in bucket)
-        return out
+        head = model.state_dict().get("output_layer.weight") if cfg.tie_word_embeddings else None
+        if head is not None:
+            parts = [torch.empty_like(head) for _ in range(tp)]
+            torch.distributed.all_gather(parts, head.contiguous(), group=ps.get_tensor_model_parallel_group())
+            head = torch.cat(parts)[:cfg.vocab_size].clone()
+        return out, head
     finally:
         distributed.destroy()
 
@@ -129,12 +138,18 @@ def test_buckets_equal_hf_state_on_every_rank(pool, family, tied, tp, pp):
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_real_model_export_round_trips(pool, tp, pp):
-    for family in ("qwen3", "llama"):
-        _, hf = _hf_state(family, tied=(family == "llama" and pp == 1))
-        for out in pool.run(_export_real_model, family, tp, pp):
+    for family in ("qwen3", "llama"):  # llama tied: the export has no lm_head, whichever stage holds it
+        _, hf = _hf_state(family, tied=(family == "llama"))
+        results = pool.run(_export_real_model, family, tp, pp)
+        for out, _ in results:
             assert sorted(out) == sorted(hf)
             for k in hf:
                 assert torch.equal(out[k], hf[k]), (family, k)
+        heads = [head for _, head in results if head is not None]
+        # Only a tied model split over PP keeps a head copy, on the last stage: the HF embedding.
+        assert len(heads) == (1 if family == "llama" and pp == 2 else 0), (family, len(heads))
+        for head in heads:
+            assert torch.equal(head, hf["model.embed_tokens.weight"]), family
 
 
 def test_bucket_size_must_be_positive():

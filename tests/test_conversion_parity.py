@@ -1,7 +1,8 @@
 """Converted megatron models give the logits of ``transformers`` (fp32, left-padded batch) at TP=1,
-TP=2 and PP=2 on gloo, from HF weights loaded in memory and from the dist checkpoint written by the
-converter (resharded on load); the HF -> megatron -> HF round trip through the command-line tools is
-bit-identical; a wrong QKV layout and a wrong RoPE base are caught by the same parity check.
+TP=2 and PP=2 on gloo, tied word embeddings included (Llama 3.2 / Qwen3 style), from HF weights
+loaded in memory and from the dist checkpoint written by the converter (resharded on load); the
+HF -> megatron -> HF round trip through the command-line tools is bit-identical; a wrong QKV layout
+and a wrong RoPE base are caught by the same parity check.
 
 Each family also runs with q/k scaled so that attention is peaked: with random-init weights the
 attention is near-uniform and a RoPE or head-order mistake barely moves the logits.
@@ -22,11 +23,12 @@ from tests.distributed_harness import DistributedPool
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ["qwen2", "qwen3", "llama"]
 TOL = 1e-4  # max |megatron - hf| / max |hf| over valid positions, fp32
+TIED = ["llama-tied", "qwen3-tied"]  # always built with peaked attention
 LENGTHS = [12, 7, 4]  # left-padded batch of 3 sequences, 12 positions
 
 
 def _config(family: str):
-    """Tiny config; vocab 160 splits over TP=2. ``llama-tied`` ties embeddings as Llama 3.2 does."""
+    """Tiny config; vocab 160 splits over TP=2. ``*-tied`` ties embeddings as Llama 3.2 / Qwen3 do."""
     from megatron_credit.conversion.testing import tiny_hf_config
 
     return tiny_hf_config(family.removesuffix("-tied"), vocab_size=160, tie_word_embeddings=family.endswith("-tied"))
@@ -37,7 +39,7 @@ def _scale_qk(model, family: str) -> None:
     with torch.no_grad():
         for layer in model.model.layers:
             attn = layer.self_attn
-            if family == "qwen3":
+            if family.removesuffix("-tied") == "qwen3":
                 attn.q_norm.weight.mul_(3.0)
                 attn.k_norm.weight.mul_(3.0)
             else:
@@ -167,7 +169,7 @@ def pool():
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     dirs = {(f, s): _make_hf_dir(root, f, s) for f in FAMILIES for s in (False, True)}
-    dirs[("llama-tied", True)] = _make_hf_dir(root, "llama-tied", True)
+    dirs.update({(f, True): _make_hf_dir(root, f, True) for f in TIED})
     return dirs
 
 
@@ -176,8 +178,9 @@ def converted(hf_dirs, tmp_path_factory):
     """HF -> megatron -> HF through the two command-line tools, one subprocess for all families."""
     root = tmp_path_factory.mktemp("converted")
     script = ["import sys", "from tools import convert_hf_to_megatron as a, convert_megatron_to_hf as b"]
-    for f in FAMILIES:
-        src, ck, back = hf_dirs[(f, False)], root / f"{f}_mc", root / f"{f}_hf"
+    sources = {**{f: hf_dirs[(f, False)] for f in FAMILIES}, "qwen3-tied": hf_dirs[("qwen3-tied", True)]}
+    for f, src in sources.items():
+        ck, back = root / f"{f}_mc", root / f"{f}_hf"
         script += [f"assert a.main(['--hf-dir', '{src}', '--out', '{ck}', '--tp', '2', '--pp', '2']) == 0",
                    f"assert b.main(['--ckpt', '{ck}', '--out', '{back}', '--max-shard-size', '20KB']) == 0"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
@@ -185,7 +188,7 @@ def converted(hf_dirs, tmp_path_factory):
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", "\n".join(script)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {f: (root / f"{f}_mc", root / f"{f}_hf") for f in FAMILIES}
+    return {f: (root / f"{f}_mc", root / f"{f}_hf") for f in sources}
 
 
 # --- tests -----------------------------------------------------------------------------------------
@@ -212,13 +215,34 @@ def test_logits_match_transformers_at_tp1_tp2_pp2(pool, hf_dirs, family):
             assert err < TOL, (family, scaled, tp, pp, err)
 
 
-def test_tied_embeddings_logits_at_tp1_tp2(pool, hf_dirs):
-    """Tied embeddings (Llama 3.2 style). PP=2 is not run: megatron-core 0.16.1 moves the last stage's
-    copy of a tied head to CUDA (language_module.py:244 ``weight.data.cuda()``), which fails on CPU."""
-    hf_dir = hf_dirs[("llama-tied", True)]
+@pytest.mark.parametrize("family", TIED)
+def test_tied_embeddings_logits_at_tp1_tp2_pp2(pool, hf_dirs, family):
+    """At PP=2 the last stage holds its own copy of the tied head (megatron's embedding group; CPU
+    shim 4 in megatron_credit/distributed.py), filled from the HF embedding."""
+    hf_dir = hf_dirs[(family, True)]
     want = _hf_logits(hf_dir).logits
-    for tp in (1, 2):
-        assert _rel_err(_last(pool.run(_megatron_logits, str(hf_dir), tp, 1)), want) < TOL, tp
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        err = _rel_err(_last(pool.run(_megatron_logits, str(hf_dir), tp, pp)), want)
+        assert err < TOL, (family, tp, pp, err)
+
+
+def test_tied_dist_checkpoint_from_pp2_loads_at_any_layout(pool, hf_dirs, converted):
+    """A tied model converted by the tool with ``--pp 2`` (a layout-free checkpoint holding one
+    ``embedding.word_embeddings.weight`` and no output layer) loads at PP=2, where the last stage's
+    head copy must come from that embedding, at TP=2 and TP=1, and round-trips to HF without
+    ``lm_head.weight``, bit for bit."""
+    from megatron_credit.conversion.hf_io import SafetensorsReader
+
+    hf_dir = hf_dirs[("qwen3-tied", True)]
+    ckpt, back = converted["qwen3-tied"]
+    want = _hf_logits(hf_dir).logits
+    for tp, pp in ((1, 2), (2, 1), (1, 1)):
+        err = _rel_err(_last(pool.run(_megatron_logits, str(hf_dir), tp, pp, ckpt_dir=str(ckpt))), want)
+        assert err < TOL, (tp, pp, err)
+    a, b = SafetensorsReader(hf_dir), SafetensorsReader(back)
+    assert "lm_head.weight" not in a.keys() and sorted(a.keys()) == sorted(b.keys())
+    for k in a.keys():
+        assert torch.equal(a.get(k), b.get(k)), k
 
 
 @pytest.mark.parametrize("family", FAMILIES)
