@@ -166,32 +166,71 @@ def _check_args(name: str, x: torch.Tensor, labels: torch.Tensor, chunk_size: in
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
 
 
+def _label_index(labels, group, vocab_local, cdtype):
+    """Flattened labels -> (index into this rank's shard, 1.0 where it owns the label): ``[B*T]`` each."""
+    rank, _ = _tp_rank_and_size(group)
+    index, owned = _local_labels(labels.reshape(-1).long(), rank * vocab_local, vocab_local)
+    return index, owned.to(cdtype)
+
+
+def _chunked_forward(n, chunk_logits, index, owned, group, compute_entropy, cdtype, device):
+    """Run ``_forward_chunk`` over ``n`` tokens in chunks; ``chunk_logits(s, e)`` gives a fresh scaled
+    fp32 ``[e - s, V_local]`` buffer. Returns ``logp, lse, mean_z, ent: [n]`` (the last two None
+    without entropy)."""
+    logp = torch.empty(n, dtype=cdtype, device=device)
+    lse = torch.empty_like(logp)
+    mean_z = torch.empty_like(logp) if compute_entropy else None
+    ent = torch.empty_like(logp) if compute_entropy else None
+    for s, e in _chunk_bounds(n, chunk_logits.chunk_size):
+        lp, ls, mz, h = _forward_chunk(chunk_logits(s, e), index[s:e], owned[s:e], group, compute_entropy)
+        logp[s:e], lse[s:e] = lp, ls
+        if compute_entropy:
+            mean_z[s:e], ent[s:e] = mz, h
+    return logp, lse, mean_z, ent
+
+
+def _chunk_grad(z, s, e, index, owned, lse, mean_z, g_logp, g_ent, temperature):
+    """``dL/d(unscaled logits)`` of token rows ``[s, e)`` from their scaled logits ``z`` (consumed)."""
+    gz = _grad_chunk(z, index[s:e], owned[s:e], lse[s:e],
+                     None if mean_z is None else mean_z[s:e],
+                     None if g_logp is None else g_logp[s:e],
+                     None if g_ent is None else g_ent[s:e])
+    if temperature != 1.0:
+        gz.div_(temperature)
+    return gz
+
+
+class _ChunkLogits:
+    """``(s, e) -> scaled fp32 logits of token rows [s, e)``, a fresh buffer, from logits or hidden."""
+
+    def __init__(self, source, chunk_size, cdtype, temperature, weight=None):
+        self.source, self.flat, self.weight = source, _flat_view(source), weight
+        self.chunk_size, self.cdtype, self.temperature = chunk_size, cdtype, temperature
+
+    def __call__(self, s, e):
+        rows = _rows(self.source, self.flat, s, e)
+        if self.weight is None:
+            # copy=True: z must be a fresh buffer even for fp32 input, it is overwritten downstream.
+            z = rows.to(self.cdtype, copy=True)
+        else:
+            z = (rows @ self.weight.t()).to(self.cdtype)  # matmul in the input dtype
+        if self.temperature != 1.0:
+            z.div_(self.temperature)
+        return z
+
+
 # ------------------------------------------------------------------------------------ from the logits
 class _VocabParallelLogprobs(torch.autograd.Function):
     """Chunked log-probs and entropies from vocab-parallel logits; see the module docstring."""
 
     @staticmethod
     def forward(ctx, logits, labels, group, chunk_size, temperature, compute_entropy):
-        rank, _ = _tp_rank_and_size(group)
         batch, seq, vocab_local = logits.shape
         cdtype = _compute_dtype(logits.dtype)
-        flat, labels_flat = _flat_view(logits), labels.reshape(-1).long()
-        index, owned = _local_labels(labels_flat, rank * vocab_local, vocab_local)
-        owned = owned.to(cdtype)
-        n = batch * seq
-        logp = torch.empty(n, dtype=cdtype, device=logits.device)
-        lse = torch.empty_like(logp)
-        mean_z = torch.empty_like(logp) if compute_entropy else None
-        ent = torch.empty_like(logp) if compute_entropy else None
-        for s, e in _chunk_bounds(n, chunk_size):
-            # copy=True: z must be a fresh buffer even for fp32 input, it is overwritten below.
-            z = _rows(logits, flat, s, e).to(cdtype, copy=True)
-            if temperature != 1.0:
-                z.div_(temperature)
-            lp, ls, mz, h = _forward_chunk(z, index[s:e], owned[s:e], group, compute_entropy)
-            logp[s:e], lse[s:e] = lp, ls
-            if compute_entropy:
-                mean_z[s:e], ent[s:e] = mz, h
+        index, owned = _label_index(labels, group, vocab_local, cdtype)
+        logp, lse, mean_z, ent = _chunked_forward(
+            batch * seq, _ChunkLogits(logits, chunk_size, cdtype, temperature), index, owned, group,
+            compute_entropy, cdtype, logits.device)
         ctx.save_for_backward(logits, index, owned, lse, mean_z)
         ctx.chunk_size, ctx.temperature = chunk_size, temperature
         ctx.set_materialize_grads(False)
@@ -206,20 +245,12 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         cdtype = lse.dtype
         g_logp = None if g_logp is None else g_logp.reshape(-1).to(cdtype)
         g_ent = None if g_ent is None else g_ent.reshape(-1).to(cdtype)
-        flat = _flat_view(logits)
+        chunk_logits = _ChunkLogits(logits, ctx.chunk_size, cdtype, ctx.temperature)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         grad_flat = grad.view(-1, logits.shape[-1])
         for s, e in _chunk_bounds(lse.numel(), ctx.chunk_size):
-            z = _rows(logits, flat, s, e).to(cdtype, copy=True)
-            if ctx.temperature != 1.0:
-                z.div_(ctx.temperature)
-            gz = _grad_chunk(z, index[s:e], owned[s:e], lse[s:e],
-                             None if mean_z is None else mean_z[s:e],
-                             None if g_logp is None else g_logp[s:e],
-                             None if g_ent is None else g_ent[s:e])
-            if ctx.temperature != 1.0:
-                gz.div_(ctx.temperature)
-            grad_flat[s:e].copy_(gz)
+            grad_flat[s:e].copy_(_chunk_grad(chunk_logits(s, e), s, e, index, owned, lse, mean_z,
+                                             g_logp, g_ent, ctx.temperature))
         return grad, None, None, None, None, None
 
 
@@ -261,24 +292,12 @@ class _HiddenVocabParallelLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, group, chunk_size, temperature, compute_entropy):
-        rank, _ = _tp_rank_and_size(group)
         batch, seq, _ = hidden.shape
-        vocab_local = weight.shape[0]
         cdtype = _compute_dtype(hidden.dtype)
-        flat, labels_flat = _flat_view(hidden), labels.reshape(-1).long()
-        index, owned = _local_labels(labels_flat, rank * vocab_local, vocab_local)
-        owned = owned.to(cdtype)
-        n = batch * seq
-        logp = torch.empty(n, dtype=cdtype, device=hidden.device)
-        lse = torch.empty_like(logp)
-        mean_z = torch.empty_like(logp) if compute_entropy else None
-        ent = torch.empty_like(logp) if compute_entropy else None
-        for s, e in _chunk_bounds(n, chunk_size):
-            z = _chunk_logits(hidden, flat, weight, s, e, cdtype, temperature)
-            lp, ls, mz, h = _forward_chunk(z, index[s:e], owned[s:e], group, compute_entropy)
-            logp[s:e], lse[s:e] = lp, ls
-            if compute_entropy:
-                mean_z[s:e], ent[s:e] = mz, h
+        index, owned = _label_index(labels, group, weight.shape[0], cdtype)
+        logp, lse, mean_z, ent = _chunked_forward(
+            batch * seq, _ChunkLogits(hidden, chunk_size, cdtype, temperature, weight=weight), index,
+            owned, group, compute_entropy, cdtype, hidden.device)
         ctx.save_for_backward(hidden, weight, index, owned, lse, mean_z)
         ctx.group, ctx.chunk_size, ctx.temperature = group, chunk_size, temperature
         ctx.set_materialize_grads(False)
@@ -294,20 +313,16 @@ class _HiddenVocabParallelLogprobs(torch.autograd.Function):
         cdtype = lse.dtype
         g_logp = None if g_logp is None else g_logp.reshape(-1).to(cdtype)
         g_ent = None if g_ent is None else g_ent.reshape(-1).to(cdtype)
-        flat = _flat_view(hidden)
+        chunk_logits = _ChunkLogits(hidden, ctx.chunk_size, cdtype, ctx.temperature, weight=weight)
+        flat = chunk_logits.flat
         grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         # The weight gradient sums over all chunks: accumulate in fp32 (like megatron's main_grad),
         # each chunk's product itself is computed in the input dtype.
         grad_w = torch.zeros(weight.shape, dtype=cdtype, device=weight.device) if need_w else None
         for s, e in _chunk_bounds(lse.numel(), ctx.chunk_size):
             h = _rows(hidden, flat, s, e)
-            z = _chunk_logits(hidden, flat, weight, s, e, cdtype, ctx.temperature)
-            gz = _grad_chunk(z, index[s:e], owned[s:e], lse[s:e],
-                             None if mean_z is None else mean_z[s:e],
-                             None if g_logp is None else g_logp[s:e],
-                             None if g_ent is None else g_ent[s:e])
-            if ctx.temperature != 1.0:
-                gz.div_(ctx.temperature)
+            gz = _chunk_grad(chunk_logits(s, e), s, e, index, owned, lse, mean_z, g_logp, g_ent,
+                             ctx.temperature)
             gz = gz.to(hidden.dtype)  # the gradient of the (input-dtype) logits chunk
             if need_h:
                 grad_h.view(-1, hidden.shape[-1])[s:e] = gz @ weight
@@ -324,14 +339,6 @@ class _HiddenVocabParallelLogprobs(torch.autograd.Function):
         if need_w:
             grad_w = grad_w.to(weight.dtype)
         return grad_h, grad_w, None, None, None, None, None
-
-
-def _chunk_logits(hidden, flat, weight, start, stop, cdtype, temperature):
-    """Scaled fp32 logits ``[n, V_local]`` of token rows ``[start, stop)``: a fresh buffer."""
-    z = (_rows(hidden, flat, start, stop) @ weight.t()).to(cdtype)  # matmul in the input dtype
-    if temperature != 1.0:
-        z.div_(temperature)
-    return z
 
 
 def logprobs_from_hidden(
