@@ -6,6 +6,8 @@ are explicit keywords of each function (a config passes them through, nothing is
 
 >>> ALGORITHMS.get("fipo").policy_loss, ALGORITHMS.get("fipo").advantage_estimator
 ('fipo', 'grpo')
+>>> ALGORITHMS.get("fipo").make_params({"tau": 16}).tau
+16.0
 >>> POLICY_LOSSES.get("trpo")
 Traceback (most recent call last):
 ...
@@ -108,22 +110,176 @@ def comp_gae_estimator(inputs: AdvantageInputs, *, lam: float = 0.95, cp_group: 
     return AdvantageOutput(advantages=adv, returns=ret)
 
 
+# Every policy loss takes ``cp_group`` (None or the context-parallel group), so the trainer calls each
+# the same way; those whose math is per-token ignore it.
 @POLICY_LOSSES.register("ppo")
 def ppo_loss(logp, old_logp, advantages, response_mask, *, clip_eps: float = 0.2,
-             dual_clip_c: Optional[float] = None, is_weights=None):
+             dual_clip_c: Optional[float] = None, is_weights=None, cp_group: Any = None):
     """Vanilla PPO: symmetric clip ``[1 - eps, 1 + eps]``, dual clip off unless given."""
     return policy.ppo_clip_loss(logp, old_logp, advantages, response_mask, clip_low=clip_eps,
                                 clip_high=clip_eps, dual_clip_c=dual_clip_c, is_weights=is_weights)
 
 
-POLICY_LOSSES.add("dapo", policy.ppo_clip_loss)   # asymmetric clip 0.2 / 0.28, dual clip c = 3
+@POLICY_LOSSES.register("dapo")
+def dapo_loss(logp, old_logp, advantages, response_mask, *, clip_low: float = 0.2, clip_high: float = 0.28,
+              dual_clip_c: Optional[float] = 3.0, is_weights=None, cp_group: Any = None):
+    """DAPO: asymmetric clip 0.2 / 0.28 and dual clip ``c`` for negative advantages."""
+    return policy.ppo_clip_loss(logp, old_logp, advantages, response_mask, clip_low=clip_low,
+                                clip_high=clip_high, dual_clip_c=dual_clip_c, is_weights=is_weights)
+
+
 POLICY_LOSSES.add("gspo", policy.gspo_loss)
-POLICY_LOSSES.add("fipo", policy.fipo_policy_loss)
+
+
+@POLICY_LOSSES.register("fipo")
+def fipo_loss(logp, old_logp, advantages, response_mask, *, drop_multi_dual_clip: bool = False,
+              cp_group: Any = None, **kwargs):
+    """FIPO: :func:`~megatron_credit.losses.policy.fipo_policy_loss` (Future-KL weights computed on this
+    rank's CP shard with the carry exchange over ``cp_group``), optionally dropping whole responses with
+    more than one dual-clipped token (the published code's rule; counts summed over CP)."""
+    from megatron_credit.credit.future_kl import multi_dual_clip_keep
+
+    if drop_multi_dual_clip:
+        keep = multi_dual_clip_keep(logp, old_logp, advantages, response_mask,
+                                    dual_clip_c=kwargs.get("dual_clip_c", 10.0), cp_group=cp_group)
+        response_mask = response_mask.bool() & keep[:, None]
+    return policy.fipo_policy_loss(logp, old_logp, advantages, response_mask, cp_group=cp_group, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Typed parameters. Each algorithm has one keyword-only dataclass; ``estimator_kwargs`` /
+# ``loss_kwargs`` say which fields go to which function, so a recipe's ``algorithm.params`` reaches the
+# math in one hop and the trainer never looks at an algorithm's name.
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClipParams:
+    """GRPO / Dr.GRPO / RLOO: symmetric PPO clip."""
+
+    clip_eps: float = 0.2
+    """Clip range ``[1 - eps, 1 + eps]``."""
+    norm_by_std: bool = True
+    """GRPO only: divide the group-centred score by the group's standard deviation."""
+
+    def estimator_kwargs(self) -> dict:
+        return {}
+
+    def loss_kwargs(self) -> dict:
+        return {"clip_eps": self.clip_eps}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GRPOParams(ClipParams):
+    """GRPO."""
+
+    def estimator_kwargs(self) -> dict:
+        return {"norm_by_std": self.norm_by_std}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DAPOParams:
+    """DAPO: clip-higher and dual clip."""
+
+    clip_low: float = 0.2
+    """eps_low."""
+    clip_high: float = 0.28
+    """eps_high (clip-higher)."""
+    dual_clip_c: Optional[float] = 3.0
+    """Dual-clip constant for A < 0 (None: off)."""
+
+    def estimator_kwargs(self) -> dict:
+        return {}
+
+    def loss_kwargs(self) -> dict:
+        return {"clip_low": self.clip_low, "clip_high": self.clip_high, "dual_clip_c": self.dual_clip_c}
+
+
+@dataclass(frozen=True, kw_only=True)
+class GSPOParams:
+    """GSPO: sequence-ratio clip (its ranges are ~1e-4)."""
+
+    clip_low: float = 3e-4
+    """eps_low of the sequence ratio."""
+    clip_high: float = 4e-4
+    """eps_high of the sequence ratio."""
+
+    def estimator_kwargs(self) -> dict:
+        return {}
+
+    def loss_kwargs(self) -> dict:
+        return {"clip_low": self.clip_low, "clip_high": self.clip_high}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FIPOParams(DAPOParams):
+    """FIPO = DAPO on ``f_t * A_t`` with Future-KL weights (DESIGN.md "FIPO")."""
+
+    dual_clip_c: float = 10.0
+    """Dual-clip constant ``c``; also the participation threshold of ``M_k`` (10 for 32B, 3 for 7B)."""
+    tau: float = 32.0
+    """Half-life of the future discount: ``gamma = 2^(-1/tau)``."""
+    weight_clip: tuple = (1.0, 1.2)
+    """``[lo, hi]`` clip of ``exp(F_t)``."""
+    safety_thresh: Optional[float] = None
+    """Ratio above which ``f = min(f, 1)`` for A < 0 (None: ``dual_clip_c``)."""
+    drop_multi_dual_clip: bool = False
+    """Drop responses with more than one dual-clipped token (the published code; off by default)."""
+
+    def __post_init__(self) -> None:
+        w = tuple(float(x) for x in self.weight_clip)
+        if len(w) != 2:
+            raise ValueError(f"algorithm.params.weight_clip must be [lo, hi], got {self.weight_clip!r}")
+        object.__setattr__(self, "weight_clip", w)
+
+    def loss_kwargs(self) -> dict:
+        return {**super().loss_kwargs(), "tau": self.tau, "weight_clip": self.weight_clip,
+                "safety_thresh": self.safety_thresh, "drop_multi_dual_clip": self.drop_multi_dual_clip}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPOParams:
+    """PPO with GAE and a value head on the actor trunk."""
+
+    clip_eps: float = 0.2
+    """Policy clip range."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    whiten_advantages: bool = True
+    """Whiten advantages over the global batch (masked, across DP), as peers do."""
+    vf_coef: float = 0.5
+    """Weight of the value loss."""
+    value_clip: Optional[float] = 0.2
+    """Clip of the new value around the old one in the value loss (None: unclipped)."""
+
+    def estimator_kwargs(self) -> dict:
+        return {"gamma": self.gamma, "lam": self.lam}
+
+    def loss_kwargs(self) -> dict:
+        return {"clip_eps": self.clip_eps}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompGAEParams(DAPOParams):
+    """CompPO (trained through the trainer in its own issue)."""
+
+    lam: float = 0.95
+    """Comp-GAE lambda."""
+    whiten_advantages: bool = False
+    """Whiten advantages over the global batch."""
+    vf_coef: float = 0.5
+    """Weight of the value loss."""
+    value_clip: Optional[float] = 0.2
+    """Value-loss clip."""
+
+    def estimator_kwargs(self) -> dict:
+        return {"lam": self.lam}
 
 
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmSpec:
-    """An algorithm = an advantage estimator + a policy loss + how the loss is reduced."""
+    """An algorithm = an advantage estimator + a policy loss + how the loss is reduced + its params."""
 
     advantage_estimator: str
     """Name in ``ADVANTAGE_ESTIMATORS``."""
@@ -131,6 +287,8 @@ class AlgorithmSpec:
     """Name in ``POLICY_LOSSES``."""
     loss_agg_mode: str
     """One of ``megatron_credit.losses.aggregation.AGG_MODES``."""
+    params_cls: type = DAPOParams
+    """The keyword-only dataclass of this algorithm's parameters."""
     needs_critic: bool = False
     """Whether a value model is trained (GAE estimators)."""
     needs_gates: bool = False
@@ -141,6 +299,28 @@ class AlgorithmSpec:
         POLICY_LOSSES.get(self.policy_loss)
         if self.loss_agg_mode not in policy.AGG_MODES:
             raise ValueError(f"loss_agg_mode {self.loss_agg_mode!r} not in {list(policy.AGG_MODES)}")
+
+    def make_params(self, overrides: Any = None, *, where: str = "params"):
+        """The parameter dataclass with ``overrides`` (a mapping) applied; unknown keys and wrong types
+        raise ``ValueError`` naming the field."""
+        from megatron_credit.config import _build
+
+        return _build(self.params_cls, dict(overrides or {}), where)
+
+    def estimate(self, inputs: AdvantageInputs, params: Any, *, cp_group: Any = None) -> AdvantageOutput:
+        """Advantages of ``inputs`` with this algorithm's estimator and ``params``."""
+        fn = ADVANTAGE_ESTIMATORS.get(self.advantage_estimator)
+        kwargs = params.estimator_kwargs()
+        if self.needs_critic:
+            kwargs["cp_group"] = cp_group
+        return fn(inputs, **kwargs)
+
+    def loss(self, logp, old_logp, advantages, response_mask, params: Any, *, cp_group: Any = None,
+             is_weights=None):
+        """Per-token policy loss ``[B, T]`` and detached metrics (see ``losses.policy``)."""
+        fn = POLICY_LOSSES.get(self.policy_loss)
+        return fn(logp, old_logp, advantages, response_mask, cp_group=cp_group, is_weights=is_weights,
+                  **params.loss_kwargs())
 
     @property
     def agg_required_args(self) -> tuple[str, ...]:
@@ -159,18 +339,45 @@ class AlgorithmSpec:
 
 ALGORITHMS: Registry[AlgorithmSpec] = Registry("algorithm")
 for _name, _spec in {
-    "grpo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="ppo", loss_agg_mode="seq-mean-token-mean"),
-    "dapo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="dapo", loss_agg_mode="token-mean"),
+    "grpo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="ppo", loss_agg_mode="seq-mean-token-mean",
+                          params_cls=GRPOParams),
+    "dapo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="dapo", loss_agg_mode="token-mean",
+                          params_cls=DAPOParams),
     # Dr.GRPO divides by a fixed L: spec.aggregate(...) requires norm_length (see agg_required_args).
     "dr_grpo": AlgorithmSpec(advantage_estimator="dr_grpo", policy_loss="ppo",
-                             loss_agg_mode="seq-mean-token-sum-norm"),
-    "rloo": AlgorithmSpec(advantage_estimator="rloo", policy_loss="ppo", loss_agg_mode="token-mean"),
+                             loss_agg_mode="seq-mean-token-sum-norm", params_cls=ClipParams),
+    "rloo": AlgorithmSpec(advantage_estimator="rloo", policy_loss="ppo", loss_agg_mode="token-mean",
+                          params_cls=ClipParams),
     "gspo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="gspo",
-                          loss_agg_mode="seq-mean-token-mean"),
+                          loss_agg_mode="seq-mean-token-mean", params_cls=GSPOParams),
     "ppo": AlgorithmSpec(advantage_estimator="gae", policy_loss="ppo", loss_agg_mode="token-mean",
-                         needs_critic=True),
-    "fipo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="fipo", loss_agg_mode="token-mean"),
+                         params_cls=PPOParams, needs_critic=True),
+    "fipo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="fipo", loss_agg_mode="token-mean",
+                          params_cls=FIPOParams),
     "compo": AlgorithmSpec(advantage_estimator="comp_gae", policy_loss="dapo", loss_agg_mode="token-mean",
-                           needs_critic=True, needs_gates=True),
+                           params_cls=CompGAEParams, needs_critic=True, needs_gates=True),
 }.items():
     ALGORITHMS.add(_name, _spec)
+
+
+# KL penalty estimators to a frozen reference policy, per token (Schulman's k1 / k3; verl's low_var_kl).
+KL_ESTIMATORS: Registry[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = Registry("KL estimator")
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """``log pi - log pi_ref`` (unbiased, can be negative)."""
+    return logp - ref_logp
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """``r - 1 - log r`` with ``r = pi_ref / pi`` (unbiased, never negative)."""
+    d = (ref_logp - logp).clamp(-20.0, 20.0)
+    return torch.expm1(d) - d
+
+
+@KL_ESTIMATORS.register("low_var_kl")
+def kl_low_var(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 clamped to [-10, 10] (verl's ``low_var_kl``)."""
+    return kl_k3(logp, ref_logp).clamp(-10.0, 10.0)

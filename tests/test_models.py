@@ -183,15 +183,15 @@ def test_recipe_scalars_are_checked_against_the_dataclass_types():
     from megatron_credit.config import recipe_from_dict
 
     # PyYAML reads 1e-6 (no dot) as a string: float fields convert numeric strings.
-    r = recipe_from_dict({}, overrides=["smoke.lr=1e-6"])
-    assert r.smoke.lr == 1e-6 and isinstance(r.smoke.lr, float)
-    assert recipe_from_dict({"smoke": {"lr": 1}}).smoke.lr == 1.0
-    assert isinstance(recipe_from_dict({"smoke": {"lr": 1}}).smoke.lr, float)
-    bad = [({"smoke": {"lr": "fast"}}, r"smoke\.lr must be a number, got 'fast' \(str\)"),
-           ({"smoke": {"lr": True}}, r"smoke\.lr must be a number, got True \(bool\)"),
-           ({"smoke": {"steps": "8"}}, r"smoke\.steps must be an int, got '8' \(str\)"),
-           ({"smoke": {"steps": True}}, r"smoke\.steps must be an int, got True \(bool\)"),
-           ({"smoke": {"steps": 2.0}}, r"smoke\.steps must be an int"),
+    r = recipe_from_dict({}, overrides=["optim.lr=1e-6"])
+    assert r.optim.lr == 1e-6 and isinstance(r.optim.lr, float)
+    assert recipe_from_dict({"optim": {"lr": 1}}).optim.lr == 1.0
+    assert isinstance(recipe_from_dict({"optim": {"lr": 1}}).optim.lr, float)
+    bad = [({"optim": {"lr": "fast"}}, r"optim\.lr must be a number, got 'fast' \(str\)"),
+           ({"optim": {"lr": True}}, r"optim\.lr must be a number, got True \(bool\)"),
+           ({"train": {"steps": "8"}}, r"train\.steps must be an int, got '8' \(str\)"),
+           ({"train": {"steps": True}}, r"train\.steps must be an int, got True \(bool\)"),
+           ({"train": {"steps": 2.0}}, r"train\.steps must be an int"),
            ({"parallel": {"sequence_parallel": 1}}, r"parallel\.sequence_parallel must be a bool"),
            ({"parallel": {"tensor_model_parallel_size": "2"}},
             r"parallel\.tensor_model_parallel_size must be an int"),

@@ -141,6 +141,9 @@ def family_for_config(cfg: Any) -> Family:
     import megatron_credit.conversion  # noqa: F401 - importing the package registers the families
 
     archs = list(getattr(cfg, "architectures", None) or [])
+    model_type = getattr(cfg, "model_type", None)
+    if not archs and model_type in FAMILIES:  # an inline config (recipe architecture) names no class
+        return FAMILIES.get(model_type)
     for name in FAMILIES:
         fam = FAMILIES.get(name)
         if any(a in fam.architectures for a in archs):

@@ -132,6 +132,21 @@ class ArithmeticTask:
         return [self.record(i) for i in range(start, start + count)]
 
 
+def carry_dropped_answer(question: str) -> str:
+    """The answer of an addition-only ``question`` by someone who forgets every carry: each column is
+    the sum of its digits mod 10 (a systematic misconception for a warm-up to teach and RL to fix).
+
+    >>> carry_dropped_answer("47+38="), carry_dropped_answer("95+17="), carry_dropped_answer("12+34=")
+    ('75', '2', '46')
+    """
+    terms = question.rstrip("=").split("+")
+    if not all(t.isdigit() for t in terms):
+        raise ValueError(f"carry_dropped_answer needs an addition of non-negative integers, got {question!r}")
+    width = max(len(t) for t in terms)
+    digits = [sum(int(t.zfill(width)[i]) for t in terms) % 10 for i in range(width)]
+    return str(int("".join(map(str, digits))))
+
+
 def majority_answer_rate(config: ArithConfig = ArithConfig(), *, num_problems: int = 20_000) -> float:
     """Accuracy of always answering the most frequent answer, over problems ``0 .. num_problems - 1``.
 

@@ -1,0 +1,295 @@
+"""The actor: the one megatron-facing file of the trainer (model, value head, optimizer, schedules).
+
+Everything megatron-specific the RL iteration needs is here: building this rank's pipeline stage of the
+``GPTModel`` (plus a value head on the last stage for critic algorithms and an optional frozen
+reference copy), running micro-batches through megatron's forward-backward schedule (PP), the gradient
+reduction, the global gradient norm, clipping, the AdamW step, and the HF-named weight stream for the
+rollout engine. :mod:`megatron_credit.trainer.step` calls it and never imports megatron.
+
+The loss contract (one derivation, one place: :meth:`Actor.run`). Each micro-batch's loss function
+returns ``aggregate_loss(l, m, global_num_tokens=N, ...)``: the micro-batch's share of the loss of the
+whole mini-batch, with denominators summed over every micro-batch and DP rank beforehand
+(:mod:`megatron_credit.trainer.batch`). The TransformerConfig sets ``calculate_per_token_loss=True``,
+so megatron's ``forward_step_calc_loss`` neither divides by the token count the loss function returns
+nor by the number of micro-batches, and backpropagates the loss as it is: after the schedule, ``.grad``
+on each rank is the gradient of the sum of its micro-batches' shares. ``finalize_gradients`` sums it
+over DP x CP (each DP rank holds other rows, each CP rank other tokens of the same rows), so ``.grad`` is
+the gradient of the mini-batch loss, independent of the micro-batch split and of the DP / CP sizes. We
+never call megatron's ``finalize_model_grads`` (which, given a token total, would divide again).
+
+Why not megatron's DDP and distributed optimizer here: they allocate CUDA buffers and streams
+(``param_and_grad_buffer.py`` ``torch.cuda.current_device()``, the distributed optimizer's CUDA tensor
+type checks); the CPU path keeps the explicit reduction of ``distributed.finalize_gradients`` and
+``torch.optim.AdamW``. See the README ("What has and has not been run").
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_credit.trainer.batch import MicroBatch
+
+LossFn = Callable[[MicroBatch, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]],
+                  tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``(mb, logp [b, s], entropy [b, s] or None, values [b, s] or None) -> (loss, stats)``."""
+
+
+@contextlib.contextmanager
+def _final_hidden_states(model):
+    """Make the last stage return its final hidden states ``[s, b, H]`` (after the final norm) instead of
+    logits: log-probs are then computed chunk by chunk from them and the output weight, so no
+    ``[b, s, V]`` logits tensor ever exists. GPTModel._postprocess returns ``hidden_states`` when
+    ``post_process`` is False; the decoder keeps its own flag and still applies the final norm."""
+    was = model.post_process
+    model.post_process = False
+    try:
+        yield
+    finally:
+        model.post_process = was
+
+
+class Actor:
+    """This rank's stage of the policy (and value head), its optimizer, and the schedules."""
+
+    def __init__(self, *, hf_config, recipe, with_critic: bool, with_reference: bool):
+        from megatron.core import parallel_state as ps
+
+        from megatron_credit.models import build_gpt_model, transformer_config_from_hf
+
+        self.recipe, self.hf_config = recipe, hf_config
+        self.ps = ps
+        overrides = dict(calculate_per_token_loss=True)
+        if recipe.train.recompute == "full":
+            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        elif recipe.train.recompute == "selective":
+            overrides.update(recompute_granularity="selective")
+        self.config = transformer_config_from_hf(hf_config, parallel=recipe.parallel,
+                                                 params_dtype=recipe.model.torch_dtype(), **overrides)
+        self.model = build_gpt_model(hf_config, self.config)
+        self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.with_critic = with_critic
+        if with_critic and self.last_stage:
+            head = torch.nn.Linear(hf_config.hidden_size, 1, dtype=recipe.model.torch_dtype())
+            torch.nn.init.zeros_(head.weight)  # zero-initialised: V = 0 until the critic learns
+            torch.nn.init.zeros_(head.bias)
+            self.model.value_head = head
+        self.reference = None
+        if with_reference:
+            self.reference = build_gpt_model(hf_config, self.config)
+            self.reference.load_state_dict(self.model.state_dict(), strict=False)
+            self.reference.requires_grad_(False).eval()
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.cp_group = ps.get_context_parallel_group()
+        self.cp_size, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        self.tp_size, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.optimizer = self._build_optimizer()
+        self.optimizer_steps = 0
+
+    # -- building ------------------------------------------------------------------------------------
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW; no decay on biases and norms (1-D); the value head in its own group (``critic_lr``)."""
+        o = self.recipe.optim
+        decay, no_decay, critic = [], [], []
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            (critic if name.startswith("value_head.") else no_decay if p.dim() < 2 else decay).append(p)
+        groups = [{"params": decay, "weight_decay": o.weight_decay, "lr_scale": 1.0},
+                  {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
+                  {"params": critic, "weight_decay": 0.0, "lr_scale": o.critic_lr / o.lr}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2),
+                                 eps=o.eps)
+
+    @property
+    def layer_offset(self) -> int:
+        return self.ps.get_pipeline_model_parallel_rank() * self.hf_config.num_hidden_layers // self.pp_size
+
+    def output_weight(self, model) -> torch.Tensor:
+        """This TP rank's ``[V / tp, H]`` output projection (the shared embedding when tied)."""
+        if model.share_embeddings_and_output_weights:
+            return model.shared_embedding_or_output_weight()
+        return model.output_layer.weight
+
+    # -- schedules -----------------------------------------------------------------------------------
+    def run(self, microbatches: Sequence[MicroBatch], loss_fn: LossFn, *, forward_only: bool,
+            reference: bool = False) -> list[dict[str, torch.Tensor]]:
+        """Run ``microbatches`` through megatron's forward(-backward) schedule.
+
+        ``loss_fn`` runs on the last stage per micro-batch (see the module docstring for the loss
+        scale). Gradients accumulate into ``.grad`` (call :meth:`optimizer_step` after a mini-batch).
+        Returns the stats dict of each micro-batch on the last stage, ``[]`` elsewhere.
+        All micro-batches must have one shape when PP > 1 (megatron communicates fixed shapes).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        model = self.reference if reference else self.model
+        if self.pp_size > 1:
+            shapes = {(mb.num_rows, mb.seq_len) for mb in microbatches}
+            assert len(shapes) == 1, f"PP needs one micro-batch shape, got {shapes}"
+        sp = self.config.sequence_parallel
+        temperature = self.recipe.rollout.temperature
+        chunk = self.recipe.train.logprob_chunk_size
+
+        def loss_func(mb: MicroBatch, hidden: torch.Tensor):
+            from megatron_credit.losses.logprob import logprobs_from_hidden
+
+            if sp:
+                from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+                hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+            h = hidden.transpose(0, 1)  # [b, s, H]
+            logp, ent = logprobs_from_hidden(h, self.output_weight(model), mb.tensors["labels"],
+                                             tp_group=self.tp_group if self.tp_size > 1 else None,
+                                             chunk_size=chunk, temperature=temperature)
+            values = None
+            if self.with_critic and not reference:
+                values = model.value_head(h).squeeze(-1).float()
+            loss, stats = loss_fn(mb, logp, ent, values)
+            num_tokens = mb.tensors["loss_mask"].sum().to(torch.int)
+            return loss, num_tokens, stats
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model_chunk):
+            mb = next(data_iterator)
+            with _final_hidden_states(model_chunk) if self.last_stage else contextlib.nullcontext():
+                out = model_chunk(mb.tensors["input_ids"], mb.position_ids, None)
+            return out, functools.partial(loss_func, mb)
+
+        first = microbatches[0]
+        grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
+        model.train(not forward_only)
+        with grad_ctx:
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
+                num_microbatches=len(microbatches),
+                # The global length: megatron's get_tensor_shapes divides it by CP (and TP with SP).
+                seq_length=first.seq_len, micro_batch_size=first.num_rows, forward_only=forward_only)
+        return list(out) if self.last_stage else []
+
+    # -- the optimizer step --------------------------------------------------------------------------
+    def global_grad_norm(self) -> torch.Tensor:
+        """L2 norm of the whole model's gradient, the same on every rank (float64).
+
+        Megatron's counting: TP-sharded parameters add their shard on every TP rank; parameters
+        replicated over TP are counted on TP rank 0 only; the last stage's copy of a tied embedding
+        (``shared``) is not counted; stages are summed over PP."""
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self.model.parameters():
+            if p.grad is None or getattr(p, "shared", False):
+                continue
+            if not getattr(p, "tensor_model_parallel", False) and self.tp_rank != 0:
+                continue
+            sq += p.grad.detach().double().pow(2).sum()
+        for group, size in ((self.tp_group, self.tp_size), (self.pp_group, self.pp_size)):
+            if size > 1:
+                dist.all_reduce(sq, group=group)
+        return sq.sqrt()
+
+    def optimizer_step(self, *, lr: float, loss_finite: bool = True) -> tuple[torch.Tensor, bool]:
+        """Reduce gradients, clip, step; returns ``(grad_norm, applied)``.
+
+        A step whose gradient norm (or loss) is not finite is skipped: gradients are dropped, the
+        parameters and the optimizer state are untouched."""
+        from megatron_credit import distributed
+
+        ps = self.ps
+        distributed.finalize_gradients(
+            self.model, dp_cp_group=self.dp_cp_group, tp_group=self.tp_group,
+            embedding_group=ps.get_embedding_group() if ps.is_rank_in_embedding_group() else None)
+        norm = self.global_grad_norm()
+        ok = bool(torch.isfinite(norm)) and loss_finite
+        if ok:
+            clip = self.recipe.optim.clip_grad
+            if clip > 0 and float(norm) > clip:
+                coef = clip / (float(norm) + 1e-6)
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+            for g in self.optimizer.param_groups:
+                g["lr"] = lr * g.get("lr_scale", 1.0)
+            self.optimizer.step()
+            self.optimizer_steps += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        return norm, ok
+
+    # -- weights in ------------------------------------------------------------------------------------
+    def load_initial_weights(self, *, seed: int) -> str:
+        """Fill this rank's shard from HF weights: the safetensors of ``model.name_or_path`` when it has
+        them, else a ``transformers`` random init seeded with ``seed``. Either way every layout starts
+        from the same full model (megatron's own init draws each pipeline stage's layers from a
+        different point of the RNG stream). Returns where the weights came from."""
+        import os
+
+        from megatron_credit.conversion import family_for_config, load_hf_into_local_state
+
+        path = self.recipe.model.name_or_path
+        if path and any(f.endswith(".safetensors") for f in os.listdir(path)):
+            from megatron_credit.conversion.hf_io import SafetensorsReader
+
+            get, source = SafetensorsReader(path).get, f"HF weights of {path}"
+        else:
+            from transformers import AutoModelForCausalLM
+
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                hf_model = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
+            state = hf_model.state_dict()
+            get, source = state.__getitem__, f"random initialisation (seed {seed})"
+        local = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if not k.startswith("value_head.")}
+        load_hf_into_local_state(local, get, family_for_config(self.hf_config), self.hf_config,
+                                 tp_rank=self.tp_rank, tp_size=self.tp_size, layer_offset=self.layer_offset)
+        self.reset_reference()
+        return source
+
+    # -- weights out -----------------------------------------------------------------------------------
+    def hf_weight_buckets(self, bucket_bytes: int = 1 << 28):
+        """The policy's weights as HF-named full tensors in buckets (collective over TP and PP)."""
+        from megatron_credit.conversion import family_for_config, iter_hf_weight_buckets
+
+        state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("value_head.")}
+        return iter_hf_weight_buckets(state, family_for_config(self.hf_config), self.hf_config,
+                                      tp_group=self.tp_group if self.tp_size > 1 else None,
+                                      pp_group=self.pp_group if self.pp_size > 1 else None,
+                                      layer_offset=self.layer_offset, bucket_bytes=bucket_bytes)
+
+    def reset_reference(self) -> None:
+        """The frozen reference := the current policy (after a warm-up or an initial load)."""
+        if self.reference is not None:
+            state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("value_head.")}
+            self.reference.load_state_dict(state, strict=False)
+
+    # -- checkpoint state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        out = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+               "optimizer_steps": self.optimizer_steps}
+        if self.reference is not None:
+            out["reference"] = self.reference.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+        if self.reference is not None:
+            self.reference.load_state_dict(state["reference"])
+
+
+def finite_all(x: torch.Tensor, group=None) -> bool:
+    """Whether ``x`` is finite on every rank of ``group`` (one all-reduce)."""
+    bad = torch.tensor([0.0 if bool(torch.isfinite(x).all()) else 1.0])
+    if dist.is_initialized():
+        dist.all_reduce(bad, group=group)
+    return float(bad) == 0.0
+
+
+def math_isfinite(x: float) -> bool:
+    return math.isfinite(x)

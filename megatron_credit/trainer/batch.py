@@ -1,0 +1,167 @@
+"""``TrainBatch``: one data-parallel rank's samples of an iteration as tensors, and the global
+denominators of each optimizer step.
+
+Label space. The actor's output at position ``t`` predicts token ``t + 1``, so every per-token tensor
+here is indexed by the position that *scores* a token: ``labels[:, t] = input_ids[:, t + 1]``,
+``loss_mask[:, t]`` is True when ``input_ids[:, t + 1]`` is a response token, and ``old_logp``,
+``advantages``, ``values`` ... at ``t`` belong to that token. ``values[:, t]`` is the critic's value of
+the prefix ``input_ids[:, :t + 1]``, the state in which the token was chosen.
+
+Global denominators (DESIGN.md "Known traps"): a mini-batch's token and sequence counts are summed over
+the data-parallel group once per optimizer step, before any micro-batch runs, from the *whole*
+sequences (every CP rank of a DP replica holds the same rows, so they are never summed over CP). Each
+micro-batch's loss is then ``aggregate_loss(..., global_num_tokens=N)``, and the sum over micro-batches
+and DP x CP ranks is the loss of the whole mini-batch, whatever the split.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Sequence
+
+import torch
+
+from megatron_credit.data.context_parallel import split_for_cp
+
+# Per-token [B, T] fields, in label space; sliced, padded and CP-split together.
+TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "rollout_logp", "old_logp", "ref_logp", "values",
+                "advantages", "returns")
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainBatch:
+    """One DP rank's rows (one response per row), right-padded; label space (module docstring)."""
+
+    input_ids: torch.Tensor
+    """``[B, T]`` int64 prompt + response tokens, right-padded with the pad id."""
+    labels: torch.Tensor
+    """``[B, T]`` int64 ``input_ids`` shifted left by one (pad id at the end)."""
+    loss_mask: torch.Tensor
+    """``[B, T]`` bool: ``labels[:, t]`` is a response token."""
+    rollout_logp: torch.Tensor
+    """``[B, T]`` float32 the engine's log-prob of ``labels[:, t]`` (0 off the mask)."""
+    seq_lens: torch.Tensor
+    """``[B]`` int64 prompt + response tokens of each row."""
+    group_ids: torch.Tensor
+    """``[B]`` int64 prompt group of each row (unique over the DP group)."""
+    rewards: torch.Tensor
+    """``[B]`` float32 shaped reward of each response."""
+    correct: torch.Tensor
+    """``[B]`` bool verifier verdict."""
+    old_logp: Optional[torch.Tensor] = None
+    """``[B, T]`` behaviour log-probs recomputed by the actor (set by the old-log-prob pass)."""
+    ref_logp: Optional[torch.Tensor] = None
+    """``[B, T]`` frozen reference log-probs (KL penalty only)."""
+    values: Optional[torch.Tensor] = None
+    """``[B, T]`` critic values of the behaviour pass (critic algorithms only)."""
+    advantages: Optional[torch.Tensor] = None
+    """``[B, T]`` detached advantages, 0 off the mask."""
+    returns: Optional[torch.Tensor] = None
+    """``[B, T]`` value targets (critic algorithms only)."""
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def token_rewards(self) -> torch.Tensor:
+        """``[B, T]`` the response's reward on its last scored token, 0 elsewhere (GAE evidence)."""
+        out = torch.zeros(self.loss_mask.shape, dtype=torch.float32)
+        last = self.seq_lens - 2  # the position scoring the last token
+        rows = torch.arange(self.size)
+        has = self.loss_mask.any(dim=1)
+        out[rows[has], last[has]] = self.rewards[has].float()
+        return out
+
+
+def train_batch_from_rollout(padded, *, rewards: torch.Tensor, correct: torch.Tensor,
+                             pad_id: int) -> TrainBatch:
+    """A :class:`TrainBatch` from a ``rollout.PaddedRollout`` (which is aligned with the tokens)."""
+    ids = padded.input_ids
+    shift = lambda x, fill: torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], dim=1)  # noqa: E731
+    return TrainBatch(
+        input_ids=ids, labels=shift(ids, pad_id), loss_mask=shift(padded.response_mask, False),
+        rollout_logp=shift(padded.rollout_logprobs, 0.0),
+        seq_lens=padded.prompt_lens + padded.response_lens, group_ids=padded.group_ids,
+        rewards=rewards.float(), correct=correct.bool())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepDenominators:
+    """Global counts of one optimizer step (one mini-batch over all DP ranks)."""
+
+    global_num_tokens: torch.Tensor
+    """Scored response tokens of the mini-batch, summed over DP."""
+    global_num_seqs: torch.Tensor
+    """Responses of the mini-batch, summed over DP."""
+    norm_length: int
+    """Dr.GRPO's fixed L: ``rollout.max_response_len``."""
+
+    def for_rows(self, loss_mask_rows: torch.Tensor) -> dict[str, Any]:
+        """``aggregate_loss`` keywords for a micro-batch whose whole rows' masks are given."""
+        return {"global_num_tokens": self.global_num_tokens, "global_num_seqs": self.global_num_seqs,
+                "norm_length": self.norm_length, "seq_num_tokens": loss_mask_rows.sum(-1)}
+
+
+def step_denominators(loss_mask: torch.Tensor, *, norm_length: int, dp_group=None) -> StepDenominators:
+    """Counts of the rows ``loss_mask: [b, T]`` of this rank's part of a mini-batch, summed over DP.
+
+    One all-reduce per optimizer step (never per micro-batch)."""
+    import torch.distributed as dist
+
+    counts = torch.tensor([float(loss_mask.sum()), float(loss_mask.shape[0])], dtype=torch.float64)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(counts, group=dp_group)
+    return StepDenominators(global_num_tokens=counts[0].float(), global_num_seqs=counts[1].float(),
+                            norm_length=norm_length)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MicroBatch:
+    """The model inputs and per-token tensors of one micro-batch on this rank (CP-split)."""
+
+    rows: tuple[int, ...]
+    """Indices into the TrainBatch (padding rows, if any, are not listed)."""
+    num_rows: int
+    """Rows of the tensors (>= len(rows) when padded to a uniform pipeline shape)."""
+    seq_len: int
+    """Global (pre-CP) length of the tensors."""
+    position_ids: torch.Tensor
+    """``[b, s]`` global positions of this rank's tokens."""
+    tensors: dict
+    """Per-token fields of :data:`TOKEN_FIELDS` that are set, ``[b, s]`` (this CP rank's share)."""
+    whole_loss_mask: torch.Tensor
+    """``[b, seq_len]`` loss mask of the whole rows (for per-response denominators under CP)."""
+
+
+def make_microbatch(batch: TrainBatch, rows: Sequence[int], *, seq_len: int, num_rows: int, pad_id: int,
+                    cp_size: int = 1, cp_rank: int = 0) -> MicroBatch:
+    """Rows ``rows`` of ``batch`` cut or right-padded to ``seq_len`` tokens and ``num_rows`` rows (all
+    padding is masked), then split for context parallelism (megatron's load-balanced layout)."""
+    from megatron_credit.models.cpu_attention import load_balanced_positions
+
+    idx = torch.tensor(list(rows), dtype=torch.long)
+    out = {}
+    for name in TOKEN_FIELDS:
+        t = getattr(batch, name)
+        if t is None:
+            continue
+        t = t[idx]
+        fill = pad_id if name in ("input_ids", "labels") else 0
+        if t.shape[1] < seq_len:
+            t = torch.cat([t, t.new_full((t.shape[0], seq_len - t.shape[1]), fill)], dim=1)
+        t = t[:, :seq_len]
+        if t.shape[0] < num_rows:
+            t = torch.cat([t, t.new_full((num_rows - t.shape[0], seq_len), fill)], dim=0)
+        out[name] = t
+    whole = out["loss_mask"]
+    local = seq_len // cp_size
+    if cp_size > 1:
+        out = {k: split_for_cp(v, cp_size=cp_size, cp_rank=cp_rank) for k, v in out.items()}
+        pos = load_balanced_positions(local, cp_rank=cp_rank, cp_size=cp_size)
+    else:
+        pos = torch.arange(seq_len)
+    return MicroBatch(rows=tuple(int(r) for r in rows), num_rows=num_rows, seq_len=seq_len,
+                      position_ids=pos.expand(num_rows, -1), tensors=out, whole_loss_mask=whole)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

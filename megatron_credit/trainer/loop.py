@@ -1,0 +1,301 @@
+"""The trainer: build everything once, then iterate (``pretrain_rl.py`` calls :func:`train`).
+
+Per iteration: :func:`megatron_credit.trainer.step.rl_iteration`, then metrics (``metrics.jsonl``,
+TensorBoard, wandb, the progress bar), validation and checkpoints. ``--resume auto`` loads the newest
+complete checkpoint (model, optimizer, RNG states, data cursors, step) and continues exactly where it
+stopped: sampling seeds are functions of the iteration, so N + resume + N steps equal 2N steps.
+SIGTERM (a scheduler's pre-emption) finishes the current iteration, saves, and exits.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import signal
+import time
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_credit.trainer import checkpoint as ckpt
+from megatron_credit.trainer.metrics import MetricsWriter, StatSums, finalize, plot_metrics
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of the current iteration."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - t0
+
+
+@dataclasses.dataclass
+class Context:
+    """What one iteration needs (``step.py`` reads these; it never imports megatron)."""
+
+    recipe: Any
+    spec: Any
+    params: Any
+    actor: Any
+    rollouts: Any
+    pad_id: int
+    seq_multiple: int
+    timer: PhaseTimer = dataclasses.field(default_factory=PhaseTimer)
+
+    def lr(self) -> float:
+        return self.recipe.optim.lr_at(self.actor.optimizer_steps)
+
+    def gather_cp(self, t: torch.Tensor) -> torch.Tensor:
+        from megatron_credit.data.context_parallel import gather_from_cp
+
+        return gather_from_cp(t, cp_group=self.actor.cp_group if self.actor.cp_size > 1 else None)
+
+    def whiten(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``(A - mean) / std`` over the valid tokens of the whole global batch (summed over DP)."""
+        m = mask.bool()
+        s = torch.stack([torch.where(m, adv, 0.0).sum(), torch.where(m, adv * adv, 0.0).sum(),
+                         m.sum().float()]).double()
+        if self.actor.pp_size >= 1 and dist.get_world_size(self.actor.dp_group) > 1:
+            dist.all_reduce(s, group=self.actor.dp_group)
+        mean = s[0] / s[2].clamp(min=1)
+        var = (s[1] / s[2].clamp(min=1) - mean * mean).clamp(min=0)
+        return torch.where(m, (adv - mean) / torch.sqrt(var + 1e-8), 0.0).float()
+
+    def all_finite(self, x: torch.Tensor) -> bool:
+        bad = torch.tensor([0.0 if bool(torch.isfinite(x).all()) else 1.0])
+        dist.all_reduce(bad)
+        return float(bad) == 0.0
+
+    def reduce_stats(self, stats: StatSums) -> dict[str, float]:
+        """Sum over DP x CP on the last stage, then hand the result to the pipeline's first stage."""
+        from megatron.core import parallel_state as ps
+
+        stats.all_reduce(self.actor.dp_cp_group)
+        if self.actor.pp_size > 1:
+            box = [stats.values]
+            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                       group=self.actor.pp_group)
+            stats.values = box[0]
+        return finalize(stats)
+
+
+def seq_multiple(parallel) -> int:
+    """Micro-batch lengths are multiples of this: 2 x CP (x TP with sequence parallelism), 1 without."""
+    from megatron_credit.data.context_parallel import required_multiple
+
+    if parallel.context_parallel_size == 1 and not parallel.sequence_parallel:
+        return 1
+    return required_multiple(parallel.context_parallel_size, parallel.tensor_model_parallel_size,
+                             parallel.sequence_parallel)
+
+
+def _replica_group(dp_rank: int):
+    """The ranks of this data-parallel replica (its TP x PP x CP ranks) and its first rank."""
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, dp_rank)
+    mine = None
+    for d in sorted(set(ranks)):
+        members = [r for r, x in enumerate(ranks) if x == d]
+        group = dist.new_group(members)
+        if d == dp_rank:
+            mine, src = group, members[0]
+    return mine, src
+
+
+def build_data(recipe, *, dp_rank: int, dp_size: int):
+    """(tokenizer, train prompt stream, validation prompts or None, the synthetic task or None)."""
+    from megatron_credit.data.prompts import DatasetPrompts, SyntheticPrompts
+
+    d = recipe.data
+    if d.source == "synthetic_arith":
+        from megatron_credit.data.synthetic import ArithConfig, ArithmeticTask
+        from megatron_credit.data.tokenizer import ArithTokenizerConfig, load_arith_tokenizer
+
+        arith = ArithConfig(seed=recipe.seed, num_operands=d.num_operands, min_operand=d.min_operand,
+                            max_operand=d.max_operand)
+        tokenizer = load_arith_tokenizer(ArithTokenizerConfig(vocab_size=d.tokenizer_vocab_size, task=arith))
+        task = ArithmeticTask(arith)
+        val = None
+        if recipe.train.val_every:
+            val_stream = SyntheticPrompts(ArithmeticTask(dataclasses.replace(arith, seed=recipe.seed + 1)),
+                                          tokenizer, dp_rank=dp_rank, dp_size=dp_size)
+            val = val_stream.take(recipe.train.val_prompts // dp_size)
+        return tokenizer, SyntheticPrompts(task, tokenizer, dp_rank=dp_rank, dp_size=dp_size), val, task
+    from transformers import AutoTokenizer
+
+    from megatron_credit.data.dataset import load_prompt_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(d.tokenizer_path or recipe.model.name_or_path)
+    train_ds = load_prompt_dataset(d.train_path, tokenizer=tokenizer, max_prompt_len=d.max_prompt_len)
+    val = None
+    if d.val_path and recipe.train.val_every:
+        val_ds = load_prompt_dataset(d.val_path, tokenizer=tokenizer, max_prompt_len=d.max_prompt_len)
+        val = DatasetPrompts(val_ds.records, tokenizer, seed=recipe.seed, dp_rank=dp_rank,
+                             dp_size=dp_size).take(min(recipe.train.val_prompts, len(val_ds.records)) // dp_size)
+    stream = DatasetPrompts(train_ds.records, tokenizer, seed=recipe.seed, dp_rank=dp_rank, dp_size=dp_size)
+    return tokenizer, stream, val, None
+
+
+def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
+    """Cross-section checks that need the world size; returns the layout. Raises ValueError."""
+    from megatron_credit.models import check_parallel_fits_model
+
+    check_parallel_fits_model(hf_config, recipe.parallel, world_size=world_size)
+    p = recipe.parallel
+    dp = p.data_parallel_size(world_size=world_size)
+    r, t = recipe.rollout, recipe.train
+    if r.prompts_per_step % dp:
+        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by the "
+                         f"data-parallel size {dp}")
+    per_rank = r.prompts_per_step // dp * r.n
+    if per_rank % t.num_minibatches:
+        raise ValueError(f"train.num_minibatches={t.num_minibatches} must divide the "
+                         f"{per_rank} samples per data-parallel rank (prompts_per_step / DP x n)")
+    spec = recipe.algorithm.spec_and_params()[0]
+    if spec.needs_gates:
+        raise ValueError(f"algorithm.name={recipe.algorithm.name!r} needs CompPO's attention gates, which "
+                         "the trainer does not compute yet (the CompPO issue)")
+    if recipe.warmup.steps and recipe.data.source != "synthetic_arith":
+        raise ValueError("warmup.steps > 0 needs data.source: synthetic_arith (real runs start from a "
+                         "pretrained checkpoint)")
+    if recipe.warmup.steps and recipe.warmup.batch_size % dp:
+        raise ValueError(f"warmup.batch_size={recipe.warmup.batch_size} must be divisible by DP={dp}")
+    return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+            "cp": p.context_parallel_size, "dp": dp}
+
+
+def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -> list[dict[str, float]]:
+    """Run the recipe's iterations (after ``distributed.initialize``); returns rank 0's metric rows."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_credit.trainer.actor import Actor
+    from megatron_credit.trainer.rollout import RolloutManager
+    from megatron_credit.trainer.step import rl_iteration
+    from megatron_credit.trainer.warmup import run_warmup
+
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        os.makedirs(run_dir, exist_ok=True)
+    layout = check_recipe(recipe, hf_config, world_size=dist.get_world_size())
+    dp_rank, dp_size = ps.get_data_parallel_rank(), layout["dp"]
+    spec, params = recipe.algorithm.spec_and_params()
+    tokenizer, prompts, val_prompts, task = build_data(recipe, dp_rank=dp_rank, dp_size=dp_size)
+    if tokenizer.vocab_size > hf_config.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model vocab_size is "
+                         f"{hf_config.vocab_size}")
+    actor = Actor(hf_config=hf_config, recipe=recipe, with_critic=spec.needs_critic,
+                  with_reference=recipe.algorithm.kl_coef > 0)
+    group, src = _replica_group(dp_rank)
+    rollouts = RolloutManager(recipe=recipe, hf_config=hf_config, tokenizer=tokenizer, prompts=prompts,
+                              val_prompts=val_prompts, actor=actor, replica_group=group, replica_src=src,
+                              dp_rank=dp_rank, dp_size=dp_size, log=log)
+    p = recipe.parallel
+    ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=rollouts,
+                  pad_id=tokenizer.pad_token_id,
+                  seq_multiple=seq_multiple(p))
+    log(f"actor weights: {actor.load_initial_weights(seed=recipe.seed)}")
+    start = 0
+    path = ckpt.resolve(run_dir, resume)
+    if path is not None:
+        start, state = ckpt.load(path, layout=layout)
+        actor.load_state_dict(state["actor"])
+        prompts.load_state_dict(state["prompts"])
+        ckpt.set_rng_state(state["rng"])
+        log(f"resumed from {path} (iteration {start})")
+    elif recipe.warmup.steps:
+        t0 = time.perf_counter()
+        cached = run_warmup(actor, task, tokenizer, recipe=recipe, dp_rank=dp_rank, dp_size=dp_size,
+                            seq_multiple=ctx.seq_multiple, log=log if rank0 else (lambda *_: None))
+        actor.reset_reference()
+        log(f"warm-up: {'loaded from cache' if cached else f'{recipe.warmup.steps} steps'} "
+            f"({time.perf_counter() - t0:.1f}s)")
+    rollouts.sync_weights()
+    writer = None
+    if rank0:
+        from megatron_credit.config import recipe_to_dict
+
+        writer = MetricsWriter(run_dir, resume_step=start if path is not None else None,
+                               tensorboard=recipe.logging.tensorboard, wandb_project=recipe.logging.wandb,
+                               config=recipe_to_dict(recipe), log=log)
+    stop = {"flag": False}
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
+    bar = _progress(recipe, start, rank0)
+    rows: list[dict[str, float]] = []
+    step = start
+    try:
+        for step in range(start + 1, recipe.train.steps + 1):
+            ctx.timer = PhaseTimer()
+            t0 = time.perf_counter()
+            metrics = rl_iteration(ctx, step)
+            metrics["actor/lr"] = ctx.lr()
+            if recipe.train.val_every and step % recipe.train.val_every == 0:
+                with ctx.timer("validation"):
+                    metrics.update(rollouts.validate(step))
+            dt = time.perf_counter() - t0
+            metrics["time/step_s"] = dt
+            metrics["throughput/tokens_per_s"] = metrics.pop("rollout/tokens") / dt
+            metrics.update({f"time/{k}_s": v for k, v in ctx.timer.seconds.items()})
+            if writer is not None:
+                writer.write(step, metrics)
+                rows.append({"step": step, **metrics})
+                _show(bar, metrics, log)
+            flag = torch.tensor([1.0 if stop["flag"] else 0.0])
+            dist.all_reduce(flag)
+            every = recipe.checkpoint.every
+            if float(flag) > 0 or (every and step % every == 0):
+                _save(run_dir, step, actor, prompts, layout, recipe)
+            if float(flag) > 0:
+                log(f"SIGTERM: saved iteration {step}, exiting")
+                break
+        else:
+            if recipe.checkpoint.save_at_end and (not recipe.checkpoint.every or step % recipe.checkpoint.every):
+                if step > start:
+                    _save(run_dir, step, actor, prompts, layout, recipe)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if bar is not None:
+            bar.close()
+        if writer is not None:
+            writer.close()
+        rollouts.close()
+    if rank0 and recipe.logging.plots:
+        try:
+            plot_metrics(run_dir)
+        except ImportError:
+            log("matplotlib is not installed: no plots (pip install matplotlib)")
+    return rows
+
+
+def _save(run_dir, step, actor, prompts, layout, recipe) -> None:
+    ckpt.save(run_dir, step, {"actor": actor.state_dict(), "prompts": prompts.state_dict(),
+                              "rng": ckpt.rng_state()}, layout=layout, keep=recipe.checkpoint.keep)
+
+
+def _progress(recipe, start: int, rank0: bool):
+    if not (rank0 and recipe.logging.progress):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=recipe.train.steps, initial=start, desc="RL", dynamic_ncols=True)
+
+
+def _show(bar, m: dict[str, float], log) -> None:
+    line = (f"reward {m.get('reward/mean', math.nan):+.3f} acc {m.get('accuracy/mean', math.nan):.3f} "
+            f"len {m.get('response_length/mean', math.nan):.1f} {m.get('time/step_s', math.nan):.1f}s/step")
+    if "val/accuracy" in m:
+        line += f" val {m['val/accuracy']:.3f}"
+    if bar is not None:
+        bar.set_postfix_str(line)
+        bar.update(1)
+    else:
+        log(line)

@@ -1,0 +1,215 @@
+"""Metric sums across micro-batches and ranks, their final names, and where they are written.
+
+Loss functions return rank-local *sums* (``sum:x``), minima (``min:x``) and maxima (``max:x``) as
+tensors (no host sync per micro-batch); :class:`StatSums` accumulates them, the trainer reduces them
+over DP x CP once per iteration, and :func:`finalize` turns them into the documented ``group/name``
+metrics (token-weighted means are ``sum:x / sum:tokens``). ``metrics.jsonl`` gets one JSON object per
+iteration; TensorBoard and wandb get the same numbers.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Iterable, Optional
+
+import torch
+
+# metric -> (numerator, denominator) of the token- or step-weighted means of finalize().
+_MEANS = {
+    "actor/pg_loss": ("sum:pg_loss", "sum:opt_steps"),
+    "actor/entropy": ("sum:entropy", "sum:tokens"),
+    "actor/ppo_kl": ("sum:approx_kl", "sum:tokens"),
+    "actor/clipfrac_high": ("sum:clipfrac_high", "sum:tokens"),
+    "actor/clipfrac_low": ("sum:clipfrac_low", "sum:tokens"),
+    "actor/clipfrac_dual": ("sum:clipfrac_dual", "sum:tokens"),
+    "actor/logp_diff_abs": ("sum:logp_diff", "sum:tokens"),
+    "actor/kl_ref": ("sum:kl", "sum:tokens"),
+    "actor/grad_norm": ("sum:grad_norm", "sum:opt_steps"),
+    "fipo/weight_mean": ("sum:fipo_weight/mean", "sum:tokens"),
+    "fipo/frac_at_high": ("sum:fipo_weight/frac_at_high", "sum:tokens"),
+    "fipo/frac_dual_masked": ("sum:fipo_weight/frac_dual_masked", "sum:tokens"),
+    "critic/value_loss": ("sum:value_loss", "sum:opt_steps"),
+    "mismatch/logprob_abs_mean": ("sum:mismatch_abs", "sum:mismatch_tokens"),
+}
+_EXTREMES = {"fipo/weight_min": "min:fipo_weight/min", "fipo/weight_max": "max:fipo_weight/max"}
+
+
+class StatSums:
+    """Accumulated ``sum:`` / ``min:`` / ``max:`` tensors; ``replicated`` keys are equal on every rank
+    (e.g. the gradient norm) and are not summed over ranks."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, torch.Tensor] = {}
+        self.replicated: set[str] = set()
+
+    def add(self, stats: dict[str, torch.Tensor], *, replicated: bool = False) -> None:
+        for k, v in stats.items():
+            v = torch.as_tensor(v, dtype=torch.float64).detach().reshape(())
+            if k not in self.values:
+                self.values[k] = v.clone()
+            elif k.startswith("min:"):
+                self.values[k] = torch.fmin(self.values[k], v)
+            elif k.startswith("max:"):
+                self.values[k] = torch.fmax(self.values[k], v)
+            else:
+                self.values[k] = self.values[k] + v
+            if replicated:
+                self.replicated.add(k)
+
+    def merge(self, other: "StatSums") -> None:
+        for k, v in other.values.items():
+            self.add({k: v}, replicated=k in other.replicated)
+
+    def get(self, key: str, default: float = 0.0) -> torch.Tensor:
+        return self.values.get(key, torch.tensor(default, dtype=torch.float64))
+
+    def all_reduce(self, group) -> None:
+        """Sum / min / max the non-replicated entries over ``group`` (same keys on every rank)."""
+        import torch.distributed as dist
+
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        for prefix, op in (("sum:", dist.ReduceOp.SUM), ("min:", dist.ReduceOp.MIN),
+                           ("max:", dist.ReduceOp.MAX)):
+            keys = sorted(k for k in self.values if k.startswith(prefix) and k not in self.replicated)
+            if not keys:
+                continue
+            vec = torch.stack([self.values[k] for k in keys])
+            if prefix != "sum:":  # NaN (no valid token on a rank) must not win a min / max
+                vec = torch.nan_to_num(vec, nan=math.inf if prefix == "min:" else -math.inf)
+            dist.all_reduce(vec, op=op, group=group)
+            for k, v in zip(keys, vec):
+                self.values[k] = v
+
+
+def finalize(stats: StatSums) -> dict[str, float]:
+    """The documented metric names from reduced sums (missing inputs give no metric)."""
+    out: dict[str, float] = {}
+    for name, (num, den) in _MEANS.items():
+        if num in stats.values and den in stats.values:
+            out[name] = float(stats.values[num] / stats.values[den].clamp(min=1e-12))
+    for name, key in _EXTREMES.items():
+        if key in stats.values and math.isfinite(float(stats.values[key])):
+            out[name] = float(stats.values[key])
+    if "sum:skipped_steps" in stats.values:
+        out["actor/skipped_steps"] = float(stats.values["sum:skipped_steps"])
+    if "sum:ret" in stats.values:
+        n = stats.values["sum:tokens"].clamp(min=1)
+        var = lambda s, s2: s2 / n - (s / n) ** 2  # noqa: E731
+        v_ret = var(stats.values["sum:ret"], stats.values["sum:ret2"])
+        v_res = var(stats.values["sum:resid"], stats.values["sum:resid2"])
+        out["critic/explained_var"] = float(1 - v_res / v_ret.clamp(min=1e-12))
+    return out
+
+
+class MetricsWriter:
+    """``metrics.jsonl`` (+ TensorBoard, wandb) of rank 0; a resumed run appends to the same file."""
+
+    def __init__(self, run_dir: str, *, resume_step: Optional[int], tensorboard: bool, wandb_project: Optional[str],
+                 config: dict[str, Any], log=print):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        if resume_step is None:
+            open(self.path, "w").close()
+        else:
+            truncate_metrics(self.path, after_step=resume_step)
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+            except ImportError:
+                log("tensorboard is not installed: no event files (pip install tensorboard)")
+        self.wandb = None
+        if wandb_project:
+            import wandb  # the user asked for it: fail loudly if it is missing
+
+            self.wandb = wandb.init(project=wandb_project, config=config, dir=run_dir, resume="allow")
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def truncate_metrics(path: str, *, after_step: int) -> None:
+    """Drop the lines of ``metrics.jsonl`` whose step is past ``after_step`` (a resumed run re-does them)."""
+    if not os.path.exists(path):
+        open(path, "w").close()
+        return
+    keep = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= after_step:
+                    keep.append(line)
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a crash
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(keep)
+    os.replace(tmp, path)
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+PLOTS = (("reward", ("reward/mean", "accuracy/mean", "val/accuracy")), ("length", ("response_length/mean",)),
+         ("entropy", ("actor/entropy",)), ("kl", ("actor/ppo_kl", "actor/kl_ref")),
+         ("clip", ("actor/clipfrac_high", "actor/clipfrac_low", "actor/clipfrac_dual")),
+         ("grad_norm", ("actor/grad_norm",)), ("fipo_weights", ("fipo/weight_mean", "fipo/weight_max",
+                                                                "fipo/weight_min", "fipo/frac_at_high")),
+         ("critic", ("critic/value_loss", "critic/explained_var")))
+
+
+def plot_metrics(run_dir: str, groups: Iterable = PLOTS) -> list[str]:
+    """PNG plots of ``run_dir/metrics.jsonl`` in ``run_dir/plots``; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    os.makedirs(os.path.join(run_dir, "plots"), exist_ok=True)
+    written = []
+    for name, keys in groups:
+        series = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}
+        series = {k: v for k, v in series.items() if v}
+        if not series:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for k, pts in series.items():
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=k, marker="." if len(pts) < 40 else None)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(run_dir, "plots", f"{name}.png")
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,174 @@
+"""Rollouts of one data-parallel replica: the engine, the reward pool, dynamic sampling, the broadcast.
+
+One engine per DP replica, on the replica's first rank (TP = PP = CP rank 0, the "source"); the
+samples and their rewards are broadcast to the other ranks of the replica, which train on the same
+rows. Weight sync streams the actor's HF-named buckets (collective over TP and PP) into the engine.
+Sampling seeds depend only on ``(seed, iteration, draw, dp_rank)``, so a resumed run samples exactly
+what the uninterrupted run would have.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_credit.rollout.types import FinishStatus, RolloutBatch, SamplingParams
+from megatron_credit.trainer.batch import TrainBatch, train_batch_from_rollout
+
+
+def _seed(*parts: int) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:7], "little")
+
+
+class RolloutManager:
+    """Collects each iteration's :class:`TrainBatch` for this rank (see module docstring)."""
+
+    def __init__(self, *, recipe, hf_config, tokenizer, prompts, val_prompts, actor, replica_group,
+                 replica_src: int, dp_rank: int, dp_size: int, log=print):
+        self.recipe, self.tokenizer, self.prompts, self.val_prompts = recipe, tokenizer, prompts, val_prompts
+        self.actor, self.group, self.src = actor, replica_group, replica_src
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.is_src = dist.get_rank() == replica_src
+        self.engine = self.pool = None
+        if self.is_src:
+            from megatron_credit.rollout import build_rollout_engine
+
+            kwargs = {"hf_config": hf_config, "max_batch_size": recipe.rollout.max_batch_size}
+            if recipe.rollout.engine != "hf":
+                kwargs = {"hf_config": hf_config}
+            self.engine = build_rollout_engine(recipe.rollout.engine, **kwargs)
+            if recipe.reward.num_workers > 0:
+                from megatron_credit.rewards.pool import RewardPool, RewardPoolConfig
+
+                self.pool = RewardPool(RewardPoolConfig(num_workers=recipe.reward.num_workers,
+                                                        timeout_s=recipe.reward.timeout_s))
+        r = recipe.rollout
+        self.prompts_per_rank = r.prompts_per_step // dp_size
+        self.stop_ids = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        if self.engine is not None:
+            self.engine.close()
+
+    def sync_weights(self) -> None:
+        """Actor -> engine (every rank takes part in the TP / PP gathers)."""
+        buckets = self.actor.hf_weight_buckets()
+        if self.engine is not None:
+            self.engine.update_weights(buckets)
+        else:
+            for _ in buckets:
+                pass
+
+    def _params(self, n: int, seed: int) -> SamplingParams:
+        r = self.recipe.rollout
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_response_len, stop_token_ids=self.stop_ids, n=n, seed=seed)
+
+    def _generate_and_score(self, records, n: int, seed: int):
+        """On the source rank: samples and their shaped rewards."""
+        from megatron_credit.rewards.compute import score_responses
+        from megatron_credit.rewards.shaping import ShapingConfig
+
+        rollout = self.engine.generate([list(rec.prompt_ids) for rec in records], self._params(n, seed))
+        texts = [self.tokenizer.decode(s.response_ids) for s in rollout.samples]
+        rec_of = [records[i // n] for i in range(len(rollout.samples))]
+        rw = self.recipe.reward
+        scored = score_responses(
+            self.pool, responses=texts, ground_truths=[r.ground_truth for r in rec_of],
+            data_sources=[r.data_source for r in rec_of],
+            response_lens=torch.tensor([len(s.response_ids) for s in rollout.samples]),
+            shaping=ShapingConfig(max_response_len=self.recipe.rollout.max_response_len,
+                                  overlong_buffer_len=rw.overlong_buffer_len,
+                                  overlong_penalty_factor=rw.overlong_penalty_factor))
+        return rollout, scored.rewards, scored.correct
+
+    def collect(self, iteration: int) -> tuple[TrainBatch, dict[str, float]]:
+        """This iteration's rows: ``prompts_per_rank`` groups of ``n`` (dynamic sampling: mixed groups)."""
+        r, alg = self.recipe.rollout, self.recipe.algorithm
+        payload = None
+        if self.is_src:
+            kept, draws, drawn_groups, t0 = [], 0, 0, time.perf_counter()
+            while len(kept) < self.prompts_per_rank:
+                if draws == alg.max_draws:
+                    break
+                records = self.prompts.take(self.prompts_per_rank)
+                rollout, rewards, correct = self._generate_and_score(
+                    records, r.n, _seed(self.recipe.seed, iteration, draws, self.dp_rank))
+                draws += 1
+                drawn_groups += len(records)
+                for g in range(len(records)):
+                    sl = slice(g * r.n, (g + 1) * r.n)
+                    if alg.dynamic_sampling and bool(correct[sl].all() | ~correct[sl].any()):
+                        continue  # DAPO: a group whose accuracy does not vary carries no signal
+                    kept.append((rollout.samples[sl], rewards[sl], correct[sl]))
+            payload = (kept[: self.prompts_per_rank], draws, drawn_groups, time.perf_counter() - t0)
+        payload = self._broadcast(payload)
+        kept, draws, drawn_groups, wall = payload
+        short = torch.tensor([float(len(kept) < self.prompts_per_rank)])
+        dist.all_reduce(short)
+        if float(short) > 0:
+            raise RuntimeError(
+                f"dynamic sampling: fewer than rollout.prompts_per_step/DP = {self.prompts_per_rank} groups "
+                f"with mixed accuracy after algorithm.max_draws={alg.max_draws} draws on some data-parallel "
+                "rank; raise algorithm.max_draws, or turn algorithm.dynamic_sampling off")
+        samples = []
+        for g, (ss, _, _) in enumerate(kept):
+            for s in ss:
+                s.group_id = g
+                samples.append(s)
+        padded = RolloutBatch(samples=samples).to_padded(pad_token_id=self.tokenizer.pad_token_id)
+        batch = train_batch_from_rollout(padded, rewards=torch.cat([k[1] for k in kept]),
+                                         correct=torch.cat([k[2] for k in kept]),
+                                         pad_id=self.tokenizer.pad_token_id)
+        status = padded.status
+        metrics = self._dp_mean({
+            "reward/mean": batch.rewards.mean(), "accuracy/mean": batch.correct.float().mean(),
+            "response_length/mean": padded.response_lens.float().mean(),
+            "response_length/max": padded.response_lens.float().max(),
+            "response/truncated_frac": (status == int(FinishStatus.TRUNCATED)).float().mean(),
+            "rollout/draws": torch.tensor(float(draws)),
+            "rollout/kept_group_frac": torch.tensor(len(kept) / max(drawn_groups, 1)),
+            "time/rollout_engine_s": torch.tensor(wall)})
+        metrics["rollout/tokens"] = self._dp_sum(batch.seq_lens.sum().float())
+        return batch, metrics
+
+    def batch_metrics(self, batch: TrainBatch) -> dict[str, float]:
+        return {}
+
+    def validate(self, iteration: int) -> dict[str, float]:
+        """Avg@k on the held-out prompts (sampled at the rollout temperature), over all DP ranks."""
+        if self.val_prompts is None:
+            return {}
+        k = self.recipe.train.val_samples
+        acc = torch.zeros(2, dtype=torch.float64)
+        if self.is_src:
+            _, _, correct = self._generate_and_score(self.val_prompts, k, _seed(self.recipe.seed, -1, self.dp_rank))
+            acc += torch.tensor([float(correct.float().sum()), float(correct.numel())], dtype=torch.float64)
+        dist.all_reduce(acc)  # only source ranks contribute
+        return {"val/accuracy": float(acc[0] / acc[1].clamp(min=1))}
+
+    # -- collectives ---------------------------------------------------------------------------------
+    def _broadcast(self, obj: Any) -> Any:
+        if self.group is None or dist.get_world_size(self.group) == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+    def _dp_mean(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        keys = sorted(values)
+        vec = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
+        if self.dp_size > 1:
+            dist.all_reduce(vec, group=self.actor.dp_group)
+        return {k: float(v) / self.dp_size for k, v in zip(keys, vec)}
+
+    def _dp_sum(self, value: torch.Tensor) -> float:
+        v = torch.as_tensor(value, dtype=torch.float64).reshape(1).clone()
+        if self.dp_size > 1:
+            dist.all_reduce(v, group=self.actor.dp_group)
+        return float(v)

@@ -1,0 +1,109 @@
+"""A supervised warm-up of the actor on the synthetic task, through the same megatron actor, cached.
+
+Real runs start from a pretrained base; the CPU demo starts from a tiny random model, which RL cannot
+turn into an arithmetic solver in minutes. So the demo first fits the task's answers with a
+*systematic misconception*: with probability ``carry_drop_prob`` a label forgets its carries
+(``47+38=`` -> ``75``). The warmed-up policy answers confidently and is wrong in a structured way that
+per-token credit can fix, which is what RL is for. Weights are cached per rank under a key of
+everything that determines them, so a second run starts RL at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_credit.data.synthetic import ArithmeticTask, carry_dropped_answer
+from megatron_credit.trainer.batch import TrainBatch, make_microbatch, round_up, step_denominators
+
+
+def warmup_cache_path(recipe, rank: int) -> Path:
+    key = {"model": dataclasses.asdict(recipe.model), "parallel": dataclasses.asdict(recipe.parallel),
+           "data": dataclasses.asdict(recipe.data), "warmup": {k: v for k, v in
+                                                            dataclasses.asdict(recipe.warmup).items()
+                                                            if k != "cache_dir"},
+           "seed": recipe.seed, "version": 2}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    root = Path(recipe.warmup.cache_dir or Path.home() / ".cache" / "megatron_credit" / "warmup")
+    return root / digest / f"rank_{rank:05d}.pt"
+
+
+def supervised_batch(task: ArithmeticTask, tokenizer, indices, *, carry_drop_prob: float, seed: int) -> TrainBatch:
+    """Prompt + ``" <answer></s>"`` rows; the loss covers the answer tokens and the stop token."""
+    rng = random.Random(seed)
+    rows = []
+    for i in indices:
+        rec = task.record(i)
+        answer = rec.ground_truth
+        if rng.random() < carry_drop_prob:
+            answer = carry_dropped_answer(rec.messages[0].content)
+        prompt = tokenizer.apply_chat_template(rec.chat(), tokenize=True, add_generation_prompt=True)
+        rows.append((list(prompt), tokenizer.encode(" " + answer) + [tokenizer.eos_token_id]))
+    t = max(len(p) + len(a) for p, a in rows)
+    pad = tokenizer.pad_token_id
+    ids = torch.full((len(rows), t), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), t), dtype=torch.bool)
+    for b, (p, a) in enumerate(rows):
+        ids[b, : len(p) + len(a)] = torch.tensor(p + a)
+        mask[b, len(p) - 1: len(p) + len(a) - 1] = True  # label space: position t scores token t + 1
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], pad)], dim=1)
+    lens = torch.tensor([len(p) + len(a) for p, a in rows])
+    n = len(rows)
+    return TrainBatch(input_ids=ids, labels=labels, loss_mask=mask, rollout_logp=torch.zeros(n, t),
+                      seq_lens=lens, group_ids=torch.arange(n), rewards=torch.zeros(n),
+                      correct=torch.zeros(n, dtype=torch.bool))
+
+
+def run_warmup(actor, task: ArithmeticTask, tokenizer, *, recipe, dp_rank: int, dp_size: int,
+               seq_multiple: int, log=print) -> bool:
+    """Warm the actor up (or load the cached result); returns whether it came from the cache."""
+    w = recipe.warmup
+    rank = dist.get_rank()
+    path = warmup_cache_path(recipe, rank)
+    have = torch.tensor([1.0 if path.exists() else 0.0])
+    dist.all_reduce(have, op=dist.ReduceOp.MIN)
+    if float(have) == 1.0:
+        missing, unexpected = actor.model.load_state_dict(
+            torch.load(path, map_location="cpu", weights_only=True), strict=False)
+        assert not unexpected and all(k.startswith("value_head.") for k in missing), (missing, unexpected)
+        actor.reset_reference()
+        return True
+    opt = torch.optim.AdamW([p for p in actor.model.parameters() if p.requires_grad], lr=w.lr,
+                            weight_decay=0.0)
+    saved_opt, actor.optimizer = actor.optimizer, opt
+    per_rank = w.batch_size // dp_size
+    try:
+        for step in range(w.steps):
+            idx = [10_000_000 + (step * w.batch_size) + dp_rank * per_rank + k for k in range(per_rank)]
+            batch = supervised_batch(task, tokenizer, idx, carry_drop_prob=w.carry_drop_prob,
+                                     seed=recipe.seed * 7919 + step * dp_size + dp_rank)
+            den = step_denominators(batch.loss_mask, norm_length=1, dp_group=actor.dp_group)
+            seq = round_up(int(batch.seq_lens.max()), seq_multiple)
+            mb = make_microbatch(batch, range(batch.size), seq_len=seq, num_rows=batch.size,
+                                 pad_id=tokenizer.pad_token_id, cp_size=actor.cp_size, cp_rank=actor.cp_rank)
+
+            def loss_fn(mb, logp, ent, values):
+                m = mb.tensors["loss_mask"]
+                loss = -torch.where(m, logp, 0.0).sum() / den.global_num_tokens
+                return loss, {"sum:nll": loss.detach()}
+
+            out = actor.run([mb], loss_fn, forward_only=False)
+            actor.optimizer_step(lr=w.lr)
+            if (step + 1) % max(1, w.steps // 5) == 0 and out:
+                log(f"warm-up step {step + 1}/{w.steps}: nll {float(out[0]['sum:nll']) * dp_size:.3f} (rank-local)")
+    finally:
+        actor.optimizer = saved_opt
+        actor.optimizer_steps = 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    # The policy only: a critic's value head is not warmed up (and the cache is shared by algorithms).
+    torch.save({k: v for k, v in actor.model.state_dict().items() if not k.startswith("value_head.")}, tmp)
+    os.replace(tmp, path)
+    dist.barrier()
+    return False

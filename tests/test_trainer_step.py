@@ -1,0 +1,159 @@
+"""The trainer's update on a fixed global batch: sharding and micro-batching invariance (gloo).
+
+A deterministic global batch (16 responses in groups of 4, ragged prompt and response lengths) goes
+through the trainer's own parts (``behaviour_pass`` -> ``compute_advantages`` -> ``update_minibatch``
+x 2 mini-batches) under each layout. The second mini-batch runs after the first optimizer step, so
+``logp != old_logp`` there and FIPO's Future-KL weights and PPO's value clip are active. Each layout's
+per-step loss, gradient norm and FIPO weights must equal world size 1 (fp32, rel 1e-5); the first
+mini-batch must have ``logp == old_logp`` bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.distributed_harness import DistributedPool
+
+ARCH = dict(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
+            rms_norm_eps=1e-6, tie_word_embeddings=False)
+B, GROUP, T = 16, 4, 24
+
+
+def _global_batch():
+    from megatron_credit.trainer.batch import TrainBatch
+
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(4, 9, (B,), generator=g)
+    resp = torch.randint(3, 13, (B,), generator=g)
+    lens = prompt + resp
+    ids = torch.randint(1, 128, (B, T), generator=g)
+    pos = torch.arange(T)
+    ids = torch.where(pos[None] < lens[:, None], ids, 0)
+    labels = torch.cat([ids[:, 1:], torch.zeros(B, 1, dtype=torch.long)], dim=1)
+    mask = (pos[None] >= prompt[:, None] - 1) & (pos[None] < lens[:, None] - 1)
+    correct = torch.rand(B, generator=g) < 0.5
+    return TrainBatch(input_ids=ids, labels=labels, loss_mask=mask, rollout_logp=torch.zeros(B, T),
+                      seq_lens=lens, group_ids=torch.arange(B) // GROUP,
+                      rewards=correct.float() * 2 - 1, correct=correct)
+
+
+def _rows(batch, rows):
+    import dataclasses
+
+    idx = torch.tensor(rows)
+    return dataclasses.replace(batch, **{f: getattr(batch, f)[idx] for f in (
+        "input_ids", "labels", "loss_mask", "rollout_logp", "seq_lens", "group_ids", "rewards", "correct")})
+
+
+def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overrides=(), poison=None):
+    """Two optimizer steps of ``algorithm`` on the fixed batch under ``parallel``; rank 0's metrics."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_credit import distributed
+    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.trainer import step
+    from megatron_credit.trainer.actor import Actor
+    from megatron_credit.trainer.loop import Context, seq_multiple
+    from megatron_credit.trainer.metrics import StatSums
+
+    recipe = recipe_from_dict({"model": {"architecture": ARCH}, "parallel": parallel,
+                               "algorithm": {"name": algorithm},
+                               "rollout": {"prompts_per_step": 4, "n": 4, "max_response_len": 12},
+                               "optim": {"lr": 3e-3, "clip_grad": 0.0},
+                               "train": {"num_minibatches": 2, "max_tokens_per_microbatch": max_tokens}},
+                              overrides=list(overrides))
+    distributed.initialize(recipe.parallel, seed=1234)
+    try:
+        hf = recipe.model.hf_config()
+        spec, params = recipe.algorithm.spec_and_params()
+        actor = Actor(hf_config=hf, recipe=recipe, with_critic=spec.needs_critic, with_reference=False)
+        actor.load_initial_weights(seed=1234)
+        ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=None, pad_id=0,
+                      seq_multiple=seq_multiple(recipe.parallel))
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        # Mini-batch i of the global batch = rows [8i, 8i + 8): each DP rank takes its share of each
+        # (whole groups of 4), so both layouts see the same global mini-batches.
+        per, half = B // dp, B // 2 // dp
+        rows = [i * (B // 2) + dp_rank * half + k for i in range(2) for k in range(half)]
+        assert len(rows) == per
+        batch = _rows(_global_batch(), rows)
+        plan = step.plan_microbatches(ctx, batch)
+        step.behaviour_pass(ctx, batch, plan)
+        step.compute_advantages(ctx, batch)
+        if poison is not None and batch.advantages is not None:
+            batch.advantages[plan[poison][0][0], :] = math.nan
+        out = []
+        for mini in plan:
+            before = [p.detach().clone() for p in actor.model.parameters()]
+            stats = StatSums()
+            step.update_minibatch(ctx, batch, mini, stats)
+            m = ctx.reduce_stats(stats)
+            m["changed"] = any(not torch.equal(a, p) for a, p in zip(before, actor.model.parameters()))
+            out.append(m)
+        return out if dist.get_rank() == 0 else None
+    finally:
+        distributed.destroy()
+
+
+@pytest.fixture(scope="module")
+def pool1():
+    with DistributedPool(world_size=1) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    with DistributedPool(world_size=2) as p:
+        yield p
+
+
+KEYS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "fipo/weight_mean",
+        "fipo/weight_max", "critic/value_loss")
+
+
+def _assert_same(ref, got, what):
+    for i, (a, b) in enumerate(zip(ref, got)):
+        for k in KEYS:
+            if k in a:
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), f"{what} step {i} {k}: {b[k]} vs {a[k]}"
+
+
+LAYOUTS = {"TP=2": {"tensor_model_parallel_size": 2}, "PP=2": {"pipeline_model_parallel_size": 2},
+           "CP=2": {"context_parallel_size": 2}, "DP=2": {}}
+
+
+@pytest.mark.parametrize("algorithm", ["fipo", "ppo"])
+def test_fixed_batch_update_is_invariant_to_the_layout(pool1, pool2, algorithm):
+    ref = pool1.run(_run_fixed, {}, algorithm)[0]
+    assert ref[0]["actor/logp_diff_abs"] == 0.0  # first mini-batch: logp == old_logp bit for bit
+    assert ref[1]["actor/logp_diff_abs"] > 0 and ref[1]["actor/grad_norm"] > 0
+    if algorithm == "fipo":
+        assert ref[0]["fipo/weight_mean"] == 1.0 and ref[0]["fipo/weight_max"] == 1.0
+        assert ref[1]["fipo/weight_max"] > 1.0  # the Future-KL weights act from the second mini-batch
+    else:
+        assert ref[1]["critic/value_loss"] > 0
+    for name, layout in LAYOUTS.items():
+        got = pool2.run(_run_fixed, layout, algorithm)[0]
+        assert got[0]["actor/logp_diff_abs"] == 0.0, name
+        _assert_same(ref, got, f"{algorithm} {name}")
+
+
+@pytest.mark.parametrize("algorithm", ["dapo", "grpo", "dr_grpo", "gspo", "rloo"])
+def test_token_and_sequence_means_do_not_depend_on_micro_batching(pool1, algorithm):
+    one = pool1.run(_run_fixed, {}, algorithm, max_tokens=4096)[0]
+    four = pool1.run(_run_fixed, {}, algorithm, max_tokens=40)[0]  # 2 rows of <= 20 tokens each
+    _assert_same(one, four, f"{algorithm} 1 vs many micro-batches")
+
+
+def test_data_parallel_sequence_mean_matches_world_size_one(pool1, pool2):
+    _assert_same(pool1.run(_run_fixed, {}, "grpo")[0], pool2.run(_run_fixed, {}, "grpo")[0], "grpo DP=2")
+
+
+def test_a_non_finite_step_is_skipped_not_applied(pool1):
+    out = pool1.run(_run_fixed, {}, "dapo", poison=0)[0]
+    assert out[0]["actor/skipped_steps"] == 1.0 and not out[0]["changed"]
+    assert out[1]["actor/skipped_steps"] == 0.0 and out[1]["changed"]
