@@ -33,6 +33,9 @@ setup(
         "pyarrow>=14",
         # megatron-core's torch_dist checkpoint writer (write_preloaded_data) calls psutil.
         "psutil>=5.9",
+        # The trainer's PNG plots (plots/) and TensorBoard event files.
+        "matplotlib>=3.7",
+        "tensorboard>=2.14",
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.0", "vllm>=0.11,<0.12"],
