@@ -31,7 +31,7 @@ test: venv
 	$(PY) -m pytest tests megatron_credit --doctest-modules $(PYTEST_ARGS)
 
 bench: venv
-	for b in credit_kernels step_time rollout_cpu reward_pool conversion_memory logprob_memory; do \
+	for b in credit_kernels step_time step_overhead rollout_cpu reward_pool conversion_memory logprob_memory; do \
 		$(PY) benchmarks/$$b.py || exit 1; done
 
 clean:

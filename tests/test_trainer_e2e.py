@@ -133,7 +133,7 @@ def test_the_demo_learns_and_changes_the_parameters(tmp_path):
     from megatron_credit.data.synthetic import ArithConfig, majority_answer_rate
 
     run = tmp_path / "demo"
-    proc = _cli("--output-dir", str(run), "train.steps=30", "warmup.steps=300", "train.val_every=0",
+    proc = _cli("--output-dir", str(run), "train.steps=40", "train.val_every=0",
                 f"warmup.cache_dir={tmp_path / 'cache'}", "checkpoint.every=0", timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = _lines(run)
@@ -141,7 +141,7 @@ def test_the_demo_learns_and_changes_the_parameters(tmp_path):
     first, last = sum(acc[:5]) / 5, sum(acc[-5:]) / 5
     assert last > first + 0.05 and last > majority_answer_rate(ArithConfig(min_operand=10, max_operand=99))
     warm = torch.load(next((tmp_path / "cache").rglob("rank_00000.pt")), weights_only=True)
-    trained = torch.load(run / "checkpoints" / "iter_0000030" / "rank_00000.pt", weights_only=True)["actor"]["model"]
+    trained = torch.load(run / "checkpoints" / "iter_0000040" / "rank_00000.pt", weights_only=True)["actor"]["model"]
     changed = [k for k, v in warm.items() if v is not None and not torch.equal(v, trained[k])]
     assert len(changed) > 0.9 * sum(v is not None for v in warm.values())
     assert os.path.exists(run / "plots" / "reward.png") and os.path.exists(run / "config.yaml")
@@ -161,3 +161,33 @@ def test_torchrun_two_ranks_tensor_parallel(tmp_path):
     rows = _lines(tmp_path / "tp2")
     assert len(rows) == 1 and rows[0]["actor/grad_norm"] > 0 and rows[0]["actor/skipped_steps"] == 0
     assert rows[0]["mismatch/logprob_abs_mean"] < 1e-4  # the engine got the TP-gathered weights
+
+
+def _char_tokenizer(out_dir: str) -> None:
+    """A character-level ``transformers`` tokenizer with a chat template, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list("0123456789+-=: ?abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.,")
+    vocab = {t: i for i, t in enumerate(["<pad>", "<unk>", "<eos>", "<user>", "<assistant>"] + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<user>{{ m['content'] }}{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    fast.save_pretrained(out_dir)
+
+
+def test_a_dapo_schema_jsonl_dataset_trains(pool, tmp_path):
+    """``data.source: dataset``: a DAPO-schema jsonl, a Hugging Face tokenizer, the DAPO verifier."""
+    _char_tokenizer(str(tmp_path / "tok"))
+    rows = [{"data_source": "math_dapo", "prompt": [{"role": "user", "content": f"What is {a}+{b}?"}],
+             "reward_model": {"ground_truth": str(a + b)}} for a in range(6) for b in range(4)]
+    with open(tmp_path / "train.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    out = pool.run(_train, str(tmp_path / "run"), "none",
+                   ["data.source=dataset", f"data.train_path={tmp_path / 'train.jsonl'}",
+                    f"data.tokenizer_path={tmp_path / 'tok'}", "warmup.steps=0", "train.val_every=0",
+                    "model.architecture.vocab_size=96", "algorithm.name=ppo", "train.steps=2"])[0]
+    assert [r["step"] for r in out] == [1, 2] and out[0]["actor/grad_norm"] > 0
+    assert out[0]["mismatch/logprob_abs_mean"] < 1e-4

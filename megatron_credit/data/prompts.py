@@ -33,7 +33,19 @@ def _tokenized(record: PromptRecord, tokenizer: Any) -> PromptRecord:
     return dataclasses.replace(record, prompt_ids=tuple(int(i) for i in ids))
 
 
-class SyntheticPrompts:
+class _Cursor:
+    """The resumable part of a stream: how many items this rank has taken."""
+
+    cursor: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.cursor = int(state["cursor"])
+
+
+class SyntheticPrompts(_Cursor):
     """Problems of an :class:`~megatron_credit.data.synthetic.ArithmeticTask`, sharded over DP."""
 
     def __init__(self, task, tokenizer, *, dp_rank: int = 0, dp_size: int = 1):
@@ -46,14 +58,8 @@ class SyntheticPrompts:
         self.cursor += n
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        return {"cursor": self.cursor}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.cursor = int(state["cursor"])
-
-
-class DatasetPrompts:
+class DatasetPrompts(_Cursor):
     """The records of a prompt dataset, one shuffled pass per epoch, sharded over DP."""
 
     def __init__(self, records, tokenizer, *, seed: int, dp_rank: int = 0, dp_size: int = 1):
@@ -82,9 +88,3 @@ class DatasetPrompts:
             out.append(_tokenized(self.records[self._order(epoch)[i]], self.tokenizer))
         self.cursor += n
         return out
-
-    def state_dict(self) -> dict[str, int]:
-        return {"cursor": self.cursor}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.cursor = int(state["cursor"])

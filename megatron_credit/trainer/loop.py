@@ -65,7 +65,7 @@ class Context:
         m = mask.bool()
         s = torch.stack([torch.where(m, adv, 0.0).sum(), torch.where(m, adv * adv, 0.0).sum(),
                          m.sum().float()]).double()
-        if self.actor.pp_size >= 1 and dist.get_world_size(self.actor.dp_group) > 1:
+        if dist.get_world_size(self.actor.dp_group) > 1:
             dist.all_reduce(s, group=self.actor.dp_group)
         mean = s[0] / s[2].clamp(min=1)
         var = (s[1] / s[2].clamp(min=1) - mean * mean).clamp(min=0)
@@ -136,10 +136,10 @@ def build_data(recipe, *, dp_rank: int, dp_size: int):
     from megatron_credit.data.dataset import load_prompt_dataset
 
     tokenizer = AutoTokenizer.from_pretrained(d.tokenizer_path or recipe.model.name_or_path)
-    train_ds = load_prompt_dataset(d.train_path, tokenizer=tokenizer, max_prompt_len=d.max_prompt_len)
+    train_ds = load_prompt_dataset([d.train_path], tokenizer=tokenizer, max_prompt_len=d.max_prompt_len)
     val = None
     if d.val_path and recipe.train.val_every:
-        val_ds = load_prompt_dataset(d.val_path, tokenizer=tokenizer, max_prompt_len=d.max_prompt_len)
+        val_ds = load_prompt_dataset([d.val_path], tokenizer=tokenizer, max_prompt_len=d.max_prompt_len)
         val = DatasetPrompts(val_ds.records, tokenizer, seed=recipe.seed, dp_rank=dp_rank,
                              dp_size=dp_size).take(min(recipe.train.val_prompts, len(val_ds.records)) // dp_size)
     stream = DatasetPrompts(train_ds.records, tokenizer, seed=recipe.seed, dp_rank=dp_rank, dp_size=dp_size)

@@ -56,13 +56,23 @@ class RolloutManager:
             self.engine.close()
 
     def sync_weights(self) -> None:
-        """Actor -> engine (every rank takes part in the TP / PP gathers)."""
+        """Actor -> engine (every rank takes part in the TP / PP gathers). Engines accept weights while
+        asleep (the colocated order: sleep, train, sync, wake up)."""
         buckets = self.actor.hf_weight_buckets()
         if self.engine is not None:
             self.engine.update_weights(buckets)
         else:
             for _ in buckets:
                 pass
+
+    def sleep(self) -> None:
+        """Release the engine's accelerator memory while the actor trains (a no-op on CPU)."""
+        if self.engine is not None:
+            self.engine.sleep()
+
+    def wake_up(self) -> None:
+        if self.engine is not None:
+            self.engine.wake_up()
 
     def _params(self, n: int, seed: int) -> SamplingParams:
         r = self.recipe.rollout
@@ -92,6 +102,7 @@ class RolloutManager:
         r, alg = self.recipe.rollout, self.recipe.algorithm
         payload = None
         if self.is_src:
+            self.wake_up()
             kept, draws, drawn_groups, t0 = [], 0, 0, time.perf_counter()
             while len(kept) < self.prompts_per_rank:
                 if draws == alg.max_draws:
@@ -107,6 +118,7 @@ class RolloutManager:
                         continue  # DAPO: a group whose accuracy does not vary carries no signal
                     kept.append((rollout.samples[sl], rewards[sl], correct[sl]))
             payload = (kept[: self.prompts_per_rank], draws, drawn_groups, time.perf_counter() - t0)
+            self.sleep()  # the actor trains next
         payload = self._broadcast(payload)
         kept, draws, drawn_groups, wall = payload
         short = torch.tensor([float(len(kept) < self.prompts_per_rank)])
@@ -147,8 +159,10 @@ class RolloutManager:
         k = self.recipe.train.val_samples
         acc = torch.zeros(2, dtype=torch.float64)
         if self.is_src:
+            self.wake_up()
             _, _, correct = self._generate_and_score(self.val_prompts, k, _seed(self.recipe.seed, -1, self.dp_rank))
             acc += torch.tensor([float(correct.float().sum()), float(correct.numel())], dtype=torch.float64)
+            self.sleep()
         dist.all_reduce(acc)  # only source ranks contribute
         return {"val/accuracy": float(acc[0] / acc[1].clamp(min=1))}
 
