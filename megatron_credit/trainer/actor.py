@@ -267,21 +267,6 @@ class Actor:
             state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("value_head.")}
             self.reference.load_state_dict(state, strict=False)
 
-    # -- checkpoint state ----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        out = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-               "optimizer_steps": self.optimizer_steps}
-        if self.reference is not None:
-            out["reference"] = self.reference.state_dict()
-        return out
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.optimizer_steps = int(state["optimizer_steps"])
-        if self.reference is not None:
-            self.reference.load_state_dict(state["reference"])
-
 
 def finite_all(x: torch.Tensor, group=None) -> bool:
     """Whether ``x`` is finite on every rank of ``group`` (one all-reduce)."""

@@ -1,13 +1,21 @@
-"""Checkpoints of a run: every rank's model, optimizer, RNG and data position, written atomically.
+"""Checkpoints of a run: model and optimizer as a megatron distributed checkpoint (reshardable), plus
+every rank's RNG states and data position, written atomically.
 
-Layout: ``<run>/checkpoints/iter_0000012/rank_00003.pt`` (one file per rank: its shard of the model
-and of the optimizer state, its data cursor, its RNG states) plus ``meta.json`` (step, world layout).
-Every rank writes into ``iter_0000012.tmp``; after a barrier rank 0 renames the directory, so a crash
-or a SIGKILL during a save never leaves a directory that looks complete, and ``--resume auto`` takes
-the newest directory without the ``.tmp`` suffix. Loading uses ``torch.load(weights_only=True)``:
-no pickled code runs from a checkpoint. The layout (TP / PP / CP / DP sizes) must match on resume;
-``meta.json`` is checked and a different layout is refused with a clear error (resharding a run's
-checkpoint goes through the megatron ``torch_dist`` converter, ``tools/``).
+Layout of ``<run>/checkpoints/iter_0000012/``:
+
+- ``model_optim/``: megatron ``torch_dist`` checkpoint of the model's sharded state dict and the AdamW
+  moments sharded exactly like their parameters (megatron's ``optim_state_to_sharding_state``), so a run
+  resumes under another TP / PP / CP / DP layout (megatron reshards on load);
+- ``rank_00003.pt``: this rank's RNG states and data cursor (``torch.load(weights_only=True)``: no
+  pickled code runs from a checkpoint);
+- ``meta.json``: step, layout, optimizer step count; written last.
+
+Every rank writes into ``iter_0000012.tmp``; after a barrier rank 0 renames the directory, so a crash or
+a SIGKILL during a save never leaves a directory that looks complete, and ``--resume auto`` takes the
+newest directory without the ``.tmp`` suffix. Resuming under the same layout is exact (same samples,
+same numbers). Under another layout the model and optimizer reshard exactly; sampling seeds depend on
+the data-parallel rank and the prompts are re-sharded, so the data position is carried over as the
+number of prompts consumed and the run continues on new samples.
 """
 from __future__ import annotations
 
@@ -67,22 +75,62 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(run_dir: str, step: int, state: dict[str, Any], *, layout: dict[str, int], keep: int) -> str:
-    """Collective: every rank writes its file; rank 0 publishes the directory and prunes old ones."""
+MODEL_OPTIM = "model_optim"
+
+
+def _sharded_state(actor, *, for_load: bool) -> dict[str, Any]:
+    """The model's sharded state dict and the AdamW moments sharded like their parameters.
+
+    Every trainable parameter gets a state entry (zeros where the optimizer has none yet, which is what
+    AdamW would create on its first step), so a save and a load always name the same tensors. The
+    per-parameter ``step`` is common to all parameters and travels in ``meta.json``."""
+    from megatron.core.dist_checkpointing.optimizer import (get_param_id_to_sharded_param_map,
+                                                            optim_state_to_sharding_state)
+
+    opt = actor.optimizer
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for p in params:
+        st = opt.state[p]
+        if "exp_avg" not in st or for_load:
+            st["exp_avg"] = torch.zeros_like(p) if "exp_avg" not in st else st["exp_avg"]
+            st["exp_avg_sq"] = torch.zeros_like(p) if "exp_avg_sq" not in st else st["exp_avg_sq"]
+            st.setdefault("step", torch.tensor(0.0))
+    model_sd = actor.model.sharded_state_dict()
+    optim_sd = opt.state_dict()
+    optim_state_to_sharding_state(optim_sd, get_param_id_to_sharded_param_map(model_sd, params),
+                                  exclude_keys=("step",))
+    return {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}
+
+
+def _adam_step(actor) -> float:
+    steps = {float(st["step"]) for st in actor.optimizer.state.values() if "step" in st}
+    return max(steps, default=0.0)
+
+
+def save(run_dir: str, step: int, actor, extras: dict[str, Any], *, layout: dict[str, int], keep: int) -> str:
+    """Collective: the model and optimizer as one distributed checkpoint, each rank's extras, then rank 0
+    publishes the directory and prunes old ones."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_credit.conversion.checkpoint import _save_strategy
+
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = checkpoint_dir(run_dir, step)
     tmp = final + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        os.makedirs(os.path.join(tmp, MODEL_OPTIM))
     _barrier()
+    dist_checkpointing.save(_sharded_state(actor, for_load=False), os.path.join(tmp, MODEL_OPTIM),
+                            sharded_strategy=_save_strategy())
     path = os.path.join(tmp, f"rank_{rank:05d}.pt")
-    torch.save(state, path + ".part")
+    torch.save(extras, path + ".part")
     os.replace(path + ".part", path)
     _barrier()
     if rank == 0:
         with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-            json.dump({"step": step, "layout": layout}, f)
+            json.dump({"step": step, "layout": layout, "optimizer_steps": actor.optimizer_steps,
+                       "adam_step": _adam_step(actor)}, f)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # the publication: a directory without .tmp is complete
         for _, old in complete_checkpoints(run_dir)[:-keep]:
@@ -103,16 +151,33 @@ def resolve(run_dir: str, resume: str) -> Optional[str]:
     return resume
 
 
-def load(path: str, *, layout: dict[str, int]) -> tuple[int, dict[str, Any]]:
-    """This rank's state from checkpoint ``path``; refuses a checkpoint of another layout."""
+def load(path: str, actor, *, layout: dict[str, int]) -> tuple[int, Optional[dict[str, Any]], dict[str, Any]]:
+    """Load the model and optimizer of checkpoint ``path`` into ``actor`` (any layout: megatron reshards).
+
+    Returns ``(step, this rank's extras or None when the layout differs, meta)``."""
+    from megatron.core import dist_checkpointing
+
     with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
         meta = json.load(f)
-    if meta.get("layout") != layout:
-        raise ValueError(f"checkpoint {path} was written with layout {meta.get('layout')}, this run has "
-                         f"{layout}; resume with the same TP/PP/CP/DP sizes")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    state = torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), map_location="cpu", weights_only=True)
-    return int(meta["step"]), state
+    request = _sharded_state(actor, for_load=True)
+    state = dist_checkpointing.load(request, os.path.join(path, MODEL_OPTIM))
+    result = actor.model.load_state_dict(state["model"], strict=False)
+    bad = [k for k in list(result.missing_keys) + list(result.unexpected_keys) if not k.endswith("_extra_state")]
+    if bad:
+        raise ValueError(f"checkpoint {path}: model keys do not match this model: {bad[:5]}")
+    opt = actor.optimizer
+    params = [p for g in opt.param_groups for p in g["params"]]
+    adam_step = torch.tensor(float(meta["adam_step"]))
+    for i, p in enumerate(params):
+        loaded = state["optimizer"]["state"][i]
+        opt.state[p] = {"step": adam_step.clone(), "exp_avg": loaded["exp_avg"].to(p.dtype).clone(),
+                        "exp_avg_sq": loaded["exp_avg_sq"].to(p.dtype).clone()}
+    actor.optimizer_steps = int(meta["optimizer_steps"])
+    extras = None
+    if meta.get("layout") == layout:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        extras = torch.load(os.path.join(path, f"rank_{rank:05d}.pt"), map_location="cpu", weights_only=True)
+    return int(meta["step"]), extras, meta
 
 
 def _barrier() -> None:

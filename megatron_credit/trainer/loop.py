@@ -207,11 +207,23 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
     start = 0
     path = ckpt.resolve(run_dir, resume)
     if path is not None:
-        start, state = ckpt.load(path, layout=layout)
-        actor.load_state_dict(state["actor"])
-        prompts.load_state_dict(state["prompts"])
-        ckpt.set_rng_state(state["rng"])
-        log(f"resumed from {path} (iteration {start})")
+        start, extras, meta = ckpt.load(path, actor, layout=layout)
+        if extras is not None:
+            prompts.load_state_dict(extras["prompts"])
+            ckpt.set_rng_state(extras["rng"])
+            if actor.reference is not None:
+                actor.reference.load_state_dict(extras["reference"])
+            log(f"resumed from {path} (iteration {start})")
+        else:
+            # Another layout: the weights and optimizer resharded exactly; the data position is carried
+            # over as the prompts consumed per iteration, divided among the new data-parallel ranks.
+            old = meta["layout"]
+            per_rank_old = recipe.rollout.prompts_per_step // old["dp"]
+            prompts.load_state_dict({"cursor": start * per_rank_old * old["dp"] // layout["dp"]})
+            if actor.reference is not None:
+                log("note: the reference model restarts from the loaded policy (layout changed)")
+                actor.reset_reference()
+            log(f"resumed from {path} (iteration {start}), resharded from {old} to {layout}")
     elif recipe.warmup.steps:
         t0 = time.perf_counter()
         cached = run_warmup(actor, task, tokenizer, recipe=recipe, dp_rank=dp_rank, dp_size=dp_size,
@@ -277,8 +289,10 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
 
 
 def _save(run_dir, step, actor, prompts, layout, recipe) -> None:
-    ckpt.save(run_dir, step, {"actor": actor.state_dict(), "prompts": prompts.state_dict(),
-                              "rng": ckpt.rng_state()}, layout=layout, keep=recipe.checkpoint.keep)
+    extras = {"prompts": prompts.state_dict(), "rng": ckpt.rng_state()}
+    if actor.reference is not None:
+        extras["reference"] = actor.reference.state_dict()
+    ckpt.save(run_dir, step, actor, extras, layout=layout, keep=recipe.checkpoint.keep)
 
 
 def _progress(recipe, start: int, rank0: bool):
