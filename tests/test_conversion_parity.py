@@ -218,7 +218,7 @@ def test_logits_match_transformers_at_tp1_tp2_pp2(pool, hf_dirs, family):
 @pytest.mark.parametrize("family", TIED)
 def test_tied_embeddings_logits_at_tp1_tp2_pp2(pool, hf_dirs, family):
     """At PP=2 the last stage holds its own copy of the tied head (megatron's embedding group; CPU
-    shim 4 in megatron_credit/distributed.py), filled from the HF embedding."""
+    shim 4 in megatron_credit/distributed/cpu_shims.py), filled from the HF embedding."""
     hf_dir = hf_dirs[(family, True)]
     want = _hf_logits(hf_dir).logits
     for tp, pp in ((1, 1), (2, 1), (1, 2)):

@@ -1,4 +1,4 @@
-"""distributed.py: launch environment, CPU RNG tracker, megatron groups on gloo, the entry point."""
+"""megatron_credit.distributed: launch environment, CPU RNG tracker, megatron groups on gloo, the entry point."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from megatron_credit.distributed import CpuRNGStatesTracker, LaunchEnv
+from megatron_credit.distributed import LaunchEnv
+from megatron_credit.distributed.cpu_shims import CpuRNGStatesTracker
 from tests.distributed_harness import DistributedPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,14 +100,14 @@ class _TwoLayers(torch.nn.Module):
 def _finalize_with_a_param_unused_on_rank_1():
     import torch.distributed as dist
 
-    from megatron_credit import distributed
+    from megatron_credit.distributed.grads import finalize_gradients
 
     rank = dist.get_rank()
     model = _TwoLayers()
     x = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
     model(x, use_b=rank == 0).backward()
     had_b = model.b.grad is not None
-    distributed.finalize_gradients(model, dp_cp_group=dist.group.WORLD, tp_group=None)
+    finalize_gradients(model, dp_cp_group=dist.group.WORLD, tp_group=None)
     return had_b, model.a.grad.clone(), model.b.grad.clone(), model.frozen.grad
 
 

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from megatron_credit import distributed
+from megatron_credit.distributed import cpu_shims
 from tests.distributed_harness import DistributedPool
 
 
 def test_shim_targets_exist_on_the_installed_megatron_core():
-    assert distributed.cpu_shim_problems() == []
+    assert cpu_shims.cpu_shim_problems() == []
 
 
 def test_a_moved_shim_target_fails_loudly_instead_of_silently_not_patching(monkeypatch):
@@ -23,12 +24,12 @@ def test_a_moved_shim_target_fails_loudly_instead_of_silently_not_patching(monke
 
     monkeypatch.delattr(rotary, "get_pos_emb_on_this_cp_rank")
     monkeypatch.delattr(mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED")
-    problems = distributed.cpu_shim_problems()
+    problems = cpu_shims.cpu_shim_problems()
     assert any("rotary_pos_embedding.get_pos_emb_on_this_cp_rank is missing" in p for p in problems)
     assert any("random._CUDA_RNG_STATE_TRACKER_INITIALIZED is missing" in p for p in problems)
-    monkeypatch.setattr(distributed, "_SHIMS_INSTALLED", False)
-    with pytest.raises(RuntimeError, match="CPU shims in megatron_credit/distributed.py need updating"):
-        distributed.install_cpu_shims()  # raises before patching anything
+    monkeypatch.setattr(cpu_shims, "_SHIMS_INSTALLED", False)
+    with pytest.raises(RuntimeError, match="CPU shims in megatron_credit/distributed/cpu_shims.py need updating"):
+        cpu_shims.install_cpu_shims()  # raises before patching anything
 
 
 def test_changed_rope_helper_signature_is_reported(monkeypatch):
@@ -37,7 +38,7 @@ def test_changed_rope_helper_signature_is_reported(monkeypatch):
     monkeypatch.setattr(rope_utils, "get_pos_emb_on_this_cp_rank",
                         lambda pos_emb, seq_dim, cp_group, extra: pos_emb)
     assert any("rope_utils.get_pos_emb_on_this_cp_rank" in p and "is not" in p
-               for p in distributed.cpu_shim_problems())
+               for p in cpu_shims.cpu_shim_problems())
 
 
 class _RecordingTracker:
@@ -96,9 +97,9 @@ def test_moved_language_module_or_saver_targets_are_reported(monkeypatch):
     import megatron.core.dist_checkpointing.strategies.state_dict_saver as saver
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    assert "megatron.core.dist_checkpointing.strategies.state_dict_saver" in distributed._SHIMMED_MODULES
+    assert "megatron.core.dist_checkpointing.strategies.state_dict_saver" in cpu_shims._SHIMMED_MODULES
     monkeypatch.delattr(LanguageModule, "_is_in_embd_group")
     monkeypatch.delattr(saver, "torch")
-    problems = distributed.cpu_shim_problems()
+    problems = cpu_shims.cpu_shim_problems()
     assert any("LanguageModule._is_in_embd_group is missing (shim 4)" in p for p in problems)
     assert any("state_dict_saver has no module-level `torch`" in p for p in problems)

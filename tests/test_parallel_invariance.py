@@ -125,6 +125,7 @@ def _run_sharded(arch, tp, pp, cp, ref):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_credit import distributed
+    from megatron_credit.distributed.grads import finalize_gradients
     from megatron_credit.config import ParallelConfig
     from megatron_credit.losses.logprob import logprobs_and_entropy
     from megatron_credit.models.cpu_attention import load_balanced_positions
@@ -165,7 +166,7 @@ def _run_sharded(arch, tp, pp, cp, ref):
         forward_step_func=forward_step, data_iterator=iter([ids]), model=[model], num_microbatches=1,
         # The global length: megatron's get_tensor_shapes divides by the CP size itself.
         seq_length=SEQ, micro_batch_size=len(rows), forward_only=False)
-    distributed.finalize_gradients(
+    finalize_gradients(
         model, dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True), tp_group=tp_group,
         embedding_group=ps.get_embedding_group() if ps.is_rank_in_embedding_group() else None)
     grads = [(_reference_name(model, n), _unshard(p.grad, p, tp_group))

@@ -19,7 +19,7 @@ never call megatron's ``finalize_model_grads`` (which, given a token total, woul
 
 Why not megatron's DDP and distributed optimizer here: they allocate CUDA buffers and streams
 (``param_and_grad_buffer.py`` ``torch.cuda.current_device()``, the distributed optimizer's CUDA tensor
-type checks); the CPU path keeps the explicit reduction of ``distributed.finalize_gradients`` and
+type checks); the CPU path keeps the explicit reduction of ``distributed.grads.finalize_gradients`` and
 ``torch.optim.AdamW``. See the README ("What has and has not been run").
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -198,10 +198,10 @@ class Actor:
 
         A step whose gradient norm (or loss) is not finite is skipped: gradients are dropped, the
         parameters and the optimizer state are untouched."""
-        from megatron_credit import distributed
+        from megatron_credit.distributed import grads
 
         ps = self.ps
-        distributed.finalize_gradients(
+        grads.finalize_gradients(
             self.model, dp_cp_group=self.dp_cp_group, tp_group=self.tp_group,
             embedding_group=ps.get_embedding_group() if ps.is_rank_in_embedding_group() else None)
         norm = self.global_grad_norm()

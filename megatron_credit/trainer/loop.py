@@ -15,7 +15,7 @@ import os
 import signal
 import time
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -6,9 +6,6 @@ typed ``ctx.params``: nothing here looks at an algorithm's name.
 """
 from __future__ import annotations
 
-import time
-from typing import Any
-
 import torch
 
 from megatron_credit.algorithms import KL_ESTIMATORS, AdvantageInputs

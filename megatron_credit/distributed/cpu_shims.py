@@ -1,9 +1,5 @@
-"""torch.distributed + megatron ``parallel_state`` initialisation, seeds, and the CPU shims.
-
-``initialize(parallel, seed=..., launch=...)`` is called once per process by the entry point: it joins
-(or creates) the default process group — nccl on GPU, gloo on CPU — builds megatron's TP / PP / CP /
-DP groups and seeds every generator. The launcher's environment (torchrun's ``RANK`` etc.) is read by
-``LaunchEnv.from_environ`` at the entry point only and passed in.
+"""The CPU shims megatron-core needs, and only they (installed by ``distributed.initialize`` on gloo
+without CUDA).
 
 CPU shims. megatron-core assumes CUDA in a few places that the CPU tests and the demo reach.
 All work-arounds live in ``install_cpu_shims`` below, each naming the megatron-core line it works
@@ -41,206 +37,17 @@ asserts ``not config.sequence_parallel``: refused in ``transformer_config_from_h
 optimizer (refuses CPU tensors), ``clip_grad_by_total_norm_fp32`` (asserts CUDA tensors; use
 ``torch.nn.utils.clip_grad_norm_``), megatron DDP (0.17+ ``distributed/param_and_grad_buffer.py``
 calls ``torch.cuda.current_stream()``; on CPU gradients are summed with ``all_reduce_gradients``).
-
-megatron-core version differences handled here (supported: ``>=0.16.1,<0.20``):
-
-- 0.18+: ``import megatron.core`` imports triton (``__init__`` -> ``distributed/finalize_model_grads``
-  -> ``pipeline_parallel/schedules.py:27`` -> ``transformer/moe/paged_stash.py``), which megatron-core
-  does not declare and CPU torch wheels do not bring: setup.py declares it for Python >= 3.12 (the
-  only Pythons 0.17+ install on), and ``import_megatron_core`` names the cause when it is missing.
-- 0.18+: ``utils.get_batch_on_this_cp_rank`` takes a required ``is_hybrid_cp`` before ``cp_group``:
-  call ``get_batch_on_this_cp_rank`` here instead.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime
 import importlib
 import inspect
-import random
-import socket
 import types
-from typing import Iterable, Mapping, Optional
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
-
-# Seed offsets follow megatron's model_parallel_cuda_manual_seed (tensor_parallel/random.py), so CPU
-# and GPU runs draw dropout masks from the same seeds.
-_TP_SEED_OFFSET = 2718
-_EP_SEED_OFFSET = 1024
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LaunchEnv:
-    """Where this process sits in the job, as a launcher (torchrun, Slurm wrapper) describes it."""
-
-    rank: int = 0
-    """Global rank."""
-    world_size: int = 1
-    """Number of processes."""
-    local_rank: int = 0
-    """Rank on this node (selects the GPU)."""
-    master_addr: str = "127.0.0.1"
-    """Rendezvous host."""
-    master_port: Optional[int] = None
-    """Rendezvous port; None picks a free local port (single process only)."""
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> "LaunchEnv":
-        """Read torchrun's variables; without them, a single process.
-
-        >>> LaunchEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
-        ...                         "MASTER_ADDR": "h", "MASTER_PORT": "29500"}).rank
-        1
-        >>> LaunchEnv.from_environ({}).world_size
-        1
-        """
-        port = environ.get("MASTER_PORT")
-        return cls(rank=int(environ.get("RANK", 0)), world_size=int(environ.get("WORLD_SIZE", 1)),
-                   local_rank=int(environ.get("LOCAL_RANK", 0)),
-                   master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-                   master_port=int(port) if port else None)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def default_backend() -> str:
-    """nccl when CUDA is usable, else gloo."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
-               backend: Optional[str] = None, timeout_s: float = 1800.0) -> torch.device:
-    """Join the process group, build megatron's parallel groups, seed; return this rank's device.
-
-    ``parallel``: a ``megatron_credit.config.ParallelConfig``. If ``torch.distributed`` is already
-    initialised (tests, an embedding application) its group and backend are used as they are; else a
-    group is created from ``launch`` (default: one process). Raises ``ValueError`` before creating
-    any megatron group if the sizes do not fit the world size.
-    """
-    import_megatron_core()
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        launch = launch or LaunchEnv()
-        parallel.validate(world_size=launch.world_size)
-        backend = backend or default_backend()
-        if backend == "nccl":
-            torch.cuda.set_device(launch.local_rank)
-        port = launch.master_port or _free_port()
-        dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{port}",
-                                rank=launch.rank, world_size=launch.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    backend = dist.get_backend()
-    parallel.validate(world_size=dist.get_world_size())
-    on_cpu = backend == "gloo" and not torch.cuda.is_available()
-    if on_cpu:
-        install_cpu_shims()
-    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        context_parallel_size=parallel.context_parallel_size,
-    )
-    set_seed(seed, on_cpu=on_cpu)
-    return device
-
-
-def import_megatron_core():
-    """``import megatron.core``, naming the cause when it fails for want of triton (0.18+).
-
-    megatron-core 0.18.0+ imports triton at module scope on the unconditional import path
-    (``pipeline_parallel/schedules.py:27`` -> ``transformer/moe/paged_stash.py``; NVIDIA/Megatron-LM
-    PR #6891 proposes a guard) without declaring it; CUDA torch wheels bring triton, CPU ones do not.
-    """
-    try:
-        import megatron.core
-    except ModuleNotFoundError as e:
-        if e.name != "triton":
-            raise
-        raise ImportError(
-            "megatron-core >= 0.18 imports triton (pipeline_parallel/schedules.py -> "
-            "transformer/moe/paged_stash.py) but does not declare it, and CPU torch wheels do not "
-            "bring it: `pip install triton` (it imports without a GPU)") from e
-    return megatron.core
-
-
-def get_batch_on_this_cp_rank(batch: dict, *, cp_group=None) -> dict:
-    """megatron's ``utils.get_batch_on_this_cp_rank`` (load-balanced CP split) on every version.
-
-    megatron-core 0.18.0 inserted a required positional ``is_hybrid_cp`` before ``cp_group``
-    (``utils.py``: ``get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group=None,
-    hybrid_cp_group_func=None)``); 0.16 / 0.17 take ``(batch, cp_group=None)``. Plain (not hybrid)
-    CP is what we run, so ``is_hybrid_cp=False`` where the parameter exists.
-    """
-    from megatron.core import utils as mutils
-
-    fn = mutils.get_batch_on_this_cp_rank
-    if "is_hybrid_cp" in inspect.signature(fn).parameters:  # megatron-core >= 0.18
-        return fn(batch, is_hybrid_cp=False, cp_group=cp_group)
-    return fn(batch, cp_group=cp_group)  # megatron-core 0.16 / 0.17
-
-
-def destroy(*, process_group: bool = False) -> None:
-    """Tear down megatron's groups (and the default process group when ``process_group``)."""
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
-    if process_group and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def set_seed(seed: int, *, on_cpu: bool) -> None:
-    """Seed python, numpy and torch, and megatron's RNG tracker (TP-rank-dependent dropout seeds).
-
-    Every rank gets the same default seed, so ``use_cpu_initialization`` builds the same full weights
-    on every rank before slicing them (TP/PP shards of one model).
-    """
-    from megatron.core import parallel_state, tensor_parallel
-
-    random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:  # numpy is a dependency; this only keeps seeding usable without it
-        pass
-    torch.manual_seed(seed)
-    if not on_cpu:
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        return
-    from megatron.core.tensor_parallel import random as mrandom
-
-    tracker = CpuRNGStatesTracker()
-    for name, stream_seed in cpu_rng_stream_seeds(
-            seed, tp_rank=parallel_state.get_tensor_model_parallel_rank()).items():
-        tracker.add(name, stream_seed)
-    # Shim 1: tensor_parallel/random.py initialize_rng_tracker() returns early once
-    # _CUDA_RNG_STATE_TRACKER_INITIALIZED is set, so get_cuda_rng_tracker() hands out this tracker
-    # (unchanged 0.16.1 - 0.19.2; 0.19 adds GTP-remat streams only when that axis is > 1, never here).
-    mrandom._CUDA_RNG_STATE_TRACKER = tracker
-    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    if mrandom.get_cuda_rng_tracker() is not tracker:
-        raise RuntimeError("megatron-core's tensor_parallel.random.get_cuda_rng_tracker() no longer "
-                           "returns _CUDA_RNG_STATE_TRACKER once _CUDA_RNG_STATE_TRACKER_INITIALIZED "
-                           "is set: the CPU RNG shim (megatron_credit.distributed) needs updating")
-
-
-def cpu_rng_stream_seeds(seed: int, *, tp_rank: int) -> dict[str, int]:
-    """The named RNG streams of shim 1 and their seeds: those of megatron's
-    ``model_parallel_cuda_manual_seed`` without expert parallelism (ep_rank 0, and the expert-TP rank
-    equals the TP rank because ``expert_tensor_parallel_size`` defaults to the TP size)."""
-    from megatron.core.tensor_parallel import random as mrandom
-
-    return {mrandom._DATA_PARALLEL_RNG_TRACKER_NAME: seed,
-            mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME: seed + _TP_SEED_OFFSET + tp_rank,
-            mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME: seed + _EP_SEED_OFFSET + tp_rank}
 
 
 class CpuRNGStatesTracker:
@@ -404,7 +211,7 @@ def install_cpu_shims() -> None:
     problems = cpu_shim_problems()
     if problems:
         raise RuntimeError("megatron-core's CUDA-only code moved; the CPU shims in "
-                           "megatron_credit/distributed.py need updating:\n  " + "\n  ".join(problems))
+                           "megatron_credit/distributed/cpu_shims.py need updating:\n  " + "\n  ".join(problems))
     proxy = _TorchOnCpu()
     for name in _SHIMMED_MODULES:
         module = importlib.import_module(name)
@@ -456,65 +263,3 @@ def _pos_emb_on_this_cp_rank_cpu(pos_emb: torch.Tensor, seq_dim: int, cp_group) 
     pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
     pos_emb = pos_emb.index_select(seq_dim, idx)
     return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
-
-
-def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
-    """Sum ``grads`` in place over ``group`` with one collective on a flat buffer.
-
-    Every rank of ``group`` must pass tensors of the same shapes in the same order.
-    """
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def _grads_for_reduce(params: Iterable[torch.nn.Parameter], group) -> list[torch.Tensor]:
-    """``.grad`` of every ``requires_grad`` param in the given order; a missing grad (the param was
-    unused on this rank) becomes zeros, so every rank's flat buffer has the same layout."""
-    params = [p for p in params if p.requires_grad]
-    if dist.get_world_size(group) > 1:
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-    return [p.grad for p in params if p.grad is not None]
-
-
-def all_reduce_gradients(params: Iterable[torch.nn.Parameter], *, group) -> None:
-    """Sum ``.grad`` of the ``requires_grad`` ``params`` over ``group`` (one flat buffer, one
-    collective). Every rank passes the same parameters in the same order; a ``None`` grad counts as
-    zeros (and is materialised) when the group has more than one rank."""
-    _all_reduce_flat(_grads_for_reduce(params, group), group)
-
-
-def finalize_gradients(model: torch.nn.Module, *, dp_cp_group, tp_group,
-                       embedding_group=None) -> None:
-    """Make ``.grad`` the gradient of the summed loss of all ranks (the CPU stand-in for megatron
-    DDP + ``finalize_model_grads``, which need CUDA buffers).
-
-    - ``dp_cp_group`` (``get_data_parallel_group(with_context_parallel=True)``): every DP and CP rank
-      holds the gradient of its own samples / tokens for the same parameters: sum.
-    - ``tp_group``: per-head q/k norms are replicated over TP but each rank only sees its own heads
-      (and under sequence parallelism, norms only see their sequence shard): sum, as
-      ``finalize_model_grads._allreduce_non_tensor_model_parallel_grads`` does.
-    - ``embedding_group`` (tied embeddings across pipeline stages, ``get_embedding_group()``; pass
-      it only on ranks in that group): the first stage's input embedding and the last stage's
-      output copy are one parameter: sum.
-    """
-    config = model.config
-    # All trainable params in module order (the same on every rank of a group), not only those
-    # with a grad: a param unused on one rank must still take its slot in the flat buffers.
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    all_reduce_gradients([p for _, p in named], group=dp_cp_group)
-    tp_summed = [p for n, p in named
-                 if (config.qk_layernorm and ("q_layernorm" in n or "k_layernorm" in n))
-                 or (config.sequence_parallel and getattr(p, "sequence_parallel", False))]
-    all_reduce_gradients(tp_summed, group=tp_group)
-    if embedding_group is not None and getattr(model, "share_embeddings_and_output_weights", False):
-        shared = model.shared_embedding_or_output_weight()
-        if shared is not None:
-            all_reduce_gradients([shared], group=embedding_group)

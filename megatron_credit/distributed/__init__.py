@@ -1,0 +1,211 @@
+"""torch.distributed + megatron ``parallel_state`` initialisation and seeds.
+
+``initialize(parallel, seed=..., launch=...)`` is called once per process by the entry point: it joins
+(or creates) the default process group — nccl on GPU, gloo on CPU — builds megatron's TP / PP / CP /
+DP groups, installs the CPU shims where needed and seeds every generator. The launcher's environment
+(torchrun's ``RANK`` etc.) is read by ``LaunchEnv.from_environ`` at the entry point only and passed in.
+
+Three modules, one job each:
+
+- this ``__init__``: process groups, megatron ``parallel_state``, seeds, version compatibility;
+- :mod:`megatron_credit.distributed.cpu_shims`: the CPU shims megatron-core needs (and only they);
+- :mod:`megatron_credit.distributed.grads`: gradient reduction over DP x CP, TP and the embedding group.
+
+megatron-core version differences handled here (supported: ``>=0.16.1,<0.20``):
+
+- 0.18+: ``import megatron.core`` imports triton (``__init__`` -> ``distributed/finalize_model_grads``
+  -> ``pipeline_parallel/schedules.py:27`` -> ``transformer/moe/paged_stash.py``), which megatron-core
+  does not declare and CPU torch wheels do not bring: setup.py declares it for Python >= 3.12 (the
+  only Pythons 0.17+ install on), and ``import_megatron_core`` names the cause when it is missing.
+- 0.18+: ``utils.get_batch_on_this_cp_rank`` takes a required ``is_hybrid_cp`` before ``cp_group``:
+  call ``get_batch_on_this_cp_rank`` here instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import inspect
+import random
+import socket
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_credit.distributed.cpu_shims import CpuRNGStatesTracker, install_cpu_shims
+
+# Seed offsets follow megatron's model_parallel_cuda_manual_seed (tensor_parallel/random.py), so CPU
+# and GPU runs draw dropout masks from the same seeds.
+_TP_SEED_OFFSET = 2718
+_EP_SEED_OFFSET = 1024
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchEnv:
+    """Where this process sits in the job, as a launcher (torchrun, Slurm wrapper) describes it."""
+
+    rank: int = 0
+    """Global rank."""
+    world_size: int = 1
+    """Number of processes."""
+    local_rank: int = 0
+    """Rank on this node (selects the GPU)."""
+    master_addr: str = "127.0.0.1"
+    """Rendezvous host."""
+    master_port: Optional[int] = None
+    """Rendezvous port; None picks a free local port (single process only)."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str]) -> "LaunchEnv":
+        """Read torchrun's variables; without them, a single process.
+
+        >>> LaunchEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+        ...                         "MASTER_ADDR": "h", "MASTER_PORT": "29500"}).rank
+        1
+        >>> LaunchEnv.from_environ({}).world_size
+        1
+        """
+        port = environ.get("MASTER_PORT")
+        return cls(rank=int(environ.get("RANK", 0)), world_size=int(environ.get("WORLD_SIZE", 1)),
+                   local_rank=int(environ.get("LOCAL_RANK", 0)),
+                   master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
+                   master_port=int(port) if port else None)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_backend() -> str:
+    """nccl when CUDA is usable, else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
+               backend: Optional[str] = None, timeout_s: float = 1800.0) -> torch.device:
+    """Join the process group, build megatron's parallel groups, seed; return this rank's device.
+
+    ``parallel``: a ``megatron_credit.config.ParallelConfig``. If ``torch.distributed`` is already
+    initialised (tests, an embedding application) its group and backend are used as they are; else a
+    group is created from ``launch`` (default: one process). Raises ``ValueError`` before creating
+    any megatron group if the sizes do not fit the world size.
+    """
+    import_megatron_core()
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        launch = launch or LaunchEnv()
+        parallel.validate(world_size=launch.world_size)
+        backend = backend or default_backend()
+        if backend == "nccl":
+            torch.cuda.set_device(launch.local_rank)
+        port = launch.master_port or _free_port()
+        dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{port}",
+                                rank=launch.rank, world_size=launch.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    backend = dist.get_backend()
+    parallel.validate(world_size=dist.get_world_size())
+    on_cpu = backend == "gloo" and not torch.cuda.is_available()
+    if on_cpu:
+        install_cpu_shims()
+    device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+    )
+    set_seed(seed, on_cpu=on_cpu)
+    return device
+
+
+def import_megatron_core():
+    """``import megatron.core``, naming the cause when it fails for want of triton (0.18+).
+
+    megatron-core 0.18.0+ imports triton at module scope on the unconditional import path
+    (``pipeline_parallel/schedules.py:27`` -> ``transformer/moe/paged_stash.py``; NVIDIA/Megatron-LM
+    PR #6891 proposes a guard) without declaring it; CUDA torch wheels bring triton, CPU ones do not.
+    """
+    try:
+        import megatron.core
+    except ModuleNotFoundError as e:
+        if e.name != "triton":
+            raise
+        raise ImportError(
+            "megatron-core >= 0.18 imports triton (pipeline_parallel/schedules.py -> "
+            "transformer/moe/paged_stash.py) but does not declare it, and CPU torch wheels do not "
+            "bring it: `pip install triton` (it imports without a GPU)") from e
+    return megatron.core
+
+
+def get_batch_on_this_cp_rank(batch: dict, *, cp_group=None) -> dict:
+    """megatron's ``utils.get_batch_on_this_cp_rank`` (load-balanced CP split) on every version.
+
+    megatron-core 0.18.0 inserted a required positional ``is_hybrid_cp`` before ``cp_group``
+    (``utils.py``: ``get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group=None,
+    hybrid_cp_group_func=None)``); 0.16 / 0.17 take ``(batch, cp_group=None)``. Plain (not hybrid)
+    CP is what we run, so ``is_hybrid_cp=False`` where the parameter exists.
+    """
+    from megatron.core import utils as mutils
+
+    fn = mutils.get_batch_on_this_cp_rank
+    if "is_hybrid_cp" in inspect.signature(fn).parameters:  # megatron-core >= 0.18
+        return fn(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return fn(batch, cp_group=cp_group)  # megatron-core 0.16 / 0.17
+
+
+def destroy(*, process_group: bool = False) -> None:
+    """Tear down megatron's groups (and the default process group when ``process_group``)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if process_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def set_seed(seed: int, *, on_cpu: bool) -> None:
+    """Seed python, numpy and torch, and megatron's RNG tracker (TP-rank-dependent dropout seeds).
+
+    Every rank gets the same default seed, so ``use_cpu_initialization`` builds the same full weights
+    on every rank before slicing them (TP/PP shards of one model).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is a dependency; this only keeps seeding usable without it
+        pass
+    torch.manual_seed(seed)
+    if not on_cpu:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = CpuRNGStatesTracker()
+    for name, stream_seed in cpu_rng_stream_seeds(
+            seed, tp_rank=parallel_state.get_tensor_model_parallel_rank()).items():
+        tracker.add(name, stream_seed)
+    # Shim 1: tensor_parallel/random.py initialize_rng_tracker() returns early once
+    # _CUDA_RNG_STATE_TRACKER_INITIALIZED is set, so get_cuda_rng_tracker() hands out this tracker
+    # (unchanged 0.16.1 - 0.19.2; 0.19 adds GTP-remat streams only when that axis is > 1, never here).
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    if mrandom.get_cuda_rng_tracker() is not tracker:
+        raise RuntimeError("megatron-core's tensor_parallel.random.get_cuda_rng_tracker() no longer "
+                           "returns _CUDA_RNG_STATE_TRACKER once _CUDA_RNG_STATE_TRACKER_INITIALIZED "
+                           "is set: the CPU RNG shim (megatron_credit.distributed) needs updating")
+
+
+def cpu_rng_stream_seeds(seed: int, *, tp_rank: int) -> dict[str, int]:
+    """The named RNG streams of shim 1 and their seeds: those of megatron's
+    ``model_parallel_cuda_manual_seed`` without expert parallelism (ep_rank 0, and the expert-TP rank
+    equals the TP rank because ``expert_tensor_parallel_size`` defaults to the TP size)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    return {mrandom._DATA_PARALLEL_RNG_TRACKER_NAME: seed,
+            mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME: seed + _TP_SEED_OFFSET + tp_rank,
+            mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME: seed + _EP_SEED_OFFSET + tp_rank}
