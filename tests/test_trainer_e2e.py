@@ -159,10 +159,21 @@ def test_the_demo_learns_and_changes_the_parameters(tmp_path):
     acc = [r["accuracy/mean"] for r in rows]
     first, last = sum(acc[:5]) / 5, sum(acc[-5:]) / 5
     assert last > first + 0.05 and last > majority_answer_rate(ArithConfig(min_operand=10, max_operand=99))
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     warm = torch.load(next((tmp_path / "cache").rglob("rank_00000.pt")), weights_only=True)
-    trained = torch.load(run / "checkpoints" / "iter_0000040" / "rank_00000.pt", weights_only=True)["actor"]["model"]
-    changed = [k for k, v in warm.items() if v is not None and not torch.equal(v, trained[k])]
-    assert len(changed) > 0.9 * sum(v is not None for v in warm.values())
+    dcp_to_torch_save(str(run / "checkpoints" / "iter_0000040" / "model_optim"), str(tmp_path / "trained.pt"))
+    trained = torch.load(tmp_path / "trained.pt", weights_only=False)  # written by this test just above
+    layers = sorted({k.split(".", 3)[3] for k in warm if k.startswith("decoder.layers.") and "extra" not in k}
+                    & {k.split(".", 2)[2] for k in trained if k.startswith("decoder.layers.")})
+    assert len(layers) >= 5  # qkv weight and bias, proj, fc1, fc2 (norms are saved under TE names)
+    pairs = [(k, warm[k], trained[k]) for k in ("embedding.word_embeddings.weight", "output_layer.weight",
+                                                 "decoder.final_layernorm.weight")]
+    pairs += [(k, torch.stack([warm[f"decoder.layers.{i}.{k}"] for i in range(2)]), trained[f"decoder.layers.{k}"])
+              for k in layers]
+    assert all(w.shape == t.shape for _, w, t in pairs)
+    unchanged = [k for k, w, t in pairs if torch.equal(w, t)]
+    assert not unchanged, unchanged
     assert os.path.exists(run / "plots" / "reward.png") and os.path.exists(run / "config.yaml")
 
 
