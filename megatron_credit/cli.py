@@ -6,6 +6,10 @@ change), a missing or existing file or folder, a permission problem, a YAML synt
 else (``AssertionError``, ``RuntimeError``, ``KeyError``, ...) is a bug and keeps its traceback.
 ``--debug`` shows the traceback of user errors too.
 
+Known harmless warnings of megatron-core and torch (:data:`KNOWN_HARMLESS_WARNINGS`: no Transformer
+Engine / Apex on a CPU machine, deprecations inside megatron's own calls) are filtered once here, so
+that an entry point's output shows what matters; ``--debug`` shows them again.
+
 >>> def main(argv):
 ...     raise FileNotFoundError("no config.json in '/models/x'")
 >>> run_main(main, [])  # prints "error: no config.json in '/models/x'" on stderr
@@ -16,6 +20,7 @@ else (``AssertionError``, ``RuntimeError``, ``KeyError``, ...) is a bug and keep
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Callable, Sequence
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError,
@@ -24,6 +29,24 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, F
 
 USER_ERROR_EXIT_CODE = 2
 DEBUG_FLAG = "--debug"
+
+KNOWN_HARMLESS_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
+    (UserWarning, "Transformer Engine and Apex are not installed"),  # megatron on CPU: local fallbacks
+    (UserWarning, "Apex is not installed. Falling back to Torch Norm"),  # megatron on CPU: torch norms
+    (UserWarning, "full scope is deprecated. Use empty cuda_graph_scope"),  # megatron's own default
+    (FutureWarning, "`load_state_dict` is deprecated"),  # torch, called by megatron's torch_dist loader
+    (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor"),  # same
+)
+"""``(category, start of the message)`` of warnings every CPU run of megatron-core prints and that ask
+nothing of the user."""
+
+
+def filter_known_warnings() -> None:
+    """Ignore :data:`KNOWN_HARMLESS_WARNINGS` from now on (process-wide: call it from a ``main``)."""
+    import re
+
+    for category, message in KNOWN_HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category)
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -41,11 +64,14 @@ def error_line(exc: BaseException) -> str:
 
 def run_main(main: Callable[[list[str]], int | None], argv: Sequence[str] | None = None) -> int:
     """Run ``main(argv)`` (``argv`` default ``sys.argv[1:]``), turning user errors into ``error: ...`` on
-    stderr and exit code 2. ``--debug`` anywhere in ``argv`` is removed before ``main`` sees it and makes
-    user errors raise with their traceback. Returns ``main``'s exit code (None counts as 0)."""
+    stderr and exit code 2, with the known harmless warnings filtered. ``--debug`` anywhere in ``argv``
+    is removed before ``main`` sees it, makes user errors raise with their traceback and keeps every
+    warning. Returns ``main``'s exit code (None counts as 0)."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = DEBUG_FLAG in args
     args = [a for a in args if a != DEBUG_FLAG]
+    if not debug:
+        filter_known_warnings()
     try:
         code = main(args)
     except _user_errors() as exc:

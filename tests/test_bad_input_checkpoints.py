@@ -417,3 +417,26 @@ def test_cli_keeps_the_traceback_of_internal_errors(capsys):
     with pytest.raises(AssertionError, match="internal invariant"):
         run_main(main, [])
     assert run_main(lambda argv: None, ["--debug"]) == 0 and capsys.readouterr().err == ""
+
+
+def test_cli_filters_known_harmless_warnings_only():
+    import warnings
+
+    from megatron_credit.cli import run_main
+
+    shown: list[list[str]] = []
+
+    def main(argv):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.")
+            warnings.warn("Apex is not installed. Falling back to Torch Norm")
+            warnings.warn("something the user should read")
+        shown.append([str(w.message) for w in seen])
+        return 0
+
+    with warnings.catch_warnings():  # run_main changes the process's filters; keep pytest's
+        assert run_main(main, []) == 0
+    with warnings.catch_warnings():
+        assert run_main(main, ["--debug"]) == 0
+    assert shown[0] == ["something the user should read"]
+    assert shown[1][0].startswith("Transformer Engine") and shown[1][-1] == "something the user should read"
