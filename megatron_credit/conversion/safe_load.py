@@ -59,7 +59,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` that resolves only :data:`_ALLOWED_GLOBALS` (and never persistent ids)."""
 
     def __init__(self, file, path: Path):
-        super().__init__(file)
+        super().__init__(file, fix_imports=False)  # the names checked are the names resolved
         self.path = path
 
     def find_class(self, module: str, name: str) -> Any:
