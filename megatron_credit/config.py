@@ -89,6 +89,10 @@ class ModelConfig:
             raise ValueError("model: give exactly one of model.name_or_path and model.architecture")
         if self.architecture is not None and "model_type" not in self.architecture:
             raise ValueError("model.architecture must contain 'model_type' (qwen2, qwen3 or llama)")
+        if self.architecture is not None:  # a typo would otherwise build the default-sized model silently
+            from megatron_credit.models.arch_keys import check_architecture_keys
+
+            check_architecture_keys(self.architecture)
         if self.params_dtype not in _DTYPES:
             raise ValueError(f"model.params_dtype must be one of {_DTYPES}, got {self.params_dtype!r}")
 
@@ -459,7 +463,8 @@ def _check_scalar(hint, value: Any, path: str) -> Any:
     them ``Optional``); other hints pass ``value`` through. Returns the value to store.
 
     PyYAML 1.1 reads ``1e-6`` (no dot) as a string, so ``float`` also takes numeric strings; ``int``
-    refuses bools (YAML ``yes``) and strings; ``bool`` takes only bools.
+    refuses bools (YAML ``yes``) and strings; ``bool`` takes only bools; ``float`` refuses ``inf`` and
+    ``nan`` (YAML ``.inf``, or the strings): no field of a recipe means anything at infinity.
 
     >>> _check_scalar(float, "1e-6", "optim.lr"), _check_scalar(float, 3, "optim.lr")
     (1e-06, 3.0)
@@ -467,6 +472,10 @@ def _check_scalar(hint, value: Any, path: str) -> Any:
     Traceback (most recent call last):
     ...
     ValueError: train.steps must be an int, got True (bool)
+    >>> _check_scalar(float, "inf", "optim.lr")
+    Traceback (most recent call last):
+    ...
+    ValueError: optim.lr must be a finite number, got 'inf' (str)
     """
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -488,12 +497,16 @@ def _check_scalar(hint, value: Any, path: str) -> Any:
     elif hint is float:
         if isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 raise refuse("a number") from None
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
+        elif not isinstance(value, (int, float)) or isinstance(value, bool):
             raise refuse("a number")
-        return float(value)
+        else:
+            number = float(value)
+        if number != number or number in (float("inf"), float("-inf")):  # nan, +-inf
+            raise refuse("a finite number")
+        return number
     elif hint is str:
         if not isinstance(value, str):
             raise refuse("a string")

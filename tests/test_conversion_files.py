@@ -257,6 +257,8 @@ def test_reader_refuses_single_file_next_to_index(tmp_path):
 
 
 def test_writer_removes_only_weight_files(tmp_path):
+    """An unreadable index names no shards: shard-named files it might have listed stay (they may be the
+    user's); the index itself goes, so that the folder is not ambiguous. See test_bad_input_checkpoints."""
     from megatron_credit.conversion.hf_io import ShardedSafetensorsWriter
 
     for name in ("model-00001-of-00003.safetensors", "model-00003-of-00003.safetensors",
@@ -266,6 +268,8 @@ def test_writer_removes_only_weight_files(tmp_path):
     w.add("x", torch.ones(3))
     assert w.close() == ["model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_model.safetensors", "config.json",
+                                                          "model-00001-of-00003.safetensors",
+                                                          "model-00003-of-00003.safetensors",
                                                           "model.safetensors", "notes.txt"]
 
 

@@ -233,8 +233,8 @@ def test_worker_that_dies_at_start_is_reported_and_no_worker_leaks(monkeypatch):
     started = []
 
     class _Tracked(pool_module._Worker):
-        def __init__(self):
-            super().__init__()
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
             started.append(self)
 
     monkeypatch.setattr(pool_module, "_Worker", _Tracked)

@@ -33,28 +33,32 @@ def parse_size(text: str) -> int:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", required=True, help="folder written by convert_hf_to_megatron")
-    p.add_argument("--out", required=True, help="output HF folder")
+    p.add_argument("--out", required=True, help="output HF folder, not inside --ckpt (only the weight files "
+                   "of an earlier export there are replaced)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="weights dtype (default: the checkpoint's)")
     p.add_argument("--allow-lossy-dtype", action="store_true", help="allow a cast that loses precision")
     p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), help="e.g. 5GB")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", help="show the traceback of user errors")
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
+def _main(argv: list[str]) -> int:
     args = parse_args(argv)
     from megatron_credit.conversion.checkpoint import convert_megatron_to_hf
 
-    try:
-        files = convert_megatron_to_hf(args.ckpt, args.out, dtype=args.dtype,
-                                       allow_lossy_dtype=args.allow_lossy_dtype,
-                                       max_shard_bytes=args.max_shard_size, progress=not args.no_progress)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    files = convert_megatron_to_hf(args.ckpt, args.out, dtype=args.dtype, allow_lossy_dtype=args.allow_lossy_dtype,
+                                   max_shard_bytes=args.max_shard_size, progress=not args.no_progress)
     print(f"wrote {len(files)} shard(s) to {args.out}")
     return 0
+
+
+def main(argv=None) -> int:
+    """User errors: one ``error: ...`` line, exit code 2 (``--debug``: the traceback)."""
+    from megatron_credit.cli import run_main
+
+    return run_main(_main, argv)
 
 
 if __name__ == "__main__":

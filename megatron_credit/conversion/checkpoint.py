@@ -12,6 +12,18 @@ The checkpoint is written from a TP = PP = 1 model: torch_dist stores each tenso
 shape and megatron reshards on load, so the same folder loads at any TP / PP (``--tp`` / ``--pp`` only
 validate that the planned sizes divide the model). Peak memory is one model in the target dtype plus
 one HF tensor in flight (back to HF: plus one output shard).
+
+Files are never lost and code never runs from a checkpoint:
+
+* ``--out`` equal to or inside the source is refused before anything is written;
+* HF -> megatron refuses a non-empty ``--out`` unless ``overwrite`` (then it replaces only the entries it
+  writes: ``model/``, ``config.json``, ``conversion_meta.json``, tokenizer files), and builds everything
+  in a hidden folder inside ``--out`` that is moved into place at the end (a failure removes it);
+* megatron -> HF removes only the weight files of an earlier export (``hf_io.remove_stale_weight_files``)
+  and writes every file through a temporary name;
+* a dist checkpoint is checked by :mod:`megatron_credit.conversion.safe_load` before torch reads it
+  (restricted unpickling of ``.metadata``, weights-only byte items, files present and long enough),
+  and ``conversion_meta.json`` must name a dtype the stored tensors really have.
 """
 from __future__ import annotations
 
@@ -25,9 +37,12 @@ from typing import Any, Iterator
 import torch
 
 from megatron_credit.conversion.base import ModelDims, family_for_config
-from megatron_credit.conversion.hf_io import (DTYPES, SafetensorsReader, ShardedSafetensorsWriter,
-                                              copy_tokenizer_files, resolve_dtype)
+from megatron_credit.conversion.hf_io import (DTYPES, CheckpointFormatError, SafetensorsReader,
+                                              ShardedSafetensorsWriter, copy_file_atomic, copy_tokenizer_files,
+                                              resolve_dtype, write_text_atomic)
 from megatron_credit.conversion.live import load_hf_into_local_state
+from megatron_credit.conversion.safe_load import (check_dist_checkpoint, checkpoint_errors_unwrapped,
+                                                  stored_weight_dtypes, weights_only_byte_items)
 from megatron_credit.conversion.streaming import check_hf_keys, expand_rules, iter_hf_from_megatron
 
 CONVERSION_VERSION = 1
@@ -37,12 +52,27 @@ _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 def load_hf_config(folder: str | os.PathLike):
-    """``AutoConfig`` of a folder, with a clear error when ``config.json`` is missing."""
+    """``AutoConfig`` of a folder, with a clear error when ``config.json`` is missing or not a config."""
     from transformers import AutoConfig
 
-    if not (Path(folder) / "config.json").is_file():
+    path = Path(folder) / "config.json"
+    if not path.is_file():
         raise FileNotFoundError(f"no config.json in {str(folder)!r}")
+    try:
+        raw = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointFormatError(path, f"is not valid JSON ({exc})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
+        raise CheckpointFormatError(path, "is not a Hugging Face model config (a JSON object with 'model_type')")
     return AutoConfig.from_pretrained(str(folder))
+
+
+def check_out_dir(source: str | os.PathLike, out: str | os.PathLike, *, flag: str = "--out") -> None:
+    """Refuse an output folder equal to or inside the source folder (before anything is written)."""
+    src, dst = Path(source).resolve(), Path(out).resolve()
+    if dst == src or src in dst.parents:
+        raise ValueError(f"{flag} {str(out)!r} is {'the source folder' if dst == src else 'inside the source folder'} "
+                         f"{str(source)!r}; choose a folder outside it")
 
 
 @contextlib.contextmanager
@@ -91,22 +121,53 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1,
-                           dtype: str | None = None, allow_lossy_dtype: bool = False,
+                           dtype: str | None = None, allow_lossy_dtype: bool = False, overwrite: bool = False,
                            progress: bool = True) -> dict:
-    """Convert an HF safetensors folder to a megatron dist checkpoint; returns the metadata written."""
-    from megatron.core import dist_checkpointing
+    """Convert an HF safetensors folder to a megatron dist checkpoint; returns the metadata written.
 
+    ``out_dir`` must be new or empty unless ``overwrite`` (see the module docstring)."""
     hf_dir, out = Path(hf_dir), Path(out_dir)
     cfg = load_hf_config(hf_dir)
     family = family_for_config(cfg)
+    check_out_dir(hf_dir, out)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {str(out)!r} exists and is not a folder")
+    if out.is_dir() and not overwrite:
+        present = sorted(p.name for p in out.iterdir())
+        if present:
+            raise FileExistsError(f"--out {str(out)!r} is not empty (holds {present[:5]}); choose a new folder or "
+                                  "pass --overwrite to replace the checkpoint files in it")
     ModelDims.from_hf_config(cfg).check_parallel(tp=tp, pp=pp)
     reader = SafetensorsReader(hf_dir)
     check_hf_keys(reader.keys(), family, cfg)
     source = reader.dtypes(consumed_names(family, cfg))
     target = resolve_dtype(source, dtype, allow_lossy=allow_lossy_dtype)  # refuses targets outside DTYPES
-    if (out / MODEL_SUBDIR).exists() and any((out / MODEL_SUBDIR).iterdir()):
-        raise FileExistsError(f"{str(out / MODEL_SUBDIR)!r} is not empty")
-    (out / MODEL_SUBDIR).mkdir(parents=True, exist_ok=True)
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    staging = out / f".tmp-convert-{os.getpid()}"
+    try:
+        meta = _write_megatron_checkpoint(reader, cfg, family, staging, hf_dir=hf_dir, target=target,
+                                          source=source, tp=tp, pp=pp, progress=progress)
+        (out / META_NAME).unlink(missing_ok=True)  # a half-replaced folder never passes for a checkpoint
+        for entry in sorted(staging.iterdir(), key=lambda p: p.name == META_NAME):  # the metadata last
+            dest = out / entry.name
+            if dest.is_dir() and not dest.is_symlink():
+                shutil.rmtree(dest)  # only with overwrite: the folder was empty otherwise
+            os.replace(entry, dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created and not any(out.iterdir()):
+            out.rmdir()
+    return meta
+
+
+def _write_megatron_checkpoint(reader: SafetensorsReader, cfg, family, out: Path, *, hf_dir: Path,
+                               target: torch.dtype, source: set[torch.dtype], tp: int, pp: int,
+                               progress: bool) -> dict:
+    """The checkpoint files of :func:`convert_hf_to_megatron`, written into the new folder ``out``."""
+    from megatron.core import dist_checkpointing
+
+    (out / MODEL_SUBDIR).mkdir(parents=True)
     with single_stage_parallel_state():
         model = build_model(cfg, params_dtype=target)
         state = model.state_dict(keep_vars=True)
@@ -121,14 +182,14 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
         dist_checkpointing.save(_whole_gated_fc1(model.sharded_state_dict()), str(out / MODEL_SUBDIR),
                                 sharded_strategy=_save_strategy())
         del model, state
-    shutil.copyfile(hf_dir / "config.json", out / "config.json")
+    copy_file_atomic(hf_dir / "config.json", out / "config.json")
     tokenizer = copy_tokenizer_files(hf_dir, out)
     meta = {"conversion_version": CONVERSION_VERSION, "source_architecture": list(cfg.architectures),
             "family": family.name, "dtype": _DTYPE_NAMES[target], "source_dtype": _source_dtype_name(source),
             "format": "torch_dist",
             "planned_tp": tp, "planned_pp": pp, "tokenizer_files": tokenizer,
             "source_bytes": reader.total_bytes()}
-    (out / META_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+    write_text_atomic(out / META_NAME, json.dumps(meta, indent=2) + "\n")
     return meta
 
 
@@ -291,12 +352,24 @@ def _write_buckets_in_process(transform_list, use_msc, rank, write_buckets, glob
 
 
 def read_meta(ckpt_dir: str | os.PathLike) -> dict:
+    """``conversion_meta.json`` of a converted checkpoint, checked (CheckpointFormatError naming it)."""
     path = Path(ckpt_dir) / META_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{str(path)!r} not found: is {str(ckpt_dir)!r} a converted checkpoint?")
-    meta = json.loads(path.read_text())
-    if meta.get("conversion_version") != CONVERSION_VERSION:
-        raise ValueError(f"checkpoint conversion_version {meta.get('conversion_version')} != {CONVERSION_VERSION}")
+    try:
+        meta = json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointFormatError(path, f"is not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointFormatError(path, f"is a JSON {type(meta).__name__}, expected an object")
+    for key in ("conversion_version", "dtype"):
+        if key not in meta:
+            raise CheckpointFormatError(path, f"has no {key!r}")
+    if meta["conversion_version"] != CONVERSION_VERSION:
+        raise CheckpointFormatError(path, f"conversion_version {meta['conversion_version']!r} != {CONVERSION_VERSION} "
+                                    "(written by another version of the converter)")
+    if not isinstance(meta["dtype"], str) or meta["dtype"] not in DTYPES:
+        raise CheckpointFormatError(path, f"dtype {meta['dtype']!r} is not one of {sorted(DTYPES)}")
     return meta
 
 
@@ -314,13 +387,13 @@ def load_dist_checkpoint(model, ckpt_dir: str | os.PathLike) -> None:
     from megatron.core import dist_checkpointing
 
     model_dir = Path(ckpt_dir) / MODEL_SUBDIR
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"no dist checkpoint at {str(model_dir)!r}")
+    check_dist_checkpoint(model_dir)  # before torch unpickles anything (see safe_load)
     request = model.sharded_state_dict()
     if model.config.tensor_model_parallel_size == 1:
         request = _whole_gated_fc1(request)
     # missing: in the checkpoint, not requested; unexpected: requested, not in the checkpoint.
-    state, missing, unexpected = dist_checkpointing.load(request, str(model_dir), strict="return_all")
+    with weights_only_byte_items(str(model_dir)), checkpoint_errors_unwrapped():
+        state, missing, unexpected = dist_checkpointing.load(request, str(model_dir), strict="return_all")
     _check_only_extra_state(missing, unexpected, f"dist checkpoint {str(model_dir)!r}")
     result = model.load_state_dict(state, strict=False)
     _check_only_extra_state(result.unexpected_keys, result.missing_keys, "model.load_state_dict")
@@ -345,10 +418,17 @@ def convert_megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLi
 
     ckpt, out = Path(ckpt_dir), Path(out_dir)
     meta = read_meta(ckpt)
+    check_out_dir(ckpt, out)
     cfg = load_hf_config(ckpt)
     family = family_for_config(cfg)
     stored = DTYPES[meta["dtype"]]
+    really = stored_weight_dtypes(check_dist_checkpoint(ckpt / MODEL_SUBDIR))
+    if really != {stored}:  # a hand-edited dtype would cast the weights silently, past --allow-lossy-dtype
+        raise CheckpointFormatError(ckpt / META_NAME, f"says dtype {meta['dtype']!r} ({stored}) but {MODEL_SUBDIR}/ "
+                                    f"stores {sorted(map(str, really))} weights")
     target = resolve_dtype({stored}, dtype, allow_lossy=allow_lossy_dtype)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {str(out)!r} exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)  # earlier exports' weight files are removed by the writer
     with single_stage_parallel_state():
         model = build_model(cfg, params_dtype=stored)
@@ -359,9 +439,13 @@ def convert_megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLi
             writer = ShardedSafetensorsWriter(out, max_shard_bytes=max_shard_bytes)
             rules = expand_rules(family, cfg)
             bar = _progress(sum(len(h) for _, h, _ in rules), "megatron -> hf", progress)
-            for name, t in iter_hf_from_megatron(state.__getitem__, family, cfg):
-                writer.add(name, t.to(target))
-                bar.update(1)
+            try:
+                for name, t in iter_hf_from_megatron(state.__getitem__, family, cfg):
+                    writer.add(name, t.to(target))
+                    bar.update(1)
+            except BaseException:
+                writer.abort()  # no temporary shard is left behind; earlier exports stay untouched
+                raise
             bar.close()
             files = writer.close()
             _write_config(ckpt / "config.json", out / "config.json", target,
@@ -383,12 +467,12 @@ def _write_config(src: Path, dst: Path, target: torch.dtype, *, source_dtype: to
     name = str(target).removeprefix("torch.")
     keys = [k for k in ("dtype", "torch_dtype") if k in cfg]
     if not keys and target == source_dtype:
-        shutil.copyfile(src, dst)
+        copy_file_atomic(src, dst)
         return
     keys = keys or ["dtype"]
     if all(cfg.get(k) == name for k in keys):
-        shutil.copyfile(src, dst)
+        copy_file_atomic(src, dst)
         return
     for key in keys:
         cfg[key] = name
-    dst.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    write_text_atomic(dst, json.dumps(cfg, indent=2, sort_keys=True) + "\n")

@@ -2,11 +2,14 @@
 
 Schema (one row per prompt)::
 
-    data_source:  str                                   e.g. "math_dapo"; selects the verifier
-    prompt:       list[{"role": str, "content": str}]   chat messages (jsonl may give a plain str)
-    reward_model: {"ground_truth": str, ...}            the reference answer (int/float accepted; an
-                                                        integral float 42.0 becomes "42", because the
-                                                        DAPO string verifier never matches "42.0")
+    data_source:  str                                   e.g. "math_dapo"; selects the verifier, must be
+                                                        registered in ``rewards.base.DATA_SOURCES``
+    prompt:       list[{"role": str, "content": str}]   chat messages, roles system / user / assistant
+                                                        (jsonl may give a plain str)
+    reward_model: {"ground_truth": str, ...}            the reference answer, not blank (int/float
+                                                        accepted; an integral float 42.0 becomes "42",
+                                                        because the DAPO string verifier never matches
+                                                        "42.0")
     extra_info:   dict | null                           carried through untouched
 
 Loading = read and validate rows -> drop repeated prompts (the public DAPO-Math-17K parquet holds each
@@ -14,7 +17,11 @@ of its ~17.9K prompts about 100 times; the key is data source + messages + groun
 the tokenizer's chat template and tokenize -> drop prompts over ``max_prompt_len`` tokens. Each step's
 count is in ``DatasetStats``. A malformed row raises ``DatasetFormatError`` naming the file, the row
 index (0-based, counted over the whole file) and the column; with ``skip_malformed=True`` it is skipped
-and counted instead. A record's ``uid`` is ``"{file index}:{file name}:{row}"`` (the file's position in
+and counted instead (per column in ``DatasetStats.malformed_by_column``); a jsonl line that is not
+UTF-8 is a malformed row like any other. Files that yield no prompt at all (empty, or every row
+skipped or filtered) raise ``EmptyDatasetError`` with the counts, never an empty dataset whose
+``batches()`` yields nothing. A file the reader cannot open as parquet (zero bytes, another format)
+raises ``DatasetFormatError`` naming it. A record's ``uid`` is ``"{file index}:{file name}:{row}"`` (the file's position in
 ``paths``), unique even for same-named files in different folders.
 
 The tokenizer is anything with the Hugging Face methods ``apply_chat_template(messages, tokenize=False,
@@ -32,8 +39,10 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from megatron_credit.data.records import ChatMessage, PromptRecord
+from megatron_credit.rewards.base import DATA_SOURCES
 
 REQUIRED_COLUMNS = ("prompt", "reward_model")
+ROLES = ("system", "user", "assistant")
 
 
 class DatasetFormatError(ValueError):
@@ -42,7 +51,14 @@ class DatasetFormatError(ValueError):
     def __init__(self, path: str | Path, row: int | None, column: str, why: str):
         where = f"{path}" + (f", row {row}" if row is not None else "")
         super().__init__(f"{where}, column '{column}': {why}")
-        self.path, self.row, self.column = str(path), row, column
+        self.path, self.row, self.column, self.why = str(path), row, column, why
+
+    def __reduce__(self):  # picklable across processes despite the custom signature
+        return type(self), (self.path, self.row, self.column, self.why)
+
+
+class EmptyDatasetError(ValueError):
+    """The files yielded no prompt; the message gives the counts of what was read and dropped."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -53,12 +69,20 @@ class DatasetStats:
     """Rows read."""
     malformed: int = 0
     """Rows skipped as malformed (only with ``skip_malformed``)."""
+    malformed_by_column: dict[str, int] = dataclasses.field(default_factory=dict)
+    """``malformed`` split by the column that was wrong (``"<json>"``, ``"<utf-8>"`` for unreadable lines)."""
     duplicates: int = 0
     """Rows dropped as repeats of an earlier prompt."""
     too_long: int = 0
     """Prompts dropped for exceeding ``max_prompt_len`` tokens."""
     kept: int = 0
     """Prompts in the dataset."""
+
+    def summary(self) -> str:
+        """One line of counts, e.g. ``read 3 rows, skipped 3 malformed (data_source: 2, <utf-8>: 1), ...``."""
+        by = ", ".join(f"{k}: {v}" for k, v in sorted(self.malformed_by_column.items()))
+        return (f"read {self.rows} rows, skipped {self.malformed} malformed" + (f" ({by})" if by else "")
+                + f", {self.duplicates} duplicates, {self.too_long} over max_prompt_len, kept {self.kept}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -96,6 +120,8 @@ def _ground_truth(value: Any, path: Path, row: int) -> str:
     if isinstance(gt, bool) or not isinstance(gt, (str, int, float)):
         why = f"expected a string, got {type(gt).__name__}"
         raise DatasetFormatError(path, row, "reward_model.ground_truth", why)
+    if isinstance(gt, str) and not gt.strip():  # a verifier must never match an empty answer
+        raise DatasetFormatError(path, row, "reward_model.ground_truth", f"blank ground truth {gt!r}")
     if isinstance(gt, float):
         if not math.isfinite(gt):
             raise DatasetFormatError(path, row, "reward_model.ground_truth", f"not a finite number: {gt}")
@@ -115,6 +141,9 @@ def _messages(value: Any, path: Path, row: int) -> tuple[ChatMessage, ...]:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             why = f"message {j} is not {{'role': str, 'content': str}}: {m!r:.60}"
             raise DatasetFormatError(path, row, "prompt", why)
+        if m["role"] not in ROLES:
+            why = f"message {j} has role {m['role']!r:.40}; valid roles: {list(ROLES)}"
+            raise DatasetFormatError(path, row, "prompt", why)
         out.append(ChatMessage(role=m["role"], content=m["content"]))
     return tuple(out)
 
@@ -132,6 +161,9 @@ def parse_row(
         raise DatasetFormatError(path, row, "data_source", "missing (and no default_data_source given)")
     if not isinstance(source, str) or not source:
         raise DatasetFormatError(path, row, "data_source", f"expected a non-empty string, got {source!r:.60}")
+    if source not in DATA_SOURCES:  # refused here, not at the first reward of a run
+        why = f"unknown data source {source!r:.60}; registered: {DATA_SOURCES.names()}"
+        raise DatasetFormatError(path, row, "data_source", why)
     extra = raw.get("extra_info")
     extra = {} if extra is None else extra
     if not isinstance(extra, dict):
@@ -151,7 +183,14 @@ def _raw_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | DatasetFormatE
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(path)
+        import pyarrow as pa
+
+        try:
+            pf = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as exc:
+            if isinstance(exc, FileNotFoundError):
+                raise
+            raise DatasetFormatError(path, None, "<file>", f"not a readable parquet file ({exc})") from None
         names = pf.schema_arrow.names
         for col in REQUIRED_COLUMNS:
             if col not in names:
@@ -162,8 +201,14 @@ def _raw_rows(path: Path) -> Iterator[tuple[int, dict[str, Any] | DatasetFormatE
                 yield row, raw
                 row += 1
     elif path.suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as f:
-            for row, line in enumerate(f):
+        with open(path, "rb") as f:
+            for row, raw_line in enumerate(f):
+                try:
+                    line = raw_line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    why = f"not valid UTF-8 (byte 0x{raw_line[exc.start]:02x} at column {exc.start})"
+                    yield row, DatasetFormatError(path, row, "<utf-8>", why)
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -196,10 +241,11 @@ def read_records(
                 rec = parse_row(
                     raw, path=path, row=row, default_data_source=default_data_source, file_index=file_index
                 )
-            except DatasetFormatError:
+            except DatasetFormatError as exc:
                 if not skip_malformed:
                     raise
                 stats.malformed += 1
+                stats.malformed_by_column[exc.column] = stats.malformed_by_column.get(exc.column, 0) + 1
                 continue
             key = (rec.data_source, rec.messages, rec.ground_truth)
             if dedupe and key in seen:
@@ -210,6 +256,8 @@ def read_records(
                 raise AssertionError(f"duplicate prompt uid {rec.uid!r}")
             uids.add(rec.uid)
             records.append(rec)
+    if not records:
+        raise EmptyDatasetError(f"no prompts in {[str(p) for p in paths]}: {stats.summary()}")
     return records, stats
 
 
@@ -237,4 +285,6 @@ def load_prompt_dataset(
             continue
         kept.append(dataclasses.replace(rec, prompt_ids=tuple(ids)))
     stats.kept = len(kept)
+    if not kept:
+        raise EmptyDatasetError(f"no prompts in {[str(p) for p in paths]}: {stats.summary()}")
     return PromptDataset(records=kept, stats=stats)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 
-from megatron_credit.rewards.base import REWARD_FNS, RewardRecord, graded
+from megatron_credit.rewards.base import REWARD_FNS, RewardRecord, graded, incorrect
 from megatron_credit.rewards.dapo import TAIL_CHARS
 
 ANSWER_PREFIX = "Answer:"
@@ -36,7 +36,13 @@ def score_arith(response: str, ground_truth: str) -> RewardRecord:
 
     >>> score_arith(" 12 Answer:", "12").correct, score_arith(" 12" + "." * 400, "12").correct
     (True, True)
+    >>> score_arith(" 12", " ").status  # a ground truth that is not an integer: never correct
+    'bad_ground_truth'
     """
+    try:
+        gold = int(ground_truth)
+    except ValueError:
+        return incorrect(status="bad_ground_truth")
     anchors = list(_ANSWER_INT.finditer(response[-TAIL_CHARS:]))
     if anchors:
         pred = anchors[-1].group(1)
@@ -45,4 +51,4 @@ def score_arith(response: str, ground_truth: str) -> RewardRecord:
         if match is None:
             return graded(False, None)
         pred = match.group(1)
-    return graded(int(pred) == int(ground_truth), pred)
+    return graded(int(pred) == gold, pred)

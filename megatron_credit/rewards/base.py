@@ -34,7 +34,8 @@ class RewardRecord:
     """The answer string the verifier found in the response (normalised), or None if none was found."""
     status: RewardStatus = "ok"
     """How scoring ended: "ok"; "timeout"/"error" in the reward pool; "bad_ground_truth" when the
-    verifier could not parse the dataset's answer. All but "ok" score as incorrect and are counted."""
+    verifier could not parse the dataset's answer or it is blank (nothing is ever correct against an
+    empty answer). All but "ok" score as incorrect and are counted."""
 
 
 RewardFn = Callable[[str, str], RewardRecord]
@@ -60,6 +61,16 @@ def method_for_data_source(data_source: str) -> str:
 def incorrect(extracted: str | None = None, *, status: RewardStatus = "ok") -> RewardRecord:
     """The record of a response that earns nothing (wrong, unparsable, timed out or failed)."""
     return RewardRecord(score=-1.0, correct=False, extracted=extracted, status=status)
+
+
+def is_blank(ground_truth: str) -> bool:
+    """Whether a ground truth is empty or whitespace: every verifier scores all responses against it as
+    incorrect with ``status="bad_ground_truth"`` (datasets refuse such rows at load already).
+
+    >>> is_blank(" \\n"), is_blank("0")
+    (True, False)
+    """
+    return not ground_truth.strip()
 
 
 def graded(correct: bool, extracted: str | None) -> RewardRecord:

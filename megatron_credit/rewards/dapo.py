@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 
-from megatron_credit.rewards.base import REWARD_FNS, RewardRecord, graded
+from megatron_credit.rewards.base import REWARD_FNS, RewardRecord, graded, incorrect
 
 # The longest answer line in MATH-500 is 159 characters; the published verifier reads 300.
 TAIL_CHARS = 300
@@ -109,9 +109,19 @@ def extract_answer_line(response: str) -> str | None:
 
 @REWARD_FNS.register("dapo")
 def score_dapo(response: str, ground_truth: str) -> RewardRecord:
-    """DAPO verifier: normalised last ``Answer:`` line == normalised ground truth -> +1, else -1."""
+    """DAPO verifier: normalised last ``Answer:`` line == normalised ground truth -> +1, else -1.
+
+    A ground truth that normalises to nothing (``""``, ``"dollars"``, ``"$"``) matches no response: it
+    would otherwise equal the normalisation of any unit word (``Answer: dollars``).
+
+    >>> score_dapo("Answer: dollars", "")
+    RewardRecord(score=-1.0, correct=False, extracted='', status='bad_ground_truth')
+    """
     line = extract_answer_line(response)
-    if line is None:
+    pred = None if line is None else normalize_final_answer(line)
+    gold = normalize_final_answer(ground_truth)
+    if not gold:
+        return incorrect(pred, status="bad_ground_truth")
+    if pred is None:
         return graded(False, None)
-    pred = normalize_final_answer(line)
-    return graded(pred == normalize_final_answer(ground_truth), pred)
+    return graded(pred == gold, pred)

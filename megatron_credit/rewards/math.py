@@ -23,6 +23,9 @@ would fire into whatever else that process runs. Its timeout is ``MATH_VERIFY_TI
 5 s, for in-process calls from a main thread); the pool worker sets it to None, because there hostile
 input (a parse that never returns) is handled by ``rewards/pool.py``, which runs verifiers in processes
 it can kill. Outside a main thread set it to None and call ``compute_score`` only on trusted strings.
+A call that hits the timeout returns ``status="timeout"`` (math-verify itself would log a warning and
+report "no answer", which would read as an ordinary wrong answer); other math-verify parse or
+comparison errors still mean "no answer" / "not equal".
 
 >>> compute_score("... so the answer is \\\\boxed{\\\\frac{1}{2}}", "0.5", method="math_verify").correct
 True
@@ -41,6 +44,7 @@ from megatron_credit.rewards.base import (
     RewardRecord,
     graded,
     incorrect,
+    is_blank,
     method_for_data_source,
 )
 
@@ -91,12 +95,27 @@ def score_math_verify(response: str, ground_truth: str) -> RewardRecord:
     ``extracted`` is the answer string math-verify matched in the response (None if it found none).
     A ground truth math-verify cannot parse makes every response incorrect, never an exception.
     """
-    from math_verify import parse, verify  # lazy: pulls sympy (~1 s of import)
+    if is_blank(ground_truth):  # "\\boxed{}" must not parse into something a response can match
+        return incorrect(status="bad_ground_truth")
+    from math_verify.errors import TimeoutException  # lazy: pulls sympy (~1 s of import)
+
+    try:
+        return _score_math_verify(response, ground_truth)
+    except TimeoutException:  # a BaseException: raised by math-verify's signal.alarm guard
+        return incorrect(status="timeout")
+
+
+def _score_math_verify(response: str, ground_truth: str) -> RewardRecord:
+    """:func:`score_math_verify` without its timeout handling (raises math-verify's TimeoutException)."""
+    from math_verify import parse, verify
 
     limit = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
 
     def _parse(text: str) -> list:
-        return parse(text, parsing_timeout=limit)
+        try:  # raise_on_error: a timeout raises instead of reading as "nothing parsed"
+            return parse(text, parsing_timeout=limit, raise_on_error=True)
+        except Exception:  # noqa: BLE001  (a parse error means no answer, as without raise_on_error)
+            return []
 
     gold = _parse(_as_gold_latex(ground_truth))
     line = None if "\\boxed" in response else _dapo.extract_answer_line(response)
@@ -112,4 +131,8 @@ def score_math_verify(response: str, ground_truth: str) -> RewardRecord:
         return incorrect(str(pred[-1]) if pred else None, status="bad_ground_truth")
     if not pred:
         return graded(False, None)
-    return graded(bool(verify(gold, pred, timeout_seconds=limit)), str(pred[-1]))
+    try:
+        same = bool(verify(gold, pred, timeout_seconds=limit, raise_on_error=True))
+    except Exception:  # noqa: BLE001  (a comparison error means "not equal", as without raise_on_error)
+        same = False
+    return graded(same, str(pred[-1]))

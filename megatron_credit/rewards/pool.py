@@ -25,6 +25,19 @@ so a function registered in ``REWARD_FNS`` at module level of any importable mod
 plug-in) works in the pool; a lambda, closure, callable object or a function defined in ``__main__``
 is rejected with a ValueError naming the method. The child's ``sys.path`` is the parent's.
 
+Items are spread over the workers: a chunk is at most ``ceil(pending / num_workers)`` items (and at
+most ``chunk_size``), so a batch no larger than the pool sends one item per worker and two slow items
+never queue behind each other while a worker is idle. In larger batches a slow item delays at most
+the ``chunk_size - 1`` items after it in its chunk; ``chunk_size=1`` removes even that, at the cost
+of one pipe round trip per item.
+
+Each worker runs under an address-space limit (``RewardPoolConfig.memory_limit_bytes``, default
+4 GiB, ``RLIMIT_AS``): a verifier that tries to build a huge object (sympy on ``2^{2^{40}}``) gets a
+``MemoryError``, one counted error, instead of growing until the machine swaps.
+
+The built-in methods ("dapo", "math_verify", "synthetic_arith") are registered by importing this
+module, so a pool used on its own knows them.
+
 If anything escapes ``score_batch`` (Ctrl-C, a failed worker start), every worker that still owed
 answers is killed and replaced before the exception propagates, and answers carry the batch's sequence
 number, so a later batch never reads an earlier batch's answers.
@@ -42,6 +55,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Sequence
 
+from megatron_credit.rewards import math as _builtin_methods  # noqa: F401  (registers the built-in methods)
 from megatron_credit.rewards.base import REWARD_FNS, RewardRecord, incorrect, method_for_data_source
 from megatron_credit.rewards.pool_worker import READY
 
@@ -71,7 +85,10 @@ class RewardPoolConfig:
     timeout_s: float = 10.0
     """Per-item deadline in seconds; a worker past it is killed and replaced."""
     chunk_size: int = 16
-    """Items sent to a worker per message (amortises pipe overhead; the deadline stays per item)."""
+    """Most items sent to a worker per message (amortises pipe overhead; the deadline stays per item);
+    never more than an even share of the pending items, see the module docstring."""
+    memory_limit_bytes: int | None = 4 * 1024**3
+    """Address-space limit of each worker process (``RLIMIT_AS``); None for no limit."""
 
     def __post_init__(self):
         if self.num_workers < 1:
@@ -80,6 +97,9 @@ class RewardPoolConfig:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes < 256 * 1024**2:
+            raise ValueError(f"memory_limit_bytes must be None or >= 256 MiB (the verifiers' imports need about "
+                             f"that), got {self.memory_limit_bytes}")
 
 
 def _child_env() -> dict[str, str]:
@@ -91,11 +111,12 @@ def _child_env() -> dict[str, str]:
 class _Worker:
     """One worker process, its pipe, the item indices it still owes, and its deadlines."""
 
-    def __init__(self):
+    def __init__(self, memory_limit_bytes: int | None):
         parent, child = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "megatron_credit.rewards.pool_worker", str(child.fileno())],
+                [sys.executable, "-m", "megatron_credit.rewards.pool_worker", str(child.fileno()),
+                 str(memory_limit_bytes or 0)],
                 pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=_child_env(),
             )
         except BaseException:
@@ -171,7 +192,7 @@ class RewardPool:
         self._workers: list[_Worker] = []
         try:  # started together, awaited together; never leak the started ones if one fails
             for _ in range(config.num_workers):
-                self._workers.append(_Worker())
+                self._workers.append(_Worker(config.memory_limit_bytes))
             for w in self._workers:
                 w.wait_ready()
         except BaseException:
@@ -273,7 +294,8 @@ class RewardPool:
             if not w.alive():  # died while idle: replace it (in the background) before giving it work
                 self._replace(w)
                 continue
-            n = min(self.config.chunk_size, len(pending))
+            share = -(-len(pending) // len(self._workers))  # ceil: spread a small batch over every worker
+            n = min(self.config.chunk_size, share)
             chunk = [pending.popleft() for _ in range(n)]
             w.owed.extend(chunk)  # before send: if send raises, the handler knows w owes answers
             w.deadline = time.monotonic() + self.config.timeout_s
@@ -325,7 +347,7 @@ class RewardPool:
 
     def _start_worker(self) -> _Worker:
         """A fresh worker, still starting (a replacement counts as a restart)."""
-        w = _Worker()
+        w = _Worker(self.config.memory_limit_bytes)
         self.restarts += 1
         return w
 

@@ -1,9 +1,11 @@
-"""The reward pool's worker process: ``python -m megatron_credit.rewards.pool_worker FD``.
+"""The reward pool's worker process: ``python -m megatron_credit.rewards.pool_worker FD [MEMORY_LIMIT]``.
 
 Started by ``rewards/pool.py`` with ``subprocess.Popen`` (never fork, never multiprocessing's spawn or
 forkserver, which re-run the trainer's ``__main__`` and so its torch/megatron imports in every worker).
 This module imports only what the verifiers need. ``FD`` is an inherited socket, wrapped in a
-``multiprocessing.connection.Connection``.
+``multiprocessing.connection.Connection``. ``MEMORY_LIMIT`` (bytes, 0 or absent for none) becomes
+the process's ``RLIMIT_AS`` before anything is imported, so an allocation past it is a ``MemoryError``
+in the verifier: one failed item.
 
 Protocol (pickled messages): the worker sends ``"ready"`` once warmed up; it then receives
 ``(seq, [(idx, module, qualname, response, ground_truth), ...])`` or ``None`` (exit), and answers
@@ -29,8 +31,21 @@ def _lookup(module: str, qualname: str):
     return obj
 
 
-def main(fd: int) -> None:
+def limit_address_space(nbytes: int) -> None:
+    """Cap this process's virtual address space at ``nbytes`` (soft and hard; never raised above the
+    current hard limit)."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        nbytes = min(nbytes, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (nbytes, nbytes))
+
+
+def main(fd: int, memory_limit_bytes: int = 0) -> None:
     """Serve chunks on the connection ``fd`` until told to stop or the parent goes away."""
+    if memory_limit_bytes:
+        limit_address_space(memory_limit_bytes)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle, then close()
     from megatron_credit.rewards import math as _math
     from megatron_credit.rewards.base import RewardRecord
@@ -62,8 +77,10 @@ def main(fd: int) -> None:
                     raise TypeError(f"reward fn returned {type(record).__name__}, not RewardRecord")
                 conn.send((seq, idx, True, record))
             except Exception as exc:  # noqa: BLE001  (any verifier failure is one failed item)
-                conn.send((seq, idx, False, f"{type(exc).__name__}: {exc}"))
+                message = "MemoryError: over the worker's memory limit" if isinstance(exc, MemoryError) \
+                    else f"{type(exc).__name__}: {exc}"
+                conn.send((seq, idx, False, message))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0)

@@ -1,0 +1,193 @@
+"""Checks a megatron ``torch_dist`` checkpoint folder before torch reads it: no code runs from it.
+
+torch's distributed-checkpoint reader unpickles ``<dir>/.metadata`` with plain ``pickle.load``, and
+loads every byte item it is asked for (megatron's ``ShardedObject`` entries, e.g. each linear layer's
+``_extra_state``) with ``torch.load(..., weights_only=False)``. A crafted checkpoint therefore runs
+arbitrary code during a load. So, before megatron and torch see a folder:
+
+* ``.metadata`` is read by :class:`_MetadataUnpickler`, which resolves only the classes torch writes
+  there (the dataclasses and enums of ``torch.distributed.checkpoint.metadata`` / ``.planner``, the
+  storage record of ``.filesystem``, torch dtypes, ``torch.Size``, the layout helper) and builtin
+  containers; any other global (``os.system``, ``builtins.eval``, ...) raises
+  :class:`UnsafeCheckpointError` naming it, before anything is called;
+* every data file the metadata names must exist and hold the bytes it promises (a deleted or
+  truncated ``__0_0.distcp`` is one clear error, not a failure deep in a reader thread), and
+  ``common.pt`` / ``metadata.json`` must be present and well-formed;
+* :func:`weights_only_byte_items` makes each byte item pass ``torch.load(weights_only=True)`` before
+  torch's own ``weights_only=False`` load of the same bytes runs, so only tensors, containers and
+  primitive values are ever built from them.
+
+``common.pt`` is loaded by megatron with ``torch.load``'s default, ``weights_only=True`` (torch >= 2.6).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from megatron_credit.conversion.hf_io import CheckpointFormatError
+
+METADATA_NAME = ".metadata"
+COMMON_NAME = "common.pt"
+MEGATRON_META_NAME = "metadata.json"
+
+_DCP = "torch.distributed.checkpoint"
+_ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    [(f"{_DCP}.metadata", n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                      "TensorStorageMetadata", "BytesStorageMetadata",
+                                      "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")]
+    + [(f"{_DCP}.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+                                       "BytesIOWriteData", "LoadPlan", "ReadItem", "LoadItemType")]
+    + [(f"{_DCP}.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+       ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")]
+    + [("torch", str(d).removeprefix("torch.")) for d in vars(torch).values() if isinstance(d, torch.dtype)]
+)
+"""What torch's ``FileSystemWriter`` pickles into ``.metadata`` (checked on torch 2.13)."""
+
+
+class UnsafeCheckpointError(CheckpointFormatError):
+    """A checkpoint file that would run code (or build objects torch never writes) when unpickled."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that resolves only :data:`_ALLOWED_GLOBALS` (and never persistent ids)."""
+
+    def __init__(self, file, path: Path):
+        super().__init__(file, fix_imports=False)  # the names checked are the names resolved
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED_GLOBALS:
+            raise UnsafeCheckpointError(
+                self.path, f"references {module}.{name}, which torch never writes into checkpoint metadata; "
+                "refusing to unpickle it (a crafted file runs code this way). Only load checkpoints you trust")
+        return super().find_class(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafeCheckpointError(self.path, "holds a persistent id, which checkpoint metadata never does")
+
+
+def read_dist_metadata(model_dir: str | os.PathLike):
+    """The ``torch.distributed.checkpoint.metadata.Metadata`` of a dist checkpoint folder, unpickled
+    safely; CheckpointFormatError (UnsafeCheckpointError) naming the file otherwise."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(model_dir) / METADATA_NAME
+    if not path.is_file():
+        raise CheckpointFormatError(path, "is missing: not a torch_dist checkpoint folder, or an incomplete one")
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f, path).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (truncated or random bytes: any unpickling failure)
+        raise CheckpointFormatError(path, f"cannot be read ({type(exc).__name__}: {exc}): truncated or "
+                                    "not a torch_dist checkpoint") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointFormatError(path, f"holds a {type(metadata).__name__}, not checkpoint metadata")
+    return metadata
+
+
+def check_dist_checkpoint(model_dir: str | os.PathLike):
+    """Check a dist checkpoint folder as described in the module docstring; returns its metadata."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise FileNotFoundError(f"no dist checkpoint at {str(model_dir)!r}")
+    metadata = read_dist_metadata(model_dir)
+    for name in (COMMON_NAME, MEGATRON_META_NAME):
+        if not (model_dir / name).is_file():
+            raise CheckpointFormatError(model_dir / name, "is missing: the checkpoint is incomplete")
+    try:
+        backend = json.loads((model_dir / MEGATRON_META_NAME).read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointFormatError(model_dir / MEGATRON_META_NAME, f"is not valid JSON ({exc})") from None
+    if not isinstance(backend, dict) or backend.get("sharded_backend") != "torch_dist":
+        raise CheckpointFormatError(model_dir / MEGATRON_META_NAME,
+                                    f"does not name the torch_dist backend: {backend!r:.100}")
+    needed: dict[str, int] = {}  # file -> bytes it must hold
+    for index, info in (metadata.storage_data or {}).items():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(info, _StorageInfo) or not isinstance(rel, str) or Path(rel).name != rel:
+            raise CheckpointFormatError(model_dir / METADATA_NAME, f"storage entry of {index} is {info!r:.100}, "
+                                        "not a file in the checkpoint folder")
+        needed[rel] = max(needed.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, nbytes in sorted(needed.items()):
+        path = model_dir / rel
+        if not path.is_file():
+            raise CheckpointFormatError(path, f"is missing (named by {METADATA_NAME}): the checkpoint is incomplete")
+        size = path.stat().st_size
+        if size < nbytes:
+            raise CheckpointFormatError(path, f"is {size} bytes, but {METADATA_NAME} places data up to byte "
+                                        f"{nbytes}: truncated")
+    return metadata
+
+
+def stored_weight_dtypes(metadata) -> set[torch.dtype]:
+    """The dtypes of the weight tensors a dist checkpoint stores (from its metadata), norms excepted:
+    megatron keeps layer-norm weights in fp32 in a bf16 model."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {m.properties.dtype for key, m in metadata.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata) and "norm" not in key}
+
+
+@contextlib.contextmanager
+def weights_only_byte_items(where: str) -> Iterator[None]:
+    """While active, every byte item torch's load planner reads must load with ``weights_only=True``.
+
+    torch's ``DefaultLoadPlanner.load_bytes`` (megatron's planner inherits it) calls
+    ``torch.load(value, weights_only=False)``. The wrapper loads the same bytes with
+    ``weights_only=True`` first and raises :class:`UnsafeCheckpointError` (naming ``where`` and the
+    item) if that refuses them; then the original runs on bytes known to build nothing unsafe.
+    Not thread-safe (it patches a class attribute); the converters and a resume load run it alone.
+    """
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    original = DefaultLoadPlanner.load_bytes
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        item = read_item.dest_index.fqn
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpointError(where, f"byte item {item!r} does not load with weights_only=True "
+                                        f"({str(exc).strip().splitlines()[0]}); refusing it") from None
+        except Exception as exc:  # noqa: BLE001  (corrupt bytes: torch's zip reader fails in many ways)
+            raise CheckpointFormatError(where, f"byte item {item!r} is corrupt ({type(exc).__name__}: "
+                                        f"{str(exc).strip()[:200]})") from None
+        value.seek(0)
+        original(self, read_item, value)
+
+    DefaultLoadPlanner.load_bytes = load_bytes
+    try:
+        yield
+    finally:
+        DefaultLoadPlanner.load_bytes = original
+
+
+@contextlib.contextmanager
+def checkpoint_errors_unwrapped() -> Iterator[None]:
+    """Re-raise a :class:`CheckpointFormatError` that torch's checkpoint reader wrapped.
+
+    torch collects each rank's exception into a ``CheckpointException``, a ``BaseException`` whose
+    message is a multi-line traceback dump; the first ``CheckpointFormatError`` among its failures is
+    raised instead (chained to it), so that a refused checkpoint reads as one line.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, CheckpointFormatError):
+                raise inner from exc
+        raise

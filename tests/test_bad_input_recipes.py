@@ -1,0 +1,55 @@
+"""Bad input at the recipe surface: typos inside ``model.architecture`` and non-finite numbers are
+refused with the field named; the keys real recipes and HF configs use are still accepted."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_credit.config import TINY_QWEN2, ModelConfig, recipe_from_dict
+
+ARCH_TYPOS = {
+    "qwen2 hidden_sizee": ({**TINY_QWEN2, "hidden_sizee": 32},
+                           r"unknown key for model_type 'qwen2': 'hidden_sizee' \(did you mean 'hidden_size'\?\)"),
+    "llama two typos": ({"model_type": "llama", "num_hiden_layers": 2, "rms_eps": 1e-5},
+                        r"unknown keys for model_type 'llama': 'num_hiden_layers' \(did you mean "
+                        r"'num_hidden_layers'\?\), 'rms_eps' \(did you mean 'rms_norm_eps'\?\)"),
+    "qwen3 no close match": ({"model_type": "qwen3", "zzz": 1}, r"unknown key for model_type 'qwen3': 'zzz'$"),
+    "unsupported family": ({"model_type": "gpt2", "n_embd": 8},
+                           r"model.architecture.model_type 'gpt2' is not supported; valid: \['qwen2', 'qwen3', 'llama'\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ARCH_TYPOS))
+def test_architecture_typos_are_refused_with_the_closest_name(case):
+    arch, message = ARCH_TYPOS[case]
+    with pytest.raises(ValueError, match=message):
+        ModelConfig(architecture=arch)
+    with pytest.raises(ValueError, match=message):  # and through a recipe override
+        recipe_from_dict({"model": {"architecture": dict(arch)}})
+
+
+VALID_ARCHS = {
+    "tiny qwen2 (4.x rope_theta)": dict(TINY_QWEN2),
+    "qwen3 head_dim, attention_bias": {"model_type": "qwen3", "hidden_size": 64, "head_dim": 32,
+                                       "attention_bias": False, "rope_parameters": {"rope_theta": 1e6,
+                                                                                   "rope_type": "default"}},
+    "llama 3.1 rope_scaling, mlp_bias, torch_dtype": {
+        "model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}, "mlp_bias": False,
+        "torch_dtype": "bfloat16", "tie_word_embeddings": True, "bos_token_id": 1, "pretraining_tp": 1},
+}
+
+
+@pytest.mark.parametrize("case", sorted(VALID_ARCHS))
+def test_real_architecture_keys_are_accepted(case):
+    assert ModelConfig(architecture=VALID_ARCHS[case]).architecture == VALID_ARCHS[case]
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), "inf", "nan", "-Infinity"])
+def test_non_finite_floats_are_refused(value):
+    with pytest.raises(ValueError, match=r"smoke.lr must be a finite number, got"):
+        recipe_from_dict({"smoke": {"lr": value}})
+
+
+def test_yaml_infinity_override_is_refused():
+    with pytest.raises(ValueError, match=r"smoke.lr must be a finite number, got inf \(float\)"):
+        recipe_from_dict({}, overrides=["smoke.lr=.inf"])
+    assert recipe_from_dict({}, overrides=["smoke.lr=1e-3"]).smoke.lr == 1e-3
