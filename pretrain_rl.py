@@ -26,7 +26,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="auto (newest complete checkpoint of the run directory), none, or a path")
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the recipe against the world size and the model, print the layout")
-    parser.add_argument("--debug", action="store_true", help="tracebacks for user errors")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20")
     return parser.parse_args(argv)
 
@@ -52,14 +51,11 @@ def _param_count(c) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
-    try:
-        return _main(args)
-    except (ValueError, FileNotFoundError) as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    """User errors (a bad recipe, a layout that does not fit): one ``error: ...`` line and exit code 2
+    (``--debug``: the traceback); see ``megatron_credit.cli``."""
+    from megatron_credit.cli import run_main
+
+    return run_main(lambda args: _main(parse_args(args)), argv)
 
 
 def _main(args) -> int:

@@ -542,4 +542,7 @@ def load_recipe(path: str, *, overrides: Sequence[str] = ()) -> Recipe:
 
     with open(path, encoding="utf-8") as f:
         data = yaml.safe_load(f) or {}
+    if not isinstance(data, Mapping):
+        raise ValueError(f"recipe {path}: the file must hold a mapping of sections (model:, parallel:, ...), "
+                         f"got a {type(data).__name__}")
     return recipe_from_dict(data, overrides=overrides)
