@@ -45,11 +45,11 @@ def test_real_architecture_keys_are_accepted(case):
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), "inf", "nan", "-Infinity"])
 def test_non_finite_floats_are_refused(value):
-    with pytest.raises(ValueError, match=r"smoke.lr must be a finite number, got"):
-        recipe_from_dict({"smoke": {"lr": value}})
+    with pytest.raises(ValueError, match=r"optim.lr must be a finite number, got"):
+        recipe_from_dict({"optim": {"lr": value}})
 
 
 def test_yaml_infinity_override_is_refused():
-    with pytest.raises(ValueError, match=r"smoke.lr must be a finite number, got inf \(float\)"):
-        recipe_from_dict({}, overrides=["smoke.lr=.inf"])
-    assert recipe_from_dict({}, overrides=["smoke.lr=1e-3"]).smoke.lr == 1e-3
+    with pytest.raises(ValueError, match=r"optim.lr must be a finite number, got inf \(float\)"):
+        recipe_from_dict({}, overrides=["optim.lr=.inf"])
+    assert recipe_from_dict({}, overrides=["optim.lr=1e-3"]).optim.lr == 1e-3
