@@ -2,8 +2,9 @@
 
 Reads mutmut's result files (``mutants/<source path>.meta``, JSON with an exit code per mutant) and
 ``mutation_equivalents.md`` (mutants no test can kill, each named in backticks in a table row), and
-prints for each mutated module: killed / checked, the survivors, and the score over non-equivalent
-mutants. Exit status 0; the score is a number to read and move, not a gate.
+prints for each mutated module: killed / checked, the mutants no selected test reached ("no tests":
+code that runs only in gloo workers or subprocesses, which mutmut cannot trace), the survivors, and
+the score over non-equivalent mutants. Exit status 0; the score is a number to read and move, not a gate.
 
 Mutant names are mutmut 3's: ``megatron_credit.credit.future_kl.x_future_kl__mutmut_12`` (module,
 ``x_`` + function, or ``xǁClassǁmethod``, then the mutant's index in that function); ``mutmut show
@@ -68,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     equivalent = equivalent_names()
     total: dict[str, int] = defaultdict(int)
     survivors: list[str] = []
-    print(f"{'module':<48} {'killed':>7} {'checked':>8} {'equiv':>6} {'score':>7}  (score: killed / non-equivalent)")
+    print(f"{'module':<44} {'killed':>7} {'checked':>8} {'no tests':>9} {'equiv':>6} {'score':>7}"
+          "  (score: killed / (checked - equiv))")
     for module, codes in results.items():
         st = {name: _status(code) for name, code in codes.items()}
         checked = [n for n, s in st.items() if s not in ("not checked", "skipped")]
@@ -76,16 +78,18 @@ def main(argv: list[str] | None = None) -> int:
             continue
         killed = sum(st[n] in ("killed", "timeout") for n in checked)
         equiv = sum(st[n] == "survived" and n in equivalent for n in checked)
+        untested = sum(st[n] == "no tests" for n in checked)
         alive = [n for n in checked if st[n] not in ("killed", "timeout") and n not in equivalent]
         survivors += [f"{n}  ({st[n]})" for n in alive]
         denom = len(checked) - equiv
         score = f"{100 * killed / denom:.1f}%" if denom else "-"
-        print(f"{module:<48} {killed:>7} {len(checked):>8} {equiv:>6} {score:>7}")
-        for k, v in (("killed", killed), ("checked", len(checked)), ("equiv", equiv)):
+        print(f"{module:<44} {killed:>7} {len(checked):>8} {untested:>9} {equiv:>6} {score:>7}")
+        for k, v in (("killed", killed), ("checked", len(checked)), ("untested", untested), ("equiv", equiv)):
             total[k] += v
     denom = total["checked"] - total["equiv"]
     score = f"{100 * total['killed'] / denom:.1f}%" if denom else "-"
-    print(f"{'TOTAL':<48} {total['killed']:>7} {total['checked']:>8} {total['equiv']:>6} {score:>7}")
+    print(f"{'TOTAL':<44} {total['killed']:>7} {total['checked']:>8} {total['untested']:>9} {total['equiv']:>6} "
+          f"{score:>7}")
     print(f"\n{len(survivors)} non-equivalent survivors (`mutmut show NAME` prints the change):")
     for s in survivors:
         print("  " + s)
