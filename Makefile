@@ -36,3 +36,18 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# Mutation testing (issue 14): mutmut over credit/, losses/, conversion/, rewards/ and
+# data/microbatch.py (config: [mutmut] in setup.cfg; equivalent mutants: mutation_equivalents.md), then
+# the score and the survivors. Slow (minutes to hours on 2 cores), so not part of `make test`.
+# MUTANTS narrows the run to mutmut name globs: make mutation MUTANTS='megatron_credit.credit.*'
+.PHONY: mutation
+MUTANTS ?=
+MUTATION_JOBS ?= 1
+
+$(VENV)/bin/mutmut: $(VENV)/.installed
+	$(PY) -m pip install -e ".[mutation]"
+
+mutation: $(VENV)/bin/mutmut
+	$(VENV)/bin/mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS)
+	$(PY) tools/mutation_report.py

@@ -40,6 +40,8 @@ setup(
     extras_require={
         "gpu": ["transformer-engine[pytorch]>=2.0", "vllm>=0.11,<0.12"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        # `make mutation` (issue 14); mutmut 3's config and result layout (setup.cfg, mutants/*.meta).
+        "mutation": ["mutmut>=3.8,<4"],
     },
     entry_points={
         "console_scripts": [
