@@ -64,12 +64,19 @@ def test_unsupported_rope_is_refused_with_the_field():
 
 @pytest.mark.parametrize("parallel,field", [
     (ParallelConfig(tensor_model_parallel_size=3), "tensor_model_parallel_size=3 does not divide num_attention_heads"),
-    (ParallelConfig(tensor_model_parallel_size=4), "tensor_model_parallel_size=4 does not divide num_key_value_heads"),
     (ParallelConfig(pipeline_model_parallel_size=3), "pipeline_model_parallel_size=3 does not divide num_hidden_layers"),
 ])
 def test_impossible_layouts_are_refused_before_building(parallel, field):
     with pytest.raises(ValueError, match=field):
         transformer_config_from_hf(_hf("qwen2"), parallel=parallel)
+
+
+def test_tp_must_divide_the_kv_heads_or_be_a_multiple_of_them():
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2 must divide num_key_value_heads=3"):
+        transformer_config_from_hf(_hf("qwen2", num_attention_heads=6, num_key_value_heads=3, hidden_size=48),
+                                   parallel=ParallelConfig(tensor_model_parallel_size=2))
+    # 2 KV heads at TP = 4 (Qwen2.5-1.5B / 3B at TP = 4 / 8): megatron-core replicates the KV heads.
+    check_parallel_fits_model(_hf("qwen2"), ParallelConfig(tensor_model_parallel_size=4), world_size=4)
 
 
 def test_sizes_must_multiply_to_world_size():
