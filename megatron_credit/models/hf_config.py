@@ -108,6 +108,27 @@ def check_parallel_fits_model(hf_config, parallel, *, world_size: Optional[int] 
         parallel.validate(world_size=world_size)
 
 
+def check_sequence_length(hf_config, length: int, *, what: str = "sequence") -> None:
+    """Refuse a ``length``-token sequence beyond the model's ``max_position_embeddings``.
+
+    megatron's RoPE computes any position, so a longer sequence would run silently past what the
+    model was trained for. Raise ``model.max_position_embeddings`` (and usually ``model.rope_theta``)
+    explicitly in the recipe instead. ``what`` names the sequence in the error.
+
+    >>> from types import SimpleNamespace as NS
+    >>> check_sequence_length(NS(max_position_embeddings=4096), 4096)
+    >>> check_sequence_length(NS(max_position_embeddings=4096), 20480, what="prompt + max_new_tokens")
+    Traceback (most recent call last):
+    ...
+    ValueError: prompt + max_new_tokens of 20480 tokens is longer than the model's max_position_embeddings=4096: set model.max_position_embeddings (and model.rope_theta) explicitly in the recipe, or shorten it
+    """
+    max_pos = int(hf_config.max_position_embeddings)
+    if length > max_pos:
+        raise ValueError(f"{what} of {length} tokens is longer than the model's max_position_embeddings={max_pos}: "
+                         "set model.max_position_embeddings (and model.rope_theta) explicitly in the recipe, "
+                         "or shorten it")
+
+
 def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype = torch.float32,
                                **overrides):
     """A megatron ``TransformerConfig`` equal in architecture to ``hf_config``.
