@@ -36,3 +36,9 @@ bench: venv
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The one prepared GPU check (tools/gpu_check.sh): under 8 minutes on one H200, writes
+# runs/gpu_check_report.md (or $(GPU_CHECK_REPORT)); every part degrades to "skipped: why".
+.PHONY: gpu-check
+gpu-check:
+	bash tools/gpu_check.sh $(GPU_CHECK_REPORT)
