@@ -3,11 +3,14 @@
 **Status: written against the documented API and source of vLLM 0.11.0 (V1 engine) and NEVER RUN
 here** -- neither the engine nor its worker extension has been executed with vLLM: the machines this
 project was developed on have no GPU, and vLLM cannot be installed on them (it pins a CUDA build of
-torch). Its test (``tests/test_rollout_vllm_gpu.py``) is marked ``gpu``. The pieces that do not need
-vLLM -- translation of our ``SamplingParams`` into vLLM's and of vLLM's outputs into ``RolloutSample``,
-the executor/weight-transfer checks, the prompt-length pre-check, and the IPC packing of weight
-buckets -- are plain functions tested on CPU (``tests/test_rollout_vllm_translate.py``). Without vLLM,
-use the "hf" engine (:mod:`megatron_credit.rollout.hf_engine`), which also runs on CUDA.
+torch). Its test (``tests/test_rollout_vllm_gpu.py``) is marked ``gpu``; ``tools/gpu_check.sh`` runs it
+and a generate / sync / sleep / wake round trip when a GPU is lent. The pieces that do not need vLLM
+-- translation of our ``SamplingParams`` into vLLM's and of vLLM's outputs into ``RolloutSample``, the
+executor/weight-transfer checks, the prompt-length pre-check, and the IPC packing of weight buckets --
+are plain functions tested on CPU (``tests/test_rollout_vllm_translate.py``), and the engine's state
+machine and construction run on CPU against a stand-in ``vllm`` module that enforces the rules of
+vLLM 0.11.0's source (``tests/test_rollout_vllm_rules.py``). Without vLLM, use the "hf" engine
+(:mod:`megatron_credit.rollout.hf_engine`), which also runs on CUDA.
 
 The vLLM 0.11 API used, and what we rely on:
 
@@ -89,12 +92,12 @@ The vLLM 0.11 API used, and what we rely on:
   token is a stop token is STOPPED.
 - ``LLM.llm_engine.engine_core.shutdown()`` on close.
 
-Re-checked by reading (not running) vLLM's source, tests and examples through a code search: the
-``LLM`` methods above (``sleep``/``wake_up(tags)``/``reset_prefix_cache``/``collective_rpc``,
-``llm_engine.model_config``), the V1 sampler's ``logprobs_mode`` and greedy path, the decoder prompt-length
-validation (``len(prompt) >= max_model_len`` is rejected) and the RLHF colocate examples. The copies
-read were not all tagged 0.11.0 exactly; pin ``vllm==0.11.0`` and run ``tests/test_rollout_vllm_gpu.py``
-on a GPU before relying on this engine.
+Re-checked by reading (not running) the source of the vllm==0.11.0 wheel itself (unpacked, not
+installed): the ``LLM`` methods above (``sleep``/``wake_up(tags)``/``reset_prefix_cache``/
+``collective_rpc``, ``llm_engine.model_config``), the executor's sleep bookkeeping and the cumem
+allocator, ``SamplingParams``' greedy check, ``check_stop``, the single-process executor's device,
+the Qwen2 / Llama RoPE reads and weight loaders, the msgpack transport. The ``gpu`` extra pins
+``vllm==0.11.0``; run ``tools/gpu_check.sh`` on a GPU before relying on this engine.
 """
 from __future__ import annotations
 
