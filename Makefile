@@ -51,3 +51,9 @@ $(VENV)/bin/mutmut: $(VENV)/.installed
 mutation: $(VENV)/bin/mutmut
 	$(VENV)/bin/mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS)
 	$(PY) tools/mutation_report.py
+
+# The one prepared GPU check (tools/gpu_check.sh): under 8 minutes on one H200, writes
+# runs/gpu_check_report.md (or $(GPU_CHECK_REPORT)); every part degrades to "skipped: why".
+.PHONY: gpu-check
+gpu-check:
+	bash tools/gpu_check.sh $(GPU_CHECK_REPORT)

@@ -75,14 +75,27 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """Which actor to build: a Hugging Face config (from a directory or inline) and its dtype."""
+    """Which actor to build: a Hugging Face config (from a directory or inline), its dtype, explicit
+    context-length / RoPE overrides, and the layer implementation."""
 
     name_or_path: Optional[str] = None
     """A local Hugging Face model directory (its ``config.json`` is read; no weights are loaded here)."""
     architecture: Optional[Mapping[str, Any]] = None
     """Inline Hugging Face config fields (``model_type`` required), e.g. a tiny model for tests."""
-    params_dtype: str = "float32"
-    """Parameter dtype: float32, bfloat16 or float16."""
+    params_dtype: str = "auto"
+    """Parameter dtype: float32, bfloat16, float16, or "auto": the checkpoint's ``torch_dtype`` on GPU
+    (bfloat16 for every Qwen2.5 / Qwen3 / Llama 3 release; float32 when it records none) and float32
+    on CPU. Recipes for real runs state it."""
+    max_position_embeddings: Optional[int] = None
+    """Overrides the checkpoint's context length (e.g. Qwen2.5-Math-7B has 4096 positions, too few for
+    20K-token responses); the trainer refuses longer sequences. None keeps the checkpoint's."""
+    rope_theta: Optional[float] = None
+    """Overrides the checkpoint's RoPE base (often raised together with ``max_position_embeddings``).
+    None keeps the checkpoint's. The rollout engine must get the same two overrides."""
+    transformer_impl: str = "auto"
+    """Layer implementation: "auto" (Transformer Engine on GPU, where its absence is an error; megatron's
+    local spec on CPU), "transformer_engine", or "local" (allowed on GPU only when asked for: its attention
+    keeps full fp32 score matrices, ~10 GB per layer at 20K tokens)."""
 
     def __post_init__(self) -> None:
         if (self.name_or_path is None) == (self.architecture is None):
@@ -93,22 +106,73 @@ class ModelConfig:
             from megatron_credit.models.arch_keys import check_architecture_keys
 
             check_architecture_keys(self.architecture)
-        if self.params_dtype not in _DTYPES:
-            raise ValueError(f"model.params_dtype must be one of {_DTYPES}, got {self.params_dtype!r}")
+        if self.params_dtype not in _DTYPES + ("auto",):
+            raise ValueError(f"model.params_dtype must be 'auto' or one of {_DTYPES}, got {self.params_dtype!r}")
+        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
+            raise ValueError(f"model.max_position_embeddings must be >= 1, got {self.max_position_embeddings}")
+        if self.rope_theta is not None and not self.rope_theta > 0:
+            raise ValueError(f"model.rope_theta must be > 0, got {self.rope_theta}")
+        if self.transformer_impl not in ("auto", "transformer_engine", "local"):
+            raise ValueError("model.transformer_impl must be one of ('auto', 'transformer_engine', 'local'), "
+                             f"got {self.transformer_impl!r}")
 
     def hf_config(self):
-        """The ``transformers.PretrainedConfig`` this section names."""
+        """The ``transformers.PretrainedConfig`` this section names, with the explicit overrides applied.
+
+        >>> cfg = ModelConfig(architecture=TINY_QWEN2, max_position_embeddings=512, rope_theta=1e6).hf_config()
+        >>> cfg.max_position_embeddings
+        512
+        >>> from megatron_credit.models import rope_settings
+        >>> rope_settings(cfg).base
+        1000000.0
+        """
         import transformers
 
         if self.name_or_path is not None:
-            return transformers.AutoConfig.from_pretrained(self.name_or_path)
-        arch = dict(self.architecture)
-        return transformers.AutoConfig.for_model(arch.pop("model_type"), **arch)
+            cfg = transformers.AutoConfig.from_pretrained(self.name_or_path)
+        else:
+            arch = dict(self.architecture)
+            cfg = transformers.AutoConfig.for_model(arch.pop("model_type"), **arch)
+        if self.max_position_embeddings is not None:
+            cfg.max_position_embeddings = int(self.max_position_embeddings)
+        if self.rope_theta is not None:
+            # transformers 5.x keeps the base in rope_parameters, 4.x in rope_theta.
+            params = getattr(cfg, "rope_parameters", None)
+            if isinstance(params, dict):
+                cfg.rope_parameters = {**params, "rope_theta": float(self.rope_theta)}
+            else:
+                cfg.rope_theta = float(self.rope_theta)
+        return cfg
 
-    def torch_dtype(self):
+    def torch_dtype(self, *, cuda: Optional[bool] = None):
+        """The parameter dtype; "auto" resolves to the checkpoint's on GPU and float32 on CPU.
+
+        ``cuda``: whether the actor runs on GPU (default: ``torch.cuda.is_available()``).
+
+        >>> ModelConfig(architecture={**TINY_QWEN2, "torch_dtype": "bfloat16"}).torch_dtype(cuda=True)
+        torch.bfloat16
+        >>> ModelConfig(architecture={**TINY_QWEN2, "torch_dtype": "bfloat16"}).torch_dtype(cuda=False)
+        torch.float32
+        """
         import torch
 
-        return getattr(torch, self.params_dtype)
+        if self.params_dtype != "auto":
+            return getattr(torch, self.params_dtype)
+        if cuda is None:
+            cuda = torch.cuda.is_available()
+        if not cuda:
+            return torch.float32
+        cfg = self.hf_config()
+        stored = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)  # transformers 5.x / 4.x
+        name = str(stored).removeprefix("torch.") if stored is not None else "float32"
+        if name not in _DTYPES:
+            raise ValueError(f"model.params_dtype='auto': the checkpoint's dtype {name!r} is not one of "
+                             f"{_DTYPES}; set model.params_dtype explicitly")
+        return getattr(torch, name)
+
+    def use_transformer_engine(self) -> Optional[bool]:
+        """``build_gpt_model``'s ``use_transformer_engine``: None for "auto", else whether TE is asked for."""
+        return None if self.transformer_impl == "auto" else self.transformer_impl == "transformer_engine"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -143,7 +143,7 @@ def test_missing_and_unmapped_tensors_are_refused():
     check_hf_keys({**hf, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(1)}, fam, cfg)
 
 
-@pytest.mark.parametrize("tp,pp,match", [(5, 1, "num_attention_heads"), (4, 1, "query groups"),
+@pytest.mark.parametrize("tp,pp,match", [(5, 1, "num_attention_heads"), (3, 1, "query groups"),
                                          (1, 3, "num_hidden_layers"), (0, 1, ">= 1")])
 def test_parallel_sizes_are_checked(tp, pp, match):
     dims = ModelDims.from_hf_config(tiny_hf_config("qwen2", num_attention_heads=12, num_key_value_heads=2,
@@ -151,6 +151,8 @@ def test_parallel_sizes_are_checked(tp, pp, match):
     with pytest.raises(ValueError, match=match):
         dims.check_parallel(tp=tp, pp=pp)
     ModelDims.from_hf_config(tiny_hf_config("qwen2", vocab_size=160)).check_parallel(tp=2, pp=4)
+    # TP a multiple of the KV heads (2 groups at TP = 4), as megatron-core allows.
+    ModelDims.from_hf_config(tiny_hf_config("qwen2", vocab_size=160)).check_parallel(tp=4, pp=1)
     with pytest.raises(ValueError, match="vocab_size=131"):
         ModelDims.from_hf_config(tiny_hf_config("qwen2")).check_parallel(tp=2, pp=1)
 

@@ -64,12 +64,19 @@ def test_unsupported_rope_is_refused_with_the_field():
 
 @pytest.mark.parametrize("parallel,field", [
     (ParallelConfig(tensor_model_parallel_size=3), "tensor_model_parallel_size=3 does not divide num_attention_heads"),
-    (ParallelConfig(tensor_model_parallel_size=4), "tensor_model_parallel_size=4 does not divide num_key_value_heads"),
     (ParallelConfig(pipeline_model_parallel_size=3), "pipeline_model_parallel_size=3 does not divide num_hidden_layers"),
 ])
 def test_impossible_layouts_are_refused_before_building(parallel, field):
     with pytest.raises(ValueError, match=field):
         transformer_config_from_hf(_hf("qwen2"), parallel=parallel)
+
+
+def test_tp_must_divide_the_kv_heads_or_be_a_multiple_of_them():
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2 must divide num_key_value_heads=3"):
+        transformer_config_from_hf(_hf("qwen2", num_attention_heads=6, num_key_value_heads=3, hidden_size=48),
+                                   parallel=ParallelConfig(tensor_model_parallel_size=2))
+    # 2 KV heads at TP = 4 (Qwen2.5-1.5B / 3B at TP = 4 / 8): megatron-core replicates the KV heads.
+    check_parallel_fits_model(_hf("qwen2"), ParallelConfig(tensor_model_parallel_size=4), world_size=4)
 
 
 def test_sizes_must_multiply_to_world_size():
@@ -204,3 +211,89 @@ def test_recipe_scalars_are_checked_against_the_dataclass_types():
     # Optional fields accept None and their type.
     r = recipe_from_dict({"model": {"name_or_path": None, "architecture": {"model_type": "qwen2"}}})
     assert r.model.name_or_path is None
+
+
+# ------------------------------------------------------- checkpoint loads skip init, keep TP attributes
+_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
+
+
+def _tp_attributes(model) -> dict:
+    return {name: tuple(getattr(p, a, None) for a in _TP_ATTRS) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("model_type,extra", [("qwen2", {}), ("qwen3", dict(tie_word_embeddings=True))])
+def test_skipping_init_keeps_megatrons_tensor_parallel_attributes(world1, monkeypatch, model_type, extra):
+    import megatron.core.tensor_parallel.layers as layers
+
+    from megatron_credit.models import build_gpt_model
+
+    hf_config = _hf(model_type, **extra)
+    initialised = build_gpt_model(hf_config, transformer_config_from_hf(hf_config, parallel=ParallelConfig()))
+    want = _tp_attributes(initialised)
+    assert want["decoder.layers.0.mlp.linear_fc1.weight"] == (True, 0, 2)  # megatron's gated fc1 stride
+    assert want["decoder.layers.0.self_attention.linear_proj.weight"] == (True, 1, 1)
+    assert want["embedding.word_embeddings.weight"] == (True, 0, 1)
+
+    def no_random_init(*args, **kwargs):
+        raise AssertionError("random initialisation ran for a model whose weights come from a checkpoint")
+
+    monkeypatch.setattr(layers, "_initialize_affine_weight_cpu", no_random_init)
+    monkeypatch.setattr(layers, "_initialize_affine_weight_gpu", no_random_init)
+    skipped = build_gpt_model(hf_config, transformer_config_from_hf(hf_config, parallel=ParallelConfig(),
+                                                                    perform_initialization=False))
+    assert _tp_attributes(skipped) == want
+
+
+# ----------------------------------------------------------------- dtype, overrides, spec, lengths
+def test_params_dtype_auto_is_the_checkpoints_on_gpu_and_fp32_on_cpu(tmp_path):
+    transformers.Qwen2Config(**TINY, dtype="bfloat16").save_pretrained(tmp_path)
+    auto = ModelConfig(name_or_path=str(tmp_path))
+    assert auto.params_dtype == "auto"
+    assert auto.torch_dtype(cuda=True) == torch.bfloat16 and auto.torch_dtype(cuda=False) == torch.float32
+    assert ModelConfig(name_or_path=str(tmp_path), params_dtype="float32").torch_dtype(cuda=True) == torch.float32
+    assert ModelConfig(architecture=dict(model_type="qwen2", **TINY)).torch_dtype(cuda=True) == torch.float32
+    with pytest.raises(ValueError, match="model.params_dtype must be 'auto' or one of"):
+        ModelConfig(architecture=dict(model_type="qwen2"), params_dtype="fp8")
+
+
+def test_max_position_and_rope_theta_overrides_reach_the_model(tmp_path):
+    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.models import check_sequence_length
+
+    transformers.Qwen2Config(**{**TINY, "max_position_embeddings": 4096}, rope_theta=1e4).save_pretrained(tmp_path)
+    plain = ModelConfig(name_or_path=str(tmp_path)).hf_config()
+    with pytest.raises(ValueError, match="20480 tokens is longer than the model's max_position_embeddings=4096"):
+        check_sequence_length(plain, 20480)
+    recipe = recipe_from_dict({"model": {"name_or_path": str(tmp_path)}},
+                              overrides=["model.max_position_embeddings=32768", "model.rope_theta=1000000"])
+    raised = recipe.model.hf_config()
+    check_sequence_length(raised, 20480)
+    assert raised.max_position_embeddings == 32768 and rope_settings(raised).base == 1e6
+    assert rope_settings(plain).base == 1e4
+    tc = transformer_config_from_hf(raised, parallel=ParallelConfig())
+    assert tc.num_layers == 2
+    for bad, match in [(dict(max_position_embeddings=0), "max_position_embeddings must be >= 1"),
+                       (dict(rope_theta=-1.0), "rope_theta must be > 0"),
+                       (dict(transformer_impl="te"), "transformer_impl must be one of")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig(name_or_path=str(tmp_path), **bad)
+
+
+def test_local_spec_on_gpu_only_when_asked(monkeypatch):
+    from megatron_credit.models import gpt, use_transformer_engine_spec
+
+    assert [ModelConfig(architecture=dict(model_type="qwen2"), transformer_impl=t).use_transformer_engine()
+            for t in ("auto", "transformer_engine", "local")] == [None, True, False]
+    with pytest.raises(ValueError, match="model.transformer_impl=local"):
+        use_transformer_engine_spec(None, cuda=True, te_available=False)
+    assert use_transformer_engine_spec(None, cuda=True, te_available=True) is True
+    assert use_transformer_engine_spec(False, cuda=True, te_available=True) is False
+    with pytest.raises(ValueError, match="not importable"):
+        use_transformer_engine_spec(True, cuda=False, te_available=False)
+    # gpt_layer_spec applies it: a GPU without TE refuses "auto" instead of falling back silently.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpt, "transformer_engine_available", lambda: False)
+    tc = transformer_config_from_hf(_hf("qwen2"), parallel=ParallelConfig())
+    with pytest.raises(ValueError, match="Transformer Engine is not importable"):
+        gpt.gpt_layer_spec(tc)
+    assert gpt.gpt_layer_spec(tc, use_transformer_engine=False) is not None

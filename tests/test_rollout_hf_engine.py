@@ -92,6 +92,24 @@ def test_stop_tokens_and_max_length(engine):
         assert s.error == "" and 0 < s.timings.first_token_s <= s.timings.finish_s <= batch.wall_s
 
 
+def test_stop_token_on_the_last_allowed_step_is_stopped(engine):
+    """The vLLM engine agrees (vLLM itself says "length" there): see test_rollout_vllm_rules.py."""
+    free = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=5)).samples[0].response_ids
+    last = free[4]
+    k = free.index(last)  # the greedy stream is the same with a stop token until that token appears
+    stopped = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=k + 1,
+                                                           stop_token_ids=[last])).samples[0]
+    assert stopped.response_ids == free[: k + 1] and stopped.status == FinishStatus.STOPPED
+    # The same at the model's context limit (the budget capped by max_position_embeddings).
+    prompt = list(range(1, MAX_POS - k))  # room for k + 1 tokens
+    free = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=20)).samples[0].response_ids
+    assert len(free) == k + 1
+    k = free.index(free[-1])
+    stopped = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=20,
+                                                       stop_token_ids=[free[-1]])).samples[0]
+    assert stopped.response_ids == free[: k + 1] and stopped.status == FinishStatus.STOPPED
+
+
 def test_model_context_truncates_and_overlong_prompt_fails(engine):
     near_full = list(range(1, MAX_POS - 2))  # room for 3 tokens
     too_long = list(range(1, MAX_POS + 1))

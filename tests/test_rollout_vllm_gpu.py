@@ -103,3 +103,25 @@ def test_vllm_overlong_prompt_fails_alone(vllm_engine):
     batch = vllm_engine.generate([PROMPTS[0], [5] * 256, PROMPTS[2]], SamplingParams(temperature=0, max_new_tokens=4))
     assert [s.status == FinishStatus.FAILED for s in batch.samples] == [False, True, False]
     assert "256 tokens" in batch.samples[1].error and len(batch.samples[0].response_ids) == 4
+
+
+def test_vllm_greedy_n_and_sleep_after_a_sync(vllm_engine, tiny_model_dir):
+    _, hf = tiny_model_dir
+    greedy = vllm_engine.generate(PROMPTS[:1], SamplingParams(temperature=0, n=3, max_new_tokens=8))
+    assert [s.sample_index for s in greedy.samples] == [0, 1, 2]
+    assert len({tuple(s.response_ids) for s in greedy.samples}) == 1
+    items = [(k, v.detach().cuda()) for k, v in hf.model.state_dict().items()]
+    vllm_engine.sleep()
+    vllm_engine.update_weights([items])
+    vllm_engine.sleep()  # weights woken for the sync must be released again (vLLM alone would ignore this)
+    vllm_engine.wake_up()
+    again = vllm_engine.generate(PROMPTS[:1], SamplingParams(temperature=0, n=1, max_new_tokens=8))
+    assert again.samples[0].response_ids == greedy.samples[0].response_ids
+
+
+def test_vllm_stop_token_on_the_last_step_is_stopped(vllm_engine):
+    free = vllm_engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=6)).samples[0].response_ids
+    k = free.index(free[5])
+    s = vllm_engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=k + 1,
+                                                         stop_token_ids=[free[5]])).samples[0]
+    assert s.response_ids == free[: k + 1] and s.status == FinishStatus.STOPPED

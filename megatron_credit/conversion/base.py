@@ -66,9 +66,12 @@ class ModelDims:
             raise ValueError(f"tp and pp must be >= 1, got tp={tp}, pp={pp}")
         if self.num_heads % tp:
             raise ValueError(f"tp={tp} does not divide num_attention_heads={self.num_heads}")
-        if self.num_query_groups % tp:
-            raise ValueError(f"tp={tp} does not divide the query groups (num_key_value_heads="
-                             f"{self.num_query_groups}); megatron shards linear_qkv by whole groups")
+        if self.num_query_groups % tp and tp % self.num_query_groups:
+            raise ValueError(f"tp={tp} must divide the query groups (num_key_value_heads={self.num_query_groups}) "
+                             "or be a multiple of them")
+        if (self.num_heads + 2 * self.num_query_groups) * self.head_dim % tp:
+            raise ValueError(f"tp={tp} does not divide the rows of linear_qkv ((heads + 2 * groups) * head_dim = "
+                             f"{(self.num_heads + 2 * self.num_query_groups) * self.head_dim})")
         if self.vocab_size % tp:
             raise ValueError(f"tp={tp} does not divide vocab_size={self.vocab_size} (the models are built "
                              "without vocabulary padding)")

@@ -7,7 +7,11 @@ Fused QKV. megatron's ``linear_qkv`` keeps the rows of one query group together 
 whole groups: for group ``g`` (of ``G = num_query_groups``) the rows are
 ``[q heads g*h .. (g+1)*h - 1 ; k head g ; v head g]`` with ``h = num_heads // G`` heads per group,
 each head ``head_dim`` rows. HF keeps ``q_proj`` ([n_heads * d, hidden]), ``k_proj`` and ``v_proj``
-([G * d, hidden]) apart. Biases ([rows]) follow the same row order.
+([G * d, hidden]) apart. Biases ([rows]) follow the same row order. Under TP, ``linear_qkv`` is split in
+contiguous row blocks (``TPLayout.ROWS``): whole groups per rank when TP divides G; when TP is a multiple
+of G (TP > KV heads, e.g. 2 KV heads at TP = 4) a block is part of a group, and megatron-core's attention
+all-gathers the fused output and keeps the rank's group (``Attention.get_query_key_value_tensors``), so
+the stored layout -- and every transform here -- is the same as for TP <= G.
 
 Gated MLP. megatron's ``linear_fc1`` is ``[gate; up]`` ([2 * ffn, hidden]); under TP each rank holds
 ``[gate_r; up_r]``, so a TP shard of fc1 is *not* a contiguous row block of the full tensor.

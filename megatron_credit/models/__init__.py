@@ -12,17 +12,22 @@ Public API:
   spec otherwise; CPU context-parallel attention for CP > 1 with the local spec); tied embeddings
   follow ``hf_config.tie_word_embeddings``. Needs megatron ``parallel_state`` initialised
   (``megatron_credit.distributed.initialize``). Returns vocab-parallel logits ``[B, S, V/tp]``.
-- ``check_parallel_fits_model(hf_config, parallel, *, world_size=None)``, ``rope_settings(hf_config)``.
+- ``check_parallel_fits_model(hf_config, parallel, *, world_size=None)``, ``rope_settings(hf_config)``,
+  ``check_sequence_length(hf_config, length, *, what)`` (refuses sequences beyond
+  ``max_position_embeddings``), ``use_transformer_engine_spec`` (TE on GPU, refused fallback),
+  ``set_tensor_parallel_attributes(model)`` (what megatron's skipped init would have set; applied by
+  ``build_gpt_model`` when ``perform_initialization=False``).
 
 Importing this package imports torch only; megatron-core is imported when a model is built.
 """
-from megatron_credit.models.gpt import build_gpt_model, gpt_layer_spec, transformer_engine_available
+from megatron_credit.models.gpt import (build_gpt_model, gpt_layer_spec, set_tensor_parallel_attributes,
+                                        transformer_engine_available, use_transformer_engine_spec)
 from megatron_credit.models.hf_config import (
-    SUPPORTED_MODEL_TYPES, RopeSettings, check_parallel_fits_model, head_dim, rope_settings,
-    transformer_config_from_hf)
+    SUPPORTED_MODEL_TYPES, RopeSettings, check_parallel_fits_model, check_sequence_length, head_dim,
+    rope_settings, transformer_config_from_hf)
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "RopeSettings", "build_gpt_model", "check_parallel_fits_model",
-    "gpt_layer_spec", "head_dim", "rope_settings", "transformer_config_from_hf",
-    "transformer_engine_available",
+    "check_sequence_length", "gpt_layer_spec", "head_dim", "rope_settings", "set_tensor_parallel_attributes",
+    "transformer_config_from_hf", "transformer_engine_available", "use_transformer_engine_spec",
 ]

@@ -1,10 +1,18 @@
 """The megatron ``GPTModel`` for a Hugging Face config: layer spec choice and model construction.
 
-Spec: Transformer Engine's when ``transformer_engine`` imports and CUDA is present (untested here:
-TE cannot be installed on the CPU development machines), else megatron's local spec on CPU and GPU
-alike. Context parallelism needs TE's ring attention; with the local spec, core attention is swapped
-for ``CpuContextParallelAttention`` (megatron's ``DotProductAttention`` asserts
-``context_parallel_size == 1``).
+Spec (:func:`use_transformer_engine_spec`): Transformer Engine's on GPU (untested here: TE cannot be
+installed on the CPU development machines), megatron's local spec on CPU. On a GPU without Transformer
+Engine the build is refused unless the local spec is asked for explicitly (``model.transformer_impl:
+local``): its attention keeps full fp32 score matrices (~10 GB per layer at 20K tokens). Context
+parallelism needs TE's ring attention; with the local spec, core attention is swapped for
+``CpuContextParallelAttention`` (megatron's ``DotProductAttention`` asserts ``context_parallel_size == 1``).
+
+Weights loaded from a checkpoint need no random initialisation: build with
+``transformer_config_from_hf(..., perform_initialization=False)`` (a 32B stage otherwise spends minutes
+per rank drawing weights it overwrites). megatron sets the ``tensor_model_parallel`` /
+``partition_dim`` / ``partition_stride`` attributes of its own TP layers only in that init path, and
+its gradient-norm and clipping count a TP-sharded weight without them once, on TP rank 0 only;
+:func:`build_gpt_model` sets them as the init path would (:func:`set_tensor_parallel_attributes`).
 """
 from __future__ import annotations
 
@@ -29,13 +37,46 @@ def transformer_engine_available() -> bool:
     return True
 
 
+def use_transformer_engine_spec(requested: Optional[bool], *, cuda: bool, te_available: bool) -> bool:
+    """Whether to build the TE spec: ``requested`` (None = "auto", the recipe's ``model.transformer_impl``).
+
+    "auto" is TE on GPU and the local spec on CPU; on a GPU without TE it is refused (ValueError)
+    rather than silently falling back. An explicit request is honoured (TE without TE is refused).
+
+    >>> use_transformer_engine_spec(None, cuda=False, te_available=False)
+    False
+    >>> use_transformer_engine_spec(False, cuda=True, te_available=False)
+    False
+    >>> use_transformer_engine_spec(None, cuda=True, te_available=False)
+    Traceback (most recent call last):
+    ...
+    ValueError: Transformer Engine is not importable on this GPU machine, and megatron's local spec keeps full fp32 attention score matrices (~10 GB per layer at 20K tokens): install transformer-engine[pytorch] (pip install 'megatron-credit[gpu]'), or set model.transformer_impl=local to run the local spec anyway
+    """
+    if requested is None:
+        if cuda and not te_available:
+            raise ValueError("Transformer Engine is not importable on this GPU machine, and megatron's local spec "
+                             "keeps full fp32 attention score matrices (~10 GB per layer at 20K tokens): install "
+                             "transformer-engine[pytorch] (pip install 'megatron-credit[gpu]'), or set "
+                             "model.transformer_impl=local to run the local spec anyway")
+        return cuda
+    if requested and not te_available:
+        raise ValueError("model.transformer_impl=transformer_engine, but Transformer Engine is not importable "
+                         "(or CUDA is not available)")
+    return bool(requested)
+
+
 def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool] = None):
-    """The ``ModuleSpec`` of one decoder layer for ``transformer_config``."""
+    """The ``ModuleSpec`` of one decoder layer for ``transformer_config``.
+
+    ``use_transformer_engine``: None chooses by :func:`use_transformer_engine_spec` ("auto").
+    """
+    import torch
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
-    if use_transformer_engine is None:
-        use_transformer_engine = transformer_engine_available()
+    use_transformer_engine = use_transformer_engine_spec(
+        use_transformer_engine, cuda=torch.cuda.is_available(),
+        te_available=transformer_engine_available() if use_transformer_engine is not False else False)
     if use_transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=transformer_config.qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=transformer_config.qk_layernorm,
@@ -77,7 +118,7 @@ def build_gpt_model(hf_config, transformer_config, *, pre_process: Optional[bool
         raise ValueError(f"parallel.tensor_model_parallel_size={tp} does not divide "
                          f"vocab_size={hf_config.vocab_size} (pad the vocabulary)")
     rope = rope_settings(hf_config)
-    return GPTModel(
+    model = GPTModel(
         config=transformer_config,
         transformer_layer_spec=gpt_layer_spec(transformer_config,
                                               use_transformer_engine=use_transformer_engine),
@@ -92,3 +133,40 @@ def build_gpt_model(hf_config, transformer_config, *, pre_process: Optional[bool
         rope_scaling=rope.llama3_scaling_factor is not None,
         rope_scaling_factor=rope.llama3_scaling_factor or 8.0,
     )
+    if not transformer_config.perform_initialization:
+        set_tensor_parallel_attributes(model)
+    return model
+
+
+def set_tensor_parallel_attributes(model) -> int:
+    """Give megatron's own TP layers the attributes its init path sets; returns how many weights got them.
+
+    With ``perform_initialization=False``, ``VocabParallelEmbedding``, ``ColumnParallelLinear`` and
+    ``RowParallelLinear`` (megatron-core 0.16 - 0.19, ``tensor_parallel/layers.py``) skip
+    ``_initialize_affine_weight_cpu/gpu`` and with it ``set_tensor_model_parallel_attributes`` on the
+    weight (column-parallel biases get theirs regardless). The values are those of the init path:
+    partition dim 0 for the embedding and column-parallel weights, 1 for row-parallel ones; stride 2
+    for a gated MLP's ``linear_fc1`` (``transformer/mlp.py``: each rank holds [gate_r; up_r]), else 1.
+    Transformer Engine layers set their own attributes whatever the init and are left alone.
+    """
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding, set_tensor_model_parallel_attributes)
+    from megatron.core.transformer.mlp import MLP
+
+    gated_fc1 = {id(m.linear_fc1) for m in model.modules() if isinstance(m, MLP) and m.config.gated_linear_unit}
+    count = 0
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding):
+            dim, stride = 0, 1
+        elif isinstance(module, ColumnParallelLinear):
+            dim, stride = 0, 2 if id(module) in gated_fc1 else 1
+        elif isinstance(module, RowParallelLinear):
+            dim, stride = 1, 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=stride)
+        count += 1
+    return count

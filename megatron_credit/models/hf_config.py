@@ -83,8 +83,9 @@ def _biases(hf_config) -> tuple[bool, bool]:
 def check_parallel_fits_model(hf_config, parallel, *, world_size: Optional[int] = None) -> None:
     """Raise ``ValueError`` naming the field when ``parallel`` cannot shard this model.
 
-    Runs before anything is built: heads and KV heads must divide by TP, layers by PP, and (when
-    ``world_size`` is given) TP x PP x CP must divide the world size.
+    Runs before anything is built: heads must divide by TP, KV heads by TP or TP by KV heads
+    (megatron-core then gives each rank's queries the KV head of their group), layers by PP, and
+    (when ``world_size`` is given) TP x PP x CP must divide the world size.
     """
     if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"hf_config.model_type={hf_config.model_type!r} is not supported; "
@@ -95,14 +96,37 @@ def check_parallel_fits_model(hf_config, parallel, *, world_size: Optional[int] 
     if heads % tp:
         raise ValueError(f"parallel.tensor_model_parallel_size={tp} does not divide "
                          f"num_attention_heads={heads}")
-    if kv_heads % tp:
-        raise ValueError(f"parallel.tensor_model_parallel_size={tp} does not divide "
-                         f"num_key_value_heads={kv_heads}")
+    if kv_heads % tp and tp % kv_heads:
+        # megatron-core accepts TP > KV heads when TP is a multiple of them: linear_qkv is split in
+        # contiguous row blocks, and each rank all-gathers the fused QKV output and keeps its group.
+        raise ValueError(f"parallel.tensor_model_parallel_size={tp} must divide num_key_value_heads={kv_heads} "
+                         "or be a multiple of it")
     if hf_config.num_hidden_layers % pp:
         raise ValueError(f"parallel.pipeline_model_parallel_size={pp} does not divide "
                          f"num_hidden_layers={hf_config.num_hidden_layers}")
     if world_size is not None:
         parallel.validate(world_size=world_size)
+
+
+def check_sequence_length(hf_config, length: int, *, what: str = "sequence") -> None:
+    """Refuse a ``length``-token sequence beyond the model's ``max_position_embeddings``.
+
+    megatron's RoPE computes any position, so a longer sequence would run silently past what the
+    model was trained for. Raise ``model.max_position_embeddings`` (and usually ``model.rope_theta``)
+    explicitly in the recipe instead. ``what`` names the sequence in the error.
+
+    >>> from types import SimpleNamespace as NS
+    >>> check_sequence_length(NS(max_position_embeddings=4096), 4096)
+    >>> check_sequence_length(NS(max_position_embeddings=4096), 20480, what="prompt + max_new_tokens")
+    Traceback (most recent call last):
+    ...
+    ValueError: prompt + max_new_tokens of 20480 tokens is longer than the model's max_position_embeddings=4096: set model.max_position_embeddings (and model.rope_theta) explicitly in the recipe, or shorten it
+    """
+    max_pos = int(hf_config.max_position_embeddings)
+    if length > max_pos:
+        raise ValueError(f"{what} of {length} tokens is longer than the model's max_position_embeddings={max_pos}: "
+                         "set model.max_position_embeddings (and model.rope_theta) explicitly in the recipe, "
+                         "or shorten it")
 
 
 def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype = torch.float32,

@@ -3,11 +3,14 @@
 **Status: written against the documented API and source of vLLM 0.11.0 (V1 engine) and NEVER RUN
 here** -- neither the engine nor its worker extension has been executed with vLLM: the machines this
 project was developed on have no GPU, and vLLM cannot be installed on them (it pins a CUDA build of
-torch). Its test (``tests/test_rollout_vllm_gpu.py``) is marked ``gpu``. The pieces that do not need
-vLLM -- translation of our ``SamplingParams`` into vLLM's and of vLLM's outputs into ``RolloutSample``,
-the executor/weight-transfer checks, the prompt-length pre-check, and the IPC packing of weight
-buckets -- are plain functions tested on CPU (``tests/test_rollout_vllm_translate.py``). Without vLLM,
-use the "hf" engine (:mod:`megatron_credit.rollout.hf_engine`), which also runs on CUDA.
+torch). Its test (``tests/test_rollout_vllm_gpu.py``) is marked ``gpu``; ``tools/gpu_check.sh`` runs it
+and a generate / sync / sleep / wake round trip when a GPU is lent. The pieces that do not need vLLM
+-- translation of our ``SamplingParams`` into vLLM's and of vLLM's outputs into ``RolloutSample``, the
+executor/weight-transfer checks, the prompt-length pre-check, and the IPC packing of weight buckets --
+are plain functions tested on CPU (``tests/test_rollout_vllm_translate.py``), and the engine's state
+machine and construction run on CPU against a stand-in ``vllm`` module that enforces the rules of
+vLLM 0.11.0's source (``tests/test_rollout_vllm_rules.py``). Without vLLM, use the "hf" engine
+(:mod:`megatron_credit.rollout.hf_engine`), which also runs on CUDA.
 
 The vLLM 0.11 API used, and what we rely on:
 
@@ -20,7 +23,8 @@ The vLLM 0.11 API used, and what we rely on:
   logprobs=0, seed, detokenize=False)``: ``logprobs=0`` returns the sampled token's log-prob only;
   ``ignore_eos=True`` makes our ``stop_token_ids`` the only stop rule, as in the "hf" engine. Each
   ``CompletionOutput`` gives ``index`` (sample index), ``token_ids`` (the stop token included),
-  ``logprobs`` (one ``{token_id: Logprob}`` per position) and ``finish_reason`` ("stop" / "length").
+  ``logprobs`` (one ``{token_id: Logprob}`` per position) and ``finish_reason`` ("stop" / "length";
+  see below for a stop token on the last step).
   Seeds: each prompt gets ``row_seed(seed, group_id, 0)`` (31 bits) and vLLM V1 seeds its j-th child
   request with ``seed + j``, so samples are reproducible per group, though not the same draws as the
   "hf" engine's. Seeded requests take vLLM's per-request-generator sampling path.
@@ -32,13 +36,22 @@ The vLLM 0.11 API used, and what we rely on:
 - Sleep mode: ``LLM.sleep(level=1)`` offloads weights to host memory and drops the KV cache;
   ``LLM.wake_up(tags=["weights"])`` then ``LLM.wake_up(tags=["kv_cache"])`` bring them back in two
   steps so that weights can be overwritten before the KV cache is re-allocated (less peak memory).
-  ``level=2`` drops the weights too (use it when a full weight sync always follows).
+  ``level=2`` drops the weights too (use it when a full weight sync always follows). vLLM's executor
+  (``vllm/executor/executor_base.py``) keeps ``is_sleeping`` and the set of sleeping tags: ``sleep``
+  while any tag sleeps is a no-op ("already sleeping"), ``wake_up(tags)`` naming a tag that is not
+  asleep is a no-op, and ``wake_up()`` without tags maps *every* allocation again -- a CUDA error for
+  weights already woken. So the engine tracks three states ("awake", "asleep", "weights": weights
+  woken for a sync, KV cache still released) and, asked to sleep in "weights", first wakes the KV
+  cache, then sleeps. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` trips vLLM's sleep-mode
+  allocator: see :func:`~megatron_credit.rollout.vllm_setup.sleep_mode_alloc_env`.
 - Weight sync: ``LLM.collective_rpc(method, args=(payload,))`` runs a method of
   :class:`~megatron_credit.rollout.vllm_worker.WeightSyncExtension` on every TP worker, which calls
   vLLM's ``model.load_weights`` (it shards and fuses HF-named tensors itself); then
   ``LLM.reset_prefix_cache()`` so no KV computed with the old weights is reused. Unlike the "hf"
-  engine, vLLM's loaders do not report parameters that no bucket covered, and skip (as another
-  pipeline stage's) names with a layer index beyond the model. How the tensors travel
+  engine, vLLM's loaders do not report parameters that no bucket covered; a name they do not know
+  raises inside the worker (``KeyError`` from the loader's parameter table), reported here as a
+  ValueError naming the bucket, and a tied ``lm_head.weight`` is skipped by vLLM's loader.
+  ``update_weights`` returns the number of HF tensors sent. How the tensors travel
   (``weight_transfer``, checked at construction by :func:`weight_transfer_env`):
 
   * ``"cuda_ipc"`` (default; vLLM's default multiprocess V1 engine, any TP). ``collective_rpc`` sends
@@ -46,15 +59,22 @@ The vLLM 0.11 API used, and what we rely on:
     cannot carry tensors for us (CUDA tensors fail in ``.numpy()``; CPU tensors arrive as plain
     lists). So each bucket is put on this process's GPU and sent as CUDA IPC handles from
     ``torch.multiprocessing.reductions.reduce_tensor``, tagged with the GPU's uuid; each worker opens
-    them on its own ordinal of that GPU and loads them (no host copy) -- the approach of vLLM's
-    ``examples/offline_inference/rlhf_colocate.py`` / ``rlhf_utils.py``. Needs
-    ``allow_insecure_serialization=True``: the engine then sets ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
-    (vLLM pickles the handles' function and class parts only with it; trusted single-node use only).
+    them on its own ordinal of that GPU and loads them (no host copy). The handles are those of vLLM's
+    ``examples/offline_inference/rlhf_colocate.py`` / ``rlhf_utils.py``, but that example sends them
+    through Ray actors (cloudpickle); here they go through vLLM's own msgpack transport, which
+    pickles their function and class parts only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: pass
+    ``allow_insecure_serialization=True`` and the engine sets it (trusted single-node use only).
     The actor and the vLLM workers must see the same physical GPUs.
   * ``"in_process"``: ``v1_multiprocessing=False`` (the engine sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-    and either TP = 1 with the default uniprocess executor, or ``engine_kwargs=
-    {"distributed_executor_backend": "external_launcher"}`` (one engine per torchrun rank). The
-    workers live in this process and tensors go by reference.
+    and either TP = 1 with the single-process executor, or ``engine_kwargs=
+    {"distributed_executor_backend": "external_launcher"}`` (one engine per torchrun rank; vLLM takes
+    the device from ``LOCAL_RANK``). The workers live in this process and tensors go by reference.
+    vLLM's own single-process executor always runs on local GPU 0 and sets it as this process's
+    device; the engine replaces it by
+    :func:`~megatron_credit.rollout.vllm_setup.pinned_device_executor` on this process's current GPU,
+    so each trainer rank's engine lands on that rank's GPU. With ``torch.distributed`` already
+    initialised, vLLM builds its groups over the trainer's whole world (collectives): every rank must
+    build its engine at the same time.
 
   Both env vars are set in this process by the constructor, before vLLM starts (its engine-core and
   worker processes inherit them); a conflicting value already in the environment is an error.
@@ -62,15 +82,22 @@ The vLLM 0.11 API used, and what we rely on:
   ``LLM.llm_engine.model_config.max_model_len``) are not sent -- vLLM rejects the whole call for one --
   and give FAILED samples, as in the "hf" engine.
 - Greedy (temperature 0): vLLM returns log-probs of the unscaled, unfiltered logits in both modes; so
-  does the "hf" engine (:func:`megatron_credit.rollout.sampling.sample_step`).
+  does the "hf" engine (:func:`megatron_credit.rollout.sampling.sample_step`). vLLM refuses greedy
+  requests with ``n > 1`` ("n must be 1 when using greedy sampling", ``sampling_params.py``), so a
+  greedy prompt is sent ``n`` times with ``n=1`` and the samples renumbered 0..n-1
+  (:func:`request_plan`).
+- A stop token sampled on the last allowed step comes back with ``finish_reason="length"``: vLLM's
+  ``check_stop`` (``v1/core/sched/utils.py``) tests the length limit before the stop tokens. The "hf"
+  engine calls such a sample STOPPED, and so does :func:`completion_to_sample`: a sample whose last
+  token is a stop token is STOPPED.
 - ``LLM.llm_engine.engine_core.shutdown()`` on close.
 
-Re-checked by reading (not running) vLLM's source, tests and examples through a code search: the
-``LLM`` methods above (``sleep``/``wake_up(tags)``/``reset_prefix_cache``/``collective_rpc``,
-``llm_engine.model_config``), the V1 sampler's ``logprobs_mode`` and greedy path, the decoder prompt-length
-validation (``len(prompt) >= max_model_len`` is rejected) and the RLHF colocate examples. The copies
-read were not all tagged 0.11.0 exactly; pin ``vllm==0.11.0`` and run ``tests/test_rollout_vllm_gpu.py``
-on a GPU before relying on this engine.
+Re-checked by reading (not running) the source of the vllm==0.11.0 wheel itself (unpacked, not
+installed): the ``LLM`` methods above (``sleep``/``wake_up(tags)``/``reset_prefix_cache``/
+``collective_rpc``, ``llm_engine.model_config``), the executor's sleep bookkeeping and the cumem
+allocator, ``SamplingParams``' greedy check, ``check_stop``, the single-process executor's device,
+the Qwen2 / Llama RoPE reads and weight loaders, the msgpack transport. The ``gpu`` extra pins
+``vllm==0.11.0``; run ``tools/gpu_check.sh`` on a GPU before relying on this engine.
 """
 from __future__ import annotations
 
@@ -83,6 +110,9 @@ from typing import Any, Mapping, Sequence
 from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resolve_group_ids
 from megatron_credit.rollout.sampling import row_seed
 from megatron_credit.rollout.types import FinishStatus, RolloutBatch, RolloutSample, SamplingParams, SampleTimings
+from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env, pinned_device_executor,  # noqa: F401
+                                                read_config_json, sleep_mode_alloc_env, vllm_hf_overrides,
+                                                weight_transfer_env)
 from megatron_credit.rollout.vllm_worker import pack_ipc_bucket
 
 VLLM_API_VERSION = "0.11.0"
@@ -94,15 +124,16 @@ _VLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 _FINISH = {"stop": FinishStatus.STOPPED, "length": FinishStatus.TRUNCATED}
 
 
-def vllm_sampling_kwargs(params: SamplingParams, *, seed: int) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` equivalent to ``params`` for one prompt.
+def vllm_sampling_kwargs(params: SamplingParams, *, seed: int, n: int | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` equivalent to ``params`` for one request of ``n``
+    samples (default ``params.n``; see :func:`request_plan`).
 
     >>> kw = vllm_sampling_kwargs(SamplingParams(n=4, top_k=0, stop_token_ids=[2]), seed=7)
     >>> kw["n"], kw["top_k"], kw["stop_token_ids"], kw["ignore_eos"], kw["logprobs"]
     (4, 0, [2], True, 0)
     """
     return {
-        "n": params.n,
+        "n": params.n if n is None else n,
         "temperature": params.temperature,
         "top_p": params.top_p,
         "top_k": params.top_k,  # 0 disables top-k in vLLM 0.11 as here
@@ -116,9 +147,14 @@ def vllm_sampling_kwargs(params: SamplingParams, *, seed: int) -> dict[str, Any]
 
 
 def completion_to_sample(
-    prompt: list[int], group_id: int, completion: Any, params: SamplingParams, *, wall_s: float
+    prompt: list[int], group_id: int, completion: Any, params: SamplingParams, *, wall_s: float,
+    sample_offset: int = 0,
 ) -> RolloutSample:
     """One vLLM ``CompletionOutput`` as a :class:`RolloutSample`.
+
+    ``sample_offset`` is added to vLLM's ``index`` (see :func:`request_plan`). A sample whose last token
+    is one of ``params.stop_token_ids`` is STOPPED even when vLLM says "length" (it checks the length
+    limit first), as in the "hf" engine.
 
     >>> from types import SimpleNamespace as NS
     >>> c = NS(index=1, token_ids=[5, 2], finish_reason="stop",
@@ -131,6 +167,8 @@ def completion_to_sample(
 
     tokens = [int(t) for t in completion.token_ids]
     status = _FINISH.get(completion.finish_reason, FinishStatus.FAILED)
+    if status == FinishStatus.TRUNCATED and tokens and tokens[-1] in params.stop_token_ids:
+        status = FinishStatus.STOPPED
     if completion.logprobs is None or len(completion.logprobs) != len(tokens):
         status, logprobs = FinishStatus.FAILED, torch.zeros(len(tokens))
         error = "vLLM returned no per-token log-probs"
@@ -139,65 +177,26 @@ def completion_to_sample(
         error = "" if status != FinishStatus.FAILED else f"vLLM finish_reason={completion.finish_reason!r}"
     return RolloutSample(
         prompt_ids=list(prompt), response_ids=tokens, logprobs=logprobs, status=status, group_id=group_id,
-        sample_index=int(completion.index), logprobs_mode=params.logprobs_mode,
+        sample_index=sample_offset + int(completion.index), logprobs_mode=params.logprobs_mode,
         # vLLM's offline API reports no per-sample times we trust; both fall back to the call's wall time.
         timings=SampleTimings(first_token_s=wall_s, finish_s=wall_s), error=error,
     )
 
 
-WEIGHT_TRANSFERS = ("cuda_ipc", "in_process")
+def request_plan(prompt_indices: Sequence[int], params: SamplingParams) -> list[tuple[int, int, int]]:
+    """The vLLM requests for these prompts: ``(prompt index, first sample index, n)`` each.
 
+    One request of ``n`` samples per prompt, except greedy with ``n > 1``, which vLLM refuses: then
+    ``n`` requests of one sample each, numbered 0..n-1 (identical up to kernel non-determinism).
 
-def weight_transfer_env(
-    weight_transfer: str,
-    *,
-    tensor_parallel_size: int,
-    v1_multiprocessing: bool,
-    allow_insecure_serialization: bool,
-    distributed_executor_backend: str | None,
-    environ: Mapping[str, str],
-) -> dict[str, str]:
-    """Check that ``weight_transfer`` can work with this executor setup; return the vLLM env vars it needs.
-
-    "cuda_ipc" needs vLLM's multiprocess V1 engine (IPC handles cannot be opened by the process that
-    made them) and ``allow_insecure_serialization`` (the handles go through vLLM's msgpack transport,
-    which pickles their function/class parts only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
-    "in_process" needs the workers inside this process: ``v1_multiprocessing=False`` and either TP = 1
-    with the default uniprocess executor, or ``distributed_executor_backend="external_launcher"`` (one
-    engine per torchrun rank). Raises ValueError, also when ``environ`` already sets one of the
-    variables to a conflicting value.
-
-    >>> weight_transfer_env("cuda_ipc", tensor_parallel_size=2, v1_multiprocessing=True,
-    ...     allow_insecure_serialization=True, distributed_executor_backend=None, environ={})
-    {'VLLM_ALLOW_INSECURE_SERIALIZATION': '1', 'VLLM_ENABLE_V1_MULTIPROCESSING': '1'}
+    >>> request_plan([0, 2], SamplingParams(n=3))
+    [(0, 0, 3), (2, 0, 3)]
+    >>> request_plan([5], SamplingParams(n=3, temperature=0))
+    [(5, 0, 1), (5, 1, 1), (5, 2, 1)]
     """
-    if weight_transfer not in WEIGHT_TRANSFERS:
-        raise ValueError(f"weight_transfer must be one of {WEIGHT_TRANSFERS}, got {weight_transfer!r}")
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if v1_multiprocessing else "0"}
-    if weight_transfer == "cuda_ipc":
-        if not v1_multiprocessing or distributed_executor_backend == "external_launcher":
-            raise ValueError("weight_transfer='cuda_ipc' needs vLLM's multiprocess engine (v1_multiprocessing=True, "
-                             "no external_launcher): a process cannot open its own CUDA IPC handles. Use "
-                             "weight_transfer='in_process' for in-process executors")
-        if not allow_insecure_serialization:
-            raise ValueError("weight_transfer='cuda_ipc' sends torch IPC handles through vLLM's msgpack transport, "
-                             "which pickles them only with VLLM_ALLOW_INSECURE_SERIALIZATION=1: pass "
-                             "allow_insecure_serialization=True (trusted, single-node setups only)")
-        env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **env}
-    else:
-        if v1_multiprocessing:
-            raise ValueError("weight_transfer='in_process' passes tensors by reference and needs the vLLM workers "
-                             "in this process: pass v1_multiprocessing=False (sets VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-        single = tensor_parallel_size == 1 and distributed_executor_backend in (None, "uni")
-        if not single and distributed_executor_backend != "external_launcher":
-            raise ValueError("weight_transfer='in_process' needs TP = 1 with the uniprocess executor, or "
-                             "distributed_executor_backend='external_launcher'; got tensor_parallel_size="
-                             f"{tensor_parallel_size}, distributed_executor_backend={distributed_executor_backend!r}")
-    for key, value in env.items():
-        if key in environ and environ[key] != value:
-            raise ValueError(f"the environment sets {key}={environ[key]!r}, but weight_transfer="
-                             f"{weight_transfer!r} with these arguments needs {value!r}")
-    return env
+    if params.greedy and params.n > 1:
+        return [(i, j, 1) for i in prompt_indices for j in range(params.n)]
+    return [(i, 0, params.n) for i in prompt_indices]
 
 
 def prompt_length_error(prompt: Sequence[int], max_model_len: int) -> str:
@@ -226,6 +225,28 @@ def failed_samples(prompt: Sequence[int], group_id: int, params: SamplingParams,
     ]
 
 
+def _current_cuda_device() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
+def _hf_overrides(model_path: str, given: Any, *, max_position_embeddings: int | None,
+                  rope_theta: float | None) -> Any:
+    """``hf_overrides`` for ``vllm.LLM``: the checkpoint's RoPE (and the recipe's overrides), then ``given``."""
+    config = read_config_json(model_path)
+    if config is None:
+        if max_position_embeddings is not None or rope_theta is not None:
+            raise ValueError("max_position_embeddings / rope_theta overrides need a local model_path with a "
+                             f"config.json; got {model_path!r}")
+        return given if given is not None else {}
+    if given is not None and not isinstance(given, Mapping):
+        raise ValueError("engine_kwargs['hf_overrides'] must be a dict for this engine (it adds the "
+                         f"checkpoint's RoPE settings to it); got {type(given).__name__}")
+    ours = vllm_hf_overrides(config, max_position_embeddings=max_position_embeddings, rope_theta=rope_theta)
+    return {**ours, **dict(given or {})}
+
+
 @ROLLOUT_ENGINES.register("vllm")
 class VLLMRolloutEngine:
     """Rollout engine over ``vllm.LLM`` with sleep mode and in-memory weight sync (see module docstring).
@@ -235,8 +256,12 @@ class VLLMRolloutEngine:
     ``allow_insecure_serialization`` choose how weight buckets reach the workers; they are checked by
     :func:`weight_transfer_env` before vLLM is imported, and the env vars it returns are set here, in
     this process, before the engine (and its engine-core process, which inherits them) starts.
-    ``engine_kwargs`` pass through to ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``,
-    ``distributed_executor_backend``).
+    ``max_position_embeddings`` / ``rope_theta`` override the checkpoint's (the recipe's
+    ``model.max_position_embeddings`` / ``model.rope_theta``, which the trainer's model uses too); with
+    a local ``model_path`` the engine always passes the checkpoint's RoPE to vLLM as ``hf_overrides``
+    (:func:`~megatron_credit.rollout.vllm_setup.vllm_hf_overrides`). ``engine_kwargs`` pass through to
+    ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``, ``distributed_executor_backend``; a dict
+    ``hf_overrides`` there wins over ours).
     """
 
     def __init__(
@@ -253,6 +278,8 @@ class VLLMRolloutEngine:
         weight_transfer: str = "cuda_ipc",
         v1_multiprocessing: bool = True,
         allow_insecure_serialization: bool = False,
+        max_position_embeddings: int | None = None,
+        rope_theta: float | None = None,
         engine_kwargs: dict[str, Any] | None = None,
     ):
         if logprobs_mode not in _VLLM_LOGPROBS_MODE:
@@ -265,6 +292,11 @@ class VLLMRolloutEngine:
             allow_insecure_serialization=allow_insecure_serialization,
             distributed_executor_backend=engine_kwargs.get("distributed_executor_backend"), environ=os.environ,
         )
+        in_process = weight_transfer == "in_process"
+        alloc_env = sleep_mode_alloc_env(os.environ, in_process=in_process)
+        engine_kwargs["hf_overrides"] = _hf_overrides(model_path, engine_kwargs.get("hf_overrides"),
+                                                      max_position_embeddings=max_position_embeddings,
+                                                      rope_theta=rope_theta)
         try:
             import vllm
         except ImportError as e:
@@ -273,17 +305,31 @@ class VLLMRolloutEngine:
                 f"{VLLM_API_VERSION}): pip install 'megatron-credit[gpu]' on a GPU machine, or use the "
                 "'hf' engine"
             ) from e
+        device = None
+        if in_process and engine_kwargs.get("distributed_executor_backend") in (None, "uni"):
+            from vllm.v1.executor.abstract import UniProcExecutor
+
+            device = _current_cuda_device()
+            engine_kwargs["distributed_executor_backend"] = pinned_device_executor(UniProcExecutor, device)
         os.environ.update(env)  # vLLM reads these lazily, when the engine below starts
         self._vllm = vllm
         self.logprobs_mode = logprobs_mode
         self.sleep_level = sleep_level
         self.weight_transfer = weight_transfer
-        self._llm = vllm.LLM(
-            model=model_path, skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-            gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep_mode=True,
-            logprobs_mode=_VLLM_LOGPROBS_MODE[logprobs_mode], worker_extension_cls=WORKER_EXTENSION,
-            load_format=load_format, **engine_kwargs,
-        )
+        # The engine's processes inherit the environment as they start: without expandable segments.
+        previous = apply_env(alloc_env)
+        try:
+            self._llm = vllm.LLM(
+                model=model_path, skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
+                dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep_mode=True,
+                logprobs_mode=_VLLM_LOGPROBS_MODE[logprobs_mode], worker_extension_cls=WORKER_EXTENSION,
+                load_format=load_format, **engine_kwargs,
+            )
+        finally:
+            apply_env(previous)
+        if device is not None and _current_cuda_device() != device:
+            raise RuntimeError(f"building the in-process vLLM engine moved this process from cuda:{device} to "
+                               f"cuda:{_current_cuda_device()}")
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
         # "awake", "asleep", or "weights" (weights on the GPU, KV cache not yet re-allocated).
         self._state = "awake"
@@ -311,31 +357,32 @@ class VLLMRolloutEngine:
         gids = resolve_group_ids(len(prompts), group_ids)
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         errors = [prompt_length_error(p, self.max_model_len) for p in prompts]
-        ok = [i for i, err in enumerate(errors) if not err]
+        plan = request_plan([i for i, err in enumerate(errors) if not err], params)
         from vllm.inputs import TokensPrompt
 
-        # One vLLM seed per prompt (vLLM derives the n samples of a request from it), kept within 31 bits.
-        sampling = [self._vllm.SamplingParams(**vllm_sampling_kwargs(params, seed=row_seed(seed, gids[i], 0) >> 32))
-                    for i in ok]
+        # One vLLM seed per request (vLLM derives its n samples from it), kept within 31 bits.
+        sampling = [self._vllm.SamplingParams(**vllm_sampling_kwargs(
+            params, seed=row_seed(seed, gids[i], offset) >> 32, n=n)) for i, offset, n in plan]
         start = time.perf_counter()
-        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i in ok], sampling,
-                                     use_tqdm=False) if ok else []
+        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i, _, _ in plan],
+                                     sampling, use_tqdm=False) if plan else []
         wall = time.perf_counter() - start
-        by_prompt = dict(zip(ok, outputs))
+        by_prompt: dict[int, list[RolloutSample]] = {}
+        for (i, offset, _), out in zip(plan, outputs, strict=True):
+            by_prompt.setdefault(i, []).extend(
+                completion_to_sample(prompts[i], gids[i], c, params, wall_s=wall, sample_offset=offset)
+                for c in sorted(out.outputs, key=lambda c: c.index))
         samples: list[RolloutSample] = []
         for i, (prompt, g) in enumerate(zip(prompts, gids)):
-            if errors[i]:
-                samples += failed_samples(prompt, g, params, errors[i])
-                continue
-            samples += [completion_to_sample(prompt, g, c, params, wall_s=wall)
-                        for c in sorted(by_prompt[i].outputs, key=lambda c: c.index)]
+            samples += failed_samples(prompt, g, params, errors[i]) if errors[i] else by_prompt[i]
         return RolloutBatch(samples=samples, wall_s=wall)
 
     def update_weights(self, buckets: WeightBuckets) -> int:
-        """Load HF-named tensor buckets into every TP worker; returns the tensor count of rank 0.
+        """Load HF-named tensor buckets into every TP worker; returns the number of HF tensors sent.
 
         "cuda_ipc": each bucket is first put on this process's current GPU (a no-op for the actor's own
-        CUDA tensors), then sent as IPC handles; "in_process": tensors go by reference.
+        CUDA tensors), then sent as IPC handles; "in_process": tensors go by reference. While asleep,
+        only the weights are woken (the KV cache stays released until :meth:`wake_up`).
         """
         import torch
 
@@ -354,24 +401,35 @@ class VLLMRolloutEngine:
                 method, payload = "load_hf_weights", tensors
             try:
                 # Synchronous: ``tensors`` stay alive until every worker has copied them.
-                count += self._llm.collective_rpc(method, args=(payload,))[0]
+                self._llm.collective_rpc(method, args=(payload,))
             except Exception as e:  # e.g. KeyError / AssertionError from vLLM's weight loaders, or transport
                 names = [n for n, _ in tensors]
                 raise ValueError(f"vLLM weight sync ({self.weight_transfer}, worker method {method}) failed for the "
                                  f"bucket {names[:4]}{'...' if len(names) > 4 else ''}: {type(e).__name__}: {e}") from e
+            count += len(tensors)
             del tensors, payload
         self._llm.reset_prefix_cache()
         self._weights_valid = True
         return count
 
     def sleep(self) -> None:
-        if self._state != "asleep":
-            self._llm.sleep(level=self.sleep_level)
-            self._state = "asleep"
-            if self.sleep_level == 2:
-                self._weights_valid = False
+        """Release the weights (level 1: to host memory; level 2: dropped) and the KV cache.
+
+        In state "weights" (woken for a sync, KV cache still released) vLLM counts as asleep and would
+        ignore ``sleep``; the KV cache is woken first so that the weights are released again.
+        """
+        if self._state == "asleep":
+            return
+        if self._state == "weights":
+            self._llm.wake_up(tags=["kv_cache"])
+            self._state = "awake"
+        self._llm.sleep(level=self.sleep_level)
+        self._state = "asleep"
+        if self.sleep_level == 2:
+            self._weights_valid = False
 
     def wake_up(self) -> None:
+        """Re-allocate what :meth:`sleep` released (only the KV cache after a weight sync while asleep)."""
         if self._state == "asleep":
             self._llm.wake_up()
         elif self._state == "weights":

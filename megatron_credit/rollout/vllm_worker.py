@@ -13,11 +13,12 @@ How a bucket reaches the workers (see ``megatron_credit.rollout.vllm_engine`` fo
 
 - ``load_ipc_weights`` (vLLM's default multiprocess V1 mode): tensors cannot travel as tensors -- vLLM's
   msgpack transport copies CPU tensors to numpy (and the engine core decodes them as plain lists) and
-  rejects CUDA ones. As in vLLM's ``examples/offline_inference/rlhf_colocate.py``, the actor sends CUDA
-  IPC handles instead (:func:`pack_ipc_bucket`, from ``torch.multiprocessing.reductions.reduce_tensor``):
+  rejects CUDA ones. The actor sends CUDA IPC handles instead (:func:`pack_ipc_bucket`, from
+  ``torch.multiprocessing.reductions.reduce_tensor``, the handles of vLLM's
+  ``examples/offline_inference/rlhf_colocate.py``, which sends them through Ray actors instead):
   small picklable tuples; each worker maps the actor's GPU memory into its own process
   (:func:`unpack_ipc_bucket`) -- no copy, no host round trip. The handles hold a function and torch
-  classes, which vLLM's transport only pickles with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+  classes, which vLLM's msgpack transport only pickles with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
 - ``load_hf_weights`` (in-process executors): tensors are passed by reference.
 
 This module imports nothing from vLLM (and only torch) so that it can be imported, and its packing
@@ -115,13 +116,17 @@ class WeightSyncExtension:
             torch.cuda.empty_cache()
 
     def _load(self, weights, count: int) -> int:
+        """Hand ``weights`` to vLLM's ``model.load_weights``; returns ``count`` (the HF tensors received).
+
+        vLLM's own return value, the set of its parameter names touched (fused names such as
+        ``qkv_proj``, counted once per call), says nothing about how many HF tensors arrived.
+        """
         model = self.model_runner.model  # type: ignore[attr-defined]
-        loaded = model.load_weights(weights=weights)
+        model.load_weights(weights=weights)
         device = torch.device(self.device)  # type: ignore[attr-defined]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        # vLLM returns the set of parameter names it filled (fused names, e.g. qkv_proj), or None.
-        return count if loaded is None else len(loaded)
+        return count
 
     def hf_weight_names(self) -> list[str]:
         """The worker model's own parameter names (vLLM naming), for diagnostics."""

@@ -1,0 +1,330 @@
+"""CPU tests of the vLLM engine's state machine and argument translation against a stand-in ``vllm``
+module that enforces the rules of vLLM 0.11.0's source (read from the wheel, not run):
+
+- ``SamplingParams`` refuses greedy with ``n > 1`` (``sampling_params.py: _verify_greedy_sampling``);
+- ``check_stop`` (``v1/core/sched/utils.py``) tests the length limit before the stop tokens;
+- the executor's sleep bookkeeping (``executor/executor_base.py``): ``sleep`` while asleep and
+  ``wake_up(tags)`` naming a tag that is awake are no-ops, ``wake_up()`` maps every allocation again,
+  and mapping an allocation that is already mapped is a CUDA error (``device_allocator/cumem.py``);
+- ``CuMemAllocator`` asserts that ``PYTORCH_CUDA_ALLOC_CONF`` has no ``expandable_segments:True``;
+- ``UniProcExecutor`` takes its device from ``DeviceConfig`` (always bare "cuda": local rank 0) and
+  sets it as the current device (``executor/uniproc_executor.py``, ``v1/worker/gpu_worker.py``).
+"""
+import json
+import os
+import sys
+from types import ModuleType
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from megatron_credit.rollout import FinishStatus, SamplingParams
+from megatron_credit.rollout import vllm_engine
+from megatron_credit.rollout.vllm_engine import VLLMRolloutEngine, completion_to_sample
+from megatron_credit.rollout.vllm_setup import (pinned_device_executor, rope_from_config_dict,
+                                                sleep_mode_alloc_env, vllm_hf_overrides)
+
+_SAMPLING_EPS = 1e-5  # vllm/sampling_params.py
+
+
+def _fake_sampling_params(**kw):
+    if kw["temperature"] < _SAMPLING_EPS and kw["n"] > 1:
+        raise ValueError(f"n must be 1 when using greedy sampling, got {kw['n']}.")
+    return NS(**kw)
+
+
+class FakeUniProcExecutor:
+    """``UniProcExecutor``'s device choice: local rank from ``DeviceConfig.device`` ("cuda" -> 0)."""
+
+    set_device_calls: list = []
+
+    def __init__(self):
+        _, _, local_rank = self._distributed_args()
+        FakeUniProcExecutor.set_device_calls.append(local_rank)  # gpu_worker.init_device: set_device
+
+    def _distributed_args(self):
+        device_info = "cuda".split(":")
+        return "tcp://127.0.0.1:1", 0, int(device_info[1]) if len(device_info) > 1 else 0
+
+
+class FakeLLM:
+    """``vllm.LLM`` with the executor's sleep bookkeeping and the allocator's mapping rules."""
+
+    instances: list = []
+
+    def __init__(self, **kwargs):
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        assert "expandable_segments:True" not in conf, "Expandable segments are not compatible with memory pool."
+        self.kwargs, self.env_at_start = kwargs, dict(os.environ)
+        self.llm_engine = NS(model_config=NS(max_model_len=kwargs.get("max_model_len", 64)))
+        self.is_sleeping, self.sleeping_tags = False, set()
+        self.mapped = {"weights": True, "kv_cache": True}
+        self.noops, self.loaded, self.generate_calls = [], [], []
+        self.stream = lambda prompt, j: [prompt[0] + 100 + j + k for k in range(1000)]  # token script
+        backend = kwargs.get("distributed_executor_backend")
+        if isinstance(backend, type):
+            backend()
+        FakeLLM.instances.append(self)
+
+    def reset_prefix_cache(self):
+        pass
+
+    def sleep(self, level=1):
+        self.reset_prefix_cache()
+        if self.is_sleeping:
+            self.noops.append("sleep: already sleeping")
+            return
+        self.mapped = {"weights": False, "kv_cache": False}
+        self.sleeping_tags, self.is_sleeping = {"weights", "kv_cache"}, True
+
+    def wake_up(self, tags=None):
+        if not self.is_sleeping:
+            self.noops.append("wake_up: not sleeping")
+            return
+        if tags and any(t not in self.sleeping_tags for t in tags):
+            self.noops.append(f"wake_up: tag not sleeping {tags}")
+            return
+        for tag in tags or list(self.mapped):  # the allocator maps every allocation when tags is None
+            if self.mapped[tag]:
+                raise RuntimeError(f"CUDA error: cuMemMap of the already mapped {tag!r} allocation")
+            self.mapped[tag] = True
+        self.sleeping_tags = self.sleeping_tags - set(tags) if tags else set()
+        self.is_sleeping = bool(self.sleeping_tags)
+
+    def collective_rpc(self, method, args=()):
+        if not self.mapped["weights"]:
+            raise RuntimeError("CUDA error: illegal memory access (weights are not mapped)")
+        self.loaded.append([name for name, _ in args[0]])
+        return [len(args[0])]
+
+    def generate(self, prompts, sampling, use_tqdm):
+        if not all(self.mapped.values()):
+            raise RuntimeError("CUDA error: generate with unmapped weights or KV cache")
+        self.generate_calls.append([(p["prompt_token_ids"], s.n) for p, s in zip(prompts, sampling)])
+        outs = []
+        for p, s in zip(prompts, sampling):
+            comps = []
+            for j in range(s.n):
+                tokens, reason = [], None
+                for tok in self.stream(p["prompt_token_ids"], j):  # check_stop: length first, then stop ids
+                    tokens.append(tok)
+                    if len(tokens) >= s.max_tokens:
+                        reason = "length"
+                    elif tok in s.stop_token_ids:
+                        reason = "stop"
+                    if reason:
+                        break
+                comps.append(NS(index=j, token_ids=tokens, finish_reason=reason,
+                                logprobs=[{t: NS(logprob=-0.5)} for t in tokens]))
+            outs.append(NS(outputs=comps[::-1]))  # any order: the engine sorts by index
+        return outs
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    vllm = ModuleType("vllm")
+    vllm.SamplingParams, vllm.LLM = _fake_sampling_params, FakeLLM
+    inputs = ModuleType("vllm.inputs")
+    inputs.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    abstract = ModuleType("vllm.v1.executor.abstract")
+    abstract.UniProcExecutor = FakeUniProcExecutor
+    for name, mod in {"vllm": vllm, "vllm.inputs": inputs, "vllm.v1": ModuleType("vllm.v1"),
+                      "vllm.v1.executor": ModuleType("vllm.v1.executor"),
+                      "vllm.v1.executor.abstract": abstract}.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "VLLM_ENABLE_V1_MULTIPROCESSING",
+                "VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        monkeypatch.setenv(var, "")  # records the original value, so that what the engine sets is undone
+        monkeypatch.delenv(var)
+    FakeLLM.instances.clear()
+    FakeUniProcExecutor.set_device_calls.clear()
+    return vllm
+
+
+def _engine(**kw):
+    kw.setdefault("weight_transfer", "in_process")
+    if kw["weight_transfer"] == "in_process":
+        kw.setdefault("v1_multiprocessing", False)
+    else:
+        kw.setdefault("allow_insecure_serialization", True)
+    return VLLMRolloutEngine(model_path=kw.pop("model_path", "/nonexistent"), **kw)
+
+
+@pytest.fixture
+def on_cuda_device(monkeypatch):
+    monkeypatch.setattr(vllm_engine, "_current_cuda_device", lambda: 3)
+
+
+# ----------------------------------------------------------------------------------- greedy, stop tokens
+def test_greedy_with_n_samples_sends_n_single_requests(fake_vllm, on_cuda_device):
+    eng = _engine()
+    batch = eng.generate([[1, 2], [5]], SamplingParams(temperature=0, n=3, max_new_tokens=2), group_ids=[7, 9])
+    llm = FakeLLM.instances[0]
+    assert llm.generate_calls == [[([1, 2], 1)] * 3 + [([5], 1)] * 3]
+    assert [(s.group_id, s.sample_index) for s in batch.samples] == [(7, 0), (7, 1), (7, 2), (9, 0), (9, 1), (9, 2)]
+    # The fake's j-th completion of a request is index 0 here: every greedy request is one sample.
+    assert [s.response_ids for s in batch.samples][:3] == [[101, 102]] * 3
+    # Sampling keeps one request of n.
+    eng.generate([[1, 2]], SamplingParams(n=3, max_new_tokens=2, seed=0))
+    assert llm.generate_calls[-1] == [([1, 2], 3)]
+
+
+def test_stop_token_on_the_last_allowed_step_is_stopped(fake_vllm, on_cuda_device):
+    eng = _engine()
+    # Streams: sample j of prompt [1] yields 101 + j, 102 + j, ...; stop token 103 with 3 tokens allowed.
+    batch = eng.generate([[1]], SamplingParams(n=3, max_new_tokens=3, stop_token_ids=[103], seed=0))
+    got = [(s.response_ids, s.status) for s in batch.samples]
+    assert got == [([101, 102, 103], FinishStatus.STOPPED),   # vLLM: "length" (length checked first)
+                   ([102, 103], FinishStatus.STOPPED),        # vLLM: "stop"
+                   ([103], FinishStatus.STOPPED)]
+    truncated = eng.generate([[1]], SamplingParams(max_new_tokens=2, stop_token_ids=[103], seed=0)).samples[0]
+    assert truncated.status == FinishStatus.TRUNCATED and truncated.response_ids == [101, 102]
+
+
+def test_completion_to_sample_only_upgrades_length_with_a_final_stop_token():
+    c = NS(index=1, token_ids=[4, 2], finish_reason="length", logprobs=[{4: NS(logprob=-1.0)}, {2: NS(logprob=-2.0)}])
+    assert completion_to_sample([1], 0, c, SamplingParams(stop_token_ids=[2]), wall_s=0.0).status == FinishStatus.STOPPED
+    assert completion_to_sample([1], 0, c, SamplingParams(stop_token_ids=[4]), wall_s=0.0).status == FinishStatus.TRUNCATED
+    c.finish_reason = "abort"
+    assert completion_to_sample([1], 0, c, SamplingParams(stop_token_ids=[2]), wall_s=0.0).status == FinishStatus.FAILED
+    assert completion_to_sample([1], 0, c, SamplingParams(), wall_s=0.0, sample_offset=4).sample_index == 5
+
+
+# ----------------------------------------------------------------------------------------- sleep / wake
+def _sync(eng, value=1.0):
+    return eng.update_weights([[("model.embed_tokens.weight", torch.full((2, 2), value))],
+                               [("model.norm.weight", torch.ones(2)), ("lm_head.weight", torch.ones(2, 2))]])
+
+
+def test_sleep_after_a_weight_sync_then_wake_up(fake_vllm, on_cuda_device):
+    eng = _engine()
+    llm = FakeLLM.instances[0]
+    eng.sleep()
+    assert _sync(eng) == 3  # HF tensors sent
+    assert llm.mapped == {"weights": True, "kv_cache": False}
+    eng.sleep()  # e.g. the trainer's next phase: the weights must be released again, not ignored
+    assert llm.mapped == {"weights": False, "kv_cache": False} and "sleep: already sleeping" not in llm.noops
+    eng.wake_up()
+    assert llm.mapped == {"weights": True, "kv_cache": True} and not llm.is_sleeping
+    assert eng.generate([[1]], SamplingParams(max_new_tokens=1, seed=0)).samples[0].response_ids == [101]
+
+
+@pytest.mark.parametrize("sequence", [
+    ["sleep", "sync", "wake_up", "generate"],
+    ["sync", "generate", "sleep", "sleep", "wake_up", "wake_up", "generate"],
+    ["sleep", "sync", "sync", "sleep", "sync", "wake_up", "generate", "sleep", "wake_up", "generate"],
+])
+def test_sleep_wake_sync_sequences_keep_vllm_consistent(fake_vllm, on_cuda_device, sequence):
+    eng = _engine()
+    llm = FakeLLM.instances[0]
+    for op in sequence:
+        if op == "sync":
+            _sync(eng)
+        elif op == "generate":
+            assert eng.generate([[1]], SamplingParams(max_new_tokens=1, seed=0)).samples[0].status \
+                == FinishStatus.TRUNCATED
+        else:
+            getattr(eng, op)()
+        # The engine's view and vLLM's agree after every step.
+        expected = {"awake": (False, set()), "asleep": (True, {"weights", "kv_cache"}),
+                    "weights": (True, {"kv_cache"})}[eng._state]
+        assert (llm.is_sleeping, llm.sleeping_tags) == expected, (op, eng._state)
+    assert not any("tag not sleeping" in n for n in llm.noops)
+
+
+def test_level_2_sleep_needs_a_sync_before_generating(fake_vllm, on_cuda_device):
+    eng = _engine(sleep_level=2)
+    eng.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        eng.generate([[1]], SamplingParams(max_new_tokens=1))
+    eng.wake_up()
+    with pytest.raises(RuntimeError, match="no valid weights"):
+        eng.generate([[1]], SamplingParams(max_new_tokens=1))
+    _sync(eng)
+    assert eng.generate([[1]], SamplingParams(max_new_tokens=1, seed=0)).samples[0].response_ids == [101]
+
+
+# ------------------------------------------------------------------------------ allocator environment
+def test_expandable_segments_are_removed_for_the_engine_processes(fake_vllm, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:256")
+    _engine(weight_transfer="cuda_ipc")  # the fake LLM asserts as vLLM's CuMemAllocator does
+    assert FakeLLM.instances[0].env_at_start["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:256"  # restored
+
+
+def test_expandable_segments_refused_for_an_in_process_engine(fake_vllm, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    with pytest.raises(ValueError, match="expandable segments.*in-process"):
+        _engine()
+    assert not FakeLLM.instances
+
+
+def test_sleep_mode_alloc_env_cases():
+    assert sleep_mode_alloc_env({}, in_process=True) == {}
+    assert sleep_mode_alloc_env({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, in_process=False) == {
+        "PYTORCH_ALLOC_CONF": None}
+    with pytest.raises(ValueError, match="PYTORCH_ALLOC_CONF"):
+        sleep_mode_alloc_env({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, in_process=True)
+    assert sleep_mode_alloc_env({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, in_process=True) == {}
+
+
+# ------------------------------------------------------------------------------------ in-process device
+def test_in_process_engine_runs_on_the_trainer_ranks_gpu(fake_vllm, on_cuda_device):
+    eng = _engine()
+    backend = FakeLLM.instances[0].kwargs["distributed_executor_backend"]
+    assert issubclass(backend, FakeUniProcExecutor)
+    assert FakeUniProcExecutor.set_device_calls == [3]  # vLLM's own executor would have used (and set) 0
+    assert eng.weight_transfer == "in_process"
+    # An explicit external_launcher (device from LOCAL_RANK) and the multiprocess engine are left alone.
+    _engine(engine_kwargs={"distributed_executor_backend": "external_launcher"})
+    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the engine set it for this process (restored by the fixture)
+    _engine(weight_transfer="cuda_ipc")
+    assert [i.kwargs.get("distributed_executor_backend") for i in FakeLLM.instances[1:]] == ["external_launcher", None]
+
+
+def test_pinned_device_executor_keeps_the_rest_of_the_distributed_args():
+    cls = pinned_device_executor(FakeUniProcExecutor, 5)
+    assert cls.__new__(cls)._distributed_args() == ("tcp://127.0.0.1:1", 0, 5)
+
+
+# ------------------------------------------------------------------------------ RoPE for vLLM 0.11
+def _vllm_reads_rope_theta(config, model_type):
+    """What vLLM 0.11's model reads: ``getattr(config, "rope_theta", default)`` (qwen2.py / llama.py)."""
+    return getattr(config, "rope_theta", {"qwen2": 1000000, "llama": 10000}[model_type])
+
+
+@pytest.mark.parametrize("model_type,theta", [("qwen2", 10000.0), ("llama", 500000.0)])
+def test_hf_overrides_give_vllm_the_checkpoints_rope_theta(fake_vllm, on_cuda_device, tmp_path, model_type, theta):
+    from transformers import AutoConfig
+
+    # A config.json as the installed transformers writes it (5.x here: rope_theta inside rope_parameters).
+    AutoConfig.for_model(model_type, rope_theta=theta, max_position_embeddings=4096).save_pretrained(tmp_path)
+    _engine(model_path=str(tmp_path))
+    overrides = FakeLLM.instances[0].kwargs["hf_overrides"]
+    assert overrides["rope_theta"] == theta
+    config = AutoConfig.from_pretrained(tmp_path)  # what vLLM's get_config does, then config.update(overrides)
+    config.update(overrides)
+    assert _vllm_reads_rope_theta(config, model_type) == theta
+
+
+def test_hf_overrides_from_both_config_layouts_and_recipe_overrides():
+    llama31_v4 = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                  "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    llama31_v5 = {"rope_parameters": {"rope_theta": 500000.0, **llama31_v4["rope_scaling"]}}
+    want = {"rope_theta": 500000.0, "rope_scaling": llama31_v4["rope_scaling"]}
+    assert vllm_hf_overrides(llama31_v4) == want and vllm_hf_overrides(llama31_v5) == want
+    assert rope_from_config_dict({"rope_theta": 1e4, "rope_scaling": {"type": "default"}}) == (1e4, None)
+    assert vllm_hf_overrides({"rope_theta": 1e4}, max_position_embeddings=32768, rope_theta=3e5) == {
+        "rope_theta": 3e5, "max_position_embeddings": 32768}
+    with pytest.raises(ValueError, match="no rope_theta"):
+        vllm_hf_overrides({})
+
+
+def test_recipe_overrides_need_a_local_model_dir_and_user_overrides_win(fake_vllm, on_cuda_device, tmp_path):
+    with pytest.raises(ValueError, match="local model_path"):
+        _engine(rope_theta=1e6)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "rope_theta": 1e4}))
+    _engine(model_path=str(tmp_path), max_position_embeddings=20480,
+            engine_kwargs={"hf_overrides": {"rope_theta": 2e4}})
+    assert FakeLLM.instances[0].kwargs["hf_overrides"] == {"rope_theta": 2e4, "max_position_embeddings": 20480}
