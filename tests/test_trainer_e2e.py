@@ -217,7 +217,8 @@ def test_a_dapo_schema_jsonl_dataset_trains(pool, tmp_path):
         f.writelines(json.dumps(r) + "\n" for r in rows)
     out = pool.run(_train, str(tmp_path / "run"), "none",
                    ["data.source=dataset", f"data.train_path={tmp_path / 'train.jsonl'}",
-                    f"data.tokenizer_path={tmp_path / 'tok'}", "warmup.steps=0", "train.val_every=0",
+                    f"data.tokenizer_path={tmp_path / 'tok'}", "data.max_prompt_len=32", "warmup.steps=0",
+                    "train.val_every=0",
                     "model.architecture.vocab_size=96", "algorithm.name=ppo", "train.steps=2"])[0]
     assert [r["step"] for r in out] == [1, 2] and out[0]["actor/grad_norm"] > 0
     assert out[0]["mismatch/logprob_abs_mean"] < 1e-4

@@ -63,14 +63,23 @@ class Actor:
 
         self.recipe, self.hf_config = recipe, hf_config
         self.ps = ps
+        import os
+
+        path = recipe.model.name_or_path
+        # Weights come from a checkpoint: skip megatron's random init (minutes per rank at 32B);
+        # build_gpt_model then sets the TP attributes init would have set.
+        self.from_checkpoint = bool(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
         overrides = dict(calculate_per_token_loss=True)
+        if self.from_checkpoint:
+            overrides["perform_initialization"] = False
         if recipe.train.recompute == "full":
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         elif recipe.train.recompute == "selective":
             overrides.update(recompute_granularity="selective")
         self.config = transformer_config_from_hf(hf_config, parallel=recipe.parallel,
                                                  params_dtype=recipe.model.torch_dtype(), **overrides)
-        self.model = build_gpt_model(hf_config, self.config)
+        te = recipe.model.use_transformer_engine()
+        self.model = build_gpt_model(hf_config, self.config, use_transformer_engine=te)
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.with_critic = with_critic
         if with_critic and self.last_stage:
@@ -80,7 +89,7 @@ class Actor:
             self.model.value_head = head
         self.reference = None
         if with_reference:
-            self.reference = build_gpt_model(hf_config, self.config)
+            self.reference = build_gpt_model(hf_config, self.config, use_transformer_engine=te)
             self.reference.load_state_dict(self.model.state_dict(), strict=False)
             self.reference.requires_grad_(False).eval()
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -227,12 +236,10 @@ class Actor:
         them, else a ``transformers`` random init seeded with ``seed``. Either way every layout starts
         from the same full model (megatron's own init draws each pipeline stage's layers from a
         different point of the RNG stream). Returns where the weights came from."""
-        import os
-
         from megatron_credit.conversion import family_for_config, load_hf_into_local_state
 
         path = self.recipe.model.name_or_path
-        if path and any(f.endswith(".safetensors") for f in os.listdir(path)):
+        if self.from_checkpoint:
             from megatron_credit.conversion.hf_io import SafetensorsReader
 
             get, source = SafetensorsReader(path).get, f"HF weights of {path}"

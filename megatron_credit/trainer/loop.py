@@ -52,6 +52,11 @@ class Context:
     seq_multiple: int
     timer: PhaseTimer = dataclasses.field(default_factory=PhaseTimer)
 
+    def check_length(self, length: int) -> None:
+        from megatron_credit.models import check_sequence_length
+
+        check_sequence_length(self.actor.hf_config, length, what="a prompt + response")
+
     def lr(self) -> float:
         return self.recipe.optim.lr_at(self.actor.optimizer_steps)
 
@@ -165,6 +170,11 @@ def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
     if spec.needs_gates:
         raise ValueError(f"algorithm.name={recipe.algorithm.name!r} needs CompPO's attention gates, which "
                          "the trainer does not compute yet (the CompPO issue)")
+    if recipe.data.source == "dataset":
+        from megatron_credit.models import check_sequence_length
+
+        check_sequence_length(hf_config, recipe.data.max_prompt_len + r.max_response_len,
+                              what="data.max_prompt_len + rollout.max_response_len")
     if recipe.warmup.steps and recipe.data.source != "synthetic_arith":
         raise ValueError("warmup.steps > 0 needs data.source: synthetic_arith (real runs start from a "
                          "pretrained checkpoint)")

@@ -20,6 +20,7 @@ def rl_iteration(ctx, iteration: int) -> dict[str, float]:
     timer = ctx.timer
     with timer("rollout"):
         batch, rollout_metrics = ctx.rollouts.collect(iteration)  # engine + reward pool + dyn. sampling
+    ctx.check_length(int(batch.seq_lens.max()))
     plan = plan_microbatches(ctx, batch)
     with timer("old_logprob"):
         behaviour_pass(ctx, batch, plan)  # old_logp (+ values, ref_logp), same micro-batches as the update
