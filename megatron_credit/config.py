@@ -226,9 +226,16 @@ class RolloutConfig:
     """The one maximum response length: sampling budget, overlong shaping, Dr.GRPO's L."""
     max_batch_size: Optional[int] = None
     """Rows decoded together by the engine (None: all)."""
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the engine's constructor (vllm: tensor_parallel_size,
+    gpu_memory_utilization, weight_transfer, engine_kwargs, ...)."""
 
     def __post_init__(self) -> None:
         _positive(self, "rollout", "prompts_per_step", "n", "max_response_len")
+        from megatron_credit.rollout.engine import ROLLOUT_ENGINES
+        import megatron_credit.rollout  # noqa: F401  (registers the built-in engines)
+
+        ROLLOUT_ENGINES.get(self.engine)  # ValueError listing the valid names
         if not self.temperature > 0:
             raise ValueError(f"rollout.temperature must be > 0 for RL (greedy has no policy gradient), "
                              f"got {self.temperature}")

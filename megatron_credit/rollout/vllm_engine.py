@@ -377,6 +377,18 @@ class VLLMRolloutEngine:
             samples += failed_samples(prompt, g, params, errors[i]) if errors[i] else by_prompt[i]
         return RolloutBatch(samples=samples, wall_s=wall)
 
+    @classmethod
+    def from_recipe(cls, recipe, *, hf_config, options=None) -> "VLLMRolloutEngine":
+        """The trainer's engine: the checkpoint of ``model.name_or_path`` with the recipe's context / RoPE
+        overrides and seed; ``options`` (``rollout.engine_options``: tensor_parallel_size,
+        gpu_memory_utilization, weight_transfer, engine_kwargs, ...) are passed through."""
+        if not recipe.model.name_or_path:
+            raise ValueError("rollout.engine=vllm needs model.name_or_path (a Hugging Face checkpoint folder)")
+        kwargs = {"model_path": recipe.model.name_or_path, "seed": recipe.seed,
+                  "max_position_embeddings": recipe.model.max_position_embeddings,
+                  "rope_theta": recipe.model.rope_theta, **dict(options or {})}
+        return cls(**kwargs)
+
     def update_weights(self, buckets: WeightBuckets) -> int:
         """Load HF-named tensor buckets into every TP worker; returns the number of HF tensors sent.
 

@@ -34,12 +34,9 @@ class RolloutManager:
         self.is_src = dist.get_rank() == replica_src
         self.engine = self.pool = None
         if self.is_src:
-            from megatron_credit.rollout import build_rollout_engine
+            from megatron_credit.rollout.engine import build_rollout_engine_for_recipe
 
-            kwargs = {"hf_config": hf_config, "max_batch_size": recipe.rollout.max_batch_size}
-            if recipe.rollout.engine != "hf":
-                kwargs = {"hf_config": hf_config}
-            self.engine = build_rollout_engine(recipe.rollout.engine, **kwargs)
+            self.engine = build_rollout_engine_for_recipe(recipe, hf_config=hf_config)
             if recipe.reward.num_workers > 0:
                 from megatron_credit.rewards.pool import RewardPool, RewardPoolConfig
 
