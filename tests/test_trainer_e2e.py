@@ -222,3 +222,11 @@ def test_a_dapo_schema_jsonl_dataset_trains(pool, tmp_path):
                     "model.architecture.vocab_size=96", "algorithm.name=ppo", "train.steps=2"])[0]
     assert [r["step"] for r in out] == [1, 2] and out[0]["actor/grad_norm"] > 0
     assert out[0]["mismatch/logprob_abs_mean"] < 1e-4
+
+
+def test_kl_penalty_to_a_frozen_reference(pool, tmp_path):
+    """``algorithm.kl_coef > 0``: the reference pass runs with the update's plan; k3 KL is >= 0, and 0 on
+    the first mini-batch of the first iteration (policy == reference), so the mean over the run is small."""
+    rows = pool.run(_train, str(tmp_path), "none", ["algorithm.name=grpo", "algorithm.kl_coef=0.05"])[0]
+    assert all(r["actor/kl_ref"] >= 0.0 for r in rows) and rows[1]["actor/kl_ref"] > 0.0
+    assert rows[0]["actor/kl_ref"] < rows[1]["actor/kl_ref"]

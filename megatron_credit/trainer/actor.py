@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -273,15 +272,3 @@ class Actor:
         if self.reference is not None:
             state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("value_head.")}
             self.reference.load_state_dict(state, strict=False)
-
-
-def finite_all(x: torch.Tensor, group=None) -> bool:
-    """Whether ``x`` is finite on every rank of ``group`` (one all-reduce)."""
-    bad = torch.tensor([0.0 if bool(torch.isfinite(x).all()) else 1.0])
-    if dist.is_initialized():
-        dist.all_reduce(bad, group=group)
-    return float(bad) == 0.0
-
-
-def math_isfinite(x: float) -> bool:
-    return math.isfinite(x)

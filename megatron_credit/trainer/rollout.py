@@ -138,16 +138,12 @@ class RolloutManager:
         metrics = self._dp_mean({
             "reward/mean": batch.rewards.mean(), "accuracy/mean": batch.correct.float().mean(),
             "response_length/mean": padded.response_lens.float().mean(),
-            "response_length/max": padded.response_lens.float().max(),
             "response/truncated_frac": (status == int(FinishStatus.TRUNCATED)).float().mean(),
             "rollout/draws": torch.tensor(float(draws)),
             "rollout/kept_group_frac": torch.tensor(len(kept) / max(drawn_groups, 1)),
             "time/rollout_engine_s": torch.tensor(wall)})
         metrics["rollout/tokens"] = self._dp_sum(batch.seq_lens.sum().float())
         return batch, metrics
-
-    def batch_metrics(self, batch: TrainBatch) -> dict[str, float]:
-        return {}
 
     def validate(self, iteration: int) -> dict[str, float]:
         """Avg@k on the held-out prompts (sampled at the rollout temperature), over all DP ranks."""

@@ -36,9 +36,7 @@ def rl_iteration(ctx, iteration: int) -> dict[str, float]:
                 update_minibatch(ctx, batch, mini, stats)
     with timer("sync"):
         ctx.rollouts.sync_weights()
-    metrics = {**rollout_metrics, **ctx.reduce_stats(stats)}
-    metrics.update(ctx.rollouts.batch_metrics(batch))
-    return metrics
+    return {**rollout_metrics, **ctx.reduce_stats(stats)}
 
 
 # --------------------------------------------------------------------------------------------- parts
@@ -64,11 +62,12 @@ def microbatches(ctx, batch: TrainBatch, mini: list[list[int]]):
 def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
     """Recompute ``old_logp`` (and critic ``values``, reference ``ref_logp``) with the update's plan."""
     actor = ctx.actor
-    fields = {"logp": "old_logp", "values": "values"}
-    if ctx.recipe.algorithm.kl_coef > 0:
-        fields_ref = {"logp": "ref_logp"}
-    for name in set(fields.values()) | ({"ref_logp"} if ctx.recipe.algorithm.kl_coef > 0 else set()):
-        setattr(batch, name, torch.zeros(batch.loss_mask.shape, dtype=torch.float32))
+    with_ref = ctx.recipe.algorithm.kl_coef > 0
+    # (output of the pass -> TrainBatch field, run on the reference model?)
+    passes = [({"logp": "old_logp", "values": "values"}, False)] + ([({"logp": "ref_logp"}, True)] if with_ref else [])
+    for mapping, _ in passes:
+        for field in mapping.values():
+            setattr(batch, field, torch.zeros(batch.loss_mask.shape, dtype=torch.float32))
 
     def keep(mb, logp, ent, values):
         out = {"logp": logp.detach()}
@@ -78,7 +77,6 @@ def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
 
     for mini in plan:
         mbs = microbatches(ctx, batch, mini)
-        passes = [(fields, False)] + ([(fields_ref, True)] if ctx.recipe.algorithm.kl_coef > 0 else [])
         for mapping, reference in passes:
             for mb, out in zip(mbs, actor.run(mbs, keep, forward_only=True, reference=reference)):
                 for key, field in mapping.items():
