@@ -260,21 +260,88 @@ class PPOParams:
         return {"clip_eps": self.clip_eps}
 
 
+GATE_CONTROLS = ("dynamic", "fixed", "shuffle", "position")
+CRITICS = ("tac", "standard")
+
+
 @dataclass(frozen=True, kw_only=True)
-class CompGAEParams(DAPOParams):
-    """CompPO (trained through the trainer in its own issue)."""
+class CompPOFields:
+    """CompPO's own knobs (DESIGN.md "CompPO"): the gate, its controls, the critic, the phase controller.
+
+    Shared by ``comppo`` (PPO clip) and ``comppo_fipo`` (FIPO's Future-KL weighted loss)."""
 
     lam: float = 0.95
     """Comp-GAE lambda."""
-    whiten_advantages: bool = False
-    """Whiten advantages over the global batch."""
+    k_lo: float = 0.1
+    """Lower end of the gate envelope."""
+    k_hi: float = 0.9
+    """Upper end of the gate envelope."""
+    gate_tau: float = 4.0
+    """Sharpness of the gate's sigmoid in the normalised concentration."""
+    gate_control: str = "dynamic"
+    """``dynamic`` (the gate from attention), ``fixed`` (``fixed_gate`` everywhere), ``shuffle`` (a global
+    permutation of the batch's gates over valid response positions) or ``position`` (mean gate in
+    ``position_bins`` bins of t/T, collected for ``position_steps`` iterations, then frozen)."""
+    fixed_gate: float = 0.61
+    """The ``fixed`` control's gate (the paper's mean gate on math)."""
+    position_bins: int = 20
+    """Bins of relative position t/T of the ``position`` control."""
+    position_steps: int = 10
+    """Iterations whose dynamic gates build the ``position`` schedule (dynamic gates are used meanwhile)."""
+    critic: str = "tac"
+    """``tac`` (the transport-aligned critic) or ``standard`` (a value head on the final hidden state)."""
+    critic_layers: int = 4
+    """TAC: how many of the last layers' hidden states are fused (L')."""
+    critic_top_k: int = 64
+    """TAC: keys of the final-layer attention pooled into the history summary."""
+    critic_warmup_steps: int = 0
+    """Iterations the critic trains before its values enter the advantages (V = 0 until then)."""
+    value_clamp: float = 1.0
+    """The critic's output is clamped to ``[-value_clamp, value_clamp]``."""
     vf_coef: float = 0.5
     """Weight of the value loss."""
-    value_clip: Optional[float] = 0.2
-    """Value-loss clip."""
+    value_clip: Optional[float] = 0.5
+    """Value-loss clip (None: unclipped)."""
+    adv_clip: Optional[float] = 5.0
+    """Advantages are clipped to ``[-adv_clip, adv_clip]`` (None: off)."""
+    whiten_advantages: bool = False
+    """Whiten advantages over the global batch."""
+    phase_controller: bool = False
+    """Run the stable / warning / strong / hard-stop controller (``credit.phase``) on each step's metrics."""
+
+    def __post_init__(self) -> None:
+        if getattr(super(), "__post_init__", None):
+            super().__post_init__()
+        if not 0.0 <= self.k_lo <= self.k_hi <= 1.0:
+            raise ValueError(f"algorithm.params: need 0 <= k_lo <= k_hi <= 1, got k_lo={self.k_lo}, k_hi={self.k_hi}")
+        if self.gate_control not in GATE_CONTROLS:
+            raise ValueError(f"algorithm.params.gate_control={self.gate_control!r}: valid values {list(GATE_CONTROLS)}")
+        if self.critic not in CRITICS:
+            raise ValueError(f"algorithm.params.critic={self.critic!r}: valid values {list(CRITICS)}")
+        for name in ("position_bins", "critic_layers", "critic_top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"algorithm.params.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.fixed_gate <= 1.0:
+            raise ValueError(f"algorithm.params.fixed_gate must be in [0, 1], got {self.fixed_gate}")
 
     def estimator_kwargs(self) -> dict:
         return {"lam": self.lam}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompPPOParams(CompPOFields):
+    """CompPO: Comp-GAE advantages, PPO's symmetric clip (the paper's Table 13)."""
+
+    clip_eps: float = 0.2
+    """Policy clip range (the phase controller moves it)."""
+
+    def loss_kwargs(self) -> dict:
+        return {"clip_eps": self.clip_eps}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompFIPOParams(CompPOFields, FIPOParams):
+    """``comppo_fipo``: Comp-GAE advantages inside FIPO's Future-KL weighted DAPO loss."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -354,8 +421,10 @@ for _name, _spec in {
                          params_cls=PPOParams, needs_critic=True),
     "fipo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="fipo", loss_agg_mode="token-mean",
                           params_cls=FIPOParams),
-    "compo": AlgorithmSpec(advantage_estimator="comp_gae", policy_loss="dapo", loss_agg_mode="token-mean",
-                           params_cls=CompGAEParams, needs_critic=True, needs_gates=True),
+    "comppo": AlgorithmSpec(advantage_estimator="comp_gae", policy_loss="ppo", loss_agg_mode="token-mean",
+                            params_cls=CompPPOParams, needs_critic=True, needs_gates=True),
+    "comppo_fipo": AlgorithmSpec(advantage_estimator="comp_gae", policy_loss="fipo", loss_agg_mode="token-mean",
+                                 params_cls=CompFIPOParams, needs_critic=True, needs_gates=True),
 }.items():
     ALGORITHMS.add(_name, _spec)
 

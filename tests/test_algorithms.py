@@ -10,20 +10,20 @@ from megatron_credit.losses.policy import ppo_clip_loss
 
 
 def test_every_algorithm_is_registered_and_consistent():
-    assert ALGORITHMS.names() == ["compo", "dapo", "dr_grpo", "fipo", "grpo", "gspo", "ppo", "rloo"]
+    assert ALGORITHMS.names() == ["comppo", "comppo_fipo", "dapo", "dr_grpo", "fipo", "grpo", "gspo", "ppo", "rloo"]
     assert ADVANTAGE_ESTIMATORS.names() == ["comp_gae", "dr_grpo", "gae", "grpo", "rloo"]
     assert POLICY_LOSSES.names() == ["dapo", "fipo", "gspo", "ppo"]
     for name in ALGORITHMS:
         spec = ALGORITHMS.get(name)
         assert spec.advantage_estimator in ADVANTAGE_ESTIMATORS and spec.policy_loss in POLICY_LOSSES
         assert spec.needs_critic == (spec.advantage_estimator in ("gae", "comp_gae"))
-    assert ALGORITHMS.get("compo").needs_gates and not ALGORITHMS.get("ppo").needs_gates
+    assert ALGORITHMS.get("comppo").needs_gates and not ALGORITHMS.get("ppo").needs_gates
 
 
 def test_duplicates_and_unknown_names_are_refused():
     with pytest.raises(ValueError, match="already registered"):
         POLICY_LOSSES.add("dapo", ppo_clip_loss)
-    with pytest.raises(ValueError, match=r"unknown algorithm 'grpo2'; valid names: \['compo', 'dapo'"):
+    with pytest.raises(ValueError, match=r"unknown algorithm 'grpo2'; valid names: \['comppo', 'comppo_fipo'"):
         ALGORITHMS.get("grpo2")
     with pytest.raises(ValueError, match="valid names"):
         AlgorithmSpec(advantage_estimator="gae", policy_loss="trpo", loss_agg_mode="token-mean")

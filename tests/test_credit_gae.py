@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_credit.credit.gae import comp_gae, gae
-from megatron_credit.credit.gates import compo_gate, concentration_from_lse, normalized_concentration
+from megatron_credit.credit.gates import comppo_gate, concentration_from_lse, normalized_concentration
 from tests.distributed_harness import DistributedPool, block_subgroup, load_balanced_shard
 
 
@@ -130,12 +130,12 @@ def test_gae_float32_and_detached():
         comp_gae(r, v, kappa[:, :-1], mask, lam=0.95)
 
 
-def test_compo_gate_matches_formula():
+def test_comppo_gate_matches_formula():
     g = torch.Generator().manual_seed(0)
     n = torch.randint(1, 50, (200,), generator=g)
     # A valid concentration lies in [1/n, 1].
     h = 1.0 / n + torch.rand(200, generator=g, dtype=torch.float64) * (1.0 - 1.0 / n)
-    kappa = compo_gate(h, n, k_lo=0.1, k_hi=0.9, tau=4.0)
+    kappa = comppo_gate(h, n, k_lo=0.1, k_hi=0.9, tau=4.0)
     for i in range(200):
         c = 1.0 if n[i] == 1 else (float(h[i]) - 1 / int(n[i])) / (1 - 1 / int(n[i]))
         ref = 0.1 + 0.8 / (1 + math.exp(-4.0 * (c - 0.5)))
@@ -145,7 +145,7 @@ def test_compo_gate_matches_formula():
     torch.testing.assert_close(normalized_concentration(torch.tensor([0.25, 1.0, 1.0]), torch.tensor([4, 4, 1])),
                                torch.tensor([0.0, 1.0, 1.0]))
     with pytest.raises(ValueError):
-        compo_gate(h, n, k_lo=0.9, k_hi=0.1)
+        comppo_gate(h, n, k_lo=0.9, k_hi=0.1)
 
 
 def test_concentration_from_lse():

@@ -9,7 +9,7 @@ comes from two online log-sum-exps, ``sum_i a_i**2 = exp(LSE(2 s) - 2 LSE(s))`` 
 the model code computes over key chunks; :func:`concentration_from_lse` is that last step.
 
 >>> import torch
->>> compo_gate(torch.tensor([0.25, 1.0]), torch.tensor([4, 4]), tau=4.0)
+>>> comppo_gate(torch.tensor([0.25, 1.0]), torch.tensor([4, 4]), tau=4.0)
 tensor([0.1954, 0.8046])
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ def normalized_concentration(h: torch.Tensor, n_visible: torch.Tensor) -> torch.
     return torch.where(n_visible > 1, (h - inv_n) / denom, torch.ones_like(h))
 
 
-def compo_gate(h: torch.Tensor, n_visible: torch.Tensor, *, k_lo: float = 0.1, k_hi: float = 0.9,
+def comppo_gate(h: torch.Tensor, n_visible: torch.Tensor, *, k_lo: float = 0.1, k_hi: float = 0.9,
                tau: float = 4.0) -> torch.Tensor:
     """Gate ``kappa`` (detached) from concentration ``h`` and visible-key counts ``n_visible``."""
     if not 0.0 <= k_lo <= k_hi <= 1.0:
