@@ -33,9 +33,10 @@ import torch.distributed as dist
 
 from megatron_credit.trainer.batch import MicroBatch
 
-LossFn = Callable[[MicroBatch, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]],
+LossFn = Callable[[MicroBatch, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], dict],
                   tuple[torch.Tensor, dict[str, torch.Tensor]]]
-"""``(mb, logp [b, s], entropy [b, s] or None, values [b, s] or None) -> (loss, stats)``."""
+"""``(mb, logp [b, s], entropy [b, s] or None, values [b, s] or None, aux) -> (loss, stats)``; ``aux``: the
+final layer's attention statistics when :meth:`Actor.run` captures them, else ``{}``."""
 
 
 @contextlib.contextmanager
@@ -55,7 +56,15 @@ def _final_hidden_states(model):
 class Actor:
     """This rank's stage of the policy (and value head), its optimizer, and the schedules."""
 
-    def __init__(self, *, hf_config, recipe, with_critic: bool, with_reference: bool):
+    def __init__(self, *, hf_config, recipe, with_critic: bool, with_reference: bool,
+                 critic_factory: Optional[Callable[[], torch.nn.Module]] = None, capture_top_k: Optional[int] = None,
+                 gate_fn: Optional[Callable] = None, critic_layers: int = 1):
+        """``critic_factory``: builds the value head of the last stage (default: a zero-initialised linear
+        head on the actor's trunk, PPO). A factory's module (CompPO's critics) reads detached actor
+        features: ``(layers, history, topk_idx, topk_w, kappa)``, the last ``critic_layers`` layers'
+        outputs among them. ``capture_top_k`` (CompPO): build the final layer with the attention capture
+        and collect ``H``, ``n`` and the top-K keys during the behaviour pass; ``gate_fn(H, n) -> kappa``
+        maps them to the dynamic gate."""
         from megatron.core import parallel_state as ps
 
         from megatron_credit.models import build_gpt_model, transformer_config_from_hf
@@ -78,13 +87,23 @@ class Actor:
         self.config = transformer_config_from_hf(hf_config, parallel=recipe.parallel,
                                                  params_dtype=recipe.model.torch_dtype(), **overrides)
         te = recipe.model.use_transformer_engine()
-        self.model = build_gpt_model(hf_config, self.config, use_transformer_engine=te)
+        self.capture_top_k, self.gate_fn = capture_top_k, gate_fn
+        capture = {"capture_final_attention": True} if capture_top_k is not None else {}
+        self.model = build_gpt_model(hf_config, self.config, use_transformer_engine=te, **capture)
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.with_critic = with_critic
+        self.feature_critic = critic_factory is not None  # reads detached features, clipped on its own
+        self._layer_outputs: list = []
+        self._collect = False
+        self.last_critic_grad_norm: Optional[torch.Tensor] = None
         if with_critic and self.last_stage:
-            head = torch.nn.Linear(hf_config.hidden_size, 1, dtype=recipe.model.torch_dtype())
-            torch.nn.init.zeros_(head.weight)  # zero-initialised: V = 0 until the critic learns
-            torch.nn.init.zeros_(head.bias)
+            if critic_factory is not None:
+                head = critic_factory()
+                self._hook_layer_outputs(critic_layers - 1)
+            else:
+                head = torch.nn.Linear(hf_config.hidden_size, 1, dtype=recipe.model.torch_dtype())
+                torch.nn.init.zeros_(head.weight)  # zero-initialised: V = 0 until the critic learns
+                torch.nn.init.zeros_(head.bias)
             self.model.value_head = head
         self.reference = None
         if with_reference:
@@ -103,6 +122,18 @@ class Actor:
         self.optimizer_steps = 0
 
     # -- building ------------------------------------------------------------------------------------
+    def _hook_layer_outputs(self, count: int) -> None:
+        """Keep the outputs ``[s, b, H]`` (detached) of this stage's last ``count`` decoder layers before the
+        final one, for a feature critic (the final layer's output reaches it after the final norm)."""
+        layers = list(self.model.decoder.layers)[:-1][-count:] if count > 0 else []
+
+        def keep(_module, _inputs, output):
+            if self._collect:
+                self._layer_outputs.append((output[0] if isinstance(output, tuple) else output).detach())
+
+        for layer in layers:
+            layer.register_forward_hook(keep)
+
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW; no decay on biases and norms (1-D); the value head in its own group (``critic_lr``)."""
         o = self.recipe.optim
@@ -129,13 +160,16 @@ class Actor:
 
     # -- schedules -----------------------------------------------------------------------------------
     def run(self, microbatches: Sequence[MicroBatch], loss_fn: LossFn, *, forward_only: bool,
-            reference: bool = False) -> list[dict[str, torch.Tensor]]:
+            reference: bool = False, capture: bool = False) -> list[dict[str, torch.Tensor]]:
         """Run ``microbatches`` through megatron's forward(-backward) schedule.
 
         ``loss_fn`` runs on the last stage per micro-batch (see the module docstring for the loss
         scale). Gradients accumulate into ``.grad`` (call :meth:`optimizer_step` after a mini-batch).
         Returns the stats dict of each micro-batch on the last stage, ``[]`` elsewhere.
         All micro-batches must have one shape when PP > 1 (megatron communicates fixed shapes).
+        ``capture`` (CompPO's behaviour pass): the final layer also computes its attention statistics;
+        ``loss_fn`` then gets them as ``aux`` (``H``, ``n``, ``kappa``, ``topk_idx``, ``topk_w``: whole
+        rows ``[b, seq_len(, K)]``, 0 before the micro-batch's first response position); else ``aux`` is {}.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -158,17 +192,27 @@ class Actor:
             logp, ent = logprobs_from_hidden(h, self.output_weight(model), mb.tensors["labels"],
                                              tp_group=self.tp_group if self.tp_size > 1 else None,
                                              chunk_size=chunk, temperature=temperature)
+            aux = self._captured(mb) if capture else {}
             values = None
             if self.with_critic and not reference:
-                values = model.value_head(h).squeeze(-1).float()
-            loss, stats = loss_fn(mb, logp, ent, values)
+                values = self._values(model.value_head, mb, h, aux)
+            loss, stats = loss_fn(mb, logp, ent, values, aux)
             num_tokens = mb.tensors["loss_mask"].sum().to(torch.int)
             return loss, num_tokens, stats
 
         def forward_step(data_iterator: Iterator[MicroBatch], model_chunk):
             mb = next(data_iterator)
-            with _final_hidden_states(model_chunk) if self.last_stage else contextlib.nullcontext():
-                out = model_chunk(mb.tensors["input_ids"], mb.position_ids, None)
+            if capture and self.last_stage:
+                model_chunk.final_attention_capture.arm(query_start=mb.query_start, top_k=self.capture_top_k)
+            self._collect = self.feature_critic and self.last_stage and not reference
+            self._layer_outputs = []
+            try:
+                with _final_hidden_states(model_chunk) if self.last_stage else contextlib.nullcontext():
+                    out = model_chunk(mb.tensors["input_ids"], mb.position_ids, None)
+            finally:
+                self._collect = False
+                if capture and self.last_stage:
+                    model_chunk.final_attention_capture.disarm()
             return out, functools.partial(loss_func, mb)
 
         first = microbatches[0]
@@ -182,15 +226,53 @@ class Actor:
                 seq_length=first.seq_len, micro_batch_size=first.num_rows, forward_only=forward_only)
         return list(out) if self.last_stage else []
 
+    # -- CompPO: attention statistics and the feature critic ---------------------------------------------
+    def _captured(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
+        """The final layer's statistics of this micro-batch as whole rows ``[b, seq_len(, K)]`` (identical on
+        every TP / CP rank), plus the dynamic gate ``kappa`` (0 before ``query_start``)."""
+        res = self.model.final_attention_capture.result
+        q0, b, s = mb.query_start, mb.num_rows, mb.seq_len
+        h, n = res["H"].float(), res["n"]
+        kappa = self.gate_fn(h, n).float()
+
+        def whole(x, fill=0):
+            full = x.new_full((b, s, *x.shape[2:]), fill)
+            full[:, q0:] = x
+            return full
+
+        out = {"H": whole(h), "n": whole(n), "kappa": whole(kappa)}
+        if "topk_idx" in res:
+            out["topk_idx"] = whole(res["topk_idx"])
+            out["topk_w"] = whole(res["topk_w"].float())
+        return out
+
+    def _values(self, head, mb: MicroBatch, h: torch.Tensor, aux: dict) -> torch.Tensor:
+        """``[b, s]`` values of this rank's tokens: the PPO head on the trunk, or a feature critic on
+        detached features (the top-K keys and the gate from ``aux`` in the behaviour pass, from the
+        micro-batch's stored ones in the update)."""
+        if not self.feature_critic:
+            return head(h).squeeze(-1).float()
+        from megatron_credit.data.context_parallel import gather_from_cp, split_for_cp
+
+        cp = self.cp_group if self.cp_size > 1 else None
+        if aux:
+            local = {k: split_for_cp(aux[k], cp_size=self.cp_size, cp_rank=self.cp_rank)
+                     for k in ("kappa", "topk_idx", "topk_w") if k in aux}
+        else:
+            local = {k: mb.tensors[k] for k in ("kappa", "topk_idx", "topk_w") if k in mb.tensors}
+        layers = [x.transpose(0, 1) for x in self._layer_outputs] + [h.detach()]
+        history = gather_from_cp(h.detach(), cp_group=cp) if cp is not None else h.detach()
+        return head(layers, history, local.get("topk_idx"), local.get("topk_w"), local["kappa"]).float()
+
     # -- the optimizer step --------------------------------------------------------------------------
-    def global_grad_norm(self) -> torch.Tensor:
-        """L2 norm of the whole model's gradient, the same on every rank (float64).
+    def global_grad_norm(self, params=None) -> torch.Tensor:
+        """L2 norm of the gradient of ``params`` (default: the whole model), the same on every rank (float64).
 
         Megatron's counting: TP-sharded parameters add their shard on every TP rank; parameters
         replicated over TP are counted on TP rank 0 only; the last stage's copy of a tied embedding
         (``shared``) is not counted; stages are summed over PP."""
         sq = torch.zeros((), dtype=torch.float64)
-        for p in self.model.parameters():
+        for p in self.model.parameters() if params is None else params:
             if p.grad is None or getattr(p, "shared", False):
                 continue
             if not getattr(p, "tensor_model_parallel", False) and self.tp_rank != 0:
@@ -201,33 +283,52 @@ class Actor:
                 dist.all_reduce(sq, group=group)
         return sq.sqrt()
 
-    def optimizer_step(self, *, lr: float, loss_finite: bool = True) -> tuple[torch.Tensor, bool]:
+    def _param_sets(self) -> list[list[torch.nn.Parameter]]:
+        """Parameter sets clipped separately: the whole model, or (feature critic) policy and critic."""
+        if not self.feature_critic:
+            return [list(self.model.parameters())]
+        policy, critic = [], []
+        for name, p in self.model.named_parameters():
+            (critic if name.startswith("value_head.") else policy).append(p)
+        return [policy, critic]  # the critic set is empty off the last stage; the norms still all-reduce
+
+    def optimizer_step(self, *, lr: float, loss_finite: bool = True, clip: Optional[float] = None,
+                       critic_clip: Optional[float] = None, critic_lr_scale: float = 1.0) -> tuple[torch.Tensor, bool]:
         """Reduce gradients, clip, step; returns ``(grad_norm, applied)``.
 
-        A step whose gradient norm (or loss) is not finite is skipped: gradients are dropped, the
-        parameters and the optimizer state are untouched."""
+        ``clip`` (default ``optim.clip_grad``) bounds the gradient norm; a feature critic (CompPO's,
+        detached from the policy) is clipped on its own to ``critic_clip`` (default ``clip``) and its norm
+        kept in ``last_critic_grad_norm``; the returned norm is then the policy's. ``critic_lr_scale``
+        multiplies the critic group's learning rate. A step whose gradient norm (or loss) is not finite is
+        skipped: gradients are dropped, the parameters and the optimizer state are untouched."""
         from megatron_credit.distributed import grads
 
         ps = self.ps
         grads.finalize_gradients(
             self.model, dp_cp_group=self.dp_cp_group, tp_group=self.tp_group,
             embedding_group=ps.get_embedding_group() if ps.is_rank_in_embedding_group() else None)
-        norm = self.global_grad_norm()
-        ok = bool(torch.isfinite(norm)) and loss_finite
+        clip = self.recipe.optim.clip_grad if clip is None else clip
+        sets = self._param_sets()
+        clips = [clip, clip if critic_clip is None else critic_clip][: len(sets)]
+        norms = [self.global_grad_norm(ps_) for ps_ in sets]
+        self.last_critic_grad_norm = norms[1] if len(norms) > 1 else None
+        ok = all(bool(torch.isfinite(n)) for n in norms) and loss_finite
         if ok:
-            clip = self.recipe.optim.clip_grad
-            if clip > 0 and float(norm) > clip:
-                coef = clip / (float(norm) + 1e-6)
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(coef)
+            for params, norm, c in zip(sets, norms, clips):
+                if c > 0 and float(norm) > c:
+                    coef = c / (float(norm) + 1e-6)
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+            critic_ids = {id(p) for p in sets[1]} if len(sets) > 1 else set()
             for g in self.optimizer.param_groups:
-                g["lr"] = lr * g.get("lr_scale", 1.0)
+                is_critic = id(g["params"][0]) in critic_ids
+                g["lr"] = lr * g.get("lr_scale", 1.0) * (critic_lr_scale if is_critic else 1.0)
             self.optimizer.step()
             self.optimizer_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
-        return norm, ok
+        return norms[0], ok
 
     # -- weights in ------------------------------------------------------------------------------------
     def load_initial_weights(self, *, seed: int) -> str:

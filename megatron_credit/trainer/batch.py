@@ -22,9 +22,10 @@ import torch
 
 from megatron_credit.data.context_parallel import split_for_cp
 
-# Per-token [B, T] fields, in label space; sliced, padded and CP-split together.
+# Per-token fields, in label space; sliced, padded and CP-split together. All are [B, T] except CompPO's
+# top-K key indices / weights, [B, T, K]. ``gates`` (the transport of Comp-GAE) is batch-level only.
 TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "rollout_logp", "old_logp", "ref_logp", "values",
-                "advantages", "returns")
+                "advantages", "returns", "kappa", "topk_idx", "topk_w")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -57,6 +58,14 @@ class TrainBatch:
     """``[B, T]`` detached advantages, 0 off the mask."""
     returns: Optional[torch.Tensor] = None
     """``[B, T]`` value targets (critic algorithms only)."""
+    kappa: Optional[torch.Tensor] = None
+    """``[B, T]`` CompPO: the dynamic gate from the behaviour pass's final-layer attention (the TAC's mix)."""
+    gates: Optional[torch.Tensor] = None
+    """``[B, T]`` CompPO: the transport of Comp-GAE (``kappa``, or a control: fixed, shuffled, position)."""
+    topk_idx: Optional[torch.Tensor] = None
+    """``[B, T, K]`` int64 CompPO: global positions of the K keys the final layer attends to most."""
+    topk_w: Optional[torch.Tensor] = None
+    """``[B, T, K]`` their attention weights (mean over heads; 0 in padding slots)."""
 
     @property
     def size(self) -> int:
@@ -131,6 +140,13 @@ class MicroBatch:
     whole_loss_mask: torch.Tensor
     """``[b, seq_len]`` loss mask of the whole rows (for per-response denominators under CP)."""
 
+    @property
+    def query_start(self) -> int:
+        """The first (global) position that scores a response token in any row (CompPO computes its
+        attention statistics from there on); ``seq_len`` when no row has one."""
+        any_row = self.whole_loss_mask.any(dim=0)
+        return int(any_row.nonzero()[0]) if bool(any_row.any()) else self.seq_len
+
 
 def make_microbatch(batch: TrainBatch, rows: Sequence[int], *, seq_len: int, num_rows: int, pad_id: int,
                     cp_size: int = 1, cp_rank: int = 0) -> MicroBatch:
@@ -147,10 +163,10 @@ def make_microbatch(batch: TrainBatch, rows: Sequence[int], *, seq_len: int, num
         t = t[idx]
         fill = pad_id if name in ("input_ids", "labels") else 0
         if t.shape[1] < seq_len:
-            t = torch.cat([t, t.new_full((t.shape[0], seq_len - t.shape[1]), fill)], dim=1)
+            t = torch.cat([t, t.new_full((t.shape[0], seq_len - t.shape[1], *t.shape[2:]), fill)], dim=1)
         t = t[:, :seq_len]
         if t.shape[0] < num_rows:
-            t = torch.cat([t, t.new_full((num_rows - t.shape[0], seq_len), fill)], dim=0)
+            t = torch.cat([t, t.new_full((num_rows - t.shape[0], *t.shape[1:]), fill)], dim=0)
         out[name] = t
     whole = out["loss_mask"]
     local = seq_len // cp_size

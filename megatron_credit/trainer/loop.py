@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_credit.trainer import checkpoint as ckpt
+from megatron_credit.trainer import controls
 from megatron_credit.trainer.metrics import MetricsWriter, StatSums, finalize, plot_metrics
 
 
@@ -50,7 +51,27 @@ class Context:
     rollouts: Any
     pad_id: int
     seq_multiple: int
+    knobs: Any = None
+    """``controls.StepKnobs`` of the next iteration (the recipe's, or those of CompPO's phase)."""
+    gate_control: Any = None
+    """``controls.GateControl`` (gated algorithms only)."""
+    phase: Any = None
+    """``credit.phase.PhaseController`` when ``algorithm.params.phase_controller`` is on."""
     timer: PhaseTimer = dataclasses.field(default_factory=PhaseTimer)
+
+    def __post_init__(self) -> None:
+        if self.knobs is None:
+            self.knobs = controls.base_knobs(self.recipe, self.params)
+
+    def advance_phase(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Feed the iteration's metrics to the phase controller; the next iteration runs with the knobs
+        of the phase it returns. Returns the metrics to log (``phase/level``: 0 stable ... 3 hard-stop)."""
+        from megatron_credit.credit.phase import PHASES
+        from megatron_credit.trainer.controls import phase_knobs
+
+        phase = self.phase.step(metrics)
+        self.knobs = phase_knobs(self.recipe, self.params, phase)
+        return {"phase/level": float(PHASES.index(phase))}
 
     def check_length(self, length: int) -> None:
         from megatron_credit.models import check_sequence_length
@@ -166,10 +187,6 @@ def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
     if per_rank % t.num_minibatches:
         raise ValueError(f"train.num_minibatches={t.num_minibatches} must divide the "
                          f"{per_rank} samples per data-parallel rank (prompts_per_step / DP x n)")
-    spec = recipe.algorithm.spec_and_params()[0]
-    if spec.needs_gates:
-        raise ValueError(f"algorithm.name={recipe.algorithm.name!r} needs CompPO's attention gates, which "
-                         "the trainer does not compute yet (the CompPO issue)")
     if recipe.data.source == "dataset":
         from megatron_credit.models import check_sequence_length
 
@@ -204,15 +221,21 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model vocab_size is "
                          f"{hf_config.vocab_size}")
     actor = Actor(hf_config=hf_config, recipe=recipe, with_critic=spec.needs_critic,
-                  with_reference=recipe.algorithm.kl_coef > 0)
+                  with_reference=recipe.algorithm.kl_coef > 0,
+                  **controls.actor_options(spec, params, hf_config, dtype=recipe.model.torch_dtype()))
     group, src = _replica_group(dp_rank)
     rollouts = RolloutManager(recipe=recipe, hf_config=hf_config, tokenizer=tokenizer, prompts=prompts,
                               val_prompts=val_prompts, actor=actor, replica_group=group, replica_src=src,
                               dp_rank=dp_rank, dp_size=dp_size, log=log)
     p = recipe.parallel
     ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=rollouts,
-                  pad_id=tokenizer.pad_token_id,
-                  seq_multiple=seq_multiple(p))
+                  pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(p))
+    if spec.needs_gates:
+        ctx.gate_control = controls.GateControl(params, seed=recipe.seed, dp_rank=dp_rank, dp_group=actor.dp_group)
+        if params.phase_controller:
+            from megatron_credit.credit.phase import PhaseController
+
+            ctx.phase = PhaseController()
     log(f"actor weights: {actor.load_initial_weights(seed=recipe.seed)}")
     start = 0
     path = ckpt.resolve(run_dir, resume)
@@ -220,6 +243,7 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
         start, extras, meta = ckpt.load(path, actor, layout=layout)
         if extras is not None:
             prompts.load_state_dict(extras["prompts"])
+            _load_controls(ctx, extras)
             ckpt.set_rng_state(extras["rng"])
             if actor.reference is not None:
                 actor.reference.load_state_dict(extras["reference"])
@@ -263,6 +287,8 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
             if recipe.train.val_every and step % recipe.train.val_every == 0:
                 with ctx.timer("validation"):
                     metrics.update(rollouts.validate(step))
+            if ctx.phase is not None:
+                metrics.update(ctx.advance_phase(metrics))
             dt = time.perf_counter() - t0
             metrics["time/step_s"] = dt
             metrics["throughput/tokens_per_s"] = metrics.pop("rollout/tokens") / dt
@@ -275,14 +301,14 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
             dist.all_reduce(flag)
             every = recipe.checkpoint.every
             if float(flag) > 0 or (every and step % every == 0):
-                _save(run_dir, step, actor, prompts, layout, recipe)
+                _save(run_dir, step, ctx, prompts, layout)
             if float(flag) > 0:
                 log(f"SIGTERM: saved iteration {step}, exiting")
                 break
         else:
             if recipe.checkpoint.save_at_end and (not recipe.checkpoint.every or step % recipe.checkpoint.every):
                 if step > start:
-                    _save(run_dir, step, actor, prompts, layout, recipe)
+                    _save(run_dir, step, ctx, prompts, layout)
     finally:
         signal.signal(signal.SIGTERM, previous)
         if bar is not None:
@@ -298,11 +324,27 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
     return rows
 
 
-def _save(run_dir, step, actor, prompts, layout, recipe) -> None:
+def _save(run_dir, step, ctx, prompts, layout) -> None:
+    actor = ctx.actor
     extras = {"prompts": prompts.state_dict(), "rng": ckpt.rng_state()}
     if actor.reference is not None:
         extras["reference"] = actor.reference.state_dict()
-    ckpt.save(run_dir, step, actor, extras, layout=layout, keep=recipe.checkpoint.keep)
+    if ctx.gate_control is not None:
+        extras["gate_control"] = ctx.gate_control.state_dict()
+    if ctx.phase is not None:
+        extras["phase"] = ctx.phase.state_dict()
+    ckpt.save(run_dir, step, actor, extras, layout=layout, keep=ctx.recipe.checkpoint.keep)
+
+
+def _load_controls(ctx, extras: dict) -> None:
+    """CompPO's gate schedule and phase from a checkpoint's extras (the knobs follow the phase)."""
+    from megatron_credit.trainer.controls import phase_knobs
+
+    if ctx.gate_control is not None and "gate_control" in extras:
+        ctx.gate_control.load_state_dict(extras["gate_control"])
+    if ctx.phase is not None and "phase" in extras:
+        ctx.phase.load_state_dict(extras["phase"])
+        ctx.knobs = phase_knobs(ctx.recipe, ctx.params, ctx.phase.phase)
 
 
 def _progress(recipe, start: int, rank0: bool):

@@ -30,6 +30,11 @@ _MEANS = {
     "fipo/frac_at_high": ("sum:fipo_weight/frac_at_high", "sum:tokens"),
     "fipo/frac_dual_masked": ("sum:fipo_weight/frac_dual_masked", "sum:tokens"),
     "critic/value_loss": ("sum:value_loss", "sum:opt_steps"),
+    "critic/grad_norm": ("sum:critic_grad_norm", "sum:opt_steps"),
+    "comppo/gate_mean": ("sum:gate", "sum:gate_tokens"),
+    "comppo/gate_first_third": ("sum:gate_first", "sum:gate_first_tokens"),
+    "comppo/gate_mid_third": ("sum:gate_mid", "sum:gate_mid_tokens"),
+    "comppo/gate_last_third": ("sum:gate_last", "sum:gate_last_tokens"),
     "mismatch/logprob_abs_mean": ("sum:mismatch_abs", "sum:mismatch_tokens"),
 }
 _EXTREMES = {"fipo/weight_min": "min:fipo_weight/min", "fipo/weight_max": "max:fipo_weight/max"}
@@ -92,6 +97,9 @@ def finalize(stats: StatSums) -> dict[str, float]:
     for name, key in _EXTREMES.items():
         if key in stats.values and math.isfinite(float(stats.values[key])):
             out[name] = float(stats.values[key])
+    for key, v in stats.values.items():  # per-rank statistics (e.g. rank correlations): mean over ranks
+        if key.startswith("sum:rank_avg/"):
+            out[key[len("sum:rank_avg/"):]] = float(v / stats.values["sum:rank_avg_count"].clamp(min=1))
     if "sum:skipped_steps" in stats.values:
         out["actor/skipped_steps"] = float(stats.values["sum:skipped_steps"])
     if "sum:ret" in stats.values:

@@ -2,7 +2,8 @@
 
 :func:`rl_iteration` is the whole iteration on one screen; the functions below it are its parts. The
 algorithm enters only through ``ctx.spec`` (an ``AlgorithmSpec``: estimator, loss, aggregation) and its
-typed ``ctx.params``: nothing here looks at an algorithm's name.
+typed parameters (in ``ctx.knobs``, which CompPO's phase controller may move between iterations): nothing
+here looks at an algorithm's name.
 """
 from __future__ import annotations
 
@@ -23,15 +24,15 @@ def rl_iteration(ctx, iteration: int) -> dict[str, float]:
     ctx.check_length(int(batch.seq_lens.max()))
     plan = plan_microbatches(ctx, batch)
     with timer("old_logprob"):
-        behaviour_pass(ctx, batch, plan)  # old_logp (+ values, ref_logp), same micro-batches as the update
-    with timer("advantages"):
-        compute_advantages(ctx, batch)
+        behaviour_pass(ctx, batch, plan)  # old_logp (+ values, ref_logp, gates), the update's micro-batches
     stats = StatSums()
+    with timer("advantages"):
+        compute_advantages(ctx, batch, iteration, stats)
     if batch.old_logp is not None:  # engine vs trainer log-probs of the sampled tokens
         diff = torch.where(batch.loss_mask, (batch.old_logp - batch.rollout_logp).abs(), 0.0)
         stats.add({"sum:mismatch_abs": diff.sum(), "sum:mismatch_tokens": batch.loss_mask.sum()})
     with timer("update"):
-        for _epoch in range(ctx.recipe.train.epochs):
+        for _epoch in range(ctx.knobs.epochs):
             for mini in plan:
                 update_minibatch(ctx, batch, mini, stats)
     with timer("sync"):
@@ -62,15 +63,24 @@ def microbatches(ctx, batch: TrainBatch, mini: list[list[int]]):
 def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
     """Recompute ``old_logp`` (and critic ``values``, reference ``ref_logp``) with the update's plan."""
     actor = ctx.actor
-    with_ref = ctx.recipe.algorithm.kl_coef > 0
-    # (output of the pass -> TrainBatch field, run on the reference model?)
-    passes = [({"logp": "old_logp", "values": "values"}, False)] + ([({"logp": "ref_logp"}, True)] if with_ref else [])
+    with_ref = ctx.knobs.kl_coef > 0
+    capture = ctx.spec.needs_gates  # CompPO: the final layer's attention statistics in the same pass
+    # (outputs of the pass -> TrainBatch fields, run on the reference model?); "aux:" outputs are whole rows
+    # already (identical on every CP rank), the others this CP rank's share.
+    main = {"logp": "old_logp", "values": "values"}
+    if capture:
+        main.update({"aux:kappa": "kappa", "aux:topk_idx": "topk_idx", "aux:topk_w": "topk_w"})
+    passes = [(main, False)] + ([({"logp": "ref_logp"}, True)] if with_ref else [])
+    shape = batch.loss_mask.shape
+    k = actor.capture_top_k or 0
+    fresh = {"topk_idx": lambda: torch.zeros((*shape, k), dtype=torch.long),
+             "topk_w": lambda: torch.zeros((*shape, k), dtype=torch.float32)}
     for mapping, _ in passes:
         for field in mapping.values():
-            setattr(batch, field, torch.zeros(batch.loss_mask.shape, dtype=torch.float32))
+            setattr(batch, field, fresh.get(field, lambda: torch.zeros(shape, dtype=torch.float32))())
 
-    def keep(mb, logp, ent, values):
-        out = {"logp": logp.detach()}
+    def keep(mb, logp, ent, values, aux):
+        out = {"logp": logp.detach(), **{f"aux:{k}": v for k, v in aux.items()}}
         if values is not None:
             out["values"] = values.detach()
         return torch.zeros(()), out
@@ -78,32 +88,55 @@ def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
     for mini in plan:
         mbs = microbatches(ctx, batch, mini)
         for mapping, reference in passes:
-            for mb, out in zip(mbs, actor.run(mbs, keep, forward_only=True, reference=reference)):
+            runs = actor.run(mbs, keep, forward_only=True, reference=reference, capture=capture and not reference)
+            for mb, out in zip(mbs, runs):
                 for key, field in mapping.items():
                     if key in out:
-                        full = ctx.gather_cp(out[key])[: len(mb.rows)]  # [rows, seq_len]
-                        n = min(mb.seq_len, batch.loss_mask.shape[1])  # seq_len may be padded past T
-                        getattr(batch, field)[list(mb.rows), :n] = full[:, :n].float()
+                        full = out[key] if key.startswith("aux:") else ctx.gather_cp(out[key])
+                        n = min(mb.seq_len, shape[1])  # seq_len may be padded past T
+                        target = getattr(batch, field)
+                        target[list(mb.rows), :n] = full[: len(mb.rows), :n].to(target.dtype)
     if not actor.with_critic:
         batch.values = None
     if not actor.last_stage:  # only the last stage computes losses; others never read these
-        batch.old_logp = batch.values = batch.ref_logp = None
+        batch.old_logp = batch.values = batch.ref_logp = batch.kappa = batch.topk_idx = batch.topk_w = None
 
 
-def compute_advantages(ctx, batch: TrainBatch) -> None:
-    """``batch.advantages`` (and ``returns``) from the algorithm's estimator; PPO-style whitening over
-    the global batch (masked, summed over DP) when the parameters ask for it."""
+def compute_advantages(ctx, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
+    """``batch.advantages`` (and ``returns``) from the algorithm's estimator. CompPO: the transport gates
+    (``ctx.gate_control``), the critic's warm-up (values enter the advantages after
+    ``params.critic_warmup_steps`` iterations), the critic's diagnostics. Then PPO-style whitening over
+    the global batch (masked, summed over DP) and the advantage clip, when the parameters ask for them."""
     if batch.old_logp is None:  # not the last pipeline stage
         return
-    inputs = AdvantageInputs(response_mask=batch.loss_mask, scores=batch.rewards, group_ids=batch.group_ids,
+    params = ctx.knobs.params
+    mask = batch.loss_mask
+    stats = StatSums() if stats is None else stats
+    if ctx.spec.needs_gates:
+        from megatron_credit.trainer.controls import gate_stats
+
+        batch.gates = ctx.gate_control.gates(batch.kappa, mask, iteration=iteration)
+        stats.add(gate_stats(batch.kappa, mask))
+    values = batch.values
+    if values is not None and iteration <= getattr(params, "critic_warmup_steps", 0):
+        values = torch.zeros_like(values)  # the critic trains on these returns but is not trusted yet
+    inputs = AdvantageInputs(response_mask=mask, scores=batch.rewards, group_ids=batch.group_ids,
                              token_rewards=batch.token_rewards() if ctx.actor.with_critic else None,
-                             values=batch.values)
-    out = ctx.spec.estimate(inputs, ctx.params)  # full sequences on every CP rank: no cp_group needed
+                             values=values, gates=batch.gates)
+    out = ctx.spec.estimate(inputs, params)  # full sequences on every CP rank: no cp_group needed
     adv = out.advantages.float()
-    if getattr(ctx.params, "whiten_advantages", False):
-        adv = ctx.whiten(adv, batch.loss_mask)
+    if getattr(params, "whiten_advantages", False):
+        adv = ctx.whiten(adv, mask)
+    if getattr(params, "adv_clip", None) is not None:
+        adv = adv.clamp(-params.adv_clip, params.adv_clip)
     batch.advantages = adv
     batch.returns = None if out.returns is None else out.returns.float()
+    if ctx.actor.feature_critic:
+        from megatron_credit.models.critic import critic_diagnostics
+
+        d = critic_diagnostics(batch.values, batch.returns, mask, value_clamp=params.value_clamp)
+        stats.add({f"sum:rank_avg/critic/{k}": v for k, v in d.items()})
+        stats.add({"sum:rank_avg_count": torch.tensor(1.0)})
 
 
 def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "StatSums") -> None:
@@ -111,21 +144,22 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
     rows = [i for mb in mini for i in mb]
     den = step_denominators(batch.loss_mask[rows], norm_length=ctx.recipe.rollout.max_response_len,
                             dp_group=ctx.actor.dp_group)
-    alg = ctx.recipe.algorithm
-    kl = KL_ESTIMATORS.get(alg.kl_estimator) if alg.kl_coef > 0 else None
+    alg, knobs = ctx.recipe.algorithm, ctx.knobs
+    params = knobs.params
+    kl = KL_ESTIMATORS.get(alg.kl_estimator) if knobs.kl_coef > 0 else None
     cp_group = ctx.actor.cp_group if ctx.actor.cp_size > 1 else None
 
-    def loss_fn(mb, logp, ent, values):
+    def loss_fn(mb, logp, ent, values, aux):
         t, mask = mb.tensors, mb.tensors["loss_mask"]
         is_w = None
         if alg.tis_cap is not None:  # engine vs trainer mismatch: min(pi_old / pi_engine, C)
             is_w, _ = truncated_is_weights(t["old_logp"], t["rollout_logp"], mask, cap=alg.tis_cap)
-        per_tok, m = ctx.spec.loss(logp, t["old_logp"], t["advantages"], mask, ctx.params,
+        per_tok, m = ctx.spec.loss(logp, t["old_logp"], t["advantages"], mask, params,
                                    cp_group=cp_group, is_weights=is_w)
         kl_tok = None
         if kl is not None:
             kl_tok = kl(logp, t["ref_logp"])
-            per_tok = per_tok + alg.kl_coef * torch.where(mask, kl_tok, 0.0)
+            per_tok = per_tok + knobs.kl_coef * torch.where(mask, kl_tok, 0.0)
         agg = den.for_rows(mb.whole_loss_mask)
         pg_loss = ctx.spec.aggregate(per_tok, mask, **agg)
         loss = pg_loss
@@ -141,8 +175,8 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
         if kl_tok is not None:
             s["sum:kl"] = torch.where(mask, kl_tok, 0.0).sum().detach()
         if values is not None:
-            v_loss, v_stats = value_loss(values, t["values"], t["returns"], mask, den, ctx.params)
-            loss = loss + ctx.params.vf_coef * v_loss
+            v_loss, v_stats = value_loss(values, t["values"], t["returns"], mask, den, params)
+            loss = loss + params.vf_coef * v_loss
             s.update(v_stats)
         return loss, s
 
@@ -151,10 +185,14 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
     for s in out:
         local.add(s)
     loss_ok = ctx.all_finite(local.get("sum:pg_loss"))
-    norm, applied = ctx.actor.optimizer_step(lr=ctx.lr(), loss_finite=loss_ok)
+    norm, applied = ctx.actor.optimizer_step(lr=ctx.lr() * knobs.lr_scale, loss_finite=loss_ok,
+                                             clip=knobs.clip_grad, critic_clip=knobs.critic_clip_grad,
+                                             critic_lr_scale=knobs.critic_lr_scale)
     stats.merge(local)
     stats.add({"sum:grad_norm": norm.float(), "sum:opt_steps": torch.tensor(1.0),
                "sum:skipped_steps": torch.tensor(0.0 if applied else 1.0)}, replicated=True)
+    if ctx.actor.last_critic_grad_norm is not None:
+        stats.add({"sum:critic_grad_norm": ctx.actor.last_critic_grad_norm.float()}, replicated=True)
 
 
 def value_loss(values, old_values, returns, mask, den, params):

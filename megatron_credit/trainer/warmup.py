@@ -88,7 +88,7 @@ def run_warmup(actor, task: ArithmeticTask, tokenizer, *, recipe, dp_rank: int, 
             mb = make_microbatch(batch, range(batch.size), seq_len=seq, num_rows=batch.size,
                                  pad_id=tokenizer.pad_token_id, cp_size=actor.cp_size, cp_rank=actor.cp_rank)
 
-            def loss_fn(mb, logp, ent, values):
+            def loss_fn(mb, logp, ent, values, aux):
                 m = mb.tensors["loss_mask"]
                 loss = -torch.where(m, logp, 0.0).sum() / den.global_num_tokens
                 return loss, {"sum:nll": loss.detach()}
