@@ -134,7 +134,7 @@ class PositionGateSchedule:
         valid = idx >= 0
         stats = torch.zeros(2, self.bins, dtype=torch.float64, device=kappa.device)
         stats[0].index_add_(0, idx[valid], kappa.detach()[valid].double())
-        stats[1].index_add_(0, idx[valid], torch.ones_like(stats[1][idx[valid]]))
+        stats[1].index_add_(0, idx[valid], torch.ones_like(kappa[valid], dtype=torch.float64))
         if group is not None:
             import torch.distributed as dist
 

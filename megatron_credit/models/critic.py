@@ -90,14 +90,14 @@ class TransportAlignedCritic(nn.Module):
         """``s: [b, s, d]`` pooled over the top-K keys; ``q: [b, s, d]``, ``history: [b, S, H]``,
         ``topk_idx: [b, s, K]`` global key positions, ``topk_w: [b, s, K]`` (0 marks a padding slot, whose
         index is then ignored)."""
-        b, s, k = topk_idx.shape
+        b = topk_idx.shape[0]
         d = self.proj_dim
         h = history.detach().to(self.alpha.dtype)
         keys, vals = self.w_k(h), self.w_u(h)  # [b, S, d]: project first, then gather
         w = topk_w.detach().to(self.alpha.dtype)
-        idx = torch.where(w > 0, topk_idx, torch.zeros_like(topk_idx)).reshape(b, s * k, 1).expand(b, s * k, d)
-        k_sel = torch.gather(keys, 1, idx).view(b, s, k, d)
-        u_sel = torch.gather(vals, 1, idx).view(b, s, k, d)
+        idx = torch.where(w > 0, topk_idx, torch.zeros_like(topk_idx))  # a padding slot's index is arbitrary
+        rows = torch.arange(b, device=idx.device).view(b, 1, 1)
+        k_sel, u_sel = keys[rows, idx], vals[rows, idx]  # [b, s, K, d]; the index stays [b, s, K]
         rel = torch.sigmoid(torch.einsum("bsd,bskd->bsk", q, k_sel) / math.sqrt(d))
         a = w * rel  # [b, s, K]; padding slots contribute 0 to both sums
         return torch.einsum("bsk,bskd->bsd", a, u_sel) / (a.sum(-1, keepdim=True) + self.eps)
