@@ -33,8 +33,11 @@ def test_fixed_gates_value_on_valid_zero_elsewhere():
     assert out.dtype == torch.float32
     assert torch.equal(out[mask], torch.full((int(mask.sum()),), 0.61))
     assert torch.equal(out[~mask], torch.zeros(int((~mask).sum())))
-    with pytest.raises(ValueError, match="fixed_gate"):
-        fixed_gates(mask, 1.5)
+    assert torch.equal(fixed_gates(mask, 0.0), torch.zeros(mask.shape))  # the envelope's ends are allowed
+    assert torch.equal(fixed_gates(mask, 1.0), mask.float())
+    for bad in (1.5, -0.1):
+        with pytest.raises(ValueError, match="fixed_gate"):
+            fixed_gates(mask, bad)
 
 
 def test_shuffle_keeps_the_multiset_and_zeros_masked():
@@ -46,6 +49,8 @@ def test_shuffle_keeps_the_multiset_and_zeros_masked():
     assert not torch.equal(out, torch.where(mask, kappa, 0.0))  # it did permute
     again = shuffle_gates(kappa, mask, generator=torch.Generator().manual_seed(3))
     assert torch.equal(out, again)  # the seed fixes the shuffle
+    with pytest.raises(ValueError, match="same shape"):
+        shuffle_gates(kappa, mask[:, :-1], generator=torch.Generator())
 
 
 def test_shuffle_mixes_rows():
@@ -158,6 +163,8 @@ def test_position_schedule_state_dict_and_misuse():
     assert torch.equal(half.gates(probe), sched.gates(probe))
     with pytest.raises(RuntimeError, match="after freeze"):
         sched.collect(kappa, mask)
+    with pytest.raises(ValueError, match="same shape"):
+        PositionGateSchedule(4).collect(kappa, mask[:-1])
     with pytest.raises(ValueError, match="position_bins"):
         PositionGateSchedule(5).load_state_dict(sched.state_dict())
     with pytest.raises(ValueError, match="position_bins"):
@@ -266,6 +273,17 @@ def test_tac_matches_loop_reference_float64(clamp):
     q = critic.w_q(critic.fuse(inputs[0]))
     summary = critic.history_summary(q, inputs[1], inputs[2], inputs[3])
     assert summary.dtype == torch.float64
+    layers, history, topk_idx, topk_w, _ = inputs
+    with torch.no_grad():
+        for bi in range(summary.shape[0]):
+            for t in range(summary.shape[1]):
+                num, den = torch.zeros(4, dtype=torch.float64), 0.0
+                for j in range(topk_idx.shape[2]):
+                    hi = history[bi, int(topk_idx[bi, t, j])]
+                    rel = torch.sigmoid(q[bi, t] @ (critic.w_k.weight @ hi) / 2.0)  # sqrt(proj_dim) = 2
+                    num += topk_w[bi, t, j] * rel * (critic.w_u.weight @ hi)
+                    den += float(topk_w[bi, t, j] * rel)
+                assert torch.allclose(summary[bi, t], num / (den + critic.eps), rtol=1e-12, atol=1e-14)
     assert torch.equal(summary[1, 2], torch.zeros(4, dtype=torch.float64))  # no key: an empty summary
 
 

@@ -179,7 +179,8 @@ class PhaseController:
         if entropy is not None:
             self._entropy_ema = entropy if self._entropy_ema is None else (
                 self.entropy_decay * self._entropy_ema + (1.0 - self.entropy_decay) * entropy)
-            self._entropy_ema_max = max(self._entropy_ema, self._entropy_ema_max or -math.inf)
+            self._entropy_ema_max = (self._entropy_ema if self._entropy_ema_max is None
+                                     else max(self._entropy_ema_max, self._entropy_ema))
         high, low = _get(metrics, "actor/clipfrac_high"), _get(metrics, "actor/clipfrac_low")
         clipfrac = None if high is None and low is None else (high or 0.0) + (low or 0.0)
         ppo_kl = _get(metrics, "actor/ppo_kl")
