@@ -18,8 +18,13 @@ Public API:
   ``set_tensor_parallel_attributes(model)`` (what megatron's skipped init would have set; applied by
   ``build_gpt_model`` when ``perform_initialization=False``).
 
+- ``TransportAlignedCritic``, ``StandardCritic``, ``build_critic``, ``critic_parameter_count``,
+  ``critic_diagnostics`` (``models/critic.py``): CompPO's value heads on the actor's detached features.
+
 Importing this package imports torch only; megatron-core is imported when a model is built.
 """
+from megatron_credit.models.critic import (StandardCritic, TransportAlignedCritic, build_critic,
+                                           critic_diagnostics, critic_parameter_count)
 from megatron_credit.models.gpt import (build_gpt_model, gpt_layer_spec, set_tensor_parallel_attributes,
                                         transformer_engine_available, use_transformer_engine_spec)
 from megatron_credit.models.hf_config import (
@@ -27,7 +32,8 @@ from megatron_credit.models.hf_config import (
     rope_settings, transformer_config_from_hf)
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES", "RopeSettings", "build_gpt_model", "check_parallel_fits_model",
+    "SUPPORTED_MODEL_TYPES", "RopeSettings", "StandardCritic", "TransportAlignedCritic", "build_critic",
+    "build_gpt_model", "critic_diagnostics", "critic_parameter_count", "check_parallel_fits_model",
     "check_sequence_length", "gpt_layer_spec", "head_dim", "rope_settings", "set_tensor_parallel_attributes",
     "transformer_config_from_hf", "transformer_engine_available", "use_transformer_engine_spec",
 ]
