@@ -15,13 +15,14 @@ ValueError: unknown policy loss 'trpo'; valid names: ['dapo', 'fipo', 'gspo', 'p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
 from megatron_credit.credit import group
 from megatron_credit.credit.gae import comp_gae, gae
+from megatron_credit.credit.phase import PhaseThresholds
 from megatron_credit.losses import policy
 from megatron_credit.registry import Registry
 
@@ -308,6 +309,13 @@ class CompPOFields:
     """Whiten advantages over the global batch."""
     phase_controller: bool = False
     """Run the stable / warning / strong / hard-stop controller (``credit.phase``) on each step's metrics."""
+    phase_thresholds: PhaseThresholds = field(
+        default_factory=lambda: PhaseThresholds(entropy_below=(None, None, None)),
+        metadata={"partial_override": True})
+    """The controller's request thresholds: the paper's, except ``entropy_below`` (its 8.0 / 7.5 / 6.5 are
+    not on the scale of ``actor/entropy``, a per-token mean in nats, usually under 2: with them every run
+    ends in hard-stop), which is off unless a recipe sets levels for its own model. A recipe's mapping
+    overrides only the signals it names."""
 
     def __post_init__(self) -> None:
         if getattr(super(), "__post_init__", None):

@@ -261,14 +261,28 @@ def _build(cls, data: Mapping[str, Any], where: str):
     if unknown:
         raise ValueError(f"unknown field(s) {unknown} in {where or 'recipe'}; valid: {sorted(names)}")
     kwargs = {}
+    defaults = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in data.items():
         hint = hints[key]
         path = f"{where}.{key}" if where else key
         if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+            if isinstance(value, Mapping) and defaults[key].metadata.get("partial_override"):
+                value = {**_own_default(defaults[key]), **value}  # keys not given keep the field's default
             kwargs[key] = _build(hint, value, path)
         else:
             kwargs[key] = _check_scalar(hint, value, path)
     return cls(**kwargs)
+
+
+def _own_default(field: dataclasses.Field) -> dict[str, Any]:
+    """The top-level values of a dataclass field's default. Used for fields declared with
+    ``metadata={"partial_override": True}`` (e.g. ``PhaseThresholds(entropy_below=...)``), so that a
+    partial mapping overrides only the keys it names instead of starting from the class's defaults."""
+    if field.default is not dataclasses.MISSING:
+        default = field.default
+    else:
+        default = field.default_factory()
+    return {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
 
 
 def _check_scalar(hint, value: Any, path: str) -> Any:

@@ -130,9 +130,10 @@ def gate_stats(kappa: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tenso
     return out
 
 
-def actor_options(spec, params, hf_config, *, dtype) -> dict:
+def actor_options(spec, params, hf_config, *, dtype, pp_size: int = 1) -> dict:
     """The :class:`~megatron_credit.trainer.actor.Actor` keywords an algorithm needs beyond the default:
-    for gated algorithms (CompPO) the attention capture, the gate map and the chosen critic."""
+    for gated algorithms (CompPO) the attention capture, the gate map and the chosen critic. The TAC
+    fuses at most the layers of the last pipeline stage (the critic lives there)."""
     if not spec.needs_gates:
         return {}
     import functools
@@ -141,7 +142,7 @@ def actor_options(spec, params, hf_config, *, dtype) -> dict:
     from megatron_credit.models.critic import StandardCritic, TransportAlignedCritic
 
     tac = params.critic == "tac"
-    layers = min(params.critic_layers, hf_config.num_hidden_layers) if tac else 1
+    layers = min(params.critic_layers, hf_config.num_hidden_layers // pp_size) if tac else 1
     if tac:
         factory = functools.partial(TransportAlignedCritic, hf_config.hidden_size, num_layers=layers,
                                     value_clamp=params.value_clamp, dtype=dtype)

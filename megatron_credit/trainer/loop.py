@@ -222,7 +222,8 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
                          f"{hf_config.vocab_size}")
     actor = Actor(hf_config=hf_config, recipe=recipe, with_critic=spec.needs_critic,
                   with_reference=recipe.algorithm.kl_coef > 0,
-                  **controls.actor_options(spec, params, hf_config, dtype=recipe.model.torch_dtype()))
+                  **controls.actor_options(spec, params, hf_config, dtype=recipe.model.torch_dtype(),
+                                           pp_size=recipe.parallel.pipeline_model_parallel_size))
     group, src = _replica_group(dp_rank)
     rollouts = RolloutManager(recipe=recipe, hf_config=hf_config, tokenizer=tokenizer, prompts=prompts,
                               val_prompts=val_prompts, actor=actor, replica_group=group, replica_src=src,
@@ -235,7 +236,7 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
         if params.phase_controller:
             from megatron_credit.credit.phase import PhaseController
 
-            ctx.phase = PhaseController()
+            ctx.phase = PhaseController(params.phase_thresholds)
     log(f"actor weights: {actor.load_initial_weights(seed=recipe.seed)}")
     start = 0
     path = ckpt.resolve(run_dir, resume)

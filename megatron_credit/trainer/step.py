@@ -135,7 +135,8 @@ def compute_advantages(ctx, batch: TrainBatch, iteration: int = 1, stats: "StatS
         from megatron_credit.models.critic import critic_diagnostics
 
         d = critic_diagnostics(batch.values, batch.returns, mask, value_clamp=params.value_clamp)
-        stats.add({f"sum:rank_avg/critic/{k}": v for k, v in d.items()})
+        # explained variance comes from global sums in the update (``critic/explained_var``)
+        stats.add({f"sum:rank_avg/critic/{k}": v for k, v in d.items() if k != "explained_var"})
         stats.add({"sum:rank_avg_count": torch.tensor(1.0)})
 
 
