@@ -134,3 +134,217 @@ def test_bad_inputs_name_the_field():
         attention_topk(q, k, 2, q_positions=torch.arange(8))
     with pytest.raises(ValueError, match="chunk_size"):
         attention_concentration(q[:, :, :4], k, chunk_size=0)
+
+
+# ------------------------------------------------------------------ (b) TP = 2 and CP = 2 on gloo
+
+
+def _kernel_ranks(tp: int, cp: int):
+    """On each rank of a 2-rank pool: the kernels on this rank's share (TP: heads; CP: load-balanced
+    queries, all keys gathered) vs the whole problem at world size 1. Returns both to the test."""
+    import torch.distributed as dist
+
+    from megatron_credit.models.final_layer import gather_cp_sequence, scatter_to_global
+
+    torch.set_num_threads(1)
+    q, k = _inputs(2, 8, 2, 24, 24, 16, seed=5)
+    full = dict(hk=attention_concentration(q, k, chunk_size=5), tk=attention_topk(q, k, 4, chunk_size=5))
+    rank, group = dist.get_rank(), dist.group.WORLD
+    if tp > 1:  # megatron's head split: rank r holds query heads r*Hq/tp.. and their key groups
+        ql, kl = q.chunk(tp, dim=1)[rank], k.chunk(tp, dim=1)[rank]
+        mine = dict(hk=attention_concentration(ql, kl, chunk_size=5, tp_group=group),
+                    tk=attention_topk(ql, kl, 4, chunk_size=5, tp_group=group))
+    else:  # CP: this rank's load-balanced queries; keys gathered back into sequence order
+        ql = load_balanced_shard(q.flatten(0, 1), cp, rank).view(2, 8, -1, 16)
+        kl = load_balanced_shard(k.flatten(0, 1), cp, rank).view(2, 2, -1, 16)
+        keys, pos = gather_cp_sequence(kl.permute(2, 0, 1, 3), group)  # [S, b, h, d] layout
+        assert torch.equal(keys.permute(1, 2, 0, 3), k)
+        h, n = attention_concentration(ql, k, chunk_size=5, q_positions=pos)
+        idx, w = attention_topk(ql, k, 4, chunk_size=5, q_positions=pos)
+        mine = dict(hk=(scatter_to_global(h, pos, 24, group), scatter_to_global(n, pos, 24, group)),
+                    tk=(scatter_to_global(idx, pos, 24, group), scatter_to_global(w, pos, 24, group)))
+    return full, mine
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    with DistributedPool(world_size=2) as p:
+        yield p
+
+
+@pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2)], ids=["tp2", "cp2"])
+def test_kernels_two_ranks_equal_world_size_one(pool2, tp, cp):
+    for full, mine in pool2.run(_kernel_ranks, tp, cp):
+        torch.testing.assert_close(mine["hk"][0], full["hk"][0], rtol=1e-6, atol=1e-7)
+        assert torch.equal(mine["hk"][1], full["hk"][1])
+        assert torch.equal(mine["tk"][0], full["tk"][0])
+        torch.testing.assert_close(mine["tk"][1], full["tk"][1], rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------- (d) the fused final layer
+
+
+FUSED_BATCH, FUSED_SEQ, TOP_K = 2, 16, 4
+
+
+def _fused_inputs():
+    from tests.test_parallel_invariance import QWEN2
+
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, QWEN2["vocab_size"], (FUSED_BATCH, FUSED_SEQ), generator=g)
+
+
+def _forward(model, ids, pos, *, query_start=None, hook=None):
+    """One forward through megatron's schedule (forward only); logits and the capture result on the
+    last stage (``{}`` elsewhere). ``hook``: records the final core attention's inputs and output."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    capture = getattr(model, "final_attention_capture", None)
+    kept = {}
+
+    def loss_func(logits):
+        kept["logits"] = logits.detach()
+        if capture is not None and capture.result is not None:
+            kept.update(capture.result)
+        return logits.sum() * 0, torch.tensor(1, dtype=torch.int), {}
+
+    def forward_step(data_iterator, model_chunk):
+        if capture is not None and query_start is not None:
+            capture.arm(query_start, TOP_K)
+        return model_chunk(next(data_iterator), pos.expand(ids.shape[0], -1), None), loss_func
+
+    handle = None
+    if hook is not None and model.post_process:
+        core = model.decoder.layers[-1].self_attention.core_attention
+        handle = core.register_forward_hook(
+            lambda m, args, out: hook.update(q=args[0].detach(), k=args[1].detach(), v=args[2].detach(),
+                                             out=out.detach()))
+    with torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter([ids]), model=[model], num_microbatches=1,
+            seq_length=FUSED_SEQ, micro_batch_size=ids.shape[0], forward_only=True)
+    if handle is not None:
+        handle.remove()
+    if capture is not None:
+        capture.disarm()
+    return kept
+
+
+def _build_pair(parallel, weights=None):
+    """A plain model and one with the capture, holding the same weights (``weights``: world-size-1
+    tensors, sliced to this rank's TP shard with the parallel-invariance helpers)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_credit.config import ModelConfig
+    from megatron_credit.models import build_gpt_model, transformer_config_from_hf
+    from tests.test_parallel_invariance import QWEN2, _reference_name, _shard
+
+    hf = ModelConfig(architecture=QWEN2).hf_config()
+    plain = build_gpt_model(hf, transformer_config_from_hf(hf, parallel=parallel))
+    fused = build_gpt_model(hf, transformer_config_from_hf(hf, parallel=parallel), capture_final_attention=True)
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for model in (plain, fused):
+            for n, p in model.named_parameters():
+                src = plain.state_dict()[n] if weights is None else weights[_reference_name(model, n)]
+                p.copy_(src if weights is None else _shard(src, p, tp_rank, tp))
+    assert plain.final_attention_capture is None
+    return plain, fused
+
+
+def _dense_from_hook(hook, query_start):
+    """Dense float64 H, n, top-k of the final layer from the q/k megatron handed its core attention,
+    and the core attention's output recomputed from those probabilities (proves q/k are what it used)."""
+    q, k, v = (hook[x].permute(1, 2, 0, 3) for x in ("q", "k", "v"))  # [b, h, S, d]
+    a = dense_attention(q, k)
+    out = (a @ v.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1))  # [b, np, S, d]
+    out = out.permute(2, 0, 1, 3).reshape(hook["out"].shape)
+    h, n = dense_concentration(q[:, :, query_start:], k, q_positions=torch.arange(query_start, q.shape[2]))
+    qpos = torch.arange(query_start, q.shape[2])
+    (w, idx), _ = dense_topk(q[:, :, query_start:], k, TOP_K, q_positions=qpos)
+    idx = torch.where(w == 0, qpos[None, :, None], idx)  # rows with < TOP_K visible keys: padding
+    return dict(H=h, n=n.expand_as(h), topk_w=w, topk_idx=idx, out=out, out_hook=hook["out"])
+
+
+def _fused_case(tp, pp, cp, query_start):
+    """World size 1 (every rank) and then the sharded pair; returns what the test compares."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_credit import distributed
+    from megatron_credit.config import ParallelConfig
+    from megatron_credit.models.concentration import attention_concentration, attention_topk
+    from megatron_credit.models.cpu_attention import load_balanced_positions
+    from tests.test_parallel_invariance import _VOCAB_SHARDED, _unshard
+
+    torch.set_num_threads(1)
+    ids = _fused_inputs()
+    distributed.initialize(ParallelConfig(), seed=11)
+    plain, fused = _build_pair(ParallelConfig())
+    hook = {}
+    ref = _forward(plain, ids, torch.arange(FUSED_SEQ), hook=hook)
+    got = _forward(fused, ids, torch.arange(FUSED_SEQ), query_start=query_start)
+    unarmed = _forward(fused, ids, torch.arange(FUSED_SEQ))
+    q, k = (hook[x].permute(1, 2, 0, 3) for x in ("q", "k"))
+    qpos = torch.arange(query_start, FUSED_SEQ)
+    ws1 = dict(logits_equal=torch.equal(ref["logits"], got["logits"]) and torch.equal(ref["logits"],
+                                                                                        unarmed["logits"]),
+               unarmed_empty=set(unarmed) == {"logits"}, got=got, dense=_dense_from_hook(hook, query_start),
+               kernel=attention_concentration(q[:, :, query_start:], k, q_positions=qpos)
+               + attention_topk(q[:, :, query_start:], k, TOP_K, q_positions=qpos))
+    ws1["classes"] = ([type(layer.self_attention.core_attention).__name__ for layer in plain.decoder.layers],
+                      [type(layer.self_attention.core_attention).__name__ for layer in fused.decoder.layers])
+    weights = {n: p.detach().clone() for n, p in plain.named_parameters()}
+    distributed.destroy()
+
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              context_parallel_size=cp)
+    distributed.initialize(parallel, seed=11)
+    plain, fused = _build_pair(parallel, weights)
+    pos = load_balanced_positions(FUSED_SEQ // cp, cp_rank=ps.get_context_parallel_rank(), cp_size=cp)
+    p_out = _forward(plain, ids[:, pos], pos)
+    f_out = _forward(fused, ids[:, pos], pos, query_start=query_start)
+    mine = dict(present=fused.final_attention_capture.present, last=fused.post_process)
+    if "logits" in f_out:
+        mine.update(logits_equal=torch.equal(p_out["logits"], f_out["logits"]), pos=pos,
+                    logits=_unshard(f_out["logits"], _VOCAB_SHARDED, ps.get_tensor_model_parallel_group()),
+                    got={x: f_out[x] for x in ("H", "n", "topk_idx", "topk_w")})
+    distributed.destroy()
+    dist.barrier()
+    return ws1, mine
+
+
+def _check_stats(got, want, *, rtol, atol):
+    torch.testing.assert_close(got["H"].double(), want["H"].double(), rtol=rtol, atol=atol)
+    assert torch.equal(got["n"], want["n"].to(got["n"].dtype))
+    assert torch.equal(got["topk_idx"], want["topk_idx"])
+    torch.testing.assert_close(got["topk_w"].double(), want["topk_w"].double(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("tp,pp,cp,query_start", [(2, 1, 1, 5), (1, 1, 2, 5), (1, 2, 1, 2), (1, 1, 2, 13)],
+                         ids=["tp2", "cp2", "pp2", "cp2-late-start"])
+def test_fused_final_layer(pool2, tp, pp, cp, query_start):
+    results = pool2.run(_fused_case, tp, pp, cp, query_start)
+    ws1 = results[0][0]
+    # World size 1: logits bit-identical with and without the capture (armed or not) ...
+    assert ws1["logits_equal"] and ws1["unarmed_empty"]
+    # Only the last layer's core attention is replaced, by a subclass of the spec's own class.
+    assert ws1["classes"] == (["DotProductAttention"] * 2, ["DotProductAttention", "CapturingDotProductAttention"])
+    # ... the core attention's own output is the dense softmax of the q/k the capture sees ...
+    torch.testing.assert_close(ws1["dense"].pop("out_hook").double(), ws1["dense"].pop("out"),
+                               rtol=1e-5, atol=1e-6)
+    # ... and H / n / top-k equal the kernels and the dense float64 reference on those q/k.
+    kernel = dict(zip(("H", "n", "topk_idx", "topk_w"), ws1["kernel"]))
+    _check_stats(ws1["got"], kernel, rtol=0, atol=0)
+    _check_stats(ws1["got"], ws1["dense"], rtol=2e-5, atol=1e-7)
+    assert ws1["got"]["H"].shape == (FUSED_BATCH, FUSED_SEQ - query_start)
+    # Sharded: bit-identical logits vs the sharded plain model; the same stats on every rank that
+    # holds the last layer, equal to world size 1 (float32 TP / CP reduction order: 1e-5).
+    last = [mine for _, mine in results if mine["last"]]
+    assert [mine["present"] for _, mine in results] == [mine["last"] for _, mine in results]
+    assert last and all(mine["logits_equal"] for mine in last)
+    for mine in last:
+        torch.testing.assert_close(mine["logits"], ws1["got"]["logits"][:, mine["pos"]], rtol=1e-5, atol=1e-5)
+        _check_stats(mine["got"], ws1["got"], rtol=1e-5, atol=1e-6)
+        for x in mine["got"]:  # identical on every TP / CP rank
+            assert torch.equal(mine["got"][x], last[0]["got"][x])
