@@ -348,3 +348,64 @@ def test_fused_final_layer(pool2, tp, pp, cp, query_start):
         _check_stats(mine["got"], ws1["got"], rtol=1e-5, atol=1e-6)
         for x in mine["got"]:  # identical on every TP / CP rank
             assert torch.equal(mine["got"][x], last[0]["got"][x])
+
+
+# -------------------------------------------------------------------------- (c) peak extra memory
+
+# How memory is measured (CPU): a fresh subprocess builds the inputs, resets the resident-set
+# high-water mark (writing 5 to /proc/self/clear_refs, Linux >= 4.0), runs the kernel once and reports
+# VmHWM - VmRSS-before: the peak of everything the call allocated and touched. glibc would keep freed
+# blocks above its (growing) mmap threshold in the heap; MALLOC_MMAP_THRESHOLD_=65536 pins the
+# threshold, so every large tensor is its own mapping and is returned when freed. The probe is checked
+# against a materialised softmax, which it must see. Peak on GPU: torch.cuda.max_memory_allocated.
+_PROBE = """
+import sys, torch
+from megatron_credit.models.concentration import attention_concentration, attention_topk
+def kib(field):
+    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(field))
+b, hq, hkv, tq, tk, d, what = {args!r}
+q, k = torch.randn(b, hq, tq, d), torch.randn(b, hkv, tk, d)
+fn = dict(conc=lambda: attention_concentration(q, k), topk=lambda: attention_topk(q, k, 64),
+          dense=lambda: torch.softmax(q.view(b, hkv, -1, d) @ k.transpose(-1, -2), dim=-1))[what]
+open('/proc/self/clear_refs', 'w').write('5')
+base = kib('VmRSS')
+out = fn()
+print((kib('VmHWM') - base) * 1024)
+"""
+
+
+def _peak_bytes(b, hq, hkv, tq, tk, d, what):
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", _PROBE.format(args=(b, hq, hkv, tq, tk, d, what))],
+                         capture_output=True, text=True, check=True, env=env, timeout=900)
+    return int(res.stdout.strip().splitlines()[-1])
+
+
+MB = 1 << 20
+needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux /proc only")
+
+
+@needs_proc
+def test_peak_memory_does_not_grow_with_sequence_length():
+    """Peak extra memory is set by the chunk (one [B, Hq, c, c] float32 tile and its temporaries), not
+    by Tq * Tk: doubling T adds only the O(B * Tq) outputs. The probe sees a dense softmax."""
+    small = _peak_bytes(1, 8, 2, 2048, 2560, 64, "conc")
+    large = _peak_bytes(1, 8, 2, 4096, 5120, 64, "conc")
+    dense = _peak_bytes(1, 8, 2, 2048, 2560, 64, "dense")  # 8 * 2048 * 2560 * 4 B = 160 MiB per buffer
+    assert dense >= 160 * MB, dense
+    assert large < small + 8 * MB, (small, large)
+    assert large < 256 * MB, large
+
+
+@needs_proc
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["conc", "topk"])
+def test_peak_memory_bound_at_full_size(what):
+    """The issue's bound at its size: B=1, Hq=8, Hkv=2, D=64, Tq=16384, Tk=20480, fp32: < 512 MB
+    (dense: one [8, 16384, 20480] float32 score matrix is 10 GiB). ~80 s (conc) on one core."""
+    if what == "topk":  # the sort-based merge is ~3x slower on CPU: same bound, a quarter of the rows
+        peak = _peak_bytes(1, 8, 2, 4096, 20480, 64, what)
+    else:
+        peak = _peak_bytes(1, 8, 2, 16384, 20480, 64, what)
+    assert peak < 512 * MB, peak / MB
