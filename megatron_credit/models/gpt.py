@@ -97,14 +97,40 @@ def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool]
     return spec
 
 
+def gpt_decoder_block_spec(transformer_config, *, use_transformer_engine: Optional[bool] = None,
+                           final_attention_capture=None, pp_rank: Optional[int] = None):
+    """The decoder spec of pipeline rank ``pp_rank`` (default: this rank's).
+
+    Without ``final_attention_capture`` it is :func:`gpt_layer_spec` (megatron repeats it per layer);
+    with one (a ``models.final_layer.FinalAttentionCapture``), a ``TransformerBlockSubmodules`` whose
+    GLOBAL last layer (on the last stage only) records into it; the other layers keep the plain spec.
+    """
+    spec = gpt_layer_spec(transformer_config, use_transformer_engine=use_transformer_engine)
+    if final_attention_capture is None:
+        return spec
+    from megatron.core import parallel_state
+
+    from megatron_credit.models.final_layer import decoder_block_spec
+
+    if pp_rank is None:
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    return decoder_block_spec(transformer_config, spec, final_attention_capture, pp_rank=pp_rank)
+
+
 def build_gpt_model(hf_config, transformer_config, *, pre_process: Optional[bool] = None,
-                    post_process: Optional[bool] = None, use_transformer_engine: Optional[bool] = None):
+                    post_process: Optional[bool] = None, use_transformer_engine: Optional[bool] = None,
+                    capture_final_attention: bool = False, final_attention_capture=None):
     """A megatron ``GPTModel`` (this rank's pipeline stage) for ``hf_config``.
 
     ``pre_process`` / ``post_process`` default to whether this rank is the first / last pipeline
     stage (megatron ``parallel_state`` must be initialised, see ``megatron_credit.distributed``).
     ``forward(input_ids [B, S], position_ids [B, S], attention_mask=None)`` returns vocab-parallel
     logits ``[B, S, V / tp]`` on the last stage, the hidden states ``[S, B, H]`` elsewhere.
+
+    ``capture_final_attention``: the global last layer records CompPO's attention statistics when
+    ``model.final_attention_capture`` is armed (``models.final_layer``); its groups are megatron's TP
+    and CP groups unless ``final_attention_capture`` (an unarmed ``FinalAttentionCapture``) is passed.
+    ``model.final_attention_capture`` is None otherwise.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -118,10 +144,21 @@ def build_gpt_model(hf_config, transformer_config, *, pre_process: Optional[bool
         raise ValueError(f"parallel.tensor_model_parallel_size={tp} does not divide "
                          f"vocab_size={hf_config.vocab_size} (pad the vocabulary)")
     rope = rope_settings(hf_config)
+    capture = final_attention_capture
+    if capture_final_attention and capture is None:
+        from megatron_credit.models.final_layer import FinalAttentionCapture
+
+        capture = FinalAttentionCapture(
+            tp_group=parallel_state.get_tensor_model_parallel_group() if tp > 1 else None,
+            cp_group=(parallel_state.get_context_parallel_group()
+                      if transformer_config.context_parallel_size > 1 else None))
+    elif not capture_final_attention and capture is not None:
+        raise ValueError("final_attention_capture was passed without capture_final_attention=True")
     model = GPTModel(
         config=transformer_config,
-        transformer_layer_spec=gpt_layer_spec(transformer_config,
-                                              use_transformer_engine=use_transformer_engine),
+        transformer_layer_spec=gpt_decoder_block_spec(transformer_config,
+                                                      use_transformer_engine=use_transformer_engine,
+                                                      final_attention_capture=capture),
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,
@@ -135,6 +172,7 @@ def build_gpt_model(hf_config, transformer_config, *, pre_process: Optional[bool
     )
     if not transformer_config.perform_initialization:
         set_tensor_parallel_attributes(model)
+    model.final_attention_capture = capture
     return model
 
 

@@ -1,0 +1,213 @@
+"""Final-layer attention statistics for CompPO, streamed over key chunks (no [Tq, Tk] buffer).
+
+Two read-outs of causal softmax attention ``a_{t,i} = softmax_i(s_{t,i})``, ``s = scale * <q_t, k_i>``:
+
+- :func:`attention_concentration`: ``H[b, t] = mean_h sum_i a_{h,t,i}**2`` and ``n[b, t]`` visible keys,
+  the inputs of the CompPO gate (``megatron_credit.credit.gates``). ``sum_i a_i**2 = exp(LSE(2 s) -
+  2 LSE(s))``: one pass over key chunks keeps a running max ``m`` and ``l1 = sum exp(s - m)``,
+  ``l2 = sum exp(2 (s - m))``, i.e. both log-sum-exps at once (``LSE(s) = m + log l1``,
+  ``LSE(2 s) = 2 m + log l2``).
+- :func:`attention_topk`: the ``k`` keys with the largest head-averaged weight ``mean_h a_{h,t,i}``
+  (the transport-aligned critic pools over them). Exact: pass 1 gets each head's ``LSE(s)``, pass 2
+  streams key chunks again, turns scores into weights ``exp(s - LSE)`` and merges a running top-k.
+
+Shapes follow the attention kernels: ``query [B, Hq, Tq, D]``, ``key [B, Hkv, Tk, D]`` with ``Hq`` a
+multiple of ``Hkv`` (GQA: query head ``h`` reads key head ``h // (Hq / Hkv)``, megatron's grouping).
+Query ``t`` sits at global position ``q_positions[t]`` (default: the last ``Tq`` of ``Tk`` positions)
+and sees key ``j`` iff ``j <= q_positions[t]``. Scores are float32 whatever the input dtype.
+
+Memory: per (query chunk, key chunk) block one float32 score tile ``[B, Hq, c, c]`` (32 MB at B = 1,
+Hq = 8, c = 1024) and a few row vectors; nothing grows with ``Tq * Tk``. Query heads are grouped onto
+their key head by a reshape (``[B, Hkv, G * c, D] @ [B, Hkv, D, c]``), so K is never repeated per head.
+The causal structure is used: key chunks past a query chunk's last position are skipped.
+
+Tensor parallelism (``tp_group``): each rank holds ``Hq / tp`` query heads and their key heads.
+:func:`attention_concentration` sums its heads' ``H`` and all-reduces the sum (the mean over all heads);
+:func:`attention_topk` needs every head's weight in the same row, so it all-gathers query and key heads
+first (meant for the final layer only, where this is one layer's q/k) and every rank returns the same
+exact result. Both run under ``torch.no_grad``: the statistics are detached by definition (CompPO's gate
+is computed by the behaviour policy).
+
+>>> q, k = torch.zeros(1, 2, 3, 4), torch.zeros(1, 1, 3, 4)   # equal scores: uniform attention
+>>> h, n = attention_concentration(q, k)
+>>> h, n
+(tensor([[1.0000, 0.5000, 0.3333]]), tensor([[1, 2, 3]]))
+>>> idx, w = attention_topk(q, k, 2)
+>>> idx.tolist(), w
+([[[0, 0], [0, 1], [0, 1]]], tensor([[[1.0000, 0.0000],
+         [0.5000, 0.5000],
+         [0.3333, 0.3333]]]))
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_credit.credit.gates import concentration_from_lse
+
+__all__ = ["attention_concentration", "attention_topk"]
+
+
+def _check(query: torch.Tensor, key: torch.Tensor, q_positions: Optional[torch.Tensor],
+           chunk_size: int) -> torch.Tensor:
+    """Validate shapes; return the query positions ``[Tq]`` (long, on the query's device)."""
+    if query.dim() != 4 or key.dim() != 4:
+        raise ValueError(f"query must be [B, Hq, Tq, D] and key [B, Hkv, Tk, D], got query "
+                         f"{tuple(query.shape)}, key {tuple(key.shape)}")
+    (b, hq, tq, d), (bk, hkv, tk, dk) = query.shape, key.shape
+    if b != bk or d != dk:
+        raise ValueError(f"query {tuple(query.shape)} and key {tuple(key.shape)} differ in batch or head dim")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads Hq={hq} must be a multiple of key heads Hkv={hkv}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if q_positions is None:
+        if tq > tk:
+            raise ValueError(f"without q_positions the queries are the last Tq of Tk keys: Tq={tq} > Tk={tk}")
+        return torch.arange(tk - tq, tk, device=query.device)
+    if q_positions.shape != (tq,):
+        raise ValueError(f"q_positions must be [Tq] = [{tq}], got {tuple(q_positions.shape)}")
+    if tq and (int(q_positions.min()) < 0 or int(q_positions.max()) >= tk):
+        raise ValueError(f"q_positions must lie in [0, Tk={tk}), got [{int(q_positions.min())}, "
+                         f"{int(q_positions.max())}]")
+    return q_positions.to(device=query.device, dtype=torch.long)
+
+
+def _grouped_chunk(query: torch.Tensor, q0: int, q1: int, hkv: int, scale: float) -> torch.Tensor:
+    """Query rows ``q0:q1`` as ``[B, Hkv, G * c, D]`` float32, pre-scaled (G query heads per key head)."""
+    b, hq, _, d = query.shape
+    q = query[:, :, q0:q1].float() * scale
+    return q.reshape(b, hkv, (hq // hkv) * (q1 - q0), d)
+
+
+def _masked_scores(qg: torch.Tensor, key: torch.Tensor, k0: int, k1: int,
+                   pos: torch.Tensor) -> torch.Tensor:
+    """Scores ``[B, Hkv, G, c, k1 - k0]`` float32 of grouped queries ``qg`` vs keys ``k0:k1``;
+    ``-inf`` where key ``j > pos`` (``pos: [c]``, the chunk's query positions)."""
+    b, hkv, gc, _ = qg.shape
+    s = torch.matmul(qg, key[:, :, k0:k1].float().transpose(-1, -2))  # [B, Hkv, G*c, kc]
+    s = s.view(b, hkv, gc // pos.numel(), pos.numel(), k1 - k0)
+    hidden = torch.arange(k0, k1, device=pos.device)[None, :] > pos[:, None]  # [c, kc]
+    return s.masked_fill_(hidden, float("-inf"))
+
+
+def _online_lse(qg: torch.Tensor, key: torch.Tensor, pos: torch.Tensor, chunk: int, *,
+                squares: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Per-head ``LSE(s)`` and (if ``squares``) ``LSE(2 s)``, each ``[B, Hkv, G, c]``, streamed over keys.
+
+    Running max ``m`` with ``l1 = sum exp(s - m)``, ``l2 = sum exp(2 (s - m))``; on a new max both sums
+    are rescaled (by ``exp(m_old - m)`` and its square). Every query sees at least its own key, so
+    ``l1 >= 1`` at the end; a row that has seen no key yet keeps ``m = -inf`` (``m_safe`` avoids
+    ``-inf - -inf``).
+    """
+    b, hkv, gc, _ = qg.shape
+    shape = (b, hkv, gc // pos.numel(), pos.numel())
+    m = torch.full(shape, float("-inf"), device=qg.device)
+    l1, l2 = torch.zeros(shape, device=qg.device), torch.zeros(shape, device=qg.device)
+    for k0 in range(0, int(pos.max()) + 1, chunk):  # keys past the chunk's last query are all hidden
+        k1 = min(k0 + chunk, int(pos.max()) + 1)
+        s = _masked_scores(qg, key, k0, k1, pos)
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m - m_safe)  # 0 where m was -inf
+        e = s.sub_(m_safe[..., None]).exp_()  # in place: one score tile alive at a time
+        l1 = l1 * alpha + e.sum(dim=-1)
+        if squares:
+            l2 = l2 * alpha * alpha + e.mul_(e).sum(dim=-1)
+        m = m_new
+    lse = m + torch.log(l1)
+    return lse, (2.0 * m + torch.log(l2)) if squares else None
+
+
+def _scale(query: torch.Tensor, scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+
+
+@torch.no_grad()
+def attention_concentration(query: torch.Tensor, key: torch.Tensor, *, scale: Optional[float] = None,
+                            chunk_size: int = 1024, tp_group=None,
+                            q_positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``H [B, Tq]`` float32 (mean over query heads of ``sum_i a_{t,i}**2``) and ``n [B, Tq]`` int64.
+
+    ``query: [B, Hq, Tq, D]``, ``key: [B, Hkv, Tk, D]`` (any float dtype, after RoPE); ``scale`` defaults
+    to ``1/sqrt(D)``; ``q_positions: [Tq]`` global query positions (default ``Tk - Tq + arange(Tq)``).
+    With ``tp_group`` the heads are this rank's share and ``H`` is the mean over all ranks' heads
+    (one all-reduce of ``[B, Tq]``; every rank of the group must call). ``chunk_size`` tiles both queries
+    and keys. ``H`` lies in ``[1/n, 1]``.
+    """
+    pos = _check(query, key, q_positions, chunk_size)
+    b, hq, tq, _ = query.shape
+    hkv, scale = key.shape[1], _scale(query, scale)
+    h_sum = torch.zeros(b, tq, device=query.device)
+    for q0 in range(0, tq, chunk_size):
+        q1 = min(q0 + chunk_size, tq)
+        lse_s, lse_2s = _online_lse(_grouped_chunk(query, q0, q1, hkv, scale), key, pos[q0:q1],
+                                    chunk_size, squares=True)
+        h_sum[:, q0:q1] = concentration_from_lse(lse_2s, lse_s).sum(dim=(1, 2))
+    heads = hq
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(h_sum, group=tp_group)
+        heads *= dist.get_world_size(tp_group)
+    return h_sum / heads, (pos + 1).expand(b, tq).clone()
+
+
+def _gather_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather ``x [B, H_local, T, D]`` over ``group`` into ``[B, H_local * size, T, D]`` (rank order =
+    megatron's TP head order)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _merge_topk(best_w: torch.Tensor, best_i: torch.Tensor, w: torch.Tensor, i: torch.Tensor,
+                k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top ``k`` of the running best (sorted by weight desc, index asc) and a new chunk (index asc).
+
+    The chunk's indices all exceed the running best's, and both lists are in (weight desc, index asc)
+    order among equal weights, so a *stable* descending sort of the concatenation breaks ties by the
+    smaller index: deterministic, unlike ``torch.topk``.
+    """
+    cand_w, cand_i = torch.cat([best_w, w], dim=-1), torch.cat([best_i, i], dim=-1)
+    order = torch.sort(cand_w, dim=-1, descending=True, stable=True).indices[..., :k]
+    return cand_w.gather(-1, order), cand_i.gather(-1, order)
+
+
+@torch.no_grad()
+def attention_topk(query: torch.Tensor, key: torch.Tensor, k: int, *, scale: Optional[float] = None,
+                   chunk_size: int = 1024, tp_group=None,
+                   q_positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``idx [B, Tq, k]`` int64 and ``weight [B, Tq, k]`` float32: the ``k`` largest ``mean_h a_{h,t,i}``.
+
+    Same inputs as :func:`attention_concentration`; the mean runs over ALL query heads (with
+    ``tp_group``, query and key heads are all-gathered first, so every rank returns the same result).
+    Sorted by weight descending, ties by smaller index. Rows with fewer than ``k`` visible keys are
+    padded with weight 0 and ``idx`` = the query's own position.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    pos = _check(query, key, q_positions, chunk_size)
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        query, key = _gather_heads(query, tp_group), _gather_heads(key, tp_group)
+    b, hq, tq, _ = query.shape
+    hkv, scale = key.shape[1], _scale(query, scale)
+    idx = torch.empty(b, tq, k, dtype=torch.long, device=query.device)
+    weight = torch.empty(b, tq, k, device=query.device)
+    for q0 in range(0, tq, chunk_size):
+        q1 = min(q0 + chunk_size, tq)
+        qg, p = _grouped_chunk(query, q0, q1, hkv, scale), pos[q0:q1]
+        lse, _ = _online_lse(qg, key, p, chunk_size, squares=False)  # pass 1: [B, Hkv, G, c]
+        best_w = torch.full((b, q1 - q0, k), float("-inf"), device=query.device)
+        best_i = torch.zeros(b, q1 - q0, k, dtype=torch.long, device=query.device)
+        for k0 in range(0, int(p.max()) + 1, chunk_size):  # pass 2: weights, running top-k
+            k1 = min(k0 + chunk_size, int(p.max()) + 1)
+            a = _masked_scores(qg, key, k0, k1, p).sub_(lse[..., None]).exp_().sum(dim=(1, 2)) / hq
+            a.masked_fill_(torch.arange(k0, k1, device=p.device)[None, :] > p[:, None], float("-inf"))
+            cols = torch.arange(k0, k1, device=p.device).expand(b, q1 - q0, k1 - k0)
+            best_w, best_i = _merge_topk(best_w, best_i, a, cols, k)
+        pad = torch.isinf(best_w)  # fewer than k visible keys
+        weight[:, q0:q1] = best_w.masked_fill(pad, 0.0)
+        idx[:, q0:q1] = torch.where(pad, p[None, :, None].expand_as(best_i), best_i)
+    return idx, weight

@@ -1,0 +1,208 @@
+"""The final decoder layer records CompPO's attention statistics during the behaviour-policy forward.
+
+CompPO's gate needs ``H_t`` (and its critic the top-K keys) of the final layer's causal attention for
+response queries. Rather than a second model forward, the GLOBAL last decoder layer gets a core
+attention that is the spec's own class (megatron's ``DotProductAttention``, our
+``CpuContextParallelAttention`` under CP on CPU, TE's ``TEDotProductAttention`` on GPU) subclassed
+at build time: its ``forward`` calls the parent unchanged — the layer output, hence the logits, is
+bit-identical — and, only while a :class:`FinalAttentionCapture` is armed, computes from the q/k it was
+handed (after RoPE; ``[s, b, heads, d]``, GQA key groups) the statistics of
+:mod:`megatron_credit.models.concentration`. Unarmed, the forward costs one attribute check.
+
+Parallelism (the groups are captured from megatron ``parallel_state`` at build time or passed in):
+
+- TP: each rank holds its query heads and their key groups; ``H`` all-reduces the head mean, the top-k
+  all-gathers heads, so every TP rank holds the same result.
+- CP: megatron's load-balanced layout (rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``).
+  K is all-gathered over the CP group into sequence order (``[S, b, ng, d]``: one layer's keys), each
+  rank scores its own queries at their global positions, and the small results are summed into global
+  order (each position is written by exactly one rank), so every CP rank holds the same result.
+- PP: only the last stage holds the layer; ``capture.present`` is False elsewhere and ``result`` stays
+  None. Sequence parallelism needs nothing: inside attention q/k cover the (CP-local) full sequence.
+
+Usage (the trainer, once per behaviour-policy micro-batch, reading the result in the loss function)::
+
+    capture = model.final_attention_capture      # None unless built with capture_final_attention=True
+    capture.arm(query_start=prompt_len, top_k=64)
+    logits = model(input_ids, position_ids, None)
+    stats = capture.result   # {"H": [b, S - q0], "n": ..., "topk_idx": [b, S - q0, k], "topk_w": ...}
+    capture.disarm()
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_credit.models.concentration import attention_concentration, attention_topk
+
+__all__ = ["FinalAttentionCapture", "capturing_core_attention", "final_layer_spec", "decoder_block_spec",
+           "gather_cp_sequence", "scatter_to_global"]
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+@torch.no_grad()
+def gather_cp_sequence(local: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """CP shard ``[2c, ...]`` (chunks r, 2cp-1-r) -> full sequence ``[2 cp c, ...]`` in order, and this
+    rank's global positions ``[2c]``. Without a group (or CP = 1): ``local`` and ``arange(2c)``."""
+    from megatron_credit.models.cpu_attention import load_balanced_positions
+
+    cp = _size(group)
+    if cp == 1:
+        return local, torch.arange(local.shape[0], device=local.device)
+    rank = dist.get_rank(group)
+    parts = [torch.empty_like(local) for _ in range(cp)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    c = local.shape[0] // 2
+    chunks: list[Optional[torch.Tensor]] = [None] * (2 * cp)
+    for r, part in enumerate(parts):
+        chunks[r], chunks[2 * cp - 1 - r] = part[:c], part[c:]
+    positions = load_balanced_positions(local.shape[0], cp_rank=rank, cp_size=cp).to(local.device)
+    return torch.cat(chunks), positions
+
+
+@torch.no_grad()
+def scatter_to_global(values: torch.Tensor, columns: torch.Tensor, width: int, group) -> torch.Tensor:
+    """``values [b, m, ...]`` at global columns ``columns [m]`` -> ``[b, width, ...]``, summed over
+    ``group``: exact when every column is written by exactly one rank (zeros elsewhere)."""
+    out = values.new_zeros((values.shape[0], width) + tuple(values.shape[2:]))
+    out[:, columns] = values
+    if _size(group) > 1:
+        dist.all_reduce(out, group=group)
+    return out
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class FinalAttentionCapture:
+    """Arms the final layer's core attention to record ``H``, ``n`` and the top-k during a forward."""
+
+    tp_group: Any = None
+    """Tensor-parallel group (None: heads are not split)."""
+    cp_group: Any = None
+    """Context-parallel group (None: the sequence is not split)."""
+    chunk_size: int = 1024
+    """Query / key tile of the streamed kernels (memory ~ B * heads * chunk_size**2 * 4 bytes)."""
+    present: bool = False
+    """Whether this pipeline stage holds the global last layer (set by the model build)."""
+    query_start: Optional[int] = None
+    """First GLOBAL position scored while armed; None = disarmed."""
+    top_k: int = 0
+    """Top-k keys to return per query (0: none)."""
+    result: Optional[dict] = None
+    """After an armed forward on the last stage: ``H [b, S - query_start]`` float32, ``n`` int64 and,
+    if ``top_k``, ``topk_idx [b, S - query_start, top_k]`` int64 / ``topk_w`` float32."""
+
+    def __post_init__(self):
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+
+    @property
+    def armed(self) -> bool:
+        return self.query_start is not None
+
+    def arm(self, query_start: int, top_k: int = 0) -> None:
+        """Record the next forwards' statistics for global positions ``query_start .. S-1``."""
+        if query_start < 0:
+            raise ValueError(f"query_start must be >= 0, got {query_start}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        self.query_start, self.top_k, self.result = int(query_start), int(top_k), None
+
+    def disarm(self) -> None:
+        """Stop recording and drop the last result (read it first: a stale result is never served)."""
+        self.query_start, self.result = None, None
+
+    @torch.no_grad()
+    def record(self, query: torch.Tensor, key: torch.Tensor, *, scale: float) -> None:
+        """Compute ``result`` from the layer's ``query [sq, b, np, d]`` and ``key [sq, b, ng, d]``."""
+        key, positions = gather_cp_sequence(key, self.cp_group)  # [S, b, ng, d], [sq]
+        width = key.shape[0] - self.query_start
+        if width <= 0:
+            raise ValueError(f"query_start={self.query_start} must be below the sequence length {key.shape[0]}")
+        mine = torch.nonzero(positions >= self.query_start).flatten()
+        q = query[mine].permute(1, 2, 0, 3)  # [b, np, m, d]
+        k = key.permute(1, 2, 0, 3)  # [b, ng, S, d]
+        kw = dict(scale=scale, chunk_size=self.chunk_size, tp_group=self.tp_group, q_positions=positions[mine])
+        h, n = attention_concentration(q, k, **kw)
+        cols = positions[mine] - self.query_start
+        result = {"H": scatter_to_global(h, cols, width, self.cp_group),
+                  "n": scatter_to_global(n, cols, width, self.cp_group)}
+        if self.top_k:
+            idx, w = attention_topk(q, k, self.top_k, **kw)
+            result["topk_idx"] = scatter_to_global(idx, cols, width, self.cp_group)
+            result["topk_w"] = scatter_to_global(w, cols, width, self.cp_group)
+        self.result = result
+
+
+def capturing_core_attention(base: type, capture: FinalAttentionCapture) -> type:
+    """A subclass of the core-attention class ``base`` whose forward also feeds ``capture`` when armed.
+
+    ``base`` keeps its constructor and its forward; the scale is the one megatron's attention gives its
+    core attention (``config.softmax_scale`` or ``1/sqrt(kv_channels)``; query-key layer scaling
+    divides and re-multiplies by the layer number inside ``DotProductAttention``, leaving it unchanged).
+    """
+
+    def __init__(self, *args, **kwargs):
+        base.__init__(self, *args, **kwargs)
+        config = kwargs["config"] if "config" in kwargs else args[0]
+        scale = kwargs.get("softmax_scale") or config.softmax_scale
+        self.capture_scale = 1.0 / math.sqrt(config.kv_channels) if scale is None else float(scale)
+
+    def forward(self, query, key, value, *args, **kwargs):
+        if capture.armed:  # before the parent's forward: it sees q/k exactly as the parent does
+            if kwargs.get("packed_seq_params") is not None:
+                raise ValueError("final-layer attention capture supports unpacked (sbhd) batches only; "
+                                 "packed_seq_params was given")
+            capture.record(query, key, scale=self.capture_scale)
+        return base.forward(self, query, key, value, *args, **kwargs)
+
+    return type(f"Capturing{base.__name__}", (base,), {"__init__": __init__, "forward": forward,
+                                                      "__module__": __name__, "__doc__": base.__doc__})
+
+
+def final_layer_spec(layer_spec, capture: FinalAttentionCapture):
+    """A copy of ``layer_spec`` whose core attention is ``capturing_core_attention(<its class>)``."""
+    spec = copy.deepcopy(layer_spec)
+    attention = getattr(getattr(spec.submodules, "self_attention", None), "submodules", None)
+    if not hasattr(attention, "core_attention"):
+        raise RuntimeError("megatron-core's layer spec has no submodules.self_attention.submodules."
+                           "core_attention: the final-layer capture cannot be placed (models/final_layer.py)")
+    core = attention.core_attention
+    if isinstance(core, type):
+        attention.core_attention = capturing_core_attention(core, capture)
+    else:  # a ModuleSpec: keep its params and submodules, swap the class
+        attention.core_attention = dataclasses.replace(core, module=capturing_core_attention(core.module, capture))
+    return spec
+
+
+def decoder_block_spec(transformer_config, layer_spec, capture: FinalAttentionCapture, *, pp_rank: int):
+    """``TransformerBlockSubmodules`` of pipeline rank ``pp_rank``: ``layer_spec`` for its layers, the
+    capturing spec for the GLOBAL last layer if this stage holds it (sets ``capture.present``).
+
+    megatron-core 0.16 - 0.19 take the local stage's layers from ``layer_specs`` and number them
+    ``offset + i + 1`` with ``get_transformer_layer_offset``; ``_get_block_submodules`` gives the block
+    (and its final norm class) the plain spec would have had, of which only the last entry changes.
+    """
+    from megatron.core.transformer.transformer_block import (_get_block_submodules,
+                                                             get_num_layers_to_build)
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if getattr(transformer_config, "virtual_pipeline_model_parallel_size", None):
+        raise ValueError("capture_final_attention does not support virtual pipeline stages "
+                         "(parallel.virtual_pipeline_model_parallel_size)")
+    block = _get_block_submodules(transformer_config, layer_spec, None, pp_rank)
+    block = dataclasses.replace(block, layer_specs=list(block.layer_specs))
+    n_local = get_num_layers_to_build(transformer_config, vp_stage=None, pp_rank=pp_rank)
+    offset = get_transformer_layer_offset(transformer_config, vp_stage=None, pp_rank=pp_rank)
+    assert len(block.layer_specs) == n_local, (len(block.layer_specs), n_local)
+    capture.present = n_local > 0 and offset + n_local == transformer_config.num_layers
+    if capture.present:
+        block.layer_specs[-1] = final_layer_spec(block.layer_specs[-1], capture)
+    return block
