@@ -92,12 +92,26 @@ def test_biases_megatron_cannot_place_are_refused():
         check_parallel_fits_model(transformers.GPT2Config(), ParallelConfig())
 
 
-def test_sequence_parallel_refused_on_cpu():
-    if torch.cuda.is_available():
-        pytest.skip("CPU-only refusal")
-    with pytest.raises(ValueError, match="sequence_parallel"):
-        transformer_config_from_hf(_hf("qwen2"), parallel=ParallelConfig(
-            tensor_model_parallel_size=2, sequence_parallel=True))
+def test_sequence_parallel_local_spec_tags_every_norm():
+    """Under sequence parallelism the local spec's norms (input, pre-MLP, q/k, and the block's final
+    norm) are torch norms whose parameters carry ``sequence_parallel`` (their gradients are partial sums
+    over TP; ``finalize_gradients`` adds them up); without it megatron's own ``WrappedTorchNorm``."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_credit.models.gpt import SequenceParallelTorchNorm, gpt_decoder_block_spec, gpt_layer_spec
+
+    cfg = transformer_config_from_hf(_hf("qwen3"), parallel=ParallelConfig(tensor_model_parallel_size=2,
+                                                                             sequence_parallel=True))
+    block = gpt_decoder_block_spec(cfg, use_transformer_engine=False, pp_rank=0)
+    layer = block.layer_specs[0].submodules
+    attention = layer.self_attention.submodules
+    assert block.layer_norm is SequenceParallelTorchNorm
+    assert {layer.input_layernorm, layer.pre_mlp_layernorm, attention.q_layernorm,
+            attention.k_layernorm} == {SequenceParallelTorchNorm}
+    norm = SequenceParallelTorchNorm(cfg, 16, eps=1e-6)
+    assert isinstance(norm, torch.nn.RMSNorm) and all(p.sequence_parallel for p in norm.parameters())
+    plain = transformer_config_from_hf(_hf("qwen3"), parallel=ParallelConfig(tensor_model_parallel_size=2))
+    assert gpt_layer_spec(plain, use_transformer_engine=False).submodules.input_layernorm is WrappedTorchNorm
 
 
 # ----------------------------------------------------------------- logits equal to transformers

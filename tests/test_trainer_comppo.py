@@ -16,8 +16,14 @@ from tests.test_trainer_e2e import _cli, _lines, _stable, _train
 
 LAYOUTS = {"TP=2": ["parallel.tensor_model_parallel_size=2"], "PP=2": ["parallel.pipeline_model_parallel_size=2"],
            "CP=2": ["parallel.context_parallel_size=2"]}
-COMPARED = ("reward/mean", "actor/pg_loss", "actor/entropy", "critic/value_loss", "comppo/gate_mean",
-            "comppo/gate_last_third", "critic/explained_var", "critic/value_mae")
+# Decided before the iteration's first optimizer step: equal up to float rounding in every layout.
+BEFORE_UPDATE = ("reward/mean", "comppo/gate_mean", "comppo/gate_first_third", "comppo/gate_last_third",
+                 "critic/value_mae")
+# Averaged over both mini-batches, the second after an AdamW step. Adam's first step moves each weight by
+# about +-lr whatever its gradient's size, so float-rounding differences of tiny gradients between layouts
+# become lr-sized weight differences (PPO shows the same ~0.3% here): a loose check. The update itself is
+# compared at 1e-5 on a fixed batch in tests/test_trainer_step.py.
+AFTER_UPDATE = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/value_loss", "critic/grad_norm")
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +61,9 @@ def test_comppo_trains_two_iterations_with_the_same_numbers_in_every_layout(pool
         got = pool2.run(_train, str(tmp_path / name), "none", base + layout)[0]
         # Iteration 1 samples the same responses in every layout (same weights, same seeds); iteration 2
         # samples from weights that differ by float rounding, so only iteration 1 is compared.
-        for k in COMPARED:
-            assert got[0][k] == pytest.approx(ref[0][k], rel=2e-4, abs=1e-6), f"{name} {k}: {got[0][k]} vs {ref[0][k]}"
+        for keys, rel in ((BEFORE_UPDATE, 1e-5), (AFTER_UPDATE, 2e-2)):
+            for k in keys:
+                assert got[0][k] == pytest.approx(ref[0][k], rel=rel, abs=1e-6), f"{name} {k}: {got[0][k]} vs {ref[0][k]}"
 
 
 def _fake_ctx(algorithm: str, overrides: dict, *, feature_critic: bool = False):

@@ -70,7 +70,11 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
     try:
         hf = recipe.model.hf_config()
         spec, params = recipe.algorithm.spec_and_params()
-        actor = Actor(hf_config=hf, recipe=recipe, with_critic=spec.needs_critic, with_reference=False)
+        from megatron_credit.trainer.controls import actor_options
+
+        actor = Actor(hf_config=hf, recipe=recipe, with_critic=spec.needs_critic, with_reference=False,
+                      **actor_options(spec, params, hf, dtype=torch.float32,
+                                      pp_size=recipe.parallel.pipeline_model_parallel_size))
         actor.load_initial_weights(seed=1234)
         ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=None, pad_id=0,
                       seq_multiple=seq_multiple(recipe.parallel))
@@ -112,7 +116,7 @@ def pool2():
 
 
 KEYS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "fipo/weight_mean",
-        "fipo/weight_max", "critic/value_loss")
+        "fipo/weight_max", "critic/value_loss", "critic/grad_norm")
 
 
 def _assert_same(ref, got, what):
@@ -122,13 +126,18 @@ def _assert_same(ref, got, what):
                 assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), f"{what} step {i} {k}: {b[k]} vs {a[k]}"
 
 
-LAYOUTS = {"TP=2": {"tensor_model_parallel_size": 2}, "PP=2": {"pipeline_model_parallel_size": 2},
+LAYOUTS = {"TP=2": {"tensor_model_parallel_size": 2},
+           "TP=2+SP": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+           "PP=2": {"pipeline_model_parallel_size": 2},
            "CP=2": {"context_parallel_size": 2}, "DP=2": {}}
 
 
-@pytest.mark.parametrize("algorithm", ["fipo", "ppo"])
+@pytest.mark.parametrize("algorithm", ["fipo", "ppo", "comppo"])
 def test_fixed_batch_update_is_invariant_to_the_layout(pool1, pool2, algorithm):
-    ref = pool1.run(_run_fixed, {}, algorithm)[0]
+    # CompPO: gates and top-K keys from the final layer in the behaviour pass (heads split under TP, keys
+    # gathered under CP), the TAC on the last stage (one fused layer: a PP=2 stage holds one of the two).
+    kw = {"overrides": ["algorithm.params.critic_layers=1"]} if algorithm == "comppo" else {}
+    ref = pool1.run(_run_fixed, {}, algorithm, **kw)[0]
     assert ref[0]["actor/logp_diff_abs"] == 0.0  # first mini-batch: logp == old_logp bit for bit
     assert ref[1]["actor/logp_diff_abs"] > 0 and ref[1]["actor/grad_norm"] > 0
     if algorithm == "fipo":
@@ -137,7 +146,7 @@ def test_fixed_batch_update_is_invariant_to_the_layout(pool1, pool2, algorithm):
     else:
         assert ref[1]["critic/value_loss"] > 0
     for name, layout in LAYOUTS.items():
-        got = pool2.run(_run_fixed, layout, algorithm)[0]
+        got = pool2.run(_run_fixed, layout, algorithm, **kw)[0]
         assert got[0]["actor/logp_diff_abs"] == 0.0, name
         _assert_same(ref, got, f"{algorithm} {name}")
 

@@ -17,6 +17,7 @@ its gradient-norm and clipping count a TP-sharded weight without them once, on T
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from typing import Optional
 
@@ -81,6 +82,8 @@ def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool]
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=transformer_config.qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=transformer_config.qk_layernorm,
                                     normalization=transformer_config.normalization)
+    if transformer_config.sequence_parallel:
+        spec = _with_sequence_parallel_norms(spec)
     if transformer_config.context_parallel_size > 1:
         from megatron_credit.models.cpu_attention import CpuContextParallelAttention
 
@@ -106,15 +109,60 @@ def gpt_decoder_block_spec(transformer_config, *, use_transformer_engine: Option
     GLOBAL last layer (on the last stage only) records into it; the other layers keep the plain spec.
     """
     spec = gpt_layer_spec(transformer_config, use_transformer_engine=use_transformer_engine)
-    if final_attention_capture is None:
+    local_sp = getattr(spec.submodules, "input_layernorm", None) is SequenceParallelTorchNorm
+    if final_attention_capture is None and not local_sp:
         return spec
     from megatron.core import parallel_state
 
-    from megatron_credit.models.final_layer import decoder_block_spec
-
     if pp_rank is None:
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    if local_sp:  # the block's final norm sees sequence shards too
+        from megatron.core.transformer.transformer_block import _get_block_submodules
+
+        spec = dataclasses.replace(_get_block_submodules(transformer_config, spec, None, pp_rank),
+                                   layer_norm=SequenceParallelTorchNorm)
+    if final_attention_capture is None:
+        return spec
+    from megatron_credit.models.final_layer import decoder_block_spec
+
     return decoder_block_spec(transformer_config, spec, final_attention_capture, pp_rank=pp_rank)
+
+
+class SequenceParallelTorchNorm:
+    """megatron's ``WrappedTorchNorm`` (a ``torch.nn`` RMSNorm / LayerNorm) that accepts sequence
+    parallelism: under SP each TP rank normalises its own sequence shard, so the weight's gradient is a
+    partial sum; its parameters carry ``sequence_parallel = True`` (as TE's and apex's norms set them) and
+    ``distributed.grads.finalize_gradients`` sums them over TP. Used by the local (CPU) spec only."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):
+        import torch
+
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError("layernorm_zero_centered_gamma is not supported by the local spec's norm")
+        if config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        else:
+            raise ValueError(f"normalization {config.normalization!r} is not supported by the local spec")
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+
+def _with_sequence_parallel_norms(spec):
+    """A copy of the local layer spec whose norms (input, pre-MLP, q/k) accept sequence parallelism."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    spec = copy.deepcopy(spec)
+    layer = spec.submodules
+    attention = layer.self_attention.submodules
+    for owner, name in ((layer, "input_layernorm"), (layer, "pre_mlp_layernorm"),
+                        (attention, "q_layernorm"), (attention, "k_layernorm")):
+        if getattr(owner, name, None) is WrappedTorchNorm:
+            setattr(owner, name, SequenceParallelTorchNorm)
+    return spec
 
 
 def build_gpt_model(hf_config, transformer_config, *, pre_process: Optional[bool] = None,

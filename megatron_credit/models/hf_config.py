@@ -148,9 +148,6 @@ def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype
         raise ValueError(f"hf_config.use_sliding_window=True is not supported (sliding_window="
                          f"{_get(hf_config, 'sliding_window', None)}): the megatron actor uses full "
                          "causal attention on every layer")
-    if parallel.sequence_parallel and not torch.cuda.is_available():
-        raise ValueError("parallel.sequence_parallel is not supported on CPU: megatron-core's local "
-                         "spec norm (WrappedTorchNorm) asserts `not config.sequence_parallel`")
     add_qkv_bias, add_bias_linear = _biases(hf_config)
     heads = hf_config.num_attention_heads
     kwargs = dict(

@@ -88,8 +88,8 @@ class Actor:
                                                  params_dtype=recipe.model.torch_dtype(), **overrides)
         te = recipe.model.use_transformer_engine()
         self.capture_top_k, self.gate_fn = capture_top_k, gate_fn
-        capture = {"capture_final_attention": True} if capture_top_k is not None else {}
-        self.model = build_gpt_model(hf_config, self.config, use_transformer_engine=te, **capture)
+        self.model = build_gpt_model(hf_config, self.config, use_transformer_engine=te,
+                                     capture_final_attention=capture_top_k is not None)
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.with_critic = with_critic
         self.feature_critic = critic_factory is not None  # reads detached features, clipped on its own
@@ -98,13 +98,18 @@ class Actor:
         self.last_critic_grad_norm: Optional[torch.Tensor] = None
         if with_critic and self.last_stage:
             if critic_factory is not None:
-                head = critic_factory()
+                # Seeded on its own: the same critic whatever RNG draws this stage's layers consumed, so
+                # every layout (and every TP rank) starts from the same critic.
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(recipe.seed)
+                    head = critic_factory()
                 self._hook_layer_outputs(critic_layers - 1)
             else:
                 head = torch.nn.Linear(hf_config.hidden_size, 1, dtype=recipe.model.torch_dtype())
                 torch.nn.init.zeros_(head.weight)  # zero-initialised: V = 0 until the critic learns
                 torch.nn.init.zeros_(head.bias)
-            self.model.value_head = head
+            # On the model's device (megatron builds the stage on the current CUDA device on GPU).
+            self.model.value_head = head.to(next(self.model.parameters()).device)
         self.reference = None
         if with_reference:
             self.reference = build_gpt_model(hf_config, self.config, use_transformer_engine=te)
@@ -129,7 +134,12 @@ class Actor:
 
         def keep(_module, _inputs, output):
             if self._collect:
-                self._layer_outputs.append((output[0] if isinstance(output, tuple) else output).detach())
+                out = (output[0] if isinstance(output, tuple) else output).detach()
+                if self.config.sequence_parallel:  # [s / tp, b, H] shards -> this CP rank's [s, b, H]
+                    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+                    out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)
+                self._layer_outputs.append(out)
 
         for layer in layers:
             layer.register_forward_hook(keep)
@@ -211,9 +221,7 @@ class Actor:
                     out = model_chunk(mb.tensors["input_ids"], mb.position_ids, None)
             finally:
                 self._collect = False
-                if capture and self.last_stage:
-                    model_chunk.final_attention_capture.disarm()
-            return out, functools.partial(loss_func, mb)
+            return out, functools.partial(loss_func, mb)  # megatron calls it right after, on the last stage
 
         first = microbatches[0]
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
@@ -230,7 +238,9 @@ class Actor:
     def _captured(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
         """The final layer's statistics of this micro-batch as whole rows ``[b, seq_len(, K)]`` (identical on
         every TP / CP rank), plus the dynamic gate ``kappa`` (0 before ``query_start``)."""
-        res = self.model.final_attention_capture.result
+        capture = self.model.final_attention_capture
+        res = capture.result
+        capture.disarm()
         q0, b, s = mb.query_start, mb.num_rows, mb.seq_len
         h, n = res["H"].float(), res["n"]
         kappa = self.gate_fn(h, n).float()
@@ -249,7 +259,7 @@ class Actor:
     def _values(self, head, mb: MicroBatch, h: torch.Tensor, aux: dict) -> torch.Tensor:
         """``[b, s]`` values of this rank's tokens: the PPO head on the trunk, or a feature critic on
         detached features (the top-K keys and the gate from ``aux`` in the behaviour pass, from the
-        micro-batch's stored ones in the update)."""
+        micro-batch's stored ones in the update; None without either)."""
         if not self.feature_critic:
             return head(h).squeeze(-1).float()
         from megatron_credit.data.context_parallel import gather_from_cp, split_for_cp
@@ -258,8 +268,10 @@ class Actor:
         if aux:
             local = {k: split_for_cp(aux[k], cp_size=self.cp_size, cp_rank=self.cp_rank)
                      for k in ("kappa", "topk_idx", "topk_w") if k in aux}
-        else:
+        elif "kappa" in mb.tensors:
             local = {k: mb.tensors[k] for k in ("kappa", "topk_idx", "topk_w") if k in mb.tensors}
+        else:  # no behaviour pass behind this micro-batch (the supervised warm-up): no values
+            return None
         layers = [x.transpose(0, 1) for x in self._layer_outputs] + [h.detach()]
         history = gather_from_cp(h.detach(), cp_group=cp) if cp is not None else h.detach()
         return head(layers, history, local.get("topk_idx"), local.get("topk_w"), local["kappa"]).float()

@@ -62,6 +62,14 @@ class Context:
     def __post_init__(self) -> None:
         if self.knobs is None:
             self.knobs = controls.base_knobs(self.recipe, self.params)
+        if self.spec.needs_gates and self.gate_control is None:
+            group = self.actor.dp_group
+            self.gate_control = controls.GateControl(self.params, seed=self.recipe.seed,
+                                                     dp_rank=dist.get_rank(group), dp_group=group)
+            if self.params.phase_controller:
+                from megatron_credit.credit.phase import PhaseController
+
+                self.phase = PhaseController(self.params.phase_thresholds)
 
     def advance_phase(self, metrics: dict[str, float]) -> dict[str, float]:
         """Feed the iteration's metrics to the phase controller; the next iteration runs with the knobs
@@ -231,12 +239,6 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
     p = recipe.parallel
     ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=rollouts,
                   pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(p))
-    if spec.needs_gates:
-        ctx.gate_control = controls.GateControl(params, seed=recipe.seed, dp_rank=dp_rank, dp_group=actor.dp_group)
-        if params.phase_controller:
-            from megatron_credit.credit.phase import PhaseController
-
-            ctx.phase = PhaseController(params.phase_thresholds)
     log(f"actor weights: {actor.load_initial_weights(seed=recipe.seed)}")
     start = 0
     path = ckpt.resolve(run_dir, resume)
