@@ -32,9 +32,9 @@ weights, gradients, optimizer, critic, reference and reserve.
 ...                     head_dim=16, intermediate_size=128, vocab_size=128, tied_embeddings=False,
 ...                     max_position_embeddings=256)
 >>> layer_param_count(arch)  # qkv 64*128 + bias 128, proj 64*64, mlp 3*64*128, two norms 2*64
-36992
+37120
 >>> total_param_count(arch)  # 2 layers + embedding + output + final norm
-90432
+90688
 """
 from __future__ import annotations
 
@@ -170,7 +170,7 @@ def stage_param_counts(a: Architecture, *, tp: int = 1, pp: int = 1) -> list[int
     ...                     head_dim=16, intermediate_size=128, vocab_size=128, tied_embeddings=True,
     ...                     max_position_embeddings=256)
     >>> stage_param_counts(arch, pp=2)  # a tied output is a second copy on the last stage
-    [45184, 45248]
+    [45312, 45376]
     """
     per_stage = a.num_layers // pp * layer_param_count(a, tp=tp)
     emb = a.vocab_size * a.hidden_size // tp
