@@ -194,3 +194,20 @@ def test_torchrun_sh_refuses_a_node_rank_outside_nnodes():
     proc = subprocess.run([os.path.join(ROOT, "examples", "launch", "torchrun.sh")], env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "NODE_RANK=2 must be in [0, NNODES=2)" in proc.stderr
+
+
+def test_dry_run_prints_the_memory_plan():
+    """``pretrain_rl.py --dry-run`` under the world size of a 32-GPU launch: the layout, the planner's table,
+    exit 0; a world that fits the layout but not the memory exits 1."""
+    def dry(world: int, *extra: str):
+        env = dict(os.environ, WORLD_SIZE=str(world), RANK="0", OMP_NUM_THREADS="1")
+        return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config",
+                               os.path.join(ROOT, "examples", "fipo_qwen25_32b.yaml"), "--dry-run", *extra],
+                              env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+    proc = dry(32)
+    assert proc.returncode == 0, proc.stderr
+    assert "layout TP=8 PP=2 CP=2 DP=1" in proc.stdout and "memory plan for 32 rank(s) on h100-80gb" in proc.stdout
+    assert "verdict: FITS" in proc.stdout and "activations" in proc.stdout
+    proc = dry(8, "parallel.pipeline_model_parallel_size=1", "parallel.context_parallel_size=1")
+    assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout, proc.stdout + proc.stderr
