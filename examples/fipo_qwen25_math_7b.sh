@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # fipo_qwen25_math_7b: examples/fipo_qwen25_math_7b.yaml, sized for 1 node(s) x 8 H100-80GB. Run on every node:
 #   NNODES=1 NODE_RANK=<0..0> MASTER_ADDR=<node 0> examples/fipo_qwen25_math_7b.sh [key.sub=value ...]
-# or under Slurm: sbatch --nodes 1 examples/launch/slurm.sbatch is for pretrain_rl.py alone; for the
-# whole pipeline: srun --nodes 1 --ntasks-per-node 1 examples/fipo_qwen25_math_7b.sh (NODE_RANK from SLURM_NODEID).
+# or under Slurm, the whole pipeline with one task per node (NODE_RANK from SLURM_NODEID, MASTER_ADDR from
+# SLURM_JOB_NODELIST): srun --nodes 1 --ntasks-per-node 1 examples/fipo_qwen25_math_7b.sh
 # See examples/launch/run_recipe.sh for MODEL_DIR, DATA_DIR, RUN_DIR, EXPORT_DIR.
 set -euo pipefail
 export RECIPE=examples/fipo_qwen25_math_7b.yaml MODEL_ID=Qwen/Qwen2.5-Math-7B

@@ -300,6 +300,7 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     if t.max_tokens_per_microbatch % multiple:
         problems.append(f"train.max_tokens_per_microbatch={t.max_tokens_per_microbatch} is not a multiple of "
                         f"{multiple} (2 x CP{' x TP' if p.sequence_parallel else ''})")
+    layout = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world": world}
     if a.num_heads % tp or a.num_layers % pp:
         tp = pp = 1  # keep the arithmetic meaningful; the problem is reported above
 
@@ -353,7 +354,7 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
         "reserve": "CUDA context, NCCL, allocator slack",
         "rollout_engine": engine_note,
     }
-    return Plan(layout={"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world": world}, problems=tuple(problems),
+    return Plan(layout=layout, problems=tuple(problems),
                 terms=terms, notes=notes, optimizer_bytes_other=other,
                 train_peak=resident + terms["activations"] + terms["logprob_chunk"],
                 rollout_peak=resident + terms["rollout_engine"], gpu_bytes=gpu_bytes, kv_tokens=kv_tokens)

@@ -211,3 +211,25 @@ def test_dry_run_prints_the_memory_plan():
     assert "verdict: FITS" in proc.stdout and "activations" in proc.stdout
     proc = dry(8, "parallel.pipeline_model_parallel_size=1", "parallel.context_parallel_size=1")
     assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_recipe_script_plans_then_prints_its_commands(tmp_path):
+    """``examples/grpo_qwen25_7b.sh`` with the model folder present (its config.json) and DRY_RUN=1: the plan
+    passes on the declared node, then the torchrun command with the folder / data overrides and the export."""
+    from megatron_credit.planning import KNOWN_ARCHITECTURES
+
+    model_dir = tmp_path / "Qwen2.5-7B"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(dict(KNOWN_ARCHITECTURES["Qwen/Qwen2.5-7B"])))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "NNODES", "NODE_RANK"))}
+    env.update(MODEL_DIR=str(model_dir), DATA_DIR="/data/x", RUN_DIR="runs/g7", DRY_RUN="1", GPUS_PER_NODE="8",
+               PYTHON=sys.executable, PYTHONPATH=ROOT)
+    proc = subprocess.run([os.path.join(ROOT, "examples", "grpo_qwen25_7b.sh"), "train.steps=3"], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "grpo, 1 node(s) x 8 h100-80gb" in out and "verdict: FITS" in out
+    assert (f"node 0: {sys.executable} -m torch.distributed.run --nnodes 1 --node-rank 0 --nproc-per-node 8" in out
+            and f"model.name_or_path={model_dir} data.train_path=/data/x/dapo-math-17k.parquet "
+                "data.val_path=/data/x/aime-2024.parquet train.steps=3" in out), out
+    assert "export_run_to_hf.py --run-dir runs/g7 --out runs/g7/hf" in out

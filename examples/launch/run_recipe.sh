@@ -12,7 +12,7 @@
 #
 # The trainer reads the HF safetensors directly and shards them on load (no conversion step); the
 # result is exported from the run's newest checkpoint with tools/export_run_to_hf.py. Extra arguments
-# are recipe overrides (key.sub=value).
+# are recipe overrides (key.sub=value). DRY_RUN=1: plan, then print the torchrun and export commands.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 : "${RECIPE:?set RECIPE}" "${MODEL_ID:?set MODEL_ID}"
@@ -23,6 +23,9 @@ RUN_DIR=${RUN_DIR:-runs/${name}}
 EXPORT_DIR=${EXPORT_DIR:-${RUN_DIR}/hf}
 PYTHON=${PYTHON:-python}
 NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+if [[ -z "${MASTER_ADDR:-}" && -n "${SLURM_JOB_NODELIST:-}" ]]; then   # under srun: the first host
+  export MASTER_ADDR=$(scontrol show hostnames "${SLURM_JOB_NODELIST}" | head -n 1)
+fi
 if [[ ! -f "${MODEL_DIR}/config.json" ]]; then
   if [[ "${NODE_RANK}" == 0 ]]; then   # a shared file system is assumed: one download
     huggingface-cli download "${MODEL_ID}" --local-dir "${MODEL_DIR}"
@@ -36,5 +39,6 @@ overrides=("model.name_or_path=${MODEL_DIR}" "data.train_path=${DATA_DIR}/dapo-m
   --gpus-per-node "${GPUS_PER_NODE:-8}" "${overrides[@]}"
 "${ROOT}/examples/launch/torchrun.sh" --config "${ROOT}/${RECIPE}" --output-dir "${RUN_DIR}" "${overrides[@]}"
 if [[ "${NODE_RANK}" == 0 ]]; then
-  "${PYTHON}" "${ROOT}/tools/export_run_to_hf.py" --run-dir "${RUN_DIR}" --out "${EXPORT_DIR}"
+  export_cmd=("${PYTHON}" "${ROOT}/tools/export_run_to_hf.py" --run-dir "${RUN_DIR}" --out "${EXPORT_DIR}")
+  if [[ "${DRY_RUN:-0}" == 1 ]]; then echo "export: ${export_cmd[*]}"; else "${export_cmd[@]}"; fi
 fi
