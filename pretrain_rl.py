@@ -3,9 +3,10 @@
 
 The launcher's environment and argv are read here and nowhere else; the trainer is
 ``megatron_credit.trainer.loop.train``. Without ``--config`` the embedded default is
-``examples/demo_cpu.yaml`` (what ``make demo`` runs). User errors (a bad recipe, a layout that does not
-fit the model or the world size) print one ``error: ...`` line and exit 2; ``--debug`` shows the
-traceback.
+``examples/demo_cpu.yaml`` (what ``make demo`` runs). ``--dry-run`` also prints the memory planner's
+table (``megatron_credit.planning``) for the launch's world size and ``cluster.gpu``, and exits 1 when
+it does not fit. User errors (a bad recipe, a layout that does not fit the model or the world size)
+print one ``error: ...`` line and exit 2; ``--debug`` shows the traceback.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--resume", default="auto",
                         help="auto (newest complete checkpoint of the run directory), none, or a path")
     parser.add_argument("--dry-run", action="store_true",
-                        help="validate the recipe against the world size and the model, print the layout")
+                        help="validate the recipe against the world size and the model, print the layout and "
+                             "the memory plan (exit 1 when it does not fit)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20")
     return parser.parse_args(argv)
 
@@ -67,17 +69,26 @@ def _main(args) -> int:
     config = args.config or DEFAULT_RECIPE
     recipe = load_recipe(config, overrides=args.overrides)
     launch = distributed.LaunchEnv.from_environ(os.environ)
-    hf_config = recipe.model.hf_config()
+    if args.dry_run:  # planning needs no checkpoint on disk: known architectures come from a table
+        from megatron_credit.planning import resolve_hf_config
+
+        hf_config = resolve_hf_config(recipe.model)
+    else:
+        hf_config = recipe.model.hf_config()
     from megatron_credit.trainer.loop import check_recipe
 
     # Refuse impossible layouts before any process group or model exists.
     layout = check_recipe(recipe, hf_config, world_size=launch.world_size)
     rank0 = launch.rank == 0
     if args.dry_run:
+        from megatron_credit.planning import format_plan, plan
+
+        result = plan(recipe, hf_config, nodes=1, gpus_per_node=launch.world_size, gpu=recipe.cluster.gpu)
         if rank0:
             print(_describe(recipe, hf_config, layout))
+            print(format_plan(result, title=f"memory plan for {launch.world_size} rank(s) on {recipe.cluster.gpu}"))
             print("dry run: the recipe is valid for this world size; nothing was built")
-        return 0
+        return 0 if result.fits else 1
     run_dir = args.output_dir or os.path.join("runs", os.path.splitext(os.path.basename(config))[0])
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     distributed.initialize(recipe.parallel, seed=recipe.seed, launch=launch)

@@ -51,6 +51,9 @@ setup(
             "megatron-credit-train=pretrain_rl:main",
             "mc-convert-hf-to-megatron=tools.convert_hf_to_megatron:main",
             "mc-convert-megatron-to-hf=tools.convert_megatron_to_hf:main",
+            "mc-export-run-to-hf=tools.export_run_to_hf:main",
+            "mc-plan=tools.plan:main",
+            "mc-evaluate=tools.evaluate:main",
         ],
     },
 )

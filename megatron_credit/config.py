@@ -5,7 +5,7 @@ mutates it at run time. Each section validates its own fields in ``__post_init__
 the world size or the model's shape live in ``ParallelConfig.validate`` and
 ``megatron_credit.models.check_parallel_fits_model`` and run before any model is built.
 
-Sections: ``model``, ``parallel``, ``data``, ``rollout``, ``reward``, ``algorithm`` (name + typed
+Sections: ``model``, ``parallel``, ``cluster`` (planning only), ``data``, ``rollout``, ``reward``, ``algorithm`` (name + typed
 params), ``optim``, ``train``, ``warmup``, ``checkpoint``, ``logging``, plus ``seed``.
 
 >>> r = recipe_from_dict({"parallel": {"tensor_model_parallel_size": 2}},
@@ -75,6 +75,36 @@ class ParallelConfig:
         """Data-parallel replicas for ``world_size`` ranks (after ``validate``)."""
         self.validate(world_size=world_size)
         return world_size // self.model_parallel_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """The cluster a recipe was sized for and the memory choices the planner assumes (``tools/plan.py``,
+    ``pretrain_rl.py --dry-run``, the launchers' defaults). The trainer reads none of it."""
+
+    nodes: int = 1
+    """Nodes the recipe was sized for."""
+    gpus_per_node: int = 8
+    """GPUs per node."""
+    gpu: str = "h100-80gb"
+    """GPU kind, a key of ``megatron_credit.planning.GPUS``."""
+    distributed_optimizer: bool = False
+    """Plan optimizer states sharded over DP x CP (megatron's distributed optimizer). The trainer does not
+    shard them yet (README "Not yet in the trainer"): recipes meant to run now say false."""
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"cluster.{name} must be a positive integer, got {value!r}")
+        from megatron_credit.planning import GPUS
+
+        if self.gpu not in GPUS:
+            raise ValueError(f"cluster.gpu={self.gpu!r} is not one of {sorted(GPUS)}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,6 +217,8 @@ class Recipe:
     """The actor."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Sharding of the actor."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """The cluster the recipe was sized for (planning and launchers only)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

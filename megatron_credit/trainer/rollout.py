@@ -146,18 +146,27 @@ class RolloutManager:
         return batch, metrics
 
     def validate(self, iteration: int) -> dict[str, float]:
-        """Avg@k on the held-out prompts (sampled at the rollout temperature), over all DP ranks."""
+        """Avg@k (``val/accuracy``), Cons@k and Pass@k on the held-out prompts, sampled at the rollout
+        temperature with k = ``train.val_samples``, over all DP ranks (``megatron_credit.evaluation``, the
+        code of ``tools/evaluate.py``)."""
+        from megatron_credit.evaluation import means_from_sums, metric_sums, sample_and_grade
+
         if self.val_prompts is None:
             return {}
         k = self.recipe.train.val_samples
-        acc = torch.zeros(2, dtype=torch.float64)
+        names = (f"avg@{k}", f"cons@{k}", f"pass@{k}", "num_problems")
+        sums = torch.zeros(len(names), dtype=torch.float64)
         if self.is_src:
             self.wake_up()
-            _, _, correct = self._generate_and_score(self.val_prompts, k, _seed(self.recipe.seed, -1, self.dp_rank))
-            acc += torch.tensor([float(correct.float().sum()), float(correct.numel())], dtype=torch.float64)
+            problems = sample_and_grade(self.engine, self.tokenizer, self.val_prompts, k=k, pool=self.pool,
+                                        sampling=self._params(k, _seed(self.recipe.seed, -1, self.dp_rank)))
+            per_rank = metric_sums(problems, k=k)
+            sums += torch.tensor([per_rank[name] for name in names], dtype=torch.float64)
             self.sleep()
-        dist.all_reduce(acc)  # only source ranks contribute
-        return {"val/accuracy": float(acc[0] / acc[1].clamp(min=1))}
+        dist.all_reduce(sums)  # only source ranks contribute
+        means = means_from_sums(dict(zip(names, sums.tolist())))
+        return {"val/accuracy": means[f"avg@{k}"], f"val/cons@{k}": means[f"cons@{k}"],
+                f"val/pass@{k}": means[f"pass@{k}"]}
 
     # -- collectives ---------------------------------------------------------------------------------
     def _broadcast(self, obj: Any) -> Any:

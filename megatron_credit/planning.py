@@ -1,0 +1,416 @@
+"""The memory planner: does a recipe's layout fit its cluster? (``tools/plan.py``, ``pretrain_rl.py --dry-run``)
+
+Everything here is arithmetic on the model's architecture numbers and the recipe; nothing is built and
+no GPU is needed. :func:`plan` checks the layout (heads and query groups by TP, layers by PP, sequence
+lengths by ``2*CP`` (``2*CP*TP`` with sequence parallelism), the world size by TP x PP x CP, the batch
+by DP) and estimates the peak memory of one GPU, term by term:
+
+* **weights** of the largest pipeline stage's shard (:func:`stage_param_counts`; the first stage holds
+  the embedding, the last the output layer, a tied output is a second copy on the last stage when PP > 1);
+* **gradients** in fp32 (megatron's main gradients, 4 bytes per parameter);
+* **optimizer states**: fp32 master weights (when the parameters are not fp32) and Adam's two moments,
+  divided over DP x CP with the distributed optimizer (``cluster.distributed_optimizer``). Both numbers
+  are printed. This is megatron's mixed-precision layout; the trainer's CPU path (``torch.optim.AdamW``
+  on the parameters' own dtype, README "Not yet in the trainer") uses less, so the plan is conservative;
+* **activations** of the longest micro-batch (:func:`activation_bytes`): one micro-batch holds
+  ``max(train.max_tokens_per_microbatch, prompt + response)`` tokens, split over CP; under 1F1B the first
+  stage keeps PP micro-batches in flight of L/PP layers each, i.e. L layers' worth;
+* **log-prob chunk**: fp32 logits of one ``train.logprob_chunk_size`` chunk over V/TP, three copies
+  (logits, softmax, gradient);
+* **reference model** weights when ``algorithm.kl_coef > 0``; the **critic** (PPO's value head, CompPO's
+  critic bounded at 0.5 % of the actor) with its gradient and optimizer;
+* **rollout engine**: vLLM takes ``gpu_memory_utilization`` x GPU memory on each GPU it uses (its
+  weights over its own TP plus a KV cache filling the rest); the ``hf`` engine one full model copy and
+  the KV cache of its batch;
+* a fixed **reserve** for the CUDA context, NCCL buffers and allocator slack.
+
+Training and rollout alternate (the engine sleeps while the actor trains), so the peak is the larger of
+``resident + activations + log-prob chunk`` and ``resident + rollout engine``, with ``resident`` the
+weights, gradients, optimizer, critic, reference and reserve.
+
+>>> arch = Architecture(model_type="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+...                     head_dim=16, intermediate_size=128, vocab_size=128, tied_embeddings=False,
+...                     max_position_embeddings=256)
+>>> layer_param_count(arch)  # qkv 64*128 + bias 128, proj 64*64, mlp 3*64*128, two norms 2*64
+37120
+>>> total_param_count(arch)  # 2 layers + embedding + output + final norm
+90688
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+GIB = 1024 ** 3
+
+GPUS: Mapping[str, int] = {
+    # Total memory nvidia-smi reports (MiB): what CUDA can allocate before the context is created.
+    "h100-80gb": 81559 * 1024 ** 2,   # H100 SXM5 80GB: 81559 MiB
+    "h200": 143771 * 1024 ** 2,       # H200 SXM 141GB: 143771 MiB
+    "a100-80gb": 81920 * 1024 ** 2,   # A100 SXM4 80GB: 81920 MiB
+    "a100-40gb": 40960 * 1024 ** 2,   # A100 SXM4 40GB: 40960 MiB
+}
+"""Per-GPU memory in bytes by name (``--gpu``, ``cluster.gpu``)."""
+
+RESERVED_BYTES = 4 * GIB
+"""CUDA context (~0.5 GiB), NCCL buffers (~1-2 GiB) and allocator fragmentation, per GPU."""
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+# Architecture numbers of the models the recipes train, for planning without the checkpoint (no
+# internet on the machines that plan). Each row is the model's Hugging Face config.json; keys are the
+# hub ids, looked up by the id or its last path component (``/models/Qwen2.5-32B`` finds Qwen2.5-32B).
+KNOWN_ARCHITECTURES: Mapping[str, Mapping[str, Any]] = {
+    # https://huggingface.co/Qwen/Qwen2.5-32B/blob/main/config.json
+    "Qwen/Qwen2.5-32B": dict(model_type="qwen2", hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
+                             num_key_value_heads=8, intermediate_size=27648, vocab_size=152064,
+                             tie_word_embeddings=False, max_position_embeddings=131072, rope_theta=1000000.0,
+                             rms_norm_eps=1e-5, torch_dtype="bfloat16"),
+    # https://huggingface.co/Qwen/Qwen2.5-Math-7B/blob/main/config.json (4,096 positions, RoPE base 1e4)
+    "Qwen/Qwen2.5-Math-7B": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28,
+                                 num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
+                                 vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=4096,
+                                 rope_theta=10000.0, rms_norm_eps=1e-6, torch_dtype="bfloat16"),
+    # https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json
+    "Qwen/Qwen2.5-7B": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                            num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+                            tie_word_embeddings=False, max_position_embeddings=131072, rope_theta=1000000.0,
+                            rms_norm_eps=1e-6, torch_dtype="bfloat16"),
+    # https://huggingface.co/Qwen/Qwen3-4B/blob/main/config.json (head_dim 128 != 2560 / 32, tied)
+    "Qwen/Qwen3-4B": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
+                          num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
+                          tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0,
+                          rms_norm_eps=1e-6, torch_dtype="bfloat16"),
+}
+
+
+def known_architecture(name_or_path: str) -> Optional[Mapping[str, Any]]:
+    """The :data:`KNOWN_ARCHITECTURES` row of a hub id or a folder named after one (case-insensitive).
+
+    >>> known_architecture("/models/qwen2.5-32b")["hidden_size"], known_architecture("gpt2") is None
+    (5120, True)
+    """
+    wanted = name_or_path.rstrip("/").lower()
+    for key, row in KNOWN_ARCHITECTURES.items():
+        if wanted == key.lower() or os.path.basename(wanted) == key.split("/")[-1].lower():
+            return row
+    return None
+
+
+def resolve_hf_config(model):
+    """The ``transformers`` config of a recipe's ``model`` section: the checkpoint's when
+    ``model.name_or_path`` is a folder with a ``config.json`` or the section is inline, else the
+    :data:`KNOWN_ARCHITECTURES` row of that name (with the section's context / RoPE overrides)."""
+    path = model.name_or_path
+    if path is None or os.path.isfile(os.path.join(path, "config.json")):
+        return model.hf_config()
+    row = known_architecture(path)
+    if row is None:
+        raise ValueError(f"model.name_or_path={path!r} is not a folder with a config.json and not one of the "
+                         f"planner's known architectures {sorted(KNOWN_ARCHITECTURES)}")
+    return dataclasses.replace(model, name_or_path=None, architecture=dict(row)).hf_config()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Architecture:
+    """The numbers of a dense decoder the planner needs."""
+
+    model_type: str
+    """qwen2 (QKV bias), qwen3 (q/k RMSNorm) or llama."""
+    hidden_size: int
+    """h."""
+    num_layers: int
+    """L."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key / value heads (query groups)."""
+    head_dim: int
+    """d."""
+    intermediate_size: int
+    """SwiGLU width I."""
+    vocab_size: int
+    """V."""
+    tied_embeddings: bool
+    """Output layer shares the embedding."""
+    max_position_embeddings: int
+    """Context length."""
+
+    @classmethod
+    def from_hf(cls, c) -> "Architecture":
+        from megatron_credit.models.hf_config import head_dim
+
+        heads = c.num_attention_heads
+        return cls(model_type=c.model_type, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
+                   num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                   head_dim=head_dim(c), intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+                   tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+                   max_position_embeddings=int(c.max_position_embeddings))
+
+
+def layer_param_count(a: Architecture, *, tp: int = 1) -> int:
+    """Parameters of one decoder layer on one TP rank (megatron shards every matrix and the QKV bias
+    over TP and replicates the norms)."""
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    qkv_rows = (q + 2 * kv) // tp  # a column-parallel linear, also when TP > KV heads (row blocks)
+    bias = qkv_rows if a.model_type == "qwen2" else 0
+    qk_norm = 2 * a.head_dim if a.model_type == "qwen3" else 0
+    attn = a.hidden_size * qkv_rows + bias + (q // tp) * a.hidden_size
+    mlp = 3 * a.hidden_size * a.intermediate_size // tp
+    return attn + mlp + 2 * a.hidden_size + qk_norm
+
+
+def stage_param_counts(a: Architecture, *, tp: int = 1, pp: int = 1) -> list[int]:
+    """Parameters per pipeline stage on one TP rank, first stage first.
+
+    >>> arch = Architecture(model_type="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+    ...                     head_dim=16, intermediate_size=128, vocab_size=128, tied_embeddings=True,
+    ...                     max_position_embeddings=256)
+    >>> stage_param_counts(arch, pp=2)  # a tied output is a second copy on the last stage
+    [45312, 45376]
+    """
+    per_stage = a.num_layers // pp * layer_param_count(a, tp=tp)
+    emb = a.vocab_size * a.hidden_size // tp
+    counts = [per_stage] * pp
+    counts[0] += emb
+    counts[-1] += a.hidden_size  # final norm
+    if not a.tied_embeddings or pp > 1:
+        counts[-1] += emb
+    return counts
+
+
+def total_param_count(a: Architecture) -> int:
+    """Parameters of the whole model (a tied output counted once)."""
+    return a.num_layers * layer_param_count(a) + a.vocab_size * a.hidden_size * (1 if a.tied_embeddings else 2) \
+        + a.hidden_size
+
+
+def activation_bytes_per_token_layer(a: Architecture, *, tp: int, sequence_parallel: bool,
+                                     dtype_bytes: int) -> int:
+    """Bytes one token keeps for backward in one layer without recompute, flash attention (no score matrix).
+
+    Stored: the attention norm's input and output (``h`` each), Q, K, V (``(heads + 2 kv) d``), the
+    attention output (``heads d``), the MLP norm's input and output (``h`` each), fc1's output (``2 I``)
+    and the SwiGLU output (``I``). The four ``h`` tensors are replicated over TP unless sequence parallel.
+    """
+    norms = 4 * a.hidden_size // (tp if sequence_parallel else 1)
+    kv = max(a.num_kv_heads // tp, 1) * a.head_dim
+    sharded = (2 * a.num_heads * a.head_dim) // tp + 2 * kv + 3 * a.intermediate_size // tp
+    return dtype_bytes * (norms + sharded)
+
+
+def activation_bytes(a: Architecture, *, tokens: int, tp: int, sequence_parallel: bool, recompute: Optional[str],
+                     dtype_bytes: int, score_matrix: bool = False) -> int:
+    """Activation bytes of one GPU for a micro-batch of ``tokens`` tokens (after the CP split), L layers
+    (1F1B keeps PP micro-batches of L/PP layers on the first stage).
+
+    ``recompute``: None / ``selective`` keep every layer's activations (selective recomputes only the
+    core attention, which flash attention does not store anyway); ``full`` keeps each layer's input
+    (``h`` per token) and one layer's activations while it is recomputed. ``score_matrix``: the local
+    (non-flash) attention also keeps fp32 scores and probabilities, ``8 heads/TP tokens`` bytes a token.
+    """
+    per = activation_bytes_per_token_layer(a, tp=tp, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes)
+    if score_matrix:
+        per += 8 * a.num_heads // tp * tokens
+    if recompute == "full":
+        inputs = dtype_bytes * a.hidden_size // (tp if sequence_parallel else 1)
+        return tokens * (a.num_layers * inputs + per)
+    return tokens * a.num_layers * per
+
+
+def kv_bytes_per_token(a: Architecture, *, tp: int, dtype_bytes: int) -> int:
+    """KV-cache bytes of one token on one engine GPU (K and V of every layer, KV heads over TP)."""
+    return 2 * a.num_layers * max(a.num_kv_heads // tp, 1) * a.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The result of :func:`plan`: layout problems (empty when valid), memory terms in bytes, the verdict."""
+
+    layout: Mapping[str, int]
+    """tp, pp, cp, dp, world."""
+    problems: tuple
+    """Layout errors, each naming the recipe field to change."""
+    terms: Mapping[str, int]
+    """Per-GPU bytes by term (see the module docstring)."""
+    notes: Mapping[str, str]
+    """A short explanation per term."""
+    optimizer_bytes_other: int
+    """Optimizer states under the other distributed-optimizer choice."""
+    train_peak: int
+    """Resident terms + activations + log-prob chunk."""
+    rollout_peak: int
+    """Resident terms + rollout engine."""
+    gpu_bytes: int
+    """Memory of one GPU."""
+    kv_tokens: int
+    """Tokens the rollout engine's KV cache holds on one of its GPUs."""
+
+    @property
+    def peak(self) -> int:
+        return max(self.train_peak, self.rollout_peak)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems and self.peak <= self.gpu_bytes
+
+    def largest_term(self) -> str:
+        return max(self.terms, key=self.terms.get)
+
+
+RESIDENT = ("weights", "gradients", "optimizer", "critic", "reference", "reserve")
+
+
+def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
+         distributed_optimizer: Optional[bool] = None) -> Plan:
+    """Check ``recipe``'s layout on ``nodes`` x ``gpus_per_node`` GPUs of kind ``gpu`` and estimate one
+    GPU's peak memory (module docstring). ``distributed_optimizer`` defaults to ``cluster.distributed_optimizer``."""
+    from megatron_credit.data.context_parallel import required_multiple
+    from megatron_credit.models.hf_config import check_parallel_fits_model
+
+    if gpu not in GPUS:
+        raise ValueError(f"--gpu {gpu!r} is not one of {sorted(GPUS)}")
+    if distributed_optimizer is None:
+        distributed_optimizer = recipe.cluster.distributed_optimizer
+    a = Architecture.from_hf(hf_config)
+    p, r, t = recipe.parallel, recipe.rollout, recipe.train
+    tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
+    world = nodes * gpus_per_node
+    problems: list[str] = []
+    try:
+        check_parallel_fits_model(hf_config, p, world_size=world)
+    except ValueError as exc:
+        problems.append(str(exc))
+    if a.vocab_size % tp:
+        problems.append(f"parallel.tensor_model_parallel_size={tp} does not divide vocab_size={a.vocab_size}")
+    dp = max(world // p.model_parallel_size, 1)
+    if r.prompts_per_step % dp:
+        problems.append(f"rollout.prompts_per_step={r.prompts_per_step} is not divisible by DP={dp}")
+    elif (r.prompts_per_step // dp * r.n) % t.num_minibatches:
+        problems.append(f"train.num_minibatches={t.num_minibatches} does not divide the "
+                        f"{r.prompts_per_step // dp * r.n} samples per data-parallel rank")
+    seq = recipe.data.max_prompt_len + r.max_response_len
+    if recipe.data.source == "dataset" and seq > a.max_position_embeddings:  # synthetic prompts are short
+        problems.append(f"data.max_prompt_len + rollout.max_response_len = {seq} > max_position_embeddings="
+                        f"{a.max_position_embeddings} (set model.max_position_embeddings)")
+    multiple = required_multiple(cp, tp, p.sequence_parallel)
+    if t.max_tokens_per_microbatch % multiple:
+        problems.append(f"train.max_tokens_per_microbatch={t.max_tokens_per_microbatch} is not a multiple of "
+                        f"{multiple} (2 x CP{' x TP' if p.sequence_parallel else ''})")
+    layout = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world": world}
+    if a.num_heads % tp or a.num_layers % pp:
+        tp = pp = 1  # keep the arithmetic meaningful; the problem is reported above
+
+    dtype = _dtype_name(recipe, hf_config)
+    wb = DTYPE_BYTES[dtype]
+    params = max(stage_param_counts(a, tp=tp, pp=pp))
+    shard = dp * cp if distributed_optimizer else 1
+    optim_per_param = 8 + (4 if wb != 4 else 0)  # Adam m, v (+ fp32 master weights)
+    optimizer = math.ceil(params * optim_per_param / shard)
+    other = math.ceil(params * optim_per_param / (1 if distributed_optimizer else dp * cp))
+    spec = recipe.algorithm.spec_and_params()[0]
+    critic_params = 0
+    if spec.needs_gates:
+        critic_params = math.ceil(0.005 * params)  # CompPO's critic: < 0.5 % of the actor
+    elif spec.needs_critic:
+        critic_params = a.hidden_size + 1  # PPO's value head on the actor trunk
+    micro_tokens = max(t.max_tokens_per_microbatch, seq)
+    local_tokens = math.ceil(micro_tokens / cp)
+    local_attn = recipe.model.transformer_impl == "local"
+    chunk = min(t.logprob_chunk_size, local_tokens)
+    terms = {
+        "weights": params * wb,
+        "gradients": params * 4,
+        "optimizer": optimizer,
+        "critic": critic_params * (wb + 4 + optim_per_param),
+        "reference": params * wb if recipe.algorithm.kl_coef > 0 else 0,
+        "activations": activation_bytes(a, tokens=local_tokens, tp=tp, sequence_parallel=p.sequence_parallel,
+                                        recompute=t.recompute, dtype_bytes=wb, score_matrix=local_attn),
+        "logprob_chunk": 3 * 4 * chunk * a.vocab_size // tp,
+        "reserve": RESERVED_BYTES,
+    }
+    gpu_bytes = GPUS[gpu]
+    engine, kv_tokens, engine_note = _rollout_share(recipe, a, gpu_bytes=gpu_bytes, dtype_bytes=wb, dp=dp, seq=seq)
+    terms["rollout_engine"] = engine
+    if kv_tokens < seq:
+        problems.append(f"rollout engine: its KV cache holds {kv_tokens} tokens, less than one "
+                        f"{seq}-token sequence (raise rollout.engine_options.gpu_memory_utilization or its "
+                        "tensor_parallel_size)")
+    resident = sum(terms[k] for k in RESIDENT)
+    notes = {
+        "weights": f"{params / 1e6:,.1f}M params on the largest stage x {wb} B ({dtype})",
+        "gradients": "fp32 main gradients, 4 B/param",
+        "optimizer": f"{optim_per_param} B/param (Adam m, v{' + fp32 master' if wb != 4 else ''})"
+                     + (f" / DPxCP={dp * cp} (distributed optimizer)" if distributed_optimizer else
+                        " (no distributed optimizer)"),
+        "critic": f"{critic_params:,} params" if critic_params else "none",
+        "reference": "frozen copy (algorithm.kl_coef > 0)" if terms["reference"] else "none (no KL term)",
+        "activations": f"{local_tokens:,} tokens/GPU (micro-batch {micro_tokens:,} / CP {cp}), "
+                       f"recompute {t.recompute or 'none'}{', fp32 scores (local attention)' if local_attn else ''}",
+        "logprob_chunk": f"{chunk:,} tokens x V/TP={a.vocab_size // tp:,} fp32 x 3",
+        "reserve": "CUDA context, NCCL, allocator slack",
+        "rollout_engine": engine_note,
+    }
+    return Plan(layout=layout, problems=tuple(problems),
+                terms=terms, notes=notes, optimizer_bytes_other=other,
+                train_peak=resident + terms["activations"] + terms["logprob_chunk"],
+                rollout_peak=resident + terms["rollout_engine"], gpu_bytes=gpu_bytes, kv_tokens=kv_tokens)
+
+
+def _dtype_name(recipe, hf_config) -> str:
+    if recipe.model.params_dtype != "auto":
+        return recipe.model.params_dtype
+    stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    name = str(stored).removeprefix("torch.") if stored is not None else "float32"
+    return name if name in DTYPE_BYTES else "float32"
+
+
+def _rollout_share(recipe, a: Architecture, *, gpu_bytes: int, dtype_bytes: int, dp: int,
+                   seq: int) -> tuple[int, int, str]:
+    """(bytes the engine takes on one of its GPUs, KV-cache tokens there, a note)."""
+    r = recipe.rollout
+    opts = dict(r.engine_options)
+    if r.engine == "vllm":
+        util = float(opts.get("gpu_memory_utilization", 0.5))  # VLLMRolloutEngine's default
+        rtp = int(opts.get("tensor_parallel_size", 1))
+        share = int(util * gpu_bytes)
+        weights = total_param_count(a) * dtype_bytes // rtp
+        kv_tokens = max(share - weights, 0) // kv_bytes_per_token(a, tp=rtp, dtype_bytes=dtype_bytes)
+        return share, kv_tokens, (f"vLLM {util:.2f} x GPU: weights {weights / GIB:.1f} GiB (TP {rtp}) + KV cache "
+                                  f"{kv_tokens:,} tokens = {kv_tokens // seq} full-length sequences")
+    rows = r.max_batch_size or r.prompts_per_step // dp * r.n
+    weights = total_param_count(a) * dtype_bytes
+    per_token = kv_bytes_per_token(a, tp=1, dtype_bytes=dtype_bytes)
+    kv = rows * seq * per_token
+    return weights + kv, kv // per_token, (f"hf engine: weights {weights / GIB:.1f} GiB + KV of {rows} rows x "
+                                           f"{seq:,} tokens")
+
+
+def format_plan(p: Plan, *, title: str = "") -> str:
+    """The planner's table and verdict as text."""
+    lay = p.layout
+    lines = [title] if title else []
+    lines.append(f"layout TP={lay['tp']} PP={lay['pp']} CP={lay['cp']} DP={lay['dp']} (world {lay['world']})")
+    lines.append(f"{'term':<16}{'GiB':>9}  note")
+    for name, value in p.terms.items():
+        lines.append(f"{name:<16}{value / GIB:>9.2f}  {p.notes[name]}")
+    lines.append(f"{'(optimizer alt)':<16}{p.optimizer_bytes_other / GIB:>9.2f}  optimizer states with the other "
+                 "distributed-optimizer choice")
+    lines.append(f"{'train peak':<16}{p.train_peak / GIB:>9.2f}  weights+gradients+optimizer+critic+reference+"
+                 "reserve + activations + logprob_chunk")
+    lines.append(f"{'rollout peak':<16}{p.rollout_peak / GIB:>9.2f}  same resident terms + rollout_engine")
+    lines.append(f"{'GPU':<16}{p.gpu_bytes / GIB:>9.2f}")
+    for problem in p.problems:
+        lines.append(f"layout error: {problem}")
+    if p.fits:
+        lines.append(f"verdict: FITS (peak {p.peak / GIB:.1f} of {p.gpu_bytes / GIB:.1f} GiB, "
+                     f"{100 * p.peak / p.gpu_bytes:.0f}%)")
+    elif p.problems:
+        lines.append(f"verdict: DOES NOT FIT: {len(p.problems)} layout error(s)")
+    else:
+        lines.append(f"verdict: DOES NOT FIT (peak {p.peak / GIB:.1f} > {p.gpu_bytes / GIB:.1f} GiB); largest term: "
+                     f"{p.largest_term()} ({p.terms[p.largest_term()] / GIB:.1f} GiB)")
+    return "\n".join(lines)

@@ -1,0 +1,176 @@
+"""The memory planner: its arithmetic against numbers worked out by hand for two configurations, its
+parameter counts against megatron's own built models (TP = 1 in-process; TP = 2 and PP = 2 in gloo
+workers) and against the published sizes, and the command line's exit codes."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megatron_credit.config import recipe_from_dict
+from megatron_credit.planning import (GIB, GPUS, RESERVED_BYTES, Architecture, known_architecture, plan,
+                                      resolve_hf_config, stage_param_counts, total_param_count)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_ARCH = dict(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
+                 rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def test_tiny_tp2_fp32_hf_engine_by_hand():
+    """Configuration A: the tiny Qwen2 (h 64, I 128, L 2, 4 heads, 2 KV heads of 16, V 128, untied) in fp32,
+    TP = 2 on 2 GPUs, micro-batch budget 64 tokens, responses of 8, the hf engine with 8 rows."""
+    recipe = recipe_from_dict({
+        "model": {"architecture": TINY_ARCH, "params_dtype": "float32"},
+        "parallel": {"tensor_model_parallel_size": 2},
+        "rollout": {"prompts_per_step": 4, "n": 2, "max_response_len": 8},
+        "train": {"num_minibatches": 2, "max_tokens_per_microbatch": 64, "logprob_chunk_size": 16},
+    })
+    p = plan(recipe, recipe.model.hf_config(), nodes=1, gpus_per_node=2, gpu="h100-80gb")
+    assert p.problems == () and p.layout == {"tp": 2, "pp": 1, "cp": 1, "dp": 1, "world": 2}
+    # One layer on one TP rank: QKV (64 + 2*32) / 2 = 64 rows x 64 + bias 64, proj 32 x 64,
+    # SwiGLU 3 x 64 x 128 / 2, two norms of 64: 4096 + 64 + 2048 + 12288 + 128 = 18624.
+    # The one stage: 2 layers + embedding 128 x 64 / 2 + output 4096 + final norm 64 = 45504.
+    params = 2 * 18624 + 4096 + 4096 + 64
+    assert params == 45504
+    assert p.terms["weights"] == params * 4 and p.terms["gradients"] == params * 4
+    assert p.terms["optimizer"] == params * 8  # fp32: Adam m and v only, no master copy
+    assert p.terms["critic"] == 0 and p.terms["reference"] == 0
+    # Activations: a micro-batch of max(64, prompt 64 + response 8) = 72 tokens; per token and layer
+    # 4 x 64 (norms, no SP) + 2 x 4 x 16 / 2 (Q, attention out) + 2 x 16 (K, V: one KV head) + 3 x 128 / 2
+    # = 544 floats of 4 bytes, x 2 layers x 72 tokens.
+    assert p.terms["activations"] == 544 * 4 * 2 * 72 == 313344
+    assert p.terms["logprob_chunk"] == 3 * 4 * 16 * 64 == 12288
+    # The hf engine: the whole model (2 x 37120 + 2 x 8192 + 64 = 90688 params) in fp32 and the KV cache
+    # of 8 rows x 72 tokens at 2 (K, V) x 2 layers x 2 heads x 16 x 4 bytes = 512 bytes a token.
+    assert total_param_count(Architecture.from_hf(recipe.model.hf_config())) == 90688
+    assert p.terms["rollout_engine"] == 90688 * 4 + 8 * 72 * 512 == 657664
+    resident = params * 16 + RESERVED_BYTES
+    assert p.train_peak == resident + 313344 + 12288 and p.rollout_peak == resident + 657664
+    assert p.fits and p.peak == p.rollout_peak
+
+
+def test_qwen25_32b_tp8_pp2_cp2_sp_bf16_full_recompute_vllm_by_hand():
+    """Configuration B: Qwen2.5-32B (from the known-architecture table) on 4 x 8 H100-80GB, TP 8 with
+    sequence parallel, PP 2, CP 2, bf16, full recompute, the distributed optimizer, vLLM at 0.45, KL on."""
+    recipe = recipe_from_dict({
+        "model": {"name_or_path": "/nonexistent/Qwen2.5-32B", "params_dtype": "bfloat16"},
+        "parallel": {"tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 2,
+                     "context_parallel_size": 2, "sequence_parallel": True},
+        "data": {"source": "dataset", "train_path": "x.parquet", "max_prompt_len": 2048},
+        "rollout": {"engine": "vllm", "prompts_per_step": 512, "n": 16, "max_response_len": 20480,
+                    "engine_options": {"tensor_parallel_size": 8, "gpu_memory_utilization": 0.45}},
+        "algorithm": {"name": "grpo", "kl_coef": 1e-3},
+        "train": {"num_minibatches": 8, "max_tokens_per_microbatch": 22528, "recompute": "full",
+                  "logprob_chunk_size": 1024},
+    })
+    p = plan(recipe, resolve_hf_config(recipe.model), nodes=4, gpus_per_node=8, gpu="h100-80gb",
+             distributed_optimizer=True)
+    assert p.problems == () and p.layout == {"tp": 8, "pp": 2, "cp": 2, "dp": 1, "world": 32}
+    # A layer on a TP rank: QKV (5120 + 2 x 1024) / 8 = 896 rows x 5120 + bias 896, proj 640 x 5120,
+    # SwiGLU 3 x 5120 x 27648 / 8, two norms of 5120.
+    layer = 896 * 5120 + 896 + 640 * 5120 + 3 * 5120 * 27648 // 8 + 2 * 5120
+    assert layer == 60959616
+    # The last stage is the larger: 32 layers + final norm + output 152064 x 5120 / 8.
+    params = 32 * layer + 5120 + 152064 * 5120 // 8
+    assert params == 2048033792
+    assert p.terms["weights"] == 2 * params and p.terms["gradients"] == 4 * params
+    assert p.terms["optimizer"] == 12 * params // 2  # fp32 master + m + v over DP x CP = 1 x 2
+    assert p.optimizer_bytes_other == 12 * params  # without the distributed optimizer
+    assert p.terms["reference"] == 2 * params
+    # 22528 tokens / CP 2 = 11264 per GPU. Full recompute keeps 64 layer inputs of 5120 / 8 bf16 values
+    # (SP) and one layer's activations: 4 x 5120 / 8 + 2 x 5120 / 8 + 2 x 128 + 3 x 27648 / 8 = 14464 values.
+    assert p.terms["activations"] == 11264 * (64 * 2 * 640 + 2 * 14464) == 1248591872
+    assert p.terms["logprob_chunk"] == 3 * 4 * 1024 * 152064 // 8
+    share = int(0.45 * 81559 * 2 ** 20)
+    assert p.terms["rollout_engine"] == share
+    total = 64 * (5120 * 7168 + 7168 + 5120 * 5120 + 3 * 5120 * 27648 + 2 * 5120) + 2 * 152064 * 5120 + 5120
+    assert p.kv_tokens == (share - 2 * total // 8) // (2 * 64 * 1 * 128 * 2)
+    resident = 2 * params + 4 * params + 6 * params + 2 * params + RESERVED_BYTES
+    assert p.rollout_peak == resident + share
+    assert p.train_peak == resident + 1248591872 + 3 * 4 * 1024 * 152064 // 8
+    assert p.fits
+
+
+def test_published_sizes():
+    """Totals against the model cards, to their last digit: Qwen2.5-7B 7.61B (6.53B without embeddings),
+    Qwen3-4B 4.0B (3.6B)."""
+    for name, total, non_emb, digit in (("Qwen/Qwen2.5-7B", 7.61, 6.53, 0.01), ("Qwen/Qwen3-4B", 4.0, 3.6, 0.1)):
+        row = known_architecture(name)
+        arch = Architecture.from_hf(resolve_hf_config(recipe_from_dict({"model": {"name_or_path": name}}).model))
+        emb = row["vocab_size"] * row["hidden_size"] * (1 if row["tie_word_embeddings"] else 2)
+        n = total_param_count(arch)
+        assert n / 1e9 == pytest.approx(total, abs=digit), (name, n)
+        assert (n - emb - row["hidden_size"]) / 1e9 == pytest.approx(non_emb, abs=digit), (name, n)
+
+
+def _megatron_numel(arch: dict, tp: int, pp: int):
+    import torch.distributed as dist
+
+    from megatron_credit import distributed
+    from megatron_credit.config import ModelConfig, ParallelConfig
+    from megatron_credit.models import build_gpt_model, transformer_config_from_hf
+
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    hf = ModelConfig(architecture=arch).hf_config()
+    owns = not dist.is_initialized()
+    distributed.initialize(parallel, seed=0)
+    try:
+        model = build_gpt_model(hf, transformer_config_from_hf(hf, parallel=parallel), use_transformer_engine=False)
+        return sum(p.numel() for p in model.parameters())
+    finally:
+        distributed.destroy(process_group=owns)
+
+
+QWEN3_TIED = dict(TINY_ARCH, model_type="qwen3", head_dim=24, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("arch", [TINY_ARCH, QWEN3_TIED], ids=["qwen2_untied", "qwen3_tied_head_dim"])
+def test_param_count_equals_megatron_tp1(arch):
+    from megatron_credit.config import ModelConfig
+
+    a = Architecture.from_hf(ModelConfig(architecture=arch).hf_config())
+    assert _megatron_numel(arch, 1, 1) == stage_param_counts(a)[0] == total_param_count(a)
+
+
+@pytest.fixture(scope="module")
+def pool2():
+    from tests.distributed_harness import DistributedPool
+
+    with DistributedPool(world_size=2) as p:
+        yield p
+
+
+def test_param_count_equals_megatron_per_rank_tp2_and_pp2(pool2):
+    from megatron_credit.config import ModelConfig
+
+    for arch in (TINY_ARCH, QWEN3_TIED):
+        a = Architecture.from_hf(ModelConfig(architecture=arch).hf_config())
+        assert pool2.run(_megatron_numel, arch, 2, 1) == [stage_param_counts(a, tp=2)[0]] * 2
+        # PP = 2: rank 0 holds the embedding, rank 1 the output layer (a copy when tied) and final norm.
+        assert pool2.run(_megatron_numel, arch, 1, 2) == stage_param_counts(a, pp=2)
+
+
+def test_layout_problems_and_cli_exit_codes(capsys):
+    from tools.plan import main
+
+    recipe = os.path.join(ROOT, "examples", "fipo_qwen25_32b.yaml")
+    assert main(["--config", recipe]) == 0 and "verdict: FITS" in capsys.readouterr().out
+    # One node: 8 GPUs cannot hold TP 8 x PP 2 x CP 2.
+    assert main(["--config", recipe, "--nodes", "1"]) == 1
+    assert "not divisible by tensor_model_parallel_size" in capsys.readouterr().out
+    # One node with a layout that divides it: the memory does not fit, and the verdict names the term.
+    code = main(["--config", recipe, "--nodes", "1", "parallel.pipeline_model_parallel_size=1",
+                 "parallel.context_parallel_size=1"])
+    out = capsys.readouterr().out
+    assert code == 1 and "DOES NOT FIT" in out and "largest term: optimizer" in out, out
+    assert main(["--config", recipe, "--gpu", "tpu-v9"]) == 2
+    assert "not one of" in capsys.readouterr().err
+    recipe_bad = main(["--config", recipe, "parallel.tensor_model_parallel_size=3"])
+    assert recipe_bad == 1 and "does not divide num_attention_heads=40" in capsys.readouterr().out
+
+
+def test_gpu_table_and_unknown_model():
+    assert GPUS["h100-80gb"] / GIB == pytest.approx(79.65, abs=0.01)
+    with pytest.raises(ValueError, match="known architectures"):
+        resolve_hf_config(recipe_from_dict({"model": {"name_or_path": "/models/mystery-70b"}}).model)
