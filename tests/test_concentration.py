@@ -230,16 +230,16 @@ def _forward(model, ids, pos, *, query_start=None, hook=None):
     return kept
 
 
-def _build_pair(parallel, weights=None):
+def _build_pair(arch, parallel, weights=None):
     """A plain model and one with the capture, holding the same weights (``weights``: world-size-1
     tensors, sliced to this rank's TP shard with the parallel-invariance helpers)."""
     from megatron.core import parallel_state as ps
 
     from megatron_credit.config import ModelConfig
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
-    from tests.test_parallel_invariance import QWEN2, _reference_name, _shard
+    from tests.test_parallel_invariance import _reference_name, _shard
 
-    hf = ModelConfig(architecture=QWEN2).hf_config()
+    hf = ModelConfig(architecture=arch).hf_config()
     plain = build_gpt_model(hf, transformer_config_from_hf(hf, parallel=parallel))
     fused = build_gpt_model(hf, transformer_config_from_hf(hf, parallel=parallel), capture_final_attention=True)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -266,7 +266,7 @@ def _dense_from_hook(hook, query_start):
     return dict(H=h, n=n.expand_as(h), topk_w=w, topk_idx=idx, out=out, out_hook=hook["out"])
 
 
-def _fused_case(tp, pp, cp, query_start):
+def _fused_case(arch, tp, pp, cp, query_start):
     """World size 1 (every rank) and then the sharded pair; returns what the test compares."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -280,7 +280,7 @@ def _fused_case(tp, pp, cp, query_start):
     torch.set_num_threads(1)
     ids = _fused_inputs()
     distributed.initialize(ParallelConfig(), seed=11)
-    plain, fused = _build_pair(ParallelConfig())
+    plain, fused = _build_pair(arch, ParallelConfig())
     hook = {}
     ref = _forward(plain, ids, torch.arange(FUSED_SEQ), hook=hook)
     got = _forward(fused, ids, torch.arange(FUSED_SEQ), query_start=query_start)
@@ -300,7 +300,7 @@ def _fused_case(tp, pp, cp, query_start):
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               context_parallel_size=cp)
     distributed.initialize(parallel, seed=11)
-    plain, fused = _build_pair(parallel, weights)
+    plain, fused = _build_pair(arch, parallel, weights)
     pos = load_balanced_positions(FUSED_SEQ // cp, cp_rank=ps.get_context_parallel_rank(), cp_size=cp)
     p_out = _forward(plain, ids[:, pos], pos)
     f_out = _forward(fused, ids[:, pos], pos, query_start=query_start)
@@ -321,10 +321,14 @@ def _check_stats(got, want, *, rtol, atol):
     torch.testing.assert_close(got["topk_w"].double(), want["topk_w"].double(), rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("tp,pp,cp,query_start", [(2, 1, 1, 5), (1, 1, 2, 5), (1, 2, 1, 2), (1, 1, 2, 13)],
-                         ids=["tp2", "cp2", "pp2", "cp2-late-start"])
-def test_fused_final_layer(pool2, tp, pp, cp, query_start):
-    results = pool2.run(_fused_case, tp, pp, cp, query_start)
+@pytest.mark.parametrize("kv_heads,tp,pp,cp,query_start",
+                         [(2, 2, 1, 1, 5), (1, 2, 1, 1, 3), (2, 1, 1, 2, 5), (2, 1, 2, 1, 2), (2, 1, 1, 2, 13)],
+                         ids=["tp2", "tp2-one-kv-head", "cp2", "pp2", "cp2-late-start"])
+def test_fused_final_layer(pool2, kv_heads, tp, pp, cp, query_start):
+    """tp2-one-kv-head: TP above the KV-head count, each rank holds its own copy of the one group."""
+    from tests.test_parallel_invariance import QWEN2
+
+    results = pool2.run(_fused_case, dict(QWEN2, num_key_value_heads=kv_heads), tp, pp, cp, query_start)
     ws1 = results[0][0]
     # World size 1: logits bit-identical with and without the capture (armed or not) ...
     assert ws1["logits_equal"] and ws1["unarmed_empty"]

@@ -9,7 +9,8 @@ Two read-outs of causal softmax attention ``a_{t,i} = softmax_i(s_{t,i})``, ``s 
   ``LSE(2 s) = 2 m + log l2``).
 - :func:`attention_topk`: the ``k`` keys with the largest head-averaged weight ``mean_h a_{h,t,i}``
   (the transport-aligned critic pools over them). Exact: pass 1 gets each head's ``LSE(s)``, pass 2
-  streams key chunks again, turns scores into weights ``exp(s - LSE)`` and merges a running top-k.
+  streams key chunks again, turns scores into weights ``exp(s - LSE)`` and merges a running top-k of
+  unique int64 (weight, index) keys, so ties go to the smaller index deterministically.
 
 Shapes follow the attention kernels: ``query [B, Hq, Tq, D]``, ``key [B, Hkv, Tk, D]`` with ``Hq`` a
 multiple of ``Hkv`` (GQA: query head ``h`` reads key head ``h // (Hq / Hkv)``, megatron's grouping).
@@ -162,17 +163,23 @@ def _gather_heads(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _merge_topk(best_w: torch.Tensor, best_i: torch.Tensor, w: torch.Tensor, i: torch.Tensor,
-                k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top ``k`` of the running best (sorted by weight desc, index asc) and a new chunk (index asc).
+_LOW32 = (1 << 32) - 1
 
-    The chunk's indices all exceed the running best's, and both lists are in (weight desc, index asc)
-    order among equal weights, so a *stable* descending sort of the concatenation breaks ties by the
-    smaller index: deterministic, unlike ``torch.topk``.
-    """
-    cand_w, cand_i = torch.cat([best_w, w], dim=-1), torch.cat([best_i, i], dim=-1)
-    order = torch.sort(cand_w, dim=-1, descending=True, stable=True).indices[..., :k]
-    return cand_w.gather(-1, order), cand_i.gather(-1, order)
+
+def _sort_keys(weight: torch.Tensor, cols: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering (weight desc, column asc): float32 bits of ``weight >= 0`` (monotone as
+    integers for non-negative floats) in the high word, ``2**32 - 1 - col`` in the low word; ``-1``
+    (below every key) where ``hidden``. Keys are unique, so ``torch.topk`` on them is exact and
+    deterministic: ties in weight go to the smaller column, unlike ``torch.topk`` on the weights."""
+    keys = (weight.view(torch.int32).to(torch.int64) << 32) | (_LOW32 - cols)
+    return keys.masked_fill_(hidden, -1)
+
+
+def _decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_sort_keys`: ``(weight float32, col int64)``; meaningless where ``keys < 0``
+    (hidden: the caller pads those)."""
+    weight = (keys >> 32).to(torch.int32).view(torch.float32)
+    return weight, _LOW32 - (keys & _LOW32)
 
 
 @torch.no_grad()
@@ -199,15 +206,16 @@ def attention_topk(query: torch.Tensor, key: torch.Tensor, k: int, *, scale: Opt
         q1 = min(q0 + chunk_size, tq)
         qg, p = _grouped_chunk(query, q0, q1, hkv, scale), pos[q0:q1]
         lse, _ = _online_lse(qg, key, p, chunk_size, squares=False)  # pass 1: [B, Hkv, G, c]
-        best_w = torch.full((b, q1 - q0, k), float("-inf"), device=query.device)
-        best_i = torch.zeros(b, q1 - q0, k, dtype=torch.long, device=query.device)
-        for k0 in range(0, int(p.max()) + 1, chunk_size):  # pass 2: weights, running top-k
-            k1 = min(k0 + chunk_size, int(p.max()) + 1)
+        best = torch.full((b, q1 - q0, k), -1, dtype=torch.long, device=query.device)
+        last = int(p.max()) + 1
+        for k0 in range(0, last, chunk_size):  # pass 2: weights, running top-k of (weight, -col) keys
+            k1 = min(k0 + chunk_size, last)
             a = _masked_scores(qg, key, k0, k1, p).sub_(lse[..., None]).exp_().sum(dim=(1, 2)) / hq
-            a.masked_fill_(torch.arange(k0, k1, device=p.device)[None, :] > p[:, None], float("-inf"))
-            cols = torch.arange(k0, k1, device=p.device).expand(b, q1 - q0, k1 - k0)
-            best_w, best_i = _merge_topk(best_w, best_i, a, cols, k)
-        pad = torch.isinf(best_w)  # fewer than k visible keys
-        weight[:, q0:q1] = best_w.masked_fill(pad, 0.0)
-        idx[:, q0:q1] = torch.where(pad, p[None, :, None].expand_as(best_i), best_i)
+            cols = torch.arange(k0, k1, device=p.device)
+            keys = _sort_keys(a, cols, cols[None, :] > p[:, None])  # [B, c, kc]
+            best = torch.cat([best, keys], dim=-1).topk(k, dim=-1).values  # sorted, descending
+        w, i = _decode_keys(best)
+        pad = best < 0  # fewer than k visible keys
+        weight[:, q0:q1] = w.masked_fill(pad, 0.0)
+        idx[:, q0:q1] = torch.where(pad, p[None, :, None].expand_as(i), i)
     return idx, weight
