@@ -13,7 +13,8 @@ extra memory of
 
 and the ratios dense / conc. Each measurement runs in a fresh subprocess. Peak extra memory: on CPU
 the resident-set high-water mark above the inputs (``/proc/self/clear_refs``, ``VmHWM``, with
-``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave the resident set; Linux only); on CUDA
+``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors leave the resident set, after a tiny warm-up call
+so that library code paged in on first use is not counted; Linux only); on CUDA
 ``torch.cuda.max_memory_allocated`` above the inputs. Dense is skipped above ``--dense-max`` (CPU
 default 8192: at 16K one score buffer is 8 GiB and softmax needs three). Times are best-of-``--repeats``
 after one warm-up on CUDA; the CPU machine may be shared.
@@ -21,6 +22,7 @@ after one warm-up on CUDA; the CPU machine may be shared.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -55,9 +57,9 @@ def measure_one(what: str, t: int, device: str, repeats: int, topk: int) -> dict
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(B, HQ, t, D, generator=g, device=device)
     k = torch.randn(B, HKV, t, D, generator=g, device=device)
-    fn = {"conc": lambda: attention_concentration(q, k),
-          "topk": lambda: attention_topk(q, k, topk),
-          "dense": lambda: dense_concentration(q, k)}[what]
+    kernel = {"conc": attention_concentration, "topk": lambda q, k: attention_topk(q, k, topk),
+              "dense": dense_concentration}[what]
+    fn = functools.partial(kernel, q, k)
     cuda = device.startswith("cuda")
     if cuda:
         fn()  # warm-up (kernels, allocator)
@@ -65,6 +67,7 @@ def measure_one(what: str, t: int, device: str, repeats: int, topk: int) -> dict
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
+        kernel(q[:, :, :64], k[:, :, :64])  # warm-up: library code paged in on first use is not counted
         open("/proc/self/clear_refs", "w").write("5")
         base = _kib("VmRSS") * 1024
     best = float("inf")

@@ -108,8 +108,9 @@ def _online_lse(qg: torch.Tensor, key: torch.Tensor, pos: torch.Tensor, chunk: i
     shape = (b, hkv, gc // pos.numel(), pos.numel())
     m = torch.full(shape, float("-inf"), device=qg.device)
     l1, l2 = torch.zeros(shape, device=qg.device), torch.zeros(shape, device=qg.device)
-    for k0 in range(0, int(pos.max()) + 1, chunk):  # keys past the chunk's last query are all hidden
-        k1 = min(k0 + chunk, int(pos.max()) + 1)
+    last = int(pos.max()) + 1  # keys from here on are hidden from every query of the chunk
+    for k0 in range(0, last, chunk):
+        k1 = min(k0 + chunk, last)
         s = _masked_scores(qg, key, k0, k1, pos)
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
