@@ -73,6 +73,15 @@ def test_concentration_matches_dense_float64(b, hq, hkv, tq, tk, d, chunk):
     assert float(h_ref.max() - h_ref.min()) > 0.1
 
 
+def test_concentration_large_scores_keep_float32_precision():
+    """Scores of O(100) (peaked heads): H comes from max-shifted log-sum-exps, no large cancellation."""
+    q, k = _inputs(1, 4, 2, 40, 40, 16, spread=12.0)
+    h, _ = attention_concentration(q, k, chunk_size=6)
+    h_ref, _ = dense_concentration(q, k)
+    assert float(h_ref.min()) < 0.9 and float(h_ref.max()) > 0.99  # mixed, mostly one-hot rows
+    torch.testing.assert_close(h.double(), h_ref, rtol=2e-6, atol=1e-7)
+
+
 def test_concentration_bfloat16_inputs_score_in_float32():
     q, k = _inputs(1, 4, 2, 24, 24, 16, dtype=torch.bfloat16)
     h, _ = attention_concentration(q, k, chunk_size=5)

@@ -96,13 +96,15 @@ def _masked_scores(qg: torch.Tensor, key: torch.Tensor, k0: int, k1: int,
 
 
 def _online_lse(qg: torch.Tensor, key: torch.Tensor, pos: torch.Tensor, chunk: int, *,
-                squares: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Per-head ``LSE(s)`` and (if ``squares``) ``LSE(2 s)``, each ``[B, Hkv, G, c]``, streamed over keys.
+                squares: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Per-head row max ``m``, ``LSE(s - m)`` and (if ``squares``) ``LSE(2 (s - m))``, each
+    ``[B, Hkv, G, c]``, streamed over key chunks: ``LSE(s) = m + LSE(s - m)``.
 
     Running max ``m`` with ``l1 = sum exp(s - m)``, ``l2 = sum exp(2 (s - m))``; on a new max both sums
     are rescaled (by ``exp(m_old - m)`` and its square). Every query sees at least its own key, so
     ``l1 >= 1`` at the end; a row that has seen no key yet keeps ``m = -inf`` (``m_safe`` avoids
-    ``-inf - -inf``).
+    ``-inf - -inf``). The shifted LSEs are returned because ``H = exp(LSE(2 s) - 2 LSE(s))`` does not
+    change under ``s -> s - m``, and without ``m`` the float32 difference cancels nothing large.
     """
     b, hkv, gc, _ = qg.shape
     shape = (b, hkv, gc // pos.numel(), pos.numel())
@@ -120,8 +122,7 @@ def _online_lse(qg: torch.Tensor, key: torch.Tensor, pos: torch.Tensor, chunk: i
         if squares:
             l2 = l2 * alpha * alpha + e.mul_(e).sum(dim=-1)
         m = m_new
-    lse = m + torch.log(l1)
-    return lse, (2.0 * m + torch.log(l2)) if squares else None
+    return m, torch.log(l1), torch.log(l2) if squares else None
 
 
 def _scale(query: torch.Tensor, scale: Optional[float]) -> float:
@@ -146,8 +147,8 @@ def attention_concentration(query: torch.Tensor, key: torch.Tensor, *, scale: Op
     h_sum = torch.zeros(b, tq, device=query.device)
     for q0 in range(0, tq, chunk_size):
         q1 = min(q0 + chunk_size, tq)
-        lse_s, lse_2s = _online_lse(_grouped_chunk(query, q0, q1, hkv, scale), key, pos[q0:q1],
-                                    chunk_size, squares=True)
+        _, lse_s, lse_2s = _online_lse(_grouped_chunk(query, q0, q1, hkv, scale), key, pos[q0:q1],
+                                       chunk_size, squares=True)  # of the max-shifted scores
         h_sum[:, q0:q1] = concentration_from_lse(lse_2s, lse_s).sum(dim=(1, 2))
     heads = hq
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
@@ -206,7 +207,8 @@ def attention_topk(query: torch.Tensor, key: torch.Tensor, k: int, *, scale: Opt
     for q0 in range(0, tq, chunk_size):
         q1 = min(q0 + chunk_size, tq)
         qg, p = _grouped_chunk(query, q0, q1, hkv, scale), pos[q0:q1]
-        lse, _ = _online_lse(qg, key, p, chunk_size, squares=False)  # pass 1: [B, Hkv, G, c]
+        m, lse_shifted, _ = _online_lse(qg, key, p, chunk_size, squares=False)  # pass 1: [B, Hkv, G, c]
+        lse = m + lse_shifted
         best = torch.full((b, q1 - q0, k), -1, dtype=torch.long, device=query.device)
         last = int(p.max()) + 1
         for k0 in range(0, last, chunk_size):  # pass 2: weights, running top-k of (weight, -col) keys
