@@ -209,18 +209,24 @@ def _forward(model, ids, pos, *, query_start=None, hook=None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     capture = getattr(model, "final_attention_capture", None)
+    armed = capture is not None and query_start is not None
     kept = {}
 
-    def loss_func(logits):
+    def loss_func(logits):  # megatron's schedule calls it after forward_step returned (disarmed)
         kept["logits"] = logits.detach()
-        if capture is not None and capture.result is not None:
+        if armed:
             kept.update(capture.result)
         return logits.sum() * 0, torch.tensor(1, dtype=torch.int), {}
 
     def forward_step(data_iterator, model_chunk):
-        if capture is not None and query_start is not None:
+        # As the trainer does: arm, forward, disarm; the result is read in the loss function.
+        if armed:
             capture.arm(query_start, TOP_K)
-        return model_chunk(next(data_iterator), pos.expand(ids.shape[0], -1), None), loss_func
+        try:
+            return model_chunk(next(data_iterator), pos.expand(ids.shape[0], -1), None), loss_func
+        finally:
+            if armed:
+                capture.disarm()
 
     handle = None
     if hook is not None and model.post_process:
@@ -234,8 +240,6 @@ def _forward(model, ids, pos, *, query_start=None, hook=None):
             seq_length=FUSED_SEQ, micro_batch_size=ids.shape[0], forward_only=True)
     if handle is not None:
         handle.remove()
-    if capture is not None:
-        capture.disarm()
     return kept
 
 
@@ -293,12 +297,15 @@ def _fused_case(arch, tp, pp, cp, query_start):
     hook = {}
     ref = _forward(plain, ids, torch.arange(FUSED_SEQ), hook=hook)
     got = _forward(fused, ids, torch.arange(FUSED_SEQ), query_start=query_start)
+    kept_result = fused.final_attention_capture.result
     unarmed = _forward(fused, ids, torch.arange(FUSED_SEQ))
+    # An unarmed forward computes nothing: the last result is the same object, untouched.
+    untouched = fused.final_attention_capture.result is kept_result and kept_result is not None
     q, k = (hook[x].permute(1, 2, 0, 3) for x in ("q", "k"))
     qpos = torch.arange(query_start, FUSED_SEQ)
     ws1 = dict(logits_equal=torch.equal(ref["logits"], got["logits"]) and torch.equal(ref["logits"],
                                                                                         unarmed["logits"]),
-               unarmed_empty=set(unarmed) == {"logits"}, got=got, dense=_dense_from_hook(hook, query_start),
+               unarmed_empty=set(unarmed) == {"logits"} and untouched, got=got, dense=_dense_from_hook(hook, query_start),
                kernel=attention_concentration(q[:, :, query_start:], k, q_positions=qpos)
                + attention_topk(q[:, :, query_start:], k, TOP_K, q_positions=qpos))
     ws1["classes"] = ([type(layer.self_attention.core_attention).__name__ for layer in plain.decoder.layers],
@@ -424,3 +431,20 @@ def test_peak_memory_bound_at_full_size(what):
     else:
         peak = _peak_bytes(1, 8, 2, 16384, 20480, 64, what)
     assert peak < 512 * MB, peak / MB
+
+
+def test_capture_arm_checks_and_result_lifetime():
+    from megatron_credit.models.final_layer import FinalAttentionCapture
+
+    capture = FinalAttentionCapture()
+    with pytest.raises(ValueError, match="query_start"):
+        capture.arm(-1, 4)
+    with pytest.raises(ValueError, match="top_k"):
+        capture.arm(0, -1)
+    with pytest.raises(ValueError, match="chunk_size"):
+        FinalAttentionCapture(chunk_size=0)
+    capture.result = {"H": torch.ones(1)}
+    capture.disarm()  # keeps the result (read in the loss function after the forward)
+    assert not capture.armed and capture.result is not None
+    capture.arm(3, 2)  # clears it
+    assert capture.armed and capture.result is None and (capture.query_start, capture.top_k) == (3, 2)
