@@ -73,6 +73,15 @@ def test_concentration_matches_dense_float64(b, hq, hkv, tq, tk, d, chunk):
     assert float(h_ref.max() - h_ref.min()) > 0.1
 
 
+def test_concentration_large_scores_keep_float32_precision():
+    """Scores of O(100) (peaked heads): H comes from max-shifted log-sum-exps, no large cancellation."""
+    q, k = _inputs(1, 4, 2, 40, 40, 16, spread=12.0)
+    h, _ = attention_concentration(q, k, chunk_size=6)
+    h_ref, _ = dense_concentration(q, k)
+    assert float(h_ref.min()) < 0.9 and float(h_ref.max()) > 0.99  # mixed, mostly one-hot rows
+    torch.testing.assert_close(h.double(), h_ref, rtol=2e-6, atol=1e-7)
+
+
 def test_concentration_bfloat16_inputs_score_in_float32():
     q, k = _inputs(1, 4, 2, 24, 24, 16, dtype=torch.bfloat16)
     h, _ = attention_concentration(q, k, chunk_size=5)
@@ -200,18 +209,24 @@ def _forward(model, ids, pos, *, query_start=None, hook=None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     capture = getattr(model, "final_attention_capture", None)
+    armed = capture is not None and query_start is not None
     kept = {}
 
-    def loss_func(logits):
+    def loss_func(logits):  # megatron's schedule calls it after forward_step returned (disarmed)
         kept["logits"] = logits.detach()
-        if capture is not None and capture.result is not None:
+        if armed:
             kept.update(capture.result)
         return logits.sum() * 0, torch.tensor(1, dtype=torch.int), {}
 
     def forward_step(data_iterator, model_chunk):
-        if capture is not None and query_start is not None:
+        # As the trainer does: arm, forward, disarm; the result is read in the loss function.
+        if armed:
             capture.arm(query_start, TOP_K)
-        return model_chunk(next(data_iterator), pos.expand(ids.shape[0], -1), None), loss_func
+        try:
+            return model_chunk(next(data_iterator), pos.expand(ids.shape[0], -1), None), loss_func
+        finally:
+            if armed:
+                capture.disarm()
 
     handle = None
     if hook is not None and model.post_process:
@@ -225,21 +240,19 @@ def _forward(model, ids, pos, *, query_start=None, hook=None):
             seq_length=FUSED_SEQ, micro_batch_size=ids.shape[0], forward_only=True)
     if handle is not None:
         handle.remove()
-    if capture is not None:
-        capture.disarm()
     return kept
 
 
-def _build_pair(parallel, weights=None):
+def _build_pair(arch, parallel, weights=None):
     """A plain model and one with the capture, holding the same weights (``weights``: world-size-1
     tensors, sliced to this rank's TP shard with the parallel-invariance helpers)."""
     from megatron.core import parallel_state as ps
 
     from megatron_credit.config import ModelConfig
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
-    from tests.test_parallel_invariance import QWEN2, _reference_name, _shard
+    from tests.test_parallel_invariance import _reference_name, _shard
 
-    hf = ModelConfig(architecture=QWEN2).hf_config()
+    hf = ModelConfig(architecture=arch).hf_config()
     plain = build_gpt_model(hf, transformer_config_from_hf(hf, parallel=parallel))
     fused = build_gpt_model(hf, transformer_config_from_hf(hf, parallel=parallel), capture_final_attention=True)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -266,7 +279,7 @@ def _dense_from_hook(hook, query_start):
     return dict(H=h, n=n.expand_as(h), topk_w=w, topk_idx=idx, out=out, out_hook=hook["out"])
 
 
-def _fused_case(tp, pp, cp, query_start):
+def _fused_case(arch, tp, pp, cp, query_start):
     """World size 1 (every rank) and then the sharded pair; returns what the test compares."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -280,16 +293,19 @@ def _fused_case(tp, pp, cp, query_start):
     torch.set_num_threads(1)
     ids = _fused_inputs()
     distributed.initialize(ParallelConfig(), seed=11)
-    plain, fused = _build_pair(ParallelConfig())
+    plain, fused = _build_pair(arch, ParallelConfig())
     hook = {}
     ref = _forward(plain, ids, torch.arange(FUSED_SEQ), hook=hook)
     got = _forward(fused, ids, torch.arange(FUSED_SEQ), query_start=query_start)
+    kept_result = fused.final_attention_capture.result
     unarmed = _forward(fused, ids, torch.arange(FUSED_SEQ))
+    # An unarmed forward computes nothing: the last result is the same object, untouched.
+    untouched = fused.final_attention_capture.result is kept_result and kept_result is not None
     q, k = (hook[x].permute(1, 2, 0, 3) for x in ("q", "k"))
     qpos = torch.arange(query_start, FUSED_SEQ)
     ws1 = dict(logits_equal=torch.equal(ref["logits"], got["logits"]) and torch.equal(ref["logits"],
                                                                                         unarmed["logits"]),
-               unarmed_empty=set(unarmed) == {"logits"}, got=got, dense=_dense_from_hook(hook, query_start),
+               unarmed_empty=set(unarmed) == {"logits"} and untouched, got=got, dense=_dense_from_hook(hook, query_start),
                kernel=attention_concentration(q[:, :, query_start:], k, q_positions=qpos)
                + attention_topk(q[:, :, query_start:], k, TOP_K, q_positions=qpos))
     ws1["classes"] = ([type(layer.self_attention.core_attention).__name__ for layer in plain.decoder.layers],
@@ -300,7 +316,7 @@ def _fused_case(tp, pp, cp, query_start):
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               context_parallel_size=cp)
     distributed.initialize(parallel, seed=11)
-    plain, fused = _build_pair(parallel, weights)
+    plain, fused = _build_pair(arch, parallel, weights)
     pos = load_balanced_positions(FUSED_SEQ // cp, cp_rank=ps.get_context_parallel_rank(), cp_size=cp)
     p_out = _forward(plain, ids[:, pos], pos)
     f_out = _forward(fused, ids[:, pos], pos, query_start=query_start)
@@ -321,10 +337,14 @@ def _check_stats(got, want, *, rtol, atol):
     torch.testing.assert_close(got["topk_w"].double(), want["topk_w"].double(), rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("tp,pp,cp,query_start", [(2, 1, 1, 5), (1, 1, 2, 5), (1, 2, 1, 2), (1, 1, 2, 13)],
-                         ids=["tp2", "cp2", "pp2", "cp2-late-start"])
-def test_fused_final_layer(pool2, tp, pp, cp, query_start):
-    results = pool2.run(_fused_case, tp, pp, cp, query_start)
+@pytest.mark.parametrize("kv_heads,tp,pp,cp,query_start",
+                         [(2, 2, 1, 1, 5), (1, 2, 1, 1, 3), (2, 1, 1, 2, 5), (2, 1, 2, 1, 2), (2, 1, 1, 2, 13)],
+                         ids=["tp2", "tp2-one-kv-head", "cp2", "pp2", "cp2-late-start"])
+def test_fused_final_layer(pool2, kv_heads, tp, pp, cp, query_start):
+    """tp2-one-kv-head: TP above the KV-head count, each rank holds its own copy of the one group."""
+    from tests.test_parallel_invariance import QWEN2
+
+    results = pool2.run(_fused_case, dict(QWEN2, num_key_value_heads=kv_heads), tp, pp, cp, query_start)
     ws1 = results[0][0]
     # World size 1: logits bit-identical with and without the capture (armed or not) ...
     assert ws1["logits_equal"] and ws1["unarmed_empty"]
@@ -354,7 +374,8 @@ def test_fused_final_layer(pool2, tp, pp, cp, query_start):
 
 # How memory is measured (CPU): a fresh subprocess builds the inputs, resets the resident-set
 # high-water mark (writing 5 to /proc/self/clear_refs, Linux >= 4.0), runs the kernel once and reports
-# VmHWM - VmRSS-before: the peak of everything the call allocated and touched. glibc would keep freed
+# VmHWM - VmRSS-before: the peak of everything the call allocated and touched (after a tiny warm-up
+# call, so that library code paged in on first use is not counted). glibc would keep freed
 # blocks above its (growing) mmap threshold in the heap; MALLOC_MMAP_THRESHOLD_=65536 pins the
 # threshold, so every large tensor is its own mapping and is returned when freed. The probe is checked
 # against a materialised softmax, which it must see. Peak on GPU: torch.cuda.max_memory_allocated.
@@ -365,11 +386,12 @@ def kib(field):
     return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(field))
 b, hq, hkv, tq, tk, d, what = {args!r}
 q, k = torch.randn(b, hq, tq, d), torch.randn(b, hkv, tk, d)
-fn = dict(conc=lambda: attention_concentration(q, k), topk=lambda: attention_topk(q, k, 64),
-          dense=lambda: torch.softmax(q.view(b, hkv, -1, d) @ k.transpose(-1, -2), dim=-1))[what]
+fn = dict(conc=lambda q, k: attention_concentration(q, k), topk=lambda q, k: attention_topk(q, k, 64),
+          dense=lambda q, k: torch.softmax(q.reshape(b, hkv, -1, d) @ k.transpose(-1, -2), dim=-1))[what]
+fn(q[:, :, :64], k[:, :, :64])  # warm-up: library code pages touched once are not the kernel's memory
 open('/proc/self/clear_refs', 'w').write('5')
 base = kib('VmRSS')
-out = fn()
+out = fn(q, k)
 print((kib('VmHWM') - base) * 1024)
 """
 
@@ -409,3 +431,20 @@ def test_peak_memory_bound_at_full_size(what):
     else:
         peak = _peak_bytes(1, 8, 2, 16384, 20480, 64, what)
     assert peak < 512 * MB, peak / MB
+
+
+def test_capture_arm_checks_and_result_lifetime():
+    from megatron_credit.models.final_layer import FinalAttentionCapture
+
+    capture = FinalAttentionCapture()
+    with pytest.raises(ValueError, match="query_start"):
+        capture.arm(-1, 4)
+    with pytest.raises(ValueError, match="top_k"):
+        capture.arm(0, -1)
+    with pytest.raises(ValueError, match="chunk_size"):
+        FinalAttentionCapture(chunk_size=0)
+    capture.result = {"H": torch.ones(1)}
+    capture.disarm()  # keeps the result (read in the loss function after the forward)
+    assert not capture.armed and capture.result is not None
+    capture.arm(3, 2)  # clears it
+    assert capture.armed and capture.result is None and (capture.query_start, capture.top_k) == (3, 2)

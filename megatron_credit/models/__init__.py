@@ -12,6 +12,14 @@ Public API:
   spec otherwise; CPU context-parallel attention for CP > 1 with the local spec); tied embeddings
   follow ``hf_config.tie_word_embeddings``. Needs megatron ``parallel_state`` initialised
   (``megatron_credit.distributed.initialize``). Returns vocab-parallel logits ``[B, S, V/tp]``.
+- ``build_gpt_model(..., capture_final_attention=True)``: the global last decoder layer also records
+  CompPO's attention statistics when ``model.final_attention_capture`` (a ``FinalAttentionCapture``) is
+  armed: ``arm(query_start, top_k)``, forward, ``.result`` (``H``, ``n``, ``topk_idx``, ``topk_w`` for
+  global positions ``query_start .. S-1``, identical on every TP / CP rank), ``disarm()``
+  (:mod:`megatron_credit.models.final_layer`); ``gpt_decoder_block_spec`` is its per-stage spec.
+- ``attention_concentration(query, key, *, scale, chunk_size, tp_group, q_positions) -> (H, n)`` and
+  ``attention_topk(query, key, k, ...) -> (idx, weight)``: the streamed kernels
+  (:mod:`megatron_credit.models.concentration`; torch only).
 - ``check_parallel_fits_model(hf_config, parallel, *, world_size=None)``, ``rope_settings(hf_config)``,
   ``check_sequence_length(hf_config, length, *, what)`` (refuses sequences beyond
   ``max_position_embeddings``), ``use_transformer_engine_spec`` (TE on GPU, refused fallback),
@@ -25,15 +33,19 @@ Importing this package imports torch only; megatron-core is imported when a mode
 """
 from megatron_credit.models.critic import (StandardCritic, TransportAlignedCritic, build_critic,
                                            critic_diagnostics, critic_parameter_count)
-from megatron_credit.models.gpt import (build_gpt_model, gpt_layer_spec, set_tensor_parallel_attributes,
-                                        transformer_engine_available, use_transformer_engine_spec)
+from megatron_credit.models.concentration import attention_concentration, attention_topk
+from megatron_credit.models.final_layer import FinalAttentionCapture
+from megatron_credit.models.gpt import (build_gpt_model, gpt_decoder_block_spec, gpt_layer_spec,
+                                        set_tensor_parallel_attributes, transformer_engine_available,
+                                        use_transformer_engine_spec)
 from megatron_credit.models.hf_config import (
     SUPPORTED_MODEL_TYPES, RopeSettings, check_parallel_fits_model, check_sequence_length, head_dim,
     rope_settings, transformer_config_from_hf)
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES", "RopeSettings", "StandardCritic", "TransportAlignedCritic", "build_critic",
-    "build_gpt_model", "critic_diagnostics", "critic_parameter_count", "check_parallel_fits_model",
-    "check_sequence_length", "gpt_layer_spec", "head_dim", "rope_settings", "set_tensor_parallel_attributes",
+    "FinalAttentionCapture", "SUPPORTED_MODEL_TYPES", "RopeSettings", "attention_concentration", "attention_topk",
+    "StandardCritic", "TransportAlignedCritic", "build_critic", "build_gpt_model",
+    "critic_diagnostics", "critic_parameter_count", "check_parallel_fits_model", "check_sequence_length", "gpt_decoder_block_spec",
+    "gpt_layer_spec", "head_dim", "rope_settings", "set_tensor_parallel_attributes",
     "transformer_config_from_hf", "transformer_engine_available", "use_transformer_engine_spec",
 ]

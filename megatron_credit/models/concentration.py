@@ -9,7 +9,8 @@ Two read-outs of causal softmax attention ``a_{t,i} = softmax_i(s_{t,i})``, ``s 
   ``LSE(2 s) = 2 m + log l2``).
 - :func:`attention_topk`: the ``k`` keys with the largest head-averaged weight ``mean_h a_{h,t,i}``
   (the transport-aligned critic pools over them). Exact: pass 1 gets each head's ``LSE(s)``, pass 2
-  streams key chunks again, turns scores into weights ``exp(s - LSE)`` and merges a running top-k.
+  streams key chunks again, turns scores into weights ``exp(s - LSE)`` and merges a running top-k of
+  unique int64 (weight, index) keys, so ties go to the smaller index deterministically.
 
 Shapes follow the attention kernels: ``query [B, Hq, Tq, D]``, ``key [B, Hkv, Tk, D]`` with ``Hq`` a
 multiple of ``Hkv`` (GQA: query head ``h`` reads key head ``h // (Hq / Hkv)``, megatron's grouping).
@@ -17,7 +18,9 @@ Query ``t`` sits at global position ``q_positions[t]`` (default: the last ``Tq``
 and sees key ``j`` iff ``j <= q_positions[t]``. Scores are float32 whatever the input dtype.
 
 Memory: per (query chunk, key chunk) block one float32 score tile ``[B, Hq, c, c]`` (32 MB at B = 1,
-Hq = 8, c = 1024) and a few row vectors; nothing grows with ``Tq * Tk``. Query heads are grouped onto
+Hq = 8, c = 1024), worked on in place, and a few row vectors; nothing grows with ``Tq * Tk``. Measured
+on CPU (``benchmarks/concentration.py``, tests/test_concentration.py): ~68 MB peak extra at every T from
+2K to 20K (the tile plus the GEMM library's buffers), against 4 GB for a dense softmax at 8K. Query heads are grouped onto
 their key head by a reshape (``[B, Hkv, G * c, D] @ [B, Hkv, D, c]``), so K is never repeated per head.
 The causal structure is used: key chunks past a query chunk's last position are skipped.
 
@@ -95,20 +98,23 @@ def _masked_scores(qg: torch.Tensor, key: torch.Tensor, k0: int, k1: int,
 
 
 def _online_lse(qg: torch.Tensor, key: torch.Tensor, pos: torch.Tensor, chunk: int, *,
-                squares: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Per-head ``LSE(s)`` and (if ``squares``) ``LSE(2 s)``, each ``[B, Hkv, G, c]``, streamed over keys.
+                squares: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Per-head row max ``m``, ``LSE(s - m)`` and (if ``squares``) ``LSE(2 (s - m))``, each
+    ``[B, Hkv, G, c]``, streamed over key chunks: ``LSE(s) = m + LSE(s - m)``.
 
     Running max ``m`` with ``l1 = sum exp(s - m)``, ``l2 = sum exp(2 (s - m))``; on a new max both sums
     are rescaled (by ``exp(m_old - m)`` and its square). Every query sees at least its own key, so
     ``l1 >= 1`` at the end; a row that has seen no key yet keeps ``m = -inf`` (``m_safe`` avoids
-    ``-inf - -inf``).
+    ``-inf - -inf``). The shifted LSEs are returned because ``H = exp(LSE(2 s) - 2 LSE(s))`` does not
+    change under ``s -> s - m``, and without ``m`` the float32 difference cancels nothing large.
     """
     b, hkv, gc, _ = qg.shape
     shape = (b, hkv, gc // pos.numel(), pos.numel())
     m = torch.full(shape, float("-inf"), device=qg.device)
     l1, l2 = torch.zeros(shape, device=qg.device), torch.zeros(shape, device=qg.device)
-    for k0 in range(0, int(pos.max()) + 1, chunk):  # keys past the chunk's last query are all hidden
-        k1 = min(k0 + chunk, int(pos.max()) + 1)
+    last = int(pos.max()) + 1  # keys from here on are hidden from every query of the chunk
+    for k0 in range(0, last, chunk):
+        k1 = min(k0 + chunk, last)
         s = _masked_scores(qg, key, k0, k1, pos)
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -118,8 +124,7 @@ def _online_lse(qg: torch.Tensor, key: torch.Tensor, pos: torch.Tensor, chunk: i
         if squares:
             l2 = l2 * alpha * alpha + e.mul_(e).sum(dim=-1)
         m = m_new
-    lse = m + torch.log(l1)
-    return lse, (2.0 * m + torch.log(l2)) if squares else None
+    return m, torch.log(l1), torch.log(l2) if squares else None
 
 
 def _scale(query: torch.Tensor, scale: Optional[float]) -> float:
@@ -144,8 +149,8 @@ def attention_concentration(query: torch.Tensor, key: torch.Tensor, *, scale: Op
     h_sum = torch.zeros(b, tq, device=query.device)
     for q0 in range(0, tq, chunk_size):
         q1 = min(q0 + chunk_size, tq)
-        lse_s, lse_2s = _online_lse(_grouped_chunk(query, q0, q1, hkv, scale), key, pos[q0:q1],
-                                    chunk_size, squares=True)
+        _, lse_s, lse_2s = _online_lse(_grouped_chunk(query, q0, q1, hkv, scale), key, pos[q0:q1],
+                                       chunk_size, squares=True)  # of the max-shifted scores
         h_sum[:, q0:q1] = concentration_from_lse(lse_2s, lse_s).sum(dim=(1, 2))
     heads = hq
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
@@ -162,17 +167,23 @@ def _gather_heads(x: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _merge_topk(best_w: torch.Tensor, best_i: torch.Tensor, w: torch.Tensor, i: torch.Tensor,
-                k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top ``k`` of the running best (sorted by weight desc, index asc) and a new chunk (index asc).
+_LOW32 = (1 << 32) - 1
 
-    The chunk's indices all exceed the running best's, and both lists are in (weight desc, index asc)
-    order among equal weights, so a *stable* descending sort of the concatenation breaks ties by the
-    smaller index: deterministic, unlike ``torch.topk``.
-    """
-    cand_w, cand_i = torch.cat([best_w, w], dim=-1), torch.cat([best_i, i], dim=-1)
-    order = torch.sort(cand_w, dim=-1, descending=True, stable=True).indices[..., :k]
-    return cand_w.gather(-1, order), cand_i.gather(-1, order)
+
+def _sort_keys(weight: torch.Tensor, cols: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordering (weight desc, column asc): float32 bits of ``weight >= 0`` (monotone as
+    integers for non-negative floats) in the high word, ``2**32 - 1 - col`` in the low word; ``-1``
+    (below every key) where ``hidden``. Keys are unique, so ``torch.topk`` on them is exact and
+    deterministic: ties in weight go to the smaller column, unlike ``torch.topk`` on the weights."""
+    keys = (weight.view(torch.int32).to(torch.int64) << 32) | (_LOW32 - cols)
+    return keys.masked_fill_(hidden, -1)
+
+
+def _decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_sort_keys`: ``(weight float32, col int64)``; meaningless where ``keys < 0``
+    (hidden: the caller pads those)."""
+    weight = (keys >> 32).to(torch.int32).view(torch.float32)
+    return weight, _LOW32 - (keys & _LOW32)
 
 
 @torch.no_grad()
@@ -198,16 +209,18 @@ def attention_topk(query: torch.Tensor, key: torch.Tensor, k: int, *, scale: Opt
     for q0 in range(0, tq, chunk_size):
         q1 = min(q0 + chunk_size, tq)
         qg, p = _grouped_chunk(query, q0, q1, hkv, scale), pos[q0:q1]
-        lse, _ = _online_lse(qg, key, p, chunk_size, squares=False)  # pass 1: [B, Hkv, G, c]
-        best_w = torch.full((b, q1 - q0, k), float("-inf"), device=query.device)
-        best_i = torch.zeros(b, q1 - q0, k, dtype=torch.long, device=query.device)
-        for k0 in range(0, int(p.max()) + 1, chunk_size):  # pass 2: weights, running top-k
-            k1 = min(k0 + chunk_size, int(p.max()) + 1)
+        m, lse_shifted, _ = _online_lse(qg, key, p, chunk_size, squares=False)  # pass 1: [B, Hkv, G, c]
+        lse = m + lse_shifted
+        best = torch.full((b, q1 - q0, k), -1, dtype=torch.long, device=query.device)
+        last = int(p.max()) + 1
+        for k0 in range(0, last, chunk_size):  # pass 2: weights, running top-k of (weight, -col) keys
+            k1 = min(k0 + chunk_size, last)
             a = _masked_scores(qg, key, k0, k1, p).sub_(lse[..., None]).exp_().sum(dim=(1, 2)) / hq
-            a.masked_fill_(torch.arange(k0, k1, device=p.device)[None, :] > p[:, None], float("-inf"))
-            cols = torch.arange(k0, k1, device=p.device).expand(b, q1 - q0, k1 - k0)
-            best_w, best_i = _merge_topk(best_w, best_i, a, cols, k)
-        pad = torch.isinf(best_w)  # fewer than k visible keys
-        weight[:, q0:q1] = best_w.masked_fill(pad, 0.0)
-        idx[:, q0:q1] = torch.where(pad, p[None, :, None].expand_as(best_i), best_i)
+            cols = torch.arange(k0, k1, device=p.device)
+            keys = _sort_keys(a, cols, cols[None, :] > p[:, None])  # [B, c, kc]
+            best = torch.cat([best, keys], dim=-1).topk(k, dim=-1).values  # sorted, descending
+        w, i = _decode_keys(best)
+        pad = best < 0  # fewer than k visible keys
+        weight[:, q0:q1] = w.masked_fill(pad, 0.0)
+        idx[:, q0:q1] = torch.where(pad, p[None, :, None].expand_as(i), i)
     return idx, weight

@@ -23,10 +23,10 @@ Parallelism (the groups are captured from megatron ``parallel_state`` at build t
 Usage (the trainer, once per behaviour-policy micro-batch, reading the result in the loss function)::
 
     capture = model.final_attention_capture      # None unless built with capture_final_attention=True
-    capture.arm(query_start=prompt_len, top_k=64)
+    capture.arm(query_start=prompt_len, top_k=64)   # clears the previous result
     logits = model(input_ids, position_ids, None)
+    capture.disarm()                                 # stops recording; the result stays
     stats = capture.result   # {"H": [b, S - q0], "n": ..., "topk_idx": [b, S - q0, k], "topk_w": ...}
-    capture.disarm()
 """
 from __future__ import annotations
 
@@ -116,8 +116,10 @@ class FinalAttentionCapture:
         self.query_start, self.top_k, self.result = int(query_start), int(top_k), None
 
     def disarm(self) -> None:
-        """Stop recording and drop the last result (read it first: a stale result is never served)."""
-        self.query_start, self.result = None, None
+        """Stop recording. ``result`` keeps the last armed forward's statistics until the next
+        :meth:`arm` (which clears it), so a trainer may disarm right after the forward and read it in
+        the loss function megatron's schedule calls afterwards."""
+        self.query_start = None
 
     @torch.no_grad()
     def record(self, query: torch.Tensor, key: torch.Tensor, *, scale: float) -> None:

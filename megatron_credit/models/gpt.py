@@ -7,6 +7,11 @@ local``): its attention keeps full fp32 score matrices (~10 GB per layer at 20K 
 parallelism needs TE's ring attention; with the local spec, core attention is swapped for
 ``CpuContextParallelAttention`` (megatron's ``DotProductAttention`` asserts ``context_parallel_size == 1``).
 
+With ``capture_final_attention=True`` the decoder spec is per layer (:func:`gpt_decoder_block_spec`):
+the global last layer's core attention is a subclass of the spec's own class that also records
+CompPO's attention statistics when armed (``megatron_credit.models.final_layer``); the other layers
+keep the plain spec.
+
 Weights loaded from a checkpoint need no random initialisation: build with
 ``transformer_config_from_hf(..., perform_initialization=False)`` (a 32B stage otherwise spends minutes
 per rank drawing weights it overwrites). megatron sets the ``tensor_model_parallel`` /
