@@ -81,6 +81,7 @@ def test_every_algorithm_trains_two_iterations(pool, tmp_path, algorithm):
     assert "val/accuracy" in rows[1] and "val/accuracy" not in rows[0]
     if algorithm == "fipo":
         assert rows[0]["fipo/weight_min"] >= 1.0 and rows[0]["fipo/weight_max"] <= 1.2 + 1e-6
+        assert all(r["fipo/first_minibatch_max_abs_dev"] == 0.0 for r in rows)  # on-policy: weights are 1
     if algorithm == "ppo":
         assert "critic/value_loss" in rows[0] and "critic/explained_var" in rows[0]
 

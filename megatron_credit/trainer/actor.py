@@ -20,7 +20,7 @@ never call megatron's ``finalize_model_grads`` (which, given a token total, woul
 Why not megatron's DDP and distributed optimizer here: they allocate CUDA buffers and streams
 (``param_and_grad_buffer.py`` ``torch.cuda.current_device()``, the distributed optimizer's CUDA tensor
 type checks); the CPU path keeps the explicit reduction of ``distributed.grads.finalize_gradients`` and
-``torch.optim.AdamW``. See the README ("What has and has not been run").
+AdamW on fp32 master weights (``trainer.optimizer``). See the README ("What has and has not been run").
 """
 from __future__ import annotations
 
@@ -144,8 +144,11 @@ class Actor:
         for layer in layers:
             layer.register_forward_hook(keep)
 
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW; no decay on biases and norms (1-D); the value head in its own group (``critic_lr``)."""
+    def _build_optimizer(self):
+        """AdamW on fp32 masters (``trainer.optimizer``); no decay on biases and norms (1-D); the value
+        head in its own group (``critic_lr``)."""
+        from megatron_credit.trainer.optimizer import MasterWeightsAdamW
+
         o = self.recipe.optim
         decay, no_decay, critic = [], [], []
         for name, p in self.model.named_parameters():
@@ -154,9 +157,9 @@ class Actor:
             (critic if name.startswith("value_head.") else no_decay if p.dim() < 2 else decay).append(p)
         groups = [{"params": decay, "weight_decay": o.weight_decay, "lr_scale": 1.0},
                   {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
-                  {"params": critic, "weight_decay": 0.0, "lr_scale": o.critic_lr / o.lr}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2),
-                                 eps=o.eps)
+                  {"params": critic, "weight_decay": 0.0, "lr_scale": o.critic_lr / o.lr, "name": "critic"}]
+        return MasterWeightsAdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2),
+                                  eps=o.eps)
 
     @property
     def layer_offset(self) -> int:
@@ -332,9 +335,8 @@ class Actor:
                     for p in params:
                         if p.grad is not None:
                             p.grad.mul_(coef)
-            critic_ids = {id(p) for p in sets[1]} if len(sets) > 1 else set()
             for g in self.optimizer.param_groups:
-                is_critic = id(g["params"][0]) in critic_ids
+                is_critic = g.get("name") == "critic"
                 g["lr"] = lr * g.get("lr_scale", 1.0) * (critic_lr_scale if is_critic else 1.0)
             self.optimizer.step()
             self.optimizer_steps += 1
@@ -366,6 +368,7 @@ class Actor:
         local = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if not k.startswith("value_head.")}
         load_hf_into_local_state(local, get, family_for_config(self.hf_config), self.hf_config,
                                  tp_rank=self.tp_rank, tp_size=self.tp_size, layer_offset=self.layer_offset)
+        self.optimizer.sync_masters_from_model()
         self.reset_reference()
         return source
 

@@ -88,16 +88,18 @@ def _sharded_state(actor, *, for_load: bool) -> dict[str, Any]:
                                                             optim_state_to_sharding_state)
 
     opt = actor.optimizer
-    params = [p for g in opt.param_groups for p in g["params"]]
-    for p in params:
-        st = opt.state[p]
+    masters = [m for g in opt.param_groups for m in g["params"]]  # the model's params when fp32
+    for m, p in zip(masters, opt.model_params):
+        st = opt.state[m]
         if "exp_avg" not in st or for_load:
-            st["exp_avg"] = torch.zeros_like(p) if "exp_avg" not in st else st["exp_avg"]
-            st["exp_avg_sq"] = torch.zeros_like(p) if "exp_avg_sq" not in st else st["exp_avg_sq"]
+            st["exp_avg"] = torch.zeros_like(m) if "exp_avg" not in st else st["exp_avg"]
+            st["exp_avg_sq"] = torch.zeros_like(m) if "exp_avg_sq" not in st else st["exp_avg_sq"]
             st.setdefault("step", torch.tensor(0.0))
+        if m is not p:  # bf16 / fp16 model: the fp32 master weights travel with the moments
+            st["master_param"] = m.detach()
     model_sd = actor.model.sharded_state_dict()
     optim_sd = opt.state_dict()
-    optim_state_to_sharding_state(optim_sd, get_param_id_to_sharded_param_map(model_sd, params),
+    optim_state_to_sharding_state(optim_sd, get_param_id_to_sharded_param_map(model_sd, opt.model_params),
                                   exclude_keys=("step",))
     return {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}
 
@@ -166,12 +168,15 @@ def load(path: str, actor, *, layout: dict[str, int]) -> tuple[int, Optional[dic
     if bad:
         raise ValueError(f"checkpoint {path}: model keys do not match this model: {bad[:5]}")
     opt = actor.optimizer
-    params = [p for g in opt.param_groups for p in g["params"]]
+    masters = [m for g in opt.param_groups for m in g["params"]]
     adam_step = torch.tensor(float(meta["adam_step"]))
-    for i, p in enumerate(params):
+    for i, (m, p) in enumerate(zip(masters, opt.model_params)):
         loaded = state["optimizer"]["state"][i]
-        opt.state[p] = {"step": adam_step.clone(), "exp_avg": loaded["exp_avg"].to(p.dtype).clone(),
-                        "exp_avg_sq": loaded["exp_avg_sq"].to(p.dtype).clone()}
+        opt.state[m] = {"step": adam_step.clone(), "exp_avg": loaded["exp_avg"].to(m.dtype).clone(),
+                        "exp_avg_sq": loaded["exp_avg_sq"].to(m.dtype).clone()}
+        if m is not p:
+            with torch.no_grad():
+                m.copy_(loaded["master_param"])
     actor.optimizer_steps = int(meta["optimizer_steps"])
     extras = None
     if meta.get("layout") == layout:

@@ -100,6 +100,9 @@ def finalize(stats: StatSums) -> dict[str, float]:
     for key, v in stats.values.items():  # per-rank statistics (e.g. rank correlations): mean over ranks
         if key.startswith("sum:rank_avg/"):
             out[key[len("sum:rank_avg/"):]] = float(v / stats.values["sum:rank_avg_count"].clamp(min=1))
+    lo, hi = stats.values.get("min:first_minibatch/fipo_weight/min"), stats.values.get("max:first_minibatch/fipo_weight/max")
+    if lo is not None and hi is not None and math.isfinite(float(lo)) and math.isfinite(float(hi)):
+        out["fipo/first_minibatch_max_abs_dev"] = max(float(hi) - 1.0, 1.0 - float(lo))  # on-policy: 0
     if "sum:skipped_steps" in stats.values:
         out["actor/skipped_steps"] = float(stats.values["sum:skipped_steps"])
     if "sum:ret" in stats.values:

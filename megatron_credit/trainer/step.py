@@ -32,9 +32,9 @@ def rl_iteration(ctx, iteration: int) -> dict[str, float]:
         diff = torch.where(batch.loss_mask, (batch.old_logp - batch.rollout_logp).abs(), 0.0)
         stats.add({"sum:mismatch_abs": diff.sum(), "sum:mismatch_tokens": batch.loss_mask.sum()})
     with timer("update"):
-        for _epoch in range(ctx.knobs.epochs):
-            for mini in plan:
-                update_minibatch(ctx, batch, mini, stats)
+        for epoch in range(ctx.knobs.epochs):
+            for i, mini in enumerate(plan):
+                update_minibatch(ctx, batch, mini, stats, first=epoch == 0 and i == 0)
     with timer("sync"):
         ctx.rollouts.sync_weights()
     return {**rollout_metrics, **ctx.reduce_stats(stats)}
@@ -140,8 +140,11 @@ def compute_advantages(ctx, batch: TrainBatch, iteration: int = 1, stats: "StatS
         stats.add({"sum:rank_avg_count": torch.tensor(1.0)})
 
 
-def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "StatSums") -> None:
-    """One optimizer step over one mini-batch: forward-backward of its micro-batches, reduce, clip, step."""
+def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "StatSums", *,
+                     first: bool = False) -> None:
+    """One optimizer step over one mini-batch: forward-backward of its micro-batches, reduce, clip, step.
+    ``first``: the iteration's first mini-batch (its FIPO weights are also logged apart: on-policy, they
+    must be exactly 1)."""
     rows = [i for mb in mini for i in mb]
     den = step_denominators(batch.loss_mask[rows], norm_length=ctx.recipe.rollout.max_response_len,
                             dp_group=ctx.actor.dp_group)
@@ -170,7 +173,10 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
              "sum:logp_diff": torch.where(mask, (logp - t["old_logp"]).abs(), 0.0).sum().detach()}
         for k, v in m.items():  # rank-local means over valid tokens -> token-weighted sums
             if k.endswith(("/min", "/max")):
-                s[("min:" if k.endswith("/min") else "max:") + k] = torch.where(n > 0, v, torch.nan)
+                prefix = "min:" if k.endswith("/min") else "max:"
+                s[prefix + k] = torch.where(n > 0, v, torch.nan)
+                if first:
+                    s[prefix + "first_minibatch/" + k] = s[prefix + k]
             elif not k.endswith(("/p10", "/p50", "/p90")):
                 s["sum:" + k] = torch.nan_to_num(v) * n
         if kl_tok is not None:

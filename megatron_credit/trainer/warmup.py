@@ -72,10 +72,13 @@ def run_warmup(actor, task: ArithmeticTask, tokenizer, *, recipe, dp_rank: int, 
         missing, unexpected = actor.model.load_state_dict(
             torch.load(path, map_location="cpu", weights_only=True), strict=False)
         assert not unexpected and all(k.startswith("value_head.") for k in missing), (missing, unexpected)
+        actor.optimizer.sync_masters_from_model()
         actor.reset_reference()
         return True
-    opt = torch.optim.AdamW([p for p in actor.model.parameters() if p.requires_grad], lr=w.lr,
-                            weight_decay=0.0)
+    from megatron_credit.trainer.optimizer import MasterWeightsAdamW
+
+    opt = MasterWeightsAdamW([{"params": [p for p in actor.model.parameters() if p.requires_grad]}], lr=w.lr,
+                             weight_decay=0.0)
     saved_opt, actor.optimizer = actor.optimizer, opt
     per_rank = w.batch_size // dp_size
     try:
@@ -99,6 +102,7 @@ def run_warmup(actor, task: ArithmeticTask, tokenizer, *, recipe, dp_rank: int, 
                 log(f"warm-up step {step + 1}/{w.steps}: nll {float(out[0]['sum:nll']) * dp_size:.3f} (rank-local)")
     finally:
         actor.optimizer = saved_opt
+        actor.optimizer.sync_masters_from_model()
         actor.optimizer_steps = 0
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
