@@ -29,7 +29,8 @@ BAD_ROWS = {
     "empty ground truth": (_row(gt=""), "reward_model.ground_truth", "blank ground truth ''"),
     "whitespace ground truth": (_row(gt=" \t"), "reward_model.ground_truth", r"blank ground truth ' \\t'"),
     "unknown data source": (_row(source="gsm8k"), "data_source",
-                            r"unknown data source 'gsm8k'; registered: \['math', 'math_dapo', 'synthetic_arith'\]"),
+                            r"unknown data source 'gsm8k'; registered: "
+                            r"\['math', 'math_dapo', 'synthetic_arith', 'synthetic_chain'\]"),
     "unknown chat role": (_row(role="narrator"), "prompt",
                           r"message 0 has role 'narrator'; valid roles: \['system', 'user', 'assistant'\]"),
 }

@@ -114,3 +114,13 @@ def test_smoke_run_writes_results_records_failures_and_resumes(tmp_path):
     assert task["cells"]["grpo"]["3"]["iterations"] == 1 and task["cells"]["grpo"]["1"]["iterations"] == 2
     assert task["table"]["grpo"]["final"]["n"] == 3
     assert "max_wall_s=0.001 reached after iteration 1" in (tmp_path / "cells/chain3/grpo/seed_3/log.txt").read_text()
+
+
+def test_tool_doctests():
+    # make test collects doctests of megatron_credit/ only; the testbed's examples run here.
+    import doctest
+
+    from tools import credit_testbed, testbed_report, testbed_stats
+
+    for module in (testbed_stats, credit_testbed, testbed_report):
+        assert doctest.testmod(module).failed == 0, module.__name__
