@@ -119,6 +119,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="a recipe override for every cell (repeatable)")
     ap.add_argument("--doc", default=str(DEFAULT_DOC), help="Markdown report to regenerate ('' : none)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--note", default="", help="a paragraph for the report (what this run is for)")
     args = ap.parse_args(argv)
     if args.seeds < 1 or args.jobs < 1 or not args.budget_s > 0:
         ap.error("--seeds and --jobs must be >= 1 and --budget-s > 0")
@@ -208,7 +209,8 @@ def main(argv=None) -> int:
     seeds = list(range(args.seed0, args.seed0 + args.seeds))
     for task in tasks:
         w = warm_up(args, task, out)
-        print(f"warm-up {task}: {w['status']} ({w['wall_s']:.0f}s)" + (f"\n{w.get('error', '')}" if w["status"] != "ok" else ""))
+        why = "" if w["status"] == "ok" else "\n" + w.get("error", "")
+        print(f"warm-up {task}: {w['status']} ({w['wall_s']:.0f}s){why}")
     cells = [(t, m, s) for t in tasks for m in methods for s in seeds]
     todo = [c for c in cells if not cell_done(out / "cells" / c[0] / slug(c[1]) / f"seed_{c[2]}")]
     print(f"{len(cells)} cells, {len(cells) - len(todo)} already finished, {len(todo)} to run, {args.jobs} at a time")
@@ -236,7 +238,7 @@ def main(argv=None) -> int:
     report = testbed_report.build(out, tasks=tasks, methods=methods, seeds=seeds)
     report["command"] = "python tools/credit_testbed.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     report["wall_s"] = time.time() - t_start
-    report["budget_s"], report["jobs"] = args.budget_s, args.jobs
+    report["budget_s"], report["jobs"], report["note"] = args.budget_s, args.jobs, args.note
     testbed_report.write(out, report, doc=args.doc or None)
     print(testbed_report.markdown(report, plots_rel=str(out)))
     return 0

@@ -61,7 +61,8 @@ def cell_summary(run_dir: Path) -> dict:
            "pg_loss": [r.get("actor/pg_loss") for r in rows]}
     k = max(1, math.ceil(0.2 * len(rows)))
     if any("fipo/weight_max" in r for r in rows):
-        out["fipo_spread"] = _mean([r["fipo/weight_max"] - r["fipo/weight_min"] for r in rows if "fipo/weight_max" in r])
+        out["fipo_spread"] = _mean([r["fipo/weight_max"] - r["fipo/weight_min"]
+                                    for r in rows if "fipo/weight_max" in r])
         out["fipo_weight_mean"] = _mean([r.get("fipo/weight_mean") for r in rows])
         out["fipo_at_high_first20"] = _mean([r.get("fipo/frac_at_high") for r in rows[:k]])
         out["fipo_at_high_last20"] = _mean([r.get("fipo/frac_at_high") for r in rows[-k:]])
@@ -237,7 +238,8 @@ def plot(out: Path, report: dict) -> list[str]:
             ax.set_ylim(0, 1)
             ax.grid(alpha=0.3)
         axes[0].legend(fontsize=8)
-        fig.suptitle(f"{task}: sampled accuracy (trailing mean over 10% of iterations), mean and 95% t-interval over seeds", fontsize=10)
+        fig.suptitle(f"{task}: sampled accuracy (trailing mean over 10% of iterations), mean and 95% "
+                     "t-interval over seeds", fontsize=10)
         fig.tight_layout()
         path = out / f"{task}.png"
         fig.savefig(path, dpi=100)
@@ -284,7 +286,7 @@ def write(out: Path, report: dict, *, doc: str | None) -> None:
                 f"Wall time of this invocation {report.get('wall_s', math.nan):.0f} s (cells finished by earlier "
                 f"invocations are reused); the cells' own wall time {_cells_wall(report):.0f} s in all; budget "
                 f"{report.get('budget_s')} s of RL per cell; {report.get('jobs')} cells at a time; seeds "
-                f"{report['seeds']}.", "",
+                f"{report['seeds']}.", "", *([report["note"], ""] if report.get("note") else []),
                 markdown(report, plots_rel=os.path.relpath(out.resolve(), Path(doc).resolve().parent))]
         Path(doc).parent.mkdir(parents=True, exist_ok=True)
         Path(doc).write_text("\n".join(body) + "\n")
