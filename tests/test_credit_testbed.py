@@ -106,6 +106,11 @@ def test_smoke_run_writes_results_records_failures_and_resumes(tmp_path):
     for name in ("results.md", "doc.md", "chain3.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "python tools/credit_testbed.py" in (tmp_path / "doc.md").read_text()
+    # One warm-up before the cells (warmup.seed fixed): every seed of every method starts from its cache.
+    assert "warm-up: 4 steps" in (tmp_path / "warmup/chain3/log.txt").read_text()
+    for m in ("grpo", "fipo"):
+        for s in (1, 2):
+            assert "warm-up: loaded from cache" in (tmp_path / f"cells/chain3/{m}/seed_{s}/log.txt").read_text()
     # Again with a third seed and a tiny budget: the 2 finished cells are skipped, and the new seed's cell
     # stops after one iteration (train.max_wall_s).
     proc = _testbed(tmp_path, "--methods", "grpo", "--seeds", "3", "--steps", "2", "--budget-s", "0.001")
