@@ -280,9 +280,8 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
     bar = _progress(recipe, start, rank0)
     rows: list[dict[str, float]] = []
     step = start
-    t_start = time.perf_counter()
     try:
-        for step in range(start + 1, recipe.train.steps + 1):
+        for step in _iterations(recipe, start, log if rank0 else (lambda *_: None)):
             ctx.timer = PhaseTimer()
             t0 = time.perf_counter()
             metrics = rl_iteration(ctx, step)
@@ -298,21 +297,13 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
                 writer.write(step, metrics)
                 rows.append({"step": step, **metrics})
                 _show(bar, metrics, log)
-            # Summed over ranks so that every rank takes the same decision (clocks differ per rank).
-            wall = recipe.train.max_wall_s
-            flag = torch.tensor([1.0 if stop["flag"] else 0.0,
-                                 1.0 if wall is not None and time.perf_counter() - t_start >= wall else 0.0])
+            flag = torch.tensor([1.0 if stop["flag"] else 0.0])
             dist.all_reduce(flag)
             every = recipe.checkpoint.every
-            if float(flag[0]) > 0 or (every and step % every == 0):
+            if float(flag) > 0 or (every and step % every == 0):
                 _save(run_dir, step, actor, prompts, layout, recipe)
-            if float(flag[0]) > 0:
+            if float(flag) > 0:
                 log(f"SIGTERM: saved iteration {step}, exiting")
-                break
-            if float(flag[1]) > 0:
-                if recipe.checkpoint.save_at_end and not (every and step % every == 0):
-                    _save(run_dir, step, actor, prompts, layout, recipe)
-                log(f"train.max_wall_s={wall} reached after iteration {step}, stopping")
                 break
         else:
             if recipe.checkpoint.save_at_end and (not recipe.checkpoint.every or step % recipe.checkpoint.every):
@@ -331,6 +322,21 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
         except ImportError:
             log("matplotlib is not installed: no plots (pip install matplotlib)")
     return rows
+
+
+def _iterations(recipe, start: int, log):
+    """Iterations ``start + 1 .. train.steps``, ending early once ``train.max_wall_s`` seconds have passed
+    since the first began (checked between iterations, the same decision on every rank); the loop then
+    ends as after its last step (``checkpoint.save_at_end`` applies)."""
+    wall, t0 = recipe.train.max_wall_s, time.perf_counter()
+    for step in range(start + 1, recipe.train.steps + 1):
+        if wall is not None and step > start + 1:
+            over = torch.tensor([1.0 if time.perf_counter() - t0 >= wall else 0.0])
+            dist.all_reduce(over)  # clocks differ per rank: stop when any rank is over
+            if float(over) > 0:
+                log(f"train.max_wall_s={wall} reached after iteration {step - 1}, stopping")
+                return
+        yield step
 
 
 def _save(run_dir, step, actor, prompts, layout, recipe) -> None:
