@@ -324,6 +324,13 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
     return rows
 
 
+def _save(run_dir, step, actor, prompts, layout, recipe) -> None:
+    extras = {"prompts": prompts.state_dict(), "rng": ckpt.rng_state()}
+    if actor.reference is not None:
+        extras["reference"] = actor.reference.state_dict()
+    ckpt.save(run_dir, step, actor, extras, layout=layout, keep=recipe.checkpoint.keep)
+
+
 def _iterations(recipe, start: int, log):
     """Iterations ``start + 1 .. train.steps``, ending early once ``train.max_wall_s`` seconds have passed
     since the first began (checked between iterations, the same decision on every rank); the loop then
@@ -337,13 +344,6 @@ def _iterations(recipe, start: int, log):
                 log(f"train.max_wall_s={wall} reached after iteration {step - 1}, stopping")
                 return
         yield step
-
-
-def _save(run_dir, step, actor, prompts, layout, recipe) -> None:
-    extras = {"prompts": prompts.state_dict(), "rng": ckpt.rng_state()}
-    if actor.reference is not None:
-        extras["reference"] = actor.reference.state_dict()
-    ckpt.save(run_dir, step, actor, extras, layout=layout, keep=recipe.checkpoint.keep)
 
 
 def _progress(recipe, start: int, rank0: bool):
