@@ -17,6 +17,12 @@ RewardRecord(score=1.0, correct=True, extracted='12', status='ok')
 '13'
 >>> score_arith("x", "12").extracted is None
 True
+
+``score_chain`` scores the chain task (``data/chain.py``): the response writes every running sum and
+only its *last* integer is the answer (a truncated chain ends on an intermediate sum and fails).
+
+>>> score_chain(" 2 11 15 20", "20").correct, score_chain(" 2 11 15", "20").extracted
+(True, '15')
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from megatron_credit.rewards.dapo import TAIL_CHARS
 ANSWER_PREFIX = "Answer:"
 _ANSWER_INT = re.compile(r"(?i)Answer\s*:\s*(-?\d+)")
 _LEADING_INT = re.compile(r"\s*(-?\d+)")
+_ANY_INT = re.compile(r"-?\d+")
 
 
 @REWARD_FNS.register("synthetic_arith")
@@ -52,3 +59,25 @@ def score_arith(response: str, ground_truth: str) -> RewardRecord:
             return graded(False, None)
         pred = match.group(1)
     return graded(int(pred) == gold, pred)
+
+
+@REWARD_FNS.register("synthetic_chain")
+def score_chain(response: str, ground_truth: str) -> RewardRecord:
+    """+1 if the last integer of the response equals the ground truth (the chain's final sum).
+
+    Only the final answer is rewarded: the intermediate sums earn nothing by themselves, which is what
+    makes the task a credit-assignment problem.
+
+    >>> score_chain(" 3 8 10", "10"), score_chain(" 3 8 11", "10").correct, score_chain("", "10").extracted
+    (RewardRecord(score=1.0, correct=True, extracted='10', status='ok'), False, None)
+    >>> score_chain(" 3", "x").status
+    'bad_ground_truth'
+    """
+    try:
+        gold = int(ground_truth)
+    except ValueError:
+        return incorrect(status="bad_ground_truth")
+    numbers = _ANY_INT.findall(response[-TAIL_CHARS:])
+    if not numbers:
+        return graded(False, None)
+    return graded(int(numbers[-1]) == gold, numbers[-1])

@@ -16,7 +16,7 @@ Methods (``REWARD_FNS``):
   as math, prose becomes a product of symbols (``it is 12`` is ``12 i^2 s t``), so when that parse has
   free symbols the ground truth lacks, the line is parsed as text instead, then the whole response;
   if the line gives nothing, the whole response.
-- ``"synthetic_arith"``: the synthetic arithmetic task (``rewards/arith.py``).
+- ``"synthetic_arith"``, ``"synthetic_chain"``: the synthetic arithmetic tasks (``rewards/arith.py``).
 
 ``math-verify`` guards itself with ``signal.alarm``, which only works in a process's main thread and
 would fire into whatever else that process runs. Its timeout is ``MATH_VERIFY_TIMEOUT_S`` (default
@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 import threading
 
-from megatron_credit.rewards import arith as _arith  # noqa: F401  (registers "synthetic_arith")
+from megatron_credit.rewards import arith as _arith  # noqa: F401  (registers "synthetic_arith", "synthetic_chain")
 from megatron_credit.rewards import dapo as _dapo  # noqa: F401  (registers "dapo")
 from megatron_credit.rewards.base import (
     REWARD_FNS,

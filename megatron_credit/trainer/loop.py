@@ -165,6 +165,8 @@ def build_data(recipe, *, dp_rank: int, dp_size: int):
                                           tokenizer, dp_rank=dp_rank, dp_size=dp_size)
             val = val_stream.take(recipe.train.val_prompts // dp_size)
         return tokenizer, SyntheticPrompts(task, tokenizer, dp_rank=dp_rank, dp_size=dp_size), val, task
+    if d.source == "synthetic_chain":
+        return _chain_data(recipe, dp_rank=dp_rank, dp_size=dp_size)
     from transformers import AutoTokenizer
 
     from megatron_credit.data.dataset import load_prompt_dataset
@@ -178,6 +180,28 @@ def build_data(recipe, *, dp_rank: int, dp_size: int):
                              dp_size=dp_size).take(min(recipe.train.val_prompts, len(val_ds.records)) // dp_size)
     stream = DatasetPrompts(train_ds.records, tokenizer, seed=recipe.seed, dp_rank=dp_rank, dp_size=dp_size)
     return tokenizer, stream, val, None
+
+
+def _chain_data(recipe, *, dp_rank: int, dp_size: int):
+    """``build_data`` of the chain task (``data/chain.py``): its tokenizer is the arithmetic one trained
+    on additions of the same operands (the same characters), independent of the seed."""
+    from megatron_credit.data.chain import ChainConfig, ChainTask
+    from megatron_credit.data.prompts import SyntheticPrompts
+    from megatron_credit.data.synthetic import ArithConfig
+    from megatron_credit.data.tokenizer import ArithTokenizerConfig, load_arith_tokenizer
+
+    d = recipe.data
+    chain = ChainConfig(seed=recipe.seed, num_operands=d.num_operands, min_operand=d.min_operand,
+                        max_operand=d.max_operand, decisive=d.decisive)
+    text = ArithConfig(num_operands=d.num_operands, min_operand=d.min_operand, max_operand=d.max_operand)
+    tokenizer = load_arith_tokenizer(ArithTokenizerConfig(vocab_size=d.tokenizer_vocab_size, task=text))
+    val = None
+    if recipe.train.val_every:
+        val_task = ChainTask(dataclasses.replace(chain, seed=recipe.seed + 1))
+        val = SyntheticPrompts(val_task, tokenizer, dp_rank=dp_rank, dp_size=dp_size).take(
+            recipe.train.val_prompts // dp_size)
+    task = ChainTask(chain)
+    return tokenizer, SyntheticPrompts(task, tokenizer, dp_rank=dp_rank, dp_size=dp_size), val, task
 
 
 def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
@@ -200,8 +224,10 @@ def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
 
         check_sequence_length(hf_config, recipe.data.max_prompt_len + r.max_response_len,
                               what="data.max_prompt_len + rollout.max_response_len")
-    if recipe.warmup.steps and recipe.data.source != "synthetic_arith":
-        raise ValueError("warmup.steps > 0 needs data.source: synthetic_arith (real runs start from a "
+    from megatron_credit.training_config import SYNTHETIC_SOURCES
+
+    if recipe.warmup.steps and recipe.data.source not in SYNTHETIC_SOURCES:
+        raise ValueError(f"warmup.steps > 0 needs data.source in {SYNTHETIC_SOURCES} (real runs start from a "
                          "pretrained checkpoint)")
     if recipe.warmup.steps and recipe.warmup.batch_size % dp:
         raise ValueError(f"warmup.batch_size={recipe.warmup.batch_size} must be divisible by DP={dp}")
@@ -282,7 +308,7 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
     rows: list[dict[str, float]] = []
     step = start
     try:
-        for step in range(start + 1, recipe.train.steps + 1):
+        for step in _iterations(recipe, start, log if rank0 else (lambda *_: None)):
             ctx.timer = PhaseTimer()
             t0 = time.perf_counter()
             metrics = rl_iteration(ctx, step)
@@ -348,6 +374,21 @@ def _load_controls(ctx, extras: dict) -> None:
     if ctx.phase is not None and "phase" in extras:
         ctx.phase.load_state_dict(extras["phase"])
         ctx.knobs = phase_knobs(ctx.recipe, ctx.params, ctx.phase.phase)
+
+
+def _iterations(recipe, start: int, log):
+    """Iterations ``start + 1 .. train.steps``, ending early once ``train.max_wall_s`` seconds have passed
+    since the first began (checked between iterations, the same decision on every rank); the loop then
+    ends as after its last step (``checkpoint.save_at_end`` applies)."""
+    wall, t0 = recipe.train.max_wall_s, time.perf_counter()
+    for step in range(start + 1, recipe.train.steps + 1):
+        if wall is not None and step > start + 1:
+            over = torch.tensor([1.0 if time.perf_counter() - t0 >= wall else 0.0])
+            dist.all_reduce(over)  # clocks differ per rank: stop when any rank is over
+            if float(over) > 0:
+                log(f"train.max_wall_s={wall} reached after iteration {step - 1}, stopping")
+                return
+        yield step
 
 
 def _progress(recipe, start: int, rank0: bool):

@@ -4,8 +4,10 @@ Real runs start from a pretrained base; the CPU demo starts from a tiny random m
 turn into an arithmetic solver in minutes. So the demo first fits the task's answers with a
 *systematic misconception*: with probability ``carry_drop_prob`` a label forgets its carries
 (``47+38=`` -> ``75``). The warmed-up policy answers confidently and is wrong in a structured way that
-per-token credit can fix, which is what RL is for. Weights are cached per rank under a key of
-everything that determines them, so a second run starts RL at once.
+per-token credit can fix, which is what RL is for. On the chain task (``data/chain.py``) the labels
+instead slip once with probability ``slip_prob`` (one running sum off by one). Weights are cached per
+rank under a key of everything that determines them, so a second run starts RL at once; with
+``warmup.seed`` set, runs that differ only in ``seed`` share one warmed-up policy.
 """
 from __future__ import annotations
 
@@ -19,32 +21,45 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_credit.data.chain import ChainTask
 from megatron_credit.data.synthetic import ArithmeticTask, carry_dropped_answer
 from megatron_credit.trainer.batch import TrainBatch, make_microbatch, round_up, step_denominators
+
+
+def warmup_seed(recipe) -> int:
+    """The seed of the warm-up: ``warmup.seed``, or the recipe's seed when it is None."""
+    return recipe.seed if recipe.warmup.seed is None else recipe.warmup.seed
 
 
 def warmup_cache_path(recipe, rank: int) -> Path:
     key = {"model": dataclasses.asdict(recipe.model), "parallel": dataclasses.asdict(recipe.parallel),
            "data": dataclasses.asdict(recipe.data), "warmup": {k: v for k, v in
                                                             dataclasses.asdict(recipe.warmup).items()
-                                                            if k != "cache_dir"},
-           "seed": recipe.seed, "version": 2}
+                                                            if k not in ("cache_dir", "seed")},
+           "seed": warmup_seed(recipe), "version": 2}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     root = Path(recipe.warmup.cache_dir or Path.home() / ".cache" / "megatron_credit" / "warmup")
     return root / digest / f"rank_{rank:05d}.pt"
 
 
-def supervised_batch(task: ArithmeticTask, tokenizer, indices, *, carry_drop_prob: float, seed: int) -> TrainBatch:
-    """Prompt + ``" <answer></s>"`` rows; the loss covers the answer tokens and the stop token."""
+def supervised_batch(task: ArithmeticTask | ChainTask, tokenizer, indices, *, carry_drop_prob: float = 0.0,
+                     slip_prob: float = 0.0, seed: int) -> TrainBatch:
+    """Prompt + ``" <answer></s>"`` rows (the chain: ``" s1 s2 ... sN</s>"``); the loss covers the
+    response tokens and the stop token. ``carry_drop_prob`` applies to arithmetic, ``slip_prob`` to the
+    chain."""
     rng = random.Random(seed)
     rows = []
     for i in indices:
         rec = task.record(i)
-        answer = rec.ground_truth
-        if rng.random() < carry_drop_prob:
-            answer = carry_dropped_answer(rec.messages[0].content)
+        if isinstance(task, ChainTask):
+            response = task.warmup_response(i, rng, slip_prob=slip_prob)
+        else:
+            answer = rec.ground_truth
+            if rng.random() < carry_drop_prob:
+                answer = carry_dropped_answer(rec.messages[0].content)
+            response = " " + answer
         prompt = tokenizer.apply_chat_template(rec.chat(), tokenize=True, add_generation_prompt=True)
-        rows.append((list(prompt), tokenizer.encode(" " + answer) + [tokenizer.eos_token_id]))
+        rows.append((list(prompt), tokenizer.encode(response) + [tokenizer.eos_token_id]))
     t = max(len(p) + len(a) for p, a in rows)
     pad = tokenizer.pad_token_id
     ids = torch.full((len(rows), t), pad, dtype=torch.long)
@@ -60,10 +75,15 @@ def supervised_batch(task: ArithmeticTask, tokenizer, indices, *, carry_drop_pro
                       correct=torch.zeros(n, dtype=torch.bool))
 
 
-def run_warmup(actor, task: ArithmeticTask, tokenizer, *, recipe, dp_rank: int, dp_size: int,
+def run_warmup(actor, task: ArithmeticTask | ChainTask, tokenizer, *, recipe, dp_rank: int, dp_size: int,
                seq_multiple: int, log=print) -> bool:
-    """Warm the actor up (or load the cached result); returns whether it came from the cache."""
+    """Warm the actor up (or load the cached result); returns whether it came from the cache.
+
+    With ``warmup.seed`` set the policy is re-initialised from that seed first, so the result is what
+    the cache key says whatever the recipe's seed; the value head keeps its recipe-seed initialisation
+    (as on a cache hit)."""
     w = recipe.warmup
+    seed = warmup_seed(recipe)
     rank = dist.get_rank()
     path = warmup_cache_path(recipe, rank)
     have = torch.tensor([1.0 if path.exists() else 0.0])
@@ -75,6 +95,8 @@ def run_warmup(actor, task: ArithmeticTask, tokenizer, *, recipe, dp_rank: int, 
         actor.optimizer.sync_masters_from_model()
         actor.reset_reference()
         return True
+    if w.seed is not None:
+        actor.load_initial_weights(seed=w.seed)  # the policy only: value_head.* is not touched
     from megatron_credit.trainer.optimizer import MasterWeightsAdamW
 
     opt = MasterWeightsAdamW([{"params": [p for p in actor.model.parameters() if p.requires_grad]}], lr=w.lr,
@@ -85,7 +107,7 @@ def run_warmup(actor, task: ArithmeticTask, tokenizer, *, recipe, dp_rank: int, 
         for step in range(w.steps):
             idx = [10_000_000 + (step * w.batch_size) + dp_rank * per_rank + k for k in range(per_rank)]
             batch = supervised_batch(task, tokenizer, idx, carry_drop_prob=w.carry_drop_prob,
-                                     seed=recipe.seed * 7919 + step * dp_size + dp_rank)
+                                     slip_prob=w.slip_prob, seed=seed * 7919 + step * dp_size + dp_rank)
             den = step_denominators(batch.loss_mask, norm_length=1, dp_group=actor.dp_group)
             seq = round_up(int(batch.seq_lens.max()), seq_multiple)
             mb = make_microbatch(batch, range(batch.size), seq_len=seq, num_rows=batch.size,
