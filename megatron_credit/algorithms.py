@@ -262,7 +262,7 @@ class PPOParams:
 
 
 GATE_CONTROLS = ("dynamic", "fixed", "shuffle", "position")
-CRITICS = ("tac", "standard")
+CRITICS = ("tac", "standard", "trunk")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,7 +290,9 @@ class CompPOFields:
     position_steps: int = 10
     """Iterations whose dynamic gates build the ``position`` schedule (dynamic gates are used meanwhile)."""
     critic: str = "tac"
-    """``tac`` (the transport-aligned critic) or ``standard`` (a value head on the final hidden state)."""
+    """``tac`` (the transport-aligned critic), ``standard`` (a linear head on the detached final hidden
+    state) or ``trunk`` (PPO's head: on the final hidden state, not detached, clipped with the policy; with
+    ``gate_control: fixed`` at PPO's gamma and PPO's settings it reproduces ``ppo`` bit for bit)."""
     critic_layers: int = 4
     """TAC: how many of the last layers' hidden states are fused (L')."""
     critic_top_k: int = 64

@@ -195,3 +195,21 @@ def test_comppo_resume_continues_bit_identically(tmp_path):
     assert rows_a == rows_b and [r["step"] for r in rows_b] == [1, 2, 3, 4]
     assert all("phase/level" in r and "comppo/gate_mean" in r for r in rows_a)
     assert os.path.isdir(os.path.join(b, "checkpoints", "iter_0000004"))
+
+
+PPO_EQUIV = ["algorithm.name=comppo", "algorithm.params.gate_control=fixed", "algorithm.params.fixed_gate=1.0",
+             "algorithm.params.critic=trunk", "algorithm.params.value_clip=0.2", "algorithm.params.adv_clip=null",
+             "algorithm.params.whiten_advantages=true"]
+
+
+def test_a_constant_gate_equal_to_gamma_reproduces_ppo_bit_for_bit(pool1, tmp_path):
+    """The papers' sanity check through the whole trainer: CompPO with kappa = gamma = 1 and PPO's critic
+    and settings gives PPO's run exactly (the attention capture changes no number)."""
+    ppo = pool1.run(_train, str(tmp_path / "ppo"), "none", ["algorithm.name=ppo"])[0]
+    comp = pool1.run(_train, str(tmp_path / "comppo"), "none", PPO_EQUIV)[0]
+    assert len(ppo) == len(comp) == 2
+    for a, b in zip(ppo, comp):
+        shared = [k for k in a if k in b and not k.startswith(("time/", "throughput/"))]
+        assert len(shared) > 15
+        assert {k: a[k] for k in shared} == {k: b[k] for k in shared}
+        assert b["comppo/transport_mean"] == 1.0 and b["comppo/gate_mean"] < 1.0

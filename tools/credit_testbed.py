@@ -50,8 +50,8 @@ VARIANTS: dict[str, dict[str, dict[str, str]]] = {
         "dynamic": {"gate_control": "dynamic"}, "fixed": {"gate_control": "fixed"},
         "shuffle": {"gate_control": "shuffle"}, "position": {"gate_control": "position"},
         "tac": {"critic": "tac"}, "standard": {"critic": "standard"},
-        "ppo_equiv": {"gate_control": "fixed", "fixed_gate": "1.0", "critic": "standard", "value_clip": "0.2",
-                      "adv_clip": "null", "whiten_advantages": "true", "value_clamp": "1.0e9"},
+        "ppo_equiv": {"gate_control": "fixed", "fixed_gate": "1.0", "critic": "trunk", "value_clip": "0.2",
+                      "adv_clip": "null", "whiten_advantages": "true"},
     },
 }
 _TAU = re.compile(r"tau(\d+(?:\.\d+)?)$")  # fipo:tau4 -> algorithm.params.tau=4

@@ -115,14 +115,17 @@ class GateControl:
             self.schedule.load_state_dict(state["schedule"])
 
 
-def gate_stats(kappa: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Sums for ``comppo/gate_mean`` and the mean gate in the first / middle / last third of each
-    response (by relative position; the paper reports 0.61 and 0.52 / 0.63 / 0.68 on math)."""
+def gate_stats(kappa: torch.Tensor, mask: torch.Tensor, transport=None) -> dict[str, torch.Tensor]:
+    """Sums for ``comppo/gate_mean`` and the mean dynamic gate in the first / middle / last third of each
+    response (by relative position; the paper reports 0.61 and 0.52 / 0.63 / 0.68 on math), and for
+    ``comppo/transport_mean``, the mean of the gates the advantages used (``transport``)."""
     m = mask.bool()
     pos = torch.cumsum(m.long(), dim=1) - 1  # index of the token within its response
     length = m.sum(dim=1, keepdim=True).clamp(min=1)
     third = torch.div(3 * pos, length, rounding_mode="floor").clamp(max=2)
     out = {"sum:gate": torch.where(m, kappa, 0.0).sum(), "sum:gate_tokens": m.sum().float()}
+    if transport is not None:  # the gate Comp-GAE actually used (a control's, or kappa itself)
+        out["sum:transport"] = torch.where(m, transport, 0.0).sum()
     for i, name in enumerate(("first", "mid", "last")):
         sel = m & (third == i)
         out[f"sum:gate_{name}"] = torch.where(sel, kappa, 0.0).sum()
@@ -139,6 +142,10 @@ def actor_options(spec, params, hf_config, *, dtype, pp_size: int = 1) -> dict:
     import functools
 
     from megatron_credit.credit.gates import comppo_gate
+
+    gate_fn = functools.partial(comppo_gate, k_lo=params.k_lo, k_hi=params.k_hi, tau=params.gate_tau)
+    if params.critic == "trunk":  # PPO's value head on the actor trunk (the Actor's default head)
+        return {"capture_top_k": 0, "gate_fn": gate_fn}
     from megatron_credit.models.critic import StandardCritic, TransportAlignedCritic
 
     tac = params.critic == "tac"
@@ -150,4 +157,4 @@ def actor_options(spec, params, hf_config, *, dtype, pp_size: int = 1) -> dict:
         factory = functools.partial(StandardCritic, hf_config.hidden_size, value_clamp=params.value_clamp)
     return {"critic_factory": factory, "critic_layers": layers,
             "capture_top_k": params.critic_top_k if tac else 0,
-            "gate_fn": functools.partial(comppo_gate, k_lo=params.k_lo, k_hi=params.k_hi, tau=params.gate_tau)}
+            "gate_fn": gate_fn}

@@ -32,6 +32,7 @@ _MEANS = {
     "critic/value_loss": ("sum:value_loss", "sum:opt_steps"),
     "critic/grad_norm": ("sum:critic_grad_norm", "sum:opt_steps"),
     "comppo/gate_mean": ("sum:gate", "sum:gate_tokens"),
+    "comppo/transport_mean": ("sum:transport", "sum:gate_tokens"),
     "comppo/gate_first_third": ("sum:gate_first", "sum:gate_first_tokens"),
     "comppo/gate_mid_third": ("sum:gate_mid", "sum:gate_mid_tokens"),
     "comppo/gate_last_third": ("sum:gate_last", "sum:gate_last_tokens"),

@@ -116,7 +116,7 @@ def compute_advantages(ctx, batch: TrainBatch, iteration: int = 1, stats: "StatS
         from megatron_credit.trainer.controls import gate_stats
 
         batch.gates = ctx.gate_control.gates(batch.kappa, mask, iteration=iteration)
-        stats.add(gate_stats(batch.kappa, mask))
+        stats.add(gate_stats(batch.kappa, mask, batch.gates))
     values = batch.values
     if values is not None and iteration <= getattr(params, "critic_warmup_steps", 0):
         values = torch.zeros_like(values)  # the critic trains on these returns but is not trusted yet
