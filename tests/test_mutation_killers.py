@@ -5,6 +5,11 @@ rule of the code is changed, and says why that rule matters to a user.
   ``ratio == safety_thresh`` (``>``); metrics and the multi-dual-clip filter use the same boundaries.
 - Policy losses: advantages (and truncated-IS weights) that carry a gradient (a critic's output) give
   no gradient to their producer, and the policy gradient is that of the detached advantages.
+- FIPO's loss passes every one of its settings on (safety threshold, packed rows, dual clip, IS
+  weights) and scales advantages by ``f`` (not ``/ f``), checked end to end against loop references.
+- Default hyperparameters are the documented ones (DESIGN.md, GSPO's paper), through the public
+  functions and through the algorithms registry's ``make_params``; log-ratios (GSPO's sequence ratio,
+  truncated-IS weights) are clamped to [-20, 20] on both sides like every other ratio.
 - DAPO verifier: commas that carry meaning (signed lists, tuples, intervals, sets) are kept; only
   a thousands separator in a plain digit string is dropped.
 - math-verify: symbolic answers are read as math whatever their spacing.
@@ -16,10 +21,13 @@ import math
 import pytest
 import torch
 
+from megatron_credit.algorithms import ALGORITHMS
 from megatron_credit.credit.future_kl import fipo_weights, future_kl, multi_dual_clip_keep
-from megatron_credit.losses.policy import fipo_policy_loss, gspo_loss, ppo_clip_loss
+from megatron_credit.losses.policy import fipo_policy_loss, gspo_loss, ppo_clip_loss, truncated_is_weights
 from megatron_credit.rewards.dapo import normalize_final_answer, score_dapo
 from megatron_credit.rewards.math import compute_score
+from tests.test_credit_future_kl import future_kl_reference
+from tests.test_losses_policy import ppo_reference
 
 
 # --- FIPO boundaries: ratio == c exactly ---------------------------------------------------------
@@ -133,6 +141,187 @@ def test_is_weights_with_grad_are_detached_in_the_loss(name):
     loss, _ = LOSSES[name](lp, old, torch.ones_like(old), mask, is_weights=is_w)
     loss.sum().backward()
     assert src.grad is None
+
+
+# --- FIPO's loss: every setting reaches the math ------------------------------------------------
+def fipo_weights_reference(logp, old, adv, mask, *, tau, clip, c, safety, packed):
+    """DESIGN.md "FIPO" one token at a time: clamp(exp(F), lo, hi), then min(f, 1) where A < 0 and
+    ratio > safety (``None``: c); 1 on masked tokens."""
+    f = future_kl_reference(logp, old, mask, tau=tau, c=c, packed=packed)
+    s = c if safety is None else safety
+    w = torch.ones_like(f)
+    for i, t in mask.nonzero().tolist():
+        v = min(max(math.exp(f[i, t]), clip[0]), clip[1])
+        if adv[i, t] < 0 and math.exp(min(max(float(logp[i, t] - old[i, t]), -20), 20)) > s:
+            v = min(v, 1.0)
+        w[i, t] = v
+    return w
+
+
+def _fipo_batch(seed=0):
+    """Packed rows (two responses each, split by masked prompt tokens) with log-ratios ~N(0, 0.1) and
+    tokens placed where each FIPO setting decides the result: A < 0 at ratio 2.5 (capped only by a
+    safety threshold of 2), at ratio 4 (dual clip 3 vs 5), at ratio 7 (inside M only if c > 7)."""
+    g = torch.Generator().manual_seed(seed)
+    b, t = 3, 24
+    old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2
+    d = torch.randn(b, t, generator=g, dtype=torch.float64) * 0.1
+    adv = torch.randn(b, t, generator=g, dtype=torch.float64)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    mask[:, 1:10] = True
+    mask[:, 12:22] = True
+    for i, pos, ratio, a in [(0, 3, 2.5, -1.0), (0, 14, 7.0, -0.7), (1, 5, 4.0, -1.3), (1, 13, 2.5, -0.4),
+                             (2, 2, 1.4, 0.9), (2, 15, 0.7, -0.8), (2, 17, 7.0, -1.1)]:
+        d[i, pos], adv[i, pos] = math.log(ratio), a
+    isw = 0.5 + torch.rand(b, t, generator=g, dtype=torch.float64)
+    return old + d, old, adv, mask, isw
+
+
+def test_fipo_loss_forwards_every_setting_to_the_weights_and_the_clip():
+    """The loss and its gradient equal DAPO on ``f * A`` with f from the loop reference, with settings
+    that each change the result: a safety threshold below c, packed rows, c = 5 (not either default),
+    IS weights, a weight clip below 1 and a short half-life."""
+    logp, old, adv, mask, isw = _fipo_batch()
+    kw = dict(tau=3.0, weight_clip=(0.8, 1.25), dual_clip_c=5.0, safety_thresh=2.0, packed=True)
+    lp = logp.clone().requires_grad_(True)
+    loss, metrics = fipo_policy_loss(lp, old, adv, mask, clip_low=0.15, clip_high=0.3, is_weights=isw, **kw)
+    loss.sum().backward()
+    w = fipo_weights_reference(logp, old, adv, mask, tau=3.0, clip=(0.8, 1.25), c=5.0, safety=2.0, packed=True)
+    ref_loss, ref_grad = ppo_reference(logp, old, adv * w, mask, el=0.15, eh=0.3, c=5.0, isw=isw)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lp.grad, ref_grad, rtol=1e-12, atol=1e-12)
+    # The cases were exercised: weights on both sides of 1, a safety cap that c alone would not give.
+    assert (w[mask] < 1).any() and (w[mask] > 1).any()
+    unsafe = fipo_weights_reference(logp, old, adv, mask, tau=3.0, clip=(0.8, 1.25), c=5.0, safety=None,
+                                    packed=True)
+    assert not torch.equal(w, unsafe)
+    assert not torch.equal(w, fipo_weights_reference(logp, old, adv, mask, tau=3.0, clip=(0.8, 1.25), c=5.0,
+                                                     safety=2.0, packed=False))
+    # Metrics: the loss's clip fractions and the weights' summary under the fipo_weight/ prefix.
+    torch.testing.assert_close(metrics["fipo_weight/mean"], w[mask].mean(), rtol=1e-12, atol=1e-12)
+    d = (logp - old)[mask]
+    torch.testing.assert_close(metrics["clipfrac_dual"], ((adv[mask] < 0) & (d > math.log(5.0))).double().mean())
+
+
+# --- documented defaults -------------------------------------------------------------------------
+def _defaults_batch(seed=1):
+    """Log-ratios ~N(0, 0.01) (so exp(F) lies inside FIPO's [1, 1.2] and depends on tau), with tokens
+    on the far side of each default: A > 0 at ratio 1.5 (clip_high 0.28), A < 0 at ratio 0.7 (clip_low
+    0.2), at 3.5 (dual clip 3) and at 10.5 (FIPO's c = 10), early in the rows so later tokens' F is small."""
+    g = torch.Generator().manual_seed(seed)
+    b, t = 4, 40
+    old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2
+    d = torch.randn(b, t, generator=g, dtype=torch.float64) * 0.01
+    adv = torch.randn(b, t, generator=g, dtype=torch.float64)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    for i, n in enumerate([40, 33, 25, 12]):
+        mask[i, t - n:] = True
+    for i, pos, ratio, a in [(0, 0, 1.5, 1.0), (0, 1, 0.7, -1.0), (1, 8, 3.5, -1.0), (1, 9, 10.5, -1.0),
+                             (2, 16, 10.5, -0.5), (3, 29, 1.5, 2.0)]:
+        d[i, pos], adv[i, pos] = math.log(ratio), a
+    return old + d, old, adv, mask
+
+
+def test_policy_losses_default_to_the_documented_hyperparameters():
+    """DESIGN.md: DAPO clips at [1 - 0.2, 1 + 0.28] with dual clip c = 3 (the 7B setting); FIPO uses
+    c = 10, tau = 32, f in [1.0, 1.2] and the same asymmetric clip; GSPO-token 3e-4 / 4e-4 (its
+    paper). Called without keywords, each public loss must equal its loop reference at those values."""
+    logp, old, adv, mask = _defaults_batch()
+    loss, _ = ppo_clip_loss(logp, old, adv, mask)
+    ref, _ = ppo_reference(logp, old, adv, mask, el=0.2, eh=0.28, c=3.0)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+
+    loss, _ = fipo_policy_loss(logp, old, adv, mask)
+    w = fipo_weights_reference(logp, old, adv, mask, tau=32.0, clip=(1.0, 1.2), c=10.0, safety=None,
+                               packed=False)
+    ref, _ = ppo_reference(logp, old, adv * w, mask, el=0.2, eh=0.28, c=10.0)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+    inside = w[mask][(w[mask] > 1.0) & (w[mask] < 1.2)]
+    assert inside.numel() > 10, "exp(F) should lie strictly inside [1, 1.2] on many tokens (tau matters)"
+
+    logp_s, old_s, adv_s, mask_s = _gspo_batch()
+    loss, _ = gspo_loss(logp_s, old_s, adv_s, mask_s)
+    torch.testing.assert_close(loss, gspo_reference(logp_s, old_s, adv_s, mask_s, el=3e-4, eh=4e-4),
+                               rtol=1e-12, atol=1e-12)
+
+
+def _gspo_batch():
+    """One response per row, sequence log-ratios chosen on both sides of the default clip range
+    [1 - 3e-4, 1 + 4e-4], inside it, far below (exp(-30): the -20 clamp) and far above (+30)."""
+    seq = [0.01, -0.01, 1e-4, -1e-4, 0.01, -0.01, -30.0, 30.0]
+    adv_row = [1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0]
+    b, t = len(seq), 6
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    logp = old.clone()
+    for i, (s, n) in enumerate(zip(seq, [6, 5, 4, 6, 3, 6, 2, 6])):
+        mask[i, :n] = True
+        noise = torch.randn(n, generator=g, dtype=torch.float64) * 1e-3
+        logp[i, :n] = old[i, :n] + s + noise - noise.mean()  # the row's mean log-ratio is s
+    adv = torch.tensor(adv_row, dtype=torch.float64)[:, None] * mask
+    return logp, old, adv, mask
+
+
+def gspo_reference(logp, old, adv, mask, *, el, eh):
+    """Per-token value of GSPO-token: each valid token carries its row's sequence loss."""
+    out = torch.zeros_like(logp)
+    for i in range(logp.shape[0]):
+        n = int(mask[i].sum())
+        if n == 0:
+            continue
+        lr = sum(float(logp[i, t] - old[i, t]) for t in range(logp.shape[1]) if mask[i, t]) / n
+        s = math.exp(min(max(lr, -20.0), 20.0))
+        for t in range(logp.shape[1]):
+            if mask[i, t]:
+                a = float(adv[i, t])
+                out[i, t] = max(-a * s, -a * min(max(s, 1 - el), 1 + eh))
+    return out
+
+
+def test_gspo_sequence_ratio_is_clamped_on_both_sides():
+    """A sequence whose mean log-ratio is -30 (or +30) has ratio exp(-20) (exp(20)), as token ratios do:
+    the clamp bounds the loss of a far off-policy response, and the gradient follows it."""
+    logp, old, adv, mask = _gspo_batch()
+    lp = logp.clone().requires_grad_(True)
+    loss, _ = gspo_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    ref = gspo_reference(logp, old, adv, mask, el=0.2, eh=0.28)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+    assert float(loss[6, 0].detach()) == pytest.approx(-math.exp(-20.0), rel=1e-12)
+    assert float(loss[7, 0].detach()) == pytest.approx(math.exp(20.0), rel=1e-12)
+    loss.sum().backward()  # d/dlogp_t of -A s_it = -A s_i on an unclipped row
+    torch.testing.assert_close(lp.grad[6, :2], torch.full((2,), -math.exp(-20.0), dtype=torch.float64),
+                               rtol=1e-12, atol=0)
+
+
+def test_truncated_is_weights_default_cap_and_clamp():
+    """Default cap C = 2 (min(pi_old / pi_engine, 2)); the log-weight is clamped to [-20, 20] like every
+    log-ratio in the losses, so a token the engine over-rates by e^30 keeps weight e^-20."""
+    old = torch.zeros(1, 6, dtype=torch.float64)
+    roll = torch.tensor([[-math.log(2.5), -math.log(1.5), 30.0, -30.0, 0.5, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, True, True, False]])
+    w, m = truncated_is_weights(old, roll, mask)
+    want = torch.tensor([[2.0, 1.5, math.exp(-20.0), 2.0, math.exp(-0.5), 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(w, want, rtol=1e-12, atol=0)
+    assert float(m["frac_truncated"]) == pytest.approx(2 / 5)
+    torch.testing.assert_close(m["mean"], want[mask].mean(), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("name,public", [("dapo", ppo_clip_loss), ("fipo", fipo_policy_loss),
+                                         ("gspo", gspo_loss)])
+def test_registry_default_params_are_the_public_defaults(name, public):
+    """``ALGORITHMS.get(name).make_params()`` (what a recipe without params gets) computes the same loss
+    as the public function's documented defaults, and names the documented values."""
+    documented = {"dapo": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip_c": 3.0},
+                  "fipo": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip_c": 10.0, "tau": 32.0,
+                           "weight_clip": (1.0, 1.2), "safety_thresh": None},
+                  "gspo": {"clip_low": 3e-4, "clip_high": 4e-4}}[name]
+    spec = ALGORITHMS.get(name)
+    params = spec.make_params()
+    assert {k: params.loss_kwargs()[k] for k in documented} == documented
+    logp, old, adv, mask = _gspo_batch() if name == "gspo" else _defaults_batch()
+    via_registry, _ = spec.loss(logp, old, adv, mask, params)
+    assert torch.equal(via_registry, public(logp, old, adv, mask)[0])
 
 
 # --- DAPO verifier: commas that matter -----------------------------------------------------------
