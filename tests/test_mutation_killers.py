@@ -10,6 +10,9 @@ rule of the code is changed, and says why that rule matters to a user.
 - Default hyperparameters are the documented ones (DESIGN.md, GSPO's paper), through the public
   functions and through the algorithms registry's ``make_params``; log-ratios (GSPO's sequence ratio,
   truncated-IS weights) are clamped to [-20, 20] on both sides like every other ratio.
+- Group estimators on groups of exactly two (the unbiased std and RLOO's ``n / (n - 1)`` at n = 2);
+  CompPO's gate at its default tau = 4 and at the edges of its envelope (a constant gate is the
+  fixed-gate ablation).
 - DAPO verifier: commas that carry meaning (signed lists, tuples, intervals, sets) are kept; only
   a thousands separator in a plain digit string is dropped.
 - math-verify: symbolic answers are read as math whatever their spacing.
@@ -23,6 +26,8 @@ import torch
 
 from megatron_credit.algorithms import ALGORITHMS
 from megatron_credit.credit.future_kl import fipo_weights, future_kl, multi_dual_clip_keep
+from megatron_credit.credit.gates import comppo_gate
+from megatron_credit.credit.group import broadcast_to_tokens, dr_grpo_advantages, grpo_advantages, rloo_advantages
 from megatron_credit.losses.policy import fipo_policy_loss, gspo_loss, ppo_clip_loss, truncated_is_weights
 from megatron_credit.rewards.dapo import normalize_final_answer, score_dapo
 from megatron_credit.rewards.math import compute_score
@@ -322,6 +327,77 @@ def test_registry_default_params_are_the_public_defaults(name, public):
     logp, old, adv, mask = _gspo_batch() if name == "gspo" else _defaults_batch()
     via_registry, _ = spec.loss(logp, old, adv, mask, params)
     assert torch.equal(via_registry, public(logp, old, adv, mask)[0])
+
+
+# --- group estimators: groups of one, two and more ----------------------------------------------
+def _group_reference(scores, ids):
+    """Per response: (n, mean, unbiased std, mean of the others) of its group, by loops."""
+    out = []
+    for i in range(len(scores)):
+        mates = [float(scores[j]) for j in range(len(scores)) if ids[j] == ids[i]]
+        n = len(mates)
+        mean = sum(mates) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in mates) / (n - 1)) if n > 1 else 0.0
+        others = (sum(mates) - float(scores[i])) / (n - 1) if n > 1 else float(scores[i])
+        out.append((n, mean, std, others))
+    return out
+
+
+def test_group_advantages_for_groups_of_one_two_and_more():
+    """GRPO's unbiased std and RLOO's leave-one-out mean at n = 2 (where n - 1 = 1 is the whole
+    denominator), n = 1 (advantage 0) and larger groups, ids interleaved, against loop references."""
+    ids = torch.tensor([5, 9, 2, 5, 9, 9, 2, 7, 2, 9])  # sizes: 5 -> 2, 9 -> 4, 2 -> 3, 7 -> 1
+    scores = torch.tensor([0.3, 1.0, -2.0, 1.7, 0.0, 0.5, 4.0, 3.3, 1.0, -1.5], dtype=torch.float64)
+    ref = _group_reference(scores, ids)
+    eps = 1e-6
+    want_grpo = [(float(s) - m) / (sd + eps) if n > 1 else 0.0 for s, (n, m, sd, _) in zip(scores, ref)]
+    want_centred = [float(s) - m if n > 1 else 0.0 for s, (n, m, _, _) in zip(scores, ref)]
+    want_rloo = [float(s) - o if n > 1 else 0.0 for s, (n, _, _, o) in zip(scores, ref)]
+    as_t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    torch.testing.assert_close(grpo_advantages(scores, ids), as_t(want_grpo), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grpo_advantages(scores, ids, norm_by_std=False), as_t(want_centred),
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dr_grpo_advantages(scores, ids), as_t(want_centred), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rloo_advantages(scores, ids), as_t(want_rloo), rtol=1e-12, atol=1e-12)
+    # The pair (0.3, 1.7): unbiased std = |a - b| / sqrt(2), so GRPO gives -+1/sqrt(2) (up to eps).
+    assert float(grpo_advantages(scores, ids)[0]) == pytest.approx(-1 / math.sqrt(2), rel=1e-5)
+
+
+def test_group_estimators_name_bad_shapes_and_keep_the_advantage_dtype():
+    with pytest.raises(ValueError, match=r"scores and group_ids must both be \[N\], got \(2, 2\) and \(4,\)"):
+        grpo_advantages(torch.zeros(2, 2), torch.zeros(4, dtype=torch.long))
+    # A float mask must not promote bf16 / fp32 advantages to its own dtype.
+    adv = torch.tensor([1.5, -0.5], dtype=torch.bfloat16)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
+    out = broadcast_to_tokens(adv, mask)
+    assert out.dtype == torch.bfloat16
+    assert out.tolist() == [[1.5, 1.5, 0.0], [-0.5, 0.0, 0.0]]
+
+
+# --- CompPO gate ----------------------------------------------------------------------------------
+def _gate_reference(h, n, *, k_lo, k_hi, tau):
+    out = torch.empty_like(h)
+    for i in range(h.numel()):
+        nv = int(n[i])
+        c = 1.0 if nv <= 1 else (float(h[i]) - 1 / nv) / (1 - 1 / nv)
+        out[i] = k_lo + (k_hi - k_lo) / (1 + math.exp(-tau * (c - 0.5)))
+    return out
+
+
+def test_comppo_gate_default_tau_and_envelope_edges():
+    """DESIGN.md: kappa = k_lo + (k_hi - k_lo) sigmoid(tau (c - 1/2)) with (0.1, 0.9), tau = 4. The
+    envelope may reach [0, 1], and k_lo == k_hi is a constant gate (the fixed-gate control, 0.61)."""
+    g = torch.Generator().manual_seed(5)
+    n = torch.randint(1, 40, (64,), generator=g)
+    h = 1 / n.double() + torch.rand(64, generator=g, dtype=torch.float64) * (1 - 1 / n.double())
+    torch.testing.assert_close(comppo_gate(h, n), _gate_reference(h, n, k_lo=0.1, k_hi=0.9, tau=4.0),
+                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(comppo_gate(h, n, k_lo=0.0, k_hi=1.0),
+                               _gate_reference(h, n, k_lo=0.0, k_hi=1.0, tau=4.0), rtol=1e-12, atol=1e-12)
+    assert torch.equal(comppo_gate(h, n, k_lo=0.61, k_hi=0.61), torch.full_like(h, 0.61))
+    for k_lo, k_hi in ((-0.1, 0.5), (0.6, 0.5), (0.1, 1.5)):
+        with pytest.raises(ValueError, match=rf"need 0 <= k_lo <= k_hi <= 1, got k_lo={k_lo}, k_hi={k_hi}"):
+            comppo_gate(h, n, k_lo=k_lo, k_hi=k_hi)
 
 
 # --- DAPO verifier: commas that matter -----------------------------------------------------------
