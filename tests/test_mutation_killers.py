@@ -212,7 +212,8 @@ def test_fipo_loss_forwards_every_setting_to_the_weights_and_the_clip():
 def _defaults_batch(seed=1):
     """Log-ratios ~N(0, 0.01) (so exp(F) lies inside FIPO's [1, 1.2] and depends on tau), with tokens
     on the far side of each default: A > 0 at ratio 1.5 (clip_high 0.28), A < 0 at ratio 0.7 (clip_low
-    0.2), at 3.5 (dual clip 3) and at 10.5 (FIPO's c = 10), early in the rows so later tokens' F is small."""
+    0.2), at 3.5 (dual clip 3) and at 10.5 (FIPO's c = 10), early in the rows so later tokens' F is small.
+    Row 0 has a masked hole inside its response (FIPO's default is one response per row, ``packed=False``)."""
     g = torch.Generator().manual_seed(seed)
     b, t = 4, 40
     old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2
@@ -221,6 +222,7 @@ def _defaults_batch(seed=1):
     mask = torch.zeros(b, t, dtype=torch.bool)
     for i, n in enumerate([40, 33, 25, 12]):
         mask[i, t - n:] = True
+    mask[0, 20:23] = False  # masked tokens inside one response (e.g. tool output) do not cut F by default
     for i, pos, ratio, a in [(0, 0, 1.5, 1.0), (0, 1, 0.7, -1.0), (1, 8, 3.5, -1.0), (1, 9, 10.5, -1.0),
                              (2, 16, 10.5, -0.5), (3, 29, 1.5, 2.0)]:
         d[i, pos], adv[i, pos] = math.log(ratio), a
@@ -252,15 +254,16 @@ def test_policy_losses_default_to_the_documented_hyperparameters():
 
 def _gspo_batch():
     """One response per row, sequence log-ratios chosen on both sides of the default clip range
-    [1 - 3e-4, 1 + 4e-4], inside it, far below (exp(-30): the -20 clamp) and far above (+30)."""
-    seq = [0.01, -0.01, 1e-4, -1e-4, 0.01, -0.01, -30.0, 30.0]
-    adv_row = [1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0]
+    [1 - 3e-4, 1 + 4e-4], inside it, far below (exp(-30): the -20 clamp) and far above (+30), and a
+    one-token response inside the range (its mean is its own log-ratio)."""
+    seq = [0.01, -0.01, 1e-4, -1e-4, 0.01, -0.01, -30.0, 30.0, 2e-4]
+    adv_row = [1.0, -1.0, 1.0, -1.0, -1.0, 1.0, 1.0, -1.0, 0.5]
     b, t = len(seq), 6
     g = torch.Generator().manual_seed(3)
     old = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2
     mask = torch.zeros(b, t, dtype=torch.bool)
     logp = old.clone()
-    for i, (s, n) in enumerate(zip(seq, [6, 5, 4, 6, 3, 6, 2, 6])):
+    for i, (s, n) in enumerate(zip(seq, [6, 5, 4, 6, 3, 6, 2, 6, 1])):  # the last row: one token
         mask[i, :n] = True
         noise = torch.randn(n, generator=g, dtype=torch.float64) * 1e-3
         logp[i, :n] = old[i, :n] + s + noise - noise.mean()  # the row's mean log-ratio is s
@@ -297,6 +300,10 @@ def test_gspo_sequence_ratio_is_clamped_on_both_sides():
     loss.sum().backward()  # d/dlogp_t of -A s_it = -A s_i on an unclipped row
     torch.testing.assert_close(lp.grad[6, :2], torch.full((2,), -math.exp(-20.0), dtype=torch.float64),
                                rtol=1e-12, atol=0)
+    # Truncated-IS weights multiply GSPO's per-token loss too.
+    isw = 0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    weighted, _ = gspo_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, is_weights=isw)
+    torch.testing.assert_close(weighted, ref * isw * mask, rtol=1e-12, atol=0)
 
 
 def test_truncated_is_weights_default_cap_and_clamp():
@@ -310,6 +317,15 @@ def test_truncated_is_weights_default_cap_and_clamp():
     torch.testing.assert_close(w, want, rtol=1e-12, atol=0)
     assert float(m["frac_truncated"]) == pytest.approx(2 / 5)
     torch.testing.assert_close(m["mean"], want[mask].mean(), rtol=1e-12, atol=0)
+    # A ratio exactly at the cap is not truncated (min(r, C) = r); any cap > 0 is valid, 0 is not.
+    at_cap, m = truncated_is_weights(old[:, :2], torch.tensor([[-math.log(2.0), 0.0]], dtype=torch.float64),
+                                     mask[:, :2])
+    assert float(m["frac_truncated"]) == 0.0 and at_cap[0, 0] == pytest.approx(2.0, rel=1e-15)
+    half, _ = truncated_is_weights(old, roll, mask, cap=0.5)
+    torch.testing.assert_close(half[mask], torch.minimum(want[mask], torch.tensor(0.5, dtype=torch.float64)))
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match=rf"cap must be > 0, got {bad}"):
+            truncated_is_weights(old, roll, mask, cap=bad)
 
 
 @pytest.mark.parametrize("name,public", [("dapo", ppo_clip_loss), ("fipo", fipo_policy_loss),
