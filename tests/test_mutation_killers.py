@@ -345,6 +345,64 @@ def test_registry_default_params_are_the_public_defaults(name, public):
     assert torch.equal(via_registry, public(logp, old, adv, mask)[0])
 
 
+# --- PPO clip: edges of the ratio, the advantage sign and the clip range ----------------------------
+def test_ppo_clip_ratio_clamp_zero_advantages_and_boundaries():
+    """Log-ratios beyond +-20 are clamped (the published code: no inf, bounded loss and KL metric) on
+    both sides; zero advantages are neither clipped-low nor dual-clipped; a ratio exactly at c is not
+    dual-clipped (the cap leaves its loss unchanged)."""
+    c = 4.0  # exp(log 4) == 4 exactly in float64, so the token below sits *at* c
+    d = torch.tensor([[30.0, -30.0, 30.0, -30.0, math.log(c), -0.5, -0.5, 0.1]], dtype=torch.float64)
+    adv = torch.tensor([[-1.0, 1.0, 1.0, -1.0, -2.0, 0.0, -1.0, 0.0]], dtype=torch.float64)
+    old = torch.zeros_like(d)
+    mask = torch.ones_like(d, dtype=torch.bool)
+    for dual in (None, c):
+        lp = d.clone().requires_grad_(True)
+        loss, m = ppo_clip_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28, dual_clip_c=dual)
+        loss.sum().backward()
+        ref, grad = ppo_reference(d, old, adv, mask, el=0.2, eh=0.28, c=dual)
+        torch.testing.assert_close(loss, ref, rtol=1e-12, atol=0)
+        # Beyond the clamp the ratio is a constant: no gradient there (as torch.clamp, and the published code).
+        # At ratio == c the two branches of the dual clip tie (any subgradient is right): not compared.
+        cmp = [0, 1, 2, 3, 5, 6, 7] if dual else list(range(8))
+        torch.testing.assert_close(lp.grad[:, cmp], torch.where(d.abs() > 20, 0.0, grad)[:, cmp], rtol=1e-12,
+                                   atol=0)
+        lr = d.clamp(-20, 20)
+        torch.testing.assert_close(m["approx_kl"], (torch.expm1(lr) - lr).mean(), rtol=1e-12, atol=0)
+        # clipped low: A < 0 and r < 0.8 -> tokens 3 and 6 (not the A = 0 token 5)
+        assert float(m["clipfrac_low"]) == 2 / 8
+        # dual: A < 0 and r > c -> token 0 only (token 4 sits exactly at c)
+        assert float(m["clipfrac_dual"]) == (1 / 8 if dual else 0.0)
+    assert float(loss[0, 0].detach()) == pytest.approx(c, rel=1e-15)  # -A c = 4, not -A e^20
+    assert float(loss[0, 1].detach()) == pytest.approx(-math.exp(-20.0), rel=1e-12)
+
+
+@pytest.mark.parametrize("clip_low,clip_high", [(0.0, 0.28), (0.2, 0.0), (0.0, 0.0)])
+def test_ppo_clip_range_edges_are_valid(clip_low, clip_high):
+    """A one-sided clip (eps = 0 on either side) is a valid setting and follows the formula."""
+    logp, old, adv, mask = _defaults_batch()
+    loss, _ = ppo_clip_loss(logp, old, adv, mask, clip_low=clip_low, clip_high=clip_high)
+    ref, _ = ppo_reference(logp, old, adv, mask, el=clip_low, eh=clip_high, c=3.0)
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("clip_low,clip_high", [(1.0, 0.28), (1.5, 0.28), (-0.1, 0.28), (0.2, -0.1)])
+def test_ppo_clip_range_outside_is_refused(clip_low, clip_high):
+    logp, old, adv, mask = _defaults_batch()
+    with pytest.raises(ValueError, match=rf"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, "
+                                         rf"{clip_high}"):
+        ppo_clip_loss(logp, old, adv, mask, clip_low=clip_low, clip_high=clip_high)
+
+
+def test_multi_dual_clip_keep_counts_only_negative_advantages():
+    """Tokens above c with A = 0 or 0 < A < 1 are not dual-clipped (the dual clip acts on A < 0): a
+    response of such tokens is kept; the same response with A < 0 is dropped."""
+    logp = torch.full((3, 4), 3.0, dtype=torch.float64)  # ratio e^3 > c = 10 on every token
+    old = torch.zeros_like(logp)
+    adv = torch.tensor([[0.0] * 4, [0.5] * 4, [-0.5] * 4], dtype=torch.float64)
+    keep = multi_dual_clip_keep(logp, old, adv, torch.ones(3, 4, dtype=torch.bool), dual_clip_c=10.0)
+    assert keep.tolist() == [True, True, False]
+
+
 # --- group estimators: groups of one, two and more ----------------------------------------------
 def _group_reference(scores, ids):
     """Per response: (n, mean, unbiased std, mean of the others) of its group, by loops."""
