@@ -28,7 +28,8 @@ from megatron_credit.algorithms import ALGORITHMS
 from megatron_credit.credit.future_kl import fipo_weights, future_kl, multi_dual_clip_keep
 from megatron_credit.credit.gates import comppo_gate
 from megatron_credit.credit.group import broadcast_to_tokens, dr_grpo_advantages, grpo_advantages, rloo_advantages
-from megatron_credit.losses.policy import fipo_policy_loss, gspo_loss, ppo_clip_loss, truncated_is_weights
+from megatron_credit.losses.policy import (AGG_MODES, aggregate_loss, fipo_policy_loss, gspo_loss, ppo_clip_loss,
+                                           truncated_is_weights)
 from megatron_credit.rewards.dapo import normalize_final_answer, score_dapo
 from megatron_credit.rewards.math import compute_score
 from tests.test_credit_future_kl import future_kl_reference
@@ -401,6 +402,34 @@ def test_multi_dual_clip_keep_counts_only_negative_advantages():
     adv = torch.tensor([[0.0] * 4, [0.5] * 4, [-0.5] * 4], dtype=torch.float64)
     keep = multi_dual_clip_keep(logp, old, adv, torch.ones(3, 4, dtype=torch.bool), dual_clip_c=10.0)
     assert keep.tolist() == [True, True, False]
+
+
+# --- aggregation and metrics with a single token ---------------------------------------------------
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_one_valid_token_is_its_own_mean(mode):
+    """A batch (or a whole step) with exactly one valid token in one response: every mean is that
+    token's loss (a denominator of 1 must stay 1); Dr.GRPO's divides by L on top."""
+    per_token = torch.tensor([[0.0, 2.5, 0.0], [7.0, 7.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[False, True, False], [False, False, False]])
+    per_token, mask = per_token[:1], mask[:1]
+    kw = {"norm_length": 1} if mode == "seq-mean-token-sum-norm" else {}
+    assert float(aggregate_loss(per_token, mask, mode=mode, **kw)) == 2.5
+    glob = {"global_num_tokens": 1, "global_num_seqs": 1, "seq_num_tokens": torch.tensor([1])}
+    assert float(aggregate_loss(per_token, mask, mode=mode, **glob, norm_length=1)) == 2.5
+    # ... and the loss's metrics are that token's, not halved.
+    lp = torch.tensor([[0.0, -0.5, 0.0]], dtype=torch.float64)
+    _, m = ppo_clip_loss(lp, torch.zeros_like(lp), -torch.ones_like(lp), mask)
+    assert float(m["approx_kl"]) == pytest.approx(math.expm1(-0.5) + 0.5, rel=1e-12)
+    assert float(m["clipfrac_low"]) == 1.0
+
+
+def test_norm_length_must_be_positive_and_named():
+    per_token = torch.ones(2, 3, dtype=torch.float64)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    assert float(aggregate_loss(per_token, mask, mode="seq-mean-token-sum-norm", norm_length=1)) == 3.0
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=rf"norm_length must be > 0, got {bad}"):
+            aggregate_loss(per_token, mask, mode="seq-mean-token-sum-norm", norm_length=bad)
 
 
 # --- group estimators: groups of one, two and more ----------------------------------------------
