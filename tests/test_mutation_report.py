@@ -73,6 +73,7 @@ def test_main_prints_scores_and_lists(layout, capsys):
     assert rows["TOTAL"] == ["15", "5", "3", "3", "2", "1", "1", "35.7%"]
     assert "3 timeout" in out and f"  {MOD}.x_f__mutmut_9" in out
     assert "3 suspicious" in out and "1 survived" in out and "2 no tests" in out
+    assert f"  {MOD}.x_f  (2 mutants)" in out  # no-tests mutants are listed per function
     assert "not surviving" in out and f"{MOD}.x_f__mutmut_1  (killed)" in out
     assert "megatron_credit/credit/gates.py" not in out
 

@@ -143,11 +143,19 @@ def main(argv: list[str] | None = None) -> int:
             total.names[k] += v
         total.stale_equivalents += s.stale_equivalents
     print(f"{'TOTAL':<44} " + " ".join(f"{getattr(total, c):>8}" for c in cols) + f" {_fmt(total.score):>7}")
-    for status in ("survived", "timeout", "suspicious", "no tests"):
+    for status in ("survived", "timeout", "suspicious"):
         names = total.names[status]
         if names:
             print(f"\n{len(names)} {status} (`mutmut show NAME` prints the change):")
             print("\n".join("  " + n for n in names))
+    if total.names["no tests"]:
+        # Whole functions at a time (code run only by gloo workers): one line per function.
+        per_fn: dict[str, int] = {}
+        for n in total.names["no tests"]:
+            fn = n.rsplit("__mutmut_", 1)[0]
+            per_fn[fn] = per_fn.get(fn, 0) + 1
+        print(f"\n{len(total.names['no tests'])} no tests (no selected test reached the function in-process):")
+        print("\n".join(f"  {fn}  ({k} mutants)" for fn, k in per_fn.items()))
     if total.stale_equivalents:
         print(f"\n{len(total.stale_equivalents)} listed in {args.equivalents.name} but not surviving "
               "(remove or re-check the row):")
