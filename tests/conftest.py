@@ -1,5 +1,6 @@
 """Shared pytest set-up: GPU-marked tests are skipped with a reason on machines without CUDA."""
 import os
+import re
 
 import pytest
 import torch
@@ -25,7 +26,10 @@ def _deselect_distributed_under_mutmut(config, items):
     ``os.wait()``, which also reaps the spawned workers of the traced in-process stats run and then
     crashes on the unknown pid (KeyError in ``wait_for_result``); and the code those workers run is
     invisible to mutmut's tracing anyway, so these tests could never kill a mutant there."""
-    spawned = [item for item in items if "pool" in getattr(item, "fixturenames", ())]
+    def spawns(item):  # the DistributedPool fixtures are named pool, pool1, pool2, pool4
+        return any(re.fullmatch(r"pool\d*", name) for name in getattr(item, "fixturenames", ()))
+
+    spawned = [item for item in items if spawns(item)]
     if spawned:
         config.hook.pytest_deselected(items=spawned)
-        items[:] = [item for item in items if "pool" not in getattr(item, "fixturenames", ())]
+        items[:] = [item for item in items if not spawns(item)]
