@@ -352,7 +352,7 @@ def test_ppo_clip_ratio_clamp_zero_advantages_and_boundaries():
     both sides; zero advantages are neither clipped-low nor dual-clipped; a ratio exactly at c is not
     dual-clipped (the cap leaves its loss unchanged)."""
     c = 4.0  # exp(log 4) == 4 exactly in float64, so the token below sits *at* c
-    d = torch.tensor([[30.0, -30.0, 30.0, -30.0, math.log(c), -0.5, -0.5, 0.1]], dtype=torch.float64)
+    d = torch.tensor([[30.0, -30.0, 30.0, -30.0, math.log(c), -0.5, -0.5, 0.5]], dtype=torch.float64)
     adv = torch.tensor([[-1.0, 1.0, 1.0, -1.0, -2.0, 0.0, -1.0, 0.0]], dtype=torch.float64)
     old = torch.zeros_like(d)
     mask = torch.ones_like(d, dtype=torch.bool)
@@ -371,10 +371,23 @@ def test_ppo_clip_ratio_clamp_zero_advantages_and_boundaries():
         torch.testing.assert_close(m["approx_kl"], (torch.expm1(lr) - lr).mean(), rtol=1e-12, atol=0)
         # clipped low: A < 0 and r < 0.8 -> tokens 3 and 6 (not the A = 0 token 5)
         assert float(m["clipfrac_low"]) == 2 / 8
+        # clipped high: A > 0 and r > 1.28 -> token 2 (not the A = 0 token 7 at r = e^0.5)
+        assert float(m["clipfrac_high"]) == 1 / 8
         # dual: A < 0 and r > c -> token 0 only (token 4 sits exactly at c)
         assert float(m["clipfrac_dual"]) == (1 / 8 if dual else 0.0)
     assert float(loss[0, 0].detach()) == pytest.approx(c, rel=1e-15)  # -A c = 4, not -A e^20
     assert float(loss[0, 1].detach()) == pytest.approx(-math.exp(-20.0), rel=1e-12)
+
+
+def test_ratio_exactly_at_a_clip_bound_is_not_clipped():
+    """r == 1 - eps_low (A < 0) or r == 1 + eps_high (A > 0): the clip leaves the loss unchanged, so the
+    token is not counted as clipped (0.5 and 1.5 are exact in float64 through log and exp)."""
+    d = torch.tensor([[math.log(0.5), math.log(1.5)]], dtype=torch.float64)
+    adv = torch.tensor([[-1.0, 1.0]], dtype=torch.float64)
+    loss, m = ppo_clip_loss(d, torch.zeros_like(d), adv, torch.ones_like(d, dtype=torch.bool), clip_low=0.5,
+                            clip_high=0.5)
+    assert loss.tolist() == [[0.5, -1.5]]
+    assert float(m["clipfrac_low"]) == 0.0 and float(m["clipfrac_high"]) == 0.0
 
 
 @pytest.mark.parametrize("clip_low,clip_high", [(0.0, 0.28), (0.2, 0.0), (0.0, 0.0)])
