@@ -77,3 +77,19 @@ def test_truncated_is_weights_are_detached():
     trainer = trainer.clone().requires_grad_(True)
     w, _ = truncated_is_weights(trainer, engine, mask, cap=2.0)
     assert not w.requires_grad
+
+
+def test_truncated_is_weights_ignore_nan_padding():
+    import math
+
+    import torch
+
+    from megatron_credit.rollout.mismatch import truncated_is_weights
+
+    old = torch.tensor([[0.0, math.nan, -math.inf]])
+    new = torch.tensor([[-0.5, 0.0, math.nan]])
+    mask = torch.tensor([[True, False, False]])
+    w, m = truncated_is_weights(old, new, mask, cap=2.0)
+    want = torch.exp(torch.tensor(0.5))  # float32
+    assert torch.equal(w, torch.stack([want, torch.tensor(0.0), torch.tensor(0.0)])[None])
+    assert torch.equal(m["tis_mean_weight"], want) and float(m["tis_capped_frac"]) == 0.0

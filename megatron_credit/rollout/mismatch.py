@@ -70,10 +70,12 @@ def truncated_is_weights(
     """
     if not cap > 0:
         raise ValueError(f"cap must be > 0, got {cap}")
-    m = mask.to(trainer_old_logp.dtype)
+    valid = mask.bool()
+    m = valid.to(trainer_old_logp.dtype)
     log_ratio = (trainer_old_logp - rollout_logp).detach()
     log_cap = math.log(cap)
-    weights = torch.exp(log_ratio.clamp(max=log_cap)) * m
+    # Masked by selection: padding may hold NaN / inf log-probs, and exp(NaN) * 0 is NaN.
+    weights = torch.where(valid, torch.exp(log_ratio.clamp(max=log_cap)), 0.0)
     total = m.sum().clamp_min(1.0)
-    capped = (log_ratio > log_cap).to(m.dtype) * m
+    capped = (valid & (log_ratio > log_cap)).to(m.dtype)
     return weights, {"tis_mean_weight": weights.sum() / total, "tis_capped_frac": capped.sum() / total}
