@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 
 from tools.testbed_stats import (Interval, curve_metrics, interaction_interval, interpolate, mean_interval,
@@ -287,8 +288,10 @@ def write(out: Path, report: dict, *, doc: str | None) -> None:
                 f"invocations are reused); the cells' own wall time {_cells_wall(report):.0f} s in all; budget "
                 f"{report.get('budget_s')} s of RL per cell; {report.get('jobs')} cells at a time; seeds "
                 f"{report['seeds']}.", "", *([report["note"], ""] if report.get("note") else []),
-                markdown(report, plots_rel=os.path.relpath(out.resolve(), Path(doc).resolve().parent))]
+                markdown(report, plots_rel=".")]
         Path(doc).parent.mkdir(parents=True, exist_ok=True)
+        for png in report["plots"]:  # next to the document, which is committed (the run directory is not)
+            shutil.copyfile(out / Path(png).name, Path(doc).parent / Path(png).name)
         Path(doc).write_text("\n".join(body) + "\n")
 
 
