@@ -291,7 +291,9 @@ def write(out: Path, report: dict, *, doc: str | None) -> None:
                 markdown(report, plots_rel=".")]
         Path(doc).parent.mkdir(parents=True, exist_ok=True)
         for png in report["plots"]:  # next to the document, which is committed (the run directory is not)
-            shutil.copyfile(out / Path(png).name, Path(doc).parent / Path(png).name)
+            src, dst = out / Path(png).name, Path(doc).parent / Path(png).name
+            if src.resolve() != dst.resolve():
+                shutil.copyfile(src, dst)
         Path(doc).write_text("\n".join(body) + "\n")
 
 
