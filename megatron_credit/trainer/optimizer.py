@@ -62,9 +62,6 @@ class MasterWeightsAdamW:
     def load_state_dict(self, state) -> None:
         self.inner.load_state_dict(state)
 
-    def model_param_of(self, master: torch.Tensor) -> torch.nn.Parameter:
-        return self.model_params[next(i for i, m in enumerate(self.masters) if m is master)]
-
     @torch.no_grad()
     def step(self) -> None:
         """Upcast the model's gradients into the masters, step them, write the weights back."""
