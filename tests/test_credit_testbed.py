@@ -119,6 +119,17 @@ def test_smoke_run_writes_results_records_failures_and_resumes(tmp_path):
     assert task["cells"]["grpo"]["3"]["iterations"] == 1 and task["cells"]["grpo"]["1"]["iterations"] == 2
     assert task["table"]["grpo"]["final"]["n"] == 3
     assert "max_wall_s=0.001 reached after iteration 1" in (tmp_path / "cells/chain3/grpo/seed_3/log.txt").read_text()
+    # A study past its deadline starts no cell; --report-only runs nothing and reports the finished cells:
+    # fipo has seeds 1, 2 of 3 (seed 3 "not run", not a failure), grpo all three.
+    proc = _testbed(tmp_path, "--methods", "grpo,fipo", "--seeds", "3", "--stop-after-s", "0")
+    assert proc.returncode == 0 and "1 to run" in proc.stdout, proc.stdout + proc.stderr
+    assert not (tmp_path / "cells/chain3/fipo/seed_3/cell.json").exists()
+    proc = _testbed(tmp_path, "--methods", "grpo,fipo,dapo", "--seeds", "3", "--report-only")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| grpo | 3 |" in proc.stdout and "| fipo | 2 |" in proc.stdout and "| dapo |" not in proc.stdout
+    assert "- not run: fipo seed 3" in proc.stdout and "- not run: dapo seeds 1, 2, 3" in proc.stdout
+    assert "failed" not in proc.stdout
+    assert json.loads((tmp_path / "results.json").read_text())["tasks"]["chain3"]["table"]["fipo"]["final"]["n"] == 2
 
 
 def test_tool_doctests():

@@ -120,6 +120,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--doc", default=str(DEFAULT_DOC), help="Markdown report to regenerate ('' : none)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--note", default="", help="a paragraph for the report (what this run is for)")
+    ap.add_argument("--stop-after-s", type=float, default=None,
+                    help="start no new cell after this many seconds (the report covers the finished cells)")
+    ap.add_argument("--report-only", action="store_true", help="run nothing: the report over finished cells")
     args = ap.parse_args(argv)
     if args.seeds < 1 or args.jobs < 1 or not args.budget_s > 0:
         ap.error("--seeds and --jobs must be >= 1 and --budget-s > 0")
@@ -207,19 +210,24 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     seeds = list(range(args.seed0, args.seed0 + args.seeds))
-    for task in tasks:
+    for task in tasks if not args.report_only else []:
         w = warm_up(args, task, out)
         why = "" if w["status"] == "ok" else "\n" + w.get("error", "")
         print(f"warm-up {task}: {w['status']} ({w['wall_s']:.0f}s){why}")
-    cells = [(t, m, s) for t in tasks for m in methods for s in seeds]
+    # Seed-major: a study stopped early (--stop-after-s, Ctrl-C) has the same seeds for every method.
+    cells = [(t, m, s) for t in tasks for s in seeds for m in methods]
     todo = [c for c in cells if not cell_done(out / "cells" / c[0] / slug(c[1]) / f"seed_{c[2]}")]
+    if args.report_only:
+        todo = []
     print(f"{len(cells)} cells, {len(cells) - len(todo)} already finished, {len(todo)} to run, {args.jobs} at a time")
-    bar = None if args.no_progress else _bar(len(cells), len(cells) - len(todo))
+    bar = None if args.no_progress or args.report_only else _bar(len(cells), len(cells) - len(todo))
     # A cell that hangs is stopped well past its budget (build + warm-up load + the last iteration).
     timeout = 3 * args.budget_s + 600
 
     def one(c):
         t, m, s = c
+        if args.stop_after_s is not None and time.time() - t_start > args.stop_after_s:
+            return c, {"status": "skipped"}
         ov = [*common_overrides(args, t), *method_overrides(m), f"seed={s}"]
         return c, run_cell(out / "cells" / t / slug(m) / f"seed_{s}", ov, config=args.config,
                            threads=args.threads, timeout_s=timeout)
@@ -227,6 +235,8 @@ def main(argv=None) -> int:
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
         for fut in concurrent.futures.as_completed([pool.submit(one, c) for c in todo]):
             (t, m, s), res = fut.result()
+            if res["status"] == "skipped":
+                continue
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(f"{t} {m} seed {s}: {res['status']}")

@@ -256,9 +256,11 @@ def markdown(report: dict, *, plots_rel: str = ".") -> str:
         lines += [f"### {task}", "", "| method | seeds ok | final acc | last-20% acc | AUC | final - GRPO | "
                   "last-20% - GRPO | AUC - GRPO |", "|---|---|---|---|---|---|---|---|"]
         for m, row in t["table"].items():
+            if row["final"]["n"] == 0 and _all_missing(t, m):  # not run on this task (no failure either)
+                continue
             fmt = [Interval(**row[mt]).fmt() for mt in METRICS]
             diff = [Interval(**row["diff"][mt]).fmt() for mt in METRICS] if "diff" in row else ["-"] * 3
-            n_fail = len(t["failed"].get(m, {}))
+            n_fail = sum(info["status"] != "missing" for info in t["failed"].get(m, {}).values())
             lines.append(f"| {m} | {row['final']['n']}{f' ({n_fail} failed)' if n_fail else ''} | "
                          + " | ".join(fmt + diff) + " |")
         lines += ["", "Mean and two-sided 95% Student-t interval over seeds; differences are seed-matched "
@@ -266,11 +268,20 @@ def markdown(report: dict, *, plots_rel: str = ".") -> str:
         if t["checks"]:
             lines += ["Mechanism checks:", ""] + [f"- {c}" for c in t["checks"]] + [""]
         for m, f in t["failed"].items():
+            missing = [s for s, info in f.items() if info["status"] == "missing"]
+            if missing:
+                lines.append(f"- not run: {m} seed{'s' if len(missing) > 1 else ''} {', '.join(missing)}")
             for s, info in f.items():
+                if info["status"] == "missing":
+                    continue
                 err = (info.get("error") or info["status"]).strip().splitlines()
                 lines.append(f"- failed: {m} seed {s}: {err[-1] if err else info['status']}")
         lines += ["", f"![{task}]({plots_rel}/{task}.png)", ""]
     return "\n".join(lines)
+
+
+def _all_missing(task: dict, method: str) -> bool:
+    return all(info["status"] == "missing" for info in task["failed"].get(method, {}).values())
 
 
 def write(out: Path, report: dict, *, doc: str | None) -> None:
