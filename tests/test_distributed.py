@@ -86,9 +86,10 @@ class _TwoLayers(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        from types import SimpleNamespace
+        from megatron.core.transformer import TransformerConfig
 
-        self.config = SimpleNamespace(qk_layernorm=False, sequence_parallel=False)
+        self.config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1,
+                                        calculate_per_token_loss=True)
         self.a = torch.nn.Parameter(torch.ones(3))
         self.b = torch.nn.Parameter(torch.ones(2))
         self.frozen = torch.nn.Parameter(torch.ones(4), requires_grad=False)
@@ -99,26 +100,36 @@ class _TwoLayers(torch.nn.Module):
 
 def _finalize_with_a_param_unused_on_rank_1():
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
-    from megatron_credit.distributed.grads import finalize_gradients
+    from megatron_credit.config import ParallelConfig
+    from megatron_credit import distributed
+    from megatron_credit.distributed.grads import finalize, grad_of, wrap_ddp
 
-    rank = dist.get_rank()
-    model = _TwoLayers()
-    x = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1)
-    model(x, use_b=rank == 0).backward()
-    had_b = model.b.grad is not None
-    finalize_gradients(model, dp_cp_group=dist.group.WORLD, tp_group=None)
-    return had_b, model.a.grad.clone(), model.b.grad.clone(), model.frozen.grad
+    distributed.initialize(ParallelConfig(), seed=1)  # DP = 2: megatron DDP reduces over its group
+    try:
+        rank = dist.get_rank()
+        model = _TwoLayers()
+        ddp = wrap_ddp(model)
+        out = []
+        for step in range(2):  # the second step after zero_grad_buffer: nothing left from the first
+            x = torch.tensor([1.0, 2.0, 3.0]) * (rank + 1) * (step + 1)
+            ddp(x, use_b=rank == 0).backward()
+            finalize(ddp)
+            out.append((grad_of(model.a).clone(), grad_of(model.b).clone()))
+            ddp.zero_grad_buffer()
+        return out, grad_of(model.frozen), ps.get_data_parallel_world_size()
+    finally:
+        distributed.destroy()
 
 
-def test_finalize_gradients_with_a_param_unused_on_one_rank(pool):
-    (had0, a0, b0, f0), (had1, a1, b1, f1) = pool.run(_finalize_with_a_param_unused_on_rank_1)
-    assert had0 and not had1
-    # d/da sum_r (a . x_r) = x_0 + x_1 = 3 x; b is used on rank 0 only: grad x_0[:2] on both ranks.
-    for a, b in ((a0, b0), (a1, b1)):
-        torch.testing.assert_close(a, torch.tensor([3.0, 6.0, 9.0]), rtol=0, atol=0)
-        torch.testing.assert_close(b, torch.tensor([1.0, 2.0]), rtol=0, atol=0)
-    assert f0 is None and f1 is None  # frozen params are not given a grad
+def test_megatron_ddp_sums_gradients_with_a_param_unused_on_one_rank(pool):
+    for steps, frozen, dp in pool.run(_finalize_with_a_param_unused_on_rank_1):
+        assert dp == 2 and frozen is None  # frozen params get no gradient buffer
+        for k, (a, b) in enumerate(steps, start=1):
+            # d/da sum_r (a . x_r) = x_0 + x_1 = 3 k x; b is used on rank 0 only: k x_0[:2] on both ranks.
+            torch.testing.assert_close(a, k * torch.tensor([3.0, 6.0, 9.0]), rtol=0, atol=0)
+            torch.testing.assert_close(b, k * torch.tensor([1.0, 2.0]), rtol=0, atol=0)
 
 
 def test_megatron_groups_and_seeds_on_gloo(pool):

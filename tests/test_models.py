@@ -95,7 +95,7 @@ def test_biases_megatron_cannot_place_are_refused():
 def test_sequence_parallel_local_spec_tags_every_norm():
     """Under sequence parallelism the local spec's norms (input, pre-MLP, q/k, and the block's final
     norm) are torch norms whose parameters carry ``sequence_parallel`` (their gradients are partial sums
-    over TP; ``finalize_gradients`` adds them up); without it megatron's own ``WrappedTorchNorm``."""
+    over TP; megatron's ``finalize_model_grads`` adds them up); without it megatron's own ``WrappedTorchNorm``."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from megatron_credit.models.gpt import SequenceParallelTorchNorm, gpt_decoder_block_spec, gpt_layer_spec

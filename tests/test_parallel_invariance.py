@@ -84,7 +84,7 @@ def _build(arch, parallel):
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
 
     hf = ModelConfig(architecture=arch).hf_config()
-    # Our loss is a plain sum over tokens and finalize_gradients sums over DP x CP: the schedule
+    # Our loss is a plain sum over tokens and megatron DDP sums over DP x CP: the schedule
     # must not divide it by the token count or the number of microbatches.
     return build_gpt_model(hf, transformer_config_from_hf(hf, parallel=parallel,
                                                           calculate_per_token_loss=True))
@@ -125,7 +125,7 @@ def _run_sharded(arch, tp, pp, cp, ref):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_credit import distributed
-    from megatron_credit.distributed.grads import finalize_gradients
+    from megatron_credit.distributed.grads import finalize, grad_of, wrap_ddp
     from megatron_credit.config import ParallelConfig
     from megatron_credit.losses.logprob import logprobs_and_entropy
     from megatron_credit.models.cpu_attention import load_balanced_positions
@@ -162,14 +162,13 @@ def _run_sharded(arch, tp, pp, cp, ref):
         batch = next(data_iterator)
         return model_chunk(batch, pos.expand(len(rows), -1), None), loss_func
 
+    ddp = wrap_ddp(model)  # the trainer's gradient path: megatron DDP + finalize_model_grads
     get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([ids]), model=[model], num_microbatches=1,
+        forward_step_func=forward_step, data_iterator=iter([ids]), model=[ddp], num_microbatches=1,
         # The global length: megatron's get_tensor_shapes divides by the CP size itself.
         seq_length=SEQ, micro_batch_size=len(rows), forward_only=False)
-    finalize_gradients(
-        model, dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True), tp_group=tp_group,
-        embedding_group=ps.get_embedding_group() if ps.is_rank_in_embedding_group() else None)
-    grads = [(_reference_name(model, n), _unshard(p.grad, p, tp_group))
+    finalize(ddp)
+    grads = [(_reference_name(model, n), _unshard(grad_of(p), p, tp_group))
              for n, p in model.named_parameters()]
     out = dict(grads=grads, same_init=same_init, tied_copy_equal=tied_copy_equal, rows=rows, pos=pos)
     if kept:
@@ -240,7 +239,7 @@ def test_tp2_tied_qwen3_with_qk_norm(pool2):
 
 def test_pp2_tied_embeddings_match_world_size_one(pool2):
     # Both stages hold the shared embedding (first: input, last: output copy); after
-    # finalize_gradients' embedding-group sum each copy's gradient equals the reference's.
+    # finalize_model_grads' embedding-group sum each copy's gradient equals the reference's.
     results = pool2.run(_case, QWEN3_TIED, 1, 2, 1)
     _check(results, tp=1)
     assert all(mine["tied_copy_equal"] for _, mine in results)

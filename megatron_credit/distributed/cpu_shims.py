@@ -21,7 +21,9 @@ patching:
    ``torch.cuda.synchronize()`` in ``p2p_communication.py`` ``_communicate``; and in
    ``dist_checkpointing/strategies/state_dict_saver.py`` (``device='cuda'`` in
    ``verify_global_md_reuse``, ``device=torch.cuda.current_device()`` in
-   ``save_state_dict_async_finalize``, 0.16.1 lines 204 / 252). Those modules see a ``torch`` proxy
+   ``save_state_dict_async_finalize``, 0.16.1 lines 204 / 252); and the gradient buffer of megatron's
+   DDP (``distributed/param_and_grad_buffer.py`` ``torch.zeros(..., device=torch.cuda.current_device())``,
+   0.16.1 line 806; its CUDA streams are only made with ``overlap_grad_reduce``, off on CPU). Those modules see a ``torch`` proxy
    whose CUDA requests resolve to the CPU; the rest of the process is untouched.
 3. ``models/common/embeddings/rope_utils.py`` ``get_pos_emb_on_this_cp_rank`` (CP > 1) pins memory
    and calls ``.cuda()``; the rotary module gets the same function without them.
@@ -34,9 +36,9 @@ patching:
 
 Not shimmed (callers avoid them on CPU): sequence parallel (the local-spec ``WrappedTorchNorm``
 asserts ``not config.sequence_parallel``: refused in ``transformer_config_from_hf``), the distributed
-optimizer (refuses CPU tensors), ``clip_grad_by_total_norm_fp32`` (asserts CUDA tensors; use
-``torch.nn.utils.clip_grad_norm_``), megatron DDP (0.17+ ``distributed/param_and_grad_buffer.py``
-calls ``torch.cuda.current_stream()``; on CPU gradients are summed with ``all_reduce_gradients``).
+optimizer and ``get_megatron_optimizer``'s mixed-precision optimizer (CUDA tensor-type checks:
+``torch.cuda.FloatTensor`` ...), ``clip_grad_by_total_norm_fp32`` (asserts CUDA tensors): the trainer
+steps its own AdamW (``trainer.optimizer``) on megatron DDP's gradient buffers.
 """
 from __future__ import annotations
 
@@ -91,6 +93,19 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(outer)
 
 
+class _NoStream:
+    """A CUDA stream's interface with nothing to wait for (CPU work runs in program order)."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
 class _CudaOnCpu(types.SimpleNamespace):
     """``torch.cuda`` as seen by a shimmed megatron module: the current device is the CPU."""
 
@@ -100,6 +115,14 @@ class _CudaOnCpu(types.SimpleNamespace):
     @staticmethod
     def current_device():
         return torch.device("cpu")
+
+    @staticmethod
+    def current_stream(device=None):
+        """param_and_grad_buffer.py (0.17+) waits on / records the current stream around its collectives:
+        CPU work is already ordered, so a stream whose methods do nothing."""
+        return _NoStream()
+
+    default_stream = current_stream
 
     @staticmethod
     def synchronize(device=None):
@@ -154,6 +177,9 @@ _SHIMMED_MODULES = (
     # verify_global_md_reuse: torch.tensor(..., device='cuda') (line 204);
     # save_state_dict_async_finalize: device=torch.cuda.current_device() (line 252).
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    # _ParamAndGradBuffer.__init__: the grad buffer torch.zeros(..., device=torch.cuda.current_device())
+    # (0.16.1 lines 800-806): megatron's DDP on CPU.
+    "megatron.core.distributed.param_and_grad_buffer",
 )
 _SHIMS_INSTALLED = False
 

@@ -1,74 +1,49 @@
-"""Gradient reduction without megatron's DDP (which needs CUDA buffers and streams).
+"""Gradients through megatron-core's ``DistributedDataParallel`` (on GPU and, with the CPU shims, on gloo).
 
-``finalize_gradients`` makes every rank's ``.grad`` the gradient of the summed loss of all ranks: a sum
-over DP x CP, over TP for parameters replicated there whose ranks saw different inputs (q/k norms, norms
-under sequence parallelism), and over the embedding group for tied embeddings across pipeline stages.
+``wrap_ddp`` puts a model chunk in megatron's DDP: every trainable parameter gets an fp32 ``main_grad``
+view into a contiguous buffer that the backward pass accumulates into (over micro-batches);
+``finalize_model_grads([ddp])`` then makes it the gradient of the summed loss of all ranks:
+
+- DP x CP: every DP and CP rank holds the gradient of its own samples / tokens for the same
+  parameters. With ``config.calculate_per_token_loss`` DDP's scaling factor is 1: a sum (the losses
+  are already shares of the global mini-batch, see ``trainer.actor``).
+- TP: per-head q/k norms are replicated over TP but each rank only sees its own heads, and under
+  sequence parallelism norms only see their sequence shard: summed (``_allreduce_non_tensor_model_
+  parallel_grads``).
+- Tied embeddings across pipeline stages: the first stage's input embedding and the last stage's
+  output copy are one parameter: summed over the embedding group.
+
+A parameter unused on one rank contributes zeros (its slot in the buffer stays zero).
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 
-def _all_reduce_flat(grads: list[torch.Tensor], group) -> None:
-    """Sum ``grads`` in place over ``group`` with one collective on a flat buffer.
+def wrap_ddp(model: torch.nn.Module, *, overlap_grad_reduce: bool = False):
+    """megatron DDP around ``model`` (a ``MegatronModule`` with ``.config``): fp32 gradient buffers; no
+    distributed optimizer. ``overlap_grad_reduce`` (GPU) starts each bucket's reduction during the
+    backward pass; the schedule then needs ``config.no_sync_func`` / ``grad_sync_func`` (set here)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    Every rank of ``group`` must pass tensors of the same shapes in the same order.
-    """
-    if not grads or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def _grads_for_reduce(params: Iterable[torch.nn.Parameter], group) -> list[torch.Tensor]:
-    """``.grad`` of every ``requires_grad`` param in the given order; a missing grad (the param was
-    unused on this rank) becomes zeros, so every rank's flat buffer has the same layout."""
-    params = [p for p in params if p.requires_grad]
-    if dist.get_world_size(group) > 1:
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-    return [p.grad for p in params if p.grad is not None]
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+                                               use_distributed_optimizer=False)
+    ddp = DistributedDataParallel(model.config, ddp_config, model)
+    if overlap_grad_reduce:
+        model.config.no_sync_func, model.config.grad_sync_func = ddp.no_sync, ddp.start_grad_sync
+    return ddp
 
 
-def all_reduce_gradients(params: Iterable[torch.nn.Parameter], *, group) -> None:
-    """Sum ``.grad`` of the ``requires_grad`` ``params`` over ``group`` (one flat buffer, one
-    collective). Every rank passes the same parameters in the same order; a ``None`` grad counts as
-    zeros (and is materialised) when the group has more than one rank."""
-    _all_reduce_flat(_grads_for_reduce(params, group), group)
+def finalize(ddp) -> None:
+    """Reduce the gradients of ``ddp`` (collective over DP x CP, TP and the embedding group)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads([ddp])  # no num_tokens: megatron would divide by it
 
 
-def finalize_gradients(model: torch.nn.Module, *, dp_cp_group, tp_group,
-                       embedding_group=None) -> None:
-    """Make ``.grad`` the gradient of the summed loss of all ranks (the CPU stand-in for megatron
-    DDP + ``finalize_model_grads``, which need CUDA buffers).
-
-    - ``dp_cp_group`` (``get_data_parallel_group(with_context_parallel=True)``): every DP and CP rank
-      holds the gradient of its own samples / tokens for the same parameters: sum.
-    - ``tp_group``: per-head q/k norms are replicated over TP but each rank only sees its own heads
-      (and under sequence parallelism, norms only see their sequence shard): sum, as
-      ``finalize_model_grads._allreduce_non_tensor_model_parallel_grads`` does.
-    - ``embedding_group`` (tied embeddings across pipeline stages, ``get_embedding_group()``; pass
-      it only on ranks in that group): the first stage's input embedding and the last stage's
-      output copy are one parameter: sum.
-    """
-    config = model.config
-    # All trainable params in module order (the same on every rank of a group), not only those
-    # with a grad: a param unused on one rank must still take its slot in the flat buffers.
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    all_reduce_gradients([p for _, p in named], group=dp_cp_group)
-    tp_summed = [p for n, p in named
-                 if (config.qk_layernorm and ("q_layernorm" in n or "k_layernorm" in n))
-                 or (config.sequence_parallel and getattr(p, "sequence_parallel", False))]
-    all_reduce_gradients(tp_summed, group=tp_group)
-    if embedding_group is not None and getattr(model, "share_embeddings_and_output_weights", False):
-        shared = model.shared_embedding_or_output_weight()
-        if shared is not None:
-            all_reduce_gradients([shared], group=embedding_group)
+def grad_of(p: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    """The gradient of ``p``: its DDP ``main_grad`` (fp32) when it has one, else ``.grad``."""
+    g = getattr(p, "main_grad", None)
+    return p.grad if g is None else g

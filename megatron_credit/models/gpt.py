@@ -137,7 +137,7 @@ class SequenceParallelTorchNorm:
     """megatron's ``WrappedTorchNorm`` (a ``torch.nn`` RMSNorm / LayerNorm) that accepts sequence
     parallelism: under SP each TP rank normalises its own sequence shard, so the weight's gradient is a
     partial sum; its parameters carry ``sequence_parallel = True`` (as TE's and apex's norms set them) and
-    ``distributed.grads.finalize_gradients`` sums them over TP. Used by the local (CPU) spec only."""
+    megatron's ``finalize_model_grads`` sums them over TP. Used by the local (CPU) spec only."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
                 zero_centered_gamma: bool = False, normalization: str = "LayerNorm"):

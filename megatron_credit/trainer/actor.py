@@ -11,16 +11,22 @@ returns ``aggregate_loss(l, m, global_num_tokens=N, ...)``: the micro-batch's sh
 whole mini-batch, with denominators summed over every micro-batch and DP rank beforehand
 (:mod:`megatron_credit.trainer.batch`). The TransformerConfig sets ``calculate_per_token_loss=True``,
 so megatron's ``forward_step_calc_loss`` neither divides by the token count the loss function returns
-nor by the number of micro-batches, and backpropagates the loss as it is: after the schedule, ``.grad``
-on each rank is the gradient of the sum of its micro-batches' shares. ``finalize_gradients`` sums it
-over DP x CP (each DP rank holds other rows, each CP rank other tokens of the same rows), so ``.grad`` is
-the gradient of the mini-batch loss, independent of the micro-batch split and of the DP / CP sizes. We
-never call megatron's ``finalize_model_grads`` (which, given a token total, would divide again).
+nor by the number of micro-batches, and backpropagates the loss as it is: after the schedule, each
+rank's gradient buffer holds the gradient of the sum of its micro-batches' shares.
 
-Why not megatron's DDP and distributed optimizer here: they allocate CUDA buffers and streams
-(``param_and_grad_buffer.py`` ``torch.cuda.current_device()``, the distributed optimizer's CUDA tensor
-type checks); the CPU path keeps the explicit reduction of ``distributed.grads.finalize_gradients`` and
-AdamW on fp32 master weights (``trainer.optimizer``). See the README ("What has and has not been run").
+Gradients: the policy is wrapped in megatron-core's ``DistributedDataParallel`` (fp32 gradient
+buffers, ``param.main_grad``, accumulated over micro-batches), and :meth:`Actor.optimizer_step` calls
+megatron's ``finalize_model_grads``: the DDP reduction over DP x CP, which with
+``calculate_per_token_loss`` is a sum (gradient scaling factor 1), the TP all-reduce of norms under
+sequence parallelism and of q/k norms, and the tied-embedding all-reduce across pipeline stages. So
+``main_grad`` is the gradient of the mini-batch loss, independent of the micro-batch split and of the
+DP / CP sizes. ``num_tokens`` is not passed (megatron would divide again).
+
+The step is AdamW on fp32 masters (``trainer.optimizer``), reading the fp32 ``main_grad``; the
+gradient norm, the clipping (the policy and a feature critic separately) and the skip of non-finite
+steps are :meth:`Actor.optimizer_step`'s. megatron's ``get_megatron_optimizer`` is not used: its
+mixed-precision and distributed optimizers check for CUDA tensor types, so neither runs on CPU, and it
+clips all parameters together (see the README, "What has and has not been run").
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_credit.distributed.grads import grad_of
 from megatron_credit.trainer.batch import MicroBatch
 
 LossFn = Callable[[MicroBatch, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], dict],
@@ -110,6 +117,10 @@ class Actor:
                 torch.nn.init.zeros_(head.bias)
             # On the model's device (megatron builds the stage on the current CUDA device on GPU).
             self.model.value_head = head.to(next(self.model.parameters()).device)
+        from megatron_credit.distributed.grads import wrap_ddp
+
+        # megatron DDP around the policy (and value head): fp32 gradient buffers, reduced in optimizer_step.
+        self.ddp = wrap_ddp(self.model)
         self.reference = None
         if with_reference:
             self.reference = build_gpt_model(hf_config, self.config, use_transformer_engine=te)
@@ -177,7 +188,7 @@ class Actor:
         """Run ``microbatches`` through megatron's forward(-backward) schedule.
 
         ``loss_fn`` runs on the last stage per micro-batch (see the module docstring for the loss
-        scale). Gradients accumulate into ``.grad`` (call :meth:`optimizer_step` after a mini-batch).
+        scale). Gradients accumulate into DDP's ``main_grad`` (call :meth:`optimizer_step` after a mini-batch).
         Returns the stats dict of each micro-batch on the last stage, ``[]`` elsewhere.
         All micro-batches must have one shape when PP > 1 (megatron communicates fixed shapes).
         ``capture`` (CompPO's behaviour pass): the final layer also computes its attention statistics;
@@ -187,6 +198,7 @@ class Actor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         model = self.reference if reference else self.model
+        runner = model if reference else self.ddp  # gradients go to DDP's buffers
         if self.pp_size > 1:
             shapes = {(mb.num_rows, mb.seq_len) for mb in microbatches}
             assert len(shapes) == 1, f"PP needs one micro-batch shape, got {shapes}"
@@ -215,6 +227,7 @@ class Actor:
 
         def forward_step(data_iterator: Iterator[MicroBatch], model_chunk):
             mb = next(data_iterator)
+            model_chunk = getattr(model_chunk, "module", model_chunk)  # the GPTModel inside DDP
             if capture and self.last_stage:
                 model_chunk.final_attention_capture.arm(query_start=mb.query_start, top_k=self.capture_top_k)
             self._collect = self.feature_critic and self.last_stage and not reference
@@ -228,10 +241,10 @@ class Actor:
 
         first = microbatches[0]
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-        model.train(not forward_only)
+        runner.train(not forward_only)
         with grad_ctx:
             out = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
+                forward_step_func=forward_step, data_iterator=iter(microbatches), model=[runner],
                 num_microbatches=len(microbatches),
                 # The global length: megatron's get_tensor_shapes divides it by CP (and TP with SP).
                 seq_length=first.seq_len, micro_batch_size=first.num_rows, forward_only=forward_only)
@@ -288,11 +301,12 @@ class Actor:
         (``shared``) is not counted; stages are summed over PP."""
         sq = torch.zeros((), dtype=torch.float64)
         for p in self.model.parameters() if params is None else params:
-            if p.grad is None or getattr(p, "shared", False):
+            g = grad_of(p)
+            if g is None or getattr(p, "shared", False):
                 continue
             if not getattr(p, "tensor_model_parallel", False) and self.tp_rank != 0:
                 continue
-            sq += p.grad.detach().double().pow(2).sum()
+            sq += g.detach().double().pow(2).sum()
         for group, size in ((self.tp_group, self.tp_size), (self.pp_group, self.pp_size)):
             if size > 1:
                 dist.all_reduce(sq, group=group)
@@ -316,12 +330,9 @@ class Actor:
         kept in ``last_critic_grad_norm``; the returned norm is then the policy's. ``critic_lr_scale``
         multiplies the critic group's learning rate. A step whose gradient norm (or loss) is not finite is
         skipped: gradients are dropped, the parameters and the optimizer state are untouched."""
-        from megatron_credit.distributed import grads
+        from megatron_credit.distributed.grads import finalize
 
-        ps = self.ps
-        grads.finalize_gradients(
-            self.model, dp_cp_group=self.dp_cp_group, tp_group=self.tp_group,
-            embedding_group=ps.get_embedding_group() if ps.is_rank_in_embedding_group() else None)
+        finalize(self.ddp)  # DP x CP sum, TP norms, tied embeddings (no num_tokens: already global shares)
         clip = self.recipe.optim.clip_grad if clip is None else clip
         sets = self._param_sets()
         clips = [clip, clip if critic_clip is None else critic_clip][: len(sets)]
@@ -333,8 +344,8 @@ class Actor:
                 if c > 0 and float(norm) > c:
                     coef = c / (float(norm) + 1e-6)
                     for p in params:
-                        if p.grad is not None:
-                            p.grad.mul_(coef)
+                        if grad_of(p) is not None:
+                            grad_of(p).mul_(coef)
             for g in self.optimizer.param_groups:
                 is_critic = g.get("name") == "critic"
                 g["lr"] = lr * g.get("lr_scale", 1.0) * (critic_lr_scale if is_critic else 1.0)
@@ -342,6 +353,7 @@ class Actor:
             self.optimizer_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
+        self.ddp.zero_grad_buffer()
         return norms[0], ok
 
     # -- weights in ------------------------------------------------------------------------------------

@@ -64,11 +64,15 @@ class MasterWeightsAdamW:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Upcast the model's gradients into the masters, step them, write the weights back."""
-        if self.mixed:
-            for p, m in zip(self.model_params, self.masters):
-                if m is not p:
-                    m.grad = None if p.grad is None else p.grad.detach().float()
+        """Upcast the model's gradients into the masters, step them, write the weights back.
+
+        A parameter's gradient is megatron DDP's ``main_grad`` (fp32) when it has one, else ``.grad``."""
+        for p, m in zip(self.model_params, self.masters):
+            g = getattr(p, "main_grad", None)
+            if g is not None:
+                m.grad = g if g.dtype == m.dtype else g.float()  # a view of the buffer: no copy
+            elif m is not p:
+                m.grad = None if p.grad is None else p.grad.detach().float()
         self.inner.step()
         if self.mixed:
             for p, m in zip(self.model_params, self.masters):
