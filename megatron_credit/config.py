@@ -89,8 +89,9 @@ class ClusterConfig:
     gpu: str = "h100-80gb"
     """GPU kind, a key of ``megatron_credit.planning.GPUS``."""
     distributed_optimizer: bool = False
-    """Plan optimizer states sharded over DP x CP (megatron's distributed optimizer). The trainer does not
-    shard them yet (README "Not yet in the trainer"): recipes meant to run now say false."""
+    """Plan optimizer states sharded over DP x CP (megatron's distributed optimizer). The run shards them
+    with ``optim.backend: megatron`` + ``optim.distributed_optimizer: true`` (which the planner also
+    follows); true here without them is refused (the plan would assume what the run does not do)."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -239,6 +240,12 @@ class Recipe:
     """Logs and pictures."""
     seed: int = 1234
     """Seed of every generator (model init, dropout, data, sampling)."""
+
+    def __post_init__(self) -> None:
+        if self.cluster.distributed_optimizer and not self.optim.distributed_optimizer:
+            raise ValueError("cluster.distributed_optimizer: true plans sharded optimizer states that this run would "
+                             "not shard: set optim.backend: megatron and optim.distributed_optimizer: true (or "
+                             "cluster.distributed_optimizer: false)")
 
 
 TINY_QWEN2: Mapping[str, Any] = types.MappingProxyType(dict(

@@ -267,14 +267,15 @@ RESIDENT = ("weights", "gradients", "optimizer", "critic", "reference", "reserve
 def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
          distributed_optimizer: Optional[bool] = None) -> Plan:
     """Check ``recipe``'s layout on ``nodes`` x ``gpus_per_node`` GPUs of kind ``gpu`` and estimate one
-    GPU's peak memory (module docstring). ``distributed_optimizer`` defaults to ``cluster.distributed_optimizer``."""
+    GPU's peak memory (module docstring). ``distributed_optimizer`` defaults to what the run does
+    (``optim.distributed_optimizer``, or ``cluster.distributed_optimizer``)."""
     from megatron_credit.data.context_parallel import required_multiple
     from megatron_credit.models.hf_config import check_parallel_fits_model
 
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is not one of {sorted(GPUS)}")
     if distributed_optimizer is None:
-        distributed_optimizer = recipe.cluster.distributed_optimizer
+        distributed_optimizer = recipe.optim.distributed_optimizer or recipe.cluster.distributed_optimizer
     a = Architecture.from_hf(hf_config)
     p, r, t = recipe.parallel, recipe.rollout, recipe.train
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size

@@ -168,6 +168,14 @@ class OptimConfig:
     """Length of the cosine decay in optimizer steps (its own length: not ``train.steps``)."""
     critic_lr: float = 1e-3
     """Learning rate of the value head (PPO)."""
+    backend: str = "local"
+    """Who steps the weights. ``local``: AdamW on fp32 masters (``trainer/optimizer.py``), the policy and a
+    feature critic (CompPO) clipped separately. ``megatron``: megatron-core's ``get_megatron_optimizer``
+    (Adam, fp32 main params for bf16, one clip over all parameters; the distributed optimizer with
+    ``distributed_optimizer``). Both read megatron DDP's fp32 gradient buffers."""
+    distributed_optimizer: bool = False
+    """Shard the optimizer states (and fp32 main params) over DP x CP: megatron's distributed optimizer.
+    Needs ``backend: megatron``."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -178,6 +186,11 @@ class OptimConfig:
             raise ValueError("optim.decay_steps must be >= 1 with optim.schedule: cosine")
         if self.warmup_steps < 0 or self.clip_grad < 0:
             raise ValueError("optim.warmup_steps and optim.clip_grad must be >= 0")
+        if self.backend not in ("local", "megatron"):
+            raise ValueError(f"optim.backend must be local or megatron, got {self.backend!r}")
+        if self.distributed_optimizer and self.backend != "megatron":
+            raise ValueError("optim.distributed_optimizer: true needs optim.backend: megatron (the local AdamW "
+                             "keeps every optimizer state of its shard)")
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (0-based).

@@ -53,3 +53,17 @@ def test_yaml_infinity_override_is_refused():
     with pytest.raises(ValueError, match=r"optim.lr must be a finite number, got inf \(float\)"):
         recipe_from_dict({}, overrides=["optim.lr=.inf"])
     assert recipe_from_dict({}, overrides=["optim.lr=1e-3"]).optim.lr == 1e-3
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["optim.backend=deepspeed"], r"optim.backend must be local or megatron, got 'deepspeed'"),
+    (["optim.distributed_optimizer=true"], r"optim.distributed_optimizer: true needs optim.backend: megatron"),
+    (["cluster.distributed_optimizer=true"],
+     r"cluster.distributed_optimizer: true plans sharded optimizer states that this run would not shard"),
+])
+def test_optimizer_backend_choices_are_checked(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        recipe_from_dict({}, overrides=overrides)
+    ok = recipe_from_dict({}, overrides=["optim.backend=megatron", "optim.distributed_optimizer=true",
+                                         "cluster.distributed_optimizer=true"])
+    assert ok.optim.backend == "megatron" and ok.optim.distributed_optimizer

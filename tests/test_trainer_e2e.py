@@ -86,6 +86,20 @@ def test_every_algorithm_trains_two_iterations(pool, tmp_path, algorithm):
         assert "critic/value_loss" in rows[0] and "critic/explained_var" in rows[0]
 
 
+def test_megatron_distributed_optimizer_trains_after_the_warm_up(pool, tmp_path):
+    # The supervised warm-up steps a second megatron optimizer of the same kind; the run's optimizer then
+    # reloads its fp32 copies from the warmed-up model and trains (same warm-up cache as the local runs).
+    rows = pool.run(_train, str(tmp_path), "none", ["algorithm.name=ppo", "optim.backend=megatron",
+                                                    "optim.distributed_optimizer=true"])[0]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["actor/grad_norm"] > 0 and r["actor/skipped_steps"] == 0
+        assert r["mismatch/logprob_abs_mean"] < 1e-4  # engine and actor hold the same weights
+    local = pool.run(_train, str(tmp_path / "local"), "none", ["algorithm.name=ppo"])[0]
+    assert rows[0]["reward/mean"] == local[0]["reward/mean"]  # the same warmed-up policy samples the same
+    assert rows[0]["actor/pg_loss"] == pytest.approx(local[0]["actor/pg_loss"], rel=1e-5, abs=1e-7)
+
+
 def _cli(*args, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *args], capture_output=True,
@@ -96,7 +110,11 @@ CLI_TINY = ["warmup.steps=0", "train.val_every=0", "rollout.prompts_per_step=8",
             "logging.plots=false", "algorithm.name=ppo", "checkpoint.every=2"]
 
 
-def test_resume_continues_bit_identically_and_reshards(tmp_path):
+@pytest.mark.parametrize("backend", [[], ["optim.backend=megatron", "optim.distributed_optimizer=true"]],
+                         ids=["local", "megatron+distopt"])
+def test_resume_continues_bit_identically_and_reshards(tmp_path, backend):
+    # megatron+distopt: megatron's optimizer state (fully_sharded_model_space) saved, resumed, resharded.
+    CLI_TINY = [*globals()["CLI_TINY"], *backend]
     a, b, c = (str(tmp_path / x) for x in "abc")
     for out, steps in ((a, 4), (b, 4)):
         assert _cli("--output-dir", out, *CLI_TINY, f"train.steps={steps}").returncode == 0

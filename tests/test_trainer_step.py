@@ -166,3 +166,42 @@ def test_a_non_finite_step_is_skipped_not_applied(pool1):
     out = pool1.run(_run_fixed, {}, "dapo", poison=0)[0]
     assert out[0]["actor/skipped_steps"] == 1.0 and not out[0]["changed"]
     assert out[1]["actor/skipped_steps"] == 0.0 and out[1]["changed"]
+
+
+MEGATRON_LAYOUTS = {"ws1": None, "DP=2": {}, "TP=2": {"tensor_model_parallel_size": 2},
+                    "PP=2": {"pipeline_model_parallel_size": 2}}
+
+
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["megatron", "megatron+distopt"])
+def test_megatron_optimizer_matches_the_local_one(pool1, pool2, distributed_optimizer):
+    # optim.backend: megatron (get_megatron_optimizer; with the distributed optimizer the states and fp32
+    # main params are sharded over DP) takes the same steps as the local AdamW: PPO (the value head in its
+    # own lr group), weight decay on matrices only, the clip active (grad norms ~2 > 0.5).
+    common = ["optim.clip_grad=0.5", "optim.weight_decay=0.1", "optim.critic_lr=2e-3"]
+    ref = pool1.run(_run_fixed, {}, "ppo", overrides=common)[0]
+    assert ref[1]["actor/grad_norm"] > 0.5 and ref[1]["critic/value_loss"] > 0
+    mine = common + ["optim.backend=megatron"] + (["optim.distributed_optimizer=true"] if distributed_optimizer else [])
+    for name, layout in MEGATRON_LAYOUTS.items():
+        pool = pool1 if layout is None else pool2
+        got = pool.run(_run_fixed, layout or {}, "ppo", overrides=mine)[0]
+        _assert_same(ref, got, f"megatron optimizer {name}")
+        assert got[1]["changed"]
+
+
+def test_megatron_optimizer_skips_a_non_finite_step(pool1):
+    out = pool1.run(_run_fixed, {}, "dapo", poison=0, overrides=["optim.backend=megatron"])[0]
+    assert out[0]["actor/skipped_steps"] == 1.0 and not out[0]["changed"]
+    assert out[1]["actor/skipped_steps"] == 0.0 and out[1]["changed"]
+
+
+def _refusal(overrides):
+    try:
+        _run_fixed({}, "comppo", overrides=overrides)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_megatron_optimizer_refuses_a_separately_clipped_critic(pool1):
+    msg = pool1.run(_refusal, ["optim.backend=megatron"])[0]
+    assert msg is not None and "optim.backend: megatron" in msg and "optim.backend: local" in msg

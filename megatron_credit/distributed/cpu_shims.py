@@ -34,11 +34,14 @@ patching:
    its other work: attributes, zero-filling the last stage's copy), then the same all-reduce runs
    on the CPU tensor.
 
-Not shimmed (callers avoid them on CPU): sequence parallel (the local-spec ``WrappedTorchNorm``
-asserts ``not config.sequence_parallel``: refused in ``transformer_config_from_hf``), the distributed
-optimizer and ``get_megatron_optimizer``'s mixed-precision optimizer (CUDA tensor-type checks:
-``torch.cuda.FloatTensor`` ...), ``clip_grad_by_total_norm_fp32`` (asserts CUDA tensors): the trainer
-steps its own AdamW (``trainer.optimizer``) on megatron DDP's gradient buffers.
+5. megatron's optimizers check tensor types by name: ``Float16OptimizerWithFloat16Params.__init__``
+   and ``DistributedOptimizer.__init__`` accept ``torch.cuda.{Half,BFloat16,Float}Tensor`` parameters
+   only (0.16.1 optimizer.py 671 / 690, distrib_optimizer.py 361 / 420 / 582), and
+   ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` gradients (clip_grads.py 167).
+   Those callables run with ``tensor.type()`` answering the CUDA name of a CPU tensor; what they do
+   with each dtype is megatron's own code.
+
+Sequence parallelism is not a shim: the local spec's norm (``models/gpt.py``) supports it.
 """
 from __future__ import annotations
 
@@ -180,6 +183,19 @@ _SHIMMED_MODULES = (
     # _ParamAndGradBuffer.__init__: the grad buffer torch.zeros(..., device=torch.cuda.current_device())
     # (0.16.1 lines 800-806): megatron's DDP on CPU.
     "megatron.core.distributed.param_and_grad_buffer",
+    # optimizer.py: found_inf / _scale_one / _dummy_overflow_buf torch.tensor(..., device='cuda') (0.16.1
+    # lines 473-485, 907), torch.cuda.current_device() (1141); clip_grads.py: device='cuda' buffers
+    # (90-115, 174, 207); distrib_optimizer.py: buffers on torch.cuda.current_device() (791, 1077).
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+)
+# Shim 5: (module, qualified name) of the callables whose CUDA tensor-type checks see CUDA names.
+_TYPE_CHECKED = (
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params.__init__"),  # 671, 690
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.__init__"),  # 361, 420, 582
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),  # 167
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),  # the same, imported by name
 )
 _SHIMS_INSTALLED = False
 
@@ -188,6 +204,53 @@ _SHIMS_INSTALLED = False
 _RNG_SHIM_ATTRIBUTES = ("_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
                         "_DATA_PARALLEL_RNG_TRACKER_NAME", "_MODEL_PARALLEL_RNG_TRACKER_NAME",
                         "_EXPERT_PARALLEL_RNG_TRACKER_NAME", "get_cuda_rng_tracker")
+
+
+@contextlib.contextmanager
+def _cuda_type_names():
+    """Shim 5: within the block, ``tensor.type()`` (no arguments) of a CPU tensor answers the CUDA name
+    (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``), so megatron's optimizers accept CPU
+    parameters; their dtype branches are unchanged. Process-wide while the block runs (the wrapped
+    constructors and the clip run on the calling thread, with no other work in between)."""
+    original = torch.Tensor.type
+
+    def type_(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") \
+                and not name.startswith("torch.cuda."):
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    torch.Tensor.type = type_
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _with_cuda_type_names(fn):
+    if getattr(fn, "_cpu_type_shim", False):
+        return fn
+
+    def wrapper(*args, **kwargs):
+        with _cuda_type_names():
+            return fn(*args, **kwargs)
+
+    wrapper._cpu_type_shim = True
+    wrapper.__wrapped__, wrapper.__doc__, wrapper.__name__ = fn, fn.__doc__, fn.__name__
+    return wrapper
+
+
+def _resolve(module_name: str, qualname: str):
+    """(owner, attribute, value) of ``module.qualname`` or None."""
+    owner = importlib.import_module(module_name)
+    *path, attr = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return None
+    value = owner.__dict__.get(attr) if isinstance(owner, type) else getattr(owner, attr, None)
+    return None if value is None else (owner, attr, value)
 
 
 def cpu_shim_problems() -> list[str]:
@@ -215,6 +278,9 @@ def cpu_shim_problems() -> list[str]:
                 list(inspect.signature(fn).parameters) != ["pos_emb", "seq_dim", "cp_group"]:
             problems.append(f"{label}.get_pos_emb_on_this_cp_rank{inspect.signature(fn)} is not "
                             "(pos_emb, seq_dim, cp_group) (shim 3)")
+    for module_name, qualname in _TYPE_CHECKED:
+        if _resolve(module_name, qualname) is None:
+            problems.append(f"{module_name}.{qualname} is missing (shim 5)")
     language_module = importlib.import_module(_LANGUAGE_MODULE)
     cls = getattr(language_module, "LanguageModule", None)
     for attr in ("setup_embeddings_and_output_layer", "_is_in_embd_group",
@@ -250,6 +316,10 @@ def install_cpu_shims() -> None:
     cls = importlib.import_module(_LANGUAGE_MODULE).LanguageModule
     cls.setup_embeddings_and_output_layer = _cpu_setup_embeddings_and_output_layer(
         cls.setup_embeddings_and_output_layer)
+    # Shim 5: megatron's optimizers check parameters / gradients for CUDA tensor types.
+    for module_name, qualname in _TYPE_CHECKED:
+        owner, attr, value = _resolve(module_name, qualname)
+        setattr(owner, attr, _with_cuda_type_names(value))
     _SHIMS_INSTALLED = True
 
 

@@ -22,14 +22,15 @@ from typing import Optional
 import torch
 
 
-def wrap_ddp(model: torch.nn.Module, *, overlap_grad_reduce: bool = False):
-    """megatron DDP around ``model`` (a ``MegatronModule`` with ``.config``): fp32 gradient buffers; no
-    distributed optimizer. ``overlap_grad_reduce`` (GPU) starts each bucket's reduction during the
+def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False):
+    """megatron DDP around ``model`` (a ``MegatronModule`` with ``.config``): fp32 gradient buffers;
+    ``use_distributed_optimizer``: gradients reduce-scattered, parameters in a contiguous buffer that the
+    distributed optimizer all-gathers after its step. ``overlap_grad_reduce`` (GPU) starts each bucket's reduction during the
     backward pass; the schedule then needs ``config.no_sync_func`` / ``grad_sync_func`` (set here)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
-                                               use_distributed_optimizer=False)
+                                               use_distributed_optimizer=use_distributed_optimizer)
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     if overlap_grad_reduce:
         model.config.no_sync_func, model.config.grad_sync_func = ddp.no_sync, ddp.start_grad_sync

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_credit.distributed.grads import grad_of
+from megatron_credit.trainer.optimizer import MasterWeightsAdamW
 from megatron_credit.trainer.batch import MicroBatch
 
 LossFn = Callable[[MicroBatch, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], dict],
@@ -119,8 +120,13 @@ class Actor:
             self.model.value_head = head.to(next(self.model.parameters()).device)
         from megatron_credit.distributed.grads import wrap_ddp
 
+        o = recipe.optim
+        self.megatron_optimizer = o.backend == "megatron"
+        if self.megatron_optimizer and self.feature_critic:
+            raise ValueError("optim.backend: megatron clips all parameters together, but this algorithm's critic "
+                             "(CompPO's) is clipped on its own: use optim.backend: local")
         # megatron DDP around the policy (and value head): fp32 gradient buffers, reduced in optimizer_step.
-        self.ddp = wrap_ddp(self.model)
+        self.ddp = wrap_ddp(self.model, use_distributed_optimizer=o.distributed_optimizer)
         self.reference = None
         if with_reference:
             self.reference = build_gpt_model(hf_config, self.config, use_transformer_engine=te)
@@ -155,22 +161,56 @@ class Actor:
         for layer in layers:
             layer.register_forward_hook(keep)
 
-    def _build_optimizer(self):
-        """AdamW on fp32 masters (``trainer.optimizer``); no decay on biases and norms (1-D); the value
-        head in its own group (``critic_lr``)."""
+    def _build_optimizer(self, *, weight_decay: Optional[float] = None):
+        """AdamW on fp32 masters (``trainer.optimizer``) or megatron's optimizer (``optim.backend``); no decay
+        on biases and norms (1-D); the value head in its own group (``critic_lr``). ``weight_decay``
+        (default ``optim.weight_decay``): the supervised warm-up builds a second one without decay."""
         from megatron_credit.trainer.optimizer import MasterWeightsAdamW
 
         o = self.recipe.optim
+        wd = o.weight_decay if weight_decay is None else weight_decay
+        if self.megatron_optimizer:
+            return self._build_megatron_optimizer(weight_decay=wd)
         decay, no_decay, critic = [], [], []
         for name, p in self.model.named_parameters():
             if not p.requires_grad:
                 continue
             (critic if name.startswith("value_head.") else no_decay if p.dim() < 2 else decay).append(p)
-        groups = [{"params": decay, "weight_decay": o.weight_decay, "lr_scale": 1.0},
+        groups = [{"params": decay, "weight_decay": wd, "lr_scale": 1.0},
                   {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
                   {"params": critic, "weight_decay": 0.0, "lr_scale": o.critic_lr / o.lr, "name": "critic"}]
         return MasterWeightsAdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2),
                                   eps=o.eps)
+
+    def build_optimizer(self, *, weight_decay: float):
+        """Another optimizer of this actor's kind over the same parameters (the supervised warm-up's)."""
+        return self._build_optimizer(weight_decay=weight_decay)
+
+    def _build_megatron_optimizer(self, *, weight_decay: float):
+        """``get_megatron_optimizer`` over the DDP-wrapped model: Adam with decoupled weight decay, megatron's
+        standard groups (no decay on biases and 1-D parameters) plus the value head's (``critic_lr``,
+        no decay). Gradient clipping is done in :meth:`optimizer_step`'s order
+        (norm, finiteness check, clip, step), with megatron's own norm and clip."""
+        from megatron.core.optimizer import OptimizerConfig, ParamKey, get_megatron_optimizer
+        from megatron.core.optimizer import get_standard_config_overrides
+
+        o, dtype = self.recipe.optim, self.config.params_dtype
+        if dtype == torch.float16:
+            raise ValueError("optim.backend: megatron with model.params_dtype float16 needs loss scaling, which the "
+                             "trainer does not do: use bfloat16 or float32")
+        cfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=weight_decay,
+                              adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
+                              bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                              use_distributed_optimizer=o.distributed_optimizer)
+        overrides = get_standard_config_overrides(cfg)
+        # The value head: no decay, lr x critic_lr / lr. megatron tells groups apart (in checkpoints too) by
+        # (wd_mult, lr_mult, ...) only, so the head's group differs from the no-decay one by its lr_mult or
+        # is that group (critic_lr == lr).
+        head = {"wd_mult": 0.0} if o.critic_lr == o.lr else {"wd_mult": 0.0, "lr_mult": o.critic_lr / o.lr}
+        overrides[ParamKey(name="*value_head.*")] = head
+        opt = get_megatron_optimizer(cfg, [self.ddp], config_overrides=overrides)
+        opt.trainer_weight_decay = weight_decay
+        return opt
 
     @property
     def layer_offset(self) -> int:
@@ -333,6 +373,8 @@ class Actor:
         from megatron_credit.distributed.grads import finalize
 
         finalize(self.ddp)  # DP x CP sum, TP norms, tied embeddings (no num_tokens: already global shares)
+        if not isinstance(self.optimizer, MasterWeightsAdamW):
+            return self._megatron_step(lr=lr, loss_finite=loss_finite, clip=clip, critic_lr_scale=critic_lr_scale)
         clip = self.recipe.optim.clip_grad if clip is None else clip
         sets = self._param_sets()
         clips = [clip, clip if critic_clip is None else critic_clip][: len(sets)]
@@ -355,6 +397,35 @@ class Actor:
         self.model.zero_grad(set_to_none=True)
         self.ddp.zero_grad_buffer()
         return norms[0], ok
+
+    def _megatron_step(self, *, lr: float, loss_finite: bool, clip: Optional[float],
+                       critic_lr_scale: float) -> tuple[torch.Tensor, bool]:
+        """megatron's ``ChainedOptimizer.step`` with the trainer's checks in between: main grads prepared,
+        megatron's global norm (over DP x CP shards with the distributed optimizer, TP and PP), the step
+        skipped when the loss or the norm is not finite, then the clip and the update."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        opt, o = self.optimizer, self.recipe.optim
+        clip = o.clip_grad if clip is None else clip
+        if critic_lr_scale != 1.0:  # the phase controller's critic knob: CompPO's, refused with this backend
+            raise ValueError("optim.backend: megatron has no separate critic learning rate to scale")
+        for g in opt.param_groups:  # the schedule's lr, scaled per group as megatron's scheduler does
+            g["lr"] = lr * g["lr_mult"]
+            g["weight_decay"] = opt.trainer_weight_decay * g["wd_mult"]
+        found_inf = opt.prepare_grads()
+        norm = torch.tensor(float(opt.get_grad_norm()), dtype=torch.float64)
+        ok = loss_finite and not found_inf and bool(torch.isfinite(norm))
+        if ok:
+            if clip > 0:
+                for inner in opt.chained_optimizers:
+                    params = inner.get_parameters()
+                    if params:
+                        clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=float(norm))
+            ok = bool(opt.step_with_ready_grads())
+            self.optimizer_steps += int(ok)
+        opt.zero_grad(set_to_none=True)
+        self.ddp.zero_grad_buffer()
+        return norm, ok
 
     # -- weights in ------------------------------------------------------------------------------------
     def load_initial_weights(self, *, seed: int) -> str:
@@ -380,9 +451,16 @@ class Actor:
         local = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if not k.startswith("value_head.")}
         load_hf_into_local_state(local, get, family_for_config(self.hf_config), self.hf_config,
                                  tp_rank=self.tp_rank, tp_size=self.tp_size, layer_offset=self.layer_offset)
-        self.optimizer.sync_masters_from_model()
+        self.sync_optimizer_from_model()
         self.reset_reference()
         return source
+
+    def sync_optimizer_from_model(self) -> None:
+        """The optimizer's fp32 copies := the model's weights (after weights are loaded into the model)."""
+        if not isinstance(self.optimizer, MasterWeightsAdamW):
+            self.optimizer.reload_model_params()
+        else:
+            self.optimizer.sync_masters_from_model()
 
     # -- weights out -----------------------------------------------------------------------------------
     def hf_weight_buckets(self, bucket_bytes: int = 1 << 28):

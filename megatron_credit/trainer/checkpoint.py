@@ -5,7 +5,9 @@ Layout of ``<run>/checkpoints/iter_0000012/``:
 
 - ``model_optim/``: megatron ``torch_dist`` checkpoint of the model's sharded state dict and the AdamW
   moments sharded exactly like their parameters (megatron's ``optim_state_to_sharding_state``), so a run
-  resumes under another TP / PP / CP / DP layout (megatron reshards on load);
+  resumes under another TP / PP / CP / DP layout (megatron reshards on load); with ``optim.backend:
+  megatron``, megatron's optimizer's own ``sharded_state_dict`` (the distributed optimizer's
+  ``fully_reshardable`` format, which reshards too);
 - ``rank_00003.pt``: this rank's RNG states and data cursor (``torch.load(weights_only=True)``: no
   pickled code runs from a checkpoint);
 - ``meta.json``: step, layout, optimizer step count; written last.
@@ -88,6 +90,18 @@ def _sharded_state(actor, *, for_load: bool) -> dict[str, Any]:
                                                             optim_state_to_sharding_state)
 
     opt = actor.optimizer
+    if actor.megatron_optimizer:  # megatron's own sharded optimizer state (reshardable, distributed or not)
+        if for_load:
+            _materialize_adam_state(opt)
+        model_sd = actor.model.sharded_state_dict()
+        # fully_reshardable: each parameter's state in model space (gathered on DP rank 0 for the save), so
+        # the distributed optimizer's state reshards over TP / PP / DP (0.16.1 refuses to save the older
+        # fully_sharded_model_space's flattened ranges).
+        # On CPU the exchange goes through the gloo DP group (``_mem_efficient``: megatron's NCCL path calls
+        # ``.cuda()``); interchangeable formats for megatron, so a GPU run resumes a CPU save and back.
+        meta = {"distrib_optim_sharding_type": "fully_reshardable",
+                "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available()}
+        return {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=for_load, metadata=meta)}
     masters = [m for g in opt.param_groups for m in g["params"]]  # the model's params when fp32
     for m, p in zip(masters, opt.model_params):
         st = opt.state[m]
@@ -104,7 +118,29 @@ def _sharded_state(actor, *, for_load: bool) -> dict[str, Any]:
     return {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}
 
 
+@torch.no_grad()
+def _materialize_adam_state(opt) -> None:
+    """Give a fresh megatron optimizer the Adam state a load fills in (``step`` included: without Apex / TE
+    megatron's ``DistributedOptimizer.state_dict`` reads one ``step`` from every parameter's state): one
+    step with zero gradients at lr 0, which leaves every parameter exactly as it is."""
+    for inner in opt.chained_optimizers:
+        torch_opt = inner.optimizer
+        if len(torch_opt.state) > 0:
+            continue
+        lrs = [g["lr"] for g in torch_opt.param_groups]
+        for g in torch_opt.param_groups:
+            g["lr"] = 0.0
+            for p in g["params"]:
+                p.grad = torch.zeros_like(p)
+        torch_opt.step()
+        torch_opt.zero_grad(set_to_none=True)
+        for g, lr in zip(torch_opt.param_groups, lrs):
+            g["lr"] = lr
+
+
 def _adam_step(actor) -> float:
+    if actor.megatron_optimizer:  # in megatron's optimizer state itself
+        return 0.0
     steps = {float(st["step"]) for st in actor.optimizer.state.values() if "step" in st}
     return max(steps, default=0.0)
 
@@ -168,6 +204,10 @@ def load(path: str, actor, *, layout: dict[str, int]) -> tuple[int, Optional[dic
     if bad:
         raise ValueError(f"checkpoint {path}: model keys do not match this model: {bad[:5]}")
     opt = actor.optimizer
+    if actor.megatron_optimizer:
+        _load_megatron_optimizer(opt, state["optimizer"])
+        actor.optimizer_steps = int(meta["optimizer_steps"])
+        return _finish_load(path, meta, layout)
     masters = [m for g in opt.param_groups for m in g["params"]]
     adam_step = torch.tensor(float(meta["adam_step"]))
     for i, (m, p) in enumerate(zip(masters, opt.model_params)):
@@ -178,6 +218,43 @@ def load(path: str, actor, *, layout: dict[str, int]) -> tuple[int, Optional[dic
             with torch.no_grad():
                 m.copy_(loaded["master_param"])
     actor.optimizer_steps = int(meta["optimizer_steps"])
+    return _finish_load(path, meta, layout)
+
+
+def _load_megatron_optimizer(opt, state) -> None:
+    """``opt.load_state_dict(state)``, with the distributed optimizer's parameter state loaded after the
+    torch Adam ``step`` entries are set aside: without Apex / TE, megatron 0.16.1's ``load_state_dict``
+    puts ``step`` into every parameter's state and then ``_set_main_param_and_optimizer_states`` expects a
+    loaded tensor for every state key, ``step`` included (a KeyError). The step is restored after, as a
+    tensor of its own per parameter."""
+    inners = opt.chained_optimizers
+    states = [state] if len(inners) == 1 else (
+        [v for _, v in sorted(state.items())] if isinstance(state, dict) else list(state))
+    for inner, st in zip(inners, states):
+        param_state = st.pop("param_state", None)
+        kind = st.pop("param_state_sharding_type", None)
+        inner.load_state_dict(st)
+        # megatron's torch-Adam path gives every parameter the same ``step`` tensor object, which Adam then
+        # increments in place once per parameter: each parameter gets its own.
+        for p_state in inner.optimizer.state.values():
+            if "step" in p_state:
+                p_state["step"] = p_state["step"].clone()
+        if param_state is None:
+            continue
+        if kind != "fully_reshardable":
+            raise ValueError(f"distributed optimizer state of type {kind!r}: this trainer saves fully_reshardable")
+        torch_state = inner.optimizer.state
+        steps = {p: torch_state[p].pop("step") for p in list(torch_state) if "step" in torch_state[p]}
+        try:
+            inner.load_parameter_state_from_fully_reshardable(param_state)
+        finally:
+            for p, step in steps.items():
+                torch_state[p]["step"] = step
+    if len(inners) > 1:
+        opt._synchronize_steps()
+
+
+def _finish_load(path: str, meta: dict[str, Any], layout: dict[str, int]):
     extras = None
     if meta.get("layout") == layout:
         rank = dist.get_rank() if dist.is_initialized() else 0

@@ -92,15 +92,12 @@ def run_warmup(actor, task: ArithmeticTask | ChainTask, tokenizer, *, recipe, dp
         missing, unexpected = actor.model.load_state_dict(
             torch.load(path, map_location="cpu", weights_only=True), strict=False)
         assert not unexpected and all(k.startswith("value_head.") for k in missing), (missing, unexpected)
-        actor.optimizer.sync_masters_from_model()
+        actor.sync_optimizer_from_model()
         actor.reset_reference()
         return True
     if w.seed is not None:
         actor.load_initial_weights(seed=w.seed)  # the policy only: value_head.* is not touched
-    from megatron_credit.trainer.optimizer import MasterWeightsAdamW
-
-    opt = MasterWeightsAdamW([{"params": [p for p in actor.model.parameters() if p.requires_grad]}], lr=w.lr,
-                             weight_decay=0.0)
+    opt = actor.build_optimizer(weight_decay=0.0)  # the run's kind (local / megatron), fresh, no decay
     saved_opt, actor.optimizer = actor.optimizer, opt
     per_rank = w.batch_size // dp_size
     try:
@@ -124,7 +121,7 @@ def run_warmup(actor, task: ArithmeticTask | ChainTask, tokenizer, *, recipe, dp
                 log(f"warm-up step {step + 1}/{w.steps}: nll {float(out[0]['sum:nll']) * dp_size:.3f} (rank-local)")
     finally:
         actor.optimizer = saved_opt
-        actor.optimizer.sync_masters_from_model()
+        actor.sync_optimizer_from_model()
         actor.optimizer_steps = 0
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
