@@ -80,7 +80,8 @@ class ParallelConfig:
 @dataclass(frozen=True, kw_only=True)
 class ClusterConfig:
     """The cluster a recipe was sized for and the memory choices the planner assumes (``tools/plan.py``,
-    ``pretrain_rl.py --dry-run``, the launchers' defaults). The trainer reads none of it."""
+    ``pretrain_rl.py --dry-run``, the launchers' defaults). The trainer reads none of it (the recipe checks
+    ``distributed_optimizer`` against ``optim``)."""
 
     nodes: int = 1
     """Nodes the recipe was sized for."""

@@ -87,10 +87,14 @@ def test_every_algorithm_trains_two_iterations(pool, tmp_path, algorithm):
 
 
 def test_megatron_distributed_optimizer_trains_after_the_warm_up(pool, tmp_path):
-    # The supervised warm-up steps a second megatron optimizer of the same kind; the run's optimizer then
-    # reloads its fp32 copies from the warmed-up model and trains (same warm-up cache as the local runs).
-    rows = pool.run(_train, str(tmp_path), "none", ["algorithm.name=ppo", "optim.backend=megatron",
-                                                    "optim.distributed_optimizer=true"])[0]
+    # The supervised warm-up steps a second megatron optimizer of the same kind (a cache of its own under
+    # tmp_path, so the warm-up runs here); the run's optimizer then reloads its fp32 copies from the
+    # warmed-up model and trains. The local run after it loads that cache: the same starting policy.
+    cache = tmp_path / "warmup-cache"  # _train's cache: next to the run directory
+    assert not cache.exists()
+    rows = pool.run(_train, str(tmp_path / "megatron"), "none", ["algorithm.name=ppo", "optim.backend=megatron",
+                                                                 "optim.distributed_optimizer=true"])[0]
+    assert any(cache.rglob("*.pt"))  # the warm-up ran here (with the megatron optimizer) and filled it
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["actor/grad_norm"] > 0 and r["actor/skipped_steps"] == 0

@@ -23,7 +23,8 @@ patching:
    ``verify_global_md_reuse``, ``device=torch.cuda.current_device()`` in
    ``save_state_dict_async_finalize``, 0.16.1 lines 204 / 252); and the gradient buffer of megatron's
    DDP (``distributed/param_and_grad_buffer.py`` ``torch.zeros(..., device=torch.cuda.current_device())``,
-   0.16.1 line 806; its CUDA streams are only made with ``overlap_grad_reduce``, off on CPU). Those modules see a ``torch`` proxy
+   0.16.1 line 806; its CUDA streams are only made with ``overlap_grad_reduce``, off on CPU; checked on
+   0.16.1 only). Those modules see a ``torch`` proxy
    whose CUDA requests resolve to the CPU; the rest of the process is untouched.
 3. ``models/common/embeddings/rope_utils.py`` ``get_pos_emb_on_this_cp_rank`` (CP > 1) pins memory
    and calls ``.cuda()``; the rotary module gets the same function without them.
@@ -39,7 +40,7 @@ patching:
    only (0.16.1 optimizer.py 671 / 690, distrib_optimizer.py 361 / 420 / 582), and
    ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` gradients (clip_grads.py 167).
    Those callables run with ``tensor.type()`` answering the CUDA name of a CPU tensor; what they do
-   with each dtype is megatron's own code.
+   with each dtype is megatron's own code. Checked on 0.16.1 only (like the optimizer modules in 2).
 
 Sequence parallelism is not a shim: the local spec's norm (``models/gpt.py``) supports it.
 """
@@ -96,19 +97,6 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(outer)
 
 
-class _NoStream:
-    """A CUDA stream's interface with nothing to wait for (CPU work runs in program order)."""
-
-    def wait_stream(self, stream) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
 class _CudaOnCpu(types.SimpleNamespace):
     """``torch.cuda`` as seen by a shimmed megatron module: the current device is the CPU."""
 
@@ -118,14 +106,6 @@ class _CudaOnCpu(types.SimpleNamespace):
     @staticmethod
     def current_device():
         return torch.device("cpu")
-
-    @staticmethod
-    def current_stream(device=None):
-        """param_and_grad_buffer.py (0.17+) waits on / records the current stream around its collectives:
-        CPU work is already ordered, so a stream whose methods do nothing."""
-        return _NoStream()
-
-    default_stream = current_stream
 
     @staticmethod
     def synchronize(device=None):
