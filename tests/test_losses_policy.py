@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from megatron_credit.credit.future_kl import fipo_weights
-from megatron_credit.losses.policy import (AGG_MODES, aggregate_loss, fipo_policy_loss, gspo_loss,
-                                           ppo_clip_loss, truncated_is_weights)
+from megatron_credit.losses.policy import AGG_MODES, aggregate_loss, fipo_policy_loss, gspo_loss, ppo_clip_loss
+from megatron_credit.rollout.mismatch import truncated_is_weights
 from tests.distributed_harness import DistributedPool, block_subgroup, load_balanced_shard
 
 
@@ -151,15 +151,6 @@ def test_gspo_matches_sequence_level_gspo():
         torch.testing.assert_close(per_token[i][mask[i]].detach(), seq_loss.expand(n))
     (total / 6).backward()
     torch.testing.assert_close(lp.grad, lp_ref.grad, rtol=1e-12, atol=1e-12)
-
-
-def test_truncated_is_weights():
-    old = torch.tensor([[0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
-    roll = torch.tensor([[0.0, -1.0, 1.0, -0.1]], dtype=torch.float64)
-    mask = torch.tensor([[True, True, True, False]])
-    w, m = truncated_is_weights(old, roll, mask, cap=2.0)
-    torch.testing.assert_close(w, torch.tensor([[1.0, 2.0, math.exp(-1.0), 1.0]], dtype=torch.float64))
-    torch.testing.assert_close(m["frac_truncated"], torch.tensor(1 / 3, dtype=torch.float64))
 
 
 # ---------------------------------------------------------------------------- aggregation

@@ -28,8 +28,7 @@ from megatron_credit.algorithms import ALGORITHMS
 from megatron_credit.credit.future_kl import fipo_weights, future_kl, multi_dual_clip_keep
 from megatron_credit.credit.gates import comppo_gate
 from megatron_credit.credit.group import broadcast_to_tokens, dr_grpo_advantages, grpo_advantages, rloo_advantages
-from megatron_credit.losses.policy import (AGG_MODES, aggregate_loss, fipo_policy_loss, gspo_loss, ppo_clip_loss,
-                                           truncated_is_weights)
+from megatron_credit.losses.policy import AGG_MODES, aggregate_loss, fipo_policy_loss, gspo_loss, ppo_clip_loss
 from megatron_credit.rewards.dapo import normalize_final_answer, score_dapo
 from megatron_credit.rewards.math import compute_score
 from tests.test_credit_future_kl import future_kl_reference
@@ -307,21 +306,23 @@ def test_gspo_sequence_ratio_is_clamped_on_both_sides():
     torch.testing.assert_close(weighted, ref * isw * mask, rtol=1e-12, atol=0)
 
 
-def test_truncated_is_weights_default_cap_and_clamp():
-    """Default cap C = 2 (min(pi_old / pi_engine, 2)); the log-weight is clamped to [-20, 20] like every
-    log-ratio in the losses, so a token the engine over-rates by e^30 keeps weight e^-20."""
+def test_truncated_is_weights_cap_boundary_and_extremes():
+    """``min(pi_old / pi_engine, C)`` on the mask, 0 off it (the trainer's only TIS function,
+    ``rollout/mismatch.py``): a token the engine over-rates by e^30 keeps its tiny weight e^-30 (no
+    floor), one it under-rates by e^30 gets C; a ratio exactly at the cap is not counted as capped."""
+    from megatron_credit.rollout.mismatch import truncated_is_weights
+
     old = torch.zeros(1, 6, dtype=torch.float64)
     roll = torch.tensor([[-math.log(2.5), -math.log(1.5), 30.0, -30.0, 0.5, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[True, True, True, True, True, False]])
-    w, m = truncated_is_weights(old, roll, mask)
-    want = torch.tensor([[2.0, 1.5, math.exp(-20.0), 2.0, math.exp(-0.5), 1.0]], dtype=torch.float64)
+    w, m = truncated_is_weights(old, roll, mask, cap=2.0)
+    want = torch.tensor([[2.0, 1.5, math.exp(-30.0), 2.0, math.exp(-0.5), 0.0]], dtype=torch.float64)
     torch.testing.assert_close(w, want, rtol=1e-12, atol=0)
-    assert float(m["frac_truncated"]) == pytest.approx(2 / 5)
-    torch.testing.assert_close(m["mean"], want[mask].mean(), rtol=1e-12, atol=0)
-    # A ratio exactly at the cap is not truncated (min(r, C) = r); any cap > 0 is valid, 0 is not.
+    assert float(m["tis_capped_frac"]) == pytest.approx(2 / 5)
+    torch.testing.assert_close(m["tis_mean_weight"], want[mask].mean(), rtol=1e-12, atol=0)
     at_cap, m = truncated_is_weights(old[:, :2], torch.tensor([[-math.log(2.0), 0.0]], dtype=torch.float64),
-                                     mask[:, :2])
-    assert float(m["frac_truncated"]) == 0.0 and at_cap[0, 0] == pytest.approx(2.0, rel=1e-15)
+                                     mask[:, :2], cap=2.0)
+    assert float(m["tis_capped_frac"]) == 0.0 and at_cap[0, 0] == pytest.approx(2.0, rel=1e-15)
     half, _ = truncated_is_weights(old, roll, mask, cap=0.5)
     torch.testing.assert_close(half[mask], torch.minimum(want[mask], torch.tensor(0.5, dtype=torch.float64)))
     for bad in (0.0, -1.0):

@@ -48,8 +48,11 @@ def _rows(batch, rows):
         "input_ids", "labels", "loss_mask", "rollout_logp", "seq_lens", "group_ids", "rewards", "correct")})
 
 
-def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overrides=(), poison=None):
-    """Two optimizer steps of ``algorithm`` on the fixed batch under ``parallel``; rank 0's metrics."""
+def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overrides=(), poison=None,
+               prepare=None):
+    """Two optimizer steps of ``algorithm`` on the fixed batch under ``parallel``; rank 0's metrics.
+    ``prepare(batch, plan)``, if given, edits the batch after the advantages and returns a dict added to
+    each step's metrics (expected values computed from the batch)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -90,6 +93,7 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
         step.compute_advantages(ctx, batch)
         if poison is not None and batch.advantages is not None:
             batch.advantages[plan[poison][0][0], :] = math.nan
+        extra = prepare(batch, plan) if prepare is not None else {}
         out = []
         for mini in plan:
             before = [p.detach().clone() for p in actor.model.parameters()]
@@ -97,6 +101,7 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
             step.update_minibatch(ctx, batch, mini, stats)
             m = ctx.reduce_stats(stats)
             m["changed"] = any(not torch.equal(a, p) for a, p in zip(before, actor.model.parameters()))
+            m.update(extra)
             out.append(m)
         return out if dist.get_rank() == 0 else None
     finally:
@@ -166,6 +171,48 @@ def test_a_non_finite_step_is_skipped_not_applied(pool1):
     out = pool1.run(_run_fixed, {}, "dapo", poison=0)[0]
     assert out[0]["actor/skipped_steps"] == 1.0 and not out[0]["changed"]
     assert out[1]["actor/skipped_steps"] == 0.0 and out[1]["changed"]
+
+
+def _engine_disagrees(batch, plan):
+    """The engine's log-probs: the trainer's minus log 3 on the first 3 responses of each mini-batch
+    (ratio pi_old / pi_engine = 3, capped at C = 2), plus 0.5 on the next 2 (ratio e^-0.5), equal
+    elsewhere. Returns the expected TIS metrics and first-step loss of each mini-batch."""
+    rows = [[i for mb in mini for i in mb] for mini in plan]
+    out = {}
+    for k, r in enumerate(rows):
+        batch.rollout_logp[r[:3]] = batch.old_logp[r[:3]] - math.log(3.0)
+        batch.rollout_logp[r[3:5]] = batch.old_logp[r[3:5]] + 0.5
+        batch.rollout_logp[r[5:]] = batch.old_logp[r[5:]]
+        m = batch.loss_mask[r]
+        w = torch.ones(m.shape, dtype=torch.float64)
+        w[:3], w[3:5] = 2.0, math.exp(-0.5)
+        n = m.sum().double()
+        out[f"want/{k}/tis_weight_mean"] = float((w * m).sum() / n)
+        out[f"want/{k}/tis_capped_frac"] = float(m[:3].sum() / n)
+        # on-policy first step (ratio 1): token-mean of -A w
+        out[f"want/{k}/pg_loss"] = float(-(batch.advantages[r].double() * w * m).sum() / n)
+    return out
+
+
+def _engine_agrees(batch, plan):
+    batch.rollout_logp.copy_(batch.old_logp)
+    return {}
+
+
+def test_truncated_importance_weights_reach_the_update_and_the_metrics(pool1):
+    # algorithm.tis_cap: the loss of the first (on-policy) step is the token mean of -A min(pi_old/pi_engine, C),
+    # and mismatch/tis_* report the weights; without the engine disagreeing, TIS changes nothing.
+    out = pool1.run(_run_fixed, {}, "dapo", overrides=["algorithm.tis_cap=2.0"], prepare=_engine_disagrees)[0]
+    for k, m in enumerate(out):
+        assert m["mismatch/tis_weight_mean"] == pytest.approx(m[f"want/{k}/tis_weight_mean"], rel=1e-6)
+        assert m["mismatch/tis_capped_frac"] == pytest.approx(m[f"want/{k}/tis_capped_frac"], rel=1e-6)
+        assert 0 < m["mismatch/tis_capped_frac"] < 1
+    assert out[0]["actor/pg_loss"] == pytest.approx(out[0]["want/0/pg_loss"], rel=1e-5, abs=1e-7)
+    plain = pool1.run(_run_fixed, {}, "dapo")[0]
+    same = pool1.run(_run_fixed, {}, "dapo", overrides=["algorithm.tis_cap=2.0"], prepare=_engine_agrees)[0]
+    assert same[0]["mismatch/tis_weight_mean"] == 1.0 and same[0]["mismatch/tis_capped_frac"] == 0.0
+    _assert_same(plain, same, "tis with an engine that agrees")
+    assert out[0]["actor/pg_loss"] != pytest.approx(plain[0]["actor/pg_loss"], rel=1e-3)
 
 
 MEGATRON_LAYOUTS = {"ws1": None, "DP=2": {}, "TP=2": {"tensor_model_parallel_size": 2},

@@ -11,12 +11,12 @@ published code), ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, and f
 ``l = min(l, -A c)`` with ``c > 1``. GSPO (Zheng et al. 2025) uses the sequence ratio
 ``s_i = exp(mean_t (logp - old_logp))`` in its token-level form ``s_it = sg[s_i] pi_t / sg[pi_t]``, whose
 value is ``s_i`` and whose gradient with seq-mean-token-mean aggregation equals GSPO's. Truncated
-importance sampling (rollout engine vs trainer log-probs) multiplies the per-token loss by
-``min(exp(old_logp - rollout_logp), C)``, detached.
+importance sampling (rollout engine vs trainer log-probs) multiplies the per-token loss by the weights
+``min(exp(old_logp - rollout_logp), C)`` of :func:`megatron_credit.rollout.mismatch.truncated_is_weights`,
+detached.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Optional
 
 import torch
@@ -24,8 +24,7 @@ import torch
 from megatron_credit.credit.future_kl import LOG_RATIO_CLAMP, fipo_weights
 from megatron_credit.losses.aggregation import AGG_MODES, AGG_REQUIRED_ARGS, aggregate_loss
 
-__all__ = ["AGG_MODES", "AGG_REQUIRED_ARGS", "aggregate_loss", "fipo_policy_loss", "gspo_loss", "ppo_clip_loss",
-           "truncated_is_weights"]
+__all__ = ["AGG_MODES", "AGG_REQUIRED_ARGS", "aggregate_loss", "fipo_policy_loss", "gspo_loss", "ppo_clip_loss"]
 
 Metrics = dict[str, torch.Tensor]
 
@@ -41,7 +40,8 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         advantages: ``[B, T]`` (detached). response_mask: ``[B, T]`` bool or 0/1.
         clip_low, clip_high: ``eps_low, eps_high`` of the clip range ``[1 - eps_low, 1 + eps_high]``.
         dual_clip_c: cap ``-A c`` for negative advantages (``c > 1``); ``None`` disables it.
-        is_weights: optional ``[B, T]`` truncated importance weights (see :func:`truncated_is_weights`).
+        is_weights: optional ``[B, T]`` truncated importance weights (detached; the trainer's come from
+            :func:`megatron_credit.rollout.mismatch.truncated_is_weights`).
     """
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return _clipped_surrogate(log_ratio, advantages, response_mask, clip_low=clip_low,
@@ -130,24 +130,6 @@ def fipo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
                                   clip_high=clip_high, dual_clip_c=dual_clip_c, is_weights=is_weights)
     metrics.update({f"fipo_weight/{k}": v for k, v in w_metrics.items()})
     return loss, metrics
-
-
-def truncated_is_weights(old_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor,
-                         *, cap: float = 2.0) -> tuple[torch.Tensor, Metrics]:
-    """Truncated importance weights ``min(exp(old_logp - rollout_logp), cap)``, ``[B, T]``, detached.
-
-    Corrects for the rollout engine's log-probs differing from the trainer's. 1 on masked tokens.
-    Metrics: mean weight and the fraction truncated, over valid tokens.
-    """
-    if not cap > 0:
-        raise ValueError(f"cap must be > 0, got {cap}")
-    with torch.no_grad():
-        lw = (old_logp - rollout_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        valid = response_mask.bool()
-        w = torch.where(valid, torch.exp(lw).clamp(max=cap), torch.ones_like(lw))
-        metrics = {"mean": _masked_mean(w, valid, w.dtype),
-                   "frac_truncated": _masked_mean(lw > math.log(cap), valid, w.dtype)}
-    return w, metrics
 
 
 def _masked_mean(v: torch.Tensor, valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

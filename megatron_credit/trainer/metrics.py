@@ -37,6 +37,8 @@ _MEANS = {
     "comppo/gate_mid_third": ("sum:gate_mid", "sum:gate_mid_tokens"),
     "comppo/gate_last_third": ("sum:gate_last", "sum:gate_last_tokens"),
     "mismatch/logprob_abs_mean": ("sum:mismatch_abs", "sum:mismatch_tokens"),
+    "mismatch/tis_weight_mean": ("sum:tis_mean_weight", "sum:tokens"),
+    "mismatch/tis_capped_frac": ("sum:tis_capped_frac", "sum:tokens"),
 }
 _EXTREMES = {"fipo/weight_min": "min:fipo_weight/min", "fipo/weight_max": "max:fipo_weight/max"}
 

@@ -155,9 +155,9 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
 
     def loss_fn(mb, logp, ent, values, aux):
         t, mask = mb.tensors, mb.tensors["loss_mask"]
-        is_w = None
+        is_w, tis = None, {}
         if alg.tis_cap is not None:  # engine vs trainer mismatch: min(pi_old / pi_engine, C)
-            is_w, _ = truncated_is_weights(t["old_logp"], t["rollout_logp"], mask, cap=alg.tis_cap)
+            is_w, tis = truncated_is_weights(t["old_logp"], t["rollout_logp"], mask, cap=alg.tis_cap)
         per_tok, m = ctx.spec.loss(logp, t["old_logp"], t["advantages"], mask, params,
                                    cp_group=cp_group, is_weights=is_w)
         kl_tok = None
@@ -179,6 +179,8 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
                     s[prefix + "first_minibatch/" + k] = s[prefix + k]
             elif not k.endswith(("/p10", "/p50", "/p90")):
                 s["sum:" + k] = torch.nan_to_num(v) * n
+        for k, v in tis.items():  # token means over this micro-batch -> token-weighted sums
+            s["sum:" + k] = v * n
         if kl_tok is not None:
             s["sum:kl"] = torch.where(mask, kl_tok, 0.0).sum().detach()
         if values is not None:
