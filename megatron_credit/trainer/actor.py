@@ -409,7 +409,9 @@ class Actor:
         clip = o.clip_grad if clip is None else clip
         if critic_lr_scale != 1.0:  # the phase controller's critic knob: CompPO's, refused with this backend
             raise ValueError("optim.backend: megatron has no separate critic learning rate to scale")
-        for g in opt.param_groups:  # the schedule's lr, scaled per group as megatron's scheduler does
+        # the schedule's lr times the group's lr_mult (megatron 0.16.1's OptimizerParamScheduler would read
+        # max_lr / min_lr instead and ignore lr_mult: the value head's group would need those to use it)
+        for g in opt.param_groups:
             g["lr"] = lr * g["lr_mult"]
             g["weight_decay"] = opt.trainer_weight_decay * g["wd_mult"]
         found_inf = opt.prepare_grads()
