@@ -198,7 +198,7 @@ def test_fipo_weights_match_loop_and_metrics(clip, c):
     d = (logp.detach() - old).clamp(-20, 20)
     over = (d > math.log(c)) & mask
     expect = {
-        "mean": vals.mean(), "min": vals.min(), "max": vals.max(),
+        "mean": vals.mean(), "min": vals.min(), "max": vals.max(), "dev_sq": ((vals - 1) ** 2).mean(),
         "p10": torch.quantile(vals, 0.1), "p50": torch.quantile(vals, 0.5), "p90": torch.quantile(vals, 0.9),
         "frac_at_low": (vals <= clip[0]).double().mean(), "frac_at_high": (vals >= clip[1]).double().mean(),
         "frac_dual_masked": over.sum().double() / mask.sum(),
@@ -315,3 +315,24 @@ def test_cp_2_and_4_equal_unsharded(pool):
                 assert got_cp == cp
                 torch.testing.assert_close(f, cp_shard(full_f, cp, r), rtol=1e-12, atol=1e-12)
                 torch.testing.assert_close(w, cp_shard(full_w, cp, r), rtol=1e-12, atol=1e-12)
+
+
+def test_fipo_weight_std_from_micro_batch_sums_is_the_std_over_every_token():
+    # The trainer turns each micro-batch's means into token-weighted sums and finalize() derives
+    # fipo/weight_std from the first two moments: it must be the (population) std over all valid tokens
+    # of the iteration, whatever the split into micro-batches.
+    from megatron_credit.trainer.metrics import StatSums, finalize
+
+    stats, every = StatSums(), []
+    for seed, (b, t) in enumerate([(3, 40), (5, 17)]):
+        logp, old, mask = make_batch(b, t, seed=seed + 11)
+        logp = old + 0.4 * (logp - old)  # moderate ratios: weights spread inside (1, 1.2), some at the clip
+        w, m = fipo_weights(logp, old, torch.randn(b, t, dtype=torch.float64), mask, tau=8.0, chunk_size=16)
+        n = mask.sum().double()
+        stats.add({"sum:tokens": n, "sum:fipo_weight/mean": m["mean"] * n, "sum:fipo_weight/dev_sq": m["dev_sq"] * n})
+        every.append(w[mask])
+    allw = torch.cat(every)
+    out = finalize(stats)
+    assert 0 < float(allw.std(unbiased=False)) and allw.max() > allw.min()
+    assert out["fipo/weight_std"] == pytest.approx(float(allw.std(unbiased=False)), rel=1e-9, abs=1e-12)
+    assert out["fipo/weight_mean"] == pytest.approx(float(allw.mean()), rel=1e-12)

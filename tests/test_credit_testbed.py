@@ -101,6 +101,14 @@ def test_smoke_run_writes_results_records_failures_and_resumes(tmp_path):
         want = mean_interval([task["cells"][m][s]["final"] for s in ("1", "2")])
         assert row["final"]["n"] == 2 and row["final"]["mean"] == want.mean and row["final"]["hi"] == want.hi
     assert task["table"]["fipo"]["diff"]["auc"]["n"] == 2
+    # FIPO's weight std is logged per iteration and the report takes its mean over the cell's iterations
+    # (its value is checked in tests/test_trainer_step.py: 0 on the first mini-batch, > 0 after it).
+    for s in ("1", "2"):
+        rows = [json.loads(line) for line in (tmp_path / f"cells/chain3/fipo/seed_{s}/run/metrics.jsonl").open()]
+        stds = [r["fipo/weight_std"] for r in rows]
+        assert len(stds) == 2 and all(x >= 0 for x in stds)
+        assert task["cells"]["fipo"][s]["fipo_std"] == pytest.approx(sum(stds) / 2, abs=1e-15)
+    assert "FIPO tau=32 (fipo): weight std per iteration" in proc.stdout
     assert set(task["failed"]["grpo:no_such_param=1"]) == {"1", "2"}
     assert "no_such_param" in task["failed"]["grpo:no_such_param=1"]["1"]["error"]
     for name in ("results.md", "doc.md", "chain3.png"):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
@@ -65,6 +64,8 @@ def cell_summary(run_dir: Path) -> dict:
         out["fipo_spread"] = _mean([r["fipo/weight_max"] - r["fipo/weight_min"]
                                     for r in rows if "fipo/weight_max" in r])
         out["fipo_weight_mean"] = _mean([r.get("fipo/weight_mean") for r in rows])
+        if all("fipo/weight_std" in r for r in rows if "fipo/weight_max" in r):  # logged since the tau sweep
+            out["fipo_std"] = _mean([r["fipo/weight_std"] for r in rows if "fipo/weight_std" in r])
         out["fipo_at_high_first20"] = _mean([r.get("fipo/frac_at_high") for r in rows[:k]])
         out["fipo_at_high_last20"] = _mean([r.get("fipo/frac_at_high") for r in rows[-k:]])
     if any(FIPO_FIRST_MB in r for r in rows):
@@ -129,19 +130,21 @@ def checks(cells: dict, methods) -> list[str]:
         else:
             lines.append("FIPO, first mini-batch weights exactly 1: not checked (the trainer logs FIPO weights "
                          f"over all mini-batches of an iteration; needs {FIPO_FIRST_MB})")
-        spreads = []
+        by_tau = []
         for tau, m in fipo:
             cs = list(cells[m].values())
             spread = mean_interval([c.get("fipo_spread", math.nan) for c in cs])
-            spreads.append(spread.mean)
-            lines.append(f"FIPO tau={tau:g} ({m}): weight spread max-min per iteration {spread.fmt()}, "
-                         f"mean weight {_mean([c.get('fipo_weight_mean') for c in cs]):.4f}, frac at upper clip "
+            std = mean_interval([c.get("fipo_std", math.nan) for c in cs])
+            by_tau.append({"tau": tau, "std": std.mean if all("fipo_std" in c for c in cs) else None,
+                           "mean": _mean([c.get("fipo_weight_mean") for c in cs]),
+                           "high": _mean([c.get("fipo_at_high_last20") for c in cs])})
+            lines.append(f"FIPO tau={tau:g} ({m}): weight std per iteration "
+                         f"{std.fmt() if by_tau[-1]['std'] is not None else 'not logged'}, max-min {spread.fmt()}, "
+                         f"mean weight {by_tau[-1]['mean']:.4f}, frac at upper clip "
                          f"first 20% {_mean([c.get('fipo_at_high_first20') for c in cs]):.4f} -> last 20% "
-                         f"{_mean([c.get('fipo_at_high_last20') for c in cs]):.4f}")
+                         f"{by_tau[-1]['high']:.4f}")
         if len(fipo) > 1:
-            grows = all(a <= b for a, b in zip(spreads, spreads[1:]))
-            lines.append(f"FIPO spread grows with tau: {'yes' if grows else 'NO'} "
-                         f"({', '.join(f'{s:.4f}' for s in spreads)})")
+            lines.append(spread_check(by_tau))
     comp = {m: p for m, (a, p) in parsed.items() if a == "comppo"}
     for m in comp:
         stats = [f"{k.split('/')[1]} {mean_interval([c.get(k, math.nan) for c in cells[m].values()]).fmt()} "
@@ -150,6 +153,31 @@ def checks(cells: dict, methods) -> list[str]:
             lines.append(f"CompPO gates ({m}): " + "; ".join(stats))
     lines += _factorial(cells, comp) + _controls(cells, comp) + _ppo_equiv(cells, comp)
     return lines
+
+
+def spread_check(by_tau: list[dict]) -> str:
+    """Does the spread of FIPO's weights grow with tau? Strictly, tau by tau (``by_tau`` sorted by tau).
+
+    The spread is the per-iteration std of the weights (``fipo/weight_std``). Cells run before that metric
+    existed fall back to the mean weight and the last-20% fraction at the upper clip, said so. The max-min
+    range is not used: with a few thousand tokens per iteration it is the whole clip range for every tau.
+
+    >>> spread_check([{"tau": 4, "std": 0.02}, {"tau": 32, "std": 0.03}, {"tau": 128, "std": 0.03}])
+    'FIPO weight spread grows with tau (std per iteration, strictly): NO (tau 4: 0.0200, 32: 0.0300, 128: 0.0300)'
+    >>> spread_check([{"tau": 4, "std": None, "mean": 1.01, "high": 0.04}, {"tau": 32, "std": 0.03, "mean": 1.02,
+    ...               "high": 0.08}])  # doctest: +NORMALIZE_WHITESPACE
+    'FIPO weight spread grows with tau: std not logged by every cell; mean weight, strictly: yes
+    (tau 4: 1.0100, 32: 1.0200); frac at upper clip (last 20%), strictly: yes (tau 4: 0.0400, 32: 0.0800)'
+    """
+    def verdict(key: str) -> str:
+        xs = [d[key] for d in by_tau]
+        grows = all(a < b for a, b in zip(xs, xs[1:]))
+        return f"{'yes' if grows else 'NO'} (tau " + ", ".join(f"{d['tau']:g}: {d[key]:.4f}" for d in by_tau) + ")"
+
+    if all(d["std"] is not None for d in by_tau):
+        return f"FIPO weight spread grows with tau (std per iteration, strictly): {verdict('std')}"
+    return ("FIPO weight spread grows with tau: std not logged by every cell; mean weight, strictly: "
+            f"{verdict('mean')}; frac at upper clip (last 20%), strictly: {verdict('high')}")
 
 
 def _cell_of(comp: dict, gate: str, critic: str):
@@ -221,27 +249,31 @@ def plot(out: Path, report: dict) -> list[str]:
 
     written = []
     for task, t in report["tasks"].items():
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        ran = [m for m, by_seed in t["cells"].items() if by_seed]
+        # One colour per method (tab20 past 10 methods), variants ("name:variant") dashed; the legend
+        # beside the axes so that it hides no curve.
+        cmap = plt.get_cmap("tab10" if len(ran) <= 10 else "tab20")
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
         for ax, xkey, label in ((axes[0], "time_s", "wall time of RL iterations (s)"),
                                 (axes[1], "samples", "samples generated")):
-            for m, by_seed in t["cells"].items():
-                curves = list(by_seed.values())
-                if not curves:
-                    continue
+            for j, m in enumerate(ran):
+                curves = list(t["cells"][m].values())
                 end = max(c[xkey][-1] for c in curves if c[xkey])
                 grid = [end * i / 100 for i in range(101)]
                 ys = [interpolate(c[xkey], _smooth(c["accuracy"]), grid) for c in curves]
                 ivs = [mean_interval([y[i] for y in ys]) for i in range(len(grid))]
-                line, = ax.plot(grid, [iv.mean for iv in ivs], label=f"{m} (n={len(curves)})")
-                ax.fill_between(grid, [iv.lo for iv in ivs], [iv.hi for iv in ivs], color=line.get_color(), alpha=0.2)
+                ax.plot(grid, [iv.mean for iv in ivs], label=f"{m} (n={len(curves)})", color=cmap(j % cmap.N),
+                        linestyle="--" if ":" in m else "-")
+                ax.fill_between(grid, [iv.lo for iv in ivs], [iv.hi for iv in ivs], color=cmap(j % cmap.N),
+                                alpha=0.2 if len(ran) <= 5 else 0.1)
             ax.set_xlabel(label)
             ax.set_ylabel("sampled accuracy")
             ax.set_ylim(0, 1)
             ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
+        fig.legend(*axes[0].get_legend_handles_labels(), loc="center right", fontsize=8)
         fig.suptitle(f"{task}: sampled accuracy (trailing mean over 10% of iterations), mean and 95% "
                      "t-interval over seeds", fontsize=10)
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0, 0.8, 1))
         path = out / f"{task}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)

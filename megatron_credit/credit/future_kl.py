@@ -96,7 +96,9 @@ def fipo_weights(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.T
     separate threshold (default 4.0, 10.0 in its 32B config), pass it to reproduce that.
 
     ``advantages: [B, T]``. The DAPO loss then uses ``f * advantages``. Metrics are over this rank's
-    valid tokens: ``mean/min/max/p10/p50/p90``, ``frac_at_low``, ``frac_at_high`` (at each clip bound),
+    valid tokens: ``mean/min/max/p10/p50/p90``, ``dev_sq`` (the mean of ``(f - 1)**2`` in float64: with
+    ``mean`` it gives the weights' standard deviation summed over micro-batches and ranks, without the
+    cancellation of ``E[f**2] - E[f]**2`` at ``f ~ 1``), ``frac_at_low``, ``frac_at_high`` (at each clip bound),
     ``frac_dual_masked`` (tokens excluded from the future sums by ``M``), ``frac_dual_capped`` (``A < 0``
     and ratio > safety_thresh, capped at 1). Statistics of an empty selection are NaN.
     """
@@ -120,6 +122,7 @@ def fipo_weights(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.T
         metrics = masked_summary(w, valid)
         n = valid.sum().clamp(min=1).to(w.dtype)
         metrics.update(
+            dev_sq=torch.where(valid, (w.double() - 1) ** 2, 0.0).sum() / n,
             frac_at_low=((w <= lo) & valid).sum() / n,
             frac_at_high=((w >= hi) & valid).sum() / n,
             frac_dual_masked=(over_c & valid).sum() / n,

@@ -106,6 +106,10 @@ def finalize(stats: StatSums) -> dict[str, float]:
     lo, hi = stats.values.get("min:first_minibatch/fipo_weight/min"), stats.values.get("max:first_minibatch/fipo_weight/max")
     if lo is not None and hi is not None and math.isfinite(float(lo)) and math.isfinite(float(hi)):
         out["fipo/first_minibatch_max_abs_dev"] = max(float(hi) - 1.0, 1.0 - float(lo))  # on-policy: 0
+    if "sum:fipo_weight/dev_sq" in stats.values and "sum:fipo_weight/mean" in stats.values:
+        n = stats.values["sum:tokens"].clamp(min=1e-12)  # std of the weights over every valid token
+        var = stats.values["sum:fipo_weight/dev_sq"] / n - (stats.values["sum:fipo_weight/mean"] / n - 1) ** 2
+        out["fipo/weight_std"] = math.sqrt(max(float(var), 0.0))
     if "sum:skipped_steps" in stats.values:
         out["actor/skipped_steps"] = float(stats.values["sum:skipped_steps"])
     if "sum:ret" in stats.values:
