@@ -64,7 +64,7 @@ def _main(args) -> int:
     import torch
 
     from megatron_credit import distributed
-    from megatron_credit.config import load_recipe, recipe_to_dict
+    from megatron_credit.config import load_recipe
 
     config = args.config or DEFAULT_RECIPE
     recipe = load_recipe(config, overrides=args.overrides)
@@ -94,11 +94,7 @@ def _main(args) -> int:
     distributed.initialize(recipe.parallel, seed=recipe.seed, launch=launch)
     try:
         if rank0:
-            import yaml
-
-            os.makedirs(run_dir, exist_ok=True)
-            with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-                yaml.safe_dump(recipe_to_dict(recipe), f, sort_keys=False)
+            os.makedirs(run_dir, exist_ok=True)  # config.yaml: written by train() once a resume is accepted
             print(_describe(recipe, hf_config, layout), flush=True)
         torch.distributed.barrier()
         from megatron_credit.trainer.loop import train

@@ -149,7 +149,7 @@ class OptimConfig:
     lr: float = 1e-4
     """Peak learning rate."""
     min_lr: float = 0.0
-    """Floor of the cosine schedule."""
+    """Floor of the linear / cosine decay."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     beta1: float = 0.9
@@ -161,13 +161,20 @@ class OptimConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip (0: off)."""
     warmup_steps: int = 0
-    """Linear warm-up, in optimizer steps."""
+    """Linear warm-up, in optimizer steps: step ``k`` (0-based) uses ``lr * (k + 1) / warmup_steps``."""
     schedule: str = "constant"
-    """constant or cosine."""
+    """After the warm-up: ``constant``, or ``linear`` / ``cosine`` decay to ``min_lr`` (megatron-core's
+    ``OptimizerParamScheduler``, ``trainer/actor.py``'s ``build_scheduler``)."""
     decay_steps: int = 0
-    """Length of the cosine decay in optimizer steps (its own length: not ``train.steps``)."""
+    """Length of the linear / cosine decay in optimizer steps after the warm-up (its own length: not
+    ``train.steps``); ``min_lr`` from step ``warmup_steps + decay_steps - 1`` on."""
+    resume_schedule: str = "strict"
+    """A resumed run whose lr schedule (``lr``, ``min_lr``, ``warmup_steps``, ``decay_steps``,
+    ``schedule``, ``weight_decay``) differs from its checkpoint's: ``strict`` refuses it, naming the field;
+    ``recipe`` continues with this recipe's schedule at the checkpoint's step."""
     critic_lr: float = 1e-3
-    """Learning rate of the value head (PPO)."""
+    """Peak learning rate of the critic (PPO's value head, CompPO's critics): the policy's schedule scaled by
+    ``critic_lr / lr``."""
     backend: str = "local"
     """Who steps the weights. ``local``: AdamW on fp32 masters (``trainer/optimizer.py``), the policy and a
     feature critic (CompPO) clipped separately. ``megatron``: megatron-core's ``get_megatron_optimizer``
@@ -180,32 +187,26 @@ class OptimConfig:
     def __post_init__(self) -> None:
         if not self.lr > 0:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
-        if self.schedule not in ("constant", "cosine"):
-            raise ValueError(f"optim.schedule must be constant or cosine, got {self.schedule!r}")
-        if self.schedule == "cosine" and self.decay_steps < 1:
-            raise ValueError("optim.decay_steps must be >= 1 with optim.schedule: cosine")
+        if self.schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"optim.schedule must be constant, linear or cosine, got {self.schedule!r}")
+        if self.schedule != "constant" and self.decay_steps < 1:
+            raise ValueError(f"optim.decay_steps must be >= 1 with optim.schedule: {self.schedule}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"optim.min_lr must be in [0, optim.lr = {self.lr}], got {self.min_lr}")
+        if self.resume_schedule not in ("strict", "recipe"):
+            raise ValueError(f"optim.resume_schedule must be strict or recipe, got {self.resume_schedule!r}")
         if self.warmup_steps < 0 or self.clip_grad < 0:
             raise ValueError("optim.warmup_steps and optim.clip_grad must be >= 0")
+        if self.weight_decay < 0 or self.decay_steps < 0:
+            raise ValueError(f"optim.weight_decay and optim.decay_steps must be >= 0, got {self.weight_decay} "
+                             f"and {self.decay_steps}")
+        if not self.critic_lr > 0:
+            raise ValueError(f"optim.critic_lr must be > 0, got {self.critic_lr}")
         if self.backend not in ("local", "megatron"):
             raise ValueError(f"optim.backend must be local or megatron, got {self.backend!r}")
         if self.distributed_optimizer and self.backend != "megatron":
             raise ValueError("optim.distributed_optimizer: true needs optim.backend: megatron (the local AdamW "
                              "keeps every optimizer state of its shard)")
-
-    def lr_at(self, step: int) -> float:
-        """Learning rate of optimizer step ``step`` (0-based).
-
-        >>> OptimConfig(lr=1.0, warmup_steps=2).lr_at(0), OptimConfig(lr=1.0, warmup_steps=2).lr_at(5)
-        (0.5, 1.0)
-        """
-        import math
-
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        if self.schedule == "constant":
-            return self.lr
-        t = min(1.0, (step - self.warmup_steps) / self.decay_steps)
-        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * t))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from tests.distributed_harness import DistributedPool
 
@@ -110,12 +111,16 @@ def _cli(*args, timeout=600):
                           text=True, env=env, cwd=ROOT, timeout=timeout)
 
 
+# The lr schedule crosses warm-up (steps 0-1), decay (2-4) and its floor (5-7): 2 optimizer steps per iteration,
+# so the checkpoint of iteration 2 is mid-decay and the resumed run must continue the schedule.
 CLI_TINY = ["warmup.steps=0", "train.val_every=0", "rollout.prompts_per_step=8", "logging.progress=false",
-            "logging.plots=false", "algorithm.name=ppo", "checkpoint.every=2"]
+            "logging.plots=false", "algorithm.name=ppo", "checkpoint.every=2", "optim.warmup_steps=2",
+            "optim.schedule=cosine", "optim.decay_steps=3", "optim.min_lr=1e-4"]
 
 
-@pytest.mark.parametrize("backend", [[], ["optim.backend=megatron", "optim.distributed_optimizer=true"]],
-                         ids=["local", "megatron+distopt"])
+@pytest.mark.parametrize("backend", [[], ["optim.backend=megatron"], ["optim.backend=megatron",
+                                                                      "optim.distributed_optimizer=true"]],
+                         ids=["local", "megatron", "megatron+distopt"])
 def test_resume_continues_bit_identically_and_reshards(tmp_path, backend):
     # megatron+distopt: megatron's optimizer state (fully_sharded_model_space) saved, resumed, resharded.
     CLI_TINY = [*globals()["CLI_TINY"], *backend]
@@ -132,6 +137,17 @@ def test_resume_continues_bit_identically_and_reshards(tmp_path, backend):
     proc = _cli("--output-dir", b, *CLI_TINY, "train.steps=4")
     assert proc.returncode == 0 and "resumed from" in proc.stdout and "iter_0000002" in proc.stdout, proc.stderr
     assert _stable(_lines(b)) == _stable(_lines(a)) and [r["step"] for r in _lines(b)] == [1, 2, 3, 4]
+    # actor/lr: each iteration's last step (1, 3, 5, 7) of the schedule lr 2e-4 (the demo's), warm-up 2, cosine
+    # over 3 steps (step 3 is 2/3 into it: cos(2 pi / 3) = -1/2, a quarter of the way from the floor), floor 1e-4
+    assert [r["actor/lr"] for r in _lines(b)] == pytest.approx([2e-4, 1.25e-4, 1e-4, 1e-4], rel=1e-9)
+    # Resuming with another schedule is refused (one line naming the field) unless the user says so.
+    proc = _cli("--output-dir", b, *CLI_TINY, "train.steps=5", "optim.min_lr=2e-4")
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "optim.min_lr: checkpoint 0.0001, recipe 0.0002" in errors[0] and "optim.resume_schedule=recipe" in errors[0]
+    assert [r["step"] for r in _lines(b)] == [1, 2, 3, 4]  # nothing written by the refused run
+    with open(os.path.join(b, "config.yaml"), encoding="utf-8") as f:
+        assert yaml.safe_load(f)["optim"]["min_lr"] == 1e-4  # the accepted launch's recipe, not the refused one's
     # The same checkpoint resumed at TP = 2: model and optimizer reshard; same prompts and seeds at DP = 1.
     from tests.distributed_harness import _free_port
 

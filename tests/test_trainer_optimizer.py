@@ -1,10 +1,13 @@
 """AdamW on fp32 master weights: plain AdamW for fp32 models, exact fp32 arithmetic for bf16 ones, and a
-bf16 run that resumes bit-identically (the masters travel in the checkpoint)."""
+bf16 run that resumes bit-identically (the masters travel in the checkpoint). The learning-rate schedule
+(megatron's OptimizerParamScheduler) against a step-by-step loop, and its resume check."""
 from __future__ import annotations
 
 import json
+import math
 import os
 
+import pytest
 import torch
 
 from megatron_credit.trainer.optimizer import MasterWeightsAdamW
@@ -60,3 +63,95 @@ def test_bf16_run_resumes_bit_identically(tmp_path):
     assert _stable(_lines(a)) == _stable(_lines(b))
     with open(os.path.join(b, "checkpoints", "iter_0000004", "meta.json")) as f:
         assert json.load(f)["step"] == 4
+
+
+# --- the learning-rate schedule: megatron's OptimizerParamScheduler (trainer/actor.py build_scheduler) ------
+
+def _schedule_loop(k: int, peak: float, floor: float, warmup: int, decay: int, style: str) -> float:
+    """The documented schedule, step by step: lr of optimizer step ``k`` (0-based)."""
+    if k < warmup:
+        return peak * (k + 1) / warmup
+    if style == "constant":
+        return peak
+    j = k - warmup + 1  # steps into the decay, counting this one
+    if j >= decay:
+        return floor
+    r = j / decay
+    coeff = 1 - r if style == "linear" else 0.5 * (math.cos(math.pi * r) + 1)
+    return floor + coeff * (peak - floor)
+
+
+def _groups(o):
+    from megatron_credit.trainer.actor import critic_schedule
+
+    ps = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    policy = {"max_lr": o.lr, "min_lr": o.min_lr}
+    return torch.optim.AdamW([{"params": [ps[0]], "wd_mult": 1.0, **policy},
+                              {"params": [ps[1]], "wd_mult": 0.0, **policy},
+                              {"params": [ps[2]], "wd_mult": 0.0, **critic_schedule(o), "name": "critic"}], lr=o.lr)
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_lr_schedule_is_megatrons_scheduler_at_the_documented_steps(style, warmup):
+    from megatron_credit.trainer.actor import build_scheduler
+    from megatron_credit.training_config import OptimConfig
+
+    o = OptimConfig(lr=1e-3, min_lr=1e-4, critic_lr=4e-3, weight_decay=0.1, warmup_steps=warmup, schedule=style,
+                    decay_steps=0 if style == "constant" else 5)
+    opt = _groups(o)
+    sched = build_scheduler(opt, o)
+    assert type(sched).__mro__[1].__name__ == "OptimizerParamScheduler"
+    seen = []
+    for k in range(12):
+        sched.num_steps = k  # k optimizer steps taken: the actor's optimizer_steps
+        sched.step(0)
+        want = _schedule_loop(k, 1e-3, 1e-4, warmup, 5, style)
+        assert opt.param_groups[0]["lr"] == pytest.approx(want, rel=1e-12), (k, style, warmup)
+        assert opt.param_groups[1]["lr"] == opt.param_groups[0]["lr"]
+        # the value head: the same schedule from critic_lr down to min_lr x critic_lr / lr
+        assert opt.param_groups[2]["lr"] == pytest.approx(4 * want, rel=1e-12)
+        assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0, 0.0]
+        seen.append(want)
+    if warmup:
+        assert seen[0] == pytest.approx(1e-3 / 3) and seen[2] == pytest.approx(1e-3)  # no step at lr 0
+    if style != "constant":
+        assert seen[warmup + 4] == pytest.approx(1e-4) and seen[-1] == pytest.approx(1e-4) and seen[warmup] < 1e-3
+    # the state megatron checkpoints, loaded into a fresh scheduler, continues at the same step
+    fresh_opt = _groups(o)
+    fresh = build_scheduler(fresh_opt, o)
+    fresh.num_steps = 0
+    fresh.load_state_dict(sched.state_dict())
+    assert fresh.num_steps == 11 and [g["lr"] for g in fresh_opt.param_groups] == [g["lr"] for g in opt.param_groups]
+
+
+def test_a_resumed_schedule_that_differs_is_refused_naming_the_fields():
+    from types import SimpleNamespace
+
+    from megatron_credit.trainer.actor import build_scheduler
+    from megatron_credit.trainer.checkpoint import _check_schedule
+    from megatron_credit.training_config import OptimConfig
+
+    def actor(with_critic=False, **kw):
+        o = OptimConfig(**{"lr": 1e-3, "warmup_steps": 2, **kw})
+        return SimpleNamespace(scheduler=build_scheduler(_groups(o), o), recipe=SimpleNamespace(optim=o),
+                               with_critic=with_critic)
+
+    meta = {"opt_param_scheduler": actor().scheduler.state_dict(), "critic_lr": 1e-3}
+    _check_schedule("ckpt", meta, actor())  # the same schedule: fine
+    _check_schedule("ckpt", {}, actor(min_lr=1e-4))  # a checkpoint without a saved schedule: position only
+    with pytest.raises(ValueError) as e:
+        _check_schedule("ckpt", meta, actor(min_lr=1e-4, warmup_steps=5, schedule="cosine", decay_steps=7))
+    msg = str(e.value)
+    for part in ("--resume ckpt", "optim.min_lr: checkpoint 0.0, recipe 0.0001", "optim.warmup_steps: checkpoint 2, "
+                 "recipe 5", "optim.schedule: checkpoint 'constant', recipe 'cosine'", "optim.resume_schedule=recipe"):
+        assert part in msg, msg
+    assert "optim.lr:" not in msg and "optim.weight_decay" not in msg
+    assert "optim.decay_steps" not in msg  # a constant schedule has no decay length to compare
+    _check_schedule("ckpt", meta, actor(critic_lr=2e-3))  # no critic: its lr is not part of the run
+    with pytest.raises(ValueError, match=r"optim.critic_lr: checkpoint 0.001, recipe 0.002"):
+        _check_schedule("ckpt", meta, actor(with_critic=True, critic_lr=2e-3))
+    with pytest.raises(ValueError, match=r"optim.warmup_steps \+ optim.decay_steps: checkpoint 5, recipe 6"):
+        _check_schedule("ckpt", {"opt_param_scheduler": actor(schedule="linear", decay_steps=3).scheduler.state_dict()},
+                        actor(schedule="linear", decay_steps=4))
+    _check_schedule("ckpt", meta, actor(min_lr=1e-4, resume_schedule="recipe"))  # the user's choice: allowed

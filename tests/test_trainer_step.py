@@ -101,6 +101,7 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
             step.update_minibatch(ctx, batch, mini, stats)
             m = ctx.reduce_stats(stats)
             m["changed"] = any(not torch.equal(a, p) for a, p in zip(before, actor.model.parameters()))
+            m["actor/lr"] = actor.last_lr
             m.update(extra)
             out.append(m)
         return out if dist.get_rank() == 0 else None
@@ -121,7 +122,7 @@ def pool2():
 
 
 KEYS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "fipo/weight_mean",
-        "fipo/weight_max", "critic/value_loss", "critic/grad_norm")
+        "fipo/weight_max", "fipo/weight_std", "critic/value_loss", "critic/grad_norm")
 
 
 def _assert_same(ref, got, what):
@@ -147,7 +148,8 @@ def test_fixed_batch_update_is_invariant_to_the_layout(pool1, pool2, algorithm):
     assert ref[1]["actor/logp_diff_abs"] > 0 and ref[1]["actor/grad_norm"] > 0
     if algorithm == "fipo":
         assert ref[0]["fipo/weight_mean"] == 1.0 and ref[0]["fipo/weight_max"] == 1.0
-        assert ref[1]["fipo/weight_max"] > 1.0  # the Future-KL weights act from the second mini-batch
+        assert ref[0]["fipo/weight_std"] == 0.0
+        assert ref[1]["fipo/weight_max"] > 1.0 and ref[1]["fipo/weight_std"] > 0.0  # the Future-KL weights act from the second mini-batch
     else:
         assert ref[1]["critic/value_loss"] > 0
     for name, layout in LAYOUTS.items():
@@ -223,16 +225,19 @@ MEGATRON_LAYOUTS = {"ws1": None, "DP=2": {}, "TP=2": {"tensor_model_parallel_siz
 def test_megatron_optimizer_matches_the_local_one(pool1, pool2, distributed_optimizer):
     # optim.backend: megatron (get_megatron_optimizer; with the distributed optimizer the states and fp32
     # main params are sharded over DP) takes the same steps as the local AdamW: PPO (the value head in its
-    # own lr group), weight decay on matrices only, the clip active (grad norms ~2 > 0.5).
-    common = ["optim.clip_grad=0.5", "optim.weight_decay=0.1", "optim.critic_lr=2e-3"]
+    # own lr group), weight decay on matrices only, the clip active (grad norms ~2 > 0.5), the lr schedule
+    # (megatron's scheduler over either optimizer's groups) in its warm-up: lr / 3, then 2 lr / 3.
+    common = ["optim.clip_grad=0.5", "optim.weight_decay=0.1", "optim.critic_lr=2e-3", "optim.warmup_steps=3",
+              "optim.schedule=cosine", "optim.decay_steps=4", "optim.min_lr=1e-4"]
     ref = pool1.run(_run_fixed, {}, "ppo", overrides=common)[0]
     assert ref[1]["actor/grad_norm"] > 0.5 and ref[1]["critic/value_loss"] > 0
+    assert [r["actor/lr"] for r in ref] == pytest.approx([1e-3, 2e-3], rel=1e-12)  # optim.lr 3e-3
     mine = common + ["optim.backend=megatron"] + (["optim.distributed_optimizer=true"] if distributed_optimizer else [])
     for name, layout in MEGATRON_LAYOUTS.items():
         pool = pool1 if layout is None else pool2
         got = pool.run(_run_fixed, layout or {}, "ppo", overrides=mine)[0]
         _assert_same(ref, got, f"megatron optimizer {name}")
-        assert got[1]["changed"]
+        assert got[1]["changed"] and [r["actor/lr"] for r in got] == [r["actor/lr"] for r in ref]
 
 
 def test_megatron_optimizer_skips_a_non_finite_step(pool1):

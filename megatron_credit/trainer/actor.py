@@ -22,16 +22,18 @@ sequence parallelism and of q/k norms, and the tied-embedding all-reduce across 
 ``main_grad`` is the gradient of the mini-batch loss, independent of the micro-batch split and of the
 DP / CP sizes. ``num_tokens`` is not passed (megatron would divide again).
 
-The step is AdamW on fp32 masters (``trainer.optimizer``), reading the fp32 ``main_grad``; the
-gradient norm, the clipping (the policy and a feature critic separately) and the skip of non-finite
-steps are :meth:`Actor.optimizer_step`'s. megatron's ``get_megatron_optimizer`` is not used: its
-mixed-precision and distributed optimizers check for CUDA tensor types, so neither runs on CPU, and it
-clips all parameters together (see the README, "What has and has not been run").
+The step (``optim.backend``): ``local`` is AdamW on fp32 masters (``trainer.optimizer``), reading the fp32
+``main_grad``, with the gradient norm, the clipping (the policy and a feature critic separately) and the
+skip of non-finite steps in :meth:`Actor.optimizer_step`; ``megatron`` is ``get_megatron_optimizer``
+(with the distributed optimizer when asked), its norm and clip, the same skip. Either way the learning
+rates and weight decays come from megatron's ``OptimizerParamScheduler`` (:func:`build_scheduler`), which
+reads each group's ``max_lr`` / ``min_lr`` / ``wd_mult``; its state is saved in checkpoints.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -59,6 +61,40 @@ def _final_hidden_states(model):
         yield
     finally:
         model.post_process = was
+
+
+def critic_schedule(o) -> dict[str, float]:
+    """The value head's ``max_lr`` / ``min_lr``: the policy's schedule scaled by ``critic_lr / lr``."""
+    return {"max_lr": o.critic_lr, "min_lr": o.min_lr * o.critic_lr / o.lr}
+
+
+def build_scheduler(optimizer, o):
+    """megatron's ``OptimizerParamScheduler`` over ``optimizer``'s groups for ``OptimConfig`` ``o``.
+
+    Its ``num_steps`` counts the optimizer steps taken (what checkpoints save). The lr of step ``k``
+    (0-based) is the schedule's value at ``k + 1``: warm-up ``lr * (k + 1) / W`` (megatron's own loop uses
+    ``init_lr`` = 0 for the first step, a wasted step), then constant, or ``linear`` / ``cosine`` from
+    ``lr`` down to ``min_lr`` over the ``decay_steps`` steps after warm-up (reached at step
+    ``W + decay_steps - 1``, kept after). Each group reads its own ``max_lr`` / ``min_lr`` and sets
+    ``weight_decay = optim.weight_decay * wd_mult``.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    class _NextStepScheduler(OptimizerParamScheduler):
+        def get_lr(self, param_group: dict) -> float:
+            self.num_steps += 1
+            try:
+                return super().get_lr(param_group)
+            finally:
+                self.num_steps -= 1
+
+    warmup = o.warmup_steps
+    decay = o.decay_steps if o.schedule != "constant" else 1  # megatron needs decay steps > warm-up steps
+    return _NextStepScheduler(optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=warmup,
+                              lr_decay_steps=warmup + decay, lr_decay_style=o.schedule,
+                              start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=warmup + decay,
+                              wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
+                              override_opt_param_scheduler=o.resume_schedule == "recipe")
 
 
 class Actor:
@@ -141,7 +177,17 @@ class Actor:
         self.tp_size, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.optimizer = self._build_optimizer()
-        self.optimizer_steps = 0
+        self.scheduler = build_scheduler(self.optimizer, o)
+        self.last_lr = self.scheduler.get_lr({})  # the policy's lr of the last applied step (the next one until then)
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps taken (skipped ones do not count): the lr schedule's position."""
+        return self.scheduler.num_steps
+
+    @optimizer_steps.setter
+    def optimizer_steps(self, value: int) -> None:
+        self.scheduler.num_steps = int(value)
 
     # -- building ------------------------------------------------------------------------------------
     def _hook_layer_outputs(self, count: int) -> None:
@@ -176,11 +222,15 @@ class Actor:
             if not p.requires_grad:
                 continue
             (critic if name.startswith("value_head.") else no_decay if p.dim() < 2 else decay).append(p)
-        groups = [{"params": decay, "weight_decay": wd, "lr_scale": 1.0},
-                  {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
-                  {"params": critic, "weight_decay": 0.0, "lr_scale": o.critic_lr / o.lr, "name": "critic"}]
-        return MasterWeightsAdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2),
-                                  eps=o.eps)
+        # megatron's group keys, read by OptimizerParamScheduler: max_lr / min_lr (the value head's schedule
+        # is the policy's scaled by critic_lr / lr) and wd_mult (weight_decay = the run's decay x wd_mult).
+        policy, head = {"max_lr": o.lr, "min_lr": o.min_lr}, critic_schedule(o)
+        groups = [{"params": decay, "weight_decay": wd, "wd_mult": 1.0, **policy},
+                  {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0, **policy},
+                  {"params": critic, "weight_decay": 0.0, "wd_mult": 0.0, **head, "name": "critic"}]
+        opt = MasterWeightsAdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        opt.trainer_weight_decay = wd
+        return opt
 
     def build_optimizer(self, *, weight_decay: float):
         """Another optimizer of this actor's kind over the same parameters (the supervised warm-up's)."""
@@ -203,10 +253,12 @@ class Actor:
                               bf16=dtype == torch.bfloat16, params_dtype=dtype,
                               use_distributed_optimizer=o.distributed_optimizer)
         overrides = get_standard_config_overrides(cfg)
-        # The value head: no decay, lr x critic_lr / lr. megatron tells groups apart (in checkpoints too) by
-        # (wd_mult, lr_mult, ...) only, so the head's group differs from the no-decay one by its lr_mult or
-        # is that group (critic_lr == lr).
-        head = {"wd_mult": 0.0} if o.critic_lr == o.lr else {"wd_mult": 0.0, "lr_mult": o.critic_lr / o.lr}
+        # The value head: no decay, its own max_lr / min_lr (what the scheduler reads). megatron matches the
+        # groups of a checkpoint by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) only
+        # (``param_group_identifier_keys``), so the head's group carries lr_mult = critic_lr / lr (read by
+        # nothing else in 0.16.1) to stay apart from the no-decay group, or is that group (critic_lr == lr).
+        head = ({"wd_mult": 0.0} if o.critic_lr == o.lr
+                else {"wd_mult": 0.0, "lr_mult": o.critic_lr / o.lr, **critic_schedule(o)})
         overrides[ParamKey(name="*value_head.*")] = head
         opt = get_megatron_optimizer(cfg, [self.ddp], config_overrides=overrides)
         opt.trainer_weight_decay = weight_decay
@@ -361,20 +413,47 @@ class Actor:
             (critic if name.startswith("value_head.") else policy).append(p)
         return [policy, critic]  # the critic set is empty off the last stage; the norms still all-reduce
 
-    def optimizer_step(self, *, lr: float, loss_finite: bool = True, clip: Optional[float] = None,
-                       critic_clip: Optional[float] = None, critic_lr_scale: float = 1.0) -> tuple[torch.Tensor, bool]:
+    def _set_lrs(self, lr: Optional[float], lr_scale: float, critic_lr_scale: float) -> float:
+        """Each group's lr and weight decay for the coming step: megatron's scheduler at this step (``lr``
+        None), or the constant ``lr`` (the supervised warm-up's own optimizer), times the phase knobs.
+        Returns the policy's lr."""
+        opt = self.optimizer
+        if lr is None:
+            if opt is not self.scheduler.optimizer:
+                raise RuntimeError("optimizer_step without lr steps the run's optimizer only")
+            self.scheduler.step(0)  # writes every group's lr (max_lr / min_lr) and weight decay (x wd_mult)
+        else:
+            for g in opt.param_groups:
+                g["lr"] = lr * g["max_lr"] / self.recipe.optim.lr
+                g["weight_decay"] = opt.trainer_weight_decay * g["wd_mult"]
+        for g in opt.param_groups:
+            is_critic = g.get("name") == "critic"
+            g["lr"] *= lr_scale * (critic_lr_scale if is_critic else 1.0)
+        return next((g["lr"] for g in opt.param_groups if g["max_lr"] == self.recipe.optim.lr), math.nan)
+
+    def optimizer_step(self, *, lr: Optional[float] = None, lr_scale: float = 1.0, loss_finite: bool = True,
+                       clip: Optional[float] = None, critic_clip: Optional[float] = None,
+                       critic_lr_scale: float = 1.0) -> tuple[torch.Tensor, bool]:
         """Reduce gradients, clip, step; returns ``(grad_norm, applied)``.
 
+        The learning rates are the schedule's (:func:`build_scheduler`) at this step, times ``lr_scale``
+        (the critic's also times ``critic_lr_scale``); ``lr`` instead sets a constant one (the warm-up).
         ``clip`` (default ``optim.clip_grad``) bounds the gradient norm; a feature critic (CompPO's,
         detached from the policy) is clipped on its own to ``critic_clip`` (default ``clip``) and its norm
-        kept in ``last_critic_grad_norm``; the returned norm is then the policy's. ``critic_lr_scale``
-        multiplies the critic group's learning rate. A step whose gradient norm (or loss) is not finite is
-        skipped: gradients are dropped, the parameters and the optimizer state are untouched."""
+        kept in ``last_critic_grad_norm``; the returned norm is then the policy's. A step whose gradient
+        norm (or loss) is not finite is skipped: gradients are dropped, the parameters, the optimizer state
+        and the schedule's position are untouched."""
         from megatron_credit.distributed.grads import finalize
 
         finalize(self.ddp)  # DP x CP sum, TP norms, tied embeddings (no num_tokens: already global shares)
         if not isinstance(self.optimizer, MasterWeightsAdamW):
-            return self._megatron_step(lr=lr, loss_finite=loss_finite, clip=clip, critic_lr_scale=critic_lr_scale)
+            if critic_lr_scale != 1.0:  # the phase controller's critic knob: CompPO's, refused with this backend
+                raise ValueError("optim.backend: megatron has no separate critic learning rate to scale")
+            policy_lr = self._set_lrs(lr, lr_scale, 1.0)
+            norm, ok = self._megatron_step(loss_finite=loss_finite, clip=clip)
+            if ok and lr is None:
+                self.last_lr = policy_lr
+            return norm, ok
         clip = self.recipe.optim.clip_grad if clip is None else clip
         sets = self._param_sets()
         clips = [clip, clip if critic_clip is None else critic_clip][: len(sets)]
@@ -388,18 +467,17 @@ class Actor:
                     for p in params:
                         if grad_of(p) is not None:
                             grad_of(p).mul_(coef)
-            for g in self.optimizer.param_groups:
-                is_critic = g.get("name") == "critic"
-                g["lr"] = lr * g.get("lr_scale", 1.0) * (critic_lr_scale if is_critic else 1.0)
+            policy_lr = self._set_lrs(lr, lr_scale, critic_lr_scale)
             self.optimizer.step()
+            if lr is None:  # the run's schedule (not the warm-up's constant lr)
+                self.last_lr = policy_lr
             self.optimizer_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
         self.ddp.zero_grad_buffer()
         return norms[0], ok
 
-    def _megatron_step(self, *, lr: float, loss_finite: bool, clip: Optional[float],
-                       critic_lr_scale: float) -> tuple[torch.Tensor, bool]:
+    def _megatron_step(self, *, loss_finite: bool, clip: Optional[float]) -> tuple[torch.Tensor, bool]:
         """megatron's ``ChainedOptimizer.step`` with the trainer's checks in between: main grads prepared,
         megatron's global norm (over DP x CP shards with the distributed optimizer, TP and PP), the step
         skipped when the loss or the norm is not finite, then the clip and the update."""
@@ -407,13 +485,6 @@ class Actor:
 
         opt, o = self.optimizer, self.recipe.optim
         clip = o.clip_grad if clip is None else clip
-        if critic_lr_scale != 1.0:  # the phase controller's critic knob: CompPO's, refused with this backend
-            raise ValueError("optim.backend: megatron has no separate critic learning rate to scale")
-        # the schedule's lr times the group's lr_mult (megatron 0.16.1's OptimizerParamScheduler would read
-        # max_lr / min_lr instead and ignore lr_mult: the value head's group would need those to use it)
-        for g in opt.param_groups:
-            g["lr"] = lr * g["lr_mult"]
-            g["weight_decay"] = opt.trainer_weight_decay * g["wd_mult"]
         found_inf = opt.prepare_grads()
         norm = torch.tensor(float(opt.get_grad_norm()), dtype=torch.float64)
         ok = loss_finite and not found_inf and bool(torch.isfinite(norm))

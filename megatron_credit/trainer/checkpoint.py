@@ -10,7 +10,8 @@ Layout of ``<run>/checkpoints/iter_0000012/``:
   ``fully_reshardable`` format, which reshards too);
 - ``rank_00003.pt``: this rank's RNG states and data cursor (``torch.load(weights_only=True)``: no
   pickled code runs from a checkpoint);
-- ``meta.json``: step, layout, optimizer step count; written last.
+- ``meta.json``: step, layout, optimizer step count, the lr schedule (megatron's
+  ``OptimizerParamScheduler.state_dict()``); written last.
 
 Every rank writes into ``iter_0000012.tmp``; after a barrier rank 0 renames the directory, so a crash or
 a SIGKILL during a save never leaves a directory that looks complete, and ``--resume auto`` takes the
@@ -168,7 +169,8 @@ def save(run_dir: str, step: int, actor, extras: dict[str, Any], *, layout: dict
     if rank == 0:
         with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
             json.dump({"step": step, "layout": layout, "optimizer_steps": actor.optimizer_steps,
-                       "adam_step": _adam_step(actor)}, f)
+                       "adam_step": _adam_step(actor), "opt_param_scheduler": actor.scheduler.state_dict(),
+                       "critic_lr": actor.recipe.optim.critic_lr}, f)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # the publication: a directory without .tmp is complete
         for _, old in complete_checkpoints(run_dir)[:-keep]:
@@ -197,6 +199,7 @@ def load(path: str, actor, *, layout: dict[str, int]) -> tuple[int, Optional[dic
 
     with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
         meta = json.load(f)
+    _check_schedule(path, meta, actor)  # before anything is loaded
     request = _sharded_state(actor, for_load=True)
     state = dist_checkpointing.load(request, os.path.join(path, MODEL_OPTIM))
     result = actor.model.load_state_dict(state["model"], strict=False)
@@ -205,8 +208,13 @@ def load(path: str, actor, *, layout: dict[str, int]) -> tuple[int, Optional[dic
         raise ValueError(f"checkpoint {path}: model keys do not match this model: {bad[:5]}")
     opt = actor.optimizer
     if actor.megatron_optimizer:
+        # megatron's load restores its param groups' schedule keys: this recipe's are kept (checked equal above
+        # unless optim.resume_schedule is recipe)
+        keys = [{k: g[k] for k in SCHEDULE_GROUP_KEYS} for g in opt.param_groups]
         _load_megatron_optimizer(opt, state["optimizer"])
-        actor.optimizer_steps = int(meta["optimizer_steps"])
+        for g, k in zip(opt.param_groups, keys):
+            g.update(k)
+        _load_schedule(meta, actor)
         return _finish_load(path, meta, layout)
     masters = [m for g in opt.param_groups for m in g["params"]]
     adam_step = torch.tensor(float(meta["adam_step"]))
@@ -217,8 +225,45 @@ def load(path: str, actor, *, layout: dict[str, int]) -> tuple[int, Optional[dic
         if m is not p:
             with torch.no_grad():
                 m.copy_(loaded["master_param"])
-    actor.optimizer_steps = int(meta["optimizer_steps"])
+    _load_schedule(meta, actor)
     return _finish_load(path, meta, layout)
+
+
+SCHEDULE_GROUP_KEYS = ("max_lr", "min_lr", "wd_mult")
+# OptimizerParamScheduler.state_dict() entries -> the recipe fields they come from
+SCHEDULE_FIELDS = {"max_lr": "optim.lr", "min_lr": "optim.min_lr", "lr_warmup_steps": "optim.warmup_steps",
+                   "lr_decay_style": "optim.schedule", "lr_decay_steps": "optim.warmup_steps + optim.decay_steps",
+                   "start_wd": "optim.weight_decay"}
+
+
+def _check_schedule(path: str, meta: dict[str, Any], actor) -> None:
+    """``optim.resume_schedule: strict``: the recipe's lr schedule must be the checkpoint's (one error
+    naming every field that differs), before anything is loaded."""
+    saved = meta.get("opt_param_scheduler")
+    if saved is None or actor.recipe.optim.resume_schedule != "strict":
+        return
+    mine = actor.scheduler.state_dict()
+    constant = "constant" in (mine["lr_decay_style"], saved["lr_decay_style"])  # decay steps: not the recipe's then
+    keys = [k for k in SCHEDULE_FIELDS if not (k == "lr_decay_steps" and constant)]
+    diff = [f"{SCHEDULE_FIELDS[k]}: checkpoint {saved[k]!r}, recipe {mine[k]!r}" for k in keys if saved[k] != mine[k]]
+    critic_lr = actor.recipe.optim.critic_lr
+    if getattr(actor, "with_critic", False) and meta.get("critic_lr", critic_lr) != critic_lr:
+        diff.append(f"optim.critic_lr: checkpoint {meta['critic_lr']!r}, recipe {critic_lr!r}")
+    if diff:
+        raise ValueError(f"--resume {path}: the recipe's lr schedule differs from the checkpoint's ("
+                         + "; ".join(diff) + "); set optim.resume_schedule=recipe to continue with the recipe's "
+                         "schedule from the checkpoint's step")
+
+
+def _load_schedule(meta: dict[str, Any], actor) -> None:
+    """The schedule's position (and, checked or overridden, its settings): megatron's ``load_state_dict``."""
+    saved = meta.get("opt_param_scheduler")
+    if saved is None:  # a checkpoint from before the scheduler was saved: its position only
+        actor.optimizer_steps = int(meta["optimizer_steps"])
+        return
+    sched = actor.scheduler
+    sched.num_steps = 0  # load_state_dict adds the saved step count
+    sched.load_state_dict(saved)
 
 
 def _load_megatron_optimizer(opt, state) -> None:

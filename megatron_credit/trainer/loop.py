@@ -86,9 +86,6 @@ class Context:
 
         check_sequence_length(self.actor.hf_config, length, what="a prompt + response")
 
-    def lr(self) -> float:
-        return self.recipe.optim.lr_at(self.actor.optimizer_steps)
-
     def gather_cp(self, t: torch.Tensor) -> torch.Tensor:
         from megatron_credit.data.context_parallel import gather_from_cp
 
@@ -297,7 +294,14 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
     rollouts.sync_weights()
     writer = None
     if rank0:
+        import yaml
+
         from megatron_credit.config import recipe_to_dict
+
+        # The resolved recipe of this launch, written once the checkpoint (if any) was accepted: a refused
+        # resume leaves the previous launch's config.yaml as it was.
+        with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+            yaml.safe_dump(recipe_to_dict(recipe), f, sort_keys=False)
 
         writer = MetricsWriter(run_dir, resume_step=start if path is not None else None,
                                tensorboard=recipe.logging.tensorboard, wandb_project=recipe.logging.wandb,
@@ -312,7 +316,7 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
             ctx.timer = PhaseTimer()
             t0 = time.perf_counter()
             metrics = rl_iteration(ctx, step)
-            metrics["actor/lr"] = ctx.lr()
+            metrics["actor/lr"] = ctx.actor.last_lr  # the policy's lr of the iteration's last step
             if recipe.train.val_every and step % recipe.train.val_every == 0:
                 with ctx.timer("validation"):
                     metrics.update(rollouts.validate(step))

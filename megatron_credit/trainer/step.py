@@ -194,7 +194,7 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
     for s in out:
         local.add(s)
     loss_ok = ctx.all_finite(local.get("sum:pg_loss"))
-    norm, applied = ctx.actor.optimizer_step(lr=ctx.lr() * knobs.lr_scale, loss_finite=loss_ok,
+    norm, applied = ctx.actor.optimizer_step(lr_scale=knobs.lr_scale, loss_finite=loss_ok,
                                              clip=knobs.clip_grad, critic_clip=knobs.critic_clip_grad,
                                              critic_lr_scale=knobs.critic_lr_scale)
     stats.merge(local)
