@@ -55,6 +55,8 @@ def test_train_batch_is_in_label_space():
     assert tb.rewards.dtype == torch.float32 and tb.correct.dtype == torch.bool and tb.size == b
     assert tb.correct.tolist() == [r > 0 for r in torch.linspace(-1.0, 1.0, b).tolist()]
     assert tb.loss_mask.sum() == p.response_mask.sum()  # every response token is scored exactly once
+    for name in ("labels", "loss_mask", "rollout_logp"):  # shifted, not grown
+        assert getattr(tb, name).shape == p.input_ids.shape, name
 
 
 def test_token_rewards_sit_on_the_position_scoring_the_last_token():
@@ -91,7 +93,7 @@ def _with_fields(tb, k=3):
     return tb
 
 
-@pytest.mark.parametrize("seq_len", [6, 12])  # cut (rows are 9 long) and padded
+@pytest.mark.parametrize("seq_len", [6, 7, 12])  # cut (rows are 9 long; odd lengths need no CP) and padded
 def test_make_microbatch_cuts_pads_and_fills_like_a_loop(seq_len):
     _, tb = _batch(seed=3, b=6)
     tb = _with_fields(tb)
@@ -110,6 +112,7 @@ def test_make_microbatch_cuts_pads_and_fills_like_a_loop(seq_len):
     assert torch.equal(mb.whole_loss_mask, mb.tensors["loss_mask"])
     assert mb.position_ids.shape == (num_rows, seq_len) and all(mb.position_ids[i].tolist() == list(range(seq_len))
                                                                  for i in range(num_rows))
+    assert mb.position_ids.dtype == torch.long
     scored = [j for j in range(seq_len) if mb.whole_loss_mask[:, j].any()]
     assert mb.query_start == (scored[0] if scored else seq_len)
 
@@ -127,6 +130,17 @@ def test_make_microbatch_splits_for_context_parallelism_in_the_load_balanced_lay
         for name, t in mb.tensors.items():
             assert torch.equal(t, whole.tensors[name][:, pos]), name
         assert mb.query_start == whole.query_start  # computed from the whole rows on every rank
+        assert mb.position_ids.dtype == torch.long
+    default = make_microbatch(tb, [0, 1, 3], seq_len=12, num_rows=3, pad_id=PAD, cp_size=2)  # cp_rank 0
+    assert default.position_ids[0].tolist() == [0, 1, 2, 9, 10, 11]
+
+
+def test_a_micro_batch_of_padding_rows_only():
+    # (uniform pipeline shapes): no rows of the batch, every position padding and masked
+    _, tb = _batch(seed=6)
+    mb = make_microbatch(tb, [], seq_len=4, num_rows=2, pad_id=PAD)
+    assert mb.rows == () and mb.tensors["input_ids"].tolist() == [[PAD] * 4] * 2
+    assert not mb.tensors["loss_mask"].any() and mb.query_start == 4
 
 
 def test_query_start_without_scored_tokens_is_the_length():
@@ -167,10 +181,11 @@ def test_stat_sums_are_copies_and_merge_keeps_replicated_keys():
     s.add({"sum:grad_norm": torch.tensor(0.5)}, replicated=True)
     other = StatSums()
     other.add({"sum:a": torch.tensor(4.0), "sum:b": torch.tensor(1.0)})
-    other.add({"sum:grad_norm": torch.tensor(0.25)}, replicated=True)
+    other.add({"sum:grad_norm": torch.tensor(0.25), "sum:critic_norm": torch.tensor(0.5)}, replicated=True)
     s.merge(other)
-    assert {k: float(x) for k, x in s.values.items()} == {"sum:a": 7.0, "sum:grad_norm": 0.75, "sum:b": 1.0}
-    assert s.replicated == {"sum:grad_norm"}
+    assert {k: float(x) for k, x in s.values.items()} == {"sum:a": 7.0, "sum:grad_norm": 0.75, "sum:b": 1.0,
+                                                          "sum:critic_norm": 0.5}
+    assert s.replicated == {"sum:grad_norm", "sum:critic_norm"}  # replicated keys stay so through a merge
     s.all_reduce(None)  # no group: nothing changes
     assert float(s.values["sum:a"]) == 7.0
 
@@ -178,13 +193,13 @@ def test_stat_sums_are_copies_and_merge_keeps_replicated_keys():
 def test_finalize_turns_sums_into_the_documented_metrics():
     s = StatSums()
     w = torch.tensor([1.0, 1.1, 1.2, 1.2, 1.05], dtype=torch.float64)
-    ret = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.0], dtype=torch.float64)
+    ret = torch.tensor([0.5, -0.5, 1.0, 0.0, 0.25], dtype=torch.float64)  # variance 0.25 (not 1)
     resid = torch.tensor([0.1, -0.2, 0.3, 0.0, -0.1], dtype=torch.float64)
     s.add({"sum:tokens": 5.0, "sum:pg_loss": 0.6, "sum:opt_steps": 2.0, "sum:entropy": 2.5, "sum:approx_kl": 0.05,
            "sum:fipo_weight/mean": w.sum(), "sum:fipo_weight/dev_sq": ((w - 1) ** 2).sum(),
            "min:fipo_weight/min": torch.tensor(1.0), "max:fipo_weight/max": torch.tensor(math.inf),
-           "min:first_minibatch/fipo_weight/min": torch.tensor(0.98),
-           "max:first_minibatch/fipo_weight/max": torch.tensor(1.01),
+           "min:first_minibatch/fipo_weight/min": torch.tensor(0.99, dtype=torch.float64),
+           "max:first_minibatch/fipo_weight/max": torch.tensor(1.03, dtype=torch.float64),
            "sum:skipped_steps": 1.0, "sum:ret": ret.sum(), "sum:ret2": (ret * ret).sum(),
            "sum:resid": resid.sum(), "sum:resid2": (resid * resid).sum(),
            "sum:rank_avg/critic/corr": 1.5, "sum:rank_avg_count": 2.0, "sum:gate": 0.0})
@@ -193,7 +208,7 @@ def test_finalize_turns_sums_into_the_documented_metrics():
     assert out["actor/ppo_kl"] == pytest.approx(0.01) and out["fipo/weight_mean"] == pytest.approx(float(w.mean()))
     assert out["fipo/weight_std"] == pytest.approx(float(w.std(unbiased=False)), rel=1e-9)
     assert out["fipo/weight_min"] == 1.0 and "fipo/weight_max" not in out  # a non-finite extreme is left out
-    assert out["fipo/first_minibatch_max_abs_dev"] == pytest.approx(0.02)
+    assert out["fipo/first_minibatch_max_abs_dev"] == pytest.approx(0.03)  # the larger of 1.03 - 1, 1 - 0.99
     assert out["actor/skipped_steps"] == 1.0 and out["critic/corr"] == 0.75
     assert out["critic/explained_var"] == pytest.approx(float(1 - resid.var(unbiased=False) / ret.var(unbiased=False)))
     assert "comppo/gate_mean" not in out and "critic/value_loss" not in out  # a missing denominator: no metric
@@ -211,6 +226,15 @@ def test_finalize_guards_zero_denominators():
     one = StatSums()
     one.add({"sum:fipo_weight/mean": 1.1, "sum:fipo_weight/dev_sq": 0.01, "sum:tokens": 1.0})  # 0.01 < (1.1 - 1)**2
     assert finalize(one)["fipo/weight_std"] == 0.0  # rounding below 0 is clamped, never NaN
+    partial = StatSums()  # a mean without the second moment: no std (and no error)
+    partial.add({"sum:fipo_weight/mean": 2.0, "sum:tokens": 2.0, "sum:rank_avg/critic/corr": 0.4,
+                 "sum:rank_avg_count": 1.0, "sum:ret": 2.0, "sum:ret2": 4.0, "sum:resid": 0.5, "sum:resid2": 0.25})
+    out = finalize(partial)
+    assert "fipo/weight_std" not in out and out["fipo/weight_mean"] == 1.0 and out["critic/corr"] == 0.4
+    # one scored token: both variances are 0 (its own mean), explained variance 1 - 0 / 1e-12 = 1
+    single = StatSums()
+    single.add({"sum:tokens": 1.0, "sum:ret": 2.0, "sum:ret2": 4.0, "sum:resid": 0.5, "sum:resid2": 0.25})
+    assert finalize(single)["critic/explained_var"] == 1.0
 
 
 def test_metrics_jsonl_rows_truncation_and_resume(tmp_path):
@@ -232,8 +256,10 @@ def test_metrics_jsonl_rows_truncation_and_resume(tmp_path):
     missing.mkdir()
     truncate_metrics(str(missing / "metrics.jsonl"), after_step=3)  # nothing to resume: an empty file
     assert (missing / "metrics.jsonl").read_text() == ""
-    (missing / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s}) for s in (1, 3, 4, 2)) + "\n")
+    (missing / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s}) for s in (1, 3, 4)) + "\n\nnot json\n"
+                                           + json.dumps({"step": 2}) + "\n")
     truncate_metrics(str(missing / "metrics.jsonl"), after_step=3)
+    # unreadable lines are dropped, the lines after them kept
     assert [r["step"] for r in read_metrics(str(missing / "metrics.jsonl"))] == [1, 3, 2]
     assert not (missing / "metrics.jsonl.tmp").exists()
 
@@ -255,3 +281,69 @@ def test_tensorboard_gets_the_finite_scalars_and_plots_one_png_per_group_with_da
     written = plot_metrics(str(tmp_path))
     assert written == [str(tmp_path / "plots" / "reward.png"), str(tmp_path / "plots" / "entropy.png")]
     assert all((tmp_path / "plots" / f).stat().st_size > 1000 for f in ("reward.png", "entropy.png"))
+
+
+def test_plots_draw_each_metric_against_its_steps_and_can_be_redrawn(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    from megatron_credit.trainer.metrics import plot_metrics
+
+    w = MetricsWriter(str(tmp_path), resume_step=None, tensorboard=False, wandb_project=None, config={})
+    for step in (2, 4, 6):
+        w.write(step, {"reward/mean": 0.5 * step, "accuracy/mean": None if step == 4 else 0.1 * step})
+    figures = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k)))
+    assert plot_metrics(str(tmp_path)) == [str(tmp_path / "plots" / "reward.png")]
+    lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in figures[0].axes[0].lines}
+    assert lines == {"reward/mean": ([2, 4, 6], [1.0, 2.0, 3.0]), "accuracy/mean": ([2, 6], [0.2, 0.6000000000000001])}
+    assert [t.get_text() for t in figures[0].axes[0].get_legend().get_texts()] == ["reward/mean", "accuracy/mean"]
+    assert figures[0].axes[0].get_xlabel() == "iteration"
+    assert plot_metrics(str(tmp_path)) == [str(tmp_path / "plots" / "reward.png")]  # again (tools/plot_metrics.py)
+
+
+def test_wandb_gets_the_run_and_every_row_and_a_missing_tensorboard_is_said(tmp_path, monkeypatch):
+    import sys
+
+    calls = []
+
+    class Run:
+        def log(self, metrics, step):
+            calls.append(("log", dict(metrics), step))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or Run())
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed: the import fails
+    said = []
+    w = MetricsWriter(str(tmp_path), resume_step=None, tensorboard=True, wandb_project="proj", config={"seed": 3},
+                      log=said.append)
+    w.write(7, {"reward/mean": 0.25})
+    w.close()
+    assert said == ["tensorboard is not installed: no event files (pip install tensorboard)"]
+    assert w.tb is None and not (tmp_path / "tensorboard").exists()
+    assert calls == [("init", {"project": "proj", "config": {"seed": 3}, "dir": str(tmp_path), "resume": "allow"}),
+                     ("log", {"reward/mean": 0.25}, 7), ("finish",)]
+
+
+def test_plot_look_600x350_px_dots_on_short_series_only_faint_grid_small_legend(tmp_path, monkeypatch):
+    import matplotlib.figure
+    import matplotlib.image
+
+    from megatron_credit.trainer.metrics import plot_metrics
+
+    w = MetricsWriter(str(tmp_path), resume_step=None, tensorboard=False, wandb_project=None, config={})
+    for step in range(1, 41):  # 40 points of the reward, 39 of the entropy
+        w.write(step, {"reward/mean": 0.01 * step, "actor/entropy": None if step == 1 else 1.0 / step})
+    figures = []
+    save = matplotlib.figure.Figure.savefig
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k)))
+    reward, entropy = plot_metrics(str(tmp_path))
+    assert matplotlib.image.imread(reward).shape[:2] == (350, 600)  # 6 x 3.5 inches at 100 dpi
+    (r_line,), (e_line,) = figures[0].axes[0].lines, figures[1].axes[0].lines
+    assert r_line.get_marker() in ("None", None, "") and e_line.get_marker() == "."  # dots below 40 points
+    ax = figures[1].axes[0]
+    assert {t.get_fontsize() for t in ax.get_legend().get_texts()} == {8.0}
+    assert all(g.get_visible() and g.get_alpha() == 0.3 for g in ax.get_xgridlines())
