@@ -128,3 +128,54 @@ def test_tensor_seq_lens_are_accepted():
     want = make_microbatches(lens, max_tokens_per_microbatch=10, min_num_microbatches=2)
     assert make_microbatches(torch.tensor(lens), max_tokens_per_microbatch=10, min_num_microbatches=2) == want
     assert make_microbatches(torch.tensor([], dtype=torch.long), max_tokens_per_microbatch=10) == []
+
+
+def test_boundaries_and_messages_of_the_planner():
+    # a zero-length sequence is allowed (non-negative), a budget of 1 token is valid, and each refusal
+    # says what is wrong
+    assert sorted(i for mb in make_microbatches([0, 3], max_tokens_per_microbatch=3) for i in mb) == [0, 1]
+    assert make_microbatches([1, 1], max_tokens_per_microbatch=1) == [[0], [1]]
+    with pytest.raises(ValueError, match="seq_lens must be non-negative"):
+        make_microbatches([2, -1], max_tokens_per_microbatch=4)
+    with pytest.raises(ValueError, match=r"pad_to_multiple_of must be >= 1, got 0"):
+        make_microbatches([2], max_tokens_per_microbatch=4, pad_to_multiple_of=0)
+    with pytest.raises(ValueError, match="micro-batch cannot be empty; use fewer micro-batches"):
+        make_microbatches([5], max_tokens_per_microbatch=10, min_num_microbatches=2)  # one sample, two asked
+
+
+def test_cost_and_stats_by_hand():
+    lens = [3, 5, 1]
+    assert microbatch_cost(lens, [0, 1], mode="padded") == 10 and microbatch_cost(lens, [0, 1], mode="packed") == 8
+    assert microbatch_cost(lens, [0, 2], mode="padded", pad_to_multiple_of=4) == 8
+    assert microbatch_cost(lens, [], mode="padded") == 0 and microbatch_cost(lens, [], mode="packed") == 0
+    mbs = [[0, 1], [2]]
+    stats = microbatch_stats(lens, mbs, max_tokens_per_microbatch=10)  # padded by default
+    assert stats == {"microbatch/count": 2.0, "microbatch/token_efficiency": 9 / 11, "microbatch/max_cost": 10.0,
+                     "microbatch/oversized": 0.0}  # a cost equal to the budget is not oversized
+    padded4 = microbatch_stats(lens, mbs, max_tokens_per_microbatch=9, pad_to_multiple_of=4)
+    assert padded4["microbatch/max_cost"] == 16.0 and padded4["microbatch/oversized"] == 1.0
+    assert padded4["microbatch/token_efficiency"] == 9 / 20
+    packed = microbatch_stats(lens, mbs, max_tokens_per_microbatch=10, mode="packed")
+    assert packed["microbatch/token_efficiency"] == 1.0 and packed["microbatch/max_cost"] == 8.0
+    one = microbatch_stats([1], [[0]], max_tokens_per_microbatch=1)
+    assert one["microbatch/token_efficiency"] == 1.0 and one["microbatch/oversized"] == 0.0
+    empty = microbatch_stats([], [], max_tokens_per_microbatch=4)
+    assert empty == {"microbatch/count": 0.0, "microbatch/token_efficiency": 0.0, "microbatch/max_cost": 0.0,
+                     "microbatch/oversized": 0.0}
+
+
+def test_plan_passes_every_option_to_each_minibatch():
+    lens = [3, 3, 3, 3, 7, 1, 2, 2]  # padding to 4 splits the first half, packing merges the second
+    for kw in ({"mode": "packed"}, {"pad_to_multiple_of": 4}, {"min_num_microbatches": 2}, {}):
+        plan = plan_minibatches(lens, num_minibatches=2, max_tokens_per_microbatch=12, **kw)
+        want = [[[s + i for i in mb] for mb in make_microbatches(lens[s:s + 4], max_tokens_per_microbatch=12, **kw)]
+                for s in (0, 4)]
+        assert plan == want, kw
+    assert plan_minibatches(lens, num_minibatches=2, max_tokens_per_microbatch=12, pad_to_multiple_of=4) != \
+        plan_minibatches(lens, num_minibatches=2, max_tokens_per_microbatch=12)  # the options matter here
+    assert plan_minibatches(lens, num_minibatches=2, max_tokens_per_microbatch=12, min_num_microbatches=2) != \
+        plan_minibatches(lens, num_minibatches=2, max_tokens_per_microbatch=12)
+    assert plan_minibatches(lens, num_minibatches=2, max_tokens_per_microbatch=12, mode="packed") != \
+        plan_minibatches(lens, num_minibatches=2, max_tokens_per_microbatch=12)
+    one = plan_minibatches(lens, num_minibatches=1, max_tokens_per_microbatch=12)  # one mini-batch is valid
+    assert one == [make_microbatches(lens, max_tokens_per_microbatch=12)]

@@ -93,3 +93,19 @@ def test_truncated_is_weights_ignore_nan_padding():
     want = torch.exp(torch.tensor(0.5))  # float32
     assert torch.equal(w, torch.stack([want, torch.tensor(0.0), torch.tensor(0.0)])[None])
     assert torch.equal(m["tis_mean_weight"], want) and float(m["tis_capped_frac"]) == 0.0
+
+
+def test_mismatch_of_one_token_extreme_ratios_and_an_empty_batch():
+    engine = torch.tensor([[-1.0, -2.0, -3.0]], dtype=torch.float64)
+    one = logprob_mismatch(engine, engine + 0.5, torch.tensor([[False, True, False]]))
+    assert float(one["mean_abs_diff"]) == 0.5 and float(one["seq_kl_k1"][0]) == -0.5  # divided by 1 token
+    assert float(one["kl_k3"]) == pytest.approx(math.expm1(0.5) - 0.5, rel=1e-12)
+    # log-ratios beyond +-20 are clamped at +-20 (k3 stays finite at any distance)
+    far = logprob_mismatch(engine, engine + torch.tensor([[50.0, -50.0, 0.0]], dtype=torch.float64),
+                           torch.ones(1, 3, dtype=torch.bool))
+    assert float(far["max_abs_diff"]) == 20.0 and float(far["mean_abs_diff"]) == pytest.approx(40.0 / 3)
+    want_k3 = (math.expm1(20.0) - 20.0 + math.expm1(-20.0) + 20.0) / 3
+    assert float(far["kl_k3"]) == pytest.approx(want_k3, rel=1e-12)
+    empty = logprob_mismatch(torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0, 4, dtype=torch.bool))
+    assert float(empty["max_abs_diff"]) == 0.0 and float(empty["mean_abs_diff"]) == 0.0
+    assert empty["seq_kl_k1"].shape == (0,)
