@@ -164,7 +164,7 @@ class OptimConfig:
     """Linear warm-up, in optimizer steps: step ``k`` (0-based) uses ``lr * (k + 1) / warmup_steps``."""
     schedule: str = "constant"
     """After the warm-up: ``constant``, or ``linear`` / ``cosine`` decay to ``min_lr`` (megatron-core's
-    ``OptimizerParamScheduler``, ``trainer/actor.py``'s ``build_scheduler``)."""
+    ``OptimizerParamScheduler``, ``trainer/schedule.py``)."""
     decay_steps: int = 0
     """Length of the linear / cosine decay in optimizer steps after the warm-up (its own length: not
     ``train.steps``); ``min_lr`` from step ``warmup_steps + decay_steps - 1`` on."""

@@ -65,7 +65,7 @@ def test_bf16_run_resumes_bit_identically(tmp_path):
         assert json.load(f)["step"] == 4
 
 
-# --- the learning-rate schedule: megatron's OptimizerParamScheduler (trainer/actor.py build_scheduler) ------
+# --- the learning-rate schedule: megatron's OptimizerParamScheduler (trainer/schedule.py) ------
 
 def _schedule_loop(k: int, peak: float, floor: float, warmup: int, decay: int, style: str) -> float:
     """The documented schedule, step by step: lr of optimizer step ``k`` (0-based)."""
@@ -82,7 +82,7 @@ def _schedule_loop(k: int, peak: float, floor: float, warmup: int, decay: int, s
 
 
 def _groups(o):
-    from megatron_credit.trainer.actor import critic_schedule
+    from megatron_credit.trainer.schedule import critic_schedule
 
     ps = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
     policy = {"max_lr": o.lr, "min_lr": o.min_lr}
@@ -94,7 +94,7 @@ def _groups(o):
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine"])
 @pytest.mark.parametrize("warmup", [0, 3])
 def test_lr_schedule_is_megatrons_scheduler_at_the_documented_steps(style, warmup):
-    from megatron_credit.trainer.actor import build_scheduler
+    from megatron_credit.trainer.schedule import build_scheduler
     from megatron_credit.training_config import OptimConfig
 
     o = OptimConfig(lr=1e-3, min_lr=1e-4, critic_lr=4e-3, weight_decay=0.1, warmup_steps=warmup, schedule=style,
@@ -128,7 +128,7 @@ def test_lr_schedule_is_megatrons_scheduler_at_the_documented_steps(style, warmu
 def test_a_resumed_schedule_that_differs_is_refused_naming_the_fields():
     from types import SimpleNamespace
 
-    from megatron_credit.trainer.actor import build_scheduler
+    from megatron_credit.trainer.schedule import build_scheduler
     from megatron_credit.trainer.checkpoint import _check_schedule
     from megatron_credit.training_config import OptimConfig
 

@@ -1,4 +1,5 @@
-"""The actor: the one megatron-facing file of the trainer (model, value head, optimizer, schedules).
+"""The actor: the megatron-facing file of the trainer (model, value head, optimizer, forward-backward
+schedules; the lr schedule, megatron's scheduler, is ``trainer/schedule.py``).
 
 Everything megatron-specific the RL iteration needs is here: building this rank's pipeline stage of the
 ``GPTModel`` (plus a value head on the last stage for critic algorithms and an optional frozen
@@ -26,20 +27,20 @@ The step (``optim.backend``): ``local`` is AdamW on fp32 masters (``trainer.opti
 ``main_grad``, with the gradient norm, the clipping (the policy and a feature critic separately) and the
 skip of non-finite steps in :meth:`Actor.optimizer_step`; ``megatron`` is ``get_megatron_optimizer``
 (with the distributed optimizer when asked), its norm and clip, the same skip. Either way the learning
-rates and weight decays come from megatron's ``OptimizerParamScheduler`` (:func:`build_scheduler`), which
+rates and weight decays come from megatron's ``OptimizerParamScheduler`` (``trainer/schedule.py``), which
 reads each group's ``max_lr`` / ``min_lr`` / ``wd_mult``; its state is saved in checkpoints.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from megatron_credit.distributed.grads import grad_of
+from megatron_credit.trainer.schedule import build_scheduler, critic_schedule, set_lrs
 from megatron_credit.trainer.optimizer import MasterWeightsAdamW
 from megatron_credit.trainer.batch import MicroBatch
 
@@ -61,40 +62,6 @@ def _final_hidden_states(model):
         yield
     finally:
         model.post_process = was
-
-
-def critic_schedule(o) -> dict[str, float]:
-    """The value head's ``max_lr`` / ``min_lr``: the policy's schedule scaled by ``critic_lr / lr``."""
-    return {"max_lr": o.critic_lr, "min_lr": o.min_lr * o.critic_lr / o.lr}
-
-
-def build_scheduler(optimizer, o):
-    """megatron's ``OptimizerParamScheduler`` over ``optimizer``'s groups for ``OptimConfig`` ``o``.
-
-    Its ``num_steps`` counts the optimizer steps taken (what checkpoints save). The lr of step ``k``
-    (0-based) is the schedule's value at ``k + 1``: warm-up ``lr * (k + 1) / W`` (megatron's own loop uses
-    ``init_lr`` = 0 for the first step, a wasted step), then constant, or ``linear`` / ``cosine`` from
-    ``lr`` down to ``min_lr`` over the ``decay_steps`` steps after warm-up (reached at step
-    ``W + decay_steps - 1``, kept after). Each group reads its own ``max_lr`` / ``min_lr`` and sets
-    ``weight_decay = optim.weight_decay * wd_mult``.
-    """
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    class _NextStepScheduler(OptimizerParamScheduler):
-        def get_lr(self, param_group: dict) -> float:
-            self.num_steps += 1
-            try:
-                return super().get_lr(param_group)
-            finally:
-                self.num_steps -= 1
-
-    warmup = o.warmup_steps
-    decay = o.decay_steps if o.schedule != "constant" else 1  # megatron needs decay steps > warm-up steps
-    return _NextStepScheduler(optimizer, init_lr=0.0, max_lr=o.lr, min_lr=o.min_lr, lr_warmup_steps=warmup,
-                              lr_decay_steps=warmup + decay, lr_decay_style=o.schedule,
-                              start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=warmup + decay,
-                              wd_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
-                              override_opt_param_scheduler=o.resume_schedule == "recipe")
 
 
 class Actor:
@@ -413,30 +380,12 @@ class Actor:
             (critic if name.startswith("value_head.") else policy).append(p)
         return [policy, critic]  # the critic set is empty off the last stage; the norms still all-reduce
 
-    def _set_lrs(self, lr: Optional[float], lr_scale: float, critic_lr_scale: float) -> float:
-        """Each group's lr and weight decay for the coming step: megatron's scheduler at this step (``lr``
-        None), or the constant ``lr`` (the supervised warm-up's own optimizer), times the phase knobs.
-        Returns the policy's lr."""
-        opt = self.optimizer
-        if lr is None:
-            if opt is not self.scheduler.optimizer:
-                raise RuntimeError("optimizer_step without lr steps the run's optimizer only")
-            self.scheduler.step(0)  # writes every group's lr (max_lr / min_lr) and weight decay (x wd_mult)
-        else:
-            for g in opt.param_groups:
-                g["lr"] = lr * g["max_lr"] / self.recipe.optim.lr
-                g["weight_decay"] = opt.trainer_weight_decay * g["wd_mult"]
-        for g in opt.param_groups:
-            is_critic = g.get("name") == "critic"
-            g["lr"] *= lr_scale * (critic_lr_scale if is_critic else 1.0)
-        return next((g["lr"] for g in opt.param_groups if g["max_lr"] == self.recipe.optim.lr), math.nan)
-
     def optimizer_step(self, *, lr: Optional[float] = None, lr_scale: float = 1.0, loss_finite: bool = True,
                        clip: Optional[float] = None, critic_clip: Optional[float] = None,
                        critic_lr_scale: float = 1.0) -> tuple[torch.Tensor, bool]:
         """Reduce gradients, clip, step; returns ``(grad_norm, applied)``.
 
-        The learning rates are the schedule's (:func:`build_scheduler`) at this step, times ``lr_scale``
+        The learning rates are the schedule's (``trainer/schedule.py``) at this step, times ``lr_scale``
         (the critic's also times ``critic_lr_scale``); ``lr`` instead sets a constant one (the warm-up).
         ``clip`` (default ``optim.clip_grad``) bounds the gradient norm; a feature critic (CompPO's,
         detached from the policy) is clipped on its own to ``critic_clip`` (default ``clip``) and its norm
@@ -449,7 +398,7 @@ class Actor:
         if not isinstance(self.optimizer, MasterWeightsAdamW):
             if critic_lr_scale != 1.0:  # the phase controller's critic knob: CompPO's, refused with this backend
                 raise ValueError("optim.backend: megatron has no separate critic learning rate to scale")
-            policy_lr = self._set_lrs(lr, lr_scale, 1.0)
+            policy_lr = set_lrs(self.optimizer, self.scheduler, self.recipe.optim, lr=lr, lr_scale=lr_scale)
             norm, ok = self._megatron_step(loss_finite=loss_finite, clip=clip)
             if ok and lr is None:
                 self.last_lr = policy_lr
@@ -467,7 +416,8 @@ class Actor:
                     for p in params:
                         if grad_of(p) is not None:
                             grad_of(p).mul_(coef)
-            policy_lr = self._set_lrs(lr, lr_scale, critic_lr_scale)
+            policy_lr = set_lrs(self.optimizer, self.scheduler, self.recipe.optim, lr=lr, lr_scale=lr_scale,
+                                critic_lr_scale=critic_lr_scale)
             self.optimizer.step()
             if lr is None:  # the run's schedule (not the warm-up's constant lr)
                 self.last_lr = policy_lr
