@@ -16,9 +16,13 @@ from tests.test_trainer_e2e import _cli, _lines, _stable, _train
 
 LAYOUTS = {"TP=2": ["parallel.tensor_model_parallel_size=2"], "PP=2": ["parallel.pipeline_model_parallel_size=2"],
            "CP=2": ["parallel.context_parallel_size=2"]}
-# Decided before the iteration's first optimizer step: equal up to float rounding in every layout.
+# Decided before the iteration's first optimizer step: equal up to float rounding in every layout. The
+# gates come from fp32 attention scores through two log-sum-exps and c = (H - 1/n) / (1 - 1/n), which
+# cancels near the envelope's floor (these gates are ~0.2): TP=2 and CP=2 move them by up to 1.3e-5
+# relative here (PP=2: 0), so they are compared at 5e-5; a lost key chunk or head moves them by > 1e-2.
 BEFORE_UPDATE = ("reward/mean", "comppo/gate_mean", "comppo/gate_first_third", "comppo/gate_last_third",
                  "critic/value_mae")
+BEFORE_UPDATE_REL = 5e-5
 # Averaged over both mini-batches, the second after an AdamW step. Adam's first step moves each weight by
 # about +-lr whatever its gradient's size, so float-rounding differences of tiny gradients between layouts
 # become lr-sized weight differences (PPO shows the same ~0.3% here): a loose check. The update itself is
@@ -61,7 +65,7 @@ def test_comppo_trains_two_iterations_with_the_same_numbers_in_every_layout(pool
         got = pool2.run(_train, str(tmp_path / name), "none", base + layout)[0]
         # Iteration 1 samples the same responses in every layout (same weights, same seeds); iteration 2
         # samples from weights that differ by float rounding, so only iteration 1 is compared.
-        for keys, rel in ((BEFORE_UPDATE, 1e-5), (AFTER_UPDATE, 2e-2)):
+        for keys, rel in ((BEFORE_UPDATE, BEFORE_UPDATE_REL), (AFTER_UPDATE, 2e-2)):
             for k in keys:
                 assert got[0][k] == pytest.approx(ref[0][k], rel=rel, abs=1e-6), f"{name} {k}: {got[0][k]} vs {ref[0][k]}"
 
