@@ -12,6 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def pytest_collection_modifyitems(config, items):
     if "MUTANT_UNDER_TEST" in os.environ:
         _deselect_distributed_under_mutmut(config, items)
+        _short_timeouts_under_mutmut(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA: this machine has no GPU (run on a GPU node)")
@@ -33,3 +34,21 @@ def _deselect_distributed_under_mutmut(config, items):
     if spawned:
         config.hook.pytest_deselected(items=spawned)
         items[:] = [item for item in items if not spawns(item)]
+
+
+MUTATION_TEST_TIMEOUT_S = 30.0
+"""Under ``make mutation``, a test still running after this many seconds fails (``MUTATION_TEST_TIMEOUT_S``
+in the environment overrides it). The slowest test of the mutation selection takes about 4 s here."""
+
+
+def _short_timeouts_under_mutmut(items):
+    """Under ``make mutation``, every test without a timeout marker of its own fails after
+    ``MUTATION_TEST_TIMEOUT_S`` (pytest-timeout), instead of pytest.ini's 900 s. A mutant that makes a loop
+    run forever (``s = 0`` in the scan's doubling loop, ``s *= 2`` turned into ``s /= 2``) then fails its
+    test within seconds: a hang is a failure the tests detect, so the mutant counts as killed, and
+    it costs half a minute instead of running into mutmut's own CPU limit (30 x the tests' measured time,
+    reported as a timeout, which ``tools/mutation_report.py`` never counts as a kill)."""
+    limit = float(os.environ.get("MUTATION_TEST_TIMEOUT_S", MUTATION_TEST_TIMEOUT_S))
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(limit))

@@ -81,3 +81,25 @@ def test_main_prints_scores_and_lists(layout, capsys):
 def test_main_without_results(tmp_path, capsys):
     assert mr.main(["--mutants", str(tmp_path / "none")]) == 0
     assert "no mutmut results" in capsys.readouterr().out
+
+
+def test_under_mutmut_a_test_that_hangs_fails_within_the_short_timeout(tmp_path):
+    # tests/conftest.py under MUTANT_UNDER_TEST: a never-ending loop (what a mutated loop bound does) fails
+    # its test after MUTATION_TEST_TIMEOUT_S, so mutmut records a kill instead of waiting for its CPU limit.
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import time
+
+    shutil.copy(os.path.join(os.path.dirname(__file__), "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_hang.py").write_text("def test_fast():\n    assert True\n\n"
+                                           "def test_hangs():\n    while True:\n        pass\n")
+    env = dict(os.environ, MUTANT_UNDER_TEST="megatron_credit.credit.scan.x__doubling__mutmut_1",
+               MUTATION_TEST_TIMEOUT_S="2")
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "1 failed, 1 passed" in proc.stdout and "Timeout" in proc.stdout
+    assert time.perf_counter() - t0 < 60
