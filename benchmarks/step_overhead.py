@@ -58,7 +58,7 @@ def main() -> None:
         if not ctxs:
             distributed.initialize(recipe.parallel, seed=0)
         spec, params = recipe.algorithm.spec_and_params()
-        actor = Actor(hf_config=recipe.model.hf_config(), recipe=recipe, with_critic=spec.needs_critic,
+        actor = Actor(hf_config=recipe.model.hf_config(), recipe=recipe,
                       with_reference=False,
                       **actor_options(spec, params, recipe.model.hf_config(), dtype=torch.float32))
         actor.load_initial_weights(seed=0)

@@ -237,6 +237,9 @@ class FIPOParams(DAPOParams):
                 "safety_thresh": self.safety_thresh, "drop_multi_dual_clip": self.drop_multi_dual_clip}
 
 
+PPO_CRITICS = ("trunk", "separate")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PPOParams:
     """PPO with GAE and a value head on the actor trunk."""
@@ -250,9 +253,20 @@ class PPOParams:
     whiten_advantages: bool = True
     """Whiten advantages over the global batch (masked, across DP), as peers do."""
     vf_coef: float = 0.5
-    """Weight of the value loss."""
+    """Weight of the value loss against the policy loss on the shared trunk (``critic: trunk``); a
+    separate critic minimises the value loss itself."""
     value_clip: Optional[float] = 0.2
     """Clip of the new value around the old one in the value loss (None: unclipped)."""
+    critic: str = "trunk"
+    """``trunk``: a value head on the actor's final hidden state, trained with the policy (one model, one
+    optimizer, one clip). ``separate``: a value model of its own, as verl / OpenRLHF build it: a GPTModel
+    of the actor's architecture and layout, initialised from the actor's starting weights (after a
+    warm-up), with a zero-initialised value head, its own DDP, optimizer (``optim.critic_lr`` for all of
+    it), gradient clip and checkpoint; the policy's gradients then carry no value loss."""
+
+    def __post_init__(self) -> None:
+        if self.critic not in PPO_CRITICS:
+            raise ValueError(f"algorithm.params.critic={self.critic!r}: valid values {list(PPO_CRITICS)}")
 
     def estimator_kwargs(self) -> dict:
         return {"gamma": self.gamma, "lam": self.lam}

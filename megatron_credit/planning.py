@@ -18,7 +18,8 @@ by DP) and estimates the peak memory of one GPU, term by term:
 * **log-prob chunk**: fp32 logits of one ``train.logprob_chunk_size`` chunk over V/TP, three copies
   (logits, softmax, gradient);
 * **reference model** weights when ``algorithm.kl_coef > 0``; the **critic** (PPO's value head, CompPO's
-  critic bounded at 0.5 % of the actor) with its gradient and optimizer;
+  critic bounded at 0.5 % of the actor) with its gradient and optimizer, or PPO's separate value model
+  (``algorithm.params.critic: separate``): the actor's weights, gradients and optimizer states again;
 * **rollout engine**: vLLM takes ``gpu_memory_utilization`` x GPU memory on each GPU it uses (its
   weights over its own TP plus a KV cache filling the rest); the ``hf`` engine one full model copy and
   the KV cache of its batch;
@@ -312,9 +313,14 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     optim_per_param = 8 + (4 if wb != 4 else 0)  # Adam m, v (+ fp32 master weights)
     optimizer = math.ceil(params * optim_per_param / shard)
     other = math.ceil(params * optim_per_param / (1 if distributed_optimizer else dp * cp))
-    spec = recipe.algorithm.spec_and_params()[0]
+    spec, alg_params = recipe.algorithm.spec_and_params()
+    from megatron_credit.trainer.critic_model import wants_separate_critic
+
+    separate_critic = wants_separate_critic(spec, alg_params)
     critic_params = 0
-    if spec.needs_gates:
+    if separate_critic:
+        critic_params = params  # a value model of the actor's architecture and layout
+    elif spec.needs_gates:
         critic_params = math.ceil(0.005 * params)  # CompPO's critic: < 0.5 % of the actor
     elif spec.needs_critic:
         critic_params = a.hidden_size + 1  # PPO's value head on the actor trunk
@@ -326,7 +332,8 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
         "weights": params * wb,
         "gradients": params * 4,
         "optimizer": optimizer,
-        "critic": critic_params * (wb + 4 + optim_per_param),
+        # a separate value model: weights, fp32 gradients and optimizer sharded like the actor's
+        "critic": (params * (wb + 4) + optimizer) if separate_critic else critic_params * (wb + 4 + optim_per_param),
         "reference": params * wb if recipe.algorithm.kl_coef > 0 else 0,
         "activations": activation_bytes(a, tokens=local_tokens, tp=tp, sequence_parallel=p.sequence_parallel,
                                         recompute=t.recompute, dtype_bytes=wb, score_matrix=local_attn),
@@ -347,7 +354,8 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
         "optimizer": f"{optim_per_param} B/param (Adam m, v{' + fp32 master' if wb != 4 else ''})"
                      + (f" / DPxCP={dp * cp} (distributed optimizer)" if distributed_optimizer else
                         " (no distributed optimizer)"),
-        "critic": f"{critic_params:,} params" if critic_params else "none",
+        "critic": (f"separate value model, {params / 1e6:,.1f}M params (weights, gradients, optimizer as the "
+                   "actor's)") if separate_critic else f"{critic_params:,} params" if critic_params else "none",
         "reference": "frozen copy (algorithm.kl_coef > 0)" if terms["reference"] else "none (no KL term)",
         "activations": f"{local_tokens:,} tokens/GPU (micro-batch {micro_tokens:,} / CP {cp}), "
                        f"recompute {t.recompute or 'none'}{', fp32 scores (local attention)' if local_attn else ''}",

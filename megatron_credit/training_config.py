@@ -183,6 +183,14 @@ class OptimConfig:
     distributed_optimizer: bool = False
     """Shard the optimizer states (and fp32 main params) over DP x CP: megatron's distributed optimizer.
     Needs ``backend: megatron``."""
+    overlap_grad_reduce: bool = False
+    """Start each gradient bucket's DP x CP reduction during the backward pass of a mini-batch's last
+    micro-batch (megatron DDP's ``overlap_grad_reduce``; earlier micro-batches accumulate under
+    ``no_sync``); the step waits for them. The same gradients, sooner."""
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: all-gather the updated parameter shards bucket by bucket during the
+    next forward pass instead of right after the step (megatron DDP's ``overlap_param_gather``); weight
+    sync, checkpoints and the reference copy gather first. Needs ``distributed_optimizer``."""
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -207,6 +215,9 @@ class OptimConfig:
         if self.distributed_optimizer and self.backend != "megatron":
             raise ValueError("optim.distributed_optimizer: true needs optim.backend: megatron (the local AdamW "
                              "keeps every optimizer state of its shard)")
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise ValueError("optim.overlap_param_gather: true needs optim.distributed_optimizer: true (without it "
+                             "every rank steps all of its parameters: there is nothing to gather)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,6 +50,29 @@ def test_tiny_tp2_fp32_hf_engine_by_hand():
     assert p.fits and p.peak == p.rollout_peak
 
 
+def test_ppo_critic_on_the_trunk_or_a_separate_value_model():
+    """PPO's value head on the trunk: hidden + 1 parameters with their gradient and Adam states. A separate
+    value model (``algorithm.params.critic: separate``): the actor's weights, fp32 gradients and optimizer
+    states again, sharded like the actor's (here: bf16 weights, fp32 masters, distributed optimizer over
+    DP = 2)."""
+    base = {"model": {"architecture": {**TINY_ARCH, "torch_dtype": "bfloat16"}, "params_dtype": "bfloat16"},
+            "rollout": {"prompts_per_step": 4, "n": 2, "max_response_len": 8},
+            "algorithm": {"name": "ppo"},
+            "optim": {"backend": "megatron", "distributed_optimizer": True},
+            "train": {"num_minibatches": 2, "max_tokens_per_microbatch": 64}}
+    trunk = recipe_from_dict(base)
+    separate = recipe_from_dict(base, overrides=["algorithm.params.critic=separate"])
+    pt = plan(trunk, trunk.model.hf_config(), nodes=1, gpus_per_node=2, gpu="h100-80gb", distributed_optimizer=True)
+    ps = plan(separate, separate.model.hf_config(), nodes=1, gpus_per_node=2, gpu="h100-80gb", distributed_optimizer=True)
+    assert pt.terms["critic"] == (64 + 1) * (2 + 4 + 12)  # bf16 head, fp32 gradient, m + v + master
+    params = pt.terms["weights"] // 2
+    assert ps.terms["optimizer"] == params * 12 // 2  # sharded over DP = 2
+    assert ps.terms["critic"] == params * 2 + params * 4 + params * 12 // 2
+    assert ps.terms["critic"] == ps.terms["weights"] + ps.terms["gradients"] + ps.terms["optimizer"]
+    assert ps.train_peak - pt.train_peak == ps.terms["critic"] - pt.terms["critic"]
+    assert "separate value model" in ps.notes["critic"]
+
+
 def test_qwen25_32b_tp8_pp2_cp2_sp_bf16_full_recompute_vllm_by_hand():
     """Configuration B: Qwen2.5-32B (from the known-architecture table) on 4 x 8 H100-80GB, TP 8 with
     sequence parallel, PP 2, CP 2, bf16, full recompute, the distributed optimizer, vLLM at 0.45, KL on."""

@@ -164,6 +164,40 @@ def test_resume_continues_bit_identically_and_reshards(tmp_path, backend):
         assert third_tp2[k] == pytest.approx(third[k], rel=1e-4, abs=1e-6), k
 
 
+def test_a_separate_critic_resumes_bit_identically_reshards_and_must_match(tmp_path):
+    # PPO's value model of its own (algorithm.params.critic: separate): saved next to the policy
+    # (critic_optim/), resumed exactly, resharded to TP = 2; a trunk recipe cannot resume its checkpoint.
+    args = [*CLI_TINY, "algorithm.params.critic=separate", "optim.critic_lr=5e-4"]
+    a, b, c = (str(tmp_path / x) for x in "abc")
+    assert _cli("--output-dir", a, *args, "train.steps=4").returncode == 0
+    assert _cli("--output-dir", b, *args, "train.steps=2").returncode == 0
+    assert os.path.isdir(os.path.join(b, "checkpoints", "iter_0000002", "critic_optim"))
+    proc = _cli("--output-dir", b, *args, "train.steps=4")
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-2000:]
+    rows = _lines(a)
+    assert _stable(_lines(b)) == _stable(rows)
+    assert all(r["critic/grad_norm"] > 0 and r["critic/skipped_steps"] == 0 for r in rows)
+    # the critic's schedule: critic_lr x the policy's (warm-up 2, cosine over 3 to min_lr x critic_lr / lr)
+    assert [r["critic/lr"] / r["actor/lr"] for r in rows] == pytest.approx([2.5] * 4, rel=1e-9)
+    proc = _cli("--output-dir", b, *CLI_TINY, "train.steps=5")  # the trunk head: refused, nothing written
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "algorithm.params.critic" in errors[0], proc.stderr[-2000:]
+    assert [r["step"] for r in _lines(b)] == [1, 2, 3, 4]
+    from tests.distributed_harness import _free_port
+
+    shutil.copytree(os.path.join(a, "checkpoints", "iter_0000002"), os.path.join(c, "checkpoints", "iter_0000002"))
+    shutil.copy(os.path.join(a, "metrics.jsonl"), os.path.join(c, "metrics.jsonl"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(_free_port()), os.path.join(ROOT, "pretrain_rl.py"), "--output-dir", c, *args,
+                           "train.steps=3", "parallel.tensor_model_parallel_size=2"],
+                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0 and "resharded" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    third_tp2 = _lines(c)[2]
+    for k in ("actor/pg_loss", "actor/grad_norm", "critic/value_loss", "critic/grad_norm", "critic/explained_var"):
+        assert third_tp2[k] == pytest.approx(rows[2][k], rel=1e-4, abs=1e-6), k
+
+
 def test_dry_run_prints_the_layout_and_builds_nothing(tmp_path):
     proc = _cli("--dry-run", "--output-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr
@@ -230,6 +264,28 @@ def test_torchrun_two_ranks_tensor_parallel(tmp_path):
     rows = _lines(tmp_path / "tp2")
     assert len(rows) == 1 and rows[0]["actor/grad_norm"] > 0 and rows[0]["actor/skipped_steps"] == 0
     assert rows[0]["mismatch/logprob_abs_mean"] < 1e-4  # the engine got the TP-gathered weights
+
+
+def test_torchrun_data_parallel_with_overlapped_reduction_and_gather(tmp_path):
+    # DP = 2, megatron's distributed optimizer with overlap_grad_reduce and overlap_param_gather: the
+    # engines of iteration 2 sample with weights the actor gathered before the sync (the shard each rank
+    # does not own included), so the engine's and the actor's log-probs agree; a checkpoint is written.
+    from tests.distributed_harness import _free_port
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = ["--output-dir", str(tmp_path / "dp2"), "train.steps=2", "warmup.steps=0", "train.val_every=0",
+            "rollout.prompts_per_step=8", "logging.progress=false", "logging.plots=false", "algorithm.name=ppo",
+            "optim.backend=megatron", "optim.distributed_optimizer=true", "optim.overlap_grad_reduce=true",
+            "optim.overlap_param_gather=true", "train.max_tokens_per_microbatch=64", "checkpoint.every=2"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(_free_port()), os.path.join(ROOT, "pretrain_rl.py"), *args],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = _lines(tmp_path / "dp2")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["actor/grad_norm"] > 0 and r["actor/skipped_steps"] == 0 for r in rows)
+    assert all(r["mismatch/logprob_abs_mean"] < 1e-4 for r in rows), [r["mismatch/logprob_abs_mean"] for r in rows]
+    assert (tmp_path / "dp2" / "checkpoints" / "iter_0000002" / "meta.json").exists()
 
 
 def _char_tokenizer(out_dir: str) -> None:

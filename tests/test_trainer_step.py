@@ -75,12 +75,17 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
         spec, params = recipe.algorithm.spec_and_params()
         from megatron_credit.trainer.controls import actor_options
 
-        actor = Actor(hf_config=hf, recipe=recipe, with_critic=spec.needs_critic, with_reference=False,
+        actor = Actor(hf_config=hf, recipe=recipe, with_reference=False,
                       **actor_options(spec, params, hf, dtype=torch.float32,
                                       pp_size=recipe.parallel.pipeline_model_parallel_size))
+        from megatron_credit.trainer.critic_model import build_separate_critic, init_critic_from
+
+        critic = build_separate_critic(recipe, hf, spec, params)
         actor.load_initial_weights(seed=1234)
+        if critic is not None:
+            init_critic_from(critic, actor)
         ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=None, pad_id=0,
-                      seq_multiple=seq_multiple(recipe.parallel))
+                      seq_multiple=seq_multiple(recipe.parallel), critic=critic)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         # Mini-batch i of the global batch = rows [8i, 8i + 8): each DP rank takes its share of each
         # (whole groups of 4), so both layouts see the same global mini-batches.
@@ -102,6 +107,8 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
             m = ctx.reduce_stats(stats)
             m["changed"] = any(not torch.equal(a, p) for a, p in zip(before, actor.model.parameters()))
             m["actor/lr"] = actor.last_lr
+            if critic is not None:
+                m["critic/lr"] = critic.last_lr
             m.update(extra)
             out.append(m)
         return out if dist.get_rank() == 0 else None
@@ -138,11 +145,14 @@ LAYOUTS = {"TP=2": {"tensor_model_parallel_size": 2},
            "CP=2": {"context_parallel_size": 2}, "DP=2": {}}
 
 
-@pytest.mark.parametrize("algorithm", ["fipo", "ppo", "comppo"])
+@pytest.mark.parametrize("algorithm", ["fipo", "ppo", "ppo:separate", "comppo"])
 def test_fixed_batch_update_is_invariant_to_the_layout(pool1, pool2, algorithm):
     # CompPO: gates and top-K keys from the final layer in the behaviour pass (heads split under TP, keys
     # gathered under CP), the TAC on the last stage (one fused layer: a PP=2 stage holds one of the two).
+    # ppo:separate: the critic is a value model of its own, with its own schedules and optimizer step.
     kw = {"overrides": ["algorithm.params.critic_layers=1"]} if algorithm == "comppo" else {}
+    if algorithm == "ppo:separate":
+        algorithm, kw = "ppo", {"overrides": ["algorithm.params.critic=separate"]}
     ref = pool1.run(_run_fixed, {}, algorithm, **kw)[0]
     assert ref[0]["actor/logp_diff_abs"] == 0.0  # first mini-batch: logp == old_logp bit for bit
     assert ref[1]["actor/logp_diff_abs"] > 0 and ref[1]["actor/grad_norm"] > 0
@@ -152,6 +162,8 @@ def test_fixed_batch_update_is_invariant_to_the_layout(pool1, pool2, algorithm):
         assert ref[1]["fipo/weight_max"] > 1.0 and ref[1]["fipo/weight_std"] > 0.0  # the Future-KL weights act from the second mini-batch
     else:
         assert ref[1]["critic/value_loss"] > 0
+    if kw.get("overrides") == ["algorithm.params.critic=separate"]:
+        assert all(r["critic/grad_norm"] > 0 and r["critic/skipped_steps"] == 0 for r in ref)
     for name, layout in LAYOUTS.items():
         got = pool2.run(_run_fixed, layout, algorithm, **kw)[0]
         assert got[0]["actor/logp_diff_abs"] == 0.0, name
@@ -240,6 +252,94 @@ def test_megatron_optimizer_matches_the_local_one(pool1, pool2, distributed_opti
         assert got[1]["changed"] and [r["actor/lr"] for r in got] == [r["actor/lr"] for r in ref]
 
 
+OVERLAP = {"DP=2 local": ({}, ["optim.overlap_grad_reduce=true"]),
+           "CP=2 local": ({"context_parallel_size": 2}, ["optim.overlap_grad_reduce=true"]),
+           "PP=2 local": ({"pipeline_model_parallel_size": 2}, ["optim.overlap_grad_reduce=true"]),
+           "DP=2 distopt": ({}, ["optim.backend=megatron", "optim.distributed_optimizer=true",
+                                 "optim.overlap_grad_reduce=true", "optim.overlap_param_gather=true"])}
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "fipo"])
+def test_overlapped_gradient_reduction_and_parameter_gather_take_the_same_steps(pool1, pool2, algorithm):
+    # megatron DDP's overlap_grad_reduce (asynchronous bucket reductions started in the backward of a
+    # mini-batch's last micro-batch, the earlier ones under no_sync) and the distributed optimizer's
+    # overlap_param_gather (the all-gather left to the next forward's pre-hooks) on gloo: the same losses
+    # and gradient norms as world size 1, with several micro-batches per mini-batch (40 tokens each), and
+    # the second step (after a deferred gather) sees the updated parameters of every shard.
+    ref = pool1.run(_run_fixed, {}, algorithm, max_tokens=40)[0]
+    assert ref[1]["actor/logp_diff_abs"] > 0
+    for name, (layout, extra) in OVERLAP.items():
+        got = pool2.run(_run_fixed, layout, algorithm, max_tokens=40, overrides=extra)[0]
+        _assert_same(ref, got, f"{algorithm} overlap {name}")
+
+
+def _overlap_is_real(parallel: dict):
+    """The mechanisms are on, not just the flags: after one mini-batch's step with overlap_param_gather,
+    parameters of the shard the other DP rank owns are still the old ones until ``gather_params`` (or the
+    next forward); the gradient buckets were reduced through asynchronous handles."""
+    from megatron_credit import distributed
+    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.trainer import step
+    from megatron_credit.trainer.actor import Actor
+    from megatron_credit.trainer.controls import actor_options
+    from megatron_credit.trainer.loop import Context, seq_multiple
+    from megatron_credit.trainer.metrics import StatSums
+
+    recipe = recipe_from_dict({"model": {"architecture": ARCH}, "parallel": parallel, "algorithm": {"name": "ppo"},
+                               "rollout": {"prompts_per_step": 4, "n": 4, "max_response_len": 12},
+                               "optim": {"lr": 3e-3, "backend": "megatron", "distributed_optimizer": True,
+                                         "overlap_grad_reduce": True, "overlap_param_gather": True},
+                               "train": {"num_minibatches": 2, "max_tokens_per_microbatch": 40}})
+    distributed.initialize(recipe.parallel, seed=1234)
+    try:
+        hf = recipe.model.hf_config()
+        spec, params = recipe.algorithm.spec_and_params()
+        actor = Actor(hf_config=hf, recipe=recipe, with_reference=False,
+                      **actor_options(spec, params, hf, dtype=torch.float32))
+        actor.load_initial_weights(seed=1234)
+        ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=None, pad_id=0,
+                      seq_multiple=seq_multiple(recipe.parallel))
+        import torch.distributed as dist
+
+        rows = [dist.get_rank() * 4 + k for k in range(4)] + [8 + dist.get_rank() * 4 + k for k in range(4)]
+        batch = _rows(_global_batch(), rows)
+        plan = step.plan_microbatches(ctx, batch)
+        step.behaviour_pass(ctx, batch, plan)
+        step.compute_advantages(ctx, batch)
+        handles = []
+        for group in actor.ddp.bucket_groups:  # record the asynchronous reduction handles as they are made
+            original = group.start_grad_sync
+
+            def start(*a, _g=group, _o=original, **k):
+                _o(*a, **k)
+                handles.append(_g.grad_reduce_handle is not None)
+            group.start_grad_sync = start
+        before = [p.detach().clone() for p in actor.model.parameters()]
+        step.update_minibatch(ctx, batch, plan[0], StatSums())
+        stale = [p.detach().clone() for p in actor.model.parameters()]
+        actor.gather_params()
+        after = [p.detach().clone() for p in actor.model.parameters()]
+        unchanged_until_gather = sum(int(torch.equal(b, s) and not torch.equal(b, a))
+                                     for b, s, a in zip(before, stale, after))
+        return {"micro_batches": len(plan[0]), "async_handles": handles, "stale_until_gather": unchanged_until_gather}
+    finally:
+        distributed.destroy()
+
+
+def test_overlap_flags_turn_the_overlapped_mechanisms_on(pool2):
+    for r in pool2.run(_overlap_is_real, {}):
+        assert r["micro_batches"] > 1
+        assert r["async_handles"] and all(r["async_handles"])
+        assert r["stale_until_gather"] > 0  # the other rank's shard arrives with the gather
+
+
+def test_overlapped_parameter_gather_needs_the_distributed_optimizer():
+    from megatron_credit.config import recipe_from_dict
+
+    with pytest.raises(ValueError, match="optim.overlap_param_gather: true needs optim.distributed_optimizer"):
+        recipe_from_dict({}, overrides=["optim.backend=megatron", "optim.overlap_param_gather=true"])
+
+
 def test_megatron_optimizer_skips_a_non_finite_step(pool1):
     out = pool1.run(_run_fixed, {}, "dapo", poison=0, overrides=["optim.backend=megatron"])[0]
     assert out[0]["actor/skipped_steps"] == 1.0 and not out[0]["changed"]
@@ -257,3 +357,47 @@ def _refusal(overrides):
 def test_megatron_optimizer_refuses_a_separately_clipped_critic(pool1):
     msg = pool1.run(_refusal, ["optim.backend=megatron"])[0]
     assert msg is not None and "optim.backend: megatron" in msg and "optim.backend: local" in msg
+
+
+def _zero_advantages(batch, plan):
+    batch.advantages.zero_()
+    return {}
+
+
+def test_a_separate_critic_trains_like_a_trunk_head_without_policy_gradient(pool1):
+    # With every advantage 0 the policy loss has no gradient, so PPO's trunk model (vf_coef 1, the trunk on
+    # the critic's lr) is trained by the value loss alone: exactly what the separate value model is, built
+    # from the same weights. Both steps must agree: the first (V = 0, only the zero-initialised head has a
+    # gradient) and the second (the trunk too, through the head the first step moved).
+    common = ["optim.critic_lr=3e-3", "optim.weight_decay=0.1", "optim.clip_grad=0.0"]
+    trunk = pool1.run(_run_fixed, {}, "ppo", overrides=common + ["algorithm.params.vf_coef=1.0"],
+                      prepare=_zero_advantages)[0]
+    separate = pool1.run(_run_fixed, {}, "ppo", overrides=common + ["algorithm.params.critic=separate"],
+                         prepare=_zero_advantages)[0]
+    for i, (t, s) in enumerate(zip(trunk, separate)):
+        assert s["critic/value_loss"] == pytest.approx(t["critic/value_loss"], rel=1e-6), i
+        assert s["critic/grad_norm"] == pytest.approx(t["actor/grad_norm"], rel=1e-5), i
+        assert s["actor/grad_norm"] == 0.0 and s["actor/pg_loss"] == 0.0  # the policy gets no value gradient
+    assert trunk[1]["critic/value_loss"] != trunk[0]["critic/value_loss"]
+    # With real advantages the policy's first step is the trunk run's without a value loss (vf_coef 0):
+    # the separate critic leaves the policy's gradient alone.
+    no_value = pool1.run(_run_fixed, {}, "ppo", overrides=["algorithm.params.vf_coef=0.0"])[0]
+    plain = pool1.run(_run_fixed, {}, "ppo", overrides=["algorithm.params.critic=separate"])[0]
+    for k in ("actor/pg_loss", "actor/grad_norm", "critic/value_loss"):
+        assert plain[0][k] == pytest.approx(no_value[0][k], rel=1e-6), k
+    assert plain[0]["actor/grad_norm"] > 0 and plain[0]["changed"]
+
+
+def test_a_separate_critic_with_the_megatron_optimizer_matches_the_local_one(pool1, pool2):
+    common = ["algorithm.params.critic=separate", "optim.critic_lr=2e-3", "optim.weight_decay=0.1",
+              "optim.clip_grad=0.5", "optim.warmup_steps=3"]
+    ref = pool1.run(_run_fixed, {}, "ppo", overrides=common)[0]
+    assert ref[1]["critic/grad_norm"] > 0.5  # the critic's own clip is active
+    # both models on their own peaks (lr 3e-3, critic_lr 2e-3), warming up over 3 steps
+    assert [r["actor/lr"] for r in ref] == pytest.approx([1e-3, 2e-3], rel=1e-12)
+    assert [r["critic/lr"] for r in ref] == pytest.approx([2e-3 / 3, 4e-3 / 3], rel=1e-12)
+    for name, (pool, layout, extra) in {"ws1": (pool1, {}, []),
+                                         "DP=2 distopt": (pool2, {}, ["optim.distributed_optimizer=true"])}.items():
+        got = pool.run(_run_fixed, layout, "ppo", overrides=common + ["optim.backend=megatron", *extra])[0]
+        _assert_same(ref, got, f"separate critic, megatron optimizer {name}")
+        assert [r["critic/lr"] for r in got] == pytest.approx([r["critic/lr"] for r in ref], rel=1e-12)

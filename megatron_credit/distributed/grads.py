@@ -22,19 +22,34 @@ from typing import Optional
 import torch
 
 
-def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False):
+def wrap_ddp(model: torch.nn.Module, *, use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False,
+             overlap_param_gather: bool = False):
     """megatron DDP around ``model`` (a ``MegatronModule`` with ``.config``): fp32 gradient buffers;
     ``use_distributed_optimizer``: gradients reduce-scattered, parameters in a contiguous buffer that the
-    distributed optimizer all-gathers after its step. ``overlap_grad_reduce`` (GPU) starts each bucket's reduction during the
-    backward pass; the schedule then needs ``config.no_sync_func`` / ``grad_sync_func`` (set here)."""
+    distributed optimizer all-gathers after its step. ``overlap_grad_reduce`` starts each bucket's
+    reduction (asynchronous collectives) during the backward pass of the last micro-batch; megatron's
+    schedules then run the earlier micro-batches under ``config.no_sync_func`` (set here, with
+    ``grad_sync_func`` for the pipelined schedules), and ``finalize`` waits. ``overlap_param_gather``
+    (distributed optimizer): the step leaves the all-gather to forward pre-hooks of the next forward;
+    :func:`gather_params` forces it before the parameters are read outside a forward.
+    On gloo both run as on NCCL (asynchronous work handles; no CUDA streams with one optimizer instance)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+                                               overlap_param_gather=overlap_param_gather,
                                                use_distributed_optimizer=use_distributed_optimizer)
     ddp = DistributedDataParallel(model.config, ddp_config, model)
     if overlap_grad_reduce:
         model.config.no_sync_func, model.config.grad_sync_func = ddp.no_sync, ddp.start_grad_sync
     return ddp
+
+
+def gather_params(ddp) -> None:
+    """With ``overlap_param_gather``: finish the parameter all-gather of the last distributed-optimizer
+    step now (synchronously), so the parameters can be read outside a forward pass (weight sync to the
+    engine, checkpoints, copies); the next forward's pre-hooks then find it done. A no-op otherwise."""
+    if getattr(ddp, "use_forward_hook", False):
+        ddp.start_param_sync(force_sync=True)
 
 
 def finalize(ddp) -> None:

@@ -1,5 +1,7 @@
 """The actor: the megatron-facing file of the trainer (model, value head, optimizer, forward-backward
-schedules; the lr schedule, megatron's scheduler, is ``trainer/schedule.py``).
+schedules; the lr schedule, megatron's scheduler, is ``trainer/schedule.py``, the optimizer's parameter
+groups ``trainer/optimizer_groups.py``). A separate PPO critic is an ``Actor`` too (``role="critic"``,
+``trainer/critic_model.py``).
 
 Everything megatron-specific the RL iteration needs is here: building this rank's pipeline stage of the
 ``GPTModel`` (plus a value head on the last stage for critic algorithms and an optional frozen
@@ -47,7 +49,8 @@ from megatron_credit.trainer.batch import MicroBatch
 LossFn = Callable[[MicroBatch, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], dict],
                   tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``(mb, logp [b, s], entropy [b, s] or None, values [b, s] or None, aux) -> (loss, stats)``; ``aux``: the
-final layer's attention statistics when :meth:`Actor.run` captures them, else ``{}``."""
+final layer's attention statistics when :meth:`Actor.run` captures them, else ``{}``. A separate critic
+(``role="critic"``) passes ``logp = entropy = None``."""
 
 
 @contextlib.contextmanager
@@ -65,17 +68,27 @@ def _final_hidden_states(model):
 
 
 class Actor:
-    """This rank's stage of the policy (and value head), its optimizer, and the schedules."""
+    """This rank's stage of the policy (and value head), its optimizer, and the schedules; with
+    ``role="critic"``, of a separate value model (PPO's ``algorithm.params.critic: separate``)."""
 
     def __init__(self, *, hf_config, recipe, with_critic: bool, with_reference: bool,
                  critic_factory: Optional[Callable[[], torch.nn.Module]] = None, capture_top_k: Optional[int] = None,
-                 gate_fn: Optional[Callable] = None, critic_layers: int = 1):
+                 gate_fn: Optional[Callable] = None, critic_layers: int = 1, role: str = "policy"):
         """``critic_factory``: builds the value head of the last stage (default: a zero-initialised linear
         head on the actor's trunk, PPO). A factory's module (CompPO's critics) reads detached actor
         features: ``(layers, history, topk_idx, topk_w, kappa)``, the last ``critic_layers`` layers'
         outputs among them. ``capture_top_k`` (CompPO): build the final layer with the attention capture
         and collect ``H``, ``n`` and the top-K keys during the behaviour pass; ``gate_fn(H, n) -> kappa``
-        maps them to the dynamic gate."""
+        maps them to the dynamic gate.
+
+        ``role="critic"``: a value model (``trainer.critic_model.build_separate_critic`` builds it): the
+        trunk and the default value head, no log-probs, the output layer frozen and unused, every group
+        at ``optim.critic_lr``'s schedule."""
+        if role not in ("policy", "critic"):
+            raise ValueError(f"Actor role {role!r}: 'policy' or 'critic'")
+        self.is_critic = role == "critic"
+        assert not self.is_critic or (with_critic and not with_reference and critic_factory is None
+                                      and capture_top_k is None), "a separate critic is a trunk + value head"
         from megatron.core import parallel_state as ps
 
         from megatron_credit.models import build_gpt_model, transformer_config_from_hf
@@ -121,6 +134,8 @@ class Actor:
                 torch.nn.init.zeros_(head.bias)
             # On the model's device (megatron builds the stage on the current CUDA device on GPU).
             self.model.value_head = head.to(next(self.model.parameters()).device)
+        if self.is_critic and self.last_stage:  # values come from the head: no vocabulary projection trains
+            self.model.output_layer.weight.requires_grad_(False)
         from megatron_credit.distributed.grads import wrap_ddp
 
         o = recipe.optim
@@ -129,7 +144,8 @@ class Actor:
             raise ValueError("optim.backend: megatron clips all parameters together, but this algorithm's critic "
                              "(CompPO's) is clipped on its own: use optim.backend: local")
         # megatron DDP around the policy (and value head): fp32 gradient buffers, reduced in optimizer_step.
-        self.ddp = wrap_ddp(self.model, use_distributed_optimizer=o.distributed_optimizer)
+        self.ddp = wrap_ddp(self.model, use_distributed_optimizer=o.distributed_optimizer,
+                            overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather)
         self.reference = None
         if with_reference:
             self.reference = build_gpt_model(hf_config, self.config, use_transformer_engine=te)
@@ -145,6 +161,8 @@ class Actor:
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.optimizer = self._build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, o)
+        # last_lr reports the policy's lr, or a separate critic's own
+        self._report_max_lr = critic_schedule(o)["max_lr"] if self.is_critic else None
         self.last_lr = self.scheduler.get_lr({})  # the policy's lr of the last applied step (the next one until then)
 
     @property
@@ -175,61 +193,16 @@ class Actor:
             layer.register_forward_hook(keep)
 
     def _build_optimizer(self, *, weight_decay: Optional[float] = None):
-        """AdamW on fp32 masters (``trainer.optimizer``) or megatron's optimizer (``optim.backend``); no decay
-        on biases and norms (1-D); the value head in its own group (``critic_lr``). ``weight_decay``
+        """This model's optimizer for ``optim.backend`` (``trainer/optimizer_groups.py``); ``weight_decay``
         (default ``optim.weight_decay``): the supervised warm-up builds a second one without decay."""
-        from megatron_credit.trainer.optimizer import MasterWeightsAdamW
+        from megatron_credit.trainer.optimizer_groups import build_optimizer
 
-        o = self.recipe.optim
-        wd = o.weight_decay if weight_decay is None else weight_decay
-        if self.megatron_optimizer:
-            return self._build_megatron_optimizer(weight_decay=wd)
-        decay, no_decay, critic = [], [], []
-        for name, p in self.model.named_parameters():
-            if not p.requires_grad:
-                continue
-            (critic if name.startswith("value_head.") else no_decay if p.dim() < 2 else decay).append(p)
-        # megatron's group keys, read by OptimizerParamScheduler: max_lr / min_lr (the value head's schedule
-        # is the policy's scaled by critic_lr / lr) and wd_mult (weight_decay = the run's decay x wd_mult).
-        policy, head = {"max_lr": o.lr, "min_lr": o.min_lr}, critic_schedule(o)
-        groups = [{"params": decay, "weight_decay": wd, "wd_mult": 1.0, **policy},
-                  {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0, **policy},
-                  {"params": critic, "weight_decay": 0.0, "wd_mult": 0.0, **head, "name": "critic"}]
-        opt = MasterWeightsAdamW([g for g in groups if g["params"]], lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-        opt.trainer_weight_decay = wd
-        return opt
+        wd = self.recipe.optim.weight_decay if weight_decay is None else weight_decay
+        return build_optimizer(self, weight_decay=wd)
 
     def build_optimizer(self, *, weight_decay: float):
         """Another optimizer of this actor's kind over the same parameters (the supervised warm-up's)."""
         return self._build_optimizer(weight_decay=weight_decay)
-
-    def _build_megatron_optimizer(self, *, weight_decay: float):
-        """``get_megatron_optimizer`` over the DDP-wrapped model: Adam with decoupled weight decay, megatron's
-        standard groups (no decay on biases and 1-D parameters) plus the value head's (``critic_lr``,
-        no decay). Gradient clipping is done in :meth:`optimizer_step`'s order
-        (norm, finiteness check, clip, step), with megatron's own norm and clip."""
-        from megatron.core.optimizer import OptimizerConfig, ParamKey, get_megatron_optimizer
-        from megatron.core.optimizer import get_standard_config_overrides
-
-        o, dtype = self.recipe.optim, self.config.params_dtype
-        if dtype == torch.float16:
-            raise ValueError("optim.backend: megatron with model.params_dtype float16 needs loss scaling, which the "
-                             "trainer does not do: use bfloat16 or float32")
-        cfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=weight_decay,
-                              adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
-                              bf16=dtype == torch.bfloat16, params_dtype=dtype,
-                              use_distributed_optimizer=o.distributed_optimizer)
-        overrides = get_standard_config_overrides(cfg)
-        # The value head: no decay, its own max_lr / min_lr (what the scheduler reads). megatron matches the
-        # groups of a checkpoint by (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr) only
-        # (``param_group_identifier_keys``), so the head's group carries lr_mult = critic_lr / lr (read by
-        # nothing else in 0.16.1) to stay apart from the no-decay group, or is that group (critic_lr == lr).
-        head = ({"wd_mult": 0.0} if o.critic_lr == o.lr
-                else {"wd_mult": 0.0, "lr_mult": o.critic_lr / o.lr, **critic_schedule(o)})
-        overrides[ParamKey(name="*value_head.*")] = head
-        opt = get_megatron_optimizer(cfg, [self.ddp], config_overrides=overrides)
-        opt.trainer_weight_decay = weight_decay
-        return opt
 
     @property
     def layer_offset(self) -> int:
@@ -273,9 +246,11 @@ class Actor:
 
                 hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
             h = hidden.transpose(0, 1)  # [b, s, H]
-            logp, ent = logprobs_from_hidden(h, self.output_weight(model), mb.tensors["labels"],
-                                             tp_group=self.tp_group if self.tp_size > 1 else None,
-                                             chunk_size=chunk, temperature=temperature)
+            logp = ent = None
+            if not self.is_critic:
+                logp, ent = logprobs_from_hidden(h, self.output_weight(model), mb.tensors["labels"],
+                                                 tp_group=self.tp_group if self.tp_size > 1 else None,
+                                                 chunk_size=chunk, temperature=temperature)
             aux = self._captured(mb) if capture else {}
             values = None
             if self.with_critic and not reference:
@@ -398,7 +373,8 @@ class Actor:
         if not isinstance(self.optimizer, MasterWeightsAdamW):
             if critic_lr_scale != 1.0:  # the phase controller's critic knob: CompPO's, refused with this backend
                 raise ValueError("optim.backend: megatron has no separate critic learning rate to scale")
-            policy_lr = set_lrs(self.optimizer, self.scheduler, self.recipe.optim, lr=lr, lr_scale=lr_scale)
+            policy_lr = set_lrs(self.optimizer, self.scheduler, self.recipe.optim, lr=lr, lr_scale=lr_scale,
+                                report_max_lr=self._report_max_lr)
             norm, ok = self._megatron_step(loss_finite=loss_finite, clip=clip)
             if ok and lr is None:
                 self.last_lr = policy_lr
@@ -417,7 +393,7 @@ class Actor:
                         if grad_of(p) is not None:
                             grad_of(p).mul_(coef)
             policy_lr = set_lrs(self.optimizer, self.scheduler, self.recipe.optim, lr=lr, lr_scale=lr_scale,
-                                critic_lr_scale=critic_lr_scale)
+                                critic_lr_scale=critic_lr_scale, report_max_lr=self._report_max_lr)
             self.optimizer.step()
             if lr is None:  # the run's schedule (not the warm-up's constant lr)
                 self.last_lr = policy_lr
@@ -478,6 +454,13 @@ class Actor:
         self.reset_reference()
         return source
 
+    def gather_params(self) -> None:
+        """Make this rank's parameters current before they are read outside a forward pass (with
+        ``optim.overlap_param_gather`` the last step's all-gather is otherwise left to the next forward)."""
+        from megatron_credit.distributed.grads import gather_params
+
+        gather_params(self.ddp)
+
     def sync_optimizer_from_model(self) -> None:
         """The optimizer's fp32 copies := the model's weights (after weights are loaded into the model)."""
         if not isinstance(self.optimizer, MasterWeightsAdamW):
@@ -490,6 +473,7 @@ class Actor:
         """The policy's weights as HF-named full tensors in buckets (collective over TP and PP)."""
         from megatron_credit.conversion import family_for_config, iter_hf_weight_buckets
 
+        self.gather_params()
         state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("value_head.")}
         return iter_hf_weight_buckets(state, family_for_config(self.hf_config), self.hf_config,
                                       tp_group=self.tp_group if self.tp_size > 1 else None,
@@ -499,5 +483,6 @@ class Actor:
     def reset_reference(self) -> None:
         """The frozen reference := the current policy (after a warm-up or an initial load)."""
         if self.reference is not None:
+            self.gather_params()
             state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("value_head.")}
             self.reference.load_state_dict(state, strict=False)

@@ -8,10 +8,12 @@ Layout of ``<run>/checkpoints/iter_0000012/``:
   resumes under another TP / PP / CP / DP layout (megatron reshards on load); with ``optim.backend:
   megatron``, megatron's optimizer's own ``sharded_state_dict`` (the distributed optimizer's
   ``fully_reshardable`` format, which reshards too);
+- ``critic_optim/``: the same for a separate value model (PPO's ``algorithm.params.critic: separate``);
 - ``rank_00003.pt``: this rank's RNG states and data cursor (``torch.load(weights_only=True)``: no
   pickled code runs from a checkpoint);
 - ``meta.json``: step, layout, optimizer step count, the lr schedule (megatron's
-  ``OptimizerParamScheduler.state_dict()``); written last.
+  ``OptimizerParamScheduler.state_dict()``), and the same of a separate critic under ``critic``; written
+  last.
 
 Every rank writes into ``iter_0000012.tmp``; after a barrier rank 0 renames the directory, so a crash or
 a SIGKILL during a save never leaves a directory that looks complete, and ``--resume auto`` takes the
@@ -79,6 +81,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 MODEL_OPTIM = "model_optim"
+CRITIC_OPTIM = "critic_optim"
 
 
 def _sharded_state(actor, *, for_load: bool) -> dict[str, Any]:
@@ -91,6 +94,8 @@ def _sharded_state(actor, *, for_load: bool) -> dict[str, Any]:
                                                             optim_state_to_sharding_state)
 
     opt = actor.optimizer
+    if not for_load:
+        actor.gather_params()  # overlap_param_gather: the last step's shards, gathered before they are saved
     if actor.megatron_optimizer:  # megatron's own sharded optimizer state (reshardable, distributed or not)
         if for_load:
             _materialize_adam_state(opt)
@@ -146,9 +151,15 @@ def _adam_step(actor) -> float:
     return max(steps, default=0.0)
 
 
-def save(run_dir: str, step: int, actor, extras: dict[str, Any], *, layout: dict[str, int], keep: int) -> str:
-    """Collective: the model and optimizer as one distributed checkpoint, each rank's extras, then rank 0
-    publishes the directory and prunes old ones."""
+def _optimizer_meta(actor) -> dict[str, Any]:
+    return {"optimizer_steps": actor.optimizer_steps, "adam_step": _adam_step(actor),
+            "opt_param_scheduler": actor.scheduler.state_dict()}
+
+
+def save(run_dir: str, step: int, actor, extras: dict[str, Any], *, layout: dict[str, int], keep: int,
+         critic=None) -> str:
+    """Collective: the model and optimizer as one distributed checkpoint (and a separate ``critic``'s as a
+    second one), each rank's extras, then rank 0 publishes the directory and prunes old ones."""
     from megatron.core import dist_checkpointing
 
     from megatron_credit.conversion.checkpoint import _save_strategy
@@ -159,18 +170,23 @@ def save(run_dir: str, step: int, actor, extras: dict[str, Any], *, layout: dict
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.join(tmp, MODEL_OPTIM))
+        if critic is not None:
+            os.makedirs(os.path.join(tmp, CRITIC_OPTIM))
     _barrier()
-    dist_checkpointing.save(_sharded_state(actor, for_load=False), os.path.join(tmp, MODEL_OPTIM),
-                            sharded_strategy=_save_strategy())
+    for model, sub in ((actor, MODEL_OPTIM), (critic, CRITIC_OPTIM)):
+        if model is not None:
+            dist_checkpointing.save(_sharded_state(model, for_load=False), os.path.join(tmp, sub),
+                                    sharded_strategy=_save_strategy())
     path = os.path.join(tmp, f"rank_{rank:05d}.pt")
     torch.save(extras, path + ".part")
     os.replace(path + ".part", path)
     _barrier()
     if rank == 0:
         with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-            json.dump({"step": step, "layout": layout, "optimizer_steps": actor.optimizer_steps,
-                       "adam_step": _adam_step(actor), "opt_param_scheduler": actor.scheduler.state_dict(),
-                       "critic_lr": actor.recipe.optim.critic_lr}, f)
+            meta = {"step": step, "layout": layout, **_optimizer_meta(actor), "critic_lr": actor.recipe.optim.critic_lr}
+            if critic is not None:
+                meta["critic"] = _optimizer_meta(critic)
+            json.dump(meta, f)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # the publication: a directory without .tmp is complete
         for _, old in complete_checkpoints(run_dir)[:-keep]:
@@ -191,17 +207,33 @@ def resolve(run_dir: str, resume: str) -> Optional[str]:
     return resume
 
 
-def load(path: str, actor, *, layout: dict[str, int]) -> tuple[int, Optional[dict[str, Any]], dict[str, Any]]:
-    """Load the model and optimizer of checkpoint ``path`` into ``actor`` (any layout: megatron reshards).
+def load(path: str, actor, *, layout: dict[str, int],
+         critic=None) -> tuple[int, Optional[dict[str, Any]], dict[str, Any]]:
+    """Load the model and optimizer of checkpoint ``path`` into ``actor`` (and a separate ``critic``'s), in
+    any layout (megatron reshards).
 
     Returns ``(step, this rank's extras or None when the layout differs, meta)``."""
-    from megatron.core import dist_checkpointing
-
     with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
         meta = json.load(f)
-    _check_schedule(path, meta, actor)  # before anything is loaded
+    saved_critic = "critic" in meta
+    if saved_critic != (critic is not None):
+        raise ValueError(f"--resume {path}: the checkpoint {'has a' if saved_critic else 'has no'} separate critic "
+                         f"model and this recipe {'has one' if critic is not None else 'has none'} "
+                         "(algorithm.params.critic, separate or trunk, must be the one of the run that saved it)")
+    _check_schedule(path, meta, actor, critic=critic)  # before anything is loaded
+    _load_model_optim(path, MODEL_OPTIM, actor, meta)
+    if critic is not None:
+        _load_model_optim(path, CRITIC_OPTIM, critic, meta["critic"])
+    return _finish_load(path, meta, layout)
+
+
+def _load_model_optim(path: str, sub: str, actor, meta: dict[str, Any]) -> None:
+    """One model's weights, optimizer state and schedule position from ``path/sub``; ``meta`` holds its
+    ``adam_step`` / ``opt_param_scheduler`` / ``optimizer_steps``."""
+    from megatron.core import dist_checkpointing
+
     request = _sharded_state(actor, for_load=True)
-    state = dist_checkpointing.load(request, os.path.join(path, MODEL_OPTIM))
+    state = dist_checkpointing.load(request, os.path.join(path, sub))
     result = actor.model.load_state_dict(state["model"], strict=False)
     bad = [k for k in list(result.missing_keys) + list(result.unexpected_keys) if not k.endswith("_extra_state")]
     if bad:
@@ -215,7 +247,7 @@ def load(path: str, actor, *, layout: dict[str, int]) -> tuple[int, Optional[dic
         for g, k in zip(opt.param_groups, keys):
             g.update(k)
         _load_schedule(meta, actor)
-        return _finish_load(path, meta, layout)
+        return
     masters = [m for g in opt.param_groups for m in g["params"]]
     adam_step = torch.tensor(float(meta["adam_step"]))
     for i, (m, p) in enumerate(zip(masters, opt.model_params)):
@@ -226,7 +258,6 @@ def load(path: str, actor, *, layout: dict[str, int]) -> tuple[int, Optional[dic
             with torch.no_grad():
                 m.copy_(loaded["master_param"])
     _load_schedule(meta, actor)
-    return _finish_load(path, meta, layout)
 
 
 SCHEDULE_GROUP_KEYS = ("max_lr", "min_lr", "wd_mult")
@@ -236,7 +267,7 @@ SCHEDULE_FIELDS = {"max_lr": "optim.lr", "min_lr": "optim.min_lr", "lr_warmup_st
                    "start_wd": "optim.weight_decay"}
 
 
-def _check_schedule(path: str, meta: dict[str, Any], actor) -> None:
+def _check_schedule(path: str, meta: dict[str, Any], actor, *, critic=None) -> None:
     """``optim.resume_schedule: strict``: the recipe's lr schedule must be the checkpoint's (one error
     naming every field that differs), before anything is loaded."""
     saved = meta.get("opt_param_scheduler")
@@ -247,7 +278,7 @@ def _check_schedule(path: str, meta: dict[str, Any], actor) -> None:
     keys = [k for k in SCHEDULE_FIELDS if not (k == "lr_decay_steps" and constant)]
     diff = [f"{SCHEDULE_FIELDS[k]}: checkpoint {saved[k]!r}, recipe {mine[k]!r}" for k in keys if saved[k] != mine[k]]
     critic_lr = actor.recipe.optim.critic_lr
-    if getattr(actor, "with_critic", False) and meta.get("critic_lr", critic_lr) != critic_lr:
+    if (getattr(actor, "with_critic", False) or critic is not None) and meta.get("critic_lr", critic_lr) != critic_lr:
         diff.append(f"optim.critic_lr: checkpoint {meta['critic_lr']!r}, recipe {critic_lr!r}")
     if diff:
         raise ValueError(f"--resume {path}: the recipe's lr schedule differs from the checkpoint's ("

@@ -134,18 +134,22 @@ def gate_stats(kappa: torch.Tensor, mask: torch.Tensor, transport=None) -> dict[
 
 
 def actor_options(spec, params, hf_config, *, dtype, pp_size: int = 1) -> dict:
-    """The :class:`~megatron_credit.trainer.actor.Actor` keywords an algorithm needs beyond the default:
-    for gated algorithms (CompPO) the attention capture, the gate map and the chosen critic. The TAC
-    fuses at most the layers of the last pipeline stage (the critic lives there)."""
+    """The :class:`~megatron_credit.trainer.actor.Actor` keywords an algorithm needs: ``with_critic`` (a
+    value head on the actor: critic algorithms, unless the critic is a separate model,
+    ``trainer.critic_model``), and for gated algorithms (CompPO) the attention capture, the gate map and
+    the chosen critic. The TAC fuses at most the layers of the last pipeline stage (the critic lives there)."""
+    from megatron_credit.trainer.critic_model import wants_separate_critic
+
+    head = {"with_critic": spec.needs_critic and not wants_separate_critic(spec, params)}
     if not spec.needs_gates:
-        return {}
+        return head
     import functools
 
     from megatron_credit.credit.gates import comppo_gate
 
     gate_fn = functools.partial(comppo_gate, k_lo=params.k_lo, k_hi=params.k_hi, tau=params.gate_tau)
     if params.critic == "trunk":  # PPO's value head on the actor trunk (the Actor's default head)
-        return {"capture_top_k": 0, "gate_fn": gate_fn}
+        return {**head, "capture_top_k": 0, "gate_fn": gate_fn}
     from megatron_credit.models.critic import StandardCritic, TransportAlignedCritic
 
     tac = params.critic == "tac"
@@ -155,6 +159,6 @@ def actor_options(spec, params, hf_config, *, dtype, pp_size: int = 1) -> dict:
                                     value_clamp=params.value_clamp, dtype=dtype)
     else:
         factory = functools.partial(StandardCritic, hf_config.hidden_size, value_clamp=params.value_clamp)
-    return {"critic_factory": factory, "critic_layers": layers,
+    return {**head, "critic_factory": factory, "critic_layers": layers,
             "capture_top_k": params.critic_top_k if tac else 0,
             "gate_fn": gate_fn}

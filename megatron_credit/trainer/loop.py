@@ -51,6 +51,8 @@ class Context:
     rollouts: Any
     pad_id: int
     seq_multiple: int
+    critic: Any = None
+    """The separate value model (``trainer.critic_model``), or None (no critic, or a head on the actor)."""
     knobs: Any = None
     """``controls.StepKnobs`` of the next iteration (the recipe's, or those of CompPO's phase)."""
     gate_control: Any = None
@@ -237,6 +239,7 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
     from megatron.core import parallel_state as ps
 
     from megatron_credit.trainer.actor import Actor
+    from megatron_credit.trainer.critic_model import build_separate_critic, init_critic_from
     from megatron_credit.trainer.rollout import RolloutManager
     from megatron_credit.trainer.step import rl_iteration
     from megatron_credit.trainer.warmup import run_warmup
@@ -251,22 +254,23 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
     if tokenizer.vocab_size > hf_config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model vocab_size is "
                          f"{hf_config.vocab_size}")
-    actor = Actor(hf_config=hf_config, recipe=recipe, with_critic=spec.needs_critic,
+    actor = Actor(hf_config=hf_config, recipe=recipe,
                   with_reference=recipe.algorithm.kl_coef > 0,
                   **controls.actor_options(spec, params, hf_config, dtype=recipe.model.torch_dtype(),
                                            pp_size=recipe.parallel.pipeline_model_parallel_size))
+    critic = build_separate_critic(recipe, hf_config, spec, params)
     group, src = _replica_group(dp_rank)
     rollouts = RolloutManager(recipe=recipe, hf_config=hf_config, tokenizer=tokenizer, prompts=prompts,
                               val_prompts=val_prompts, actor=actor, replica_group=group, replica_src=src,
                               dp_rank=dp_rank, dp_size=dp_size, log=log)
     p = recipe.parallel
-    ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=rollouts,
+    ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=rollouts, critic=critic,
                   pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(p))
     log(f"actor weights: {actor.load_initial_weights(seed=recipe.seed)}")
     start = 0
     path = ckpt.resolve(run_dir, resume)
     if path is not None:
-        start, extras, meta = ckpt.load(path, actor, layout=layout)
+        start, extras, meta = ckpt.load(path, actor, layout=layout, critic=critic)
         if extras is not None:
             prompts.load_state_dict(extras["prompts"])
             _load_controls(ctx, extras)
@@ -291,6 +295,9 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
         actor.reset_reference()
         log(f"warm-up: {'loaded from cache' if cached else f'{recipe.warmup.steps} steps'} "
             f"({time.perf_counter() - t0:.1f}s)")
+    if critic is not None and path is None:
+        init_critic_from(critic, actor)  # the value model starts from the policy RL starts from
+        log("critic: a separate value model, initialised from the actor's weights")
     rollouts.sync_weights()
     writer = None
     if rank0:
@@ -317,6 +324,8 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
             t0 = time.perf_counter()
             metrics = rl_iteration(ctx, step)
             metrics["actor/lr"] = ctx.actor.last_lr  # the policy's lr of the iteration's last step
+            if ctx.critic is not None:
+                metrics["critic/lr"] = ctx.critic.last_lr
             if recipe.train.val_every and step % recipe.train.val_every == 0:
                 with ctx.timer("validation"):
                     metrics.update(rollouts.validate(step))
@@ -366,7 +375,7 @@ def _save(run_dir, step, ctx, prompts, layout) -> None:
         extras["gate_control"] = ctx.gate_control.state_dict()
     if ctx.phase is not None:
         extras["phase"] = ctx.phase.state_dict()
-    ckpt.save(run_dir, step, actor, extras, layout=layout, keep=ctx.recipe.checkpoint.keep)
+    ckpt.save(run_dir, step, actor, extras, layout=layout, keep=ctx.recipe.checkpoint.keep, critic=ctx.critic)
 
 
 def _load_controls(ctx, extras: dict) -> None:

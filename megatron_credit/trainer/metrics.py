@@ -112,6 +112,8 @@ def finalize(stats: StatSums) -> dict[str, float]:
         out["fipo/weight_std"] = math.sqrt(max(float(var), 0.0))
     if "sum:skipped_steps" in stats.values:
         out["actor/skipped_steps"] = float(stats.values["sum:skipped_steps"])
+    if "sum:critic_skipped_steps" in stats.values:  # a separate critic's own optimizer
+        out["critic/skipped_steps"] = float(stats.values["sum:critic_skipped_steps"])
     if "sum:ret" in stats.values:
         n = stats.values["sum:tokens"].clamp(min=1)
         var = lambda s, s2: s2 / n - (s / n) ** 2  # noqa: E731

@@ -42,11 +42,12 @@ def build_scheduler(optimizer, o):
 
 
 def set_lrs(opt, scheduler, o, *, lr: Optional[float] = None, lr_scale: float = 1.0,
-            critic_lr_scale: float = 1.0) -> float:
+            critic_lr_scale: float = 1.0, report_max_lr: Optional[float] = None) -> float:
     """Each group's lr and weight decay for the coming step of ``opt``: ``scheduler`` at this step (``lr``
     None; ``opt`` must be the scheduler's), or the constant ``lr`` (the supervised warm-up's own
-    optimizer), times ``lr_scale`` (the critic group's also times ``critic_lr_scale``). Returns the
-    policy's lr (``nan`` if no group has the policy's ``max_lr``)."""
+    optimizer), times ``lr_scale`` (the critic group's also times ``critic_lr_scale``). Returns the lr of
+    the groups whose ``max_lr`` is ``report_max_lr`` (default ``optim.lr``: the policy's; a separate
+    critic reports its own), ``nan`` if there is none."""
     if lr is None:
         if opt is not scheduler.optimizer:
             raise RuntimeError("optimizer_step without lr steps the run's optimizer only")
@@ -57,4 +58,5 @@ def set_lrs(opt, scheduler, o, *, lr: Optional[float] = None, lr_scale: float = 
             g["weight_decay"] = opt.trainer_weight_decay * g["wd_mult"]
     for g in opt.param_groups:
         g["lr"] *= lr_scale * (critic_lr_scale if g.get("name") == "critic" else 1.0)
-    return next((g["lr"] for g in opt.param_groups if g["max_lr"] == o.lr), math.nan)
+    report = o.lr if report_max_lr is None else report_max_lr
+    return next((g["lr"] for g in opt.param_groups if g["max_lr"] == report), math.nan)

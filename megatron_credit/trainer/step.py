@@ -62,15 +62,19 @@ def microbatches(ctx, batch: TrainBatch, mini: list[list[int]]):
 
 def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
     """Recompute ``old_logp`` (and critic ``values``, reference ``ref_logp``) with the update's plan."""
-    actor = ctx.actor
+    actor, critic = ctx.actor, ctx.critic
     with_ref = ctx.knobs.kl_coef > 0
     capture = ctx.spec.needs_gates  # CompPO: the final layer's attention statistics in the same pass
-    # (outputs of the pass -> TrainBatch fields, run on the reference model?); "aux:" outputs are whole rows
+    # (outputs of the pass -> TrainBatch fields, the model's forward-only run); "aux:" outputs are whole rows
     # already (identical on every CP rank), the others this CP rank's share.
     main = {"logp": "old_logp", "values": "values"}
     if capture:
         main.update({"aux:kappa": "kappa", "aux:topk_idx": "topk_idx", "aux:topk_w": "topk_w"})
-    passes = [(main, False)] + ([({"logp": "ref_logp"}, True)] if with_ref else [])
+    passes = [(main, lambda mbs: actor.run(mbs, keep, forward_only=True, capture=capture))]
+    if with_ref:
+        passes.append(({"logp": "ref_logp"}, lambda mbs: actor.run(mbs, keep, forward_only=True, reference=True)))
+    if critic is not None:  # a separate value model (PPO's critic: separate)
+        passes.append(({"values": "values"}, lambda mbs: critic.run(mbs, keep, forward_only=True)))
     shape = batch.loss_mask.shape
     k = actor.capture_top_k or 0
     fresh = {"topk_idx": lambda: torch.zeros((*shape, k), dtype=torch.long),
@@ -80,23 +84,24 @@ def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
             setattr(batch, field, fresh.get(field, lambda: torch.zeros(shape, dtype=torch.float32))())
 
     def keep(mb, logp, ent, values, aux):
-        out = {"logp": logp.detach(), **{f"aux:{k}": v for k, v in aux.items()}}
+        out = {f"aux:{k}": v for k, v in aux.items()}
+        if logp is not None:
+            out["logp"] = logp.detach()
         if values is not None:
             out["values"] = values.detach()
         return torch.zeros(()), out
 
     for mini in plan:
         mbs = microbatches(ctx, batch, mini)
-        for mapping, reference in passes:
-            runs = actor.run(mbs, keep, forward_only=True, reference=reference, capture=capture and not reference)
-            for mb, out in zip(mbs, runs):
+        for mapping, run in passes:
+            for mb, out in zip(mbs, run(mbs)):
                 for key, field in mapping.items():
                     if key in out:
                         full = out[key] if key.startswith("aux:") else ctx.gather_cp(out[key])
                         n = min(mb.seq_len, shape[1])  # seq_len may be padded past T
                         target = getattr(batch, field)
                         target[list(mb.rows), :n] = full[: len(mb.rows), :n].to(target.dtype)
-    if not actor.with_critic:
+    if not (actor.with_critic or critic is not None):
         batch.values = None
     if not actor.last_stage:  # only the last stage computes losses; others never read these
         batch.old_logp = batch.values = batch.ref_logp = batch.kappa = batch.topk_idx = batch.topk_w = None
@@ -121,7 +126,7 @@ def compute_advantages(ctx, batch: TrainBatch, iteration: int = 1, stats: "StatS
     if values is not None and iteration <= getattr(params, "critic_warmup_steps", 0):
         values = torch.zeros_like(values)  # the critic trains on these returns but is not trusted yet
     inputs = AdvantageInputs(response_mask=mask, scores=batch.rewards, group_ids=batch.group_ids,
-                             token_rewards=batch.token_rewards() if ctx.actor.with_critic else None,
+                             token_rewards=batch.token_rewards() if values is not None else None,
                              values=values, gates=batch.gates)
     out = ctx.spec.estimate(inputs, params)  # full sequences on every CP rank: no cp_group needed
     adv = out.advantages.float()
@@ -189,7 +194,8 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
             s.update(v_stats)
         return loss, s
 
-    out = ctx.actor.run(microbatches(ctx, batch, mini), loss_fn, forward_only=False)
+    mbs = microbatches(ctx, batch, mini)
+    out = ctx.actor.run(mbs, loss_fn, forward_only=False)
     local = StatSums()
     for s in out:
         local.add(s)
@@ -202,6 +208,14 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
                "sum:skipped_steps": torch.tensor(0.0 if applied else 1.0)}, replicated=True)
     if ctx.actor.last_critic_grad_norm is not None:
         stats.add({"sum:critic_grad_norm": ctx.actor.last_critic_grad_norm.float()}, replicated=True)
+    if ctx.critic is not None:  # a separate value model: its own forward-backward and optimizer step
+        from megatron_credit.trainer.critic_model import critic_step
+
+        def critic_loss_fn(mb, logp, ent, values, aux):
+            t = mb.tensors  # the value loss itself (vf_coef weighs it against the policy loss on a shared trunk)
+            return value_loss(values, t["values"], t["returns"], t["loss_mask"], den, params)
+
+        critic_step(ctx, mbs, stats, critic_loss_fn)
 
 
 def value_loss(values, old_values, returns, mask, den, params):

@@ -126,6 +126,7 @@ def run_warmup(actor, task: ArithmeticTask | ChainTask, tokenizer, *, recipe, dp
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     # The policy only: a critic's value head is not warmed up (and the cache is shared by algorithms).
+    actor.gather_params()
     torch.save({k: v for k, v in actor.model.state_dict().items() if not k.startswith("value_head.")}, tmp)
     os.replace(tmp, path)
     dist.barrier()
