@@ -111,6 +111,16 @@ def _cli(*args, timeout=600):
                           text=True, env=env, cwd=ROOT, timeout=timeout)
 
 
+def _torchrun(*args, nproc: int = 2, timeout: int = 300):
+    """``pretrain_rl.py`` under ``torch.distributed.run`` with ``nproc`` local ranks (gloo)."""
+    from tests.distributed_harness import _free_port
+
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                           "--master-port", str(_free_port()), os.path.join(ROOT, "pretrain_rl.py"), *args],
+                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT,
+                          timeout=timeout)
+
+
 # The lr schedule crosses warm-up (steps 0-1), decay (2-4) and its floor (5-7): 2 optimizer steps per iteration,
 # so the checkpoint of iteration 2 is mid-decay and the resumed run must continue the schedule.
 CLI_TINY = ["warmup.steps=0", "train.val_every=0", "rollout.prompts_per_step=8", "logging.progress=false",
@@ -149,14 +159,8 @@ def test_resume_continues_bit_identically_and_reshards(tmp_path, backend):
     with open(os.path.join(b, "config.yaml"), encoding="utf-8") as f:
         assert yaml.safe_load(f)["optim"]["min_lr"] == 1e-4  # the accepted launch's recipe, not the refused one's
     # The same checkpoint resumed at TP = 2: model and optimizer reshard; same prompts and seeds at DP = 1.
-    from tests.distributed_harness import _free_port
-
     shutil.copy(os.path.join(a, "metrics.jsonl"), os.path.join(c, "metrics.jsonl"))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(_free_port()), os.path.join(ROOT, "pretrain_rl.py"), "--output-dir", c, *CLI_TINY,
-                           "train.steps=3", "parallel.tensor_model_parallel_size=2"],
-                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT,
-                          timeout=300)
+    proc = _torchrun("--output-dir", c, *CLI_TINY, "train.steps=3", "parallel.tensor_model_parallel_size=2")
     assert proc.returncode == 0 and "resharded" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     third_tp2, third = _lines(c)[2], _lines(a)[2]
     assert third_tp2["step"] == 3 and third_tp2["reward/mean"] == third["reward/mean"]
@@ -183,15 +187,9 @@ def test_a_separate_critic_resumes_bit_identically_reshards_and_must_match(tmp_p
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and "algorithm.params.critic" in errors[0], proc.stderr[-2000:]
     assert [r["step"] for r in _lines(b)] == [1, 2, 3, 4]
-    from tests.distributed_harness import _free_port
-
     shutil.copytree(os.path.join(a, "checkpoints", "iter_0000002"), os.path.join(c, "checkpoints", "iter_0000002"))
     shutil.copy(os.path.join(a, "metrics.jsonl"), os.path.join(c, "metrics.jsonl"))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(_free_port()), os.path.join(ROOT, "pretrain_rl.py"), "--output-dir", c, *args,
-                           "train.steps=3", "parallel.tensor_model_parallel_size=2"],
-                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=ROOT,
-                          timeout=300)
+    proc = _torchrun("--output-dir", c, *args, "train.steps=3", "parallel.tensor_model_parallel_size=2")
     assert proc.returncode == 0 and "resharded" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     third_tp2 = _lines(c)[2]
     for k in ("actor/pg_loss", "actor/grad_norm", "critic/value_loss", "critic/grad_norm", "critic/explained_var"):
@@ -251,15 +249,10 @@ def test_the_demo_learns_and_changes_the_parameters(tmp_path):
 
 
 def test_torchrun_two_ranks_tensor_parallel(tmp_path):
-    from tests.distributed_harness import _free_port
-
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     args = ["--output-dir", str(tmp_path / "tp2"), "parallel.tensor_model_parallel_size=2", "train.steps=1",
             "warmup.steps=0", "train.val_every=0", "rollout.prompts_per_step=8", "logging.progress=false",
             "algorithm.name=ppo"]  # the value loss has a gradient even when every answer is wrong
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(_free_port()), os.path.join(ROOT, "pretrain_rl.py"), *args],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = _torchrun(*args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _lines(tmp_path / "tp2")
     assert len(rows) == 1 and rows[0]["actor/grad_norm"] > 0 and rows[0]["actor/skipped_steps"] == 0
@@ -270,16 +263,11 @@ def test_torchrun_data_parallel_with_overlapped_reduction_and_gather(tmp_path):
     # DP = 2, megatron's distributed optimizer with overlap_grad_reduce and overlap_param_gather: the
     # engines of iteration 2 sample with weights the actor gathered before the sync (the shard each rank
     # does not own included), so the engine's and the actor's log-probs agree; a checkpoint is written.
-    from tests.distributed_harness import _free_port
-
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     args = ["--output-dir", str(tmp_path / "dp2"), "train.steps=2", "warmup.steps=0", "train.val_every=0",
             "rollout.prompts_per_step=8", "logging.progress=false", "logging.plots=false", "algorithm.name=ppo",
             "optim.backend=megatron", "optim.distributed_optimizer=true", "optim.overlap_grad_reduce=true",
             "optim.overlap_param_gather=true", "train.max_tokens_per_microbatch=64", "checkpoint.every=2"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(_free_port()), os.path.join(ROOT, "pretrain_rl.py"), *args],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = _torchrun(*args)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _lines(tmp_path / "dp2")
     assert [r["step"] for r in rows] == [1, 2]
