@@ -50,7 +50,7 @@ $(VENV)/bin/mutmut: $(VENV)/.installed
 	$(PY) -m pip install -e ".[mutation]"
 
 mutation: $(VENV)/bin/mutmut
-	$(VENV)/bin/mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS)
 	$(PY) tools/mutation_report.py
 
 # The one prepared GPU check (tools/gpu_check.sh): under 8 minutes on one H200, writes

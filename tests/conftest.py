@@ -2,11 +2,14 @@
 import os
 import re
 
-import pytest
-import torch
-
-# Spawned gloo workers and the main process share 2 cores in CI: one intra-op thread each.
+# Spawned gloo workers and the main process share 2 cores in CI: one intra-op thread each. Set before
+# torch loads its OpenMP runtime: mutmut forks its mutant runs from this process, and a child forked from
+# a process whose OpenMP pool has several threads hangs in its first parallel region (GNU libgomp is not
+# fork-safe), which mutmut then reports as a timeout.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
