@@ -29,9 +29,13 @@ def _deselect_distributed_under_mutmut(config, items):
     workers (the ``pool`` fixture). mutmut's fork runner collects its mutant children with
     ``os.wait()``, which also reaps the spawned workers of the traced in-process stats run and then
     crashes on the unknown pid (KeyError in ``wait_for_result``); and the code those workers run is
-    invisible to mutmut's tracing anyway, so these tests could never kill a mutant there."""
+    invisible to mutmut's tracing anyway, so these tests could never kill a mutant there. The
+    ``[threads]`` runs of ``tests.threaded_harness.gloo_and_threads_pool`` (ranks as threads of this
+    process) stay: they are what reaches the distributed code under mutmut."""
     def spawns(item):  # the DistributedPool fixtures are named pool, pool1, pool2, pool4
-        return any(re.fullmatch(r"pool\d*", name) for name in getattr(item, "fixturenames", ()))
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        return any(re.fullmatch(r"pool\d*", name) and params.get(name) != "threads"
+                   for name in getattr(item, "fixturenames", ()))
 
     spawned = [item for item in items if spawns(item)]
     if spawned:

@@ -424,3 +424,80 @@ def test_critic_diagnostics_against_references():
     assert math.isnan(float(flat["explained_var"])) and math.isnan(float(flat["spearman"]))
     empty = critic_diagnostics(values, returns, torch.zeros_like(mask), value_clamp=1.0)
     assert all(math.isnan(float(x)) for x in empty.values())
+
+
+# ---------------------------------------------------------------- gate controls: mutation killers (issue 14)
+def test_gate_controls_are_float32_whatever_the_default_dtype():
+    # The controls' gates enter Comp-GAE next to float32 gates from the actor: a float64 default dtype (a
+    # user's set_default_dtype) must not make them float64.
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        g = fixed_gates(mask, 0.61)
+        s = PositionGateSchedule(bins=2)
+        s.collect(torch.tensor([[0.2, 0.4, 0.0], [0.6, 0.0, 0.0]], dtype=torch.float32), mask)
+        s.freeze()
+        p = s.gates(mask)
+    finally:
+        torch.set_default_dtype(previous)
+    assert g.dtype == torch.float32 and p.dtype == torch.float32
+    assert g.tolist() == [[pytest.approx(0.61, abs=1e-7)] * 2 + [0.0], [pytest.approx(0.61, abs=1e-7), 0.0, 0.0]]
+
+
+def test_position_schedule_defaults_and_refusals_name_what_happened():
+    assert PositionGateSchedule().bins == 20  # DESIGN.md: 20 bins of t/T
+    s = PositionGateSchedule(bins=2)
+    with pytest.raises(RuntimeError, match=r"^PositionGateSchedule\.gates before freeze\(\)$"):
+        s.gates(torch.ones(1, 2, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match=r"^PositionGateSchedule\.freeze with no gates collected$"):
+        s.freeze()
+    s.collect(torch.full((1, 2), 0.5), torch.ones(1, 2, dtype=torch.bool))
+    s.freeze()
+    with pytest.raises(RuntimeError, match=r"^PositionGateSchedule\.collect after freeze\(\)$"):
+        s.collect(torch.full((1, 2), 0.5), torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_position_schedule_state_round_trips_exactly_in_float64():
+    # Sums of gates and token counts are float64 state saved in checkpoints: a reload must give back the
+    # same numbers (float32 would turn 0.1 into 0.10000000149 and stop counting at 2**24 tokens a bin).
+    state = {"bins": 2, "sum": [0.1, 1e8 + 0.3], "count": [2.0 ** 24, 3.0], "means": [0.1 / 3, 0.7]}
+    s = PositionGateSchedule(bins=2)
+    s.load_state_dict(state)
+    assert s.state_dict() == state
+    unfrozen = PositionGateSchedule(bins=2)
+    unfrozen.load_state_dict({**state, "means": None})
+    unfrozen.collect(torch.tensor([[0.5, 0.25]]), torch.tensor([[True, True]]))  # one more token in each bin
+    assert unfrozen.state_dict()["count"] == [2.0 ** 24 + 1, 4.0]
+
+
+def test_position_schedule_counts_past_2_to_the_24_tokens_a_bin():
+    # A real position_steps window sees far more than 2**24 response tokens per bin (20K-token responses x
+    # thousands of samples): the fresh schedule must count them exactly.
+    n = 2 ** 24 + 1
+    s = PositionGateSchedule(bins=1)
+    s.collect(torch.full((1, n), 0.5), torch.ones(1, n, dtype=torch.bool))
+    assert s.state_dict()["count"] == [float(n)] and s.state_dict()["sum"] == [n * 0.5]
+
+
+def _position_schedule_over_subgroups(per_rank_kappa):
+    """Ranks {0, 1} and {2, 3} each build one schedule over their own DP group."""
+    import torch.distributed as dist
+
+    from tests.distributed_harness import block_subgroup
+
+    group, _ = block_subgroup(2)
+    rank = dist.get_rank()
+    s = PositionGateSchedule(bins=2)
+    kappa = torch.tensor([per_rank_kappa[rank]])
+    s.collect(kappa, torch.ones_like(kappa, dtype=torch.bool), group=group)
+    s.freeze()
+    return s.state_dict()["means"]
+
+
+def test_position_schedule_is_built_over_its_data_parallel_group_only():
+    from tests.threaded_harness import ThreadedPool
+
+    kappa = [[0.1, 0.3], [0.3, 0.5], [0.5, 0.7], [0.9, 0.9]]
+    means = ThreadedPool(world_size=4).run(_position_schedule_over_subgroups, kappa)
+    assert means[0] == means[1] == pytest.approx([0.2, 0.4]) and means[2] == means[3] == pytest.approx([0.7, 0.8])

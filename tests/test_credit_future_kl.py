@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megatron_credit.credit.future_kl import fipo_weights, future_kl, masked_summary, multi_dual_clip_keep
-from tests.distributed_harness import DistributedPool, block_subgroup, load_balanced_shard
+from tests.distributed_harness import block_subgroup, load_balanced_shard
+from tests.threaded_harness import gloo_and_threads_pool
 
 
 def make_batch(b, t, seed, *, packed=False, dtype=torch.float64):
@@ -291,10 +292,7 @@ def test_multi_dual_clip_keep_counts_whole_response_under_cp(pool):
         assert local.tolist() == [True, True]  # what a rank would wrongly decide from its share alone
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as p:
-        yield p
+pool = gloo_and_threads_pool(4)  # [gloo] spawned workers, [threads] ranks as threads (traced by mutmut)
 
 
 def test_cp_2_and_4_equal_unsharded(pool):

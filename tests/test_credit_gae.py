@@ -6,7 +6,8 @@ import torch
 
 from megatron_credit.credit.gae import comp_gae, gae
 from megatron_credit.credit.gates import comppo_gate, concentration_from_lse, normalized_concentration
-from tests.distributed_harness import DistributedPool, block_subgroup, load_balanced_shard
+from tests.distributed_harness import block_subgroup, load_balanced_shard
+from tests.threaded_harness import gloo_and_threads_pool
 
 
 def make_batch(b, t, seed):
@@ -170,10 +171,7 @@ def _cp_gae_worker(cases):
     return out
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as p:
-        yield p
+pool = gloo_and_threads_pool(4)  # [gloo] spawned workers, [threads] ranks as threads (traced by mutmut)
 
 
 def test_comp_gae_cp_2_and_4_equal_unsharded(pool):

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from megatron_credit.credit.scan import reverse_linear_scan
-from tests.distributed_harness import DistributedPool, block_subgroup, load_balanced_shard
+from tests.distributed_harness import block_subgroup, load_balanced_shard
+from tests.threaded_harness import gloo_and_threads_pool
 
 
 def loop_reference(x, a):
@@ -173,10 +174,7 @@ def _cp_scan_worker(cases):
     return out
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as p:
-        yield p
+pool = gloo_and_threads_pool(4)  # [gloo] spawned workers, [threads] ranks as threads (traced by mutmut)
 
 
 def test_cp_2_and_4_equal_unsharded(pool):

@@ -10,7 +10,7 @@ from megatron_credit.data.microbatch import (
     microbatch_stats,
     plan_minibatches,
 )
-from tests.distributed_harness import DistributedPool
+from tests.threaded_harness import gloo_and_threads_pool
 
 
 def _cost_ref(lens, mb, mode, mult):
@@ -107,15 +107,12 @@ def _equalised_layout(seed):
     return len(local), len(mbs), all(_cost_ref(lens, mb, "padded", 1) <= 200 for mb in mbs)
 
 
-@pytest.fixture(scope="module")
-def dist_pool():
-    with DistributedPool(world_size=2) as p:
-        yield p
+pool = gloo_and_threads_pool(2)  # [gloo] spawned workers, [threads] ranks as threads (traced by mutmut)
 
 
-def test_equal_microbatch_count_across_dp_ranks(dist_pool):
+def test_equal_microbatch_count_across_dp_ranks(pool):
     for seed in range(0, 40, 4):
-        out = dist_pool.run(_equalised_layout, seed)
+        out = pool.run(_equalised_layout, seed)
         local_counts = [o[0] for o in out]
         assert [o[1] for o in out] == [max(local_counts)] * 2
         assert all(o[2] for o in out)

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from megatron_credit.losses.logprob import logprobs_and_entropy, logprobs_from_hidden
-from tests.distributed_harness import DistributedPool, block_subgroup
+from tests.distributed_harness import block_subgroup
+from tests.threaded_harness import gloo_and_threads_pool
 
 F64 = torch.float64
 
@@ -213,10 +214,7 @@ def test_cuda_peak_memory_is_grad_plus_a_few_chunks():
 WORLD = 4
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=WORLD) as p:
-        yield p
+pool = gloo_and_threads_pool(WORLD)  # [gloo] spawned workers, [threads] ranks as threads (traced by mutmut)
 
 
 _tp_group = block_subgroup
@@ -296,3 +294,70 @@ def test_tp_hidden_equal_tp1(pool, tp):
         torch.testing.assert_close(ent, ent1.detach(), rtol=0, atol=1e-12)
         torch.testing.assert_close(gh, h1.grad, rtol=0, atol=1e-12)  # complete: all-reduced inside
         torch.testing.assert_close(gw, w1.grad[r * v_local:(r + 1) * v_local], rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------- mutation killers (issue 14)
+def test_bad_arguments_are_refused_with_the_shapes_named():
+    x, labels = torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"^logits must be \[B, T, D\], got shape \(2, 3\)$"):
+        logprobs_and_entropy(x[:, :, 0], labels)
+    with pytest.raises(ValueError, match=r"^labels must be \[B, T\] = \(2, 3\), got \(2, 4\)$"):
+        logprobs_and_entropy(x, torch.zeros(2, 4, dtype=torch.long))
+    for dtype in (torch.float32, torch.bool):
+        with pytest.raises(ValueError, match=rf"^labels must be integer token ids, got {dtype}$"):
+            logprobs_and_entropy(x, labels.to(dtype))
+    with pytest.raises(ValueError, match=r"^hidden must be \[B, T, D\], got shape \(2, 3\)$"):
+        logprobs_from_hidden(x[:, :, 0], torch.randn(7, 5), labels)
+
+
+@pytest.mark.parametrize("temperature", [2.0, 0.5])
+def test_gradients_at_a_temperature_of_two(temperature):
+    # The chunked backward divides the logits' gradient by the temperature (any T != 1, 2.0 included).
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 5, 11, dtype=torch.float64, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    logp, ent = logprobs_and_entropy(logits, labels, chunk_size=3, temperature=temperature)
+    (logp.sum() + 0.3 * ent.sum()).backward()
+    ref = logits.detach().clone().requires_grad_(True)
+    lsm = torch.log_softmax(ref / temperature, dim=-1)
+    ref_logp = lsm.gather(-1, labels[..., None]).squeeze(-1)
+    ref_ent = -(lsm.exp() * lsm).sum(-1)
+    (ref_logp.sum() + 0.3 * ref_ent.sum()).backward()
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logits.grad, ref.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_log_probs_without_entropy_are_the_same_log_probs():
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(2, 6, 8, dtype=torch.float64, generator=g)
+    weight = torch.randn(13, 8, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, 13, (2, 6), generator=g)
+    for fn, args in ((logprobs_and_entropy, (hidden @ weight.T,)), (logprobs_from_hidden, (hidden, weight))):
+        with_ent, ent = fn(*args, labels, chunk_size=5)
+        alone, none = fn(*args, labels, chunk_size=5, compute_entropy=False)
+        assert none is None and ent is not None
+        torch.testing.assert_close(alone, with_ent, rtol=0, atol=0)
+        ref = torch.log_softmax(hidden @ weight.T, dim=-1).gather(-1, labels[..., None]).squeeze(-1)
+        torch.testing.assert_close(alone, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_non_contiguous_inputs_for_every_chunk_boundary():
+    # The trainer passes hidden states as [s, b, H].transpose(0, 1): not viewable as [b*s, H], so chunks are
+    # copied row piece by row piece. Every chunk size from 1 to past a row (chunks that end one token into a
+    # row, that straddle rows) gives the contiguous result, forward and backward.
+    g = torch.Generator().manual_seed(5)
+    b, s, d, v = 3, 4, 6, 9
+    hidden = torch.randn(s, b, d, dtype=torch.float64, generator=g).transpose(0, 1)
+    weight = torch.randn(v, d, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, v, (b, s), generator=g)
+    assert not hidden.is_contiguous()
+    ref_h = hidden.contiguous().requires_grad_(True)
+    ref_logp, ref_ent = logprobs_from_hidden(ref_h, weight, labels, chunk_size=b * s)
+    (ref_logp.sum() + ref_ent.sum()).backward()
+    for chunk in range(1, s + 3):
+        h = hidden.detach().clone().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_(True)
+        assert not h.is_contiguous()
+        logp, ent = logprobs_from_hidden(h, weight, labels, chunk_size=chunk)
+        (logp.sum() + ent.sum()).backward()
+        torch.testing.assert_close(logp, ref_logp, rtol=1e-12, atol=1e-12, msg=f"chunk {chunk}")
+        torch.testing.assert_close(h.grad, ref_h.grad, rtol=1e-12, atol=1e-12, msg=f"chunk {chunk}")

@@ -7,7 +7,8 @@ import torch
 from megatron_credit.credit.future_kl import fipo_weights
 from megatron_credit.losses.policy import AGG_MODES, aggregate_loss, fipo_policy_loss, gspo_loss, ppo_clip_loss
 from megatron_credit.rollout.mismatch import truncated_is_weights
-from tests.distributed_harness import DistributedPool, block_subgroup, load_balanced_shard
+from tests.distributed_harness import block_subgroup, load_balanced_shard
+from tests.threaded_harness import gloo_and_threads_pool
 
 
 def make_batch(b, t, seed):
@@ -270,10 +271,7 @@ def _dp_worker(batch, theta, mode):
     return out
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=4) as p:
-        yield p
+pool = gloo_and_threads_pool(4)  # [gloo] spawned workers, [threads] ranks as threads (traced by mutmut)
 
 
 def test_dp_invariance_on_gloo(pool):
@@ -311,6 +309,36 @@ def test_gspo_sequence_ratio_under_cp(pool):
     full, _ = gspo_loss(lp, old, adv, mask, clip_low=3e-3, clip_high=4e-3)
     full.sum().backward()
     for per_rank in pool.run(_gspo_cp_worker, logp, old, adv, mask):
+        for cp, (r, loss, grad) in per_rank.items():
+            torch.testing.assert_close(loss, _cp_shard(full.detach(), cp, r), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(grad, _cp_shard(lp.grad, cp, r), rtol=1e-12, atol=1e-12)
+
+
+def _fipo_cp_worker(logp, old, adv, mask):
+    out = {}
+    for cp in (2, 4):
+        group, r = block_subgroup(cp)
+        lp = _cp_shard(logp, cp, r).clone().requires_grad_(True)
+        loss, m = fipo_policy_loss(lp, _cp_shard(old, cp, r), _cp_shard(adv, cp, r), _cp_shard(mask, cp, r),
+                                   tau=4.0, weight_clip=(0.8, 1.5), chunk_size=4, cp_group=group)
+        loss.sum().backward()
+        out[cp] = (r, loss.detach(), lp.grad)
+    return out
+
+
+def test_fipo_loss_under_cp_carries_the_future_kl_across_shards(pool):
+    # The Future-KL sum of a token reaches into later CP shards (its future): the loss of each shard, and
+    # its gradient, equal the unsharded loss's share only when the carry crosses ranks (cp_group).
+    logp, _, _, mask = make_batch(4, 32, seed=17)
+    old = logp + 0.05 * torch.randn_like(logp)
+    adv = torch.randn(4, 1, dtype=torch.float64) * mask
+    lp = logp.clone().requires_grad_(True)
+    full, _ = fipo_policy_loss(lp, old, adv, mask, tau=4.0, weight_clip=(0.8, 1.5), chunk_size=4)
+    full.sum().backward()
+    local, _ = fipo_policy_loss(_cp_shard(logp, 2, 0), _cp_shard(old, 2, 0), _cp_shard(adv, 2, 0),
+                                _cp_shard(mask, 2, 0), tau=4.0, weight_clip=(0.8, 1.5), chunk_size=4)
+    assert not torch.allclose(local, _cp_shard(full.detach(), 2, 0))  # without the carry it differs
+    for per_rank in pool.run(_fipo_cp_worker, logp, old, adv, mask):
         for cp, (r, loss, grad) in per_rank.items():
             torch.testing.assert_close(loss, _cp_shard(full.detach(), cp, r), rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(grad, _cp_shard(lp.grad, cp, r), rtol=1e-12, atol=1e-12)

@@ -203,3 +203,52 @@ def test_thresholds_override_and_validation():
                           ({"deescalate_after": 0}, "deescalate_after")):
         with pytest.raises(ValueError, match=field):
             PhaseController(**kwargs)
+
+
+# ------------------------------------------------------------------- mutation killers (issue 14)
+def test_a_fresh_controller_has_an_empty_history():
+    c = PhaseController()
+    assert c.last_requests == {}
+    assert c.state_dict() == {"phase": "stable", "events": 0, "clear": 0, "entropy_ema": None,
+                              "entropy_ema_max": None, "val_best": None}
+
+
+@pytest.mark.parametrize("name", ["escalate_after", "deescalate_after"])
+def test_bad_hysteresis_counts_are_named(name):
+    with pytest.raises(ValueError, match=rf"^phase {name} must be >= 1, got 0$"):
+        PhaseController(**{name: 0})
+
+
+def test_a_threshold_is_reached_at_exactly_its_tolerance():
+    from megatron_credit.credit.phase import REACH_TOL
+
+    th = PhaseThresholds(entropy_below=(None, None, None), grad_norm=(2.0, None, None))
+    c = PhaseController(th)
+    assert c.requests({"actor/grad_norm": 2.0 - REACH_TOL})["grad_norm"] == 1
+    assert c.requests({"actor/grad_norm": 2.0 - 2 * REACH_TOL})["grad_norm"] == 0
+
+
+def test_a_step_without_a_signal_requests_nothing_for_it():
+    # The entropy EMA is kept across steps, but a step that reports no entropy (or no clip fraction) must
+    # not be judged on an older value (or on a clip fraction of 0 it never reported).
+    th = PhaseThresholds(entropy_below=(2.0, None, None), clipfrac=(0.0, None, None))
+    c = PhaseController(th)
+    assert c.requests({"actor/entropy": 1.0, "actor/clipfrac_high": 0.0})["entropy"] == 1
+    assert c.requests({"actor/grad_norm": 0.1}) == {k: 0 for k in c.requests({})}
+    assert c.requests({"actor/clipfrac_low": 0.0})["clipfrac"] == 1  # a reported 0 does reach a 0 threshold
+
+
+@pytest.mark.parametrize("signal,key", [("clipfrac", "actor/clipfrac_high"), ("ppo_kl", "actor/ppo_kl")])
+def test_the_entropy_drop_is_judged_only_past_the_warning_threshold_itself(signal, key):
+    # entropy_drop counts while clip fraction or PPO KL is at or above its *warning* threshold: a signal
+    # whose warning level is off (None) never opens it, even when its strong level is reached.
+    th = PhaseThresholds(entropy_below=(None, None, None), entropy_drop=(0.1, None, None),
+                         **{signal: (None, 0.3, None)})
+    c = PhaseController(th)
+    c.requests({"actor/entropy": 1.0, key: 0.35})
+    r = c.requests({"actor/entropy": 0.0, key: 0.35})  # EMA 0.9: a drop of 0.1 from its best
+    assert r["entropy_drop"] == 0 and r[signal] == 2
+    opened = PhaseController(PhaseThresholds(entropy_below=(None, None, None), entropy_drop=(0.1, None, None),
+                                             **{signal: (0.3, 0.3, None)}))
+    opened.requests({"actor/entropy": 1.0, key: 0.35})
+    assert opened.requests({"actor/entropy": 0.0, key: 0.35})["entropy_drop"] == 1

@@ -347,3 +347,40 @@ def test_plot_look_600x350_px_dots_on_short_series_only_faint_grid_small_legend(
     ax = figures[1].axes[0]
     assert {t.get_fontsize() for t in ax.get_legend().get_texts()} == {8.0}
     assert all(g.get_visible() and g.get_alpha() == 0.3 for g in ax.get_xgridlines())
+
+
+# ---------------------------------------------------------- reductions over DP groups, ranks as threads
+def _reductions_over_pairs():
+    """Ranks {0, 1} and {2, 3} of 4 threads: each pair reduces its own stats and denominators."""
+    import torch.distributed as dist
+
+    from tests.distributed_harness import block_subgroup
+
+    group, _ = block_subgroup(2)
+    rank = dist.get_rank()
+    s = StatSums()
+    s.add({"sum:tokens": torch.tensor(float(rank + 1)), "min:x": torch.tensor(float(10 - rank)),
+           "max:x": torch.tensor(float(rank * rank)),
+           "min:nan_on_0": torch.tensor(math.nan if rank % 2 == 0 else 5.0 + rank),
+           "max:nan_on_0": torch.tensor(math.nan if rank % 2 == 0 else 5.0 + rank)})
+    s.add({"sum:grad_norm": torch.tensor(3.0)}, replicated=True)
+    s.all_reduce(group)
+    mask = torch.zeros(rank + 1, 5, dtype=torch.bool)
+    mask[:, : rank + 2] = True
+    den = step_denominators(mask, norm_length=7, dp_group=group)
+    return ({k: float(v) for k, v in s.values.items()},
+            (float(den.global_num_tokens), float(den.global_num_seqs), den.norm_length))
+
+
+def test_stat_sums_and_step_denominators_reduce_over_their_group_only():
+    from tests.threaded_harness import ThreadedPool
+
+    out = ThreadedPool(world_size=4).run(_reductions_over_pairs)
+    for rank, (stats, den) in enumerate(out):
+        pair = (0, 1) if rank < 2 else (2, 3)
+        assert stats["sum:tokens"] == sum(r + 1 for r in pair)
+        assert stats["min:x"] == min(10 - r for r in pair) and stats["max:x"] == max(r * r for r in pair)
+        assert stats["min:nan_on_0"] == stats["max:nan_on_0"] == 5.0 + pair[1]  # NaN never wins
+        assert stats["sum:grad_norm"] == 3.0  # replicated: not summed over ranks
+        # tokens: rank r has r + 1 rows of r + 2 valid tokens; rows: r + 1
+        assert den == (sum((r + 1) * (r + 2) for r in pair), sum(r + 1 for r in pair), 7)
