@@ -334,3 +334,68 @@ def test_fipo_weight_std_from_micro_batch_sums_is_the_std_over_every_token():
     assert 0 < float(allw.std(unbiased=False)) and allw.max() > allw.min()
     assert out["fipo/weight_std"] == pytest.approx(float(allw.std(unbiased=False)), rel=1e-9, abs=1e-12)
     assert out["fipo/weight_mean"] == pytest.approx(float(allw.mean()), rel=1e-12)
+
+
+# ------------------------------------------------------------------- mutation killers (issue 14)
+def test_fipo_weights_defaults_are_the_papers():
+    # DESIGN.md: tau 32, dual-clip constant 10, rows of one response each (packed False), clip [1, 1.2].
+    logp, old, mask = make_batch(6, 40, seed=21, packed=True)
+    old[:, 5] = logp[:, 5] - math.log(10.5)  # ratio 10.5: inside M at c = 11, outside at c = 10
+    adv = -torch.ones_like(logp)
+    w, m = fipo_weights(logp, old, adv, mask)
+    explicit, _ = fipo_weights(logp, old, adv, mask, tau=32.0, dual_clip_c=10.0, packed=False, clip=(1.0, 1.2))
+    assert torch.equal(w, explicit)
+    for other in ({"tau": 33.0}, {"dual_clip_c": 11.0}, {"packed": True}):
+        assert not torch.equal(w, fipo_weights(logp, old, adv, mask, **other)[0]), other
+    assert {"mean", "min", "max", "p10", "p50", "p90"} <= set(m)  # the trainer reads .../min and .../max
+
+
+def test_fipo_weights_settings_are_checked_at_their_bounds():
+    logp, old, mask = make_batch(3, 12, seed=22)
+    adv = torch.ones_like(logp)
+    fipo_weights(logp, old, adv, mask, dual_clip_c=1.5)  # any c > 1 is a dual-clip constant
+    fipo_weights(logp, old, adv, mask, safety_thresh=0.5)  # any threshold > 0
+    future_kl(logp, old, mask, tau=0.5, dual_clip_c=10.0)  # any tau > 0
+    for kwargs, message in (({"dual_clip_c": 1.0}, "dual_clip_c must be > 1, got 1.0"),
+                            ({"clip": (0.0, 1.2)}, "clip must satisfy 0 < clip[0] <= clip[1], got (0.0, 1.2)")):
+        with pytest.raises(ValueError, match=f"^{re_escape(message)}$"):
+            fipo_weights(logp, old, adv, mask, **kwargs)
+    with pytest.raises(ValueError, match=r"^tau must be > 0, got 0$"):
+        future_kl(logp, old, mask, tau=0, dual_clip_c=10.0)
+
+
+def re_escape(s):
+    import re
+
+    return re.escape(s)
+
+
+def test_a_zero_advantage_token_is_not_capped():
+    # The safety cap min(f, 1) applies where A < 0 and the ratio exceeds the threshold; A = 0 is not < 0.
+    logp = torch.zeros(1, 4, dtype=torch.float64)
+    old = logp - torch.tensor([[0.0, 3.0, 0.5, 0.5]], dtype=torch.float64)  # token 1: ratio e^3 > 10
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    w, m = fipo_weights(logp, old, torch.tensor([[0.0, 0.0, 0.0, 0.0]], dtype=torch.float64), mask,
+                        clip=(0.5, 2.0), tau=1.0)
+    capped, _ = fipo_weights(logp, old, torch.tensor([[-1.0, -1.0, -1.0, -1.0]], dtype=torch.float64), mask,
+                             clip=(0.5, 2.0), tau=1.0)
+    assert float(w[0, 1]) > 1.0 and float(capped[0, 1]) == 1.0 and float(m["frac_dual_capped"]) == 0.0
+
+
+def test_weight_statistics_of_a_single_valid_token():
+    logp = torch.zeros(1, 3, dtype=torch.float64)
+    old = logp - torch.tensor([[0.0, 0.1, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[False, True, False]])
+    w, m = fipo_weights(logp, old, torch.ones_like(logp), mask, tau=1.0)
+    f = float(w[0, 1])
+    assert f > 1.0
+    assert float(m["mean"]) == f and float(m["dev_sq"]) == pytest.approx((f - 1) ** 2, rel=1e-12)
+    assert float(m["frac_at_low"]) == 0.0 and float(m["frac_at_high"]) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.uint8])
+def test_future_kl_reads_any_0_1_mask_like_a_bool_mask(dtype):
+    logp, old, mask = make_batch(5, 24, seed=23, packed=True)
+    want = future_kl(logp, old, mask, tau=4.0, dual_clip_c=10.0, packed=True)
+    got = future_kl(logp, old, mask.to(dtype), tau=4.0, dual_clip_c=10.0, packed=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

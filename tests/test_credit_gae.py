@@ -188,3 +188,33 @@ def test_comp_gae_cp_2_and_4_equal_unsharded(pool):
                 cp, rank, adv, ret = next(it)
                 torch.testing.assert_close(adv, cp_shard(ref_adv, cp, rank), rtol=1e-11, atol=1e-11)
                 torch.testing.assert_close(ret, cp_shard(ref_ret, cp, rank), rtol=1e-11, atol=1e-11)
+
+
+def _cp_gae_edges_worker(r_, v, mask):
+    group, rank = block_subgroup(2)
+    adv, ret = gae(*(cp_shard(x, 2, rank) for x in (r_, v, mask)), gamma=0.9, lam=0.95, chunk_size=4,
+                   cp_group=group)
+    try:  # 2 rows, odd local length 3
+        comp_gae(*(torch.zeros(2, 3) for _ in range(3)), torch.ones(2, 3, dtype=torch.bool), lam=0.9,
+                 cp_group=group)
+        message = None
+    except ValueError as e:
+        message = str(e)
+    return rank, adv, ret, message
+
+
+def test_gae_under_cp_and_odd_shards(pool):
+    # PPO's GAE under CP passes its group on to Comp-GAE (the carries and the next-token halo cross ranks);
+    # an odd local length is refused with the length named.
+    r, v, _, mask = make_batch(4, 16, seed=7)
+    mask[3] = True
+    ref_adv, ref_ret = gae_reference(r * mask, v, mask, 0.9, 0.95)
+    for rank, adv, ret, message in pool.run(_cp_gae_edges_worker, r * mask, v, mask):
+        torch.testing.assert_close(adv, cp_shard(ref_adv, 2, rank), rtol=1e-11, atol=1e-11)
+        torch.testing.assert_close(ret, cp_shard(ref_ret, 2, rank), rtol=1e-11, atol=1e-11)
+        assert message == "with cp_group the local length must hold two equal chunks, got 3"
+
+
+def test_comp_gae_names_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"^rewards, values, gates and response_mask must have the same \[B, T\] shape"):
+        comp_gae(torch.zeros(2, 3), torch.zeros(2, 4), torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), lam=0.9)

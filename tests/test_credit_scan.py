@@ -152,6 +152,43 @@ def test_bad_inputs_raise():
         reverse_linear_scan(torch.zeros(3), 0.5)
     with pytest.raises(ValueError, match="coef shape"):
         reverse_linear_scan(torch.zeros(2, 3), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"^chunk_size must be >= 2, got 1$"):
+        reverse_linear_scan(torch.zeros(2, 3), 0.5, chunk_size=1)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_constant_tables():
+    """Every test builds the constant path's tables itself (they are cached per gamma, K, dtype, device):
+    no test passes on tables an earlier test built, and mutmut's forked runs, which inherit the cache of
+    the process that ran the tests before, rebuild them with the mutated code."""
+    from megatron_credit.credit.scan import _constant_tables
+
+    _constant_tables.cache_clear()
+    yield
+
+
+@pytest.mark.parametrize("t", [1, 7, 64, 300])
+def test_float64_matmul_path_rounds_once(t):
+    # The constant path's float64 in-chunk matmul (what CUDA float32 inputs take, against TF32) tested on
+    # the CPU: float32 in, float32 out, within a rounding or two of the float64 scan; and the CPU's default
+    # for float32 is the float32 matmul (bit for bit the explicit choice).
+    from megatron_credit.credit.scan import _scan_constant
+
+    x64 = torch.randn(3, t, dtype=torch.float64, generator=torch.Generator().manual_seed(t))
+    x32 = x64.float()
+    exact = loop_reference(x32.double(), 0.97)
+    for k in (2, 8, 32):
+        y = _scan_constant(x32, 0.97, k, float64_matmul=True)
+        assert y.dtype == torch.float32 and y.shape == x32.shape
+        torch.testing.assert_close(y.double(), exact, rtol=2e-6, atol=1e-6)
+        assert torch.equal(_scan_constant(x32, 0.97, k), _scan_constant(x32, 0.97, k, float64_matmul=False))
+    assert torch.equal(_scan_constant(x64, 0.97, 8, float64_matmul=True), _scan_constant(x64, 0.97, 8))
+
+
+def test_empty_rows_scan_to_empty_rows():
+    for coef in (0.5, torch.zeros(2, 0)):
+        y = reverse_linear_scan(torch.zeros(2, 0), coef)
+        assert y.shape == (2, 0)
 
 
 # ---------------------------------------------------------------------------- context parallel (gloo)
@@ -197,3 +234,21 @@ def test_cp_2_and_4_equal_unsharded(pool):
                                                rtol=1e-11, atol=1e-11)
                     checked += 1
     assert checked == 4 * len(cases) * 2 * 3
+
+
+def _cp_edge_worker():
+    group, _ = block_subgroup(2)
+    try:
+        reverse_linear_scan(torch.zeros(2, 3), 0.5, cp_group=group)
+        message = None
+    except ValueError as e:
+        message = str(e)
+    shapes = [tuple(reverse_linear_scan(torch.zeros(2, 0), coef, cp_group=group).shape)
+              for coef in (0.5, torch.zeros(2, 0))]
+    return message, shapes
+
+
+def test_cp_refuses_odd_shards_and_scans_empty_ones(pool):
+    for message, shapes in pool.run(_cp_edge_worker):
+        assert message == "with cp_group the local length must hold two equal chunks, got T=3"
+        assert shapes == [(2, 0), (2, 0)]

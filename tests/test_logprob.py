@@ -361,3 +361,53 @@ def test_non_contiguous_inputs_for_every_chunk_boundary():
         (logp.sum() + ent.sum()).backward()
         torch.testing.assert_close(logp, ref_logp, rtol=1e-12, atol=1e-12, msg=f"chunk {chunk}")
         torch.testing.assert_close(h.grad, ref_h.grad, rtol=1e-12, atol=1e-12, msg=f"chunk {chunk}")
+
+
+def _tp_large_logits_worker(tp, logits, labels):
+    group, r = _tp_group(tp)
+    v_local = logits.shape[-1] // tp
+    logp, ent = logprobs_and_entropy(logits[..., r * v_local:(r + 1) * v_local].contiguous(), labels,
+                                     tp_group=group, chunk_size=4)
+    return logp, ent
+
+
+def test_tp_float32_log_probs_of_large_logits(pool):
+    # The log-sum-exp shift is the max over the *whole* vocabulary (a MAX all-reduce over TP): float32 logits
+    # around 60 on each of 4 shards stay finite and exact (a shift summed over shards, 240, would underflow
+    # exp(z - shift) to 0 and give -inf).
+    gen = torch.Generator().manual_seed(31)
+    logits = (60 + torch.randn(2, 5, 16, generator=gen)).float()
+    labels = _boundary_labels(2, 5, 16, 4, gen)
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    ref_logp = ref.gather(-1, labels[..., None]).squeeze(-1)
+    for logp, ent in pool.run(_tp_large_logits_worker, 4, logits, labels):
+        assert torch.isfinite(logp).all() and torch.isfinite(ent).all()
+        torch.testing.assert_close(logp.double(), ref_logp, rtol=1e-5, atol=1e-5)
+
+
+def test_output_weight_mismatches_are_named():
+    hidden, labels = torch.randn(2, 3, 8), torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"^output_weight must be \[V_local, H=8\]"):
+        logprobs_from_hidden(hidden, torch.randn(5, 7), labels)
+    with pytest.raises(ValueError, match=r"^output_weight dtype torch.float64 != hidden dtype torch.float32$"):
+        logprobs_from_hidden(hidden, torch.randn(5, 8, dtype=torch.float64), labels)
+
+
+@pytest.mark.parametrize("trainable", ["hidden", "weight"])
+def test_only_the_input_that_needs_a_gradient_gets_one(trainable):
+    # A frozen output layer (a critic's, a reference model's) or frozen hidden states: the other input's
+    # gradient is still the full one.
+    g = torch.Generator().manual_seed(32)
+    hidden = torch.randn(2, 5, 6, dtype=torch.float64, generator=g)
+    weight = torch.randn(11, 6, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, 11, (2, 5), generator=g)
+    h = hidden.clone().requires_grad_(trainable == "hidden")
+    w = weight.clone().requires_grad_(trainable == "weight")
+    logp, ent = logprobs_from_hidden(h, w, labels, chunk_size=4)
+    (logp.sum() + ent.sum()).backward()
+    rh, rw = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lsm = torch.log_softmax(rh @ rw.T, dim=-1)
+    (lsm.gather(-1, labels[..., None]).sum() - (lsm.exp() * lsm).sum()).backward()
+    got, want, other = (h.grad, rh.grad, w.grad) if trainable == "hidden" else (w.grad, rw.grad, h.grad)
+    assert other is None
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

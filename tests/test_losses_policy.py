@@ -290,11 +290,16 @@ _cp_shard = load_balanced_shard
 
 
 def _gspo_cp_worker(logp, old, adv, mask):
+    import torch.distributed as dist
+
     out = {}
     for cp in (2, 4):
         group, r = block_subgroup(cp)
-        lp = _cp_shard(logp, cp, r).clone().requires_grad_(True)
-        loss, _ = gspo_loss(lp, _cp_shard(old, cp, r), _cp_shard(adv, cp, r), _cp_shard(mask, cp, r),
+        batch = (logp, old, adv, mask)
+        if cp == 2 and dist.get_rank() >= 2:  # the second CP pair holds other responses (a DP x CP layout)
+            batch = tuple(x.flip(0) for x in batch)
+        lp = _cp_shard(batch[0], cp, r).clone().requires_grad_(True)
+        loss, _ = gspo_loss(lp, *(_cp_shard(x, cp, r) for x in batch[1:]),
                             clip_low=3e-3, clip_high=4e-3, cp_group=group)
         loss.sum().backward()
         out[cp] = (r, loss.detach(), lp.grad)
@@ -308,10 +313,12 @@ def test_gspo_sequence_ratio_under_cp(pool):
     lp = logp.clone().requires_grad_(True)
     full, _ = gspo_loss(lp, old, adv, mask, clip_low=3e-3, clip_high=4e-3)
     full.sum().backward()
-    for per_rank in pool.run(_gspo_cp_worker, logp, old, adv, mask):
+    for rank, per_rank in enumerate(pool.run(_gspo_cp_worker, logp, old, adv, mask)):
         for cp, (r, loss, grad) in per_rank.items():
-            torch.testing.assert_close(loss, _cp_shard(full.detach(), cp, r), rtol=1e-12, atol=1e-12)
-            torch.testing.assert_close(grad, _cp_shard(lp.grad, cp, r), rtol=1e-12, atol=1e-12)
+            flip = cp == 2 and rank >= 2  # the pair's sequence ratios use only the pair's tokens
+            want_loss, want_grad = (full.detach().flip(0), lp.grad.flip(0)) if flip else (full.detach(), lp.grad)
+            torch.testing.assert_close(loss, _cp_shard(want_loss, cp, r), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(grad, _cp_shard(want_grad, cp, r), rtol=1e-12, atol=1e-12)
 
 
 def _fipo_cp_worker(logp, old, adv, mask):

@@ -252,3 +252,10 @@ def test_the_entropy_drop_is_judged_only_past_the_warning_threshold_itself(signa
                                              **{signal: (0.3, 0.3, None)}))
     opened.requests({"actor/entropy": 1.0, key: 0.35})
     assert opened.requests({"actor/entropy": 0.0, key: 0.35})["entropy_drop"] == 1
+
+
+def test_threshold_order_errors_say_which_way():
+    with pytest.raises(ValueError, match=r"^phase thresholds\.clipfrac must be non-decreasing, got \(0\.3, 0\.2, 0\.1\)$"):
+        PhaseThresholds(clipfrac=(0.3, 0.2, 0.1))
+    with pytest.raises(ValueError, match=r"^phase thresholds\.entropy_below must be non-increasing, got \(6\.0, 7\.0, 8\.0\)$"):
+        PhaseThresholds(entropy_below=(6.0, 7.0, 8.0))

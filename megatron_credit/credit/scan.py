@@ -41,7 +41,7 @@ tensor([[10.,  9.,  7.,  4.]])
 from __future__ import annotations
 
 import functools
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -150,17 +150,22 @@ def _doubling(y: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return y, p
 
 
-def _scan_constant(x: torch.Tensor, gamma: float, k: int) -> torch.Tensor:
-    """Zero-carry scan with one coefficient ``gamma`` everywhere: a shared Toeplitz block per chunk."""
+def _scan_constant(x: torch.Tensor, gamma: float, k: int, *, float64_matmul: Optional[bool] = None) -> torch.Tensor:
+    """Zero-carry scan with one coefficient ``gamma`` everywhere: a shared Toeplitz block per chunk.
+
+    ``float64_matmul`` (default: on CUDA for inputs below float64): the in-chunk matmul in float64,
+    rounded once to ``x``'s dtype. CUDA float32 matmuls may run in TF32 (10-bit mantissa): ~1e-3 absolute
+    error in F at T = 20480; the matmul is only B*T*K flops, so it is done in float64 on the GPU. On the
+    CPU the float32 matmul is exact enough and faster; the float64 path is testable there too."""
     b, t = x.shape
     if t == 0:
         return x.clone()
+    if float64_matmul is None:
+        float64_matmul = x.is_cuda and x.dtype != torch.float64
     k = min(k, _next_pow2(t))
     n = -(-t // k)
     xc = (x if n * k == t else torch.nn.functional.pad(x, (0, n * k - t))).reshape(b * n, k)
-    if x.is_cuda and x.dtype != torch.float64:
-        # CUDA float32 matmuls may run in TF32 (10-bit mantissa): ~1e-3 absolute error in F at T = 20480.
-        # The matmul is only B*T*K flops, so it is done in float64 on the GPU and rounded once.
+    if float64_matmul:
         toeplitz, _ = _constant_tables(gamma, k, torch.float64, x.device)
         _, tail = _constant_tables(gamma, k, x.dtype, x.device)
         y = (xc.double() @ toeplitz).to(x.dtype).view(b, n, k)
@@ -169,7 +174,7 @@ def _scan_constant(x: torch.Tensor, gamma: float, k: int) -> torch.Tensor:
         y = (xc @ toeplitz).view(b, n, k)
     if n > 1:
         # The chunk starts obey the same recurrence with coefficient gamma**K (underflow to 0 is fine).
-        ys = _scan_constant(y[:, :, 0], gamma ** k, k)
+        ys = _scan_constant(y[:, :, 0], gamma ** k, k, float64_matmul=float64_matmul)
         carry = torch.cat([ys[:, 1:], ys.new_zeros(b, 1)], dim=1)
         # In place on the matmul output (its backward does not need it): y_i += gamma**(K - i) carry.
         y.addcmul_(carry[:, :, None], tail)
