@@ -399,3 +399,8 @@ def test_future_kl_reads_any_0_1_mask_like_a_bool_mask(dtype):
     want = future_kl(logp, old, mask, tau=4.0, dual_clip_c=10.0, packed=True)
     got = future_kl(logp, old, mask.to(dtype), tau=4.0, dual_clip_c=10.0, packed=True)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_summary_of_an_empty_tensor_has_every_key():
+    out = masked_summary(torch.zeros(2, 0), torch.zeros(2, 0, dtype=torch.bool))
+    assert list(out) == ["mean", "min", "max", "p10", "p50", "p90"] and all(math.isnan(float(v)) for v in out.values())

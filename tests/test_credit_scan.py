@@ -183,6 +183,8 @@ def test_float64_matmul_path_rounds_once(t):
         torch.testing.assert_close(y.double(), exact, rtol=2e-6, atol=1e-6)
         assert torch.equal(_scan_constant(x32, 0.97, k), _scan_constant(x32, 0.97, k, float64_matmul=False))
     assert torch.equal(_scan_constant(x64, 0.97, 8, float64_matmul=True), _scan_constant(x64, 0.97, 8))
+    if t <= 32:  # one chunk: the float64 matmul rounded once is the exact scan rounded once
+        assert torch.equal(_scan_constant(x32, 0.97, 32, float64_matmul=True), exact.float())
 
 
 def test_empty_rows_scan_to_empty_rows():
@@ -245,10 +247,14 @@ def _cp_edge_worker():
         message = str(e)
     shapes = [tuple(reverse_linear_scan(torch.zeros(2, 0), coef, cp_group=group).shape)
               for coef in (0.5, torch.zeros(2, 0))]
-    return message, shapes
+    x = torch.arange(12, dtype=torch.float32).reshape(2, 6) / 7  # this rank's float32 shard
+    dtypes = [reverse_linear_scan(x, coef, chunk_size=2, cp_group=group).dtype
+              for coef in (0.9, torch.full((2, 6), 0.9))]
+    return message, shapes, dtypes
 
 
 def test_cp_refuses_odd_shards_and_scans_empty_ones(pool):
-    for message, shapes in pool.run(_cp_edge_worker):
+    for message, shapes, dtypes in pool.run(_cp_edge_worker):
         assert message == "with cp_group the local length must hold two equal chunks, got T=3"
         assert shapes == [(2, 0), (2, 0)]
+        assert dtypes == [torch.float32, torch.float32]  # the carries' fix-up keeps the input's dtype
