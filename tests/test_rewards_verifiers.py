@@ -313,3 +313,20 @@ def test_shaping_config_validates():
         ShapingConfig(max_response_len=10, overlong_buffer_len=11)
     with pytest.raises(ValueError, match="format_penalty"):
         ShapingConfig(max_response_len=10, format_penalty=-1.0)
+
+
+# ------------------------------------------------------------------- mutation killers (issue 14)
+def test_math_verify_an_unreadable_ground_truth_is_flagged_with_the_answer_kept():
+    # A ground truth math-verify cannot read ("$$", an empty box) scores every response as incorrect with
+    # status bad_ground_truth (counted in reward/bad_ground_truths), keeping the response's answer for the logs.
+    from megatron_credit.rewards.base import RewardRecord
+    from megatron_credit.rewards.math import score_math_verify
+
+    for gt in ("$$", "\\boxed{}"):
+        assert score_math_verify("so \\boxed{5}", gt) == RewardRecord(score=-1.0, correct=False, extracted="5",
+                                                                     status="bad_ground_truth")
+    assert score_math_verify("nothing to read", "$$") == RewardRecord(score=-1.0, correct=False, extracted=None,
+                                                                     status="bad_ground_truth")
+    assert score_math_verify("no numbers here", "5") == RewardRecord(score=-1.0, correct=False, extracted=None,
+                                                                    status="ok")
+    assert score_math_verify("Answer: 5 and 6", "6").extracted == "5, 6"  # the last parse: every answer read

@@ -384,3 +384,11 @@ def test_stat_sums_and_step_denominators_reduce_over_their_group_only():
         assert stats["sum:grad_norm"] == 3.0  # replicated: not summed over ranks
         # tokens: rank r has r + 1 rows of r + 2 valid tokens; rows: r + 1
         assert den == (sum((r + 1) * (r + 2) for r in pair), sum(r + 1 for r in pair), 7)
+
+
+def test_a_separate_critics_skipped_steps_are_reported():
+    s = StatSums()
+    s.add({"sum:skipped_steps": torch.tensor(1.0), "sum:critic_skipped_steps": torch.tensor(2.0)}, replicated=True)
+    out = finalize(s)
+    assert out["actor/skipped_steps"] == 1.0 and out["critic/skipped_steps"] == 2.0
+    assert "critic/skipped_steps" not in finalize(StatSums())
