@@ -330,3 +330,18 @@ def test_math_verify_an_unreadable_ground_truth_is_flagged_with_the_answer_kept(
     assert score_math_verify("no numbers here", "5") == RewardRecord(score=-1.0, correct=False, extracted=None,
                                                                     status="ok")
     assert score_math_verify("Answer: 5 and 6", "6").extracted == "5, 6"  # the last parse: every answer read
+
+
+def test_dapo_normalisation_strips_markup_around_the_answer():
+    from megatron_credit.rewards.dapo import last_boxed_only_string, normalize_final_answer
+
+    assert last_boxed_only_string("\\boxed{5}") == "\\boxed{5}"  # a box at the very start of the text
+    assert normalize_final_answer("the $5$ apples") == "5"  # the math between the first pair of $
+    assert normalize_final_answer("\\textbf{5}") == "5" and normalize_final_answer("\\overline{5}") == "5"
+
+
+def test_math_verify_reads_the_box_over_an_answer_line_and_through_emphasis():
+    from megatron_credit.rewards.math import score_math_verify
+
+    assert score_math_verify("Answer: 4\nso \\boxed{5}", "5").correct  # a boxed answer wins over the line
+    assert score_math_verify("Answer: **5**", "5").correct

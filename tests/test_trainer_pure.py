@@ -354,6 +354,7 @@ def _reductions_over_pairs():
     """Ranks {0, 1} and {2, 3} of 4 threads: each pair reduces its own stats and denominators."""
     import torch.distributed as dist
 
+    from megatron_credit.data.microbatch import max_count_across_ranks
     from tests.distributed_harness import block_subgroup
 
     group, _ = block_subgroup(2)
@@ -365,19 +366,28 @@ def _reductions_over_pairs():
            "max:nan_on_0": torch.tensor(math.nan if rank % 2 == 0 else 5.0 + rank)})
     s.add({"sum:grad_norm": torch.tensor(3.0)}, replicated=True)
     s.all_reduce(group)
+    only_extremes = StatSums()  # no sum to reduce: the min / max are still reduced
+    only_extremes.add({"sum:opt_steps": torch.tensor(1.0)}, replicated=True)
+    only_extremes.add({"min:y": torch.tensor(float(rank)), "sum:nan": torch.tensor(math.nan if rank == 0 else 1.0)})
+    only_extremes.all_reduce(group)
+    counts = max_count_across_ranks(rank + 1, group=group)
     mask = torch.zeros(rank + 1, 5, dtype=torch.bool)
     mask[:, : rank + 2] = True
     den = step_denominators(mask, norm_length=7, dp_group=group)
     return ({k: float(v) for k, v in s.values.items()},
-            (float(den.global_num_tokens), float(den.global_num_seqs), den.norm_length))
+            (float(den.global_num_tokens), float(den.global_num_seqs), den.norm_length),
+            {k: float(v) for k, v in only_extremes.values.items()}, counts)
 
 
 def test_stat_sums_and_step_denominators_reduce_over_their_group_only():
     from tests.threaded_harness import ThreadedPool
 
     out = ThreadedPool(world_size=4).run(_reductions_over_pairs)
-    for rank, (stats, den) in enumerate(out):
+    for rank, (stats, den, extremes, counts) in enumerate(out):
         pair = (0, 1) if rank < 2 else (2, 3)
+        assert extremes["min:y"] == pair[0] and extremes["sum:opt_steps"] == 1.0
+        assert math.isnan(extremes["sum:nan"]) == (pair[0] == 0)  # a NaN sum stays NaN (never -inf)
+        assert counts == pair[1] + 1  # the micro-batch count's max over the DP group only
         assert stats["sum:tokens"] == sum(r + 1 for r in pair)
         assert stats["min:x"] == min(10 - r for r in pair) and stats["max:x"] == max(r * r for r in pair)
         assert stats["min:nan_on_0"] == stats["max:nan_on_0"] == 5.0 + pair[1]  # NaN never wins
