@@ -368,15 +368,19 @@ def _reductions_over_pairs():
     s.all_reduce(group)
     only_extremes = StatSums()  # no sum to reduce: the min / max are still reduced
     only_extremes.add({"sum:opt_steps": torch.tensor(1.0)}, replicated=True)
-    only_extremes.add({"min:y": torch.tensor(float(rank)), "sum:nan": torch.tensor(math.nan if rank == 0 else 1.0)})
+    only_extremes.add({"min:y": torch.tensor(float(rank))})
     only_extremes.all_reduce(group)
+    nan_sum = StatSums()
+    nan_sum.add({"sum:nan": torch.tensor(math.nan if rank == 0 else 1.0)})
+    nan_sum.all_reduce(group)
     counts = max_count_across_ranks(rank + 1, group=group)
     mask = torch.zeros(rank + 1, 5, dtype=torch.bool)
     mask[:, : rank + 2] = True
     den = step_denominators(mask, norm_length=7, dp_group=group)
     return ({k: float(v) for k, v in s.values.items()},
             (float(den.global_num_tokens), float(den.global_num_seqs), den.norm_length),
-            {k: float(v) for k, v in only_extremes.values.items()}, counts)
+            {**{k: float(v) for k, v in only_extremes.values.items()}, "sum:nan": float(nan_sum.values["sum:nan"])},
+            counts)
 
 
 def test_stat_sums_and_step_denominators_reduce_over_their_group_only():
