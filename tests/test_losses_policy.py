@@ -289,63 +289,51 @@ def test_dp_invariance_on_gloo(pool):
 _cp_shard = load_balanced_shard
 
 
-def _gspo_cp_worker(logp, old, adv, mask):
+def _cp_loss_worker(loss_fn, kwargs, logp, old, adv, mask):
+    """This rank's shard of ``loss_fn`` and its gradient at CP = 2 and 4 (blocks of ranks); at CP = 2 the
+    second pair holds the batch's rows reversed: other responses, as in a DP x CP layout."""
     import torch.distributed as dist
 
     out = {}
     for cp in (2, 4):
         group, r = block_subgroup(cp)
         batch = (logp, old, adv, mask)
-        if cp == 2 and dist.get_rank() >= 2:  # the second CP pair holds other responses (a DP x CP layout)
+        if cp == 2 and dist.get_rank() >= 2:
             batch = tuple(x.flip(0) for x in batch)
         lp = _cp_shard(batch[0], cp, r).clone().requires_grad_(True)
-        loss, _ = gspo_loss(lp, *(_cp_shard(x, cp, r) for x in batch[1:]),
-                            clip_low=3e-3, clip_high=4e-3, cp_group=group)
+        loss, _ = loss_fn(lp, *(_cp_shard(x, cp, r) for x in batch[1:]), cp_group=group, **kwargs)
         loss.sum().backward()
         out[cp] = (r, loss.detach(), lp.grad)
     return out
 
 
-def test_gspo_sequence_ratio_under_cp(pool):
-    logp, _, _, mask = make_batch(4, 32, seed=13)
-    old = logp + 0.01 * torch.randn_like(logp)
+def _check_cp_loss(pool, loss_fn, kwargs, *, seed, noise):
+    """``loss_fn`` on CP shards equals the unsharded loss's shard, with its gradient (returns the batch)."""
+    logp, _, _, mask = make_batch(4, 32, seed=seed)
+    old = logp + noise * torch.randn_like(logp)
     adv = torch.randn(4, 1, dtype=torch.float64) * mask
     lp = logp.clone().requires_grad_(True)
-    full, _ = gspo_loss(lp, old, adv, mask, clip_low=3e-3, clip_high=4e-3)
+    full, _ = loss_fn(lp, old, adv, mask, **kwargs)
     full.sum().backward()
-    for rank, per_rank in enumerate(pool.run(_gspo_cp_worker, logp, old, adv, mask)):
+    for rank, per_rank in enumerate(pool.run(_cp_loss_worker, loss_fn, kwargs, logp, old, adv, mask)):
         for cp, (r, loss, grad) in per_rank.items():
-            flip = cp == 2 and rank >= 2  # the pair's sequence ratios use only the pair's tokens
+            flip = cp == 2 and rank >= 2  # the pair's sums use only the pair's tokens
             want_loss, want_grad = (full.detach().flip(0), lp.grad.flip(0)) if flip else (full.detach(), lp.grad)
             torch.testing.assert_close(loss, _cp_shard(want_loss, cp, r), rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(grad, _cp_shard(want_grad, cp, r), rtol=1e-12, atol=1e-12)
+    return logp, old, adv, mask, full.detach()
 
 
-def _fipo_cp_worker(logp, old, adv, mask):
-    out = {}
-    for cp in (2, 4):
-        group, r = block_subgroup(cp)
-        lp = _cp_shard(logp, cp, r).clone().requires_grad_(True)
-        loss, m = fipo_policy_loss(lp, _cp_shard(old, cp, r), _cp_shard(adv, cp, r), _cp_shard(mask, cp, r),
-                                   tau=4.0, weight_clip=(0.8, 1.5), chunk_size=4, cp_group=group)
-        loss.sum().backward()
-        out[cp] = (r, loss.detach(), lp.grad)
-    return out
+def test_gspo_sequence_ratio_under_cp(pool):
+    _check_cp_loss(pool, gspo_loss, dict(clip_low=3e-3, clip_high=4e-3), seed=13, noise=0.01)
+
+
+FIPO_CP = dict(tau=4.0, weight_clip=(0.8, 1.5), chunk_size=4)
 
 
 def test_fipo_loss_under_cp_carries_the_future_kl_across_shards(pool):
     # The Future-KL sum of a token reaches into later CP shards (its future): the loss of each shard, and
     # its gradient, equal the unsharded loss's share only when the carry crosses ranks (cp_group).
-    logp, _, _, mask = make_batch(4, 32, seed=17)
-    old = logp + 0.05 * torch.randn_like(logp)
-    adv = torch.randn(4, 1, dtype=torch.float64) * mask
-    lp = logp.clone().requires_grad_(True)
-    full, _ = fipo_policy_loss(lp, old, adv, mask, tau=4.0, weight_clip=(0.8, 1.5), chunk_size=4)
-    full.sum().backward()
-    local, _ = fipo_policy_loss(_cp_shard(logp, 2, 0), _cp_shard(old, 2, 0), _cp_shard(adv, 2, 0),
-                                _cp_shard(mask, 2, 0), tau=4.0, weight_clip=(0.8, 1.5), chunk_size=4)
-    assert not torch.allclose(local, _cp_shard(full.detach(), 2, 0))  # without the carry it differs
-    for per_rank in pool.run(_fipo_cp_worker, logp, old, adv, mask):
-        for cp, (r, loss, grad) in per_rank.items():
-            torch.testing.assert_close(loss, _cp_shard(full.detach(), cp, r), rtol=1e-12, atol=1e-12)
-            torch.testing.assert_close(grad, _cp_shard(lp.grad, cp, r), rtol=1e-12, atol=1e-12)
+    logp, old, adv, mask, full = _check_cp_loss(pool, fipo_policy_loss, FIPO_CP, seed=17, noise=0.05)
+    local, _ = fipo_policy_loss(*(_cp_shard(x, 2, 0) for x in (logp, old, adv, mask)), **FIPO_CP)
+    assert not torch.allclose(local, _cp_shard(full, 2, 0))  # without the carry it differs
