@@ -45,18 +45,24 @@ def build_separate_critic(recipe, hf_config, spec, params):
 @torch.no_grad()
 def init_critic_from(critic, actor) -> None:
     """The critic's trunk := the actor's current weights (same layout, same ranks); its value head stays
-    zero and its output layer, unused, as built. Then the optimizer's fp32 copies follow."""
+    zero and its unused output layer is zeroed (built uninitialised when the actor loads a checkpoint,
+    it would otherwise be saved as whatever memory held). Then the optimizer's fp32 copies follow."""
     actor.gather_params()
     src = actor.model.state_dict()
     copied = 0
     for name, tensor in critic.model.state_dict(keep_vars=True).items():
-        if name.startswith(("value_head.", "output_layer.")) or name.endswith("_extra_state"):
+        if name.endswith("_extra_state") or not isinstance(tensor, torch.Tensor):
+            continue
+        if name.startswith("output_layer."):
+            tensor.zero_()
+            continue
+        if name.startswith("value_head."):
             continue
         if name not in src:
             raise KeyError(f"separate critic: the actor has no {name!r} to start from")
         tensor.copy_(src[name])
         copied += 1
-    assert copied > 0 or not any(True for _ in critic.model.parameters()), "no critic weight was initialised"
+    assert copied > 0, "no critic weight was initialised from the actor"
     critic.sync_optimizer_from_model()
 
 
