@@ -52,7 +52,8 @@ def _megatron_optimizer(actor, *, weight_decay: float):
     if dtype == torch.float16:
         raise ValueError("optim.backend: megatron with model.params_dtype float16 needs loss scaling, which the "
                          "trainer does not do: use bfloat16 or float32")
-    lr, min_lr = (critic_schedule(o)["max_lr"], critic_schedule(o)["min_lr"]) if actor.is_critic else (o.lr, o.min_lr)
+    peak = critic_schedule(o) if actor.is_critic else {"max_lr": o.lr, "min_lr": o.min_lr}
+    lr, min_lr = peak["max_lr"], peak["min_lr"]
     cfg = OptimizerConfig(optimizer="adam", lr=lr, min_lr=min_lr, weight_decay=weight_decay,
                           adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
                           bf16=dtype == torch.bfloat16, params_dtype=dtype,
