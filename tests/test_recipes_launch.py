@@ -156,9 +156,10 @@ while [[ "$1" == --* ]]; do case "$1" in --ntasks=*) n=${1#--ntasks=};; esac; sh
 for ((i = 0; i < n; i++)); do SLURM_NODEID=$i SLURM_PROCID=$i "$@" || exit $?; done
 """
 FAKE_SCONTROL = """#!/usr/bin/env bash
-# scontrol shim: `scontrol show hostnames LIST` for the fake allocation node[01-04].
+# scontrol shim: `scontrol show hostnames LIST` for the fake allocation node[01-04], a line at a time as a
+# long real list comes: a reader that stops after the first line (`| head -n 1`) makes it die of SIGPIPE.
 [[ "$1 $2" == "show hostnames" && "$3" == "node[01-04]" ]] || { echo "unexpected: $*" >&2; exit 1; }
-printf 'node01\\nnode02\\nnode03\\nnode04\\n'
+for host in node01 node02 node03 node04; do echo "$host"; sleep 0.05; done
 """
 
 
