@@ -345,3 +345,60 @@ def test_math_verify_reads_the_box_over_an_answer_line_and_through_emphasis():
 
     assert score_math_verify("Answer: 4\nso \\boxed{5}", "5").correct  # a boxed answer wins over the line
     assert score_math_verify("Answer: **5**", "5").correct
+
+
+@pytest.mark.parametrize("response,ground_truth,correct,extracted", [
+    # The answer line read as LaTeX math ("$...$"): emphasis markers are removed, not replaced.
+    ("Answer: **x+1**", "x+1", True, "x+1"),
+    ("Answer: __x__ + 1", "x+1", True, "x + 1"),
+    # Prose read as math gains symbols the ground truth lacks: the line is re-read as text ...
+    ("Answer: the value is $x+1$", "x+1", True, "x+1"),
+    ("Answer: y = x+1", "x+1", True, "y = x+1"),
+    ("Answer: x is 3, y is 4", "x", False, "4"),
+    # ... and when the line as text holds no answer, the whole response is read.
+    ("The total is 12.\nAnswer: the total above", "12", True, "12"),
+    ("x was 3.\nAnswer: the answer is above", "3", True, "3"),
+])
+def test_math_verify_answer_line_fallbacks(response, ground_truth, correct, extracted, monkeypatch):
+    from megatron_credit.rewards import math as reward_math
+
+    monkeypatch.setattr(reward_math, "MATH_VERIFY_TIMEOUT_S", 60)  # verdicts, not speed (see the table test)
+    rec = reward_math.score_math_verify(response, ground_truth)
+    assert (rec.correct, rec.extracted, rec.status) == (correct, extracted, "ok")
+
+
+def test_math_verify_bad_ground_truth_keeps_the_answer_as_written():
+    from megatron_credit.rewards.math import score_math_verify
+
+    # math-verify parses to [expression, the string it matched]: the log keeps the string, not sympy's form.
+    rec = score_math_verify("so \\boxed{\\frac{1}{2}}", "$$")
+    assert (rec.status, rec.extracted) == ("bad_ground_truth", "\\frac{1}{2}")
+
+
+def test_math_verify_a_ground_truth_sympy_cannot_compare_is_never_matched(monkeypatch):
+    # 1/0 is sympy's zoo: comparing anything with it raises inside math-verify, which must read as
+    # "not equal" (a dataset row with a division by zero rewards nobody), never as correct or an error.
+    from megatron_credit.rewards import math as reward_math
+
+    monkeypatch.setattr(reward_math, "MATH_VERIFY_TIMEOUT_S", 60)
+    for response in ("Answer: 5", "\\boxed{\\frac{1}{0}}", "\\boxed{\\infty}"):
+        rec = reward_math.score_math_verify(response, "\\frac{1}{0}")
+        assert (rec.correct, rec.score, rec.status) == (False, -1.0, "ok"), response
+
+
+# method="thread": math-verify's own signal.alarm (set and cleared around each parse) cancels
+# pytest-timeout's SIGALRM timer, so a comparison left without math-verify's limit would hang the signal
+# method; the thread method ends the process instead (a failure).
+@pytest.mark.timeout(30, method="thread")
+@pytest.mark.parametrize("response,ground_truth", [
+    ("\\boxed{9!!!!!}", "7"),  # parsed at once; the comparison evaluates a tower of factorials
+    ("\\boxed{" + "(x+1)*" * 3000 + "1}", "5"),  # the parse itself takes seconds
+])
+def test_math_verify_real_timeouts_are_reported(response, ground_truth, monkeypatch):
+    # math-verify's own alarm, not a stub: with a 1 s limit these never finish in time, and the record says
+    # "timeout" (math-verify alone would log a warning and answer "not equal" / "no answer").
+    from megatron_credit.rewards import math as reward_math
+
+    monkeypatch.setattr(reward_math, "MATH_VERIFY_TIMEOUT_S", 1)
+    rec = reward_math.score_math_verify(response, ground_truth)
+    assert (rec.correct, rec.score, rec.status) == (False, -1.0, "timeout")

@@ -406,3 +406,19 @@ def test_a_separate_critics_skipped_steps_are_reported():
     out = finalize(s)
     assert out["actor/skipped_steps"] == 1.0 and out["critic/skipped_steps"] == 2.0
     assert "critic/skipped_steps" not in finalize(StatSums())
+
+
+def _token_count_past_float32():
+    # 2^24 + 1 response tokens on each of 3 DP ranks (a 1024 x 20K-token step is past 2^24 tokens).
+    mask = torch.ones(1, 2**24 + 1, dtype=torch.bool)
+    return float(step_denominators(mask, norm_length=1, dp_group=torch.distributed.group.WORLD).global_num_tokens)
+
+
+def test_step_token_count_is_summed_over_dp_before_rounding_to_float32():
+    # The exact sum 3 * 2^24 + 3 rounds once, to 3 * 2^24 + 4 (float32's spacing there is 4). Summing
+    # counts already rounded to float32 (2^24 each) would give 3 * 2^24: 4 tokens lost, i.e. a different
+    # token-mean loss scale on every rank.
+    from tests.threaded_harness import ThreadedPool
+
+    out = ThreadedPool(world_size=3).run(_token_count_past_float32)
+    assert out == [float(3 * 2**24 + 4)] * 3
