@@ -60,3 +60,25 @@ def _short_timeouts_under_mutmut(items):
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(limit))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Shut down megatron's dist-checkpoint results queue, if a test saved a checkpoint in this process.
+
+    ``FileSystemWriterAsync`` keeps one ``multiprocessing`` spawn ``Manager().Queue()`` per process
+    (``filesystem_async._results_queue``), whose server process is stopped only by the interpreter's exit
+    handlers. mutmut (and any runner that forks a pytest per mutant) ends its children with ``os._exit``,
+    which skips them: every in-process conversion test left one orphaned server (~270 MB each) behind.
+    The queue is reset too, so a process forked after this session (mutmut's mutant runs, forked from
+    the one that ran the stats pass) starts its own instead of talking to a stopped one."""
+    import multiprocessing
+    import sys
+
+    fsa = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    if fsa is None or getattr(fsa, "_results_queue", None) is None:
+        return
+    fsa._results_queue = None
+    for child in multiprocessing.active_children():
+        if child.name.startswith("SyncManager"):
+            child.terminate()
+            child.join(10)
