@@ -151,7 +151,9 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
         (out / META_NAME).unlink(missing_ok=True)  # a half-replaced folder never passes for a checkpoint
         for entry in sorted(staging.iterdir(), key=lambda p: p.name == META_NAME):  # the metadata last
             dest = out / entry.name
-            if dest.is_dir() and not dest.is_symlink():
+            if dest.is_symlink():
+                dest.unlink()  # the link, never what it points to (os.replace cannot replace it by a folder)
+            elif dest.is_dir():
                 shutil.rmtree(dest)  # only with overwrite: the folder was empty otherwise
             os.replace(entry, dest)
     finally:
@@ -199,7 +201,8 @@ def consumed_names(family, cfg) -> list[str]:
 
 
 def _source_dtype_name(source: set[torch.dtype]) -> str:
-    """"bf16" etc. for one source dtype, "fp64" / "mixed(...)" otherwise (metadata only)."""
+    """"bf16" etc. for one source dtype (torch's name, e.g. "float64", outside ``DTYPES``), else
+    "mixed(...)" of the sorted names (metadata only)."""
     names = sorted(_DTYPE_NAMES.get(d, str(d).removeprefix("torch.")) for d in source)
     return names[0] if len(names) == 1 else f"mixed({','.join(names)})"
 
