@@ -500,3 +500,18 @@ def test_missing_config_json_is_named(tmp_path):
         C.load_hf_config(tmp_path)
     with pytest.raises(FileNotFoundError, match=re.escape(f"no config.json in {str(tmp_path)!r}")):
         C.convert_hf_to_megatron(tmp_path, tmp_path / "out", progress=False)
+
+
+def test_a_conversion_starts_no_process_and_leaves_megatrons_results_queue_as_it_was(root, src):
+    # The shard files are written in this process: megatron's default results queue (a spawn Manager, a
+    # server process per saving process) is swapped for a thread queue for the save, then put back.
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    before_queue, before_children = filesystem_async._results_queue, set(multiprocessing.active_children())
+    meta, _ = _convert(src, root / "no_manager", progress=False)
+    assert meta == _expected_meta(src, dtype="bf16", source_dtype="bf16")
+    assert set(multiprocessing.active_children()) == before_children
+    assert filesystem_async._results_queue is before_queue
+    _assert_weights(root / "no_manager", src, torch.bfloat16)

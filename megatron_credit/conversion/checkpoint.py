@@ -255,10 +255,11 @@ def _save_strategy():
     Anything else (other function names or argument counts: private megatron internals) fails with
     "unsupported megatron-core version" rather than an opaque unpacking error.
 
-    megatron's ``FileSystemWriterAsync`` results queue is a ``multiprocessing`` *spawn* ``Manager``
-    (``_get_write_results_queue``), which starts a server process that re-imports ``__main__``: a
-    script that converts must keep its work under ``if __name__ == "__main__":`` (the tools do), and
-    a daemonic process (e.g. a multiprocessing pool worker) cannot save at all.
+    megatron's ``FileSystemWriterAsync`` reports through a process-wide results queue, by default a
+    ``multiprocessing`` *spawn* ``Manager`` (``_get_write_results_queue``): a server process that
+    re-imports ``__main__`` (~2 s and ~270 MB per saving process, stopped only by the interpreter's exit
+    handlers; a daemonic process cannot start one at all). Its writers run in this process here, so
+    each save gets a plain thread queue instead (:func:`_thread_results_queue`).
     """
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -272,7 +273,8 @@ def _save_strategy():
             # asks for its built-in "mcore" implementation, as we do.
             kwargs = {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(self.async_save).parameters \
                 else {}
-            request = self.async_save(sharded_state_dict, checkpoint_dir, **kwargs)
+            with _thread_results_queue():
+                request = self.async_save(sharded_state_dict, checkpoint_dir, **kwargs)
             write = _checked_write_fn(request)
             if write is not None:
                 fn_name, writer_args, (rank, buckets, results) = write
@@ -287,6 +289,26 @@ def _save_strategy():
                 fn()
 
     return _InProcessTorchDistSave("torch_dist", 1, thread_count=1)
+
+
+@contextlib.contextmanager
+def _thread_results_queue() -> Iterator[None]:
+    """megatron's results queue as a ``queue.Queue`` while a save request is built (see :func:`_save_strategy`).
+
+    The writer keeps the queue it was given (``FileSystemWriterAsync.results_queue``), so the global is
+    restored as soon as the request exists; a megatron-core without that global keeps its own queue."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not hasattr(filesystem_async, "_results_queue"):
+        yield
+        return
+    saved, filesystem_async._results_queue = filesystem_async._results_queue, queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = saved
 
 
 _WRITE_FNS = ("write_preloaded_data_multiproc", "write_preloaded_data_multithread")
