@@ -55,14 +55,17 @@ def export_run_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathL
     cfg = recipe.model.hf_config()
     family = family_for_config(cfg)
     model_dir = ckpt / _MODEL_OPTIM
-    dtypes = stored_weight_dtypes(check_dist_checkpoint(model_dir))  # before torch unpickles anything
-    if len(dtypes) != 1:
-        raise ValueError(f"{str(model_dir)!r} stores tensors of several dtypes {sorted(map(str, dtypes))}")
-    dtype = next(iter(dtypes))
-    out.mkdir(parents=True, exist_ok=True)
+    metadata = check_dist_checkpoint(model_dir)  # before torch unpickles anything
+    dtype = _model_dtype(metadata, model_dir)
     with single_stage_parallel_state():
         model = build_model(cfg, params_dtype=dtype)
         request = _whole_gated_fc1(model.sharded_state_dict())
+        # Only the model's own tensors decide: the optimizer's fp32 moments and master weights, and a
+        # value head, are stored next to a bf16 model's weights.
+        dtypes = stored_weight_dtypes(metadata, keys=_requested_keys(request))
+        if dtypes != {dtype}:
+            raise ValueError(f"{str(model_dir)!r} stores tensors of several dtypes {sorted(map(str, dtypes))}")
+        out.mkdir(parents=True, exist_ok=True)
         with weights_only_byte_items(str(model_dir)), checkpoint_errors_unwrapped():
             state, _, unexpected = dist_checkpointing.load(request, str(model_dir), strict="return_all")
         # Keys stored but not requested (optimizer moments, a value head) are expected; a requested
@@ -87,3 +90,26 @@ def export_run_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathL
     if source and os.path.isdir(source):
         copy_tokenizer_files(Path(source), out)
     return files
+
+
+_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def _model_dtype(metadata, model_dir: Path):
+    """The dtype the run stored its model in: that of the word embedding (every GPT checkpoint has it)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from megatron_credit.conversion.hf_io import CheckpointFormatError
+
+    entry = metadata.state_dict_metadata.get(_EMBEDDING)
+    if not isinstance(entry, TensorStorageMetadata):
+        raise CheckpointFormatError(model_dir, f"stores no {_EMBEDDING!r} tensor: not a GPT model checkpoint")
+    return entry.properties.dtype
+
+
+def _requested_keys(request) -> set[str]:
+    """The checkpoint keys of a (nested) sharded state dict request."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    return {v.key for v in nested_values(request) if isinstance(v, ShardedBase)}

@@ -27,7 +27,7 @@ import json
 import os
 import pickle
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator, Optional
 
 import torch
 
@@ -130,13 +130,13 @@ def check_dist_checkpoint(model_dir: str | os.PathLike):
     return metadata
 
 
-def stored_weight_dtypes(metadata) -> set[torch.dtype]:
+def stored_weight_dtypes(metadata, *, keys: Optional[Collection[str]] = None) -> set[torch.dtype]:
     """The dtypes of the weight tensors a dist checkpoint stores (from its metadata), norms excepted:
-    megatron keeps layer-norm weights in fp32 in a bf16 model."""
+    megatron keeps layer-norm weights in fp32 in a bf16 model. ``keys``: only those checkpoint keys."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     return {m.properties.dtype for key, m in metadata.state_dict_metadata.items()
-            if isinstance(m, TensorStorageMetadata) and "norm" not in key}
+            if isinstance(m, TensorStorageMetadata) and "norm" not in key and (keys is None or key in keys)}
 
 
 @contextlib.contextmanager
