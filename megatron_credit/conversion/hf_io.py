@@ -175,9 +175,12 @@ def read_header(path: Path) -> tuple[dict, int]:
             raise CheckpointFormatError(path, f"is {size} bytes, too short for a safetensors file "
                                         "(8-byte header length + JSON header)")
         (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > MAX_HEADER_BYTES:
+        if n > size - 8:
             raise CheckpointFormatError(path, f"header length {n} is larger than the file ({size} bytes): "
                                         "truncated or not a safetensors file")
+        if n > MAX_HEADER_BYTES:
+            raise CheckpointFormatError(path, f"header length {n} is over the {MAX_HEADER_BYTES}-byte limit of "
+                                        "safetensors headers: not a safetensors file")
         raw = f.read(n)
     try:
         header = json.loads(raw)
@@ -236,6 +239,9 @@ class ShardedSafetensorsWriter:
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype not in _ST_NAMES:
+            raise ValueError(f"tensor {name!r} is {tensor.dtype}, which safetensors cannot store "
+                             f"(one of {sorted(map(str, _ST_NAMES))})")
         nbytes = tensor.numel() * tensor.element_size()
         if self._buffer and self._buffer_bytes + nbytes > self.max_shard_bytes:
             self._flush()
@@ -266,6 +272,8 @@ class ShardedSafetensorsWriter:
             self.abort()
             raise
         n = len(self._files)
+        if n == 0:  # before anything is removed: the folder's earlier export stays whole
+            raise ValueError(f"no tensor was added: nothing to write to {str(self.dir)!r}")
         finals = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         remove_stale_weight_files(self.dir, keep=set(finals) | ({INDEX_NAME} if n > 1 else set()))
         if n == 1:
