@@ -494,6 +494,8 @@ def test_writer_failing_shard_is_cleaned_up_and_the_error_kept(tmp_path, monkeyp
         if "bad" in tensors:
             Path(path).write_bytes(b"partial")
             raise OSError(28, "No space left on device")
+        if "unopened" in tensors:  # fails before the file exists (abort must not trip over it)
+            raise OSError(13, "Permission denied")
         return real_write(path, tensors, **kw)
 
     _user_files(tmp_path)
@@ -511,6 +513,12 @@ def test_writer_failing_shard_is_cleaned_up_and_the_error_kept(tmp_path, monkeyp
     with pytest.raises(OSError, match="No space left on device"):
         w.add("b", torch.ones(2))  # the flush of "bad" fails
     w.abort()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    w = ShardedSafetensorsWriter(tmp_path, max_shard_bytes=8)
+    w.add("a", torch.ones(2))
+    w.add("unopened", torch.ones(2))  # flushes "a"
+    with pytest.raises(OSError, match="Permission denied"):
+        w.close()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
