@@ -255,11 +255,9 @@ def _save_strategy():
     Anything else (other function names or argument counts: private megatron internals) fails with
     "unsupported megatron-core version" rather than an opaque unpacking error.
 
-    megatron's ``FileSystemWriterAsync`` reports through a process-wide results queue, by default a
-    ``multiprocessing`` *spawn* ``Manager`` (``_get_write_results_queue``): a server process that
-    re-imports ``__main__`` (~2 s and ~270 MB per saving process, stopped only by the interpreter's exit
-    handlers; a daemonic process cannot start one at all). Its writers run in this process here, so
-    each save gets a plain thread queue instead (:func:`_thread_results_queue`).
+    megatron's results queue is by default a *spawn* ``Manager`` (a server process re-importing
+    ``__main__``, ~2 s and ~270 MB, impossible in a daemonic process); the writers run in this process
+    here, so each save gets a thread queue instead (:func:`_thread_results_queue`).
     """
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -295,8 +293,7 @@ def _save_strategy():
 def _thread_results_queue() -> Iterator[None]:
     """megatron's results queue as a ``queue.Queue`` while a save request is built (see :func:`_save_strategy`).
 
-    The writer keeps the queue it was given (``FileSystemWriterAsync.results_queue``), so the global is
-    restored as soon as the request exists; a megatron-core without that global keeps its own queue."""
+    The writer keeps the queue it was given, so the global is restored once the request exists."""
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
