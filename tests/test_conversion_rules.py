@@ -60,15 +60,7 @@ class _Unique:
 
 
 # --- expected layouts, written out from the docstrings -------------------------------------------
-def _qkv_reference(q, k, v, heads, groups, d):
-    """Row by row: for each group g, its q heads, then k head g, then v head g."""
-    rows, per = [], heads // groups
-    for g in range(groups):
-        for h in range(g * per, (g + 1) * per):
-            rows += [q[h * d + j] for j in range(d)]
-        rows += [k[g * d + j] for j in range(d)]
-        rows += [v[g * d + j] for j in range(d)]
-    return torch.stack(rows)
+from tests.test_conversion_maps import _qkv_reference  # noqa: E402  (one loop reference of the QKV layout)
 
 
 def _flags(family, c):
