@@ -91,7 +91,7 @@ def _main(args) -> int:
         return 0 if result.fits else 1
     run_dir = args.output_dir or os.path.join("runs", os.path.splitext(os.path.basename(config))[0])
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
-    distributed.initialize(recipe.parallel, seed=recipe.seed, launch=launch)
+    device = distributed.initialize(recipe.parallel, seed=recipe.seed, launch=launch)
     try:
         if rank0:
             os.makedirs(run_dir, exist_ok=True)  # config.yaml: written by train() once a resume is accepted
@@ -100,7 +100,7 @@ def _main(args) -> int:
         from megatron_credit.trainer.loop import train
 
         t0 = time.perf_counter()
-        rows = train(recipe, hf_config, run_dir=run_dir, resume=args.resume,
+        rows = train(recipe, hf_config, run_dir=run_dir, device=device, resume=args.resume,
                      log=(lambda *a: print(*a, flush=True)) if rank0 else (lambda *_: None))
         if rank0 and rows:
             first, last = rows[0], rows[-1]

@@ -56,9 +56,9 @@ def main() -> None:
                                                "max_response_len": args.seq},
                                    "train": {"num_minibatches": 1, "max_tokens_per_microbatch": 1 << 30}})
         if not ctxs:
-            distributed.initialize(recipe.parallel, seed=0)
+            device = distributed.initialize(recipe.parallel, seed=0)
         spec, params = recipe.algorithm.spec_and_params()
-        actor = Actor(hf_config=recipe.model.hf_config(), recipe=recipe,
+        actor = Actor(hf_config=recipe.model.hf_config(), recipe=recipe, device=device,
                       with_reference=False,
                       **actor_options(spec, params, recipe.model.hf_config(), dtype=torch.float32))
         actor.load_initial_weights(seed=0)

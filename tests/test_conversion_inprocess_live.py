@@ -370,9 +370,9 @@ def _trainer_run(root, params_dtype: str):
     _write_config_yaml(run_dir, model)
     cfg = recipe.model.hf_config()
     hf = _unique_hf_state(cfg)
-    distributed.initialize(recipe.parallel, seed=0)
+    device = distributed.initialize(recipe.parallel, seed=0)
     try:
-        actor = Actor(hf_config=cfg, recipe=recipe, with_critic=True, with_reference=False)
+        actor = Actor(hf_config=cfg, recipe=recipe, device=device, with_critic=True, with_reference=False)
         local = {k: v for k, v in actor.model.state_dict(keep_vars=True).items() if not k.startswith("value_head.")}
         load_hf_into_local_state(local, hf.__getitem__, family_for_config(cfg), cfg, tp_rank=0, tp_size=1,
                                  layer_offset=0)

@@ -43,9 +43,10 @@ def _train(run_dir: str, resume: str = "auto", overrides=()):
 
     cache = os.path.join(os.path.dirname(run_dir), "warmup-cache")
     recipe = recipe_from_dict(TINY, overrides=[f"warmup.cache_dir={cache}", *overrides])
-    distributed.initialize(recipe.parallel, seed=recipe.seed)
+    device = distributed.initialize(recipe.parallel, seed=recipe.seed)
     try:
-        return train(recipe, recipe.model.hf_config(), run_dir=run_dir, resume=resume, log=lambda *a: None)
+        return train(recipe, recipe.model.hf_config(), run_dir=run_dir, device=device, resume=resume,
+                     log=lambda *a: None)
     finally:
         distributed.destroy()
 

@@ -16,6 +16,7 @@ from megatron_credit.trainer.batch import (TOKEN_FIELDS, make_microbatch, round_
 from megatron_credit.trainer.metrics import MetricsWriter, StatSums, finalize, read_metrics, truncate_metrics
 
 PAD = 3
+CPU = torch.device("cpu")
 
 
 def _padded(seed=0, b=5, t=9):
@@ -73,7 +74,7 @@ def test_token_rewards_sit_on_the_position_scoring_the_last_token():
 
 def test_step_denominators_count_tokens_rows_and_each_rows_tokens():
     _, tb = _batch(seed=2, b=6)
-    den = step_denominators(tb.loss_mask, norm_length=7)
+    den = step_denominators(tb.loss_mask, norm_length=7, device=CPU)
     assert float(den.global_num_tokens) == float(tb.loss_mask.sum()) and float(den.global_num_seqs) == 6.0
     assert den.global_num_tokens.dtype == torch.float32 and den.norm_length == 7
     kw = den.for_rows(tb.loss_mask[2:5])
@@ -98,7 +99,7 @@ def test_make_microbatch_cuts_pads_and_fills_like_a_loop(seq_len):
     _, tb = _batch(seed=3, b=6)
     tb = _with_fields(tb)
     rows, num_rows = [4, 0, 2], 5
-    mb = make_microbatch(tb, rows, seq_len=seq_len, num_rows=num_rows, pad_id=PAD)
+    mb = make_microbatch(tb, rows, seq_len=seq_len, num_rows=num_rows, pad_id=PAD, device=CPU)
     assert mb.rows == (4, 0, 2) and mb.num_rows == num_rows and mb.seq_len == seq_len
     assert set(mb.tensors) == {f for f in TOKEN_FIELDS if getattr(tb, f) is not None}
     for name, t in mb.tensors.items():
@@ -120,32 +121,32 @@ def test_make_microbatch_cuts_pads_and_fills_like_a_loop(seq_len):
 def test_make_microbatch_splits_for_context_parallelism_in_the_load_balanced_layout():
     _, tb = _batch(seed=4, b=4)
     tb = _with_fields(tb)
-    whole = make_microbatch(tb, [0, 1, 3], seq_len=12, num_rows=3, pad_id=PAD)
+    whole = make_microbatch(tb, [0, 1, 3], seq_len=12, num_rows=3, pad_id=PAD, device=CPU)
     # cp = 2: 4 chunks of 3; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
     for rank, chunks in ((0, (0, 3)), (1, (1, 2))):
         pos = [c * 3 + i for c in chunks for i in range(3)]
-        mb = make_microbatch(tb, [0, 1, 3], seq_len=12, num_rows=3, pad_id=PAD, cp_size=2, cp_rank=rank)
+        mb = make_microbatch(tb, [0, 1, 3], seq_len=12, num_rows=3, pad_id=PAD, device=CPU, cp_size=2, cp_rank=rank)
         assert mb.seq_len == 12 and torch.equal(mb.whole_loss_mask, whole.tensors["loss_mask"])
         assert mb.position_ids.tolist() == [pos] * 3
         for name, t in mb.tensors.items():
             assert torch.equal(t, whole.tensors[name][:, pos]), name
         assert mb.query_start == whole.query_start  # computed from the whole rows on every rank
         assert mb.position_ids.dtype == torch.long
-    default = make_microbatch(tb, [0, 1, 3], seq_len=12, num_rows=3, pad_id=PAD, cp_size=2)  # cp_rank 0
+    default = make_microbatch(tb, [0, 1, 3], seq_len=12, num_rows=3, pad_id=PAD, device=CPU, cp_size=2)  # cp_rank 0
     assert default.position_ids[0].tolist() == [0, 1, 2, 9, 10, 11]
 
 
 def test_a_micro_batch_of_padding_rows_only():
     # (uniform pipeline shapes): no rows of the batch, every position padding and masked
     _, tb = _batch(seed=6)
-    mb = make_microbatch(tb, [], seq_len=4, num_rows=2, pad_id=PAD)
+    mb = make_microbatch(tb, [], seq_len=4, num_rows=2, pad_id=PAD, device=CPU)
     assert mb.rows == () and mb.tensors["input_ids"].tolist() == [[PAD] * 4] * 2
     assert not mb.tensors["loss_mask"].any() and mb.query_start == 4
 
 
 def test_query_start_without_scored_tokens_is_the_length():
     _, tb = _batch(seed=0)
-    mb = make_microbatch(tb, [1], seq_len=8, num_rows=2, pad_id=PAD)  # row 1 has no response token
+    mb = make_microbatch(tb, [1], seq_len=8, num_rows=2, pad_id=PAD, device=CPU)  # row 1 has no response token
     assert not mb.whole_loss_mask.any() and mb.query_start == 8
 
 
@@ -186,7 +187,7 @@ def test_stat_sums_are_copies_and_merge_keeps_replicated_keys():
     assert {k: float(x) for k, x in s.values.items()} == {"sum:a": 7.0, "sum:grad_norm": 0.75, "sum:b": 1.0,
                                                           "sum:critic_norm": 0.5}
     assert s.replicated == {"sum:grad_norm", "sum:critic_norm"}  # replicated keys stay so through a merge
-    s.all_reduce(None)  # no group: nothing changes
+    s.all_reduce(None, device=CPU)  # no group: nothing changes
     assert float(s.values["sum:a"]) == 7.0
 
 
@@ -365,18 +366,18 @@ def _reductions_over_pairs():
            "min:nan_on_0": torch.tensor(math.nan if rank % 2 == 0 else 5.0 + rank),
            "max:nan_on_0": torch.tensor(math.nan if rank % 2 == 0 else 5.0 + rank)})
     s.add({"sum:grad_norm": torch.tensor(3.0)}, replicated=True)
-    s.all_reduce(group)
+    s.all_reduce(group, device=CPU)
     only_extremes = StatSums()  # no sum to reduce: the min / max are still reduced
     only_extremes.add({"sum:opt_steps": torch.tensor(1.0)}, replicated=True)
     only_extremes.add({"min:y": torch.tensor(float(rank))})
-    only_extremes.all_reduce(group)
+    only_extremes.all_reduce(group, device=CPU)
     nan_sum = StatSums()
     nan_sum.add({"sum:nan": torch.tensor(math.nan if rank == 0 else 1.0)})
-    nan_sum.all_reduce(group)
+    nan_sum.all_reduce(group, device=CPU)
     counts = max_count_across_ranks(rank + 1, group=group)
     mask = torch.zeros(rank + 1, 5, dtype=torch.bool)
     mask[:, : rank + 2] = True
-    den = step_denominators(mask, norm_length=7, dp_group=group)
+    den = step_denominators(mask, norm_length=7, device=CPU, dp_group=group)
     return ({k: float(v) for k, v in s.values.items()},
             (float(den.global_num_tokens), float(den.global_num_seqs), den.norm_length),
             {**{k: float(v) for k, v in only_extremes.values.items()}, "sum:nan": float(nan_sum.values["sum:nan"])},
@@ -411,7 +412,7 @@ def test_a_separate_critics_skipped_steps_are_reported():
 def _token_count_past_float32():
     # 2^24 + 1 response tokens on each of 3 DP ranks (a 1024 x 20K-token step is past 2^24 tokens).
     mask = torch.ones(1, 2**24 + 1, dtype=torch.bool)
-    return float(step_denominators(mask, norm_length=1, dp_group=torch.distributed.group.WORLD).global_num_tokens)
+    return float(step_denominators(mask, norm_length=1, device=CPU, dp_group=torch.distributed.group.WORLD).global_num_tokens)
 
 
 def test_step_token_count_is_summed_over_dp_before_rounding_to_float32():

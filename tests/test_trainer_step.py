@@ -69,18 +69,18 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
                                "optim": {"lr": 3e-3, "clip_grad": 0.0},
                                "train": {"num_minibatches": 2, "max_tokens_per_microbatch": max_tokens}},
                               overrides=list(overrides))
-    distributed.initialize(recipe.parallel, seed=1234)
+    device = distributed.initialize(recipe.parallel, seed=1234)
     try:
         hf = recipe.model.hf_config()
         spec, params = recipe.algorithm.spec_and_params()
         from megatron_credit.trainer.controls import actor_options
 
-        actor = Actor(hf_config=hf, recipe=recipe, with_reference=False,
+        actor = Actor(hf_config=hf, recipe=recipe, device=device, with_reference=False,
                       **actor_options(spec, params, hf, dtype=torch.float32,
                                       pp_size=recipe.parallel.pipeline_model_parallel_size))
         from megatron_credit.trainer.critic_model import build_separate_critic, init_critic_from
 
-        critic = build_separate_critic(recipe, hf, spec, params)
+        critic = build_separate_critic(recipe, hf, spec, params, device=device)
         actor.load_initial_weights(seed=1234)
         if critic is not None:
             init_critic_from(critic, actor)
@@ -290,11 +290,11 @@ def _overlap_is_real(parallel: dict):
                                "optim": {"lr": 3e-3, "backend": "megatron", "distributed_optimizer": True,
                                          "overlap_grad_reduce": True, "overlap_param_gather": True},
                                "train": {"num_minibatches": 2, "max_tokens_per_microbatch": 40}})
-    distributed.initialize(recipe.parallel, seed=1234)
+    device = distributed.initialize(recipe.parallel, seed=1234)
     try:
         hf = recipe.model.hf_config()
         spec, params = recipe.algorithm.spec_and_params()
-        actor = Actor(hf_config=hf, recipe=recipe, with_reference=False,
+        actor = Actor(hf_config=hf, recipe=recipe, device=device, with_reference=False,
                       **actor_options(spec, params, hf, dtype=torch.float32))
         actor.load_initial_weights(seed=1234)
         ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=None, pad_id=0,

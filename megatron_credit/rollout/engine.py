@@ -56,12 +56,13 @@ ROLLOUT_ENGINES: Registry[Any] = Registry("rollout engine")
 """Engine name -> constructor (a class or factory taking keyword arguments)."""
 
 
-def build_rollout_engine_for_recipe(recipe, *, hf_config) -> RolloutEngine:
-    """The engine a trainer recipe names (``rollout.engine``), built by the engine's ``from_recipe``."""
+def build_rollout_engine_for_recipe(recipe, *, hf_config, device) -> RolloutEngine:
+    """The engine a trainer recipe names (``rollout.engine``), built by the engine's ``from_recipe``;
+    ``device``: this rank's (``distributed.initialize``'s), where an in-process engine runs."""
     import megatron_credit.rollout  # noqa: F401  (registers the built-in engines)
 
     return ROLLOUT_ENGINES.get(recipe.rollout.engine).from_recipe(
-        recipe, hf_config=hf_config, options=recipe.rollout.engine_options)
+        recipe, hf_config=hf_config, options=recipe.rollout.engine_options, device=device)
 
 
 def build_rollout_engine(name: str, **kwargs: Any) -> RolloutEngine:

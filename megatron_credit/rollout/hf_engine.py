@@ -246,10 +246,10 @@ class HFRolloutEngine:
     # -- weights and memory -------------------------------------------------------------------------
 
     @classmethod
-    def from_recipe(cls, recipe, *, hf_config, options=None) -> "HFRolloutEngine":
-        """The trainer's engine: the recipe's model config (weights come by sync), on this rank's GPU when
-        there is one, in the actor's dtype; ``options`` (``rollout.engine_options``) override."""
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    def from_recipe(cls, recipe, *, hf_config, device, options=None) -> "HFRolloutEngine":
+        """The trainer's engine: the recipe's model config (weights come by sync), on ``device`` (the
+        actor's: this rank's GPU when it has one), in the actor's dtype; ``options``
+        (``rollout.engine_options``) override."""
         kwargs = {"hf_config": hf_config, "device": device, "dtype": recipe.model.torch_dtype(),
                   "max_batch_size": recipe.rollout.max_batch_size, **dict(options or {})}
         return cls(**kwargs)

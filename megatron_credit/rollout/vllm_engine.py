@@ -378,9 +378,9 @@ class VLLMRolloutEngine:
         return RolloutBatch(samples=samples, wall_s=wall)
 
     @classmethod
-    def from_recipe(cls, recipe, *, hf_config, options=None) -> "VLLMRolloutEngine":
+    def from_recipe(cls, recipe, *, hf_config, device=None, options=None) -> "VLLMRolloutEngine":
         """The trainer's engine: the checkpoint of ``model.name_or_path`` with the recipe's context / RoPE
-        overrides and seed; ``options`` (``rollout.engine_options``: tensor_parallel_size,
+        overrides and seed (``device`` is not used: vLLM places its workers itself); ``options`` (``rollout.engine_options``: tensor_parallel_size,
         gpu_memory_utilization, weight_transfer, engine_kwargs, ...) are passed through."""
         if not recipe.model.name_or_path:
             raise ValueError("rollout.engine=vllm needs model.name_or_path (a Hugging Face checkpoint folder)")

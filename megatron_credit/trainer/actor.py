@@ -71,7 +71,7 @@ class Actor:
     """This rank's stage of the policy (and value head), its optimizer, and the schedules; with
     ``role="critic"``, of a separate value model (PPO's ``algorithm.params.critic: separate``)."""
 
-    def __init__(self, *, hf_config, recipe, with_critic: bool, with_reference: bool,
+    def __init__(self, *, hf_config, recipe, device: torch.device, with_critic: bool, with_reference: bool,
                  critic_factory: Optional[Callable[[], torch.nn.Module]] = None, capture_top_k: Optional[int] = None,
                  gate_fn: Optional[Callable] = None, critic_layers: int = 1, role: str = "policy"):
         """``critic_factory``: builds the value head of the last stage (default: a zero-initialised linear
@@ -80,6 +80,11 @@ class Actor:
         outputs among them. ``capture_top_k`` (CompPO): build the final layer with the attention capture
         and collect ``H``, ``n`` and the top-K keys during the behaviour pass; ``gate_fn(H, n) -> kappa``
         maps them to the dynamic gate.
+
+        ``device``: this rank's device (``distributed.initialize`` returns it). The built model, the value
+        head and the reference copy are moved there explicitly, as megatron's ``training.get_model`` does
+        (``model_module.cuda(torch.cuda.current_device())``) after building: ``use_cpu_initialization``
+        builds on the CPU, and even without it megatron 0.16's local spec leaves its norms there.
 
         ``role="critic"``: a value model (``trainer.critic_model.build_separate_critic`` builds it): the
         trunk and the default value head, no log-probs, the output layer frozen and unused, every group
@@ -94,6 +99,7 @@ class Actor:
         from megatron_credit.models import build_gpt_model, transformer_config_from_hf
 
         self.recipe, self.hf_config = recipe, hf_config
+        self.device = torch.device(device)
         self.ps = ps
         import os
 
@@ -113,7 +119,7 @@ class Actor:
         te = recipe.model.use_transformer_engine()
         self.capture_top_k, self.gate_fn = capture_top_k, gate_fn
         self.model = build_gpt_model(hf_config, self.config, use_transformer_engine=te,
-                                     capture_final_attention=capture_top_k is not None)
+                                     capture_final_attention=capture_top_k is not None).to(self.device)
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.with_critic = with_critic
         self.feature_critic = critic_factory is not None  # reads detached features, clipped on its own
@@ -132,8 +138,7 @@ class Actor:
                 head = torch.nn.Linear(hf_config.hidden_size, 1, dtype=recipe.model.torch_dtype())
                 torch.nn.init.zeros_(head.weight)  # zero-initialised: V = 0 until the critic learns
                 torch.nn.init.zeros_(head.bias)
-            # On the model's device (megatron builds the stage on the current CUDA device on GPU).
-            self.model.value_head = head.to(next(self.model.parameters()).device)
+            self.model.value_head = head.to(self.device)
         if self.is_critic and self.last_stage:  # values come from the head: no vocabulary projection trains
             self.model.output_layer.weight.requires_grad_(False)
         from megatron_credit.distributed.grads import wrap_ddp
@@ -148,7 +153,7 @@ class Actor:
                             overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather)
         self.reference = None
         if with_reference:
-            self.reference = build_gpt_model(hf_config, self.config, use_transformer_engine=te)
+            self.reference = build_gpt_model(hf_config, self.config, use_transformer_engine=te).to(self.device)
             self.reference.load_state_dict(self.model.state_dict(), strict=False)
             self.reference.requires_grad_(False).eval()
         self.tp_group = ps.get_tensor_model_parallel_group()
@@ -333,7 +338,7 @@ class Actor:
         Megatron's counting: TP-sharded parameters add their shard on every TP rank; parameters
         replicated over TP are counted on TP rank 0 only; the last stage's copy of a tied embedding
         (``shared``) is not counted; stages are summed over PP."""
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.model.parameters() if params is None else params:
             g = grad_of(p)
             if g is None or getattr(p, "shared", False):
@@ -412,7 +417,7 @@ class Actor:
         opt, o = self.optimizer, self.recipe.optim
         clip = o.clip_grad if clip is None else clip
         found_inf = opt.prepare_grads()
-        norm = torch.tensor(float(opt.get_grad_norm()), dtype=torch.float64)
+        norm = torch.tensor(float(opt.get_grad_norm()), dtype=torch.float64).to(self.device)
         ok = loss_finite and not found_inf and bool(torch.isfinite(norm))
         if ok:
             if clip > 0:

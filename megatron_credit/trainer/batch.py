@@ -12,6 +12,10 @@ the data-parallel group once per optimizer step, before any micro-batch runs, fr
 sequences (every CP rank of a DP replica holds the same rows, so they are never summed over CP). Each
 micro-batch's loss is then ``aggregate_loss(..., global_num_tokens=N)``, and the sum over micro-batches
 and DP x CP ranks is the loss of the whole mini-batch, whatever the split.
+
+Devices. A ``TrainBatch`` stays where the rollout made it (host memory); each ``MicroBatch`` is cut and
+CP-split there, then copied to the actor's device (pinned, non-blocking on CUDA); the denominators are
+made on that device, where the loss and NCCL read them.
 """
 from __future__ import annotations
 
@@ -110,13 +114,16 @@ class StepDenominators:
                 "norm_length": self.norm_length, "seq_num_tokens": loss_mask_rows.sum(-1)}
 
 
-def step_denominators(loss_mask: torch.Tensor, *, norm_length: int, dp_group=None) -> StepDenominators:
-    """Counts of the rows ``loss_mask: [b, T]`` of this rank's part of a mini-batch, summed over DP.
+def step_denominators(loss_mask: torch.Tensor, *, norm_length: int, device: torch.device,
+                      dp_group=None) -> StepDenominators:
+    """Counts of the rows ``loss_mask: [b, T]`` of this rank's part of a mini-batch, summed over DP, on
+    ``device`` (the actor's: NCCL reduces device tensors only).
 
     One all-reduce per optimizer step (never per micro-batch)."""
     import torch.distributed as dist
 
     counts = torch.tensor([float(loss_mask.sum()), float(loss_mask.shape[0])], dtype=torch.float64)
+    counts = counts.to(device)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(counts, group=dp_group)
     return StepDenominators(global_num_tokens=counts[0].float(), global_num_seqs=counts[1].float(),
@@ -148,10 +155,21 @@ class MicroBatch:
         return int(any_row.nonzero()[0]) if bool(any_row.any()) else self.seq_len
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; host -> CUDA copies go through pinned memory without blocking the host (the
+    copy is queued on the current stream, before the kernels that read it)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def make_microbatch(batch: TrainBatch, rows: Sequence[int], *, seq_len: int, num_rows: int, pad_id: int,
-                    cp_size: int = 1, cp_rank: int = 0) -> MicroBatch:
+                    device: torch.device, cp_size: int = 1, cp_rank: int = 0) -> MicroBatch:
     """Rows ``rows`` of ``batch`` cut or right-padded to ``seq_len`` tokens and ``num_rows`` rows (all
-    padding is masked), then split for context parallelism (megatron's load-balanced layout)."""
+    padding is masked), then split for context parallelism (megatron's load-balanced layout) and copied
+    to ``device`` (the actor's)."""
     from megatron_credit.models.cpu_attention import load_balanced_positions
 
     idx = torch.tensor(list(rows), dtype=torch.long)
@@ -176,7 +194,9 @@ def make_microbatch(batch: TrainBatch, rows: Sequence[int], *, seq_len: int, num
     else:
         pos = torch.arange(seq_len)
     return MicroBatch(rows=tuple(int(r) for r in rows), num_rows=num_rows, seq_len=seq_len,
-                      position_ids=pos.expand(num_rows, -1), tensors=out, whole_loss_mask=whole)
+                      position_ids=to_device(pos.expand(num_rows, -1).contiguous(), device),
+                      tensors={k: to_device(v, device) for k, v in out.items()},
+                      whole_loss_mask=to_device(whole, device))
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -30,16 +30,16 @@ def wants_separate_critic(spec, params) -> bool:
     return spec.needs_critic and getattr(params, "critic", None) == "separate"
 
 
-def build_separate_critic(recipe, hf_config, spec, params):
-    """The separate value model of this rank, or None when the algorithm has none (call after
-    ``distributed.initialize``, next to the actor)."""
+def build_separate_critic(recipe, hf_config, spec, params, *, device: torch.device):
+    """The separate value model of this rank on ``device``, or None when the algorithm has none (call
+    after ``distributed.initialize``, next to the actor)."""
     if not wants_separate_critic(spec, params):
         return None
     from megatron_credit.trainer.actor import Actor
 
     untied = copy.deepcopy(hf_config)
     untied.tie_word_embeddings = False
-    return Actor(hf_config=untied, recipe=recipe, with_critic=True, with_reference=False, role="critic")
+    return Actor(hf_config=untied, recipe=recipe, device=device, with_critic=True, with_reference=False, role="critic")
 
 
 @torch.no_grad()

@@ -97,15 +97,16 @@ class Context:
         """``(A - mean) / std`` over the valid tokens of the whole global batch (summed over DP)."""
         m = mask.bool()
         s = torch.stack([torch.where(m, adv, 0.0).sum(), torch.where(m, adv * adv, 0.0).sum(),
-                         m.sum().float()]).double()
+                         m.sum().float()]).double().to(self.actor.device)
         if dist.get_world_size(self.actor.dp_group) > 1:
             dist.all_reduce(s, group=self.actor.dp_group)
         mean = s[0] / s[2].clamp(min=1)
         var = (s[1] / s[2].clamp(min=1) - mean * mean).clamp(min=0)
-        return torch.where(m, (adv - mean) / torch.sqrt(var + 1e-8), 0.0).float()
+        mean, std = mean.to(adv.device), torch.sqrt(var + 1e-8).to(adv.device)
+        return torch.where(m, (adv - mean) / std, 0.0).float()
 
     def all_finite(self, x: torch.Tensor) -> bool:
-        bad = torch.tensor([0.0 if bool(torch.isfinite(x).all()) else 1.0])
+        bad = torch.tensor([0.0 if bool(torch.isfinite(x).all()) else 1.0]).to(self.actor.device)
         dist.all_reduce(bad)
         return float(bad) == 0.0
 
@@ -113,11 +114,11 @@ class Context:
         """Sum over DP x CP on the last stage, then hand the result to the pipeline's first stage."""
         from megatron.core import parallel_state as ps
 
-        stats.all_reduce(self.actor.dp_cp_group)
+        stats.all_reduce(self.actor.dp_cp_group, device=self.actor.device)
         if self.actor.pp_size > 1:
             box = [stats.values]
             dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                       group=self.actor.pp_group)
+                                       group=self.actor.pp_group, device=self.actor.device)
             stats.values = box[0]
         return finalize(stats)
 
@@ -135,6 +136,7 @@ def seq_multiple(parallel) -> int:
 def _replica_group(dp_rank: int):
     """The ranks of this data-parallel replica (its TP x PP x CP ranks) and its first rank."""
     ranks = [None] * dist.get_world_size()
+    # NCCL: the pickled ids travel on torch.cuda.current_device(), set by distributed.initialize
     dist.all_gather_object(ranks, dp_rank)
     mine = None
     for d in sorted(set(ranks)):
@@ -234,8 +236,10 @@ def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
             "cp": p.context_parallel_size, "dp": dp}
 
 
-def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -> list[dict[str, float]]:
-    """Run the recipe's iterations (after ``distributed.initialize``); returns rank 0's metric rows."""
+def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str = "auto",
+          log=print) -> list[dict[str, float]]:
+    """Run the recipe's iterations (after ``distributed.initialize``, whose device is ``device``: the
+    models, micro-batches and collectives' tensors are put there); returns rank 0's metric rows."""
     from megatron.core import parallel_state as ps
 
     from megatron_credit.trainer.actor import Actor
@@ -254,11 +258,11 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
     if tokenizer.vocab_size > hf_config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model vocab_size is "
                          f"{hf_config.vocab_size}")
-    actor = Actor(hf_config=hf_config, recipe=recipe,
+    actor = Actor(hf_config=hf_config, recipe=recipe, device=device,
                   with_reference=recipe.algorithm.kl_coef > 0,
                   **controls.actor_options(spec, params, hf_config, dtype=recipe.model.torch_dtype(),
                                            pp_size=recipe.parallel.pipeline_model_parallel_size))
-    critic = build_separate_critic(recipe, hf_config, spec, params)
+    critic = build_separate_critic(recipe, hf_config, spec, params, device=device)
     group, src = _replica_group(dp_rank)
     rollouts = RolloutManager(recipe=recipe, hf_config=hf_config, tokenizer=tokenizer, prompts=prompts,
                               val_prompts=val_prompts, actor=actor, replica_group=group, replica_src=src,
@@ -319,7 +323,7 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
     rows: list[dict[str, float]] = []
     step = start
     try:
-        for step in _iterations(recipe, start, log if rank0 else (lambda *_: None)):
+        for step in _iterations(recipe, start, log if rank0 else (lambda *_: None), device=device):
             ctx.timer = PhaseTimer()
             t0 = time.perf_counter()
             metrics = rl_iteration(ctx, step)
@@ -339,7 +343,7 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
                 writer.write(step, metrics)
                 rows.append({"step": step, **metrics})
                 _show(bar, metrics, log)
-            flag = torch.tensor([1.0 if stop["flag"] else 0.0])
+            flag = torch.tensor([1.0 if stop["flag"] else 0.0]).to(device)
             dist.all_reduce(flag)
             every = recipe.checkpoint.every
             if float(flag) > 0 or (every and step % every == 0):
@@ -389,14 +393,14 @@ def _load_controls(ctx, extras: dict) -> None:
         ctx.knobs = phase_knobs(ctx.recipe, ctx.params, ctx.phase.phase)
 
 
-def _iterations(recipe, start: int, log):
+def _iterations(recipe, start: int, log, *, device: torch.device):
     """Iterations ``start + 1 .. train.steps``, ending early once ``train.max_wall_s`` seconds have passed
     since the first began (checked between iterations, the same decision on every rank); the loop then
     ends as after its last step (``checkpoint.save_at_end`` applies)."""
     wall, t0 = recipe.train.max_wall_s, time.perf_counter()
     for step in range(start + 1, recipe.train.steps + 1):
         if wall is not None and step > start + 1:
-            over = torch.tensor([1.0 if time.perf_counter() - t0 >= wall else 0.0])
+            over = torch.tensor([1.0 if time.perf_counter() - t0 >= wall else 0.0]).to(device)
             dist.all_reduce(over)  # clocks differ per rank: stop when any rank is over
             if float(over) > 0:
                 log(f"train.max_wall_s={wall} reached after iteration {step - 1}, stopping")

@@ -72,8 +72,9 @@ class StatSums:
     def get(self, key: str, default: float = 0.0) -> torch.Tensor:
         return self.values.get(key, torch.tensor(default, dtype=torch.float64))
 
-    def all_reduce(self, group) -> None:
-        """Sum / min / max the non-replicated entries over ``group`` (same keys on every rank)."""
+    def all_reduce(self, group, *, device: torch.device) -> None:
+        """Sum / min / max the non-replicated entries over ``group`` (same keys on every rank), reduced as
+        tensors on ``device`` (NCCL reduces device tensors only)."""
         import torch.distributed as dist
 
         if group is None or dist.get_world_size(group) == 1:
@@ -83,7 +84,7 @@ class StatSums:
             keys = sorted(k for k in self.values if k.startswith(prefix) and k not in self.replicated)
             if not keys:
                 continue
-            vec = torch.stack([self.values[k] for k in keys])
+            vec = torch.stack([self.values[k].to(device) for k in keys])
             if prefix != "sum:":  # NaN (no valid token on a rank) must not win a min / max
                 vec = torch.nan_to_num(vec, nan=math.inf if prefix == "min:" else -math.inf)
             dist.all_reduce(vec, op=op, group=group)

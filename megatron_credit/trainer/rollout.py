@@ -36,7 +36,7 @@ class RolloutManager:
         if self.is_src:
             from megatron_credit.rollout.engine import build_rollout_engine_for_recipe
 
-            self.engine = build_rollout_engine_for_recipe(recipe, hf_config=hf_config)
+            self.engine = build_rollout_engine_for_recipe(recipe, hf_config=hf_config, device=actor.device)
             if recipe.reward.num_workers > 0:
                 from megatron_credit.rewards.pool import RewardPool, RewardPoolConfig
 
@@ -118,7 +118,7 @@ class RolloutManager:
             self.sleep()  # the actor trains next
         payload = self._broadcast(payload)
         kept, draws, drawn_groups, wall = payload
-        short = torch.tensor([float(len(kept) < self.prompts_per_rank)])
+        short = torch.tensor([float(len(kept) < self.prompts_per_rank)]).to(self.actor.device)
         dist.all_reduce(short)
         if float(short) > 0:
             raise RuntimeError(
@@ -155,13 +155,13 @@ class RolloutManager:
             return {}
         k = self.recipe.train.val_samples
         names = (f"avg@{k}", f"cons@{k}", f"pass@{k}", "num_problems")
-        sums = torch.zeros(len(names), dtype=torch.float64)
+        sums = torch.zeros(len(names), dtype=torch.float64, device=self.actor.device)
         if self.is_src:
             self.wake_up()
             problems = sample_and_grade(self.engine, self.tokenizer, self.val_prompts, k=k, pool=self.pool,
                                         sampling=self._params(k, _seed(self.recipe.seed, -1, self.dp_rank)))
             per_rank = metric_sums(problems, k=k)
-            sums += torch.tensor([per_rank[name] for name in names], dtype=torch.float64)
+            sums += torch.tensor([per_rank[name] for name in names], dtype=torch.float64).to(sums.device)
             self.sleep()
         dist.all_reduce(sums)  # only source ranks contribute
         means = means_from_sums(dict(zip(names, sums.tolist())))
@@ -173,18 +173,19 @@ class RolloutManager:
         if self.group is None or dist.get_world_size(self.group) == 1:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        # the pickled samples travel as a byte tensor on this rank's device (NCCL: a CUDA tensor)
+        dist.broadcast_object_list(box, src=self.src, group=self.group, device=self.actor.device)
         return box[0]
 
     def _dp_mean(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
         keys = sorted(values)
-        vec = torch.stack([torch.as_tensor(values[k], dtype=torch.float64) for k in keys])
+        vec = torch.stack([torch.as_tensor(values[k], dtype=torch.float64).to(self.actor.device) for k in keys])
         if self.dp_size > 1:
             dist.all_reduce(vec, group=self.actor.dp_group)
         return {k: float(v) / self.dp_size for k, v in zip(keys, vec)}
 
     def _dp_sum(self, value: torch.Tensor) -> float:
-        v = torch.as_tensor(value, dtype=torch.float64).reshape(1).clone()
+        v = torch.as_tensor(value, dtype=torch.float64).reshape(1).clone().to(self.actor.device)
         if self.dp_size > 1:
             dist.all_reduce(v, group=self.actor.dp_group)
         return float(v)

@@ -56,12 +56,13 @@ def microbatches(ctx, batch: TrainBatch, mini: list[list[int]]):
         rows, lens = [max(len(mb) for mb in mini)] * len(mini), [max(lens)] * len(mini)
     else:
         rows = [len(mb) for mb in mini]
-    return [make_microbatch(batch, mb, seq_len=s, num_rows=r, pad_id=ctx.pad_id, cp_size=ctx.actor.cp_size,
-                            cp_rank=ctx.actor.cp_rank) for mb, s, r in zip(mini, lens, rows)]
+    return [make_microbatch(batch, mb, seq_len=s, num_rows=r, pad_id=ctx.pad_id, device=ctx.actor.device,
+                            cp_size=ctx.actor.cp_size, cp_rank=ctx.actor.cp_rank) for mb, s, r in zip(mini, lens, rows)]
 
 
 def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
-    """Recompute ``old_logp`` (and critic ``values``, reference ``ref_logp``) with the update's plan."""
+    """Recompute ``old_logp`` (and critic ``values``, reference ``ref_logp``) with the update's plan; the
+    outputs are copied from the actor's device into the batch (host memory, ``batch.py``)."""
     actor, critic = ctx.actor, ctx.critic
     with_ref = ctx.knobs.kl_coef > 0
     capture = ctx.spec.needs_gates  # CompPO: the final layer's attention statistics in the same pass
@@ -89,7 +90,7 @@ def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
             out["logp"] = logp.detach()
         if values is not None:
             out["values"] = values.detach()
-        return torch.zeros(()), out
+        return mb.tensors["loss_mask"].new_zeros((), dtype=torch.float32), out
 
     for mini in plan:
         mbs = microbatches(ctx, batch, mini)
@@ -100,7 +101,7 @@ def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
                         full = out[key] if key.startswith("aux:") else ctx.gather_cp(out[key])
                         n = min(mb.seq_len, shape[1])  # seq_len may be padded past T
                         target = getattr(batch, field)
-                        target[list(mb.rows), :n] = full[: len(mb.rows), :n].to(target.dtype)
+                        target[list(mb.rows), :n] = full[: len(mb.rows), :n].to(target.device, target.dtype)
     if not (actor.with_critic or critic is not None):
         batch.values = None
     if not actor.last_stage:  # only the last stage computes losses; others never read these
@@ -152,7 +153,7 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
     must be exactly 1)."""
     rows = [i for mb in mini for i in mb]
     den = step_denominators(batch.loss_mask[rows], norm_length=ctx.recipe.rollout.max_response_len,
-                            dp_group=ctx.actor.dp_group)
+                            device=ctx.actor.device, dp_group=ctx.actor.dp_group)
     alg, knobs = ctx.recipe.algorithm, ctx.knobs
     params = knobs.params
     kl = KL_ESTIMATORS.get(alg.kl_estimator) if knobs.kl_coef > 0 else None

@@ -86,7 +86,7 @@ def run_warmup(actor, task: ArithmeticTask | ChainTask, tokenizer, *, recipe, dp
     seed = warmup_seed(recipe)
     rank = dist.get_rank()
     path = warmup_cache_path(recipe, rank)
-    have = torch.tensor([1.0 if path.exists() else 0.0])
+    have = torch.tensor([1.0 if path.exists() else 0.0]).to(actor.device)
     dist.all_reduce(have, op=dist.ReduceOp.MIN)
     if float(have) == 1.0:
         missing, unexpected = actor.model.load_state_dict(
@@ -105,10 +105,11 @@ def run_warmup(actor, task: ArithmeticTask | ChainTask, tokenizer, *, recipe, dp
             idx = [10_000_000 + (step * w.batch_size) + dp_rank * per_rank + k for k in range(per_rank)]
             batch = supervised_batch(task, tokenizer, idx, carry_drop_prob=w.carry_drop_prob,
                                      slip_prob=w.slip_prob, seed=seed * 7919 + step * dp_size + dp_rank)
-            den = step_denominators(batch.loss_mask, norm_length=1, dp_group=actor.dp_group)
+            den = step_denominators(batch.loss_mask, norm_length=1, device=actor.device, dp_group=actor.dp_group)
             seq = round_up(int(batch.seq_lens.max()), seq_multiple)
             mb = make_microbatch(batch, range(batch.size), seq_len=seq, num_rows=batch.size,
-                                 pad_id=tokenizer.pad_token_id, cp_size=actor.cp_size, cp_rank=actor.cp_rank)
+                                 pad_id=tokenizer.pad_token_id, device=actor.device, cp_size=actor.cp_size,
+                                 cp_rank=actor.cp_rank)
 
             def loss_fn(mb, logp, ent, values, aux):
                 m = mb.tensors["loss_mask"]
