@@ -214,6 +214,10 @@ class _DeviceMode(TorchFunctionMode):
             return args[0].to(torch.device(NAME, 0), non_blocking=kwargs.get("non_blocking", False))
         if func in (torch.Tensor.pin_memory,):
             return args[0]
+        if func is torch.Tensor.tolist and _is_fake(args[0]):
+            return args[0].inner.tolist()
+        if func is torch.Tensor.numpy and _is_fake(args[0]):  # as CUDA: .cpu() first
+            raise TypeError(f"can't convert {NAME}:0 device type tensor to numpy. Use Tensor.cpu() first")
         if func is torch.Tensor.is_pinned:
             return False
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and _is_fake(args[0]):
@@ -222,10 +226,14 @@ class _DeviceMode(TorchFunctionMode):
         if func is torch.Tensor.to or func is torch.Tensor.new_empty:
             args = tuple(_map_device(a) if isinstance(a, (str, torch.device)) or (type(a) is int and i == 1
                          and func is torch.Tensor.to) else a for i, a in enumerate(args))
-        if func in _TENSOR_CTORS and _fake_device(kwargs.get("device")):
-            device = kwargs.pop("device")
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs).to(device)
+        if func in _TENSOR_CTORS:  # bypass dispatch: build on the CPU (from fakegpu data too), then move
+            has_fake = any(_is_fake(t) for t in tree_flatten(args)[0])
+            if has_fake and "device" not in kwargs:  # torch.tensor([fake scalars]) lands on their device
+                kwargs["device"] = torch.device(NAME, 0)
+            if _fake_device(kwargs.get("device")):
+                device = kwargs.pop("device")
+                data = tree_map(lambda t: t.inner if _is_fake(t) else t, args)
+                return func(*data, **kwargs).to(device)
         return func(*args, **kwargs)
 
 
@@ -332,6 +340,7 @@ def fake_cuda():
                mock.patch("torch.cuda.set_device", lambda d: None),
                mock.patch("torch.cuda.synchronize", lambda d=None: None),
                mock.patch("torch.cuda.empty_cache", lambda: None),
+               mock.patch("torch.Generator", _HostGenerator),
                mock.patch("torch.cuda.get_rng_state", lambda device="cuda": _CUDA_RNG["state"].clone()),
                mock.patch("torch.cuda.set_rng_state", lambda state, device="cuda": _CUDA_RNG.update(state=state.clone())),
                # NCCL is emulated by gloo plus the device checks of the collectives below
@@ -352,6 +361,20 @@ def fake_cuda():
         stack.enter_context(_FactoryMode())
         stack.enter_context(_DeviceMode())
         yield device
+
+
+_Generator = torch.Generator
+
+
+class _HostGenerator(_Generator):
+    """``torch.Generator(device="cuda")``: a CPU generator (the fakegpu's ops run on the CPU)."""
+
+    def __new__(cls, device="cpu"):
+        d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        return _Generator.__new__(cls, "cpu" if d.type in ("cuda", NAME) else d)
+
+    def __init__(self, device="cpu"):
+        pass
 
 
 _CUDA_RNG = {"state": torch.Generator().manual_seed(0).get_state()}

@@ -374,7 +374,9 @@ def _save(run_dir, step, ctx, prompts, layout) -> None:
     actor = ctx.actor
     extras = {"prompts": prompts.state_dict(), "rng": ckpt.rng_state()}
     if actor.reference is not None:
-        extras["reference"] = actor.reference.state_dict()
+        # host copies: the rank file is read back with map_location="cpu" (and on another device count)
+        extras["reference"] = {k: v.cpu() if isinstance(v, torch.Tensor) else v
+                               for k, v in actor.reference.state_dict().items()}
     if ctx.gate_control is not None:
         extras["gate_control"] = ctx.gate_control.state_dict()
     if ctx.phase is not None:

@@ -128,7 +128,8 @@ def run_warmup(actor, task: ArithmeticTask | ChainTask, tokenizer, *, recipe, dp
     tmp = path.with_suffix(".tmp")
     # The policy only: a critic's value head is not warmed up (and the cache is shared by algorithms).
     actor.gather_params()
-    torch.save({k: v for k, v in actor.model.state_dict().items() if not k.startswith("value_head.")}, tmp)
+    torch.save({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in actor.model.state_dict().items()
+                if not k.startswith("value_head.")}, tmp)  # host copies: read back with map_location="cpu"
     os.replace(tmp, path)
     dist.barrier()
     return False
