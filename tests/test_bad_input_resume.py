@@ -256,6 +256,18 @@ def test_resume_of_another_model_is_one_line(pool, made, tmp_path, case):
     assert "(model.architecture / model.name_or_path and algorithm.name" in error
 
 
+def test_reward_pool_counts_and_dropped_prompts_reach_metrics_jsonl(pool, tmp_path):
+    rows, error, _ = pool.run(_train, str(tmp_path / "run"), "none",
+                              ["reward.num_workers=1", "checkpoint.every=0", "checkpoint.save_at_end=false",
+                               "train.steps=1"])[0]
+    assert error is None, error
+    line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    draws = line["rollout/draws"]
+    assert line["reward_pool/items"] == 8 * 4 * draws and line["reward_pool/timeouts"] == 0
+    assert line["reward_pool/errors"] == 0 and line["reward_pool/restarts"] == 0 and line["reward_pool/seconds"] > 0
+    assert line["data/dropped_prompts"] == 0 and rows[0]["reward_pool/items"] == line["reward_pool/items"]
+
+
 # --- divergence --------------------------------------------------------------------------------------------
 def _all_steps_skipped():
     """Every optimizer step reported skipped (as with a non-finite loss); checkpoint saves recorded."""
