@@ -362,3 +362,27 @@ def test_empty_or_binary_recipe_file_is_named(tmp_path, content, message):
     with pytest.raises(ValueError, match=message) as info:
         load_recipe(str(path))
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.architecture.num_attention_heads=3", r"model.architecture: num_key_value_heads=2 must divide "
+                                                 r"num_attention_heads=3"),
+    ("model.architecture.num_key_value_heads=3", r"num_key_value_heads=3 must divide num_attention_heads=4"),
+])
+def test_a_head_layout_the_model_cannot_have_names_its_fields(override, message):
+    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.trainer.loop import check_recipe
+
+    recipe = recipe_from_dict(RECIPE, overrides=[override])
+    with pytest.raises(ValueError, match=message):
+        check_recipe(recipe, recipe.model.hf_config(), world_size=1)
+
+
+def test_hidden_size_not_divisible_by_heads_names_the_fields():
+    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.trainer.loop import check_recipe
+
+    recipe = recipe_from_dict(RECIPE, overrides=["model.architecture.num_attention_heads=6",
+                                                 "model.architecture.num_key_value_heads=3"])
+    with pytest.raises(ValueError, match=r"num_attention_heads=6 does not divide hidden_size=32"):
+        check_recipe(recipe, recipe.model.hf_config(), world_size=1)
