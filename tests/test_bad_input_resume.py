@@ -386,3 +386,14 @@ def test_hidden_size_not_divisible_by_heads_names_the_fields():
                                                  "model.architecture.num_key_value_heads=3"])
     with pytest.raises(ValueError, match=r"num_attention_heads=6 does not divide hidden_size=32"):
         check_recipe(recipe, recipe.model.hf_config(), world_size=1)
+
+
+def test_a_group_of_one_sample_is_refused_for_group_relative_algorithms():
+    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.trainer.loop import check_recipe
+
+    recipe = recipe_from_dict(RECIPE, overrides=["rollout.n=1"])
+    with pytest.raises(ValueError, match=r"rollout.n=1: algorithm grpo's advantages are relative to the group"):
+        check_recipe(recipe, recipe.model.hf_config(), world_size=1)
+    ppo = recipe_from_dict(RECIPE, overrides=["rollout.n=1", "algorithm.name=ppo"])
+    assert check_recipe(ppo, ppo.model.hf_config(), world_size=1)["dp"] == 1  # a critic needs no group

@@ -218,6 +218,10 @@ def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
     if r.prompts_per_step % dp:
         raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by the "
                          f"data-parallel size {dp}")
+    if r.n < 2 and not recipe.algorithm.spec_and_params()[0].needs_critic:  # issue 24: silent zero gradients
+        raise ValueError(f"rollout.n={r.n}: algorithm {recipe.algorithm.name}'s advantages are relative to the group "
+                         "of a prompt's samples, and a group of one has zero advantage (nothing trains); set "
+                         "rollout.n >= 2, or use an algorithm with a critic (ppo)")
     per_rank = r.prompts_per_step // dp * r.n
     if per_rank % t.num_minibatches:
         raise ValueError(f"train.num_minibatches={t.num_minibatches} must divide the "
