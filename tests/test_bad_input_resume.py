@@ -268,6 +268,15 @@ def test_reward_pool_counts_and_dropped_prompts_reach_metrics_jsonl(pool, tmp_pa
     assert line["data/dropped_prompts"] == 0 and rows[0]["reward_pool/items"] == line["reward_pool/items"]
 
 
+def test_exhausted_dynamic_sampling_is_one_line(pool, tmp_path):
+    # A random policy never answers right: no group has mixed accuracy, every draw is dropped.
+    rows, error, _ = pool.run(_train, str(tmp_path / "run"), "none",
+                              ["algorithm.name=dapo", "algorithm.dynamic_sampling=true", "algorithm.max_draws=1",
+                               "checkpoint.every=0", "checkpoint.save_at_end=false", "train.steps=1"])[0]
+    assert rows is None and error.startswith("error: dynamic sampling: fewer than rollout.prompts_per_step/DP = 8 "
+                                             "groups with mixed accuracy after algorithm.max_draws=1 draws"), error
+
+
 # --- divergence --------------------------------------------------------------------------------------------
 def _all_steps_skipped():
     """Every optimizer step reported skipped (as with a non-finite loss); checkpoint saves recorded."""
