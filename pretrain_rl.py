@@ -87,7 +87,8 @@ def _main(args) -> int:
         if rank0:
             print(_describe(recipe, hf_config, layout))
             print(format_plan(result, title=f"memory plan for {launch.world_size} rank(s) on {recipe.cluster.gpu}"))
-            print("dry run: the recipe is valid for this world size; nothing was built")
+            print("dry run: the recipe is valid for this world size; nothing was built" if result.fits else
+                  "dry run: the recipe does NOT fit this world size (see the plan above); nothing was built")
         return 0 if result.fits else 1
     run_dir = args.output_dir or os.path.join("runs", os.path.splitext(os.path.basename(config))[0])
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
@@ -100,7 +101,7 @@ def _main(args) -> int:
         from megatron_credit.trainer.loop import train
 
         t0 = time.perf_counter()
-        rows = train(recipe, hf_config, run_dir=run_dir, device=device, resume=args.resume,
+        rows = train(recipe, hf_config, run_dir=run_dir, device=device, resume=args.resume, recipe_file=config,
                      log=(lambda *a: print(*a, flush=True)) if rank0 else (lambda *_: None))
         if rank0 and rows:
             first, last = rows[0], rows[-1]

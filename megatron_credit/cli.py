@@ -19,6 +19,7 @@ that an entry point's output shows what matters; ``--debug`` shows them again.
 """
 from __future__ import annotations
 
+import errno
 import sys
 import warnings
 from typing import Callable, Sequence
@@ -26,6 +27,9 @@ from typing import Callable, Sequence
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError,
                                                  NotADirectoryError, IsADirectoryError, PermissionError)
 """Exceptions reported as one line (``ValueError`` includes its subclasses, e.g. ``UnicodeDecodeError``)."""
+
+USER_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+"""``OSError`` codes reported as one line too (``[Errno 28] No space left on device: '...'``)."""
 
 USER_ERROR_EXIT_CODE = 2
 DEBUG_FLAG = "--debug"
@@ -76,6 +80,11 @@ def run_main(main: Callable[[list[str]], int | None], argv: Sequence[str] | None
         code = main(args)
     except _user_errors() as exc:
         if debug:
+            raise
+        print(error_line(exc), file=sys.stderr)
+        return USER_ERROR_EXIT_CODE
+    except OSError as exc:  # a full disk or a read-only folder is the user's to fix, not a bug
+        if debug or exc.errno not in USER_ERRNOS:
             raise
         print(error_line(exc), file=sys.stderr)
         return USER_ERROR_EXIT_CODE

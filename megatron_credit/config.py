@@ -407,8 +407,13 @@ def load_recipe(path: str, *, overrides: Sequence[str] = ()) -> Recipe:
     """Read a YAML recipe file and apply dotted ``key.sub=value`` overrides."""
     import yaml
 
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"recipe {path}: not a UTF-8 YAML text file ({exc.reason} at byte {exc.start})") from None
+    if data is None:  # an empty file would run the built-in defaults (another algorithm, another model)
+        raise ValueError(f"recipe {path}: the file is empty (no model:, algorithm:, ... sections)")
     if not isinstance(data, Mapping):
         raise ValueError(f"recipe {path}: the file must hold a mapping of sections (model:, parallel:, ...), "
                          f"got a {type(data).__name__}")

@@ -85,6 +85,10 @@ class RolloutConfig:
         if not self.temperature > 0:
             raise ValueError(f"rollout.temperature must be > 0 for RL (greedy has no policy gradient), "
                              f"got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"rollout.top_k must be >= 0 (0 = off), got {self.top_k}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +99,9 @@ class RewardConfig:
     """Reward pool processes (killable, per-item timeout); 0 scores in-process (trusted verifiers)."""
     timeout_s: float = 10.0
     """Per-item verifier deadline in the pool."""
+    batch_timeout_s: Optional[float] = 120.0
+    """Deadline of scoring one draw's responses in the pool: items still unscored then count as
+    timeouts (``reward_pool/timeouts``); None: per-item deadlines only."""
     overlong_buffer_len: int = 0
     """DAPO's soft overlong window before ``rollout.max_response_len`` (0: off)."""
     overlong_penalty_factor: float = 1.0
@@ -103,6 +110,9 @@ class RewardConfig:
     def __post_init__(self) -> None:
         if self.num_workers < 0 or self.overlong_buffer_len < 0:
             raise ValueError("reward.num_workers and reward.overlong_buffer_len must be >= 0")
+        if not self.timeout_s > 0 or (self.batch_timeout_s is not None and not self.batch_timeout_s > 0):
+            raise ValueError(f"reward.timeout_s and reward.batch_timeout_s must be > 0 (batch_timeout_s: or null), "
+                             f"got {self.timeout_s} and {self.batch_timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,6 +150,10 @@ class AlgorithmConfig:
 
         spec = ALGORITHMS.get(self.name)
         return spec, spec.make_params(self.params, where="algorithm.params")
+
+
+MAX_LR = 1.0
+"""The largest ``optim.lr`` / ``optim.critic_lr`` accepted (1e38 overflows AdamW; 1e3 collapses a policy)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -193,8 +207,9 @@ class OptimConfig:
     sync, checkpoints and the reference copy gather first. Needs ``distributed_optimizer``."""
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        for name in ("lr", "critic_lr"):  # above MAX_LR Adam moves every weight by more than 1 a step
+            if not 0 < getattr(self, name) <= MAX_LR:
+                raise ValueError(f"optim.{name} must be in (0, {MAX_LR}], got {getattr(self, name)}")
         if self.schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"optim.schedule must be constant, linear or cosine, got {self.schedule!r}")
         if self.schedule != "constant" and self.decay_steps < 1:
@@ -208,8 +223,6 @@ class OptimConfig:
         if self.weight_decay < 0 or self.decay_steps < 0:
             raise ValueError(f"optim.weight_decay and optim.decay_steps must be >= 0, got {self.weight_decay} "
                              f"and {self.decay_steps}")
-        if not self.critic_lr > 0:
-            raise ValueError(f"optim.critic_lr must be > 0, got {self.critic_lr}")
         if self.backend not in ("local", "megatron"):
             raise ValueError(f"optim.backend must be local or megatron, got {self.backend!r}")
         if self.distributed_optimizer and self.backend != "megatron":
@@ -246,14 +259,18 @@ class TrainConfig:
     """Stop after the first iteration that ends this many seconds after the first began (wall time of
     the RL iterations, validation included; build and warm-up excluded), saving as at the end; None:
     only ``steps`` stops the run. A fixed compute budget per run (``tools/credit_testbed.py``)."""
+    max_skipped_steps: int = 4
+    """Stop the run, before it saves, once this many consecutive optimizer steps were skipped for a
+    non-finite loss or gradient norm (a diverged run; 0: never stop)."""
 
     def __post_init__(self) -> None:
         if self.max_wall_s is not None and not self.max_wall_s > 0:
             raise ValueError(f"train.max_wall_s must be > 0 or null, got {self.max_wall_s}")
         _positive(self, "train", "steps", "num_minibatches", "epochs", "max_tokens_per_microbatch",
                   "val_prompts", "val_samples", "logprob_chunk_size")
-        if self.val_every < 0:
-            raise ValueError(f"train.val_every must be >= 0, got {self.val_every}")
+        if self.val_every < 0 or self.max_skipped_steps < 0:
+            raise ValueError(f"train.val_every and train.max_skipped_steps must be >= 0, got {self.val_every} "
+                             f"and {self.max_skipped_steps}")
         if self.recompute not in (None, "selective", "full"):
             raise ValueError(f"train.recompute must be null, selective or full, got {self.recompute!r}")
 

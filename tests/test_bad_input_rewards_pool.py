@@ -72,3 +72,36 @@ def test_worker_limit_is_set_in_the_worker_process():
             "try:\n    bytearray(3 * 1024**3)\nexcept MemoryError:\n    print('MemoryError')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
     assert out[:2] == [f"({2 * 1024**3}, {2 * 1024**3})", "MemoryError"]
+
+
+def _sleep_1s(response, ground_truth):
+    time.sleep(1.0)
+    return graded(True, "slept")
+
+
+if "test_sleep_1s" not in REWARD_FNS:
+    REWARD_FNS.add("test_sleep_1s", _sleep_1s)
+
+
+def test_a_batch_deadline_bounds_a_batch_of_slow_items_and_counts_them():
+    """Issue 24: 100 hostile items took 290 s with 2 workers (a deadline per item only)."""
+    with RewardPool(RewardPoolConfig(num_workers=2, timeout_s=30.0, batch_timeout_s=1.5,
+                                     memory_limit_bytes=None)) as p:
+        items = [RewardItem(response=f"r{i}", ground_truth="x", method="test_sleep_1s") for i in range(10)]
+        t0 = time.monotonic()
+        records, metrics = p.score_batch(items)
+        took = time.monotonic() - t0
+        statuses = [r.status for r in records]
+        assert took < 4.0, took  # 10 items x 1 s on 2 workers: 5 s without the batch deadline
+        # each worker got 5 items and answers one a second: at most its first in time (none on a loaded CPU)
+        assert statuses.count("ok") <= 2 and statuses.count("ok") + statuses.count("timeout") == 10, statuses
+        assert metrics["reward_pool/timeouts"] == statuses.count("timeout") >= 8
+        assert metrics["reward_pool/restarts"] == 2  # both still owed answers: killed and replaced
+        assert all(not r.correct for r in records if r.status == "timeout")
+        quick = [RewardItem(response="1", ground_truth="x", method="test_allocate")]
+        assert p.score_batch(quick)[0][0].status == "ok"  # the replaced workers serve the next batch
+
+
+def test_batch_deadline_must_be_positive():
+    with pytest.raises(ValueError, match="batch_timeout_s must be > 0 or None"):
+        RewardPoolConfig(batch_timeout_s=0)

@@ -33,6 +33,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_credit.conversion import checkpoint as C
+from megatron_credit.conversion.export_target import MANIFEST_NAME
 from megatron_credit.conversion.hf_io import INDEX_NAME, CheckpointFormatError, SafetensorsReader
 from megatron_credit.conversion.safe_load import (UnsafeCheckpointError, check_dist_checkpoint, read_dist_metadata,
                                                   stored_weight_dtypes)
@@ -110,7 +111,10 @@ def test_round_trip_is_bit_exact_sharded_and_indexed(made):
         assert names == sorted(k for k, f in index["weight_map"].items() if f == shard), shard
         nbytes = sum(want[k].numel() * 2 for k in names)
         assert nbytes <= SHARD_BYTES or len(names) == 1, (shard, nbytes)
-    assert sorted(p.name for p in made.back.iterdir()) == sorted([*made.files, INDEX_NAME, "config.json", *TOKENIZER])
+    assert sorted(p.name for p in made.back.iterdir()) == sorted([*made.files, INDEX_NAME, "config.json", *TOKENIZER,
+                                                                   MANIFEST_NAME])  # what it wrote (export_target)
+    assert json.loads((made.back / MANIFEST_NAME).read_text())["files"] == sorted(
+        [*made.files, INDEX_NAME, "config.json", *TOKENIZER])
     assert (made.back / "config.json").read_bytes() == (made.src / "config.json").read_bytes()  # dtype unchanged
     for name, text in TOKENIZER.items():
         assert (made.back / name).read_text() == text

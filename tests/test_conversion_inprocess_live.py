@@ -434,9 +434,12 @@ def test_export_gives_back_the_actor_s_hf_weights(run):
         assert got[k].dtype == torch.float32 and torch.equal(got[k], v), k
     written = json.loads((out / "config.json").read_text())
     assert written["dtype"] == "float32"
-    assert {k: v for k, v in written.items() if k != "dtype"} == \
-        {k: v for k, v in json.loads(cfg.to_json_string()).items() if k != "dtype"}
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]  # no tokenizer named
+    # an inline architecture gets its transformers class (issue 24: convert_megatron_to_hf needs it)
+    assert written["architectures"] == (cfg.architectures or [type(cfg).__name__.removesuffix("Config") + "ForCausalLM"])
+    assert {k: v for k, v in written.items() if k not in ("dtype", "architectures")} == \
+        {k: v for k, v in json.loads(cfg.to_json_string()).items() if k not in ("dtype", "architectures")}
+    # no tokenizer named; the manifest of what the export wrote (conversion/export_target.py)
+    assert sorted(p.name for p in out.iterdir()) == [".megatron_credit_export.json", "config.json", "model.safetensors"]
 
 
 def test_export_of_a_bf16_run_reads_the_model_past_its_fp32_optimizer_state(tmp_path):

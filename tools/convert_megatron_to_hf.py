@@ -33,8 +33,10 @@ def parse_size(text: str) -> int:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", required=True, help="folder written by convert_hf_to_megatron")
-    p.add_argument("--out", required=True, help="output HF folder, not inside --ckpt (only the weight files "
-                   "of an earlier export there are replaced)")
+    p.add_argument("--out", required=True, help="output HF folder, not inside --ckpt (only the files of an "
+                   "earlier export there are replaced)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace HF files in --out that no earlier export wrote (default: refuse)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="weights dtype (default: the checkpoint's)")
     p.add_argument("--allow-lossy-dtype", action="store_true", help="allow a cast that loses precision")
@@ -49,7 +51,8 @@ def _main(argv: list[str]) -> int:
     from megatron_credit.conversion.checkpoint import convert_megatron_to_hf
 
     files = convert_megatron_to_hf(args.ckpt, args.out, dtype=args.dtype, allow_lossy_dtype=args.allow_lossy_dtype,
-                                   max_shard_bytes=args.max_shard_size, progress=not args.no_progress)
+                                   max_shard_bytes=args.max_shard_size, progress=not args.no_progress,
+                                   overwrite=args.overwrite)
     print(f"wrote {len(files)} shard(s) to {args.out}")
     return 0
 

@@ -19,6 +19,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--run-dir", help="a run directory: its newest complete checkpoint is exported")
     src.add_argument("--checkpoint", help="one checkpoint folder <run>/checkpoints/iter_N")
     p.add_argument("--out", required=True, help="output HF folder (not inside the checkpoint)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace HF files in --out that no earlier export wrote (default: refuse)")
     return p.parse_args(argv)
 
 
@@ -27,7 +29,7 @@ def _main(argv: list[str]) -> int:
     from megatron_credit.conversion.run_export import export_run_checkpoint, newest_checkpoint
 
     ckpt = args.checkpoint or newest_checkpoint(args.run_dir)
-    files = export_run_checkpoint(ckpt, args.out, run_dir=args.run_dir)
+    files = export_run_checkpoint(ckpt, args.out, run_dir=args.run_dir, overwrite=args.overwrite)
     print(f"wrote {len(files)} shard(s) of {ckpt} to {args.out}")
     return 0
 

@@ -8,22 +8,20 @@ Layout of a converted checkpoint folder::
                                  version, planned TP/PP
     <out>/tokenizer*.json ...    the tokenizer files of the source
 
-The checkpoint is written from a TP = PP = 1 model: torch_dist stores each tensor with its global
-shape and megatron reshards on load, so the same folder loads at any TP / PP (``--tp`` / ``--pp`` only
-validate that the planned sizes divide the model). Peak memory is one model in the target dtype plus
-one HF tensor in flight (back to HF: plus one output shard).
+Written from a TP = PP = 1 model: torch_dist stores each tensor with its global shape and megatron
+reshards on load, so the folder loads at any TP / PP (``--tp`` / ``--pp`` only validate that the planned
+sizes divide the model). Peak memory: one model in the target dtype plus one HF tensor (+ one shard).
 
 Files are never lost and code never runs from a checkpoint:
-
 * ``--out`` equal to or inside the source is refused before anything is written;
 * HF -> megatron refuses a non-empty ``--out`` unless ``overwrite`` (then it replaces only the entries it
   writes: ``model/``, ``config.json``, ``conversion_meta.json``, tokenizer files), and builds everything
   in a hidden folder inside ``--out`` that is moved into place at the end (a failure removes it);
-* megatron -> HF removes only the weight files of an earlier export (``hf_io.remove_stale_weight_files``)
-  and writes every file through a temporary name;
-* a dist checkpoint is checked by :mod:`megatron_credit.conversion.safe_load` before torch reads it
-  (restricted unpickling of ``.metadata``, weights-only byte items, files present and long enough),
-  and ``conversion_meta.json`` must name a dtype the stored tensors really have.
+* megatron -> HF refuses a folder holding HF files no earlier export wrote unless ``overwrite``
+  (``export_target``), removes only an earlier export's weight files, writes through temporary names;
+* a dist checkpoint is checked by :mod:`.safe_load` before torch reads it (restricted unpickling of
+  ``.metadata``, weights-only byte items, files present and long enough); ``conversion_meta.json`` must
+  name a dtype the stored tensors really have.
 """
 from __future__ import annotations
 
@@ -186,7 +184,7 @@ def _write_megatron_checkpoint(reader: SafetensorsReader, cfg, family, out: Path
         del model, state
     copy_file_atomic(hf_dir / "config.json", out / "config.json")
     tokenizer = copy_tokenizer_files(hf_dir, out)
-    meta = {"conversion_version": CONVERSION_VERSION, "source_architecture": list(cfg.architectures),
+    meta = {"conversion_version": CONVERSION_VERSION, "source_architecture": list(cfg.architectures or []),
             "family": family.name, "dtype": _DTYPE_NAMES[target], "source_dtype": _source_dtype_name(source),
             "format": "torch_dist",
             "planned_tp": tp, "planned_pp": pp, "tokenizer_files": tokenizer,
@@ -434,13 +432,16 @@ def _check_only_extra_state(missing, unexpected, where: str) -> None:
 
 def convert_megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str | None = None,
                            allow_lossy_dtype: bool = False, max_shard_bytes: int = 5 * 1024**3,
-                           progress: bool = True) -> list[str]:
-    """Write HF safetensors shards, index, ``config.json`` and tokenizer files; returns the shard names."""
+                           progress: bool = True, overwrite: bool = False) -> list[str]:
+    """Write HF shards, index, ``config.json``, tokenizer files (see ``export_target``); the shard names."""
     import torch.distributed as dist
+
+    from megatron_credit.conversion.export_target import check_export_target, write_export_manifest
 
     ckpt, out = Path(ckpt_dir), Path(out_dir)
     meta = read_meta(ckpt)
     check_out_dir(ckpt, out)
+    check_export_target(out, overwrite=overwrite)  # also: --out must be a folder
     cfg = load_hf_config(ckpt)
     family = family_for_config(cfg)
     stored = DTYPES[meta["dtype"]]
@@ -449,8 +450,6 @@ def convert_megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLi
         raise CheckpointFormatError(ckpt / META_NAME, f"says dtype {meta['dtype']!r} ({stored}) but {MODEL_SUBDIR}/ "
                                     f"stores {sorted(map(str, really))} weights")
     target = resolve_dtype({stored}, dtype, allow_lossy=allow_lossy_dtype)
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {str(out)!r} exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)  # earlier exports' weight files are removed by the writer
     with single_stage_parallel_state():
         model = build_model(cfg, params_dtype=stored)
@@ -472,7 +471,8 @@ def convert_megatron_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLi
             files = writer.close()
             _write_config(ckpt / "config.json", out / "config.json", target,
                           source_dtype=DTYPES.get(meta.get("source_dtype", meta["dtype"])))
-            copy_tokenizer_files(ckpt, out)
+            tokenizer = copy_tokenizer_files(ckpt, out)
+            write_export_manifest(out, files, ["config.json", *tokenizer])
         del model, state
     return files
 

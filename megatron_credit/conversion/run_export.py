@@ -28,10 +28,11 @@ def newest_checkpoint(run_dir: str | os.PathLike) -> str:
 
 def export_run_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *,
                           run_dir: Optional[str | os.PathLike] = None,
-                          max_shard_bytes: int = 5 * 1024 ** 3) -> list[str]:
+                          max_shard_bytes: int = 5 * 1024 ** 3, overwrite: bool = False) -> list[str]:
     """Write checkpoint ``<run>/checkpoints/iter_N`` as an HF folder ``out_dir``; returns the shard names.
 
-    ``run_dir`` (default: two levels above ``checkpoint``) holds the ``config.yaml`` naming the model."""
+    ``run_dir`` (default: two levels above ``checkpoint``) holds the ``config.yaml`` naming the model.
+    Files of ``out_dir`` that no earlier export wrote are never replaced unless ``overwrite``."""
     from megatron.core import dist_checkpointing
 
     from megatron_credit.config import load_recipe
@@ -51,6 +52,9 @@ def export_run_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathL
         raise FileNotFoundError(f"no config.yaml in the run directory {str(run)!r}")
     out = Path(out_dir)
     check_out_dir(ckpt, out)
+    from megatron_credit.conversion.export_target import check_export_target, write_export_manifest
+
+    check_export_target(out, overwrite=overwrite)
     recipe = load_recipe(str(run / "config.yaml"))
     cfg = recipe.model.hf_config()
     family = family_for_config(cfg)
@@ -85,11 +89,17 @@ def export_run_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathL
     for field in ("dtype", "torch_dtype"):  # transformers 5.x / 4.x name of the weights' dtype
         if field in cfg.to_dict():
             setattr(cfg, field, str(dtype).removeprefix("torch."))
+    if not getattr(cfg, "architectures", None):  # an inline model.architecture: convert_megatron_to_hf needs it
+        cfg.architectures = [_ARCHITECTURES.get(cfg.model_type, f"{type(cfg).__name__.removesuffix('Config')}ForCausalLM")]
     cfg.to_json_file(str(out / "config.json"))
     source = recipe.model.name_or_path
-    if source and os.path.isdir(source):
-        copy_tokenizer_files(Path(source), out)
+    tokenizer = copy_tokenizer_files(Path(source), out) if source and os.path.isdir(source) else []
+    write_export_manifest(out, files, ["config.json", *tokenizer])
     return files
+
+
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+"""``config.json``'s ``architectures`` of an inline model (one transformers class per supported family)."""
 
 
 _EMBEDDING = "embedding.word_embeddings.weight"

@@ -191,3 +191,51 @@ def checkpoint_errors_unwrapped() -> Iterator[None]:
             if isinstance(inner, CheckpointFormatError):
                 raise inner from exc
         raise
+
+
+def check_byte_items(model_dir: str | os.PathLike, metadata) -> int:
+    """Load every byte item of a dist checkpoint (megatron's ``ShardedObject`` entries, e.g. each layer's
+    ``_extra_state``) with ``torch.load(weights_only=True)`` from the file and offset ``metadata``
+    places it at, before any load runs: a crafted item is refused up front (``UnsafeCheckpointError``
+    naming the file and the item), not half-way through filling a model. Items stored through a
+    transform (compression, never written by megatron) are left to :func:`weights_only_byte_items`,
+    which guards the load itself. Returns the number of items checked."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    model_dir = Path(model_dir)
+    byte_keys = {k for k, m in metadata.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)}
+    checked = 0
+    for index, info in sorted((metadata.storage_data or {}).items(), key=lambda kv: str(kv[0].fqn)):
+        if index.fqn not in byte_keys or getattr(info, "transform_descriptors", None):
+            continue
+        path = model_dir / info.relative_path  # a plain name inside the folder: check_dist_checkpoint
+        with open(path, "rb") as f:
+            f.seek(int(info.offset))
+            blob = f.read(int(info.length))
+        try:
+            torch.load(io.BytesIO(blob), weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise UnsafeCheckpointError(path, f"byte item {index.fqn!r} does not load with weights_only=True "
+                                        f"({str(exc).strip().splitlines()[0]}); refusing it") from None
+        except Exception as exc:  # noqa: BLE001  (corrupt bytes: torch's zip reader fails in many ways)
+            raise CheckpointFormatError(path, f"byte item {index.fqn!r} is corrupt ({type(exc).__name__}: "
+                                        f"{str(exc).strip()[:200]})") from None
+        checked += 1
+    return checked
+
+
+def check_weights_only_file(path: str | os.PathLike) -> None:
+    """A ``torch.save`` file (a trainer's per-rank RNG / data-cursor file) must load with
+    ``weights_only=True``; memory-mapped, so its tensors are not read. CheckpointFormatError
+    (UnsafeCheckpointError for a pickle that builds anything else) naming the file otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointFormatError(path, "is missing: the checkpoint is incomplete")
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(path, f"does not load with weights_only=True "
+                                    f"({str(exc).strip().splitlines()[0]}); refusing it") from None
+    except Exception as exc:  # noqa: BLE001  (truncated or random bytes)
+        raise CheckpointFormatError(path, f"cannot be read ({type(exc).__name__}: {str(exc).strip()[:200]}): "
+                                    "truncated or not a torch.save file") from None

@@ -78,6 +78,14 @@ class DatasetStats:
     kept: int = 0
     """Prompts in the dataset."""
 
+    def too_long_warning(self, where: str, *, fraction: float = 0.1) -> str | None:
+        """A warning line when more than ``fraction`` of the valid prompts were over ``max_prompt_len``."""
+        valid = self.kept + self.too_long
+        if self.too_long <= fraction * valid:
+            return None
+        return (f"warning: {where}: {self.too_long} of {valid} prompts are over data.max_prompt_len and were "
+                f"dropped ({self.summary()}); raise data.max_prompt_len to train on them")
+
     def summary(self) -> str:
         """One line of counts, e.g. ``read 3 rows, skipped 3 malformed (data_source: 2, <utf-8>: 1), ...``."""
         by = ", ".join(f"{k}: {v}" for k, v in sorted(self.malformed_by_column.items()))

@@ -37,6 +37,8 @@ class _Cursor:
     """The resumable part of a stream: how many items this rank has taken."""
 
     cursor: int = 0
+    dropped_prompts: int = 0
+    """Prompts of the stream's files dropped at load (over ``data.max_prompt_len``): ``data/dropped_prompts``."""
 
     def state_dict(self) -> dict[str, int]:
         return {"cursor": self.cursor}

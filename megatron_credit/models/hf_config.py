@@ -80,6 +80,16 @@ def _biases(hf_config) -> tuple[bool, bool]:
     return False, False
 
 
+def _check_heads(hf_config, heads: int, kv_heads: int) -> None:
+    """The model's own head layout, named by its fields (issue 24: megatron named a tensor instead)."""
+    if heads < 1 or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"model.architecture: num_key_value_heads={kv_heads} must divide "
+                         f"num_attention_heads={heads} (both >= 1)")
+    if _get(hf_config, "head_dim", None) is None and hf_config.hidden_size % heads:
+        raise ValueError(f"model.architecture: num_attention_heads={heads} does not divide "
+                         f"hidden_size={hf_config.hidden_size} (or set head_dim)")
+
+
 def check_parallel_fits_model(hf_config, parallel, *, world_size: Optional[int] = None) -> None:
     """Raise ``ValueError`` naming the field when ``parallel`` cannot shard this model.
 
@@ -93,6 +103,7 @@ def check_parallel_fits_model(hf_config, parallel, *, world_size: Optional[int] 
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     heads = hf_config.num_attention_heads
     kv_heads = _get(hf_config, "num_key_value_heads", heads)
+    _check_heads(hf_config, heads, kv_heads)
     if heads % tp:
         raise ValueError(f"parallel.tensor_model_parallel_size={tp} does not divide "
                          f"num_attention_heads={heads}")

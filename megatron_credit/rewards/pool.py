@@ -89,8 +89,13 @@ class RewardPoolConfig:
     never more than an even share of the pending items, see the module docstring."""
     memory_limit_bytes: int | None = 4 * 1024**3
     """Address-space limit of each worker process (``RLIMIT_AS``); None for no limit."""
+    batch_timeout_s: float | None = None
+    """Deadline of one ``score_batch`` call in seconds: items still unscored then count as timeouts (their
+    workers are replaced), so a batch of hostile items costs at most this; None: per-item deadlines only."""
 
     def __post_init__(self):
+        if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:
+            raise ValueError(f"batch_timeout_s must be > 0 or None, got {self.batch_timeout_s}")
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.timeout_s <= 0:
@@ -243,14 +248,19 @@ class RewardPool:
         pending = collections.deque(range(len(tasks)))
         counts = {"timeout": 0, "error": 0}
         done = 0
+        batch_deadline = (time.monotonic() + self.config.batch_timeout_s if self.config.batch_timeout_s
+                          else float("inf"))
         try:
             while done < len(tasks):
                 if not self._workers:
                     raise RuntimeError("RewardPool has no workers left (a replacement failed to start)")
+                if time.monotonic() > batch_deadline:
+                    done += self._fail_all(results, pending, counts)
+                    break
                 self._dispatch(tasks, pending)
                 waiting = [w for w in self._workers if w.owed or not w.ready]
                 until = min([w.deadline for w in waiting if w.owed] +
-                            [w.start_deadline for w in waiting if not w.ready])
+                            [w.start_deadline for w in waiting if not w.ready] + [batch_deadline])
                 wait([w.conn for w in waiting], timeout=max(0.0, until - time.monotonic()) + 0.001)
                 # Read everything that has arrived, from every worker, before judging any deadline:
                 # an answer that sits unread because the parent was busy is not a timeout.
@@ -339,6 +349,21 @@ class RewardPool:
         w.owed.clear()
         self._replace(w)
         return 1
+
+    def _fail_all(self, results: list, pending: collections.deque[int], counts: dict) -> int:
+        """The batch deadline passed: every unscored item is a timeout; workers owing answers are replaced."""
+        failed = 0
+        for w in list(self._workers):
+            if w.owed:
+                while w.owed:
+                    results[w.owed.popleft()] = incorrect(status="timeout")  # type: ignore[arg-type]
+                    failed += 1
+                self._replace(w)
+        while pending:
+            results[pending.popleft()] = incorrect(status="timeout")  # type: ignore[arg-type]
+            failed += 1
+        counts["timeout"] += failed
+        return failed
 
     def _replace(self, w: _Worker) -> None:
         """Kill ``w`` and start its replacement without waiting for it (it gets work once ready)."""

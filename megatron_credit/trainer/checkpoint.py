@@ -17,7 +17,12 @@ Layout of ``<run>/checkpoints/iter_0000012/``:
 
 Every rank writes into ``iter_0000012.tmp``; after a barrier rank 0 renames the directory, so a crash or
 a SIGKILL during a save never leaves a directory that looks complete, and ``--resume auto`` takes the
-newest directory without the ``.tmp`` suffix. Resuming under the same layout is exact (same samples,
+newest directory without the ``.tmp`` suffix. A failed save removes its ``.tmp`` (and names a full
+disk: :func:`save_error`); a save also removes the ``.tmp`` a killed one left.
+
+Before the model is built, :func:`resolve` passes every file of the checkpoint through the export
+tools' safe loader (``checkpoint_check``: no pickle beyond torch's checkpoint classes, byte items and
+rank files ``weights_only``, sizes checked); ``--resume auto`` falls back past a refused one, saying so. Resuming under the same layout is exact (same samples,
 same numbers). Under another layout the model and optimizer reshard exactly; sampling seeds depend on
 the data-parallel rank and the prompts are re-sharded, so the data position is carried over as the
 number of prompts consumed and the run continues on new samples.
@@ -167,44 +172,86 @@ def save(run_dir: str, step: int, actor, extras: dict[str, Any], *, layout: dict
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = checkpoint_dir(run_dir, step)
     tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, MODEL_OPTIM))
-        if critic is not None:
-            os.makedirs(os.path.join(tmp, CRITIC_OPTIM))
-    _barrier()
-    for model, sub in ((actor, MODEL_OPTIM), (critic, CRITIC_OPTIM)):
-        if model is not None:
-            dist_checkpointing.save(_sharded_state(model, for_load=False), os.path.join(tmp, sub),
-                                    sharded_strategy=_save_strategy())
-    path = os.path.join(tmp, f"rank_{rank:05d}.pt")
-    torch.save(extras, path + ".part")
-    os.replace(path + ".part", path)
-    _barrier()
-    if rank == 0:
-        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-            meta = {"step": step, "layout": layout, **_optimizer_meta(actor), "critic_lr": actor.recipe.optim.critic_lr}
+    try:
+        if rank == 0:
+            _remove_leftover_saves(run_dir)  # a killed or failed save's .tmp never blocks this one
+            os.makedirs(os.path.join(tmp, MODEL_OPTIM))
             if critic is not None:
-                meta["critic"] = _optimizer_meta(critic)
-            json.dump(meta, f)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # the publication: a directory without .tmp is complete
-        for _, old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+                os.makedirs(os.path.join(tmp, CRITIC_OPTIM))
+        _barrier()
+        for model, sub in ((actor, MODEL_OPTIM), (critic, CRITIC_OPTIM)):
+            if model is not None:
+                dist_checkpointing.save(_sharded_state(model, for_load=False), os.path.join(tmp, sub),
+                                        sharded_strategy=_save_strategy())
+        path = os.path.join(tmp, f"rank_{rank:05d}.pt")
+        torch.save(extras, path + ".part")
+        os.replace(path + ".part", path)
+        _barrier()
+        if rank == 0:
+            with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+                meta = {"step": step, "layout": layout, **_optimizer_meta(actor), "critic_lr": actor.recipe.optim.critic_lr}
+                if critic is not None:
+                    meta["critic"] = _optimizer_meta(critic)
+                json.dump(meta, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)  # the publication: a directory without .tmp is complete
+            for _, old in complete_checkpoints(run_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    except Exception as exc:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # the partial save: it holds the space the next one needs
+        err = save_error(final, exc)
+        if err is exc:
+            raise
+        raise err from exc
     _barrier()
     return final
 
 
-def resolve(run_dir: str, resume: str) -> Optional[str]:
-    """``--resume``: ``none`` -> None; ``auto`` -> the newest complete checkpoint (or None); a path."""
-    if resume == "none":
-        return None
-    if resume == "auto":
-        done = complete_checkpoints(run_dir)
-        return done[-1][1] if done else None
-    if not os.path.exists(os.path.join(resume, "meta.json")):
-        raise ValueError(f"--resume {resume}: not a complete checkpoint directory (no meta.json)")
-    return resume
+def _remove_leftover_saves(run_dir: str) -> None:
+    root = os.path.join(run_dir, "checkpoints")
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        if name.endswith(".tmp") and _DIR.match(name[:-len(".tmp")]):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+class CheckpointSaveError(ValueError):
+    """A save that failed for a reason the user fixes (a full disk, a read-only run directory)."""
+
+
+def save_error(final: str, exc: Exception) -> Exception:
+    """``exc`` of a failed save as one line naming the cause (CheckpointSaveError), or ``exc`` itself
+    when it is not the disk's: torch's zip writer reports a full disk as ``enforce fail at
+    inline_container.cc``, never naming the space, so the free space is looked at too."""
+    import errno
+
+    chain, e = [], exc
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    codes = {getattr(e, "errno", None) for e in chain}
+    text = " ".join(str(e) for e in chain)
+    root = os.path.dirname(os.path.dirname(final))
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    if errno.ENOSPC in codes or errno.EDQUOT in codes or "No space left" in text or (
+            "inline_container" in text and free is not None and free < 256 * 1024 ** 2):
+        return CheckpointSaveError(f"saving checkpoint {final}: no space left on device ({free} bytes free under "
+                                   f"{root}); the partial save was removed, the earlier checkpoints are intact")
+    if errno.EROFS in codes or errno.EACCES in codes or errno.EPERM in codes:
+        return CheckpointSaveError(f"saving checkpoint {final}: the run directory {root} is not writable "
+                                   f"({' '.join(str(exc).split())[:200]})")
+    return exc
+
+
+def resolve(run_dir: str, resume: str, *, log=print) -> Optional[str]:
+    """``--resume``: ``none`` -> None; ``auto`` -> the newest complete checkpoint that passes the safety
+    checks of ``checkpoint_check`` (or None); a path, checked. See ``checkpoint_check.resolve``."""
+    from megatron_credit.trainer.checkpoint_check import resolve as checked_resolve
+
+    return checked_resolve(run_dir, resume, log=log)
 
 
 def load(path: str, actor, *, layout: dict[str, int],
@@ -213,8 +260,9 @@ def load(path: str, actor, *, layout: dict[str, int],
     any layout (megatron reshards).
 
     Returns ``(step, this rank's extras or None when the layout differs, meta)``."""
-    with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
-        meta = json.load(f)
+    from megatron_credit.trainer.checkpoint_check import read_meta
+
+    meta = read_meta(path)  # resolve() checked every file of the checkpoint before the model was built
     saved_critic = "critic" in meta
     if saved_critic != (critic is not None):
         raise ValueError(f"--resume {path}: the checkpoint {'has a' if saved_critic else 'has no'} separate critic "
@@ -232,8 +280,14 @@ def _load_model_optim(path: str, sub: str, actor, meta: dict[str, Any]) -> None:
     ``adam_step`` / ``opt_param_scheduler`` / ``optimizer_steps``."""
     from megatron.core import dist_checkpointing
 
+    from megatron_credit.conversion.safe_load import checkpoint_errors_unwrapped, weights_only_byte_items
+    from megatron_credit.trainer.checkpoint_check import check_request
+
+    model_dir = os.path.join(path, sub)
+    check_request(model_dir, _sharded_state(actor, for_load=True))  # names a model mismatch before any read
     request = _sharded_state(actor, for_load=True)
-    state = dist_checkpointing.load(request, os.path.join(path, sub))
+    with weights_only_byte_items(model_dir), checkpoint_errors_unwrapped():  # a second guard (safe_load)
+        state = dist_checkpointing.load(request, model_dir)
     result = actor.model.load_state_dict(state["model"], strict=False)
     bad = [k for k in list(result.missing_keys) + list(result.unexpected_keys) if not k.endswith("_extra_state")]
     if bad:

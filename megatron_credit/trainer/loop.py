@@ -147,7 +147,7 @@ def _replica_group(dp_rank: int):
     return mine, src
 
 
-def build_data(recipe, *, dp_rank: int, dp_size: int):
+def build_data(recipe, *, dp_rank: int, dp_size: int, log=lambda *_: None):
     """(tokenizer, train prompt stream, validation prompts or None, the synthetic task or None)."""
     from megatron_credit.data.prompts import DatasetPrompts, SyntheticPrompts
 
@@ -180,6 +180,10 @@ def build_data(recipe, *, dp_rank: int, dp_size: int):
         val = DatasetPrompts(val_ds.records, tokenizer, seed=recipe.seed, dp_rank=dp_rank,
                              dp_size=dp_size).take(min(recipe.train.val_prompts, len(val_ds.records)) // dp_size)
     stream = DatasetPrompts(train_ds.records, tokenizer, seed=recipe.seed, dp_rank=dp_rank, dp_size=dp_size)
+    stream.dropped_prompts = train_ds.stats.too_long  # issue 24: data/dropped_prompts, a warning over 10%
+    warning = train_ds.stats.too_long_warning(f"data.train_path {d.train_path}")
+    if warning:
+        log(warning)
     return tokenizer, stream, val, None
 
 
@@ -216,6 +220,10 @@ def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
     if r.prompts_per_step % dp:
         raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by the "
                          f"data-parallel size {dp}")
+    if r.n < 2 and not recipe.algorithm.spec_and_params()[0].needs_critic:  # issue 24: silent zero gradients
+        raise ValueError(f"rollout.n={r.n}: algorithm {recipe.algorithm.name}'s advantages are relative to the group "
+                         "of a prompt's samples, and a group of one has zero advantage (nothing trains); set "
+                         "rollout.n >= 2, or use an algorithm with a critic (ppo)")
     per_rank = r.prompts_per_step // dp * r.n
     if per_rank % t.num_minibatches:
         raise ValueError(f"train.num_minibatches={t.num_minibatches} must divide the "
@@ -237,9 +245,10 @@ def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
 
 
 def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str = "auto",
-          log=print) -> list[dict[str, float]]:
+          log=print, recipe_file: str | None = None) -> list[dict[str, float]]:
     """Run the recipe's iterations (after ``distributed.initialize``, whose device is ``device``: the
-    models, micro-batches and collectives' tensors are put there); returns rank 0's metric rows."""
+    models, micro-batches and collectives' tensors are put there); returns rank 0's metric rows.
+    ``recipe_file``: the launch's ``--config`` (never rewritten when it is ``run_dir/config.yaml``)."""
     from megatron.core import parallel_state as ps
 
     from megatron_credit.trainer.actor import Actor
@@ -249,12 +258,20 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
     from megatron_credit.trainer.warmup import run_warmup
 
     rank0 = dist.get_rank() == 0
+    layout = check_recipe(recipe, hf_config, world_size=dist.get_world_size())
+    # --- issue 24: the run directory and the checkpoint are checked before anything is built or written
+    from megatron_credit.trainer.checkpoint_check import check_fresh_run_dir
+
+    if resume == "none":
+        check_fresh_run_dir(run_dir)  # never mixes two runs in one directory
+    path = ckpt.resolve(run_dir, resume, log=log if rank0 else (lambda *_: None))  # every file checked
     if rank0:
         os.makedirs(run_dir, exist_ok=True)
-    layout = check_recipe(recipe, hf_config, world_size=dist.get_world_size())
+    # --- end issue 24
     dp_rank, dp_size = ps.get_data_parallel_rank(), layout["dp"]
     spec, params = recipe.algorithm.spec_and_params()
-    tokenizer, prompts, val_prompts, task = build_data(recipe, dp_rank=dp_rank, dp_size=dp_size)
+    tokenizer, prompts, val_prompts, task = build_data(recipe, dp_rank=dp_rank, dp_size=dp_size,
+                                                         log=log if rank0 else (lambda *_: None))
     if tokenizer.vocab_size > hf_config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model vocab_size is "
                          f"{hf_config.vocab_size}")
@@ -272,7 +289,6 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
                   pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(p))
     log(f"actor weights: {actor.load_initial_weights(seed=recipe.seed)}")
     start = 0
-    path = ckpt.resolve(run_dir, resume)
     if path is not None:
         start, extras, meta = ckpt.load(path, actor, layout=layout, critic=critic)
         if extras is not None:
@@ -310,9 +326,14 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
         from megatron_credit.config import recipe_to_dict
 
         # The resolved recipe of this launch, written once the checkpoint (if any) was accepted: a refused
-        # resume leaves the previous launch's config.yaml as it was.
-        with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-            yaml.safe_dump(recipe_to_dict(recipe), f, sort_keys=False)
+        # resume leaves the previous launch's config.yaml as it was. The user's own recipe file is never
+        # rewritten (issue 24: --config D/config.yaml --output-dir D).
+        resolved = os.path.join(run_dir, "config.yaml")
+        if recipe_file is not None and os.path.exists(resolved) and os.path.samefile(recipe_file, resolved):
+            log(f"note: {resolved} is this launch's --config: left as it is (not replaced by the resolved recipe)")
+        else:
+            with open(resolved, "w", encoding="utf-8") as f:
+                yaml.safe_dump(recipe_to_dict(recipe), f, sort_keys=False)
 
         writer = MetricsWriter(run_dir, resume_step=start if path is not None else None,
                                tensorboard=recipe.logging.tensorboard, wandb_project=recipe.logging.wandb,
@@ -322,12 +343,17 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
     bar = _progress(recipe, start, rank0)
     rows: list[dict[str, float]] = []
     step = start
+    from megatron_credit.trainer.divergence import DivergenceGuard, stop_if_any_rank_diverged  # issue 24
+
+    guard = DivergenceGuard(max_skipped_steps=recipe.train.max_skipped_steps, vocab_size=hf_config.vocab_size,
+                            steps_per_iteration=recipe.train.num_minibatches * recipe.train.epochs)
     try:
         for step in _iterations(recipe, start, log if rank0 else (lambda *_: None), device=device):
             ctx.timer = PhaseTimer()
             t0 = time.perf_counter()
             metrics = rl_iteration(ctx, step)
             metrics["actor/lr"] = ctx.actor.last_lr  # the policy's lr of the iteration's last step
+            metrics["data/dropped_prompts"] = float(prompts.dropped_prompts)  # at load (issue 24)
             if ctx.critic is not None:
                 metrics["critic/lr"] = ctx.critic.last_lr
             if recipe.train.val_every and step % recipe.train.val_every == 0:
@@ -343,6 +369,7 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
                 writer.write(step, metrics)
                 rows.append({"step": step, **metrics})
                 _show(bar, metrics, log)
+            stop_if_any_rank_diverged(guard.check(step, metrics), device=device)  # before it is saved (issue 24)
             flag = torch.tensor([1.0 if stop["flag"] else 0.0]).to(device)
             dist.all_reduce(flag)
             every = recipe.checkpoint.every

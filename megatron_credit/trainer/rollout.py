@@ -19,6 +19,11 @@ from megatron_credit.rollout.types import FinishStatus, RolloutBatch, SamplingPa
 from megatron_credit.trainer.batch import TrainBatch, train_batch_from_rollout
 
 
+POOL_COUNTS = ("reward_pool/items", "reward_pool/timeouts", "reward_pool/errors", "reward_pool/restarts",
+               "reward_pool/seconds")
+"""The reward pool's counts logged per iteration (``ScoredBatch.metrics`` of every draw, summed)."""
+
+
 def _seed(*parts: int) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:7], "little")
 
@@ -30,7 +35,7 @@ class RolloutManager:
                  replica_src: int, dp_rank: int, dp_size: int, log=print):
         self.recipe, self.tokenizer, self.prompts, self.val_prompts = recipe, tokenizer, prompts, val_prompts
         self.actor, self.group, self.src = actor, replica_group, replica_src
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.dp_rank, self.dp_size, self.log = dp_rank, dp_size, log
         self.is_src = dist.get_rank() == replica_src
         self.engine = self.pool = None
         if self.is_src:
@@ -41,7 +46,8 @@ class RolloutManager:
                 from megatron_credit.rewards.pool import RewardPool, RewardPoolConfig
 
                 self.pool = RewardPool(RewardPoolConfig(num_workers=recipe.reward.num_workers,
-                                                        timeout_s=recipe.reward.timeout_s))
+                                                        timeout_s=recipe.reward.timeout_s,
+                                                        batch_timeout_s=recipe.reward.batch_timeout_s))
         r = recipe.rollout
         self.prompts_per_rank = r.prompts_per_step // dp_size
         self.stop_ids = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
@@ -92,7 +98,8 @@ class RolloutManager:
             shaping=ShapingConfig(max_response_len=self.recipe.rollout.max_response_len,
                                   overlong_buffer_len=rw.overlong_buffer_len,
                                   overlong_penalty_factor=rw.overlong_penalty_factor))
-        return rollout, scored.rewards, scored.correct
+        pool = {k: float(v) for k, v in scored.metrics.items() if k in POOL_COUNTS}
+        return rollout, scored.rewards, scored.correct, pool
 
     def collect(self, iteration: int) -> tuple[TrainBatch, dict[str, float]]:
         """This iteration's rows: ``prompts_per_rank`` groups of ``n`` (dynamic sampling: mixed groups)."""
@@ -101,12 +108,15 @@ class RolloutManager:
         if self.is_src:
             self.wake_up()
             kept, draws, drawn_groups, t0 = [], 0, 0, time.perf_counter()
+            pool_sums = dict.fromkeys(POOL_COUNTS, 0.0) if self.pool is not None else {}
             while len(kept) < self.prompts_per_rank:
                 if draws == alg.max_draws:
                     break
                 records = self.prompts.take(self.prompts_per_rank)
-                rollout, rewards, correct = self._generate_and_score(
+                rollout, rewards, correct, pool = self._generate_and_score(
                     records, r.n, _seed(self.recipe.seed, iteration, draws, self.dp_rank))
+                for k, v in pool.items():
+                    pool_sums[k] += v
                 draws += 1
                 drawn_groups += len(records)
                 for g in range(len(records)):
@@ -114,14 +124,14 @@ class RolloutManager:
                     if alg.dynamic_sampling and bool(correct[sl].all() | ~correct[sl].any()):
                         continue  # DAPO: a group whose accuracy does not vary carries no signal
                     kept.append((rollout.samples[sl], rewards[sl], correct[sl]))
-            payload = (kept[: self.prompts_per_rank], draws, drawn_groups, time.perf_counter() - t0)
+            payload = (kept[: self.prompts_per_rank], draws, drawn_groups, time.perf_counter() - t0, pool_sums)
             self.sleep()  # the actor trains next
         payload = self._broadcast(payload)
-        kept, draws, drawn_groups, wall = payload
+        kept, draws, drawn_groups, wall, pool_sums = payload
         short = torch.tensor([float(len(kept) < self.prompts_per_rank)]).to(self.actor.device)
         dist.all_reduce(short)
         if float(short) > 0:
-            raise RuntimeError(
+            raise ValueError(  # the recipe's to fix: one error line (issue 24), not a traceback
                 f"dynamic sampling: fewer than rollout.prompts_per_step/DP = {self.prompts_per_rank} groups "
                 f"with mixed accuracy after algorithm.max_draws={alg.max_draws} draws on some data-parallel "
                 "rank; raise algorithm.max_draws, or turn algorithm.dynamic_sampling off")
@@ -143,7 +153,21 @@ class RolloutManager:
             "rollout/kept_group_frac": torch.tensor(len(kept) / max(drawn_groups, 1)),
             "time/rollout_engine_s": torch.tensor(wall)})
         metrics["rollout/tokens"] = self._dp_sum(batch.seq_lens.sum().float())
+        metrics.update(self._pool_metrics(pool_sums, iteration))
         return batch, metrics
+
+    def _pool_metrics(self, sums: dict[str, float], iteration: int) -> dict[str, float]:
+        """``reward_pool/*`` of the iteration, summed over its draws and the data-parallel ranks
+        (``seconds``: the mean over ranks); a warning line when more than a tenth of the items timed out."""
+        if not sums:
+            return {}
+        out = {k: v * (1 if k == "reward_pool/seconds" else self.dp_size)
+               for k, v in self._dp_mean({k: torch.tensor(v) for k, v in sums.items()}).items()}
+        if out["reward_pool/timeouts"] > 0.1 * max(out["reward_pool/items"], 1.0):
+            self.log(f"warning: iteration {iteration}: {out['reward_pool/timeouts']:.0f} of "
+                     f"{out['reward_pool/items']:.0f} responses timed out in the reward pool (scored as incorrect; "
+                     "reward.timeout_s / reward.batch_timeout_s)")
+        return out
 
     def validate(self, iteration: int) -> dict[str, float]:
         """Avg@k (``val/accuracy``), Cons@k and Pass@k on the held-out prompts, sampled at the rollout
