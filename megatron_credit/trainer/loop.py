@@ -234,8 +234,12 @@ def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
             "cp": p.context_parallel_size, "dp": dp}
 
 
-def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -> list[dict[str, float]]:
-    """Run the recipe's iterations (after ``distributed.initialize``); returns rank 0's metric rows."""
+def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print,
+          timings: dict[str, float] | None = None) -> list[dict[str, float]]:
+    """Run the recipe's iterations (after ``distributed.initialize``); returns rank 0's metric rows.
+    ``timings``, when given, receives ``warmup_s`` (absent without a warm-up) and ``rl_s`` (the loop:
+    iterations, validation, checkpoints)."""
+    timings = {} if timings is None else timings
     from megatron.core import parallel_state as ps
 
     from megatron_credit.trainer.actor import Actor
@@ -266,9 +270,11 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
     p = recipe.parallel
     ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=rollouts, critic=critic,
                   pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(p))
-    log(f"actor weights: {actor.load_initial_weights(seed=recipe.seed)}")
+    source = actor.load_initial_weights(seed=recipe.seed)
     start = 0
     path = ckpt.resolve(run_dir, resume)
+    if path is None:  # resumed: the checkpoint's weights replace these, and the log says "resumed from"
+        log(f"actor weights: {source}")
     if path is not None:
         start, extras, meta = ckpt.load(path, actor, layout=layout, critic=critic)
         if extras is not None:
@@ -293,6 +299,7 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
         cached = run_warmup(actor, task, tokenizer, recipe=recipe, dp_rank=dp_rank, dp_size=dp_size,
                             seq_multiple=ctx.seq_multiple, log=log if rank0 else (lambda *_: None))
         actor.reset_reference()
+        timings["warmup_s"] = time.perf_counter() - t0
         log(f"warm-up: {'loaded from cache' if cached else f'{recipe.warmup.steps} steps'} "
             f"({time.perf_counter() - t0:.1f}s)")
     if critic is not None and path is None:
@@ -318,6 +325,7 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
     bar = _progress(recipe, start, rank0)
     rows: list[dict[str, float]] = []
     step = start
+    t_rl = time.perf_counter()
     try:
         for step in _iterations(recipe, start, log if rank0 else (lambda *_: None)):
             ctx.timer = PhaseTimer()
@@ -352,6 +360,7 @@ def train(recipe, hf_config, *, run_dir: str, resume: str = "auto", log=print) -
                 if step > start:
                     _save(run_dir, step, ctx, prompts, layout)
     finally:
+        timings["rl_s"] = time.perf_counter() - t_rl
         signal.signal(signal.SIGTERM, previous)
         if bar is not None:
             bar.close()
