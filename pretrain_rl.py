@@ -117,6 +117,12 @@ def _main(args) -> int:
         hf_config = recipe.model.hf_config()
     from megatron_credit.trainer.loop import check_recipe
 
+    if args.dry_run:  # the arithmetic and a layout that fits, before anything else is said
+        from megatron_credit.planning_layouts import layout_refusal
+
+        refusal = layout_refusal(recipe, hf_config, nodes=1, gpus_per_node=launch.world_size, gpu=recipe.cluster.gpu)
+        if refusal is not None:
+            raise ValueError(refusal)
     # Refuse impossible layouts before any process group or model exists.
     layout = check_recipe(recipe, hf_config, world_size=launch.world_size)
     rank0 = launch.rank == 0
@@ -127,7 +133,9 @@ def _main(args) -> int:
         if rank0:
             print(_describe(recipe, hf_config, layout))
             print(format_plan(result, title=f"memory plan for {launch.world_size} rank(s) on {recipe.cluster.gpu}"))
-            print("dry run: the recipe is valid for this world size; nothing was built")
+            print("dry run: the recipe is valid for this world size; nothing was built" if result.fits else
+                  "dry run: the layout is valid for this world size but its memory plan does not fit (exit 1); "
+                  "nothing was built")
         return 0 if result.fits else 1
     run_dir = args.output_dir or os.path.join("runs", os.path.splitext(os.path.basename(config))[0])
     finished = finished_line(run_dir, recipe) if args.resume == "auto" else None
