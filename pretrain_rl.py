@@ -28,8 +28,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the recipe against the world size and the model, print the layout and "
                              "the memory plan (exit 1 when it does not fit)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20")
-    return parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 (before or after "
+                                                     "the options)")
+    # intermixed: `seed=7 --output-dir D logging.progress=false` (plain parse_args refuses the last one)
+    return parser.parse_intermixed_args(argv)
 
 
 def _describe(recipe, hf_config, layout: dict[str, int]) -> str:
@@ -50,6 +52,44 @@ def _param_count(c) -> int:
     d = getattr(c, "head_dim", None) or h // heads
     per_layer = h * d * (heads + 2 * kv) + heads * d * h + 3 * h * c.intermediate_size + 2 * h
     return L * per_layer + v * h * (1 if getattr(c, "tie_word_embeddings", False) else 2) + h
+
+
+def done_line(rows: list[dict], timings: dict[str, float], *, total_s: float, run_dir: str) -> str:
+    """The last line of a run: iterations, the time of RL apart from the warm-up's (and the rest: model
+    build, checkpoints, plots), accuracy from the first to the last iteration, the last validation."""
+    nan = float("nan")
+    first, last = rows[0], rows[-1]
+    warm, rl = timings.get("warmup_s", 0.0), timings.get("rl_s", nan)
+    val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+    return (f"done: {len(rows)} iterations (to {last['step']}) in {rl:.0f}s of RL + {warm:.0f}s of warm-up "
+            f"({total_s:.0f}s in all); sampled accuracy {first.get('accuracy/mean', nan):.3f} -> "
+            f"{last.get('accuracy/mean', nan):.3f}" + (f", validation {val[-1]:.3f}" if val else "")
+            + f"; metrics in {os.path.join(run_dir, 'metrics.jsonl')}, plots in {os.path.join(run_dir, 'plots')}")
+
+
+def finished_line(run_dir: str, recipe) -> Optional[str]:
+    """One line when ``run_dir``'s newest complete checkpoint is already at ``train.steps`` (``--resume
+    auto`` would do nothing): where it ended, where the results are, how to start again. None otherwise."""
+    import json
+
+    from megatron_credit.trainer.checkpoint import complete_checkpoints
+
+    done = complete_checkpoints(run_dir)
+    if not done or done[-1][0] < recipe.train.steps:
+        return None
+    step, metrics = done[-1][0], os.path.join(run_dir, "metrics.jsonl")
+    result = ""
+    try:
+        with open(metrics, encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        last = [r for r in rows if r.get("step", 0) <= step][-1]
+        val = [r["val/accuracy"] for r in rows if "val/accuracy" in r and r.get("step", 0) <= step]
+        result = f", sampled accuracy {last['accuracy/mean']:.3f}" + (f", validation {val[-1]:.3f}" if val else "")
+    except (OSError, ValueError, KeyError, IndexError):
+        pass  # the checkpoint is what counts; a missing or cut metrics file only shortens the line
+    return (f"already finished: {run_dir} is at iteration {step} of train.steps={recipe.train.steps}{result}; "
+            f"results in {metrics} and {os.path.join(run_dir, 'plots')}; to start again, remove {run_dir} "
+            f"or pass --output-dir <new dir> (train.steps=N > {step} continues it)")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -77,6 +117,12 @@ def _main(args) -> int:
         hf_config = recipe.model.hf_config()
     from megatron_credit.trainer.loop import check_recipe
 
+    if args.dry_run:  # the arithmetic and a layout that fits, before anything else is said
+        from megatron_credit.planning_layouts import layout_refusal
+
+        refusal = layout_refusal(recipe, hf_config, nodes=1, gpus_per_node=launch.world_size, gpu=recipe.cluster.gpu)
+        if refusal is not None:
+            raise ValueError(refusal)
     # Refuse impossible layouts before any process group or model exists.
     layout = check_recipe(recipe, hf_config, world_size=launch.world_size)
     rank0 = launch.rank == 0
@@ -88,9 +134,15 @@ def _main(args) -> int:
             print(_describe(recipe, hf_config, layout))
             print(format_plan(result, title=f"memory plan for {launch.world_size} rank(s) on {recipe.cluster.gpu}"))
             print("dry run: the recipe is valid for this world size; nothing was built" if result.fits else
-                  "dry run: the recipe does NOT fit this world size (see the plan above); nothing was built")
+                  "dry run: the layout is valid for this world size but its memory plan does not fit (exit 1); "
+                  "nothing was built")
         return 0 if result.fits else 1
     run_dir = args.output_dir or os.path.join("runs", os.path.splitext(os.path.basename(config))[0])
+    finished = finished_line(run_dir, recipe) if args.resume == "auto" else None
+    if finished is not None:  # a second `make demo`: say so in one line, build nothing
+        if rank0:
+            print(finished, flush=True)
+        return 0
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
     device = distributed.initialize(recipe.parallel, seed=recipe.seed, launch=launch)
     try:
@@ -101,13 +153,12 @@ def _main(args) -> int:
         from megatron_credit.trainer.loop import train
 
         t0 = time.perf_counter()
+        timings: dict[str, float] = {}
         rows = train(recipe, hf_config, run_dir=run_dir, device=device, resume=args.resume, recipe_file=config,
+                     timings=timings,
                      log=(lambda *a: print(*a, flush=True)) if rank0 else (lambda *_: None))
         if rank0 and rows:
-            first, last = rows[0], rows[-1]
-            print(f"done: {len(rows)} iterations in {time.perf_counter() - t0:.0f}s; accuracy "
-                  f"{first.get('accuracy/mean', float('nan')):.3f} -> {last.get('accuracy/mean', float('nan')):.3f}; "
-                  f"metrics in {os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
+            print(done_line(rows, timings, total_s=time.perf_counter() - t0, run_dir=run_dir), flush=True)
     finally:
         distributed.destroy(process_group=True)
     return 0

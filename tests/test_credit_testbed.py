@@ -148,3 +148,22 @@ def test_tool_doctests():
 
     for module in (testbed_stats, credit_testbed, testbed_report):
         assert doctest.testmod(module).failed == 0, module.__name__
+
+
+def test_the_testbed_writes_into_the_repository_only_when_asked(tmp_path):
+    # issue 27: `--out runs/testbed` as the README shows it rewrote the committed docs/results/ (--doc was
+    # on by default). Now --doc is off unless given; `--doc` alone names the committed report.
+    from tools.credit_testbed import DEFAULT_DOC, parse_args
+
+    assert parse_args([]).doc is None
+    assert parse_args(["--doc"]).doc == str(DEFAULT_DOC)
+    assert parse_args(["--doc", "x.md"]).doc == "x.md"
+    docs = DEFAULT_DOC.parent
+    before = {p.name: p.read_bytes() for p in docs.iterdir()}
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "credit_testbed.py"), "--report-only", "--out",
+           str(tmp_path), "--task", "chain3", "--methods", "grpo", "--seeds", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert {p.name: p.read_bytes() for p in docs.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chain3.png", "results.json", "results.md"]

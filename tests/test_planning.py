@@ -179,9 +179,12 @@ def test_layout_problems_and_cli_exit_codes(capsys):
 
     recipe = os.path.join(ROOT, "examples", "fipo_qwen25_32b.yaml")
     assert main(["--config", recipe]) == 0 and "verdict: FITS" in capsys.readouterr().out
-    # One node: 8 GPUs cannot hold TP 8 x PP 2 x CP 2.
-    assert main(["--config", recipe, "--nodes", "1"]) == 1
-    assert "not divisible by tensor_model_parallel_size" in capsys.readouterr().out
+    # One node: 8 GPUs cannot hold TP 8 x PP 2 x CP 2: refused before any table (issue 27), one error line
+    # with the arithmetic and what would fit.
+    assert main(["--config", recipe, "--nodes", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("error: parallel: TP x PP x CP = 8 x 2 x 2 = 32 > 8 GPUs")
+    assert "fits on 4 nodes x 8 GPUs (32 GPUs, DP=1" in captured.err
     # One node with a layout that divides it: the memory does not fit, and the verdict names the term.
     code = main(["--config", recipe, "--nodes", "1", "parallel.pipeline_model_parallel_size=1",
                  "parallel.context_parallel_size=1"])
@@ -189,7 +192,12 @@ def test_layout_problems_and_cli_exit_codes(capsys):
     assert code == 1 and "DOES NOT FIT" in out and "largest term: optimizer" in out, out
     assert main(["--config", recipe, "--gpu", "tpu-v9"]) == 2
     assert "not one of" in capsys.readouterr().err
-    recipe_bad = main(["--config", recipe, "parallel.tensor_model_parallel_size=3"])
+    recipe_bad = main(["--config", recipe, "parallel.tensor_model_parallel_size=3"])  # 3 x 2 x 2 = 12 on 32 GPUs
+    err = capsys.readouterr().err
+    assert recipe_bad == 2 and "TP x PP x CP = 3 x 2 x 2 = 12 does not divide 32 GPUs" in err
+    assert "a layout that fits: parallel.tensor_model_parallel_size=8 parallel.pipeline_model_parallel_size=2" in err
+    # A layout that divides the GPUs but not the model still gets its table and the layout error.
+    recipe_bad = main(["--config", recipe, "--nodes", "8", "parallel.tensor_model_parallel_size=16"])
     assert recipe_bad == 1 and "does not divide num_attention_heads=40" in capsys.readouterr().out
 
 

@@ -296,10 +296,12 @@ def test_plots_draw_each_metric_against_its_steps_and_can_be_redrawn(tmp_path, m
     save = matplotlib.figure.Figure.savefig
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k)))
     assert plot_metrics(str(tmp_path)) == [str(tmp_path / "plots" / "reward.png")]
-    lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in figures[0].axes[0].lines}
-    assert lines == {"reward/mean": ([2, 4, 6], [1.0, 2.0, 3.0]), "accuracy/mean": ([2, 6], [0.2, 0.6000000000000001])}
-    assert [t.get_text() for t in figures[0].axes[0].get_legend().get_texts()] == ["reward/mean", "accuracy/mean"]
-    assert figures[0].axes[0].get_xlabel() == "iteration"
+    reward, accuracy = figures[0].axes  # one quantity per axis (issue 27): reward and accuracy apart
+    lines = [{ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.lines} for ax in (reward, accuracy)]
+    assert lines == [{"reward of the training samples": ([2, 4, 6], [1.0, 2.0, 3.0])},
+                     {"sampled, training prompts": ([2, 6], [0.2, 0.6000000000000001])}]
+    assert [t.get_text() for t in accuracy.get_legend().get_texts()] == ["sampled, training prompts"]
+    assert accuracy.get_xlabel() == "RL iteration" and accuracy.get_ylim() == (-0.02, 1.02)
     assert plot_metrics(str(tmp_path)) == [str(tmp_path / "plots" / "reward.png")]  # again (tools/plot_metrics.py)
 
 
@@ -329,7 +331,7 @@ def test_wandb_gets_the_run_and_every_row_and_a_missing_tensorboard_is_said(tmp_
                      ("log", {"reward/mean": 0.25}, 7), ("finish",)]
 
 
-def test_plot_look_600x350_px_dots_on_short_series_only_faint_grid_small_legend(tmp_path, monkeypatch):
+def test_plot_look_640x360_px_dots_on_short_series_only_faint_grid_small_legend(tmp_path, monkeypatch):
     import matplotlib.figure
     import matplotlib.image
 
@@ -342,7 +344,8 @@ def test_plot_look_600x350_px_dots_on_short_series_only_faint_grid_small_legend(
     save = matplotlib.figure.Figure.savefig
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k)))
     reward, entropy = plot_metrics(str(tmp_path))
-    assert matplotlib.image.imread(reward).shape[:2] == (350, 600)  # 6 x 3.5 inches at 100 dpi
+    assert matplotlib.image.imread(entropy).shape[:2] == (360, 640)  # one panel: 6.4 x (1.1 + 2.5) inches, 100 dpi
+    assert matplotlib.image.imread(reward).shape[:2] == (360, 640)  # reward only: its accuracy panel has no data
     (r_line,), (e_line,) = figures[0].axes[0].lines, figures[1].axes[0].lines
     assert r_line.get_marker() in ("None", None, "") and e_line.get_marker() == "."  # dots below 40 points
     ax = figures[1].axes[0]

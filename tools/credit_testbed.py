@@ -10,7 +10,9 @@ from the same warmed-up policy (``warmup.seed`` fixed, warmed once before the ce
 ``OUT/warmup_cache``). A cell whose ``cell.json`` says ``ok`` is skipped on a re-run (resumable); a
 failed cell (non-zero exit, no metrics: e.g. an algorithm the trainer cannot run yet) is recorded with
 its error and re-run next time. Writes ``OUT/results.json``, ``OUT/results.md``, ``OUT/<task>.png``,
-prints the table and the mechanism checks, and regenerates ``--doc`` (``docs/results/credit_testbed.md``).
+prints the table and the mechanism checks. ``--doc`` (off by default: a tool writes into the repository
+only when asked) also regenerates a committed report, e.g. ``--doc docs/results/credit_testbed.md``
+(the plots are copied next to it).
 
 Methods are algorithm names with optional variants after ``:`` joined by ``+`` (``comppo:fixed+standard``,
 ``fipo:tau4``, ``ppo:lam=1.0``): see :data:`VARIANTS`; ``key=value`` sets ``algorithm.params.key``.
@@ -117,7 +119,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup-seed", type=int, default=0, help="warmup.seed: one warmed-up policy per task")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a recipe override for every cell (repeatable)")
-    ap.add_argument("--doc", default=str(DEFAULT_DOC), help="Markdown report to regenerate ('' : none)")
+    ap.add_argument("--doc", default=None, nargs="?", const=str(DEFAULT_DOC),
+                    help=f"also regenerate this Markdown report and copy the plots next to it (off by default; "
+                         f"--doc alone: {DEFAULT_DOC.relative_to(ROOT)})")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--note", default="", help="a paragraph for the report (what this run is for)")
     ap.add_argument("--stop-after-s", type=float, default=None,

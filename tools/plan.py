@@ -6,7 +6,9 @@
 Without ``--nodes`` / ``--gpus-per-node`` / ``--gpu`` the recipe's ``cluster`` section is used. The model's
 numbers come from ``model.name_or_path``'s ``config.json`` when it is a local folder, else from the
 planner's table of known architectures. Prints the layout, one row per memory term, the peaks and a
-verdict; exits 0 when it fits, 1 when it does not, 2 on a user error.
+verdict; exits 0 when it fits, 1 when it does not, 2 on a user error. A layout the GPUs cannot hold
+(TP x PP x CP not dividing them) is a user error, refused before any table with the arithmetic and a
+layout that would fit (``megatron_credit.planning_layouts``).
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _main(argv: list[str]) -> int:
     args = parse_args(argv)
     from megatron_credit.config import load_recipe
-    from megatron_credit.planning import format_plan, plan, resolve_hf_config
+    from megatron_credit.planning import GPUS, format_plan, plan, resolve_hf_config
+    from megatron_credit.planning_layouts import layout_refusal
 
     recipe = load_recipe(args.config, overrides=args.overrides)
     c = recipe.cluster
@@ -42,8 +45,14 @@ def _main(argv: list[str]) -> int:
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     dist_opt = None if args.distributed_optimizer is None else args.distributed_optimizer == "on"
-    result = plan(recipe, resolve_hf_config(recipe.model), nodes=nodes, gpus_per_node=gpn, gpu=gpu,
-                  distributed_optimizer=dist_opt)
+    hf_config = resolve_hf_config(recipe.model)
+    if gpu not in GPUS:
+        raise ValueError(f"--gpu {gpu!r} is not one of {sorted(GPUS)}")
+    refusal = layout_refusal(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu,
+                             distributed_optimizer=dist_opt)
+    if refusal is not None:  # no table for a layout that cannot exist
+        raise ValueError(refusal)
+    result = plan(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu, distributed_optimizer=dist_opt)
     print(format_plan(result, title=f"{args.config}: {recipe.algorithm.name}, {nodes} node(s) x {gpn} {gpu}"))
     return 0 if result.fits else 1
 

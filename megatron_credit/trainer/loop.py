@@ -245,10 +245,14 @@ def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
 
 
 def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str = "auto",
-          log=print, recipe_file: str | None = None) -> list[dict[str, float]]:
+          log=print, recipe_file: str | None = None,
+          timings: dict[str, float] | None = None) -> list[dict[str, float]]:
     """Run the recipe's iterations (after ``distributed.initialize``, whose device is ``device``: the
     models, micro-batches and collectives' tensors are put there); returns rank 0's metric rows.
-    ``recipe_file``: the launch's ``--config`` (never rewritten when it is ``run_dir/config.yaml``)."""
+    ``recipe_file``: the launch's ``--config`` (never rewritten when it is ``run_dir/config.yaml``).
+    ``timings``, when given, receives ``warmup_s`` (absent without a warm-up) and ``rl_s`` (the loop:
+    iterations, validation, checkpoints)."""
+    timings = {} if timings is None else timings
     from megatron.core import parallel_state as ps
 
     from megatron_credit.trainer.actor import Actor
@@ -287,8 +291,10 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
     p = recipe.parallel
     ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=rollouts, critic=critic,
                   pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(p))
-    log(f"actor weights: {actor.load_initial_weights(seed=recipe.seed)}")
+    source = actor.load_initial_weights(seed=recipe.seed)
     start = 0
+    if path is None:  # resumed: the checkpoint's weights replace these, and the log says "resumed from"
+        log(f"actor weights: {source}")
     if path is not None:
         start, extras, meta = ckpt.load(path, actor, layout=layout, critic=critic)
         if extras is not None:
@@ -313,6 +319,7 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
         cached = run_warmup(actor, task, tokenizer, recipe=recipe, dp_rank=dp_rank, dp_size=dp_size,
                             seq_multiple=ctx.seq_multiple, log=log if rank0 else (lambda *_: None))
         actor.reset_reference()
+        timings["warmup_s"] = time.perf_counter() - t0
         log(f"warm-up: {'loaded from cache' if cached else f'{recipe.warmup.steps} steps'} "
             f"({time.perf_counter() - t0:.1f}s)")
     if critic is not None and path is None:
@@ -347,6 +354,7 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
 
     guard = DivergenceGuard(max_skipped_steps=recipe.train.max_skipped_steps, vocab_size=hf_config.vocab_size,
                             steps_per_iteration=recipe.train.num_minibatches * recipe.train.epochs)
+    t_rl = time.perf_counter()
     try:
         for step in _iterations(recipe, start, log if rank0 else (lambda *_: None), device=device):
             ctx.timer = PhaseTimer()
@@ -383,6 +391,7 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
                 if step > start:
                     _save(run_dir, step, ctx, prompts, layout)
     finally:
+        timings["rl_s"] = time.perf_counter() - t_rl
         signal.signal(signal.SIGTERM, previous)
         if bar is not None:
             bar.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -199,38 +199,9 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-PLOTS = (("reward", ("reward/mean", "accuracy/mean", "val/accuracy")), ("length", ("response_length/mean",)),
-         ("entropy", ("actor/entropy",)), ("kl", ("actor/ppo_kl", "actor/kl_ref")),
-         ("clip", ("actor/clipfrac_high", "actor/clipfrac_low", "actor/clipfrac_dual")),
-         ("grad_norm", ("actor/grad_norm",)), ("fipo_weights", ("fipo/weight_mean", "fipo/weight_max",
-                                                                "fipo/weight_min", "fipo/frac_at_high")),
-         ("critic", ("critic/value_loss", "critic/explained_var")))
+def plot_metrics(run_dir: str) -> list[str]:
+    """PNG plots of ``run_dir/metrics.jsonl`` in ``run_dir/plots`` (``trainer/plots.py``: titles, units,
+    one quantity per axis); returns the files written."""
+    from megatron_credit.trainer.plots import plot_metrics as plot
 
-
-def plot_metrics(run_dir: str, groups: Iterable = PLOTS) -> list[str]:
-    """PNG plots of ``run_dir/metrics.jsonl`` in ``run_dir/plots``; returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
-    os.makedirs(os.path.join(run_dir, "plots"), exist_ok=True)
-    written = []
-    for name, keys in groups:
-        series = {k: [(r["step"], r[k]) for r in rows if r.get(k) is not None] for k in keys}
-        series = {k: v for k, v in series.items() if v}
-        if not series:
-            continue
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for k, pts in series.items():
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=k, marker="." if len(pts) < 40 else None)
-        ax.set_xlabel("iteration")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = os.path.join(run_dir, "plots", f"{name}.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    return written
+    return plot(run_dir)

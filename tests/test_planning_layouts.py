@@ -1,0 +1,75 @@
+"""An impossible layout is refused before any table, with the arithmetic and a layout that fits (issue 27)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megatron_credit.config import load_recipe
+from megatron_credit.planning import GIB, GPUS, plan, resolve_hf_config
+from megatron_credit.planning_layouts import layout_refusal
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(ROOT, "examples", "fipo_qwen25_32b.yaml")  # TP 8 x PP 2 x CP 2 on 4 x 8 H100
+
+
+@pytest.fixture(scope="module")
+def qwen32b():
+    recipe = load_recipe(RECIPE)
+    return recipe, resolve_hf_config(recipe.model)
+
+
+def test_a_layout_that_divides_the_gpus_is_not_refused(qwen32b):
+    recipe, hf = qwen32b
+    assert layout_refusal(recipe, hf, nodes=4, gpus_per_node=8, gpu="h100-80gb") is None
+    assert layout_refusal(recipe, hf, nodes=8, gpus_per_node=8, gpu="h100-80gb") is None  # DP = 2
+
+
+def test_too_few_gpus_names_the_arithmetic_and_the_nodes_on_which_it_fits(qwen32b):
+    recipe, hf = qwen32b
+    msg = layout_refusal(recipe, hf, nodes=1, gpus_per_node=8, gpu="h100-80gb")
+    peak = plan(recipe, hf, nodes=4, gpus_per_node=8, gpu="h100-80gb").peak / GIB
+    assert msg == ("parallel: TP x PP x CP = 8 x 2 x 2 = 32 > 8 GPUs (1 node(s) x 8); no layout of 8 GPUs fits this "
+                   f"recipe in memory; this layout fits on 4 nodes x 8 GPUs (32 GPUs, DP=1, peak {peak:.1f} of "
+                   f"{GPUS['h100-80gb'] / GIB:.1f} GiB)")
+    for tp, pp, cp in ((8, 1, 1), (4, 2, 1), (2, 2, 2)):  # what the message claims: none of 8 GPUs fits
+        overrides = [f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
+                     f"parallel.context_parallel_size={cp}", *(["parallel.sequence_parallel=false"] if tp == 1 else [])]
+        assert not plan(load_recipe(RECIPE, overrides=overrides), hf, nodes=1, gpus_per_node=8, gpu="h100-80gb").fits
+
+
+def test_a_fitting_layout_of_these_gpus_is_the_closest_one_and_really_fits(qwen32b):
+    recipe, hf = qwen32b
+    msg = layout_refusal(recipe, hf, nodes=2, gpus_per_node=8, gpu="h100-80gb")
+    assert msg.startswith("parallel: TP x PP x CP = 8 x 2 x 2 = 32 > 16 GPUs (2 node(s) x 8); a layout that fits: "
+                          "parallel.tensor_model_parallel_size=8 parallel.pipeline_model_parallel_size=2 "
+                          "parallel.context_parallel_size=1 (DP=1, peak ")
+    fixed = load_recipe(RECIPE, overrides=["parallel.context_parallel_size=1"])  # one field changed
+    assert plan(fixed, hf, nodes=2, gpus_per_node=8, gpu="h100-80gb").fits
+    assert layout_refusal(fixed, hf, nodes=2, gpus_per_node=8, gpu="h100-80gb") is None
+
+
+def test_a_product_that_does_not_divide_the_gpus_says_so(qwen32b):
+    recipe, hf = qwen32b
+    msg = layout_refusal(recipe, hf, nodes=3, gpus_per_node=16, gpu="h200")
+    assert msg.startswith("parallel: TP x PP x CP = 8 x 2 x 2 = 32 does not divide 48 GPUs (3 node(s) x 16); ")
+
+
+def test_dry_run_refuses_before_any_table_and_never_calls_a_failing_plan_valid():
+    import subprocess
+    import sys
+
+    def dry(world: int, *extra: str):
+        env = dict(os.environ, WORLD_SIZE=str(world), RANK="0", OMP_NUM_THREADS="1")
+        return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config", RECIPE, "--dry-run",
+                               *extra], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+    proc = dry(8)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and proc.stdout == "" and len(errors) == 1, proc.stdout + proc.stderr
+    assert errors[0].startswith("error: parallel: TP x PP x CP = 8 x 2 x 2 = 32 > 8 GPUs")
+    proc = dry(8, "parallel.pipeline_model_parallel_size=1", "parallel.context_parallel_size=1")
+    assert proc.returncode == 1 and "verdict: DOES NOT FIT" in proc.stdout
+    assert "the recipe is valid" not in proc.stdout
+    assert proc.stdout.rstrip().endswith("dry run: the layout is valid for this world size but its memory plan does "
+                                         "not fit (exit 1); nothing was built")
