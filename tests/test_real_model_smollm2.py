@@ -247,3 +247,48 @@ def test_behaviour_pass_logprobs_match_transformers(pool3, smollm2_dir, referenc
     err = (got - want).abs()[mask].max().item()
     assert err < 1e-3, err  # measured: ~2e-5 on log-probs down to -26
     assert got[mask].min() < -2  # not only near-certain tokens (log-prob ~ 0) are compared
+
+
+# --- CompPO's gate on the real model (tools/gate_stats.py) -------------------------------------------
+def test_gate_stats_capture_equals_transformers_eager_attention(smollm2_dir):
+    """The tool's final-layer q/k, through our streamed kernel, give the ``H`` of transformers' own
+    eager attention probabilities (float64 sum of squares), with and without the sink key."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from megatron_credit.models.concentration import attention_concentration
+    from tools.gate_stats import _FinalLayerQK
+
+    ids, _ = _ids(smollm2_dir), None
+    eager = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        a = eager(input_ids=ids, output_attentions=True).attentions[-1].double()  # [B, Hq, S, S]
+    hook = _FinalLayerQK(29)
+    AttentionInterface.register(hook.name, hook)
+    eager.set_attn_implementation(hook.name)
+    hook.armed = True
+    with torch.no_grad():
+        eager(input_ids=ids)
+    q, k, scale = hook.qk
+    h, n = attention_concentration(q, k, scale=scale)
+    torch.testing.assert_close(h.double(), (a * a).sum(-1).mean(1), rtol=1e-5, atol=1e-7)
+    h1, _ = attention_concentration(q, k, scale=scale, sink_keys=1)
+    kept = a[..., 1:] / a[..., 1:].sum(-1, keepdim=True)
+    torch.testing.assert_close(h1[:, 1:].double(), (kept * kept).sum(-1).mean(1)[:, 1:], rtol=1e-4, atol=1e-7)
+    assert (a[:, :, 8:, 0].mean() > 0.2).item()  # the attention sink: token 0 holds much of the mass
+
+
+def test_gate_stats_tool_on_the_real_model(smollm2_dir, tmp_path):
+    from tools.gate_stats import PAPER, format_tables, gate_tables
+
+    data = tmp_path / "add.jsonl"
+    rows = [{"data_source": "math", "prompt": [{"role": "user", "content": f"What is {a} + {b}? Give only the number."}],
+             "reward_model": {"ground_truth": str(a + b)}} for a, b in ((2, 3), (4, 4))]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    t = gate_tables(str(smollm2_dir), str(data), prompts=2, samples=2, max_new_tokens=8, sink_keys=1)
+    assert t["paper"] == PAPER and t["ours"]["responses"] == 4
+    for name in ("ours", "ours_no_sinks"):
+        assert 0.1 <= t[name]["mean"] <= 0.9 and t[name]["iqr"] >= 0
+    assert 0.2 < t["ours"]["sink_share"] < 1.0
+    assert t["ours_no_sinks"]["mean"] < t["ours"]["mean"]  # the sink concentrates attention: H drops without it
+    text = format_tables(t, sink_keys=1)
+    assert "paper (Qwen3-4B)" in text and "0.610" in text and "sink_share" in text
