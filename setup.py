@@ -42,7 +42,8 @@ setup(
         # configs have no `rope_theta` attribute (vLLM's models would silently use their default base).
         # The engine also passes the checkpoint's RoPE as hf_overrides (rollout/vllm_setup.py).
         "gpu": ["transformer-engine[pytorch]>=2.0", "vllm==0.11.0", "torch==2.8.0", "transformers>=4.55.2,<5"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        # gguf + accelerate: transformers' GGUF loading (tools/import_gguf.py, the real model of the tests).
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "gguf>=0.10", "accelerate>=0.26"],
         # `make mutation` (issue 14); mutmut 3's config and result layout (setup.cfg, mutants/*.meta).
         "mutation": ["mutmut>=3.8,<4"],
     },
@@ -53,6 +54,7 @@ setup(
             "mc-convert-megatron-to-hf=tools.convert_megatron_to_hf:main",
             "mc-export-run-to-hf=tools.export_run_to_hf:main",
             "mc-plan=tools.plan:main",
+            "mc-import-gguf=tools.import_gguf:main",
             "mc-evaluate=tools.evaluate:main",
         ],
     },

@@ -293,6 +293,10 @@ class CompPOFields:
     """Upper end of the gate envelope."""
     gate_tau: float = 4.0
     """Sharpness of the gate's sigmoid in the normalised concentration."""
+    gate_sink_keys: int = 0
+    """Attention-sink keys left out of the gate's concentration ``H``: the first ``gate_sink_keys``
+    positions, the distribution renormalised over the rest (0: off, the paper's gate). ``tools/gate_stats.py``
+    measures how much of ``H`` they supply."""
     gate_control: str = "dynamic"
     """``dynamic`` (the gate from attention), ``fixed`` (``fixed_gate`` everywhere), ``shuffle`` (a global
     permutation of the batch's gates over valid response positions) or ``position`` (mean gate in
@@ -342,6 +346,8 @@ class CompPOFields:
             raise ValueError(f"algorithm.params.gate_control={self.gate_control!r}: valid values {list(GATE_CONTROLS)}")
         if self.critic not in CRITICS:
             raise ValueError(f"algorithm.params.critic={self.critic!r}: valid values {list(CRITICS)}")
+        if self.gate_sink_keys < 0:
+            raise ValueError(f"algorithm.params.gate_sink_keys must be >= 0, got {self.gate_sink_keys}")
         for name in ("position_bins", "critic_layers", "critic_top_k"):
             if getattr(self, name) < 1:
                 raise ValueError(f"algorithm.params.{name} must be >= 1, got {getattr(self, name)}")

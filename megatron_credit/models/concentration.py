@@ -12,6 +12,13 @@ Two read-outs of causal softmax attention ``a_{t,i} = softmax_i(s_{t,i})``, ``s 
   streams key chunks again, turns scores into weights ``exp(s - LSE)`` and merges a running top-k of
   unique int64 (weight, index) keys, so ties go to the smaller index deterministically.
 
+Attention sinks (``sink_keys = k > 0``, CompPO's ``algorithm.params.gate_sink_keys``): the first ``k``
+positions (e.g. the BOS / system-prompt start that soaks up attention mass) are left out of ``H`` and
+the distribution is renormalised over the remaining keys, ``a'_i = a_i / sum_{j >= k} a_j``, which is the
+softmax of the scores of keys ``i >= k`` alone: the same streamed LSEs with those keys masked, and
+``n`` counts the keys left. A query never loses its own key (it excludes ``j < min(k, t)``), so early
+queries stay defined. The top-k read-out is unchanged (the critic pools over the real attention).
+
 Shapes follow the attention kernels: ``query [B, Hq, Tq, D]``, ``key [B, Hkv, Tk, D]`` with ``Hq`` a
 multiple of ``Hkv`` (GQA: query head ``h`` reads key head ``h // (Hq / Hkv)``, megatron's grouping).
 Query ``t`` sits at global position ``q_positions[t]`` (default: the last ``Tq`` of ``Tk`` positions)
@@ -87,18 +94,22 @@ def _grouped_chunk(query: torch.Tensor, q0: int, q1: int, hkv: int, scale: float
 
 
 def _masked_scores(qg: torch.Tensor, key: torch.Tensor, k0: int, k1: int,
-                   pos: torch.Tensor) -> torch.Tensor:
+                   pos: torch.Tensor, sink_keys: int = 0) -> torch.Tensor:
     """Scores ``[B, Hkv, G, c, k1 - k0]`` float32 of grouped queries ``qg`` vs keys ``k0:k1``;
-    ``-inf`` where key ``j > pos`` (``pos: [c]``, the chunk's query positions)."""
+    ``-inf`` where key ``j > pos`` (``pos: [c]``, the chunk's query positions) and, with ``sink_keys``,
+    where ``j < min(sink_keys, pos)`` (sinks left out; a query keeps its own key)."""
     b, hkv, gc, _ = qg.shape
     s = torch.matmul(qg, key[:, :, k0:k1].float().transpose(-1, -2))  # [B, Hkv, G*c, kc]
     s = s.view(b, hkv, gc // pos.numel(), pos.numel(), k1 - k0)
-    hidden = torch.arange(k0, k1, device=pos.device)[None, :] > pos[:, None]  # [c, kc]
+    cols = torch.arange(k0, k1, device=pos.device)[None, :]
+    hidden = cols > pos[:, None]  # [c, kc]
+    if sink_keys:
+        hidden |= cols < pos.clamp(max=sink_keys)[:, None]
     return s.masked_fill_(hidden, float("-inf"))
 
 
 def _online_lse(qg: torch.Tensor, key: torch.Tensor, pos: torch.Tensor, chunk: int, *,
-                squares: bool) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                squares: bool, sink_keys: int = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Per-head row max ``m``, ``LSE(s - m)`` and (if ``squares``) ``LSE(2 (s - m))``, each
     ``[B, Hkv, G, c]``, streamed over key chunks: ``LSE(s) = m + LSE(s - m)``.
 
@@ -115,7 +126,7 @@ def _online_lse(qg: torch.Tensor, key: torch.Tensor, pos: torch.Tensor, chunk: i
     last = int(pos.max()) + 1  # keys from here on are hidden from every query of the chunk
     for k0 in range(0, last, chunk):
         k1 = min(k0 + chunk, last)
-        s = _masked_scores(qg, key, k0, k1, pos)
+        s = _masked_scores(qg, key, k0, k1, pos, sink_keys)
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         alpha = torch.exp(m - m_safe)  # 0 where m was -inf
@@ -133,30 +144,33 @@ def _scale(query: torch.Tensor, scale: Optional[float]) -> float:
 
 @torch.no_grad()
 def attention_concentration(query: torch.Tensor, key: torch.Tensor, *, scale: Optional[float] = None,
-                            chunk_size: int = 1024, tp_group=None,
-                            q_positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            chunk_size: int = 1024, tp_group=None, q_positions: Optional[torch.Tensor] = None,
+                            sink_keys: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``H [B, Tq]`` float32 (mean over query heads of ``sum_i a_{t,i}**2``) and ``n [B, Tq]`` int64.
 
     ``query: [B, Hq, Tq, D]``, ``key: [B, Hkv, Tk, D]`` (any float dtype, after RoPE); ``scale`` defaults
     to ``1/sqrt(D)``; ``q_positions: [Tq]`` global query positions (default ``Tk - Tq + arange(Tq)``).
     With ``tp_group`` the heads are this rank's share and ``H`` is the mean over all ranks' heads
     (one all-reduce of ``[B, Tq]``; every rank of the group must call). ``chunk_size`` tiles both queries
-    and keys. ``H`` lies in ``[1/n, 1]``.
+    and keys. ``H`` lies in ``[1/n, 1]``. ``sink_keys``: leave out keys ``j < min(sink_keys, t)`` and
+    renormalise over the rest (module docstring); ``n`` then counts the keys left.
     """
     pos = _check(query, key, q_positions, chunk_size)
+    if sink_keys < 0:
+        raise ValueError(f"sink_keys must be >= 0, got {sink_keys}")
     b, hq, tq, _ = query.shape
     hkv, scale = key.shape[1], _scale(query, scale)
     h_sum = torch.zeros(b, tq, device=query.device)
     for q0 in range(0, tq, chunk_size):
         q1 = min(q0 + chunk_size, tq)
         _, lse_s, lse_2s = _online_lse(_grouped_chunk(query, q0, q1, hkv, scale), key, pos[q0:q1],
-                                       chunk_size, squares=True)  # of the max-shifted scores
+                                       chunk_size, squares=True, sink_keys=sink_keys)  # max-shifted
         h_sum[:, q0:q1] = concentration_from_lse(lse_2s, lse_s).sum(dim=(1, 2))
     heads = hq
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(h_sum, group=tp_group)
         heads *= dist.get_world_size(tp_group)
-    return h_sum / heads, (pos + 1).expand(b, tq).clone()
+    return h_sum / heads, (pos + 1 - pos.clamp(max=sink_keys)).expand(b, tq).clone()
 
 
 def _gather_heads(x: torch.Tensor, group) -> torch.Tensor:

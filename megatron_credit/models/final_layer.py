@@ -95,6 +95,8 @@ class FinalAttentionCapture:
     """First GLOBAL position scored while armed; None = disarmed."""
     top_k: int = 0
     """Top-k keys to return per query (0: none)."""
+    sink_keys: int = 0
+    """Attention-sink keys (the first positions) left out of ``H``, renormalised (0: none; set by :meth:`arm`)."""
     result: Optional[dict] = None
     """After an armed forward on the last stage: ``H [b, S - query_start]`` float32, ``n`` int64 and,
     if ``top_k``, ``topk_idx [b, S - query_start, top_k]`` int64 / ``topk_w`` float32."""
@@ -107,13 +109,15 @@ class FinalAttentionCapture:
     def armed(self) -> bool:
         return self.query_start is not None
 
-    def arm(self, query_start: int, top_k: int = 0) -> None:
-        """Record the next forwards' statistics for global positions ``query_start .. S-1``."""
+    def arm(self, query_start: int, top_k: int = 0, sink_keys: int = 0) -> None:
+        """Record the next forwards' statistics for global positions ``query_start .. S-1`` (``H``
+        without the first ``sink_keys`` keys, ``models.concentration``)."""
         if query_start < 0:
             raise ValueError(f"query_start must be >= 0, got {query_start}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        if top_k < 0 or sink_keys < 0:
+            raise ValueError(f"top_k and sink_keys must be >= 0, got {top_k}, {sink_keys}")
         self.query_start, self.top_k, self.result = int(query_start), int(top_k), None
+        self.sink_keys = int(sink_keys)
 
     def disarm(self) -> None:
         """Stop recording. ``result`` keeps the last armed forward's statistics until the next
@@ -132,7 +136,7 @@ class FinalAttentionCapture:
         q = query[mine].permute(1, 2, 0, 3)  # [b, np, m, d]
         k = key.permute(1, 2, 0, 3)  # [b, ng, S, d]
         kw = dict(scale=scale, chunk_size=self.chunk_size, tp_group=self.tp_group, q_positions=positions[mine])
-        h, n = attention_concentration(q, k, **kw)
+        h, n = attention_concentration(q, k, sink_keys=self.sink_keys, **kw)
         cols = positions[mine] - self.query_start
         result = {"H": scatter_to_global(h, cols, width, self.cp_group),
                   "n": scatter_to_global(n, cols, width, self.cp_group)}

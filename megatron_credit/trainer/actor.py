@@ -73,13 +73,15 @@ class Actor:
 
     def __init__(self, *, hf_config, recipe, device: torch.device, with_critic: bool, with_reference: bool,
                  critic_factory: Optional[Callable[[], torch.nn.Module]] = None, capture_top_k: Optional[int] = None,
-                 gate_fn: Optional[Callable] = None, critic_layers: int = 1, role: str = "policy"):
+                 gate_fn: Optional[Callable] = None, critic_layers: int = 1, role: str = "policy",
+                 capture_sink_keys: int = 0):
         """``critic_factory``: builds the value head of the last stage (default: a zero-initialised linear
         head on the actor's trunk, PPO). A factory's module (CompPO's critics) reads detached actor
         features: ``(layers, history, topk_idx, topk_w, kappa)``, the last ``critic_layers`` layers'
         outputs among them. ``capture_top_k`` (CompPO): build the final layer with the attention capture
         and collect ``H``, ``n`` and the top-K keys during the behaviour pass; ``gate_fn(H, n) -> kappa``
-        maps them to the dynamic gate.
+        maps them to the dynamic gate; ``capture_sink_keys``: the first keys left out of ``H``
+        (``algorithm.params.gate_sink_keys``).
 
         ``device``: this rank's device (``distributed.initialize`` returns it). The built model, the value
         head and the reference copy are moved there explicitly, as megatron's ``training.get_model`` does
@@ -117,7 +119,7 @@ class Actor:
         self.config = transformer_config_from_hf(hf_config, parallel=recipe.parallel,
                                                  params_dtype=recipe.model.torch_dtype(), **overrides)
         te = recipe.model.use_transformer_engine()
-        self.capture_top_k, self.gate_fn = capture_top_k, gate_fn
+        self.capture_top_k, self.gate_fn, self.capture_sink_keys = capture_top_k, gate_fn, capture_sink_keys
         self.model = build_gpt_model(hf_config, self.config, use_transformer_engine=te,
                                      capture_final_attention=capture_top_k is not None).to(self.device)
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
@@ -268,7 +270,8 @@ class Actor:
             mb = next(data_iterator)
             model_chunk = getattr(model_chunk, "module", model_chunk)  # the GPTModel inside DDP
             if capture and self.last_stage:
-                model_chunk.final_attention_capture.arm(query_start=mb.query_start, top_k=self.capture_top_k)
+                model_chunk.final_attention_capture.arm(query_start=mb.query_start, top_k=self.capture_top_k,
+                                                        sink_keys=self.capture_sink_keys)
             self._collect = self.feature_critic and self.last_stage and not reference
             self._layer_outputs = []
             try:

@@ -148,6 +148,7 @@ def actor_options(spec, params, hf_config, *, dtype, pp_size: int = 1) -> dict:
     from megatron_credit.credit.gates import comppo_gate
 
     gate_fn = functools.partial(comppo_gate, k_lo=params.k_lo, k_hi=params.k_hi, tau=params.gate_tau)
+    head["capture_sink_keys"] = params.gate_sink_keys
     if params.critic == "trunk":  # PPO's value head on the actor trunk (the Actor's default head)
         return {**head, "capture_top_k": 0, "gate_fn": gate_fn}
     from megatron_credit.models.critic import StandardCritic, TransportAlignedCritic
