@@ -23,7 +23,7 @@ setup(
         # -> transformer/moe/paged_stash.py) without declaring it; CUDA torch wheels and NVIDIA
         # containers already have it (unpinned, so theirs is kept), CPU torch wheels do not.
         "triton; python_version >= '3.12' and sys_platform == 'linux'",
-        "transformers>=4.51",
+        "transformers>=4.56",  # from_pretrained(..., dtype=) (4.56+)
         "safetensors>=0.4",
         "numpy",
         "pyyaml>=6",
@@ -38,10 +38,13 @@ setup(
         "tensorboard>=2.14",
     ],
     extras_require={
-        # vLLM 0.11.0 pins torch==2.8.0 and needs transformers>=4.55.2; it predates transformers 5, whose
+        # No torch pin here: it would replace an NGC container's torch (vLLM brings the torch it pins).
+        # Transformer Engine's PyPI torch extension is a source build against the installed torch:
+        # `pip install --no-build-isolation "transformer_engine[pytorch]"`, or use an NGC PyTorch container.
+        # vLLM 0.11.0 needs transformers>=4.55.2; it predates transformers 5, whose
         # configs have no `rope_theta` attribute (vLLM's models would silently use their default base).
         # The engine also passes the checkpoint's RoPE as hf_overrides (rollout/vllm_setup.py).
-        "gpu": ["transformer-engine[pytorch]>=2.0", "vllm==0.11.0", "torch==2.8.0", "transformers>=4.55.2,<5"],
+        "gpu": ["transformer-engine[pytorch]>=2.0", "vllm==0.11.0", "transformers>=4.56,<5"],
         # gguf + accelerate: transformers' GGUF loading (tools/import_gguf.py, the real model of the tests).
         "test": ["pytest>=8", "pytest-timeout>=2.3", "gguf>=0.10", "accelerate>=0.26"],
         # `make mutation` (issue 14); mutmut 3's config and result layout (setup.cfg, mutants/*.meta).

@@ -27,9 +27,6 @@ and fails in autograd's C++ stream code (issue 23).
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 from typing import Any
 
 import torch
@@ -399,16 +396,3 @@ def _cpu_rng_seed(seed: int, *args, **kwargs) -> None:
         tracker.add(name, s)
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-
-
-def run_scenario(module: str, function: str, *args: str, timeout: float = 300.0,
-                 nproc: int = 1) -> subprocess.CompletedProcess:
-    """``python -m tests.fakegpu_run module function args...`` in a fresh process (``nproc`` > 1: under
-    ``torchrun``): the backend registration is process-wide."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "tests.fakegpu_run", module, function, *args]
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "tests.fakegpu_run", module, function, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,5 +1,5 @@
 """``python -m tests.fakegpu_run pretrain_rl.py-arguments...``: the trainer's command line on the emulated
-accelerator of :mod:`tests.fakegpu` (each launch is a process of its own, as the backend registration
+accelerator of :mod:`tests.fakegpu` (each launch is a process of its own: the backend registration
 is process-wide). Works under ``torch.distributed.run`` too: ``distributed.initialize`` asks for NCCL
 (``torch.cuda.is_available()`` answers True) and gets gloo behind NCCL's device checks."""
 from __future__ import annotations
