@@ -34,7 +34,8 @@ def replaced_names(out: Path) -> list[str]:
     names = []
     for p in out.iterdir():
         n = p.name
-        if p.is_file() and (n in (SINGLE_NAME, INDEX_NAME, CONFIG_NAME) or n in TOKENIZER_FILES or SHARD_NAME.fullmatch(n)):
+        ours = n in (SINGLE_NAME, INDEX_NAME, CONFIG_NAME) or n in TOKENIZER_FILES or SHARD_NAME.fullmatch(n)
+        if p.is_file() and ours:
             names.append(n)
     return sorted(names)
 
@@ -49,7 +50,8 @@ def check_export_target(out: str | os.PathLike, *, overwrite: bool, flag: str = 
         return
     foreign = [n for n in replaced_names(out) if n not in _written_before(out)]
     if foreign:
-        raise FileExistsError(f"{flag} {str(out)!r} holds {', '.join(foreign[:6])}{' ...' if len(foreign) > 6 else ''}, "
+        more = " ..." if len(foreign) > 6 else ""
+        raise FileExistsError(f"{flag} {str(out)!r} holds {', '.join(foreign[:6])}{more}, "
                               "which this export did not write and would replace or delete; choose an empty "
                               "folder, or pass --overwrite")
 

@@ -90,7 +90,8 @@ def export_run_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathL
         if field in cfg.to_dict():
             setattr(cfg, field, str(dtype).removeprefix("torch."))
     if not getattr(cfg, "architectures", None):  # an inline model.architecture: convert_megatron_to_hf needs it
-        cfg.architectures = [_ARCHITECTURES.get(cfg.model_type, f"{type(cfg).__name__.removesuffix('Config')}ForCausalLM")]
+        default = f"{type(cfg).__name__.removesuffix('Config')}ForCausalLM"
+        cfg.architectures = [_ARCHITECTURES.get(cfg.model_type, default)]
     cfg.to_json_file(str(out / "config.json"))
     source = recipe.model.name_or_path
     tokenizer = copy_tokenizer_files(Path(source), out) if source and os.path.isdir(source) else []

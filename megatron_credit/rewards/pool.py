@@ -90,8 +90,9 @@ class RewardPoolConfig:
     memory_limit_bytes: int | None = 4 * 1024**3
     """Address-space limit of each worker process (``RLIMIT_AS``); None for no limit."""
     batch_timeout_s: float | None = None
-    """Deadline of one ``score_batch`` call in seconds: items still unscored then count as timeouts (their
-    workers are replaced), so a batch of hostile items costs at most this; None: per-item deadlines only."""
+    """Deadline of one ``score_batch`` call in seconds, from its first item sent (worker start-up excluded):
+    items still unscored then count as timeouts (their workers are replaced), so a batch of hostile items
+    costs at most this; None: per-item deadlines only."""
 
     def __post_init__(self):
         if self.batch_timeout_s is not None and not self.batch_timeout_s > 0:
@@ -248,8 +249,7 @@ class RewardPool:
         pending = collections.deque(range(len(tasks)))
         counts = {"timeout": 0, "error": 0}
         done = 0
-        batch_deadline = (time.monotonic() + self.config.batch_timeout_s if self.config.batch_timeout_s
-                          else float("inf"))
+        batch_deadline = float("inf")  # set once the first item is sent: worker start-up never counts
         try:
             while done < len(tasks):
                 if not self._workers:
@@ -258,6 +258,9 @@ class RewardPool:
                     done += self._fail_all(results, pending, counts)
                     break
                 self._dispatch(tasks, pending)
+                started = any(w.owed for w in self._workers)
+                if batch_deadline == float("inf") and self.config.batch_timeout_s and started:
+                    batch_deadline = time.monotonic() + self.config.batch_timeout_s
                 waiting = [w for w in self._workers if w.owed or not w.ready]
                 until = min([w.deadline for w in waiting if w.owed] +
                             [w.start_deadline for w in waiting if not w.ready] + [batch_deadline])

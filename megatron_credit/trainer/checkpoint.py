@@ -22,8 +22,9 @@ disk: :func:`save_error`); a save also removes the ``.tmp`` a killed one left.
 
 Before the model is built, :func:`resolve` passes every file of the checkpoint through the export
 tools' safe loader (``checkpoint_check``: no pickle beyond torch's checkpoint classes, byte items and
-rank files ``weights_only``, sizes checked); ``--resume auto`` falls back past a refused one, saying so. Resuming under the same layout is exact (same samples,
-same numbers). Under another layout the model and optimizer reshard exactly; sampling seeds depend on
+rank files ``weights_only``, sizes checked); ``--resume auto`` falls back past a refused one, saying so.
+
+Resuming under the same layout is exact (same samples, same numbers). Under another layout the model and optimizer reshard exactly; sampling seeds depend on
 the data-parallel rank and the prompts are re-sharded, so the data position is carried over as the
 number of prompts consumed and the run continues on new samples.
 """
