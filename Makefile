@@ -33,9 +33,11 @@ demo: venv
 test: venv
 	MC_REQUIRE_REAL_MODEL=1 $(PY) -m pytest tests megatron_credit --doctest-modules $(PYTEST_ARGS)
 
+# Every benchmark (benchmarks/run_all.py: what runs, how long each took when measured, the harmless
+# megatron warnings filtered); BENCH='step_overhead,concentration' runs some of them.
+BENCH ?=
 bench: venv
-	for b in credit_kernels step_time step_overhead rollout_cpu reward_pool conversion_memory logprob_memory; do \
-		$(PY) benchmarks/$$b.py || exit 1; done
+	$(PY) benchmarks/run_all.py $(if $(BENCH),--only $(BENCH),)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
