@@ -21,10 +21,10 @@ GQA30 = dict(vocab_size=64, hidden_size=192, intermediate_size=256, num_hidden_l
              num_key_value_heads=2)  # the 135M model's depth and GQA ratio 3:1 at head_dim 32, kept small
 
 
-def _save(path, shape, *, rope_theta=1e4, seed=0):
+def _save(path, shape, *, rope_theta=1e4, seed=0, init=0.2):
     from transformers import Qwen2Config
 
-    cfg = Qwen2Config(**shape, max_position_embeddings=128, initializer_range=0.2, tie_word_embeddings=False,
+    cfg = Qwen2Config(**shape, max_position_embeddings=128, initializer_range=init, tie_word_embeddings=False,
                       bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
     hf = HFRolloutEngine(hf_config=cfg, init_seed=seed, dtype=torch.float32)
     hf.model.save_pretrained(path)
@@ -126,7 +126,7 @@ def test_failed_prompts_greedy_n_sleep_wake(demo):
 
 
 def test_gqa_30_layers_and_rope_override(tmp_path):
-    hf = _save(tmp_path, GQA30, rope_theta=1e4)
+    hf = _save(tmp_path, GQA30, rope_theta=1e4, init=0.05)  # 30 layers at 0.2 blow activations up
     from megatron_credit.rollout.vllm_engine import VLLMRolloutEngine
 
     params = SamplingParams(max_new_tokens=24, n=2, seed=3)
