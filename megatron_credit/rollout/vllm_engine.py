@@ -225,6 +225,13 @@ def failed_samples(prompt: Sequence[int], group_id: int, params: SamplingParams,
     ]
 
 
+def _cuda_available() -> bool:
+    """Which :func:`~megatron_credit.rollout.vllm_setup.vllm_platform` this machine runs (a seam for tests)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _current_cuda_device() -> int:
     import torch
 
@@ -244,7 +251,10 @@ def _hf_overrides(model_path: str, given: Any, *, max_position_embeddings: int |
         raise ValueError("engine_kwargs['hf_overrides'] must be a dict for this engine (it adds the "
                          f"checkpoint's RoPE settings to it); got {type(given).__name__}")
     ours = vllm_hf_overrides(config, max_position_embeddings=max_position_embeddings, rope_theta=rope_theta)
-    return {**ours, **dict(given or {})}
+    given = dict(given or {})
+    if "rope_theta" in given and "rope_parameters" not in given:  # vLLM reads rope_parameters only
+        given["rope_parameters"] = {**ours["rope_parameters"], "rope_theta": float(given["rope_theta"])}
+    return {**ours, **given}
 
 
 @ROLLOUT_ENGINES.register("vllm")
@@ -287,9 +297,7 @@ class VLLMRolloutEngine:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         engine_kwargs = dict(engine_kwargs or {})
-        import torch
-
-        platform = vllm_platform(cuda=torch.cuda.is_available(), gpu_memory_utilization=gpu_memory_utilization)
+        platform = vllm_platform(cuda=_cuda_available(), gpu_memory_utilization=gpu_memory_utilization)
         if weight_transfer is None:
             weight_transfer = platform.weight_transfers[0]
         if weight_transfer not in platform.weight_transfers:
