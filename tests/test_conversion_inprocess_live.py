@@ -99,9 +99,14 @@ def _check_buckets(buckets, hf: dict, cfg, tied: bool) -> None:
     names = [n for b in buckets for n, _ in b]
     assert sorted(names) == sorted(hf) and len(names) == len(set(names))
     _hf_order(names, cfg, tied)
+    from megatron_credit.conversion.live import sync_group
+
     sizes = [[t.numel() * t.element_size() for _, t in b] for b in buckets]
-    for b, s in zip(buckets, sizes):
-        assert len(b) >= 1 and (len(b) == 1 or sum(s) <= BUCKET)
+    groups = [[sync_group(n) for n, _ in b] for b in buckets]
+    for g, nxt in zip(groups, groups[1:]):  # never a fused group (one decoder layer) across two buckets
+        assert g[-1] != nxt[0] and not set(g) & set(nxt)
+    for s, g in zip(sizes, groups):  # over the size only by the tensors of the group that opened the bucket
+        assert len(s) >= 1 and sum(x for x, gg in zip(s, g) if gg != g[0]) <= BUCKET or len(set(g)) == 1
     for s, nxt in zip(sizes, sizes[1:]):  # a bucket is closed only when the next tensor does not fit
         assert sum(s) + nxt[0] > BUCKET
     assert len(buckets) > 3
@@ -227,7 +232,16 @@ def test_no_process_group_means_size_one(world1):
     (whole,) = iter_hf_weight_buckets(state, fam, cfg)
     assert [n for n, _ in whole] == [n for b in world1[3] for n, _ in b]
     tiny = list(iter_hf_weight_buckets(state, fam, cfg, bucket_bytes=1))
-    assert [[n for n, _ in b] for b in tiny] == [[n] for b in world1[3] for n, _ in b]
+    from megatron_credit.conversion.live import sync_group
+
+    names = [n for b in world1[3] for n, _ in b]  # with 1-byte buckets: one bucket per sync group
+    want: list[list[str]] = []
+    for n in names:
+        if want and sync_group(want[-1][-1]) == sync_group(n):
+            want[-1].append(n)
+        else:
+            want.append([n])
+    assert [[n for n, _ in b] for b in tiny] == want and any(len(b) > 1 for b in want)
 
 
 def test_transformer_engine_names_are_read_as_fused_norms(world1):

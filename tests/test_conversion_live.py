@@ -126,9 +126,13 @@ def test_buckets_equal_hf_state_on_every_rank(pool, family, tied, tp, pp):
     for buckets in per_rank:
         names = [n for b in buckets for n, _ in b]
         assert sorted(names) == sorted(hf) and len(names) == len(set(names))
-        for b in buckets:
+        from megatron_credit.conversion.live import sync_group
+
+        groups = [[sync_group(n) for n, _ in b] for b in buckets]
+        for b, g in zip(buckets, groups):  # over the size only by one whole group (a decoder layer)
             sizes = [t.numel() * t.element_size() for _, t in b]
-            assert len(b) == 1 or sum(sizes) <= BUCKET
+            assert len(set(g)) == 1 or sum(sizes) <= BUCKET
+        assert all(not set(g) & set(h) for g, h in zip(groups, groups[1:]))  # no group split
         assert len(buckets) > 3
         for b in buckets:
             for n, t in b:

@@ -139,6 +139,7 @@ def fake_vllm(monkeypatch):
         monkeypatch.delenv(var)
     FakeLLM.instances.clear()
     FakeUniProcExecutor.set_device_calls.clear()
+    monkeypatch.setattr(vllm_engine, "_cuda_available", lambda: True)  # the stand-in has GPU vLLM's rules
     return vllm
 
 
@@ -312,11 +313,13 @@ def test_hf_overrides_from_both_config_layouts_and_recipe_overrides():
     llama31_v4 = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                   "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
     llama31_v5 = {"rope_parameters": {"rope_theta": 500000.0, **llama31_v4["rope_scaling"]}}
-    want = {"rope_theta": 500000.0, "rope_scaling": llama31_v4["rope_scaling"]}
+    want = {"rope_theta": 500000.0, "rope_scaling": llama31_v4["rope_scaling"],
+            "rope_parameters": llama31_v5["rope_parameters"]}
     assert vllm_hf_overrides(llama31_v4) == want and vllm_hf_overrides(llama31_v5) == want
     assert rope_from_config_dict({"rope_theta": 1e4, "rope_scaling": {"type": "default"}}) == (1e4, None)
     assert vllm_hf_overrides({"rope_theta": 1e4}, max_position_embeddings=32768, rope_theta=3e5) == {
-        "rope_theta": 3e5, "max_position_embeddings": 32768}
+        "rope_theta": 3e5, "max_position_embeddings": 32768,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 3e5}}
     with pytest.raises(ValueError, match="no rope_theta"):
         vllm_hf_overrides({})
 
@@ -327,4 +330,6 @@ def test_recipe_overrides_need_a_local_model_dir_and_user_overrides_win(fake_vll
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "rope_theta": 1e4}))
     _engine(model_path=str(tmp_path), max_position_embeddings=20480,
             engine_kwargs={"hf_overrides": {"rope_theta": 2e4}})
-    assert FakeLLM.instances[0].kwargs["hf_overrides"] == {"rope_theta": 2e4, "max_position_embeddings": 20480}
+    assert FakeLLM.instances[0].kwargs["hf_overrides"] == {
+        "rope_theta": 2e4, "max_position_embeddings": 20480,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 2e4}}  # the user's theta reaches both

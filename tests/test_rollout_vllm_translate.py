@@ -60,7 +60,10 @@ def test_missing_vllm_raises_a_clear_import_error():
         VLLMRolloutEngine(model_path="/nonexistent", allow_insecure_serialization=True)
 
 
-def test_constructor_validates_before_importing_vllm():
+def test_constructor_validates_before_importing_vllm(monkeypatch):
+    from megatron_credit.rollout import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "_cuda_available", lambda: True)  # GPU defaults (cuda_ipc)
     with pytest.raises(ValueError, match="logprobs_mode"):
         VLLMRolloutEngine(model_path="/x", logprobs_mode="raw_logits")
     with pytest.raises(ValueError, match="sleep_level"):
@@ -68,7 +71,7 @@ def test_constructor_validates_before_importing_vllm():
     with pytest.raises(ValueError, match="allow_insecure_serialization=True"):
         VLLMRolloutEngine(model_path="/x")  # default cuda_ipc transfer without the explicit opt-in
     with pytest.raises(ValueError, match="v1_multiprocessing=False"):
-        VLLMRolloutEngine(model_path="/x", weight_transfer="in_process")
+        VLLMRolloutEngine(model_path="/x", weight_transfer="in_process", v1_multiprocessing=True)
 
 
 # ------------------------------------------------------------------------- executor / transfer checks

@@ -35,7 +35,7 @@ mkdir -p "$(dirname "$REPORT")" "$(dirname "$VENV")" "$(dirname "$VVENV")"
 LOGDIR=$(mktemp -d)
 START=$SECONDS
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
-VLLM_PKGS=("vllm==0.11.0" "transformers>=4.55.2,<5")
+VLLM_PKGS=("vllm==0.33.0")  # issue 25: the engine targets vLLM 0.33 (it pins its own torch and transformers)
 
 left() { echo $(( BUDGET - (SECONDS - START) )); }
 report() { printf '%s\n' "$@" >> "$REPORT"; }

@@ -23,6 +23,19 @@ from megatron_credit.conversion.streaming import expand_rules, rule_to_hf, rule_
 from megatron_credit.conversion.transforms import TPLayout, pad_rows, tp_gather, tp_shard
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def sync_group(hf_name: str) -> str:
+    """The weight-sync group of an HF tensor: its whole decoder layer, or the tensor alone (embeddings,
+    final norm, head). A bucket never splits a group, because vLLM fuses q/k/v and gate/up per layer and
+    its CPU backend's ``reload_weights`` rebuilds a layer wrongly from part of a fused group.
+
+    >>> sync_group("model.layers.3.self_attn.q_proj.weight"), sync_group("lm_head.weight")
+    ('model.layers.3', 'lm_head.weight')
+    """
+    m = _HF_LAYER.match(hf_name)
+    return f"model.layers.{m.group(1)}" if m else hf_name
 
 
 def uses_fused_norms(local_state: Mapping[str, Any]) -> bool:
@@ -121,9 +134,11 @@ def _gather_tp(t: torch.Tensor, layout, tp_group) -> torch.Tensor:
 def iter_hf_weight_buckets(local_state: Mapping[str, torch.Tensor], family: Family, cfg: Any, *, tp_group=None,
                            pp_group=None, layer_offset: int = 0,
                            bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield lists of ``(hf_name, full tensor)`` whose total size is at most ``bucket_bytes``.
+    """Yield lists of ``(hf_name, full tensor)`` of whole sync groups (:func:`sync_group`: one decoder
+    layer, or one other tensor) whose total size is at most ``bucket_bytes``.
 
-    A single tensor larger than ``bucket_bytes`` is a bucket of its own. All ranks of the TP and PP
+    A bucket closes only between groups, so a single group larger than ``bucket_bytes`` is a bucket of
+    its own and a fused group (q/k/v, gate/up) is never split. All ranks of the TP and PP
     groups must call this together (it runs collectives); ``None`` groups mean size 1. Buckets are
     in HF order (embedding, layers, final norm, head) and the same on every rank. Any yielded tensor
     may alias a parameter's memory (no gather or copying transform is guaranteed: TP = 1, norms, a
@@ -142,7 +157,7 @@ def iter_hf_weight_buckets(local_state: Mapping[str, torch.Tensor], family: Fami
     names = parameter_names(local_state)
     device = local_state[names[0]].device if names else torch.device("cpu")
     bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
+    size, group = 0, None  # bytes in ``bucket``; the sync group of its last tensor
     for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused):
         if name not in plan:
             raise ValueError(f"no pipeline stage holds {name!r}; is the model built for this config?")
@@ -155,11 +170,11 @@ def iter_hf_weight_buckets(local_state: Mapping[str, torch.Tensor], family: Fami
             dist.broadcast(full, src=dist.get_global_rank(pp_group, owner), group=pp_group)
         for hf_name, t in zip(hf_names, rule_to_hf(rule, full, dims, name=name), strict=True):
             nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > bucket_bytes:
+            if bucket and size + nbytes > bucket_bytes and sync_group(hf_name) != group:
                 yield bucket
                 bucket, size = [], 0
             bucket.append((hf_name, t))
-            size += nbytes
+            size, group = size + nbytes, sync_group(hf_name)
     if bucket:
         yield bucket
 

