@@ -228,9 +228,10 @@ def _train(run_dir: str, resume: str, overrides=(), patch=None):
 
     recipe = recipe_from_dict(RECIPE, overrides=list(overrides))
     restore, extra = patch() if patch is not None else (lambda: None, None)
-    distributed.initialize(recipe.parallel, seed=recipe.seed)
+    device = distributed.initialize(recipe.parallel, seed=recipe.seed)
     try:
-        return train(recipe, recipe.model.hf_config(), run_dir=run_dir, resume=resume, log=lambda *a: None), None, extra
+        return (train(recipe, recipe.model.hf_config(), run_dir=run_dir, device=device, resume=resume,
+                      log=lambda *a: None), None, extra)
     except ValueError as exc:
         return None, error_line(exc), extra
     finally:

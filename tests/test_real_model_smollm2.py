@@ -213,11 +213,11 @@ def _behaviour_logp(folder: str, ids: torch.Tensor, prompt_len: int, tp: int):
                                "algorithm": {"name": "grpo"},
                                "rollout": {"prompts_per_step": 1, "n": ids.shape[0], "max_response_len": 16},
                                "train": {"num_minibatches": 1}})
-    distributed.initialize(recipe.parallel, seed=0)
+    device = distributed.initialize(recipe.parallel, seed=0)
     try:
         hf = recipe.model.hf_config()
         spec, params = recipe.algorithm.spec_and_params()
-        actor = Actor(hf_config=hf, recipe=recipe, with_reference=False,
+        actor = Actor(hf_config=hf, recipe=recipe, device=device, with_reference=False,
                       **actor_options(spec, params, hf, dtype=torch.float32, pp_size=1))
         assert actor.load_initial_weights(seed=0).startswith("HF weights")
         ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=None, pad_id=hf.pad_token_id,
