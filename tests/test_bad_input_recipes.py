@@ -67,3 +67,22 @@ def test_optimizer_backend_choices_are_checked(overrides, message):
     ok = recipe_from_dict({}, overrides=["optim.backend=megatron", "optim.distributed_optimizer=true",
                                          "cluster.distributed_optimizer=true"])
     assert ok.optim.backend == "megatron" and ok.optim.distributed_optimizer
+
+
+@pytest.mark.parametrize("make", ["missing", "empty folder", "garbage tokenizer.json"])
+def test_a_bad_tokenizer_path_names_the_field_and_the_path(tmp_path, make):
+    """data.tokenizer_path that holds no tokenizer: one ValueError naming the field and the folder (issue 24;
+    it was a transformers traceback)."""
+    from megatron_credit.trainer.loop import hf_tokenizer
+
+    path = tmp_path / "tok"
+    if make != "missing":
+        path.mkdir()
+    if make == "garbage tokenizer.json":
+        (path / "tokenizer.json").write_text("{not json")
+        (path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ValueError) as info:
+        hf_tokenizer(str(path), field="data.tokenizer_path")
+    message = str(info.value)
+    assert message.startswith("data.tokenizer_path: no tokenizer could be loaded from ") and str(path) in message
+    assert "\n" not in message

@@ -147,6 +147,18 @@ def _replica_group(dp_rank: int):
     return mine, src
 
 
+def hf_tokenizer(path: str, *, field: str):
+    """``AutoTokenizer.from_pretrained(path)`` (a folder or a hub name); one that transformers cannot load
+    a tokenizer from is a ``ValueError`` naming the recipe field and the path (issue 24), not a traceback."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"{field}: no tokenizer could be loaded from {path!r} "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+
+
 def build_data(recipe, *, dp_rank: int, dp_size: int, log=lambda *_: None):
     """(tokenizer, train prompt stream, validation prompts or None, the synthetic task or None)."""
     from megatron_credit.data.prompts import DatasetPrompts, SyntheticPrompts
@@ -168,11 +180,10 @@ def build_data(recipe, *, dp_rank: int, dp_size: int, log=lambda *_: None):
         return tokenizer, SyntheticPrompts(task, tokenizer, dp_rank=dp_rank, dp_size=dp_size), val, task
     if d.source == "synthetic_chain":
         return _chain_data(recipe, dp_rank=dp_rank, dp_size=dp_size)
-    from transformers import AutoTokenizer
-
     from megatron_credit.data.dataset import load_prompt_dataset
 
-    tokenizer = AutoTokenizer.from_pretrained(d.tokenizer_path or recipe.model.name_or_path)
+    tokenizer = hf_tokenizer(d.tokenizer_path or recipe.model.name_or_path,
+                             field="data.tokenizer_path" if d.tokenizer_path else "model.name_or_path")
     train_ds = load_prompt_dataset([d.train_path], tokenizer=tokenizer, max_prompt_len=d.max_prompt_len)
     val = None
     if d.val_path and recipe.train.val_every:
