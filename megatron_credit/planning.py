@@ -304,10 +304,10 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     if recipe.data.source == "dataset" and seq > a.max_position_embeddings:  # synthetic prompts are short
         problems.append(f"data.max_prompt_len + rollout.max_response_len = {seq} > max_position_embeddings="
                         f"{a.max_position_embeddings} (set model.max_position_embeddings)")
+    # The trainer pads each micro-batch up to a multiple of 2 x CP (x TP with sequence parallelism), so a
+    # budget that is not a multiple trains (issue 24: the planner refused what torchrun ran); its peak is
+    # the budget rounded up to that multiple.
     multiple = required_multiple(cp, tp, p.sequence_parallel)
-    if t.max_tokens_per_microbatch % multiple:
-        problems.append(f"train.max_tokens_per_microbatch={t.max_tokens_per_microbatch} is not a multiple of "
-                        f"{multiple} (2 x CP{' x TP' if p.sequence_parallel else ''})")
     layout = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world": world}
     if a.num_heads % tp or a.num_layers % pp:
         tp = pp = 1  # keep the arithmetic meaningful; the problem is reported above
@@ -330,7 +330,7 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
         critic_params = math.ceil(0.005 * params)  # CompPO's critic: < 0.5 % of the actor
     elif spec.needs_critic:
         critic_params = a.hidden_size + 1  # PPO's value head on the actor trunk
-    micro_tokens = max(t.max_tokens_per_microbatch, seq)
+    micro_tokens = -(-max(t.max_tokens_per_microbatch, seq) // multiple) * multiple
     local_tokens = math.ceil(micro_tokens / cp)
     local_attn = recipe.model.transformer_impl == "local"
     chunk = min(t.logprob_chunk_size, local_tokens)

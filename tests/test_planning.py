@@ -205,3 +205,19 @@ def test_gpu_table_and_unknown_model():
     assert GPUS["h100-80gb"] / GIB == pytest.approx(79.65, abs=0.01)
     with pytest.raises(ValueError, match="known architectures"):
         resolve_hf_config(recipe_from_dict({"model": {"name_or_path": "/models/mystery-70b"}}).model)
+
+
+def test_a_budget_that_is_not_a_multiple_of_2cp_is_planned_as_the_trainer_pads_it():
+    """CP=2 with train.max_tokens_per_microbatch=63: the trainer pads micro-batches to multiples of 4 and
+    trains it, so the plan has no problem (it refused it before, issue 24) and counts 64 tokens, as for 64."""
+    def recipe_with(budget):
+        return recipe_from_dict({
+            "model": {"architecture": TINY_ARCH, "params_dtype": "float32"},
+            "parallel": {"context_parallel_size": 2},
+            "rollout": {"prompts_per_step": 4, "n": 2, "max_response_len": 8},
+            "train": {"num_minibatches": 2, "max_tokens_per_microbatch": budget, "logprob_chunk_size": 16},
+        })
+    odd, even = (plan(r, r.model.hf_config(), nodes=1, gpus_per_node=2, gpu="h100-80gb")
+                 for r in (recipe_with(63), recipe_with(64)))
+    assert odd.problems == () and odd.layout == {"tp": 1, "pp": 1, "cp": 2, "dp": 1, "world": 2}
+    assert odd.terms == even.terms and odd.train_peak == even.train_peak and odd.train_peak > 0
