@@ -139,6 +139,19 @@ def stored_weight_dtypes(metadata, *, keys: Optional[Collection[str]] = None) ->
             if isinstance(m, TensorStorageMetadata) and "norm" not in key and (keys is None or key in keys)}
 
 
+def _check_byte_item(value: io.BytesIO, *, where: str, item: str) -> None:
+    """Load one byte item with ``weights_only=True``: a pickle that needs more is refused
+    (:class:`UnsafeCheckpointError`), bytes torch cannot read are :class:`CheckpointFormatError`."""
+    try:
+        torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(where, f"byte item {item!r} does not load with weights_only=True "
+                                    f"({str(exc).strip().splitlines()[0]}); refusing it") from None
+    except Exception as exc:  # noqa: BLE001  (corrupt bytes: torch's zip reader fails in many ways)
+        raise CheckpointFormatError(where, f"byte item {item!r} is corrupt ({type(exc).__name__}: "
+                                    f"{str(exc).strip()[:200]})") from None
+
+
 @contextlib.contextmanager
 def weights_only_byte_items(where: str) -> Iterator[None]:
     """While active, every byte item torch's load planner reads must load with ``weights_only=True``.
@@ -154,15 +167,7 @@ def weights_only_byte_items(where: str) -> Iterator[None]:
     original = DefaultLoadPlanner.load_bytes
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        item = read_item.dest_index.fqn
-        try:
-            torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(where, f"byte item {item!r} does not load with weights_only=True "
-                                        f"({str(exc).strip().splitlines()[0]}); refusing it") from None
-        except Exception as exc:  # noqa: BLE001  (corrupt bytes: torch's zip reader fails in many ways)
-            raise CheckpointFormatError(where, f"byte item {item!r} is corrupt ({type(exc).__name__}: "
-                                        f"{str(exc).strip()[:200]})") from None
+        _check_byte_item(value, where=where, item=read_item.dest_index.fqn)
         value.seek(0)
         original(self, read_item, value)
 
@@ -212,14 +217,7 @@ def check_byte_items(model_dir: str | os.PathLike, metadata) -> int:
         with open(path, "rb") as f:
             f.seek(int(info.offset))
             blob = f.read(int(info.length))
-        try:
-            torch.load(io.BytesIO(blob), weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise UnsafeCheckpointError(path, f"byte item {index.fqn!r} does not load with weights_only=True "
-                                        f"({str(exc).strip().splitlines()[0]}); refusing it") from None
-        except Exception as exc:  # noqa: BLE001  (corrupt bytes: torch's zip reader fails in many ways)
-            raise CheckpointFormatError(path, f"byte item {index.fqn!r} is corrupt ({type(exc).__name__}: "
-                                        f"{str(exc).strip()[:200]})") from None
+        _check_byte_item(io.BytesIO(blob), where=path, item=index.fqn)
         checked += 1
     return checked
 
