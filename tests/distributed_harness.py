@@ -146,3 +146,28 @@ def load_balanced_shard(t: torch.Tensor, cp: int, r: int) -> torch.Tensor:
     """
     c = t.shape[1] // (2 * cp)
     return torch.cat([t[:, r * c:(r + 1) * c], t[:, (2 * cp - 1 - r) * c:(2 * cp - r) * c]], dim=1)
+
+
+def pipeline_forward(model, ids: torch.Tensor, pos: torch.Tensor, attn_mask, *, hidden_size: int):
+    """One no-grad forward of a megatron GPTModel over its PP stages (activations sent stage to stage) and
+    TP ranks; returns the full-vocabulary logits ``[B, S, V]`` on the last stage, None on the others."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    b, s = ids.shape
+    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    tp = ps.get_tensor_model_parallel_world_size()
+    with torch.no_grad():
+        group = ps.get_pipeline_model_parallel_group()
+        ranks = dist.get_process_group_ranks(group)
+        if pp_rank > 0:
+            hidden = torch.empty(s, b, hidden_size)
+            dist.recv(hidden, src=ranks[pp_rank - 1], group=group)
+            model.set_input_tensor(hidden)
+        out = model(ids, pos, attn_mask)
+        if pp_rank < pp - 1:
+            dist.send(out.contiguous(), dst=ranks[pp_rank + 1], group=group)
+            return None
+        parts = [torch.empty_like(out) for _ in range(tp)]
+        dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+        return torch.cat(parts, dim=-1)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_harness import DistributedPool
+from tests.distributed_harness import DistributedPool, pipeline_forward
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ["qwen2", "qwen3", "llama"]
@@ -134,20 +134,7 @@ def _megatron_logits(hf_dir: str, tp: int, pp: int, *, ckpt_dir: str | None = No
         causal = torch.tril(torch.ones(s, s, dtype=torch.bool))
         allowed = causal & (mask.bool()[:, None, :] | torch.eye(s, dtype=torch.bool))  # [B, S, S]
         attn_mask = ~allowed[:, None]  # megatron: True = masked out, [B, 1, S, S]
-        with torch.no_grad():
-            pp_group = ps.get_pipeline_model_parallel_group()
-            ranks = dist.get_process_group_ranks(pp_group)
-            if pp_rank > 0:
-                hidden = torch.empty(s, len(LENGTHS), cfg.hidden_size)
-                dist.recv(hidden, src=ranks[pp_rank - 1], group=pp_group)
-                model.set_input_tensor(hidden)
-            out = model(ids, pos, attn_mask)
-            if pp_rank < pp - 1:
-                dist.send(out.contiguous(), dst=ranks[pp_rank + 1], group=pp_group)
-                return None
-            parts = [torch.empty_like(out) for _ in range(tp)]
-            dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
-            return torch.cat(parts, dim=-1)
+        return pipeline_forward(model, ids, pos, attn_mask, hidden_size=cfg.hidden_size)
     finally:
         distributed.destroy()
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_harness import DistributedPool
+from tests.distributed_harness import DistributedPool, pipeline_forward
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -166,20 +166,7 @@ def _megatron_logits(folder: str, ids: torch.Tensor, tp: int, pp: int):
         model.eval()
         b, s = ids.shape
         pos = torch.arange(s).expand(b, s)
-        with torch.no_grad():
-            group = ps.get_pipeline_model_parallel_group()
-            ranks = dist.get_process_group_ranks(group)
-            if pp_rank > 0:
-                hidden = torch.empty(s, b, cfg.hidden_size)
-                dist.recv(hidden, src=ranks[pp_rank - 1], group=group)
-                model.set_input_tensor(hidden)
-            out = model(ids, pos, None)
-            if pp_rank < pp - 1:
-                dist.send(out.contiguous(), dst=ranks[pp_rank + 1], group=group)
-                return None
-            parts = [torch.empty_like(out) for _ in range(tp)]
-            dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
-            return torch.cat(parts, dim=-1)
+        return pipeline_forward(model, ids, pos, None, hidden_size=cfg.hidden_size)
     finally:
         distributed.destroy()
 
