@@ -156,10 +156,24 @@ def get_batch_on_this_cp_rank(batch: dict, *, cp_group=None) -> dict:
 
 
 def destroy(*, process_group: bool = False) -> None:
-    """Tear down megatron's groups (and the default process group when ``process_group``)."""
+    """Tear down megatron's groups (and the default process group when ``process_group``).
+
+    ``destroy_model_parallel`` only forgets megatron's groups; each gloo group keeps three threads
+    (two ``pt_gloo_runloop``, one ``gloo_tcp_loop``) until it is destroyed. A process that initializes
+    again (a test pool's worker, a resumed run in the same process) gained ~50 threads per cycle, and
+    with hundreds of them the machine's run queue filled. So every group but the default one is
+    destroyed here; destroying a subgroup is local (no collective).
+    """
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        from torch.distributed import distributed_c10d
+
+        default = distributed_c10d._get_default_group()
+        for group in list(distributed_c10d._world.pg_map):
+            if group is not default:
+                dist.destroy_process_group(group)
     if process_group and dist.is_initialized():
         dist.destroy_process_group()
 
