@@ -242,6 +242,17 @@ def test_a_bad_bucket_is_refused_before_it_is_sent_and_a_dropped_one_is_named(fa
         with pytest.raises(ValueError, match=match):
             eng.update_weights([bucket])
         assert len(llm.loaded) == sent  # nothing of it reached the engine
+    # A bucket the engine's loaders fail on (here: the transport) leaves generate refusing until a sync succeeds.
+    def failing_rpc(method, args=()):
+        raise KeyError("qkv_proj")
+
+    llm.collective_rpc = failing_rpc
+    with pytest.raises(ValueError, match=r"^vLLM weight sync \(in_process, worker method load_hf_weights\) of the "
+                                         r"bucket \['model.embed_tokens.weight'\] failed: KeyError"):
+        eng.update_weights(others)
+    with pytest.raises(RuntimeError, match="failed weight sync"):
+        eng.generate([[1]], SamplingParams(max_new_tokens=1))
+    del llm.collective_rpc  # the fake's own again
     with pytest.raises(ValueError, match=r"12 parameter\(s\).*received no tensor.*model\.layers\.0\."):
         eng.update_weights(others)  # the decoder layer's bucket dropped
     assert eng.update_weights(others, strict=False) == 3

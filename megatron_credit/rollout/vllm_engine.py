@@ -365,10 +365,12 @@ class VLLMRolloutEngine:
         Prompts vLLM would reject (empty, or no room in ``max_model_len``) give FAILED samples and are not
         sent: vLLM rejects a whole ``generate`` call for one bad prompt.
         """
+        self._check_alive()
         if self._state != "awake":
             raise RuntimeError("the engine is asleep: call wake_up() before generate()")
         if not self._weights_valid:
-            raise RuntimeError("the engine holds no valid weights (dummy load or level-2 sleep): update_weights first")
+            raise RuntimeError("the engine holds no valid weights (dummy load, level-2 sleep, or a failed weight "
+                               "sync): update_weights first")
         if params.logprobs_mode != self.logprobs_mode:
             raise ValueError(f"this vLLM engine was built with logprobs_mode={self.logprobs_mode!r} "
                              f"(fixed per engine in vLLM); got {params.logprobs_mode!r}")
@@ -470,8 +472,14 @@ class VLLMRolloutEngine:
                 method, payload = self.platform.worker_method, tensors
             what = f"weight sync ({self.weight_transfer}, worker method {method}) of the bucket " \
                    f"{names[:4]}{'...' if len(names) > 4 else ''}"
-            # Synchronous: ``tensors`` stay alive until every worker has copied them.
-            self._call(what, lambda: self._llm.collective_rpc(method, args=(payload,)))
+            try:
+                # Synchronous: ``tensors`` stay alive until every worker has copied them.
+                self._call(what, lambda: self._llm.collective_rpc(method, args=(payload,)))
+            except Exception:
+                # The worker may have left a layer half rebuilt (vLLM's reload): generating with it could
+                # kill the engine, so generate() refuses until a sync succeeds.
+                self._weights_valid = False
+                raise
             count += len(names)
             sent.update(names)
             del tensors, payload, bucket
@@ -486,7 +494,7 @@ class VLLMRolloutEngine:
 
     def _check_alive(self) -> None:
         if self._dead:
-            raise RuntimeError(f"the vLLM engine is dead ({self._dead}): build a new engine")
+            raise RuntimeError(f"the vLLM engine is unusable: {self._dead}")
 
     def _call(self, what: str, fn):
         """``fn()``; an engine that died in it raises one RuntimeError, any other failure one ValueError."""
@@ -498,7 +506,7 @@ class VLLMRolloutEngine:
         try:
             return fn()
         except EngineDeadError as e:
-            self._dead = f"its engine-core process died during {what}"
+            self._dead = f"its engine-core process died during {what}; build a new engine"
             raise RuntimeError(f"the vLLM engine died during {what} ({type(e).__name__}); see the engine's log "
                                "above for the cause; build a new engine") from None
         except Exception as e:  # e.g. KeyError / AssertionError from vLLM's weight loaders, or transport
@@ -512,6 +520,7 @@ class VLLMRolloutEngine:
         In state "weights" (woken for a sync, KV cache still released) vLLM counts as asleep and would
         ignore ``sleep``; the KV cache is woken first so that the weights are released again.
         """
+        self._check_alive()
         if self._state == "asleep":
             return
         if not self.platform.sleep_mode:  # vLLM on CPU has no sleep mode: nothing is released
@@ -527,6 +536,7 @@ class VLLMRolloutEngine:
 
     def wake_up(self) -> None:
         """Re-allocate what :meth:`sleep` released (only the KV cache after a weight sync while asleep)."""
+        self._check_alive()
         if not self.platform.sleep_mode:
             pass
         elif self._state == "asleep":
@@ -536,10 +546,15 @@ class VLLMRolloutEngine:
         self._state = "awake"
 
     def close(self) -> None:
+        """Shut the engine down (its processes, its memory, ``from_recipe``'s temporary folder); afterwards
+        every call but ``close`` raises RuntimeError."""
+        if self._llm is None:
+            return
         engine_core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
         self._llm = None
+        self._dead = "it was closed"
         if self._config_dir is not None:
             self._config_dir.cleanup()
             self._config_dir = None
