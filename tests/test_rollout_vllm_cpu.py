@@ -55,15 +55,10 @@ def _mismatch(hf_model, batch):
 
 
 def _layer_buckets(model):
-    from megatron_credit.conversion.live import sync_group
+    """One bucket per decoder layer (embedding and head apart): the trainer's bucketing (``group_buckets``)."""
+    from megatron_credit.conversion.live import group_buckets
 
-    buckets: list[list] = []
-    for name, t in model.state_dict().items():
-        if buckets and sync_group(buckets[-1][-1][0]) == sync_group(name):
-            buckets[-1].append((name, t))
-        else:
-            buckets.append([(name, t)])
-    return buckets
+    return list(group_buckets(model.state_dict().items(), bucket_bytes=1))
 
 
 @pytest.fixture(scope="module")
