@@ -273,7 +273,8 @@ def test_vllm_engine_logprobs_match_the_trainers(pool3, smollm2_dir):
     m = mask[:, :-1]
     assert int(m.sum()) == 4 * 12 and torch.equal(m, padded.response_mask[:, 1:])
     err = (trainer - engine).abs()[m]
-    assert err.max().item() < 2e-3, err.max().item()  # measured: see the closing note of issue 26
+    # fp32 on both sides, different kernels (vLLM CPU attention vs megatron local spec): rounding only
+    assert err.max().item() < 2e-3, err.max().item()
     assert err.mean().item() < 2e-4, err.mean().item()
     assert engine[m].min() < -1  # sampled tokens of some surprise, not only near-certain ones
 
