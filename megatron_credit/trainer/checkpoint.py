@@ -86,6 +86,47 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def reference_extras(actor) -> dict[str, Any]:
+    """The frozen reference as a rank file saves it. A reference that is still the HF weights the run
+    started from (``actor.reference_from``: ``model.name_or_path``, no warm-up, no layout change since) is
+    saved as that path and a SHA-256 of this rank's shard, not as a second copy of the weights (a
+    135M-parameter model's checkpoint shrank by 0.5 GB so); any other reference in full."""
+    if getattr(actor, "reference_from", None) is not None:
+        return {"hf_weights": actor.reference_from, "sha256": state_digest(actor.reference.state_dict())}
+    # host copies: the rank file is read back with map_location="cpu" (and on another device count)
+    return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in actor.reference.state_dict().items()}
+
+
+def load_reference(actor, saved: dict[str, Any], *, path: str) -> None:
+    """Restore the reference from a rank file's entry (:func:`reference_extras`). The HF-weights form is
+    checked: the reference the trainer just loaded from ``model.name_or_path`` must be the saved one,
+    bit for bit, or the resume stops naming the folder."""
+    if "hf_weights" not in saved:
+        actor.reference.load_state_dict(saved)
+        actor.reference_from = None
+        return
+    mine = getattr(actor, "reference_from", None)
+    if mine is None or os.path.abspath(mine) != os.path.abspath(saved["hf_weights"]) or \
+            state_digest(actor.reference.state_dict()) != saved["sha256"]:
+        raise ValueError(f"--resume {path}: the reference model was saved as the HF weights of "
+                         f"{saved['hf_weights']!r}, and model.name_or_path ({actor.recipe.model.name_or_path!r}) "
+                         "does not hold those weights now (changed or another folder)")
+
+
+def state_digest(state: dict[str, Any]) -> str:
+    """SHA-256 of a state dict's tensors (names, dtypes, shapes and bytes, in key order)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in sorted(state):
+        v = state[k]
+        if isinstance(v, torch.Tensor):
+            v = v.detach().cpu().contiguous()
+            h.update(f"{k}:{v.dtype}:{tuple(v.shape)};".encode())
+            h.update(v.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 MODEL_OPTIM = "model_optim"
 CRITIC_OPTIM = "critic_optim"
 

@@ -313,7 +313,7 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
             _load_controls(ctx, extras)
             ckpt.set_rng_state(extras["rng"])
             if actor.reference is not None:
-                actor.reference.load_state_dict(extras["reference"])
+                ckpt.load_reference(actor, extras["reference"], path=path)
             log(f"resumed from {path} (iteration {start})")
         else:
             # Another layout: the weights and optimizer resharded exactly; the data position is carried
@@ -421,9 +421,7 @@ def _save(run_dir, step, ctx, prompts, layout) -> None:
     actor = ctx.actor
     extras = {"prompts": prompts.state_dict(), "rng": ckpt.rng_state()}
     if actor.reference is not None:
-        # host copies: the rank file is read back with map_location="cpu" (and on another device count)
-        extras["reference"] = {k: v.cpu() if isinstance(v, torch.Tensor) else v
-                               for k, v in actor.reference.state_dict().items()}
+        extras["reference"] = ckpt.reference_extras(actor)
     if ctx.gate_control is not None:
         extras["gate_control"] = ctx.gate_control.state_dict()
     if ctx.phase is not None:

@@ -23,24 +23,55 @@ def rl_iteration(ctx, iteration: int) -> dict[str, float]:
         batch, rollout_metrics = ctx.rollouts.collect(iteration)  # engine + reward pool + dyn. sampling
     ctx.check_length(int(batch.seq_lens.max()))
     plan = plan_microbatches(ctx, batch)
+    fused = fused_old_logprob(ctx)
     with timer("old_logprob"):
-        behaviour_pass(ctx, batch, plan)  # old_logp (+ values, ref_logp, gates), the update's micro-batches
+        behaviour_pass(ctx, batch, plan, skip_first=fused)  # old_logp (+ values, ref_logp, gates)
     stats = StatSums()
     with timer("advantages"):
         compute_advantages(ctx, batch, iteration, stats)
-    if batch.old_logp is not None:  # engine vs trainer log-probs of the sampled tokens
-        diff = torch.where(batch.loss_mask, (batch.old_logp - batch.rollout_logp).abs(), 0.0)
-        stats.add({"sum:mismatch_abs": diff.sum(), "sum:mismatch_tokens": batch.loss_mask.sum()})
+    if not fused:
+        add_mismatch(batch, stats)
     with timer("update"):
         for epoch in range(ctx.knobs.epochs):
             for i, mini in enumerate(plan):
-                update_minibatch(ctx, batch, mini, stats, first=epoch == 0 and i == 0)
+                update_minibatch(ctx, batch, mini, stats, first=epoch == 0 and i == 0,
+                                 old_from_update=fused and epoch == 0 and i == 0)
+    if fused:  # the first mini-batch's old log-probs exist only now
+        add_mismatch(batch, stats)
     with timer("sync"):
         ctx.rollouts.sync_weights()
     return {**rollout_metrics, **ctx.reduce_stats(stats)}
 
 
 # --------------------------------------------------------------------------------------------- parts
+def add_mismatch(batch: TrainBatch, stats: StatSums) -> None:
+    """Engine vs trainer log-probs of the sampled tokens (``rollout/mismatch_*``)."""
+    if batch.old_logp is not None:
+        diff = torch.where(batch.loss_mask, (batch.old_logp - batch.rollout_logp).abs(), 0.0)
+        stats.add({"sum:mismatch_abs": diff.sum(), "sum:mismatch_tokens": batch.loss_mask.sum()})
+
+
+def fused_old_logprob(ctx) -> bool:
+    """``train.fuse_old_logprob``: the first mini-batch of the iteration is updated with the very policy
+    that the behaviour pass would run, so its old log-probs are the update forward's own log-probs,
+    detached (as verl does on-policy): the same loss and gradient without that forward pass. Later
+    mini-batches keep their behaviour pass. Needs one epoch (a second one reads old log-probs of the
+    first mini-batch after it was updated) and nothing else from the policy's pass (CompPO's attention
+    capture, a value head on the trunk): those are refused naming the field."""
+    if not getattr(ctx.recipe.train, "fuse_old_logprob", False):
+        return False
+    why = None
+    if ctx.knobs.epochs != 1:
+        why = f"{ctx.knobs.epochs} epochs (train.epochs or the phase table): needs 1"
+    elif ctx.spec.needs_gates:
+        why = "this algorithm's gates come from the behaviour pass's attention capture"
+    elif ctx.actor.with_critic:
+        why = "the values of the critic head on the trunk come from the behaviour pass"
+    if why is not None:
+        raise ValueError(f"train.fuse_old_logprob: {why}; set train.fuse_old_logprob=false")
+    return True
+
+
 def plan_microbatches(ctx, batch: TrainBatch) -> list[list[list[int]]]:
     """One micro-batch plan per iteration, used by the behaviour pass and by every update epoch."""
     t = ctx.recipe.train
@@ -60,9 +91,11 @@ def microbatches(ctx, batch: TrainBatch, mini: list[list[int]]):
                             cp_size=ctx.actor.cp_size, cp_rank=ctx.actor.cp_rank) for mb, s, r in zip(mini, lens, rows)]
 
 
-def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
+def behaviour_pass(ctx, batch: TrainBatch, plan, *, skip_first: bool = False) -> None:
     """Recompute ``old_logp`` (and critic ``values``, reference ``ref_logp``) with the update's plan; the
-    outputs are copied from the actor's device into the batch (host memory, ``batch.py``)."""
+    outputs are copied from the actor's device into the batch (host memory, ``batch.py``).
+    ``skip_first`` (``train.fuse_old_logprob``): the policy's pass skips the first mini-batch, whose
+    ``old_logp`` the update writes (zeros until then)."""
     actor, critic = ctx.actor, ctx.critic
     with_ref = ctx.knobs.kl_coef > 0
     capture = ctx.spec.needs_gates  # CompPO: the final layer's attention statistics in the same pass
@@ -92,9 +125,11 @@ def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
             out["values"] = values.detach()
         return mb.tensors["loss_mask"].new_zeros((), dtype=torch.float32), out
 
-    for mini in plan:
+    for j, mini in enumerate(plan):
         mbs = microbatches(ctx, batch, mini)
         for mapping, run in passes:
+            if skip_first and j == 0 and mapping is main:
+                continue
             for mb, out in zip(mbs, run(mbs)):
                 for key, field in mapping.items():
                     if key in out:
@@ -147,10 +182,11 @@ def compute_advantages(ctx, batch: TrainBatch, iteration: int = 1, stats: "StatS
 
 
 def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "StatSums", *,
-                     first: bool = False) -> None:
+                     first: bool = False, old_from_update: bool = False) -> None:
     """One optimizer step over one mini-batch: forward-backward of its micro-batches, reduce, clip, step.
     ``first``: the iteration's first mini-batch (its FIPO weights are also logged apart: on-policy, they
-    must be exactly 1)."""
+    must be exactly 1). ``old_from_update`` (``train.fuse_old_logprob``): the old log-probs are this
+    forward's own, detached, and are written into ``batch.old_logp`` after it."""
     rows = [i for mb in mini for i in mb]
     den = step_denominators(batch.loss_mask[rows], norm_length=ctx.recipe.rollout.max_response_len,
                             device=ctx.actor.device, dp_group=ctx.actor.dp_group)
@@ -159,8 +195,13 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
     kl = KL_ESTIMATORS.get(alg.kl_estimator) if knobs.kl_coef > 0 else None
     cp_group = ctx.actor.cp_group if ctx.actor.cp_size > 1 else None
 
+    fresh_old = []  # (micro-batch, detached log-probs) of an old_from_update step
+
     def loss_fn(mb, logp, ent, values, aux):
         t, mask = mb.tensors, mb.tensors["loss_mask"]
+        if old_from_update:
+            t = {**t, "old_logp": logp.detach()}
+            fresh_old.append((mb, t["old_logp"]))
         is_w, tis = None, {}
         if alg.tis_cap is not None:  # engine vs trainer mismatch: min(pi_old / pi_engine, C)
             is_w, tis = truncated_is_weights(t["old_logp"], t["rollout_logp"], mask, cap=alg.tis_cap)
@@ -197,6 +238,10 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
 
     mbs = microbatches(ctx, batch, mini)
     out = ctx.actor.run(mbs, loss_fn, forward_only=False)
+    for mb, old in fresh_old:  # as the behaviour pass writes them (the last stage only computes losses)
+        n = min(mb.seq_len, batch.old_logp.shape[1])
+        full = ctx.gather_cp(old)
+        batch.old_logp[list(mb.rows), :n] = full[: len(mb.rows), :n].to(batch.old_logp.device, batch.old_logp.dtype)
     local = StatSums()
     for s in out:
         local.add(s)
