@@ -65,7 +65,7 @@ mutation: $(VENV)/bin/mutmut
 	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS)
 	$(PY) tools/mutation_report.py
 
-# The one prepared GPU check (tools/gpu_check.sh): under 8 minutes on one H200, writes
+# The one prepared GPU check (tools/gpu_check.sh): about 10 minutes on one H200 (the trainer first), writes
 # runs/gpu_check_report.md (or $(GPU_CHECK_REPORT)); every part degrades to "skipped: why".
 .PHONY: gpu-check
 gpu-check:
