@@ -137,6 +137,9 @@ def _main(args) -> int:
                   "dry run: the layout is valid for this world size but its memory plan does not fit (exit 1); "
                   "nothing was built")
         return 0 if result.fits else 1
+    from megatron_credit.device_fields import check_device_fields
+
+    check_device_fields(recipe)  # TE, bf16, CUDA fields this machine cannot honour: one line naming the field
     run_dir = args.output_dir or os.path.join("runs", os.path.splitext(os.path.basename(config))[0])
     finished = finished_line(run_dir, recipe) if args.resume == "auto" else None
     if finished is not None:  # a second `make demo`: say so in one line, build nothing

@@ -14,7 +14,7 @@
   builds ``torch.tensor(..., device=)`` on the CPU then moves it (it bypasses dispatch), makes
   ``pin_memory()`` the identity and ``tensor.type()`` of a fakegpu tensor answer ``torch.cuda.*Tensor``
   (megatron's optimizers check parameter types by that name);
-- ``torch.cuda.is_available / current_device / set_device / synchronize / device_count`` answer like a
+- ``torch.cuda.is_available / current_device / set_device / synchronize / device_count / current_stream`` answer like a
   one-GPU machine; megatron's ``model_parallel_cuda_manual_seed`` installs the CPU RNG tracker with the
   seeds megatron's CUDA tracker would use (CUDA generators do not exist here);
 - ``Tensor.data = x`` (megatron's ``deallocate_output_tensor``, the tied embedding's ``.cuda()``) works
@@ -330,12 +330,16 @@ def fake_cuda():
     """The emulated one-GPU machine (see the module docstring); yields ``fakegpu:0``."""
     from unittest import mock
 
+    from megatron_credit.distributed.cpu_shims import _NoStream
+
     device = register()
     patches = [mock.patch("torch.cuda.is_available", lambda: True),
                mock.patch("torch.cuda.current_device", lambda: 0),
                mock.patch("torch.cuda.device_count", lambda: 1),
                mock.patch("torch.cuda.set_device", lambda d: None),
                mock.patch("torch.cuda.synchronize", lambda d=None: None),
+               # megatron-core 0.19's start_grad_sync waits on CUDA-graph events of the current stream
+               mock.patch("torch.cuda.current_stream", lambda device=None: _NoStream()),
                mock.patch("torch.cuda.empty_cache", lambda: None),
                mock.patch("torch.Generator", _HostGenerator),
                mock.patch("torch.cuda.get_rng_state", lambda device="cuda": _CUDA_RNG["state"].clone()),

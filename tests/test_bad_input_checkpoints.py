@@ -288,7 +288,8 @@ def _truncate(path: Path, keep: int | None = None) -> None:
 DIST_CASES = {
     "deleted distcp": (lambda c: (c / "model" / "__0_0.distcp").unlink(), "__0_0.distcp' is missing"),
     "truncated distcp": (lambda c: _truncate(c / "model" / "__0_0.distcp"), "__0_0.distcp'.* truncated"),
-    "deleted common.pt": (lambda c: (c / "model" / "common.pt").unlink(), "common.pt' is missing"),
+    "deleted common state": (lambda c: _drop_common_state(c / "model"),
+                             "common.pt' is missing, and .metadata names no 'common_state/shard_0_1' item"),
     "deleted .metadata": (lambda c: (c / "model" / ".metadata").unlink(), ".metadata' is missing"),
     "truncated .metadata": (lambda c: _truncate(c / "model" / ".metadata"), ".metadata' cannot be read"),
     "random .metadata": (lambda c: (c / "model" / ".metadata").write_bytes(bytes(range(256))),
@@ -298,10 +299,33 @@ DIST_CASES = {
 }
 
 
+def _drop_common_state(model: Path) -> None:
+    """Delete the common state in either layout: common.pt (megatron-core 0.16) or 0.19's .distcp item."""
+    from megatron_credit.conversion.safe_load import COMMON_STATE_KEY, read_dist_metadata
+
+    if (model / "common.pt").exists():
+        (model / "common.pt").unlink()
+    md = read_dist_metadata(model)
+    for index in [i for i in md.storage_data if i.fqn == COMMON_STATE_KEY]:
+        del md.state_dict_metadata[COMMON_STATE_KEY], md.storage_data[index]
+        (model / ".metadata").write_bytes(pickle.dumps(md))
+
+
+LAYOUTS = ["0.16", "0.19"]  # megatron-core 0.16's common.pt, 0.19's common state inside __0_0.distcp
+
+
+def _layout(ckpt: Path, layout: str) -> Path:
+    from megatron_credit.conversion.testing import rewrite_common_state
+
+    rewrite_common_state(ckpt / "model", layout)
+    return ckpt
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", sorted(DIST_CASES))
-def test_damaged_dist_checkpoint_gets_one_clear_error(ckpt, tmp_path, case):
+def test_damaged_dist_checkpoint_gets_one_clear_error(ckpt, tmp_path, case, layout):
     damage, message = DIST_CASES[case]
-    damage(ckpt)
+    damage(_layout(ckpt, layout))
     with pytest.raises((CheckpointFormatError, FileNotFoundError), match=message):
         _to_hf(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -397,15 +421,43 @@ def test_failed_import_leaves_nothing(produced):
 
 
 # --- the command line ----------------------------------------------------------------------------------
-def test_converter_cli_prints_one_line_and_exits_2(ckpt, tmp_path, capsys):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_converter_cli_prints_one_line_and_exits_2(ckpt, tmp_path, capsys, layout):
     from tools import convert_megatron_to_hf as to_hf
 
-    (ckpt / "model" / "common.pt").unlink()
+    _drop_common_state(_layout(ckpt, layout) / "model")
     assert to_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: ") and "common.pt' is missing" in err, err
+    assert err.count("\n") == 1 and err.startswith("error: ") and "common.pt' is missing, and .metadata names no " \
+        "'common_state/shard_0_1' item" in err, err
     with pytest.raises(CheckpointFormatError, match="common.pt' is missing"):
         to_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "out"), "--no-progress", "--debug"])
+    assert not (tmp_path / "out").exists()
+
+
+def test_crafted_common_state_pickle_is_one_line_and_runs_nothing(ckpt, tmp_path, capsys):
+    """megatron-core 0.19's common_state/shard_0_1 byte item replaced by a pickle that runs code (torch's
+    load planner would unpickle it with weights_only=False): the converter prints one line naming the
+    file and the item, and exits 2; nothing ran, nothing was written."""
+    from megatron_credit.conversion.safe_load import COMMON_STATE_KEY, read_dist_metadata
+    from tools import convert_megatron_to_hf as to_hf
+
+    model = _layout(ckpt, "0.19") / "model"
+    md = read_dist_metadata(model)
+    index = next(i for i in md.storage_data if i.fqn == COMMON_STATE_KEY)
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps([_RunsCode(marker)], protocol=2)  # a plain pickle: torch.load(weights_only=False) runs it
+    info = md.storage_data[index]
+    with open(model / info.relative_path, "ab") as f:
+        md.storage_data[index] = type(info)(relative_path=info.relative_path, offset=f.tell(), length=len(payload))
+        f.write(payload)
+    (model / ".metadata").write_bytes(pickle.dumps(md))
+    assert to_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {str(model / '__0_0.distcp')!r} byte item "
+                                                   "'common_state/shard_0_1' does not load with weights_only=True ("), err
+    assert err.rstrip().endswith("); refusing it"), err
+    assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 def test_cli_keeps_the_traceback_of_internal_errors(capsys):

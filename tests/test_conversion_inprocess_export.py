@@ -35,8 +35,9 @@ from safetensors import safe_open
 from megatron_credit.conversion import checkpoint as C
 from megatron_credit.conversion.export_target import MANIFEST_NAME
 from megatron_credit.conversion.hf_io import INDEX_NAME, CheckpointFormatError, SafetensorsReader
-from megatron_credit.conversion.safe_load import (UnsafeCheckpointError, check_dist_checkpoint, read_dist_metadata,
-                                                  stored_weight_dtypes)
+from megatron_credit.conversion.safe_load import (COMMON_STATE_KEY, UnsafeCheckpointError, check_dist_checkpoint,
+                                                  megatron_reads_common_state, read_dist_metadata, stored_weight_dtypes)
+from megatron_credit.conversion.testing import rewrite_common_state
 
 SHARD_BYTES = 20_000  # the tiny model's bf16 weights are ~150 KB: several shards
 TOKENIZER = {"tokenizer_config.json": '{"model_max_length": 64}\n', "chat_template.jinja": "{{ messages }}\n"}
@@ -514,7 +515,9 @@ DAMAGE = {  # damage(model dir) -> (file named, message)
                           r"cannot be read \(UnpicklingError: .*\): truncated or not a torch_dist checkpoint"),
     ".metadata of a dict": (lambda m: (m / ".metadata").write_bytes(pickle.dumps({"a": 1})), ".metadata",
                             "holds a dict, not checkpoint metadata"),
-    "no common.pt": (lambda m: (m / "common.pt").unlink(), "common.pt", "is missing: the checkpoint is incomplete"),
+    "no common state": (lambda m: _drop_common_state(m), "common.pt",
+                        r"is missing, and \.metadata names no 'common_state/shard_0_1' item \(megatron-core 0\.19's "
+                        r"place for the common state\): the checkpoint is incomplete"),
     "no metadata.json": (lambda m: (m / "metadata.json").unlink(), "metadata.json",
                          "is missing: the checkpoint is incomplete"),
     "metadata.json not json": (lambda m: (m / "metadata.json").write_text("{"), "metadata.json",
@@ -532,10 +535,25 @@ DAMAGE = {  # damage(model dir) -> (file named, message)
 }
 
 
+def _drop_common_state(model: Path) -> None:
+    """Delete the common state, in whichever layout ``model`` keeps it (common.pt or the .distcp item)."""
+    if (model / "common.pt").exists():
+        (model / "common.pt").unlink()
+    md = read_dist_metadata(model)
+    index = [i for i in md.storage_data if i.fqn == COMMON_STATE_KEY]
+    if index:
+        del md.state_dict_metadata[COMMON_STATE_KEY], md.storage_data[index[0]]
+        _write_metadata(model, md)
+
+
+@pytest.mark.parametrize("layout", ["0.16", "0.19"])
 @pytest.mark.parametrize("case", sorted(DAMAGE))
-def test_damaged_dist_checkpoint_is_named(made, tmp_path, case):
+def test_damaged_dist_checkpoint_is_named(made, tmp_path, case, layout):
+    """Each damage, in the layout megatron-core 0.16 writes (common.pt) and in 0.19's (the common
+    state inside __0_0.distcp), whichever megatron wrote the fixture."""
     damage, name, message = DAMAGE[case]
     model = _copy(made.bf16, tmp_path / "ckpt") / "model"
+    rewrite_common_state(model, layout)
     size = (model / "__0_0.distcp").stat().st_size
     damage(model)
     with pytest.raises(CheckpointFormatError, match=f"^{re.escape(repr(str(model / name)))} {message}$") as info:
@@ -597,11 +615,78 @@ def test_zero_length_items_need_no_bytes(made, tmp_path):
 
 # --- the save strategy and megatron's private writer internals ----------------------------------
 def test_saved_checkpoint_layout(made):
+    """What the installed megatron-core writes (one writer): 0.16.1 a common.pt, 0.19.2 the common
+    state as a byte item of __0_0.distcp (what rewrite_common_state builds for the other layout)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
     model = made.bf16 / "model"
-    assert sorted(os.listdir(model)) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]  # one writer
-    assert json.loads((model / "metadata.json").read_text()) == {
-        "sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
-        "common_backend_version": 1}
+    backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+    md = read_dist_metadata(model)
+    if megatron_reads_common_state():
+        assert sorted(os.listdir(model)) == [".metadata", "__0_0.distcp", "metadata.json"]
+        assert json.loads((model / "metadata.json").read_text()) == backend
+        assert isinstance(md.state_dict_metadata[COMMON_STATE_KEY], BytesStorageMetadata)
+        (index, info), = [(i, s) for i, s in md.storage_data.items() if i.fqn == COMMON_STATE_KEY]
+        assert info.relative_path == "__0_0.distcp" and not info.transform_descriptors
+        with open(model / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            assert torch.load(io.BytesIO(f.read(info.length)), weights_only=True) == [{}]
+    else:
+        assert sorted(os.listdir(model)) == [".metadata", "__0_0.distcp", "common.pt", "metadata.json"]
+        assert json.loads((model / "metadata.json").read_text()) == {
+            **backend, "common_backend": "torch", "common_backend_version": 1}
+        assert COMMON_STATE_KEY not in md.state_dict_metadata
+        assert torch.load(model / "common.pt", weights_only=True) == {}
+
+
+@pytest.mark.parametrize("layout", ["0.16", "0.19"])
+def test_both_common_state_layouts_export_bit_exact(made, tmp_path, layout):
+    """A checkpoint in 0.16's layout and one in 0.19's: both pass safe_load and export the source's
+    weights bit for bit where the installed megatron-core reads that layout; 0.16.1 given 0.19's is one
+    line naming the folder and the version to use."""
+    ckpt = _copy(made.bf16, tmp_path / "ckpt")
+    rewrite_common_state(ckpt / "model", layout)
+    again = sorted(os.listdir(ckpt / "model"))
+    rewrite_common_state(ckpt / "model", layout)  # already in that layout: unchanged
+    assert sorted(os.listdir(ckpt / "model")) == again
+    if layout == "0.19" and not megatron_reads_common_state():
+        from megatron.core import package_info
+
+        with pytest.raises(CheckpointFormatError, match=f"^{re.escape(repr(str(ckpt / 'model')))} keeps its common "
+                                                        r"state in the \.distcp files \('common_state/shard_0_1', "
+                                                        r"written by megatron-core >= 0\.19\), which the installed "
+                                                        f"megatron-core {re.escape(package_info.__version__)} cannot "
+                                                        r"read: load it with megatron-core>=0\.19$"):
+            C.convert_megatron_to_hf(ckpt, tmp_path / "out", progress=False)
+        assert not (tmp_path / "out").exists()
+        return
+    C.convert_megatron_to_hf(ckpt, tmp_path / "out", progress=False)
+    _assert_weights(tmp_path / "out", _source_tensors(made), torch.bfloat16)
+
+
+def test_crafted_common_state_item_is_refused_before_it_runs(made, tmp_path):
+    """0.19's common_state/shard_0_1 replaced by a pickle that runs code (torch's planner loads byte
+    items with weights_only=False): refused by check_dist_checkpoint, naming the file and the item,
+    with any megatron-core, before the export reads anything."""
+    ckpt = _copy(made.bf16, tmp_path / "ckpt")
+    model = ckpt / "model"
+    rewrite_common_state(model, "0.19")
+    md = read_dist_metadata(model)
+    info = next(s for i, s in md.storage_data.items() if i.fqn == COMMON_STATE_KEY)
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save([_RunsCode(marker)], buf)
+    with open(model / info.relative_path, "ab") as f:
+        offset = f.tell()
+        f.write(buf.getvalue())
+    md.storage_data[next(i for i in md.storage_data if i.fqn == COMMON_STATE_KEY)] = type(info)(
+        relative_path=info.relative_path, offset=offset, length=len(buf.getvalue()))
+    _write_metadata(model, md)
+    with pytest.raises(UnsafeCheckpointError, match=f"^{re.escape(repr(str(model / info.relative_path)))} byte item "
+                                                    r"'common_state/shard_0_1' does not load with weights_only=True "
+                                                    r"\(.*\); refusing it$"):
+        C.convert_megatron_to_hf(ckpt, tmp_path / "out", progress=False)
+    assert not marker.exists() and not (tmp_path / "out").exists()
 
 
 class _Request:

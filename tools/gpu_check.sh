@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# The one prepared GPU check: run it as soon as a GPU is lent (`make gpu-check`). Under 8 minutes on one
-# H200 (budget GPU_CHECK_BUDGET_S, default 450 s, checked before each part), it writes a markdown report:
+# The one prepared GPU check: run it as soon as a GPU is lent (`make gpu-check`). About 10 minutes on one
+# H200 (budget GPU_CHECK_BUDGET_S, default 600 s, checked before each part: a lent machine has 15 minutes
+# including its start), it writes a markdown report:
 #
-#   env            torch / CUDA / TE / vLLM / transformers / megatron-core versions, the GPU
 #   setup          a venv with what the parts need, from the package registries
+#   env            torch / CUDA / TE / vLLM / transformers / megatron-core versions, the GPU
+#   trainer_*      the trainer itself first (tools/gpu_check_trainer.py): pretrain_rl.py on one GPU, bf16,
+#                  the TE spec (the local spec where TE does not import, said so): the demo recipe for 3
+#                  iterations with the HF engine (trainer_demo_hf) and with vLLM (trainer_demo_vllm), then
+#                  a Llama-3.2-1B-shaped model (random init) at 4K-token responses for 2 iterations
+#                  (trainer_llama1b, vLLM when the vLLM demo passed, else the HF engine); each prints
+#                  tokens/s/GPU, mismatch/logprob_abs_mean from metrics.jsonl, and the peak memory against
+#                  the planner's estimate. Their recipes are planned on CPU by tests/test_gpu_check_recipes.py.
 #   te_vs_local    the TE spec against the local spec on the invariance batch (logits, gradients; fp32, bf16),
 #                  and the TP attributes of a TE model built without random init
 #   vllm_roundtrip the vLLM engine's generate / weight sync / sleep / wake, engine vs trainer log-probs
@@ -16,7 +24,7 @@
 # "failed (...)" with its output tail; the script itself always exits 0 once the report is written.
 #
 # Usage: tools/gpu_check.sh [REPORT]   (default: $OUT/gpu_check_report.md when $OUT is set, else
-#        runs/gpu_check_report.md). Environment: PYTHON (python3), GPU_CHECK_BUDGET_S (450),
+#        runs/gpu_check_report.md). Environment: PYTHON (python3), GPU_CHECK_BUDGET_S (600),
 #        GPU_CHECK_VENV (.cache/gpu_check/venv), GPU_CHECK_VLLM_VENV (.cache/gpu_check/venv-vllm); both
 #        are reused by a later run on the same machine.
 #
@@ -27,7 +35,7 @@
 set -u
 cd "$(dirname "$0")/.."
 REPORT=${1:-${OUT:-runs}/gpu_check_report.md}
-BUDGET=${GPU_CHECK_BUDGET_S:-450}
+BUDGET=${GPU_CHECK_BUDGET_S:-600}
 PY_SYS=${PYTHON:-python3}
 VENV=${GPU_CHECK_VENV:-.cache/gpu_check/venv}
 VVENV=${GPU_CHECK_VLLM_VENV:-.cache/gpu_check/venv-vllm}
@@ -91,9 +99,10 @@ elif "$PY_SYS" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() el
   (
     if "$PY_SYS" -c "import vllm" 2>/dev/null; then
       [ -x "$VVENV/bin/python" ] || "$PY_SYS" -m venv --system-site-packages "$VVENV"
+      "$VVENV/bin/python" -m pip install -q -e ".[test]"  # the trainer with vLLM (trainer_demo_vllm)
     else
       [ -x "$VVENV/bin/python" ] || "$PY_SYS" -m venv "$VVENV"
-      "$VVENV/bin/python" -m pip install -q "${VLLM_PKGS[@]}" "pytest>=8" "pytest-timeout>=2.3" safetensors pyyaml
+      "$VVENV/bin/python" -m pip install -q "${VLLM_PKGS[@]}" -e ".[test]"
     fi
   ) > "$LOGDIR/vllm_install.log" 2>&1 &
   VLLM_INSTALL_PID=$!
@@ -113,7 +122,8 @@ fi
 PYM="$VENV/bin/python"
 [ -x "$PYM" ] || PYM=$PY_SYS
 run_part env 30 5 "$PYM" tools/gpu_check.py env
-run_part te_vs_local 90 30 "$PYM" tools/gpu_check.py te_vs_local
+TRAIN_DIR=$LOGDIR/trainer
+run_part trainer_demo_hf 100 40 "$PYM" tools/gpu_check_trainer.py run demo_hf "$TRAIN_DIR/demo_hf"
 
 # --- vLLM: wait for its venv (bounded by the budget) ---------------------------------------------------
 wait_vllm_install() {
@@ -131,18 +141,30 @@ case $? in
   3) VPY=; VLLM_WHY=$SKIP_ALL ;;
   *) VPY=; VLLM_WHY="the vLLM venv install failed: $(tail -n 2 "$LOGDIR/vllm_install.log" 2>/dev/null | tr '\n' ' ')" ;;
 esac
+LLAMA=llama1b_hf LLAMA_PY=$PYM
 if [ -n "$VPY" ]; then
-  run_part vllm_roundtrip 150 60 "$VPY" tools/gpu_check.py vllm_roundtrip
+  run_part trainer_demo_vllm 150 90 "$VPY" tools/gpu_check_trainer.py run demo_vllm "$TRAIN_DIR/demo_vllm"
+  grep -q "^passed" <(grep -A1 '^## trainer_demo_vllm' "$REPORT" | tail -n 1) && LLAMA=llama1b_vllm LLAMA_PY=$VPY
+else
+  report "" "## trainer_demo_vllm" "skipped: $VLLM_WHY"
+fi
+run_part trainer_llama1b 240 120 "$LLAMA_PY" tools/gpu_check_trainer.py run "$LLAMA" "$TRAIN_DIR/llama1b"
+rm -rf "$TRAIN_DIR"  # the random 1B checkpoint (2.5 GB)
+
+# The later parts get what is left (each skips itself when its minimum is not).
+run_part te_vs_local 60 30 "$PYM" tools/gpu_check.py te_vs_local
+if [ -n "$VPY" ]; then
+  run_part vllm_roundtrip 100 60 "$VPY" tools/gpu_check.py vllm_roundtrip
 else
   report "" "## vllm_roundtrip" "skipped: $VLLM_WHY"
 fi
 
-run_part pytest_gpu 120 30 "$PYM" -m pytest -m gpu tests -q -p no:cacheprovider --timeout=110 \
+run_part pytest_gpu 90 30 "$PYM" -m pytest -m gpu tests -q -p no:cacheprovider --timeout=80 \
   --ignore=tests/test_rollout_vllm_gpu.py
-run_part bench_kernels 60 20 "$PYM" tools/gpu_check.py bench_kernels
-run_part bench_actor 90 40 "$PYM" tools/gpu_check.py bench_actor
+run_part bench_kernels 45 20 "$PYM" tools/gpu_check.py bench_kernels
+run_part bench_actor 60 40 "$PYM" tools/gpu_check.py bench_actor
 if [ -n "$VPY" ]; then
-  run_part pytest_vllm 150 60 "$VPY" -m pytest -m gpu tests/test_rollout_vllm_gpu.py -q -p no:cacheprovider --timeout=140
+  run_part pytest_vllm 100 60 "$VPY" -m pytest -m gpu tests/test_rollout_vllm_gpu.py -q -p no:cacheprovider --timeout=90
 else
   report "" "## pytest_vllm" "skipped: $VLLM_WHY"
 fi

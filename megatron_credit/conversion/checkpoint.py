@@ -266,7 +266,9 @@ def _save_strategy():
             import inspect
 
             # 0.17+: async_save defaults to nvidia-resiliency-ext ("nvrx"); megatron's own sync save
-            # asks for its built-in "mcore" implementation, as we do.
+            # asks for its built-in "mcore" implementation, as we do. 0.19 deprecates "mcore" (a one-time
+            # "MCore's async save is deprecated" warning) in favour of "nvrx", which needs the
+            # nvidia-resiliency-ext package and does not exist in 0.16.1: "mcore" stays (README: Status).
             kwargs = {"async_strategy": "mcore"} if "async_strategy" in inspect.signature(self.async_save).parameters \
                 else {}
             with _thread_results_queue():

@@ -11,13 +11,20 @@ arbitrary code during a load. So, before megatron and torch see a folder:
   containers; any other global (``os.system``, ``builtins.eval``, ...) raises
   :class:`UnsafeCheckpointError` naming it, before anything is called;
 * every data file the metadata names must exist and hold the bytes it promises (a deleted or
-  truncated ``__0_0.distcp`` is one clear error, not a failure deep in a reader thread), and
-  ``common.pt`` / ``metadata.json`` must be present and well-formed;
+  truncated ``__0_0.distcp`` is one clear error, not a failure deep in a reader thread),
+  ``metadata.json`` must be present and well-formed, and the checkpoint's common (non-tensor) state
+  must be there in one of megatron's two layouts: ``common.pt`` (megatron-core <= 0.16 wrote it;
+  0.19 still reads it), or the byte item ``common_state/shard_0_1`` inside the ``.distcp`` files
+  (megatron-core 0.19 writes only that: ``dist_checkpointing/serialization.py``); that item is
+  loaded here with ``weights_only=True`` at once, since torch's planner unpickles it with
+  ``weights_only=False`` before megatron's own ``weights_only=True`` load sees it;
 * :func:`weights_only_byte_items` makes each byte item pass ``torch.load(weights_only=True)`` before
   torch's own ``weights_only=False`` load of the same bytes runs, so only tensors, containers and
   primitive values are ever built from them.
 
 ``common.pt`` is loaded by megatron with ``torch.load``'s default, ``weights_only=True`` (torch >= 2.6).
+A megatron-core that predates the ``common_state`` layout cannot load such a checkpoint: that is one
+clear error too (:func:`check_dist_checkpoint`), not megatron's ``Common file ... does not exist``.
 """
 from __future__ import annotations
 
@@ -35,6 +42,8 @@ from megatron_credit.conversion.hf_io import CheckpointFormatError
 
 METADATA_NAME = ".metadata"
 COMMON_NAME = "common.pt"
+COMMON_STATE_KEY = "common_state/shard_0_1"
+"""megatron-core 0.19's place for the common state: ``ShardedObject("common_state", ...)``'s unique key."""
 MEGATRON_META_NAME = "metadata.json"
 
 _DCP = "torch.distributed.checkpoint"
@@ -102,9 +111,13 @@ def check_dist_checkpoint(model_dir: str | os.PathLike):
     if not model_dir.is_dir():
         raise FileNotFoundError(f"no dist checkpoint at {str(model_dir)!r}")
     metadata = read_dist_metadata(model_dir)
-    for name in (COMMON_NAME, MEGATRON_META_NAME):
-        if not (model_dir / name).is_file():
-            raise CheckpointFormatError(model_dir / name, "is missing: the checkpoint is incomplete")
+    if not (model_dir / MEGATRON_META_NAME).is_file():
+        raise CheckpointFormatError(model_dir / MEGATRON_META_NAME, "is missing: the checkpoint is incomplete")
+    in_distcp = COMMON_STATE_KEY in (metadata.state_dict_metadata or {})
+    if not in_distcp and not (model_dir / COMMON_NAME).is_file():
+        raise CheckpointFormatError(model_dir / COMMON_NAME, f"is missing, and {METADATA_NAME} names no "
+                                    f"{COMMON_STATE_KEY!r} item (megatron-core 0.19's place for the common state): "
+                                    "the checkpoint is incomplete")
     try:
         backend = json.loads((model_dir / MEGATRON_META_NAME).read_bytes())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -127,7 +140,38 @@ def check_dist_checkpoint(model_dir: str | os.PathLike):
         if size < nbytes:
             raise CheckpointFormatError(path, f"is {size} bytes, but {METADATA_NAME} places data up to byte "
                                         f"{nbytes}: truncated")
+    if in_distcp and not (model_dir / COMMON_NAME).is_file():  # megatron reads common.pt first when present
+        _check_common_state(model_dir, metadata)
     return metadata
+
+
+def _check_common_state(model_dir: Path, metadata) -> None:
+    """The 0.19 layout's ``common_state/shard_0_1``: a plain byte item (weights_only=True), and a
+    megatron-core that reads it."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    if not isinstance(metadata.state_dict_metadata[COMMON_STATE_KEY], BytesStorageMetadata):
+        raise CheckpointFormatError(model_dir / METADATA_NAME, f"names {COMMON_STATE_KEY!r} as a tensor, not the "
+                                    "byte item megatron writes there")
+    found = [(i, info) for i, info in (metadata.storage_data or {}).items() if i.fqn == COMMON_STATE_KEY]
+    if len(found) != 1:
+        raise CheckpointFormatError(model_dir / METADATA_NAME, f"has {len(found)} storage entries for "
+                                    f"{COMMON_STATE_KEY!r}, not the one megatron writes")
+    _check_stored_byte_item(model_dir, *found[0])
+    if not megatron_reads_common_state():
+        from megatron.core import package_info
+
+        raise CheckpointFormatError(model_dir, f"keeps its common state in the .distcp files ({COMMON_STATE_KEY!r}, "
+                                    f"written by megatron-core >= 0.19), which the installed megatron-core "
+                                    f"{package_info.__version__} cannot read: load it with megatron-core>=0.19")
+
+
+def megatron_reads_common_state() -> bool:
+    """Whether the installed megatron-core loads the 0.19 layout (``common_state`` in the ``.distcp``
+    files); 0.16.1's ``load`` knows only ``common.pt``."""
+    from megatron.core.dist_checkpointing import serialization
+
+    return hasattr(serialization, "_legacy_common_state_exists")  # 0.19.2's split of the two layouts
 
 
 def stored_weight_dtypes(metadata, *, keys: Optional[Collection[str]] = None) -> set[torch.dtype]:
@@ -213,13 +257,18 @@ def check_byte_items(model_dir: str | os.PathLike, metadata) -> int:
     for index, info in sorted((metadata.storage_data or {}).items(), key=lambda kv: str(kv[0].fqn)):
         if index.fqn not in byte_keys or getattr(info, "transform_descriptors", None):
             continue
-        path = model_dir / info.relative_path  # a plain name inside the folder: check_dist_checkpoint
-        with open(path, "rb") as f:
-            f.seek(int(info.offset))
-            blob = f.read(int(info.length))
-        _check_byte_item(io.BytesIO(blob), where=path, item=index.fqn)
+        _check_stored_byte_item(model_dir, index, info)
         checked += 1
     return checked
+
+
+def _check_stored_byte_item(model_dir: Path, index, info) -> None:
+    """:func:`_check_byte_item` on the bytes ``info`` places in a file of ``model_dir``."""
+    path = model_dir / info.relative_path  # a plain name inside the folder: check_dist_checkpoint
+    with open(path, "rb") as f:
+        f.seek(int(info.offset))
+        blob = f.read(int(info.length))
+    _check_byte_item(io.BytesIO(blob), where=path, item=index.fqn)
 
 
 def check_weights_only_file(path: str | os.PathLike) -> None:

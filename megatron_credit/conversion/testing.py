@@ -76,3 +76,58 @@ def write_random_hf_checkpoint(cfg: Any, out_dir: str | os.PathLike, *, dtype: t
     cfg_dict["dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg_dict, indent=2, sort_keys=True) + "\n")
     return writer.total_bytes
+
+
+def rewrite_common_state(model_dir: str | os.PathLike, layout: str) -> None:
+    """Rewrite the dist checkpoint folder ``model_dir`` in place into one of megatron's two layouts of
+    the common (non-tensor) state, whichever megatron-core wrote it:
+
+    - ``"0.19"``: what megatron-core 0.19.2 writes (checked against a checkpoint it saved): no
+      ``common.pt``; the common state dict ``c`` stored as ``torch.save([c])``, the byte item
+      ``common_state/shard_0_1`` (``BytesStorageMetadata``) of ``__0_0.distcp``; ``metadata.json``
+      ``{"sharded_backend": "torch_dist", "sharded_backend_version": 1}``;
+    - ``"0.16"``: what 0.16.1 writes: ``torch.save(c)`` as ``common.pt``, no ``common_state`` item,
+      ``metadata.json`` naming the torch common backend too.
+
+    A no-op when the folder is in that layout already."""
+    import io
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from megatron_credit.conversion.safe_load import (COMMON_NAME, COMMON_STATE_KEY, MEGATRON_META_NAME,
+                                                      METADATA_NAME, read_dist_metadata)
+
+    model_dir = Path(model_dir)
+    md = read_dist_metadata(model_dir)
+    has_item = COMMON_STATE_KEY in md.state_dict_metadata
+    backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
+    if layout == "0.19":
+        if has_item and not (model_dir / COMMON_NAME).exists():
+            return
+        common = torch.load(model_dir / COMMON_NAME, weights_only=True)
+        buf = io.BytesIO()
+        torch.save([common], buf)
+        data = model_dir / "__0_0.distcp"
+        offset = data.stat().st_size
+        with open(data, "ab") as f:
+            f.write(buf.getvalue())
+        md.state_dict_metadata[COMMON_STATE_KEY] = BytesStorageMetadata()
+        md.storage_data[MetadataIndex(COMMON_STATE_KEY)] = _StorageInfo(
+            relative_path=data.name, offset=offset, length=len(buf.getvalue()))
+        (model_dir / COMMON_NAME).unlink()
+    elif layout == "0.16":
+        if (model_dir / COMMON_NAME).exists() and not has_item:
+            return
+        (index, info), = [(i, s) for i, s in md.storage_data.items() if i.fqn == COMMON_STATE_KEY]
+        with open(model_dir / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            common, = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+        torch.save(common, model_dir / COMMON_NAME)
+        del md.state_dict_metadata[COMMON_STATE_KEY], md.storage_data[index]
+        backend.update(common_backend="torch", common_backend_version=1)
+    else:
+        raise ValueError(f"layout {layout!r} is not '0.16' or '0.19'")
+    (model_dir / METADATA_NAME).write_bytes(pickle.dumps(md))
+    (model_dir / MEGATRON_META_NAME).write_text(json.dumps(backend))

@@ -99,6 +99,9 @@ def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
         launch = launch or LaunchEnv()
         parallel.validate(world_size=launch.world_size)
         backend = backend or default_backend()
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError("backend='nccl' needs CUDA, and this machine has none (torch.cuda.is_available() is "
+                             "False): use gloo (the default without CUDA)")
         if backend == "nccl":
             torch.cuda.set_device(launch.local_rank)
         port = launch.master_port or _free_port()

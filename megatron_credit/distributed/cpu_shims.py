@@ -112,6 +112,25 @@ class _CudaOnCpu(types.SimpleNamespace):
         """p2p_communication.py _communicate: torch.cuda.synchronize() after batch_isend_irecv;
         gloo's wait() has already completed the transfers."""
 
+    @staticmethod
+    def current_stream(device=None):
+        """param_and_grad_buffer.py start_grad_sync (megatron-core 0.19): ``torch.cuda.current_stream()``
+        waits on the CUDA-graph replay events of the parameters; the CPU has no graphs, so no events."""
+        return _NoStream()
+
+
+class _NoStream:
+    """The current stream of the CPU: every op has completed when it returns."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
 
 def _cpu_device(kwargs: dict) -> dict:
     device = kwargs.get("device")

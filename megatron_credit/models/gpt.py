@@ -186,6 +186,10 @@ def build_gpt_model(hf_config, transformer_config, *, pre_process: Optional[bool
     ``model.final_attention_capture`` is None otherwise.
     """
     from megatron.core import parallel_state
+    # megatron-core 0.19 deprecates GPTModel (it logs "GPTModel IS DEPRECATED ... use HybridModel":
+    # critical fixes only). Its replacement, megatron.core.models.hybrid.HybridModel (a layer pattern
+    # such as "*-*-" over a hybrid stack spec), does not exist in 0.16.1, the last release for Python
+    # 3.11, so GPTModel stays while both are supported (README: Status).
     from megatron.core.models.gpt import GPTModel
 
     if pre_process is None:
