@@ -72,7 +72,7 @@ def finished_line(run_dir: str, recipe) -> Optional[str]:
     auto`` would do nothing): where it ended, where the results are, how to start again. None otherwise."""
     import json
 
-    from megatron_credit.trainer.checkpoint import complete_checkpoints
+    from megatron_credit.run_layout import complete_checkpoints
 
     done = complete_checkpoints(run_dir)
     if not done or done[-1][0] < recipe.train.steps:

@@ -25,6 +25,7 @@ from megatron_credit.credit.gae import comp_gae, gae
 from megatron_credit.credit.phase import PhaseThresholds
 from megatron_credit.losses import policy
 from megatron_credit.registry import Registry
+from megatron_credit.typed_build import build_dataclass
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -400,9 +401,7 @@ class AlgorithmSpec:
     def make_params(self, overrides: Any = None, *, where: str = "params"):
         """The parameter dataclass with ``overrides`` (a mapping) applied; unknown keys and wrong types
         raise ``ValueError`` naming the field."""
-        from megatron_credit.config import _build
-
-        return _build(self.params_cls, dict(overrides or {}), where)
+        return build_dataclass(self.params_cls, dict(overrides or {}), where)
 
     def estimate(self, inputs: AdvantageInputs, params: Any, *, cp_group: Any = None) -> AdvantageOutput:
         """Advantages of ``inputs`` with this algorithm's estimator and ``params``."""

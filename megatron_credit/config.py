@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
+from megatron_credit.gpu_kinds import GPUS
 from megatron_credit.training_config import (AlgorithmConfig, CheckpointConfig, DataConfig, LoggingConfig,
                                              OptimConfig, RewardConfig, RolloutConfig, TrainConfig,
                                              WarmupConfig)
+from megatron_credit.typed_build import build_dataclass as _build
+from megatron_credit.typed_build import check_scalar as _check_scalar  # noqa: F401  (the name tests use)
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -88,7 +90,7 @@ class ClusterConfig:
     gpus_per_node: int = 8
     """GPUs per node."""
     gpu: str = "h100-80gb"
-    """GPU kind, a key of ``megatron_credit.planning.GPUS``."""
+    """GPU kind, a key of ``megatron_credit.gpu_kinds.GPUS``."""
     distributed_optimizer: bool = False
     """Plan optimizer states sharded over DP x CP (megatron's distributed optimizer). The run shards them
     with ``optim.backend: megatron`` + ``optim.distributed_optimizer: true`` (which the planner also
@@ -99,8 +101,6 @@ class ClusterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"cluster.{name} must be a positive integer, got {value!r}")
-        from megatron_credit.planning import GPUS
-
         if self.gpu not in GPUS:
             raise ValueError(f"cluster.gpu={self.gpu!r} is not one of {sorted(GPUS)}")
 
@@ -289,95 +289,6 @@ def _merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     for k, v in extra.items():
         out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
     return out
-
-
-def _build(cls, data: Mapping[str, Any], where: str):
-    """Build dataclass ``cls`` from ``data``, recursing into dataclass-typed fields; unknown keys fail."""
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{where or 'recipe'} must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"unknown field(s) {unknown} in {where or 'recipe'}; valid: {sorted(names)}")
-    kwargs = {}
-    defaults = {f.name: f for f in dataclasses.fields(cls)}
-    for key, value in data.items():
-        hint = hints[key]
-        path = f"{where}.{key}" if where else key
-        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-            if isinstance(value, Mapping) and defaults[key].metadata.get("partial_override"):
-                value = {**_own_default(defaults[key]), **value}  # keys not given keep the field's default
-            kwargs[key] = _build(hint, value, path)
-        else:
-            kwargs[key] = _check_scalar(hint, value, path)
-    return cls(**kwargs)
-
-
-def _own_default(field: dataclasses.Field) -> dict[str, Any]:
-    """The top-level values of a dataclass field's default. Used for fields declared with
-    ``metadata={"partial_override": True}`` (e.g. ``PhaseThresholds(entropy_below=...)``), so that a
-    partial mapping overrides only the keys it names instead of starting from the class's defaults."""
-    if field.default is not dataclasses.MISSING:
-        default = field.default
-    else:
-        default = field.default_factory()
-    return {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
-
-
-def _check_scalar(hint, value: Any, path: str) -> Any:
-    """``value`` checked against a scalar type hint (``int``, ``float``, ``bool``, ``str``, or one of
-    them ``Optional``); other hints pass ``value`` through. Returns the value to store.
-
-    PyYAML 1.1 reads ``1e-6`` (no dot) as a string, so ``float`` also takes numeric strings; ``int``
-    refuses bools (YAML ``yes``) and strings; ``bool`` takes only bools; ``float`` refuses ``inf`` and
-    ``nan`` (YAML ``.inf``, or the strings): no field of a recipe means anything at infinity.
-
-    >>> _check_scalar(float, "1e-6", "optim.lr"), _check_scalar(float, 3, "optim.lr")
-    (1e-06, 3.0)
-    >>> _check_scalar(int, True, "train.steps")
-    Traceback (most recent call last):
-    ...
-    ValueError: train.steps must be an int, got True (bool)
-    >>> _check_scalar(float, "inf", "optim.lr")
-    Traceback (most recent call last):
-    ...
-    ValueError: optim.lr must be a finite number, got 'inf' (str)
-    """
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None and len(args) < len(typing.get_args(hint)):
-            return None
-        if len(args) != 1:
-            return value
-        hint = args[0]
-
-    def refuse(kind: str):
-        return ValueError(f"{path} must be {kind}, got {value!r} ({type(value).__name__})")
-
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise refuse("a bool (true / false)")
-    elif hint is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise refuse("an int")
-    elif hint is float:
-        if isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                raise refuse("a number") from None
-        elif not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise refuse("a number")
-        else:
-            number = float(value)
-        if number != number or number in (float("inf"), float("-inf")):  # nan, +-inf
-            raise refuse("a finite number")
-        return number
-    elif hint is str:
-        if not isinstance(value, str):
-            raise refuse("a string")
-    return value
 
 
 def recipe_from_dict(data: Mapping[str, Any], *, overrides: Sequence[str] = ()) -> Recipe:

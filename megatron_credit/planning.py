@@ -45,16 +45,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-GIB = 1024 ** 3
-
-GPUS: Mapping[str, int] = {
-    # Total memory nvidia-smi reports (MiB): what CUDA can allocate before the context is created.
-    "h100-80gb": 81559 * 1024 ** 2,   # H100 SXM5 80GB: 81559 MiB
-    "h200": 143771 * 1024 ** 2,       # H200 SXM 141GB: 143771 MiB
-    "a100-80gb": 81920 * 1024 ** 2,   # A100 SXM4 80GB: 81920 MiB
-    "a100-40gb": 40960 * 1024 ** 2,   # A100 SXM4 40GB: 40960 MiB
-}
-"""Per-GPU memory in bytes by name (``--gpu``, ``cluster.gpu``)."""
+from megatron_credit.gpu_kinds import GIB, GPUS  # noqa: F401  (re-exported: planning.GPUS)
 
 RESERVED_BYTES = 4 * GIB
 """CUDA context (~0.5 GiB), NCCL buffers (~1-2 GiB) and allocator fragmentation, per GPU."""

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from megatron_credit.trainer import checkpoint as ckpt
 from megatron_credit.trainer import controls
-from megatron_credit.trainer.metrics import MetricsWriter, StatSums, finalize, plot_metrics
+from megatron_credit.trainer.metrics import MetricsWriter, StatSums, finalize
+from megatron_credit.trainer.plots import plot_metrics
 
 
 class PhaseTimer:

@@ -197,11 +197,3 @@ def truncate_metrics(path: str, *, after_step: int) -> None:
 def read_metrics(path: str) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def plot_metrics(run_dir: str) -> list[str]:
-    """PNG plots of ``run_dir/metrics.jsonl`` in ``run_dir/plots`` (``trainer/plots.py``: titles, units,
-    one quantity per axis); returns the files written."""
-    from megatron_credit.trainer.plots import plot_metrics as plot
-
-    return plot(run_dir)
