@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from megatron_credit.credit import group
+from megatron_credit.credit.future_kl import FIPO_DUAL_CLIP_C, FIPO_TAU, FIPO_WEIGHT_CLIP, LOG_RATIO_CLAMP
 from megatron_credit.credit.gae import comp_gae, gae
 from megatron_credit.credit.phase import PhaseThresholds
 from megatron_credit.losses import policy
@@ -135,7 +136,7 @@ POLICY_LOSSES.add("gspo", policy.gspo_loss)
 
 @POLICY_LOSSES.register("fipo")
 def fipo_loss(logp, old_logp, advantages, response_mask, *, drop_multi_dual_clip: bool = False,
-              cp_group: Any = None, **kwargs):
+              dual_clip_c: float = FIPO_DUAL_CLIP_C, cp_group: Any = None, **kwargs):
     """FIPO: :func:`~megatron_credit.losses.policy.fipo_policy_loss` (Future-KL weights computed on this
     rank's CP shard with the carry exchange over ``cp_group``), optionally dropping whole responses with
     more than one dual-clipped token (the published code's rule; counts summed over CP)."""
@@ -143,9 +144,10 @@ def fipo_loss(logp, old_logp, advantages, response_mask, *, drop_multi_dual_clip
 
     if drop_multi_dual_clip:
         keep = multi_dual_clip_keep(logp, old_logp, advantages, response_mask,
-                                    dual_clip_c=kwargs.get("dual_clip_c", 10.0), cp_group=cp_group)
+                                    dual_clip_c=dual_clip_c, cp_group=cp_group)
         response_mask = response_mask.bool() & keep[:, None]
-    return policy.fipo_policy_loss(logp, old_logp, advantages, response_mask, cp_group=cp_group, **kwargs)
+    return policy.fipo_policy_loss(logp, old_logp, advantages, response_mask, dual_clip_c=dual_clip_c,
+                                   cp_group=cp_group, **kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -156,12 +158,11 @@ def fipo_loss(logp, old_logp, advantages, response_mask, *, drop_multi_dual_clip
 
 @dataclass(frozen=True, kw_only=True)
 class ClipParams:
-    """GRPO / Dr.GRPO / RLOO: symmetric PPO clip."""
+    """Dr.GRPO / RLOO (and GRPO's base): symmetric PPO clip. No ``norm_by_std``: these estimators never
+    divide by the group's standard deviation, so a recipe that sets it is refused (unknown field)."""
 
     clip_eps: float = 0.2
     """Clip range ``[1 - eps, 1 + eps]``."""
-    norm_by_std: bool = True
-    """GRPO only: divide the group-centred score by the group's standard deviation."""
 
     def estimator_kwargs(self) -> dict:
         return {}
@@ -173,6 +174,9 @@ class ClipParams:
 @dataclass(frozen=True, kw_only=True)
 class GRPOParams(ClipParams):
     """GRPO."""
+
+    norm_by_std: bool = True
+    """Divide the group-centred score by the group's standard deviation."""
 
     def estimator_kwargs(self) -> dict:
         return {"norm_by_std": self.norm_by_std}
@@ -216,11 +220,11 @@ class GSPOParams:
 class FIPOParams(DAPOParams):
     """FIPO = DAPO on ``f_t * A_t`` with Future-KL weights (DESIGN.md "FIPO")."""
 
-    dual_clip_c: float = 10.0
+    dual_clip_c: float = FIPO_DUAL_CLIP_C
     """Dual-clip constant ``c``; also the participation threshold of ``M_k`` (10 for 32B, 3 for 7B)."""
-    tau: float = 32.0
+    tau: float = FIPO_TAU
     """Half-life of the future discount: ``gamma = 2^(-1/tau)``."""
-    weight_clip: tuple = (1.0, 1.2)
+    weight_clip: tuple = FIPO_WEIGHT_CLIP
     """``[lo, hi]`` clip of ``exp(F_t)``."""
     safety_thresh: Optional[float] = None
     """Ratio above which ``f = min(f, 1)`` for A < 0 (None: ``dual_clip_c``)."""
@@ -471,7 +475,7 @@ def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 @KL_ESTIMATORS.register("k3")
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """``r - 1 - log r`` with ``r = pi_ref / pi`` (unbiased, never negative)."""
-    d = (ref_logp - logp).clamp(-20.0, 20.0)
+    d = (ref_logp - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return torch.expm1(d) - d
 
 

@@ -248,6 +248,59 @@ class Recipe:
                              "not shard: set optim.backend: megatron and optim.distributed_optimizer: true (or "
                              "cluster.distributed_optimizer: false)")
 
+    def problems(self, arch, *, world_size: int) -> list[str]:
+        """Every cross-section problem of this recipe on ``world_size`` ranks with the model ``arch`` (a
+        Hugging Face config), each one line naming the field to change; ``[]`` when the recipe can run.
+
+        The one set of layout checks: :meth:`validate` (the trainer, ``pretrain_rl.py``) refuses the first,
+        the memory planner (``planning.plan``, ``--dry-run``) lists them all."""
+        from megatron_credit.models.hf_config import check_parallel_fits_model, check_sequence_length
+        from megatron_credit.training_config import SYNTHETIC_SOURCES
+
+        out: list[str] = []
+        try:
+            check_parallel_fits_model(arch, self.parallel, world_size=world_size)
+        except ValueError as exc:
+            out.append(str(exc))
+        p, r, t, w = self.parallel, self.rollout, self.train, self.warmup
+        tp = p.tensor_model_parallel_size
+        if arch.vocab_size % tp:  # the models are built without vocabulary padding (models/gpt.py)
+            out.append(f"parallel.tensor_model_parallel_size={tp} does not divide vocab_size={arch.vocab_size}")
+        dp = max(world_size // p.model_parallel_size, 1)
+        if r.prompts_per_step % dp:
+            out.append(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by the "
+                       f"data-parallel size {dp}")
+        if r.n < 2 and not self.algorithm.spec_and_params()[0].needs_critic:  # issue 24: silent zero gradients
+            out.append(f"rollout.n={r.n}: algorithm {self.algorithm.name}'s advantages are relative to the group "
+                       "of a prompt's samples, and a group of one has zero advantage (nothing trains); set "
+                       "rollout.n >= 2, or use an algorithm with a critic (ppo)")
+        per_rank = r.prompts_per_step // dp * r.n
+        if not r.prompts_per_step % dp and per_rank % t.num_minibatches:
+            out.append(f"train.num_minibatches={t.num_minibatches} must divide the "
+                       f"{per_rank} samples per data-parallel rank (prompts_per_step / DP x n)")
+        if self.data.source == "dataset":  # synthetic prompts are short
+            try:
+                check_sequence_length(arch, self.data.max_prompt_len + r.max_response_len,
+                                      what="data.max_prompt_len + rollout.max_response_len")
+            except ValueError as exc:
+                out.append(str(exc))
+        if w.steps and self.data.source not in SYNTHETIC_SOURCES:
+            out.append(f"warmup.steps > 0 needs data.source in {SYNTHETIC_SOURCES} (real runs start from a "
+                       "pretrained checkpoint)")
+        if w.steps and w.batch_size % dp:
+            out.append(f"warmup.batch_size={w.batch_size} must be divisible by DP={dp}")
+        return out
+
+    def validate(self, *, world_size: int, arch) -> dict[str, int]:
+        """Raise ``ValueError`` (the first of :meth:`problems`) unless the recipe runs on ``world_size``
+        ranks with the model ``arch``; returns the layout ``{"tp", "pp", "cp", "dp"}``."""
+        problems = self.problems(arch, world_size=world_size)
+        if problems:
+            raise ValueError(problems[0])
+        p = self.parallel
+        return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+                "cp": p.context_parallel_size, "dp": p.data_parallel_size(world_size=world_size)}
+
 
 TINY_QWEN2: Mapping[str, Any] = types.MappingProxyType(dict(
     model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -268,7 +268,6 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     GPU's peak memory (module docstring). ``distributed_optimizer`` defaults to what the run does
     (``optim.distributed_optimizer``, or ``cluster.distributed_optimizer``)."""
     from megatron_credit.data.context_parallel import required_multiple
-    from megatron_credit.models.hf_config import check_parallel_fits_model
 
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is not one of {sorted(GPUS)}")
@@ -278,23 +277,9 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     p, r, t = recipe.parallel, recipe.rollout, recipe.train
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     world = nodes * gpus_per_node
-    problems: list[str] = []
-    try:
-        check_parallel_fits_model(hf_config, p, world_size=world)
-    except ValueError as exc:
-        problems.append(str(exc))
-    if a.vocab_size % tp:
-        problems.append(f"parallel.tensor_model_parallel_size={tp} does not divide vocab_size={a.vocab_size}")
+    problems = recipe.problems(hf_config, world_size=world)  # the trainer's checks (Recipe.validate)
     dp = max(world // p.model_parallel_size, 1)
-    if r.prompts_per_step % dp:
-        problems.append(f"rollout.prompts_per_step={r.prompts_per_step} is not divisible by DP={dp}")
-    elif (r.prompts_per_step // dp * r.n) % t.num_minibatches:
-        problems.append(f"train.num_minibatches={t.num_minibatches} does not divide the "
-                        f"{r.prompts_per_step // dp * r.n} samples per data-parallel rank")
     seq = recipe.data.max_prompt_len + r.max_response_len
-    if recipe.data.source == "dataset" and seq > a.max_position_embeddings:  # synthetic prompts are short
-        problems.append(f"data.max_prompt_len + rollout.max_response_len = {seq} > max_position_embeddings="
-                        f"{a.max_position_embeddings} (set model.max_position_embeddings)")
     # The trainer pads each micro-batch up to a multiple of 2 x CP (x TP with sequence parallelism), so a
     # budget that is not a multiple trains (issue 24: the planner refused what torchrun ran); its peak is
     # the budget rounded up to that multiple.

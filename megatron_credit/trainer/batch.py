@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_credit.data.context_parallel import split_for_cp
+from megatron_credit.cp_layout import load_balanced_positions, split_for_cp
 
 # Per-token fields, in label space; sliced, padded and CP-split together. All are [B, T] except CompPO's
 # top-K key indices / weights, [B, T, K]. ``gates`` (the transport of Comp-GAE) is batch-level only.
@@ -170,8 +170,6 @@ def make_microbatch(batch: TrainBatch, rows: Sequence[int], *, seq_len: int, num
     """Rows ``rows`` of ``batch`` cut or right-padded to ``seq_len`` tokens and ``num_rows`` rows (all
     padding is masked), then split for context parallelism (megatron's load-balanced layout) and copied
     to ``device`` (the actor's)."""
-    from megatron_credit.models.cpu_attention import load_balanced_positions
-
     idx = torch.tensor(list(rows), dtype=torch.long)
     out = {}
     for name in TOKEN_FIELDS:

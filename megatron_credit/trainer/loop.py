@@ -222,38 +222,9 @@ def _chain_data(recipe, *, dp_rank: int, dp_size: int):
 
 
 def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
-    """Cross-section checks that need the world size; returns the layout. Raises ValueError."""
-    from megatron_credit.models import check_parallel_fits_model
-
-    check_parallel_fits_model(hf_config, recipe.parallel, world_size=world_size)
-    p = recipe.parallel
-    dp = p.data_parallel_size(world_size=world_size)
-    r, t = recipe.rollout, recipe.train
-    if r.prompts_per_step % dp:
-        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by the "
-                         f"data-parallel size {dp}")
-    if r.n < 2 and not recipe.algorithm.spec_and_params()[0].needs_critic:  # issue 24: silent zero gradients
-        raise ValueError(f"rollout.n={r.n}: algorithm {recipe.algorithm.name}'s advantages are relative to the group "
-                         "of a prompt's samples, and a group of one has zero advantage (nothing trains); set "
-                         "rollout.n >= 2, or use an algorithm with a critic (ppo)")
-    per_rank = r.prompts_per_step // dp * r.n
-    if per_rank % t.num_minibatches:
-        raise ValueError(f"train.num_minibatches={t.num_minibatches} must divide the "
-                         f"{per_rank} samples per data-parallel rank (prompts_per_step / DP x n)")
-    if recipe.data.source == "dataset":
-        from megatron_credit.models import check_sequence_length
-
-        check_sequence_length(hf_config, recipe.data.max_prompt_len + r.max_response_len,
-                              what="data.max_prompt_len + rollout.max_response_len")
-    from megatron_credit.training_config import SYNTHETIC_SOURCES
-
-    if recipe.warmup.steps and recipe.data.source not in SYNTHETIC_SOURCES:
-        raise ValueError(f"warmup.steps > 0 needs data.source in {SYNTHETIC_SOURCES} (real runs start from a "
-                         "pretrained checkpoint)")
-    if recipe.warmup.steps and recipe.warmup.batch_size % dp:
-        raise ValueError(f"warmup.batch_size={recipe.warmup.batch_size} must be divisible by DP={dp}")
-    return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
-            "cp": p.context_parallel_size, "dp": dp}
+    """Cross-section checks that need the world size (``Recipe.validate``); returns the layout. Raises
+    ValueError."""
+    return recipe.validate(world_size=world_size, arch=hf_config)
 
 
 def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str = "auto",

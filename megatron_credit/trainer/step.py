@@ -11,7 +11,7 @@ import torch
 
 from megatron_credit.algorithms import KL_ESTIMATORS, AdvantageInputs
 from megatron_credit.data.microbatch import plan_minibatches
-from megatron_credit.rollout.mismatch import truncated_is_weights
+from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
 from megatron_credit.trainer.batch import TrainBatch, make_microbatch, round_up, step_denominators
 from megatron_credit.trainer.metrics import StatSums
 
@@ -29,8 +29,8 @@ def rl_iteration(ctx, iteration: int) -> dict[str, float]:
     with timer("advantages"):
         compute_advantages(ctx, batch, iteration, stats)
     if batch.old_logp is not None:  # engine vs trainer log-probs of the sampled tokens
-        diff = torch.where(batch.loss_mask, (batch.old_logp - batch.rollout_logp).abs(), 0.0)
-        stats.add({"sum:mismatch_abs": diff.sum(), "sum:mismatch_tokens": batch.loss_mask.sum()})
+        mm = logprob_mismatch(batch.rollout_logp, batch.old_logp, batch.loss_mask)
+        stats.add({"sum:mismatch_abs": mm["abs_diff_sum"], "sum:mismatch_tokens": batch.loss_mask.sum()})
     with timer("update"):
         for epoch in range(ctx.knobs.epochs):
             for i, mini in enumerate(plan):
