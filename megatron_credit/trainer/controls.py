@@ -38,9 +38,6 @@ class StepKnobs:
     """CompPO's phase (``stable`` when the controller is off)."""
 
 
-_CLIP_FIELDS = ("clip_eps", "clip_low", "clip_high")
-
-
 def base_knobs(recipe, params) -> StepKnobs:
     """The recipe's own settings."""
     return StepKnobs(params=params, kl_coef=recipe.algorithm.kl_coef, clip_grad=recipe.optim.clip_grad,
@@ -53,12 +50,9 @@ def phase_knobs(recipe, params, phase: str) -> StepKnobs:
 
     s, base = PHASE_TABLE[phase], PHASE_TABLE["stable"]
     ratio = lambda field: getattr(s, field) / getattr(base, field)  # noqa: E731
-    changes = {f: getattr(params, f) * ratio("clip") for f in _CLIP_FIELDS if hasattr(params, f)}
-    for field, table in (("value_clip", "value_clip"), ("adv_clip", "adv_clip")):
-        if getattr(params, field, None) is not None:
-            changes[field] = getattr(params, field) * ratio(table)
+    moved = params.scaled_for_phase(clip=ratio("clip"), value_clip=ratio("value_clip"), adv_clip=ratio("adv_clip"))
     b = base_knobs(recipe, params)
-    return StepKnobs(params=dataclasses.replace(params, **changes), kl_coef=b.kl_coef * ratio("kl_coef"),
+    return StepKnobs(params=moved, kl_coef=b.kl_coef * ratio("kl_coef"),
                      lr_scale=ratio("actor_lr"), critic_lr_scale=s.critic_lr_mult / base.critic_lr_mult,
                      clip_grad=b.clip_grad * ratio("grad_clip"), critic_clip_grad=b.clip_grad * ratio("grad_clip"),
                      epochs=max(1, round(b.epochs * ratio("epochs"))), phase=phase)

@@ -111,8 +111,8 @@ def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
 def compute_advantages(ctx, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
     """``batch.advantages`` (and ``returns``) from the algorithm's estimator. CompPO: the transport gates
     (``ctx.gate_control``), the critic's warm-up (values enter the advantages after
-    ``params.critic_warmup_steps`` iterations), the critic's diagnostics. Then PPO-style whitening over
-    the global batch (masked, summed over DP) and the advantage clip, when the parameters ask for them."""
+    ``critic_warmup_steps`` iterations), the critic's diagnostics. Then PPO-style whitening over the global
+    batch (masked, summed over DP) and the advantage clip, when the algorithm's ``advantage_post`` asks."""
     if batch.old_logp is None:  # not the last pipeline stage
         return
     params = ctx.knobs.params
@@ -123,18 +123,19 @@ def compute_advantages(ctx, batch: TrainBatch, iteration: int = 1, stats: "StatS
 
         batch.gates = ctx.gate_control.gates(batch.kappa, mask, iteration=iteration)
         stats.add(gate_stats(batch.kappa, mask, batch.gates))
+    post = ctx.spec.advantage_post(params)
     values = batch.values
-    if values is not None and iteration <= getattr(params, "critic_warmup_steps", 0):
+    if values is not None and iteration <= post.critic_warmup_steps:
         values = torch.zeros_like(values)  # the critic trains on these returns but is not trusted yet
     inputs = AdvantageInputs(response_mask=mask, scores=batch.rewards, group_ids=batch.group_ids,
                              token_rewards=batch.token_rewards() if values is not None else None,
                              values=values, gates=batch.gates)
     out = ctx.spec.estimate(inputs, params)  # full sequences on every CP rank: no cp_group needed
     adv = out.advantages.float()
-    if getattr(params, "whiten_advantages", False):
+    if post.whiten:
         adv = ctx.whiten(adv, mask)
-    if getattr(params, "adv_clip", None) is not None:
-        adv = adv.clamp(-params.adv_clip, params.adv_clip)
+    if post.clip is not None:
+        adv = adv.clamp(-post.clip, post.clip)
     batch.advantages = adv
     batch.returns = None if out.returns is None else out.returns.float()
     if ctx.actor.feature_critic:
@@ -190,8 +191,9 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
         if kl_tok is not None:
             s["sum:kl"] = torch.where(mask, kl_tok, 0.0).sum().detach()
         if values is not None:
-            v_loss, v_stats = value_loss(values, t["values"], t["returns"], mask, den, params)
-            loss = loss + params.vf_coef * v_loss
+            v_loss, v_stats = ctx.spec.value_loss(values, t["values"], t["returns"], mask, params,
+                                                  global_num_tokens=den.global_num_tokens)
+            loss = loss + ctx.spec.value_weight(params) * v_loss
             s.update(v_stats)
         return loss, s
 
@@ -214,22 +216,7 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
 
         def critic_loss_fn(mb, logp, ent, values, aux):
             t = mb.tensors  # the value loss itself (vf_coef weighs it against the policy loss on a shared trunk)
-            return value_loss(values, t["values"], t["returns"], t["loss_mask"], den, params)
+            return ctx.spec.value_loss(values, t["values"], t["returns"], t["loss_mask"], params,
+                                       global_num_tokens=den.global_num_tokens)
 
         critic_step(ctx, mbs, stats, critic_loss_fn)
-
-
-def value_loss(values, old_values, returns, mask, den, params):
-    """Clipped value loss ``0.5 max((V - R)^2, (clip(V, V_old +- eps) - R)^2)``, token-mean over the
-    step's global token count; stats for ``critic/value_loss`` and ``critic/explained_var``."""
-    from megatron_credit.losses.aggregation import aggregate_loss
-
-    err = (values - returns) ** 2
-    if params.value_clip is not None:
-        clipped = old_values + (values - old_values).clamp(-params.value_clip, params.value_clip)
-        err = torch.maximum(err, (clipped - returns) ** 2)
-    loss = 0.5 * aggregate_loss(err, mask, mode="token-mean", global_num_tokens=den.global_num_tokens)
-    r = torch.where(mask, returns, 0.0)
-    resid = torch.where(mask, returns - old_values, 0.0)
-    return loss, {"sum:value_loss": loss.detach(), "sum:ret": r.sum(), "sum:ret2": (r * r).sum(),
-                  "sum:resid": resid.sum(), "sum:resid2": (resid * resid).sum()}
