@@ -29,6 +29,7 @@ from megatron_credit.credit.future_kl import FIPO_DUAL_CLIP_C
 from megatron_credit.credit.gae import comp_gae, gae
 from megatron_credit.losses import policy, value
 from megatron_credit.losses.kl import KL_ESTIMATORS, kl_k1, kl_k3, kl_low_var  # noqa: F401  (re-exported)
+from megatron_credit.metric_tables import CRITIC, FIPO, GATES, MetricTable
 from megatron_credit.registry import Registry
 from megatron_credit.typed_build import build_dataclass
 
@@ -169,7 +170,14 @@ class AlgorithmSpec:
     needs_critic: bool = False
     """Whether a value model is trained (GAE estimators)."""
     needs_gates: bool = False
-    """Whether the actor forward must produce CompPO gates."""
+    """Whether the behaviour pass must produce CompPO gates (the final layer's attention statistics)."""
+    behaviour_extras: Optional[Callable[[Any, Any], dict]] = None
+    """Side channels: ``fn(batch, params) -> {name: [B, T] tensor}``, called on the last pipeline stage after
+    the behaviour pass (``batch`` is the ``trainer.batch.TrainBatch`` with ``old_logp`` and whatever else the
+    pass produced). Each tensor travels with the batch's micro-batches (cut, CP-split, on the actor's
+    device) and reaches the policy loss as the keyword of its name."""
+    metrics: tuple[MetricTable, ...] = ()
+    """The metrics this algorithm adds to the trainer's own (``metric_tables``)."""
 
     def __post_init__(self) -> None:
         ADVANTAGE_ESTIMATORS.get(self.advantage_estimator)  # raise ValueError listing valid names
@@ -191,11 +199,12 @@ class AlgorithmSpec:
         return fn(inputs, **kwargs)
 
     def loss(self, logp, old_logp, advantages, response_mask, params: Any, *, cp_group: Any = None,
-             is_weights=None):
-        """Per-token policy loss ``[B, T]`` and detached metrics (see ``losses.policy``)."""
+             is_weights=None, side: Optional[dict] = None):
+        """Per-token policy loss ``[B, T]`` and detached metrics (see ``losses.policy``); ``side``: this
+        micro-batch's share of the :attr:`behaviour_extras` tensors, passed as keywords."""
         fn = POLICY_LOSSES.get(self.policy_loss)
         return fn(logp, old_logp, advantages, response_mask, cp_group=cp_group, is_weights=is_weights,
-                  **params.loss_kwargs())
+                  **(side or {}), **params.loss_kwargs())
 
     def advantage_post(self, params: AlgorithmParams) -> AdvantagePost:
         """What happens to this algorithm's advantages before the update (critic warm-up, whitening, clip)."""
@@ -241,12 +250,13 @@ for _name, _spec in {
     "gspo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="gspo",
                           loss_agg_mode="seq-mean-token-mean", params_cls=GSPOParams),
     "ppo": AlgorithmSpec(advantage_estimator="gae", policy_loss="ppo", loss_agg_mode="token-mean",
-                         params_cls=PPOParams, needs_critic=True),
+                         params_cls=PPOParams, needs_critic=True, metrics=(CRITIC,)),
     "fipo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="fipo", loss_agg_mode="token-mean",
-                          params_cls=FIPOParams),
+                          params_cls=FIPOParams, metrics=(FIPO,)),
     "comppo": AlgorithmSpec(advantage_estimator="comp_gae", policy_loss="ppo", loss_agg_mode="token-mean",
-                            params_cls=CompPPOParams, needs_critic=True, needs_gates=True),
+                            params_cls=CompPPOParams, needs_critic=True, needs_gates=True, metrics=(CRITIC, GATES)),
     "comppo_fipo": AlgorithmSpec(advantage_estimator="comp_gae", policy_loss="fipo", loss_agg_mode="token-mean",
-                                 params_cls=CompFIPOParams, needs_critic=True, needs_gates=True),
+                                 params_cls=CompFIPOParams, needs_critic=True, needs_gates=True,
+                                 metrics=(FIPO, CRITIC, GATES)),
 }.items():
     ALGORITHMS.add(_name, _spec)

@@ -70,6 +70,9 @@ class TrainBatch:
     """``[B, T, K]`` int64 CompPO: global positions of the K keys the final layer attends to most."""
     topk_w: Optional[torch.Tensor] = None
     """``[B, T, K]`` their attention weights (mean over heads; 0 in padding slots)."""
+    extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """``{name: [B, T]}`` an algorithm's side channels from the behaviour pass (``AlgorithmSpec.behaviour_extras``),
+    cut into micro-batches with the fields above and handed to its policy loss by name."""
 
     @property
     def size(self) -> int:
@@ -172,8 +175,8 @@ def make_microbatch(batch: TrainBatch, rows: Sequence[int], *, seq_len: int, num
     to ``device`` (the actor's)."""
     idx = torch.tensor(list(rows), dtype=torch.long)
     out = {}
-    for name in TOKEN_FIELDS:
-        t = getattr(batch, name)
+    for name in TOKEN_FIELDS + tuple(batch.extras):
+        t = batch.extras[name] if name in batch.extras else getattr(batch, name)
         if t is None:
             continue
         t = t[idx]

@@ -121,7 +121,7 @@ class Context:
             dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
                                        group=self.actor.pp_group, device=self.actor.device)
             stats.values = box[0]
-        return finalize(stats)
+        return finalize(stats, self.spec.metrics)
 
 
 def seq_multiple(parallel) -> int:

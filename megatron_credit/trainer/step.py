@@ -12,7 +12,7 @@ import torch
 from megatron_credit.algorithms import KL_ESTIMATORS, AdvantageInputs
 from megatron_credit.data.microbatch import plan_minibatches
 from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
-from megatron_credit.trainer.batch import TrainBatch, make_microbatch, round_up, step_denominators
+from megatron_credit.trainer.batch import TOKEN_FIELDS, TrainBatch, make_microbatch, round_up, step_denominators
 from megatron_credit.trainer.metrics import StatSums
 
 
@@ -106,6 +106,11 @@ def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
         batch.values = None
     if not actor.last_stage:  # only the last stage computes losses; others never read these
         batch.old_logp = batch.values = batch.ref_logp = batch.kappa = batch.topk_idx = batch.topk_w = None
+    elif ctx.spec.behaviour_extras is not None:  # the algorithm's side channels (a per-token weight, ...)
+        batch.extras = ctx.spec.behaviour_extras(batch, ctx.knobs.params)
+        clash = sorted(set(batch.extras) & set(TOKEN_FIELDS))
+        if clash:
+            raise ValueError(f"behaviour_extras names {clash} clash with TrainBatch fields")
 
 
 def compute_advantages(ctx, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
@@ -166,7 +171,7 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
         if alg.tis_cap is not None:  # engine vs trainer mismatch: min(pi_old / pi_engine, C)
             is_w, tis = truncated_is_weights(t["old_logp"], t["rollout_logp"], mask, cap=alg.tis_cap)
         per_tok, m = ctx.spec.loss(logp, t["old_logp"], t["advantages"], mask, params,
-                                   cp_group=cp_group, is_weights=is_w)
+                                   cp_group=cp_group, is_weights=is_w, side={k: t[k] for k in batch.extras})
         kl_tok = None
         if kl is not None:
             kl_tok = kl(logp, t["ref_logp"])
