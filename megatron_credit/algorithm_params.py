@@ -13,6 +13,8 @@ from typing import Optional
 
 from megatron_credit.credit.future_kl import FIPO_DUAL_CLIP_C, FIPO_TAU, FIPO_WEIGHT_CLIP
 from megatron_credit.credit.phase import PhaseThresholds
+from megatron_credit.critic_kinds import check_critic
+from megatron_credit.gate_controls import GATE_CONTROLS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +150,7 @@ class FIPOParams(DAPOParams):
 
 
 PPO_CRITICS = ("trunk", "separate")
+"""The kinds of ``critic_kinds.CRITIC_KINDS`` PPO accepts."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,8 +178,7 @@ class PPOParams(AlgorithmParams):
     it), gradient clip and checkpoint; the policy's gradients then carry no value loss."""
 
     def __post_init__(self) -> None:
-        if self.critic not in PPO_CRITICS:
-            raise ValueError(f"algorithm.params.critic={self.critic!r}: valid values {list(PPO_CRITICS)}")
+        check_critic(self.critic, PPO_CRITICS)
 
     def estimator_kwargs(self) -> dict:
         return {"gamma": self.gamma, "lam": self.lam}
@@ -191,8 +193,8 @@ class PPOParams(AlgorithmParams):
         return {"clip_eps": self.clip_eps}
 
 
-GATE_CONTROLS = ("dynamic", "fixed", "shuffle", "position")
 CRITICS = ("tac", "standard", "trunk")
+"""The kinds of ``critic_kinds.CRITIC_KINDS`` CompPO accepts."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,8 +262,7 @@ class CompPOFields(AlgorithmParams):
             raise ValueError(f"algorithm.params: need 0 <= k_lo <= k_hi <= 1, got k_lo={self.k_lo}, k_hi={self.k_hi}")
         if self.gate_control not in GATE_CONTROLS:
             raise ValueError(f"algorithm.params.gate_control={self.gate_control!r}: valid values {list(GATE_CONTROLS)}")
-        if self.critic not in CRITICS:
-            raise ValueError(f"algorithm.params.critic={self.critic!r}: valid values {list(CRITICS)}")
+        check_critic(self.critic, CRITICS)
         if self.gate_sink_keys < 0:
             raise ValueError(f"algorithm.params.gate_sink_keys must be >= 0, got {self.gate_sink_keys}")
         for name in ("position_bins", "critic_layers", "critic_top_k"):
@@ -272,6 +273,11 @@ class CompPOFields(AlgorithmParams):
 
     def estimator_kwargs(self) -> dict:
         return {"lam": self.lam}
+
+    def gate_control_settings(self) -> tuple[str, dict]:
+        """The gate control's name in ``gate_controls.GATE_CONTROLS`` and its keywords."""
+        return self.gate_control, {"fixed_gate": self.fixed_gate, "position_bins": self.position_bins,
+                                   "position_steps": self.position_steps}
 
     def advantage_post(self) -> AdvantagePost:
         return AdvantagePost(critic_warmup_steps=self.critic_warmup_steps, whiten=self.whiten_advantages,

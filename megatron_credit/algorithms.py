@@ -15,16 +15,18 @@ ValueError: unknown policy loss 'trpo'; valid names: ['dapo', 'fipo', 'gspo', 'p
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_credit.algorithm_params import (CRITICS, GATE_CONTROLS, PPO_CRITICS, AdvantagePost,  # noqa: F401
+from megatron_credit.algorithm_params import (CRITICS, PPO_CRITICS, AdvantagePost,  # noqa: F401
                                               AlgorithmParams, ClipParams, CompFIPOParams, CompPOFields,
                                               CompPPOParams, DAPOParams, FIPOParams, GRPOParams, GSPOParams,
                                               PPOParams)
 from megatron_credit.credit import group
+from megatron_credit.critic_kinds import CRITIC_KINDS, CriticKind
 from megatron_credit.credit.future_kl import FIPO_DUAL_CLIP_C
 from megatron_credit.credit.gae import comp_gae, gae
 from megatron_credit.losses import policy, value
@@ -205,6 +207,21 @@ class AlgorithmSpec:
         fn = POLICY_LOSSES.get(self.policy_loss)
         return fn(logp, old_logp, advantages, response_mask, cp_group=cp_group, is_weights=is_weights,
                   **(side or {}), **params.loss_kwargs())
+
+    def critic_kind(self, params: AlgorithmParams) -> Optional[CriticKind]:
+        """The critic this algorithm trains (``critic_kinds.CRITIC_KINDS``; ``trunk`` unless its parameters
+        name another), or None for an algorithm without a critic."""
+        return CRITIC_KINDS.get(params.critic_name() or "trunk") if self.needs_critic else None
+
+    def gate_options(self, params: Any) -> dict:
+        """The Actor keywords of a gated algorithm's behaviour pass (the final layer's attention capture and
+        the gate map, DESIGN.md "CompPO"); {} for others."""
+        if not self.needs_gates:
+            return {}
+        from megatron_credit.credit.gates import comppo_gate
+
+        return {"capture_sink_keys": params.gate_sink_keys, "capture_top_k": 0,
+                "gate_fn": functools.partial(comppo_gate, k_lo=params.k_lo, k_hi=params.k_hi, tau=params.gate_tau)}
 
     def advantage_post(self, params: AlgorithmParams) -> AdvantagePost:
         """What happens to this algorithm's advantages before the update (critic warm-up, whitening, clip)."""

@@ -296,9 +296,8 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     optimizer = math.ceil(params * optim_per_param / shard)
     other = math.ceil(params * optim_per_param / (1 if distributed_optimizer else dp * cp))
     spec, alg_params = recipe.algorithm.spec_and_params()
-    from megatron_credit.trainer.critic_model import wants_separate_critic
-
-    separate_critic = wants_separate_critic(spec, alg_params)
+    kind = spec.critic_kind(alg_params)
+    separate_critic = kind is not None and kind.separate_model
     critic_params = 0
     if separate_critic:
         critic_params = params  # a value model of the actor's architecture and layout
