@@ -7,6 +7,8 @@ here looks at an algorithm's name.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from megatron_credit.algorithms import KL_ESTIMATORS, AdvantageInputs
@@ -15,8 +17,11 @@ from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weig
 from megatron_credit.trainer.batch import TOKEN_FIELDS, TrainBatch, make_microbatch, round_up, step_denominators
 from megatron_credit.trainer.metrics import StatSums
 
+if TYPE_CHECKING:  # the iteration's inputs; no megatron import here
+    from megatron_credit.trainer.context import Context
 
-def rl_iteration(ctx, iteration: int) -> dict[str, float]:
+
+def rl_iteration(ctx: Context, iteration: int) -> dict[str, float]:
     """Rollout -> rewards -> (dynamic sampling) -> old log-probs -> advantages -> update -> sync."""
     timer = ctx.timer
     with timer("rollout"):
@@ -41,7 +46,7 @@ def rl_iteration(ctx, iteration: int) -> dict[str, float]:
 
 
 # --------------------------------------------------------------------------------------------- parts
-def plan_microbatches(ctx, batch: TrainBatch) -> list[list[list[int]]]:
+def plan_microbatches(ctx: Context, batch: TrainBatch) -> list[list[list[int]]]:
     """One micro-batch plan per iteration, used by the behaviour pass and by every update epoch."""
     t = ctx.recipe.train
     return plan_minibatches(batch.seq_lens.tolist(), num_minibatches=t.num_minibatches,
@@ -49,7 +54,7 @@ def plan_microbatches(ctx, batch: TrainBatch) -> list[list[list[int]]]:
                             pad_to_multiple_of=ctx.seq_multiple)
 
 
-def microbatches(ctx, batch: TrainBatch, mini: list[list[int]]):
+def microbatches(ctx: Context, batch: TrainBatch, mini: list[list[int]]):
     """The micro-batches of one mini-batch, padded to ``ctx.seq_multiple`` (and to one shape with PP)."""
     lens = [round_up(int(max(batch.seq_lens[mb])), ctx.seq_multiple) for mb in mini]
     if ctx.actor.pp_size > 1:  # megatron's pipeline communicates one fixed shape per call
@@ -60,7 +65,7 @@ def microbatches(ctx, batch: TrainBatch, mini: list[list[int]]):
                             cp_size=ctx.actor.cp_size, cp_rank=ctx.actor.cp_rank) for mb, s, r in zip(mini, lens, rows)]
 
 
-def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
+def behaviour_pass(ctx: Context, batch: TrainBatch, plan) -> None:
     """Recompute ``old_logp`` (and critic ``values``, reference ``ref_logp``) with the update's plan; the
     outputs are copied from the actor's device into the batch (host memory, ``batch.py``)."""
     actor, critic = ctx.actor, ctx.critic
@@ -113,7 +118,7 @@ def behaviour_pass(ctx, batch: TrainBatch, plan) -> None:
             raise ValueError(f"behaviour_extras names {clash} clash with TrainBatch fields")
 
 
-def compute_advantages(ctx, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
+def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
     """``batch.advantages`` (and ``returns``) from the algorithm's estimator. CompPO: the transport gates
     (``ctx.gate_control``), the critic's warm-up (values enter the advantages after
     ``critic_warmup_steps`` iterations), the critic's diagnostics. Then PPO-style whitening over the global
@@ -152,7 +157,7 @@ def compute_advantages(ctx, batch: TrainBatch, iteration: int = 1, stats: "StatS
         stats.add({"sum:rank_avg_count": torch.tensor(1.0)})
 
 
-def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "StatSums", *,
+def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], stats: "StatSums", *,
                      first: bool = False) -> None:
     """One optimizer step over one mini-batch: forward-backward of its micro-batches, reduce, clip, step.
     ``first``: the iteration's first mini-batch (its FIPO weights are also logged apart: on-policy, they
