@@ -46,12 +46,10 @@ def _describe(recipe, hf_config, layout: dict[str, int]) -> str:
 
 
 def _param_count(c) -> int:
-    h, v, L = c.hidden_size, c.vocab_size, c.num_hidden_layers
-    heads = c.num_attention_heads
-    kv = getattr(c, "num_key_value_heads", None) or heads
-    d = getattr(c, "head_dim", None) or h // heads
-    per_layer = h * d * (heads + 2 * kv) + heads * d * h + 3 * h * c.intermediate_size + 2 * h
-    return L * per_layer + v * h * (1 if getattr(c, "tie_word_embeddings", False) else 2) + h
+    """The model's parameters, counted by the planner (the one count; tested against megatron's numel)."""
+    from megatron_credit.planning import Architecture, total_param_count
+
+    return total_param_count(Architecture.from_hf(c))
 
 
 def done_line(rows: list[dict], timings: dict[str, float], *, total_s: float, run_dir: str) -> str:
@@ -72,7 +70,7 @@ def finished_line(run_dir: str, recipe) -> Optional[str]:
     auto`` would do nothing): where it ended, where the results are, how to start again. None otherwise."""
     import json
 
-    from megatron_credit.trainer.checkpoint import complete_checkpoints
+    from megatron_credit.run_layout import complete_checkpoints
 
     done = complete_checkpoints(run_dir)
     if not done or done[-1][0] < recipe.train.steps:
@@ -115,8 +113,6 @@ def _main(args) -> int:
         hf_config = resolve_hf_config(recipe.model)
     else:
         hf_config = recipe.model.hf_config()
-    from megatron_credit.trainer.loop import check_recipe
-
     if args.dry_run:  # the arithmetic and a layout that fits, before anything else is said
         from megatron_credit.planning_layouts import layout_refusal
 
@@ -124,7 +120,7 @@ def _main(args) -> int:
         if refusal is not None:
             raise ValueError(refusal)
     # Refuse impossible layouts before any process group or model exists.
-    layout = check_recipe(recipe, hf_config, world_size=launch.world_size)
+    layout = recipe.validate(world_size=launch.world_size, arch=hf_config)
     rank0 = launch.rank == 0
     if args.dry_run:
         from megatron_credit.planning import format_plan, plan

@@ -15,16 +15,25 @@ ValueError: unknown policy loss 'trpo'; valid names: ['dapo', 'fipo', 'gspo', 'p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_credit.algorithm_params import (CRITICS, PPO_CRITICS, AdvantagePost,  # noqa: F401
+                                              AlgorithmParams, ClipParams, CompFIPOParams, CompPOFields,
+                                              CompPPOParams, DAPOParams, FIPOParams, GRPOParams, GSPOParams,
+                                              PPOParams)
 from megatron_credit.credit import group
+from megatron_credit.critic_kinds import CRITIC_KINDS, CriticKind
+from megatron_credit.credit.future_kl import FIPO_DUAL_CLIP_C
 from megatron_credit.credit.gae import comp_gae, gae
-from megatron_credit.credit.phase import PhaseThresholds
-from megatron_credit.losses import policy
+from megatron_credit.losses import policy, value
+from megatron_credit.losses.kl import KL_ESTIMATORS, kl_k1, kl_k3, kl_low_var  # noqa: F401  (re-exported)
+from megatron_credit.metric_tables import CRITIC, FIPO, GATES, MetricTable
 from megatron_credit.registry import Registry
+from megatron_credit.typed_build import build_dataclass
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,7 +143,7 @@ POLICY_LOSSES.add("gspo", policy.gspo_loss)
 
 @POLICY_LOSSES.register("fipo")
 def fipo_loss(logp, old_logp, advantages, response_mask, *, drop_multi_dual_clip: bool = False,
-              cp_group: Any = None, **kwargs):
+              dual_clip_c: float = FIPO_DUAL_CLIP_C, cp_group: Any = None, **kwargs):
     """FIPO: :func:`~megatron_credit.losses.policy.fipo_policy_loss` (Future-KL weights computed on this
     rank's CP shard with the carry exchange over ``cp_group``), optionally dropping whole responses with
     more than one dual-clipped token (the published code's rule; counts summed over CP)."""
@@ -142,236 +151,10 @@ def fipo_loss(logp, old_logp, advantages, response_mask, *, drop_multi_dual_clip
 
     if drop_multi_dual_clip:
         keep = multi_dual_clip_keep(logp, old_logp, advantages, response_mask,
-                                    dual_clip_c=kwargs.get("dual_clip_c", 10.0), cp_group=cp_group)
+                                    dual_clip_c=dual_clip_c, cp_group=cp_group)
         response_mask = response_mask.bool() & keep[:, None]
-    return policy.fipo_policy_loss(logp, old_logp, advantages, response_mask, cp_group=cp_group, **kwargs)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Typed parameters. Each algorithm has one keyword-only dataclass; ``estimator_kwargs`` /
-# ``loss_kwargs`` say which fields go to which function, so a recipe's ``algorithm.params`` reaches the
-# math in one hop and the trainer never looks at an algorithm's name.
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClipParams:
-    """GRPO / Dr.GRPO / RLOO: symmetric PPO clip."""
-
-    clip_eps: float = 0.2
-    """Clip range ``[1 - eps, 1 + eps]``."""
-    norm_by_std: bool = True
-    """GRPO only: divide the group-centred score by the group's standard deviation."""
-
-    def estimator_kwargs(self) -> dict:
-        return {}
-
-    def loss_kwargs(self) -> dict:
-        return {"clip_eps": self.clip_eps}
-
-
-@dataclass(frozen=True, kw_only=True)
-class GRPOParams(ClipParams):
-    """GRPO."""
-
-    def estimator_kwargs(self) -> dict:
-        return {"norm_by_std": self.norm_by_std}
-
-
-@dataclass(frozen=True, kw_only=True)
-class DAPOParams:
-    """DAPO: clip-higher and dual clip."""
-
-    clip_low: float = 0.2
-    """eps_low."""
-    clip_high: float = 0.28
-    """eps_high (clip-higher)."""
-    dual_clip_c: Optional[float] = 3.0
-    """Dual-clip constant for A < 0 (None: off)."""
-
-    def estimator_kwargs(self) -> dict:
-        return {}
-
-    def loss_kwargs(self) -> dict:
-        return {"clip_low": self.clip_low, "clip_high": self.clip_high, "dual_clip_c": self.dual_clip_c}
-
-
-@dataclass(frozen=True, kw_only=True)
-class GSPOParams:
-    """GSPO: sequence-ratio clip (its ranges are ~1e-4)."""
-
-    clip_low: float = 3e-4
-    """eps_low of the sequence ratio."""
-    clip_high: float = 4e-4
-    """eps_high of the sequence ratio."""
-
-    def estimator_kwargs(self) -> dict:
-        return {}
-
-    def loss_kwargs(self) -> dict:
-        return {"clip_low": self.clip_low, "clip_high": self.clip_high}
-
-
-@dataclass(frozen=True, kw_only=True)
-class FIPOParams(DAPOParams):
-    """FIPO = DAPO on ``f_t * A_t`` with Future-KL weights (DESIGN.md "FIPO")."""
-
-    dual_clip_c: float = 10.0
-    """Dual-clip constant ``c``; also the participation threshold of ``M_k`` (10 for 32B, 3 for 7B)."""
-    tau: float = 32.0
-    """Half-life of the future discount: ``gamma = 2^(-1/tau)``."""
-    weight_clip: tuple = (1.0, 1.2)
-    """``[lo, hi]`` clip of ``exp(F_t)``."""
-    safety_thresh: Optional[float] = None
-    """Ratio above which ``f = min(f, 1)`` for A < 0 (None: ``dual_clip_c``)."""
-    drop_multi_dual_clip: bool = False
-    """Drop responses with more than one dual-clipped token (the published code; off by default)."""
-
-    def __post_init__(self) -> None:
-        w = tuple(float(x) for x in self.weight_clip)
-        if len(w) != 2:
-            raise ValueError(f"algorithm.params.weight_clip must be [lo, hi], got {self.weight_clip!r}")
-        object.__setattr__(self, "weight_clip", w)
-
-    def loss_kwargs(self) -> dict:
-        return {**super().loss_kwargs(), "tau": self.tau, "weight_clip": self.weight_clip,
-                "safety_thresh": self.safety_thresh, "drop_multi_dual_clip": self.drop_multi_dual_clip}
-
-
-PPO_CRITICS = ("trunk", "separate")
-
-
-@dataclass(frozen=True, kw_only=True)
-class PPOParams:
-    """PPO with GAE and a value head on the actor trunk."""
-
-    clip_eps: float = 0.2
-    """Policy clip range."""
-    gamma: float = 1.0
-    """GAE discount."""
-    lam: float = 0.95
-    """GAE lambda."""
-    whiten_advantages: bool = True
-    """Whiten advantages over the global batch (masked, across DP), as peers do."""
-    vf_coef: float = 0.5
-    """Weight of the value loss against the policy loss on the shared trunk (``critic: trunk``); a
-    separate critic minimises the value loss itself."""
-    value_clip: Optional[float] = 0.2
-    """Clip of the new value around the old one in the value loss (None: unclipped)."""
-    critic: str = "trunk"
-    """``trunk``: a value head on the actor's final hidden state, trained with the policy (one model, one
-    optimizer, one clip). ``separate``: a value model of its own, as verl / OpenRLHF build it: a GPTModel
-    of the actor's architecture and layout, initialised from the actor's starting weights (after a
-    warm-up), with a zero-initialised value head, its own DDP, optimizer (``optim.critic_lr`` for all of
-    it), gradient clip and checkpoint; the policy's gradients then carry no value loss."""
-
-    def __post_init__(self) -> None:
-        if self.critic not in PPO_CRITICS:
-            raise ValueError(f"algorithm.params.critic={self.critic!r}: valid values {list(PPO_CRITICS)}")
-
-    def estimator_kwargs(self) -> dict:
-        return {"gamma": self.gamma, "lam": self.lam}
-
-    def loss_kwargs(self) -> dict:
-        return {"clip_eps": self.clip_eps}
-
-
-GATE_CONTROLS = ("dynamic", "fixed", "shuffle", "position")
-CRITICS = ("tac", "standard", "trunk")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CompPOFields:
-    """CompPO's own knobs (DESIGN.md "CompPO"): the gate, its controls, the critic, the phase controller.
-
-    Shared by ``comppo`` (PPO clip) and ``comppo_fipo`` (FIPO's Future-KL weighted loss)."""
-
-    lam: float = 0.95
-    """Comp-GAE lambda."""
-    k_lo: float = 0.1
-    """Lower end of the gate envelope."""
-    k_hi: float = 0.9
-    """Upper end of the gate envelope."""
-    gate_tau: float = 4.0
-    """Sharpness of the gate's sigmoid in the normalised concentration."""
-    gate_sink_keys: int = 0
-    """Attention-sink keys left out of the gate's concentration ``H``: the first ``gate_sink_keys``
-    positions, the distribution renormalised over the rest (0: off, the paper's gate). ``tools/gate_stats.py``
-    measures how much of ``H`` they supply."""
-    gate_control: str = "dynamic"
-    """``dynamic`` (the gate from attention), ``fixed`` (``fixed_gate`` everywhere), ``shuffle`` (a global
-    permutation of the batch's gates over valid response positions) or ``position`` (mean gate in
-    ``position_bins`` bins of t/T, collected for ``position_steps`` iterations, then frozen)."""
-    fixed_gate: float = 0.61
-    """The ``fixed`` control's gate (the paper's mean gate on math)."""
-    position_bins: int = 20
-    """Bins of relative position t/T of the ``position`` control."""
-    position_steps: int = 10
-    """Iterations whose dynamic gates build the ``position`` schedule (dynamic gates are used meanwhile)."""
-    critic: str = "tac"
-    """``tac`` (the transport-aligned critic), ``standard`` (a linear head on the detached final hidden
-    state) or ``trunk`` (PPO's head: on the final hidden state, not detached, clipped with the policy; with
-    ``gate_control: fixed`` at PPO's gamma and PPO's settings it reproduces ``ppo`` bit for bit)."""
-    critic_layers: int = 4
-    """TAC: how many of the last layers' hidden states are fused (L')."""
-    critic_top_k: int = 64
-    """TAC: keys of the final-layer attention pooled into the history summary."""
-    critic_warmup_steps: int = 0
-    """Iterations the critic trains before its values enter the advantages (V = 0 until then)."""
-    value_clamp: float = 1.0
-    """The critic's output is clamped to ``[-value_clamp, value_clamp]``."""
-    vf_coef: float = 0.5
-    """Weight of the value loss."""
-    value_clip: Optional[float] = 0.5
-    """Value-loss clip (None: unclipped)."""
-    adv_clip: Optional[float] = 5.0
-    """Advantages are clipped to ``[-adv_clip, adv_clip]`` (None: off)."""
-    whiten_advantages: bool = False
-    """Whiten advantages over the global batch."""
-    phase_controller: bool = False
-    """Run the stable / warning / strong / hard-stop controller (``credit.phase``) on each step's metrics."""
-    phase_thresholds: PhaseThresholds = field(
-        default_factory=lambda: PhaseThresholds(entropy_below=(None, None, None)),
-        metadata={"partial_override": True})
-    """The controller's request thresholds: the paper's, except ``entropy_below`` (its 8.0 / 7.5 / 6.5 are
-    not on the scale of ``actor/entropy``, a per-token mean in nats, usually under 2: with them every run
-    ends in hard-stop), which is off unless a recipe sets levels for its own model. A recipe's mapping
-    overrides only the signals it names."""
-
-    def __post_init__(self) -> None:
-        if getattr(super(), "__post_init__", None):
-            super().__post_init__()
-        if not 0.0 <= self.k_lo <= self.k_hi <= 1.0:
-            raise ValueError(f"algorithm.params: need 0 <= k_lo <= k_hi <= 1, got k_lo={self.k_lo}, k_hi={self.k_hi}")
-        if self.gate_control not in GATE_CONTROLS:
-            raise ValueError(f"algorithm.params.gate_control={self.gate_control!r}: valid values {list(GATE_CONTROLS)}")
-        if self.critic not in CRITICS:
-            raise ValueError(f"algorithm.params.critic={self.critic!r}: valid values {list(CRITICS)}")
-        if self.gate_sink_keys < 0:
-            raise ValueError(f"algorithm.params.gate_sink_keys must be >= 0, got {self.gate_sink_keys}")
-        for name in ("position_bins", "critic_layers", "critic_top_k"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"algorithm.params.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.fixed_gate <= 1.0:
-            raise ValueError(f"algorithm.params.fixed_gate must be in [0, 1], got {self.fixed_gate}")
-
-    def estimator_kwargs(self) -> dict:
-        return {"lam": self.lam}
-
-
-@dataclass(frozen=True, kw_only=True)
-class CompPPOParams(CompPOFields):
-    """CompPO: Comp-GAE advantages, PPO's symmetric clip (the paper's Table 13)."""
-
-    clip_eps: float = 0.2
-    """Policy clip range (the phase controller moves it)."""
-
-    def loss_kwargs(self) -> dict:
-        return {"clip_eps": self.clip_eps}
-
-
-@dataclass(frozen=True, kw_only=True)
-class CompFIPOParams(CompPOFields, FIPOParams):
-    """``comppo_fipo``: Comp-GAE advantages inside FIPO's Future-KL weighted DAPO loss."""
+    return policy.fipo_policy_loss(logp, old_logp, advantages, response_mask, dual_clip_c=dual_clip_c,
+                                   cp_group=cp_group, **kwargs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -389,7 +172,14 @@ class AlgorithmSpec:
     needs_critic: bool = False
     """Whether a value model is trained (GAE estimators)."""
     needs_gates: bool = False
-    """Whether the actor forward must produce CompPO gates."""
+    """Whether the behaviour pass must produce CompPO gates (the final layer's attention statistics)."""
+    behaviour_extras: Optional[Callable[[Any, Any], dict]] = None
+    """Side channels: ``fn(batch, params) -> {name: [B, T] tensor}``, called on the last pipeline stage after
+    the behaviour pass (``batch`` is the ``trainer.batch.TrainBatch`` with ``old_logp`` and whatever else the
+    pass produced). Each tensor travels with the batch's micro-batches (cut, CP-split, on the actor's
+    device) and reaches the policy loss as the keyword of its name."""
+    metrics: tuple[MetricTable, ...] = ()
+    """The metrics this algorithm adds to the trainer's own (``metric_tables``)."""
 
     def __post_init__(self) -> None:
         ADVANTAGE_ESTIMATORS.get(self.advantage_estimator)  # raise ValueError listing valid names
@@ -400,9 +190,7 @@ class AlgorithmSpec:
     def make_params(self, overrides: Any = None, *, where: str = "params"):
         """The parameter dataclass with ``overrides`` (a mapping) applied; unknown keys and wrong types
         raise ``ValueError`` naming the field."""
-        from megatron_credit.config import _build
-
-        return _build(self.params_cls, dict(overrides or {}), where)
+        return build_dataclass(self.params_cls, dict(overrides or {}), where)
 
     def estimate(self, inputs: AdvantageInputs, params: Any, *, cp_group: Any = None) -> AdvantageOutput:
         """Advantages of ``inputs`` with this algorithm's estimator and ``params``."""
@@ -413,11 +201,42 @@ class AlgorithmSpec:
         return fn(inputs, **kwargs)
 
     def loss(self, logp, old_logp, advantages, response_mask, params: Any, *, cp_group: Any = None,
-             is_weights=None):
-        """Per-token policy loss ``[B, T]`` and detached metrics (see ``losses.policy``)."""
+             is_weights=None, side: Optional[dict] = None):
+        """Per-token policy loss ``[B, T]`` and detached metrics (see ``losses.policy``); ``side``: this
+        micro-batch's share of the :attr:`behaviour_extras` tensors, passed as keywords."""
         fn = POLICY_LOSSES.get(self.policy_loss)
         return fn(logp, old_logp, advantages, response_mask, cp_group=cp_group, is_weights=is_weights,
-                  **params.loss_kwargs())
+                  **(side or {}), **params.loss_kwargs())
+
+    def critic_kind(self, params: AlgorithmParams) -> Optional[CriticKind]:
+        """The critic this algorithm trains (``critic_kinds.CRITIC_KINDS``; ``trunk`` unless its parameters
+        name another), or None for an algorithm without a critic."""
+        return CRITIC_KINDS.get(params.critic_name() or "trunk") if self.needs_critic else None
+
+    def gate_options(self, params: Any) -> dict:
+        """The Actor keywords of a gated algorithm's behaviour pass (the final layer's attention capture and
+        the gate map, DESIGN.md "CompPO"); {} for others."""
+        if not self.needs_gates:
+            return {}
+        from megatron_credit.credit.gates import comppo_gate
+
+        return {"capture_sink_keys": params.gate_sink_keys, "capture_top_k": 0,
+                "gate_fn": functools.partial(comppo_gate, k_lo=params.k_lo, k_hi=params.k_hi, tau=params.gate_tau)}
+
+    def advantage_post(self, params: AlgorithmParams) -> AdvantagePost:
+        """What happens to this algorithm's advantages before the update (critic warm-up, whitening, clip)."""
+        return params.advantage_post()
+
+    def value_loss(self, values, old_values, returns, mask, params: Any, *, global_num_tokens):
+        """The critic's loss ``[]`` (:func:`~megatron_credit.losses.value.clipped_value_loss` with this
+        algorithm's ``value_clip``) and its ``sum:`` statistics."""
+        loss, m = value.clipped_value_loss(values, old_values, returns, mask, value_clip=params.value_clip,
+                                           global_num_tokens=global_num_tokens)
+        return loss, {f"sum:{k}": v for k, v in m.items()}
+
+    def value_weight(self, params: Any) -> float:
+        """Weight of the value loss against the policy loss on a shared trunk (``vf_coef``)."""
+        return params.vf_coef
 
     @property
     def agg_required_args(self) -> tuple[str, ...]:
@@ -448,35 +267,13 @@ for _name, _spec in {
     "gspo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="gspo",
                           loss_agg_mode="seq-mean-token-mean", params_cls=GSPOParams),
     "ppo": AlgorithmSpec(advantage_estimator="gae", policy_loss="ppo", loss_agg_mode="token-mean",
-                         params_cls=PPOParams, needs_critic=True),
+                         params_cls=PPOParams, needs_critic=True, metrics=(CRITIC,)),
     "fipo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="fipo", loss_agg_mode="token-mean",
-                          params_cls=FIPOParams),
+                          params_cls=FIPOParams, metrics=(FIPO,)),
     "comppo": AlgorithmSpec(advantage_estimator="comp_gae", policy_loss="ppo", loss_agg_mode="token-mean",
-                            params_cls=CompPPOParams, needs_critic=True, needs_gates=True),
+                            params_cls=CompPPOParams, needs_critic=True, needs_gates=True, metrics=(CRITIC, GATES)),
     "comppo_fipo": AlgorithmSpec(advantage_estimator="comp_gae", policy_loss="fipo", loss_agg_mode="token-mean",
-                                 params_cls=CompFIPOParams, needs_critic=True, needs_gates=True),
+                                 params_cls=CompFIPOParams, needs_critic=True, needs_gates=True,
+                                 metrics=(FIPO, CRITIC, GATES)),
 }.items():
     ALGORITHMS.add(_name, _spec)
-
-
-# KL penalty estimators to a frozen reference policy, per token (Schulman's k1 / k3; verl's low_var_kl).
-KL_ESTIMATORS: Registry[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = Registry("KL estimator")
-
-
-@KL_ESTIMATORS.register("k1")
-def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """``log pi - log pi_ref`` (unbiased, can be negative)."""
-    return logp - ref_logp
-
-
-@KL_ESTIMATORS.register("k3")
-def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """``r - 1 - log r`` with ``r = pi_ref / pi`` (unbiased, never negative)."""
-    d = (ref_logp - logp).clamp(-20.0, 20.0)
-    return torch.expm1(d) - d
-
-
-@KL_ESTIMATORS.register("low_var_kl")
-def kl_low_var(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """k3 clamped to [-10, 10] (verl's ``low_var_kl``)."""
-    return kl_k3(logp, ref_logp).clamp(-10.0, 10.0)

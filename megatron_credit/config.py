@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
+from megatron_credit.gpu_kinds import GPUS
 from megatron_credit.training_config import (AlgorithmConfig, CheckpointConfig, DataConfig, LoggingConfig,
                                              OptimConfig, RewardConfig, RolloutConfig, TrainConfig,
                                              WarmupConfig)
+from megatron_credit.typed_build import build_dataclass as _build
+from megatron_credit.typed_build import check_scalar as _check_scalar  # noqa: F401  (the name tests use)
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -88,7 +90,7 @@ class ClusterConfig:
     gpus_per_node: int = 8
     """GPUs per node."""
     gpu: str = "h100-80gb"
-    """GPU kind, a key of ``megatron_credit.planning.GPUS``."""
+    """GPU kind, a key of ``megatron_credit.gpu_kinds.GPUS``."""
     distributed_optimizer: bool = False
     """Plan optimizer states sharded over DP x CP (megatron's distributed optimizer). The run shards them
     with ``optim.backend: megatron`` + ``optim.distributed_optimizer: true`` (which the planner also
@@ -99,8 +101,6 @@ class ClusterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"cluster.{name} must be a positive integer, got {value!r}")
-        from megatron_credit.planning import GPUS
-
         if self.gpu not in GPUS:
             raise ValueError(f"cluster.gpu={self.gpu!r} is not one of {sorted(GPUS)}")
 
@@ -248,6 +248,59 @@ class Recipe:
                              "not shard: set optim.backend: megatron and optim.distributed_optimizer: true (or "
                              "cluster.distributed_optimizer: false)")
 
+    def problems(self, arch, *, world_size: int) -> list[str]:
+        """Every cross-section problem of this recipe on ``world_size`` ranks with the model ``arch`` (a
+        Hugging Face config), each one line naming the field to change; ``[]`` when the recipe can run.
+
+        The one set of layout checks: :meth:`validate` (the trainer, ``pretrain_rl.py``) refuses the first,
+        the memory planner (``planning.plan``, ``--dry-run``) lists them all."""
+        from megatron_credit.models.hf_config import check_parallel_fits_model, check_sequence_length
+        from megatron_credit.training_config import SYNTHETIC_SOURCES
+
+        out: list[str] = []
+        try:
+            check_parallel_fits_model(arch, self.parallel, world_size=world_size)
+        except ValueError as exc:
+            out.append(str(exc))
+        p, r, t, w = self.parallel, self.rollout, self.train, self.warmup
+        tp = p.tensor_model_parallel_size
+        if arch.vocab_size % tp:  # the models are built without vocabulary padding (models/gpt.py)
+            out.append(f"parallel.tensor_model_parallel_size={tp} does not divide vocab_size={arch.vocab_size}")
+        dp = max(world_size // p.model_parallel_size, 1)
+        if r.prompts_per_step % dp:
+            out.append(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by the "
+                       f"data-parallel size {dp}")
+        if r.n < 2 and not self.algorithm.spec_and_params()[0].needs_critic:  # issue 24: silent zero gradients
+            out.append(f"rollout.n={r.n}: algorithm {self.algorithm.name}'s advantages are relative to the group "
+                       "of a prompt's samples, and a group of one has zero advantage (nothing trains); set "
+                       "rollout.n >= 2, or use an algorithm with a critic (ppo)")
+        per_rank = r.prompts_per_step // dp * r.n
+        if not r.prompts_per_step % dp and per_rank % t.num_minibatches:
+            out.append(f"train.num_minibatches={t.num_minibatches} must divide the "
+                       f"{per_rank} samples per data-parallel rank (prompts_per_step / DP x n)")
+        if self.data.source == "dataset":  # synthetic prompts are short
+            try:
+                check_sequence_length(arch, self.data.max_prompt_len + r.max_response_len,
+                                      what="data.max_prompt_len + rollout.max_response_len")
+            except ValueError as exc:
+                out.append(str(exc))
+        if w.steps and self.data.source not in SYNTHETIC_SOURCES:
+            out.append(f"warmup.steps > 0 needs data.source in {SYNTHETIC_SOURCES} (real runs start from a "
+                       "pretrained checkpoint)")
+        if w.steps and w.batch_size % dp:
+            out.append(f"warmup.batch_size={w.batch_size} must be divisible by DP={dp}")
+        return out
+
+    def validate(self, *, world_size: int, arch) -> dict[str, int]:
+        """Raise ``ValueError`` (the first of :meth:`problems`) unless the recipe runs on ``world_size``
+        ranks with the model ``arch``; returns the layout ``{"tp", "pp", "cp", "dp"}``."""
+        problems = self.problems(arch, world_size=world_size)
+        if problems:
+            raise ValueError(problems[0])
+        p = self.parallel
+        return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+                "cp": p.context_parallel_size, "dp": p.data_parallel_size(world_size=world_size)}
+
 
 TINY_QWEN2: Mapping[str, Any] = types.MappingProxyType(dict(
     model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -289,95 +342,6 @@ def _merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     for k, v in extra.items():
         out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) else v
     return out
-
-
-def _build(cls, data: Mapping[str, Any], where: str):
-    """Build dataclass ``cls`` from ``data``, recursing into dataclass-typed fields; unknown keys fail."""
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{where or 'recipe'} must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"unknown field(s) {unknown} in {where or 'recipe'}; valid: {sorted(names)}")
-    kwargs = {}
-    defaults = {f.name: f for f in dataclasses.fields(cls)}
-    for key, value in data.items():
-        hint = hints[key]
-        path = f"{where}.{key}" if where else key
-        if dataclasses.is_dataclass(hint) and isinstance(hint, type):
-            if isinstance(value, Mapping) and defaults[key].metadata.get("partial_override"):
-                value = {**_own_default(defaults[key]), **value}  # keys not given keep the field's default
-            kwargs[key] = _build(hint, value, path)
-        else:
-            kwargs[key] = _check_scalar(hint, value, path)
-    return cls(**kwargs)
-
-
-def _own_default(field: dataclasses.Field) -> dict[str, Any]:
-    """The top-level values of a dataclass field's default. Used for fields declared with
-    ``metadata={"partial_override": True}`` (e.g. ``PhaseThresholds(entropy_below=...)``), so that a
-    partial mapping overrides only the keys it names instead of starting from the class's defaults."""
-    if field.default is not dataclasses.MISSING:
-        default = field.default
-    else:
-        default = field.default_factory()
-    return {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
-
-
-def _check_scalar(hint, value: Any, path: str) -> Any:
-    """``value`` checked against a scalar type hint (``int``, ``float``, ``bool``, ``str``, or one of
-    them ``Optional``); other hints pass ``value`` through. Returns the value to store.
-
-    PyYAML 1.1 reads ``1e-6`` (no dot) as a string, so ``float`` also takes numeric strings; ``int``
-    refuses bools (YAML ``yes``) and strings; ``bool`` takes only bools; ``float`` refuses ``inf`` and
-    ``nan`` (YAML ``.inf``, or the strings): no field of a recipe means anything at infinity.
-
-    >>> _check_scalar(float, "1e-6", "optim.lr"), _check_scalar(float, 3, "optim.lr")
-    (1e-06, 3.0)
-    >>> _check_scalar(int, True, "train.steps")
-    Traceback (most recent call last):
-    ...
-    ValueError: train.steps must be an int, got True (bool)
-    >>> _check_scalar(float, "inf", "optim.lr")
-    Traceback (most recent call last):
-    ...
-    ValueError: optim.lr must be a finite number, got 'inf' (str)
-    """
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None and len(args) < len(typing.get_args(hint)):
-            return None
-        if len(args) != 1:
-            return value
-        hint = args[0]
-
-    def refuse(kind: str):
-        return ValueError(f"{path} must be {kind}, got {value!r} ({type(value).__name__})")
-
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise refuse("a bool (true / false)")
-    elif hint is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise refuse("an int")
-    elif hint is float:
-        if isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                raise refuse("a number") from None
-        elif not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise refuse("a number")
-        else:
-            number = float(value)
-        if number != number or number in (float("inf"), float("-inf")):  # nan, +-inf
-            raise refuse("a finite number")
-        return number
-    elif hint is str:
-        if not isinstance(value, str):
-            raise refuse("a string")
-    return value
 
 
 def recipe_from_dict(data: Mapping[str, Any], *, overrides: Sequence[str] = ()) -> Recipe:

@@ -45,16 +45,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-GIB = 1024 ** 3
-
-GPUS: Mapping[str, int] = {
-    # Total memory nvidia-smi reports (MiB): what CUDA can allocate before the context is created.
-    "h100-80gb": 81559 * 1024 ** 2,   # H100 SXM5 80GB: 81559 MiB
-    "h200": 143771 * 1024 ** 2,       # H200 SXM 141GB: 143771 MiB
-    "a100-80gb": 81920 * 1024 ** 2,   # A100 SXM4 80GB: 81920 MiB
-    "a100-40gb": 40960 * 1024 ** 2,   # A100 SXM4 40GB: 40960 MiB
-}
-"""Per-GPU memory in bytes by name (``--gpu``, ``cluster.gpu``)."""
+from megatron_credit.gpu_kinds import GIB, GPUS  # noqa: F401  (re-exported: planning.GPUS)
 
 RESERVED_BYTES = 4 * GIB
 """CUDA context (~0.5 GiB), NCCL buffers (~1-2 GiB) and allocator fragmentation, per GPU."""
@@ -277,7 +268,6 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     GPU's peak memory (module docstring). ``distributed_optimizer`` defaults to what the run does
     (``optim.distributed_optimizer``, or ``cluster.distributed_optimizer``)."""
     from megatron_credit.data.context_parallel import required_multiple
-    from megatron_credit.models.hf_config import check_parallel_fits_model
 
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is not one of {sorted(GPUS)}")
@@ -287,23 +277,9 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     p, r, t = recipe.parallel, recipe.rollout, recipe.train
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     world = nodes * gpus_per_node
-    problems: list[str] = []
-    try:
-        check_parallel_fits_model(hf_config, p, world_size=world)
-    except ValueError as exc:
-        problems.append(str(exc))
-    if a.vocab_size % tp:
-        problems.append(f"parallel.tensor_model_parallel_size={tp} does not divide vocab_size={a.vocab_size}")
+    problems = recipe.problems(hf_config, world_size=world)  # the trainer's checks (Recipe.validate)
     dp = max(world // p.model_parallel_size, 1)
-    if r.prompts_per_step % dp:
-        problems.append(f"rollout.prompts_per_step={r.prompts_per_step} is not divisible by DP={dp}")
-    elif (r.prompts_per_step // dp * r.n) % t.num_minibatches:
-        problems.append(f"train.num_minibatches={t.num_minibatches} does not divide the "
-                        f"{r.prompts_per_step // dp * r.n} samples per data-parallel rank")
     seq = recipe.data.max_prompt_len + r.max_response_len
-    if recipe.data.source == "dataset" and seq > a.max_position_embeddings:  # synthetic prompts are short
-        problems.append(f"data.max_prompt_len + rollout.max_response_len = {seq} > max_position_embeddings="
-                        f"{a.max_position_embeddings} (set model.max_position_embeddings)")
     # The trainer pads each micro-batch up to a multiple of 2 x CP (x TP with sequence parallelism), so a
     # budget that is not a multiple trains (issue 24: the planner refused what torchrun ran); its peak is
     # the budget rounded up to that multiple.
@@ -320,9 +296,8 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     optimizer = math.ceil(params * optim_per_param / shard)
     other = math.ceil(params * optim_per_param / (1 if distributed_optimizer else dp * cp))
     spec, alg_params = recipe.algorithm.spec_and_params()
-    from megatron_credit.trainer.critic_model import wants_separate_critic
-
-    separate_critic = wants_separate_critic(spec, alg_params)
+    kind = spec.critic_kind(alg_params)
+    separate_critic = kind is not None and kind.separate_model
     critic_params = 0
     if separate_critic:
         critic_params = params  # a value model of the actor's architecture and layout

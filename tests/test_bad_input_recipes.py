@@ -86,3 +86,13 @@ def test_a_bad_tokenizer_path_names_the_field_and_the_path(tmp_path, make):
     message = str(info.value)
     assert message.startswith("data.tokenizer_path: no tokenizer could be loaded from ") and str(path) in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("name", ["rloo", "dr_grpo"])
+def test_norm_by_std_is_refused_where_it_means_nothing(name):
+    # Issue 28: RLOO and Dr.GRPO never divide by the group's std; norm_by_std was accepted and ignored.
+    with pytest.raises(ValueError, match=r"^unknown field\(s\) \['norm_by_std'\] in algorithm.params; "
+                                         r"valid: \['clip_eps'\]$"):
+        recipe_from_dict({"algorithm": {"name": name, "params": {"norm_by_std": False}}})
+    grpo = recipe_from_dict({"algorithm": {"name": "grpo", "params": {"norm_by_std": False}}})
+    assert grpo.algorithm.spec_and_params()[1].estimator_kwargs() == {"norm_by_std": False}

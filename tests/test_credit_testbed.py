@@ -144,9 +144,9 @@ def test_tool_doctests():
     # make test collects doctests of megatron_credit/ only; the testbed's examples run here.
     import doctest
 
-    from tools import credit_testbed, testbed_report, testbed_stats
+    from tools import credit_testbed, testbed_methods, testbed_report, testbed_stats
 
-    for module in (testbed_stats, credit_testbed, testbed_report):
+    for module in (testbed_stats, testbed_methods, credit_testbed, testbed_report):
         assert doctest.testmod(module).failed == 0, module.__name__
 
 

@@ -73,3 +73,40 @@ def test_dry_run_refuses_before_any_table_and_never_calls_a_failing_plan_valid()
     assert "the recipe is valid" not in proc.stdout
     assert proc.stdout.rstrip().endswith("dry run: the layout is valid for this world size but its memory plan does "
                                          "not fit (exit 1); nothing was built")
+
+
+def test_dry_run_of_a_layout_error_is_one_refusal_not_a_verdict_then_valid():
+    """Issue 28: ``--dry-run`` at TP=9 on the SmolLM2 recipe (9 heads, 3 KV heads: the heads fit, vocab_size
+    49152 does not divide by 9) printed the planner's "DOES NOT FIT: 1 layout error(s)" and then "the layout is
+    valid for this world size", because the trainer's checks and the planner's were two lists. Now both read
+    ``Recipe.problems``: the dry run (and the trainer) refuse it in one line before any table."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, WORLD_SIZE="9", RANK="0", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config",
+                           os.path.join(ROOT, "examples", "smollm2_135m_cpu.yaml"), "--dry-run",
+                           "parallel.tensor_model_parallel_size=9"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and proc.stdout == "" and "valid" not in proc.stdout, proc.stdout + proc.stderr
+    assert errors == ["error: parallel.tensor_model_parallel_size=9 does not divide vocab_size=49152"], proc.stderr
+
+
+def test_the_trainer_and_the_planner_share_one_list_of_layout_checks():
+    from megatron_credit.config import load_recipe
+    from megatron_credit.trainer.loop import check_recipe
+
+    recipe = load_recipe(os.path.join(ROOT, "examples", "smollm2_135m_cpu.yaml"),
+                         overrides=["parallel.tensor_model_parallel_size=9", "rollout.prompts_per_step=6"])
+    hf = resolve_hf_config(recipe.model)
+    want = ["parallel.tensor_model_parallel_size=9 does not divide vocab_size=49152",
+            "rollout.prompts_per_step=6 must be divisible by the data-parallel size 4"]
+    assert recipe.problems(hf, world_size=36) == want
+    assert list(plan(recipe, hf, nodes=1, gpus_per_node=36, gpu="h100-80gb").problems) == want
+    with pytest.raises(ValueError, match=r"^parallel.tensor_model_parallel_size=9 does not divide vocab_size=49152$"):
+        check_recipe(recipe, hf, world_size=36)
+    ok = load_recipe(os.path.join(ROOT, "examples", "smollm2_135m_cpu.yaml"),
+                     overrides=["parallel.tensor_model_parallel_size=3"])
+    assert ok.problems(hf, world_size=3) == [] and ok.validate(world_size=3, arch=hf) == {"tp": 3, "pp": 1, "cp": 1,
+                                                                                         "dp": 1}

@@ -268,7 +268,7 @@ def test_metrics_jsonl_rows_truncation_and_resume(tmp_path):
 def test_tensorboard_gets_the_finite_scalars_and_plots_one_png_per_group_with_data(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatron_credit.trainer.metrics import plot_metrics
+    from megatron_credit.trainer.plots import plot_metrics
 
     w = MetricsWriter(str(tmp_path), resume_step=None, tensorboard=True, wandb_project=None, config={})
     for step in (1, 2, 3):
@@ -287,7 +287,7 @@ def test_tensorboard_gets_the_finite_scalars_and_plots_one_png_per_group_with_da
 def test_plots_draw_each_metric_against_its_steps_and_can_be_redrawn(tmp_path, monkeypatch):
     import matplotlib.figure
 
-    from megatron_credit.trainer.metrics import plot_metrics
+    from megatron_credit.trainer.plots import plot_metrics
 
     w = MetricsWriter(str(tmp_path), resume_step=None, tensorboard=False, wandb_project=None, config={})
     for step in (2, 4, 6):
@@ -335,7 +335,7 @@ def test_plot_look_640x360_px_dots_on_short_series_only_faint_grid_small_legend(
     import matplotlib.figure
     import matplotlib.image
 
-    from megatron_credit.trainer.metrics import plot_metrics
+    from megatron_credit.trainer.plots import plot_metrics
 
     w = MetricsWriter(str(tmp_path), resume_step=None, tensorboard=False, wandb_project=None, config={})
     for step in range(1, 41):  # 40 points of the reward, 39 of the entropy

@@ -15,7 +15,7 @@ only when asked) also regenerates a committed report, e.g. ``--doc docs/results/
 (the plots are copied next to it).
 
 Methods are algorithm names with optional variants after ``:`` joined by ``+`` (``comppo:fixed+standard``,
-``fipo:tau4``, ``ppo:lam=1.0``): see :data:`VARIANTS`; ``key=value`` sets ``algorithm.params.key``.
+``fipo:tau4``, ``ppo:lam=1.0``): see ``tools/testbed_methods.py``; ``key=value`` sets ``algorithm.params.key``.
 Tasks: ``chain{N}`` (decisive slips anywhere), ``chain{N}early``, ``chain{N}late`` (``data/chain.py``).
 
 Cells share the machine: with ``--jobs`` above the free cores a cell gets fewer iterations within its
@@ -39,48 +39,12 @@ if str(ROOT) not in sys.path:  # `python tools/credit_testbed.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
 from tools import testbed_report  # noqa: E402
+from tools.testbed_methods import VARIANTS, method_overrides, slug  # noqa: E402,F401
 
 DEFAULT_CONFIG = ROOT / "examples" / "credit_testbed_cpu.yaml"
 DEFAULT_DOC = ROOT / "docs" / "results" / "credit_testbed.md"
 
-# Named variants: method "algo:v1+v2" applies each variant's overrides (paths under algorithm.params).
-# comppo: the 2x2 factorial gate {dynamic, fixed} x critic {tac, standard}, the shuffle / position
-# controls, and ppo_equiv: a constant gate equal to PPO's gamma (1.0) with PPO's critic settings, which
-# should reproduce ppo's curve for a seed (the papers' sanity check).
-VARIANTS: dict[str, dict[str, dict[str, str]]] = {
-    "comppo": {
-        "dynamic": {"gate_control": "dynamic"}, "fixed": {"gate_control": "fixed"},
-        "shuffle": {"gate_control": "shuffle"}, "position": {"gate_control": "position"},
-        "tac": {"critic": "tac"}, "standard": {"critic": "standard"},
-        "ppo_equiv": {"gate_control": "fixed", "fixed_gate": "1.0", "critic": "trunk", "value_clip": "0.2",
-                      "adv_clip": "null", "whiten_advantages": "true"},
-    },
-}
-_TAU = re.compile(r"tau(\d+(?:\.\d+)?)$")  # fipo:tau4 -> algorithm.params.tau=4
 _TASK = re.compile(r"chain(\d+)(early|late)?$")
-
-
-def method_overrides(method: str) -> list[str]:
-    """Recipe overrides of a method label.
-
-    >>> method_overrides("fipo:tau4"), method_overrides("comppo:fixed+standard")
-    (['algorithm.name=fipo', 'algorithm.params.tau=4'], ['algorithm.name=comppo', \
-'algorithm.params.gate_control=fixed', 'algorithm.params.critic=standard'])
-    """
-    name, _, rest = method.partition(":")
-    out = [f"algorithm.name={name}"]
-    for v in filter(None, rest.split("+")):
-        if "=" in v:
-            key, _, value = v.partition("=")
-            out.append(f"algorithm.params.{key}={value}")
-        elif _TAU.match(v):
-            out.append(f"algorithm.params.tau={_TAU.match(v).group(1)}")
-        elif v in VARIANTS.get(name, {}):
-            out += [f"algorithm.params.{k}={x}" for k, x in VARIANTS[name][v].items()]
-        else:
-            known = sorted(VARIANTS.get(name, {})) + ["tauN", "key=value"]
-            raise ValueError(f"--methods: unknown variant {v!r} of {name!r}; valid: {known}")
-    return out
 
 
 def task_overrides(task: str) -> list[str]:
@@ -97,11 +61,6 @@ def task_overrides(task: str) -> list[str]:
     chain = ChainConfig(num_operands=int(m.group(1)), decisive=m.group(2) or "any")
     return ["data.source=synthetic_chain", f"data.num_operands={chain.num_operands}",
             f"data.decisive={chain.decisive}", f"rollout.max_response_len={chain.max_response_tokens()}"]
-
-
-def slug(method: str) -> str:
-    """A directory name for a method label."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", method.replace(":", "__").replace("+", "-"))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

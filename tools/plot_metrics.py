@@ -9,7 +9,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", help="a run directory holding metrics.jsonl")
     args = ap.parse_args(argv)
-    from megatron_credit.trainer.metrics import plot_metrics
+    from megatron_credit.trainer.plots import plot_metrics
 
     try:
         written = plot_metrics(args.run_dir)

@@ -12,6 +12,7 @@ import math
 import shutil
 from pathlib import Path
 
+from tools.testbed_methods import method_overrides, slug
 from tools.testbed_stats import (Interval, curve_metrics, interaction_interval, interpolate, mean_interval,
                                  paired_interval)
 
@@ -78,8 +79,6 @@ def cell_summary(run_dir: Path) -> dict:
 
 def build(out: Path, *, tasks, methods, seeds) -> dict:
     """Collect every cell of ``out/cells`` into the report dict (what ``results.json`` holds)."""
-    from tools.credit_testbed import method_overrides, slug
-
     report = {"tasks": {}, "methods": list(methods), "seeds": list(seeds)}
     for task in tasks:
         cells, failed = {}, {}
@@ -111,8 +110,6 @@ def build(out: Path, *, tasks, methods, seeds) -> dict:
 
 
 def _params(method: str) -> tuple[str, dict]:
-    from tools.credit_testbed import method_overrides
-
     ov = method_overrides(method)
     return ov[0].split("=", 1)[1], dict(o[len("algorithm.params."):].split("=", 1) for o in ov[1:])
 

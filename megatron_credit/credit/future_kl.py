@@ -40,7 +40,16 @@ import torch
 
 from megatron_credit.credit.scan import reverse_linear_scan
 
-LOG_RATIO_CLAMP = 20.0  # published code clamps log-ratios to [-20, 20] before exp
+LOG_RATIO_CLAMP = 20.0
+"""Log-ratios are clamped to ``[-20, 20]`` before ``exp`` (the published FIPO code; beyond it ``exp``
+means nothing to any estimator and overflows float16 / bfloat16). The one definition: the policy losses,
+the KL estimators and the rollout mismatch read it from here."""
+FIPO_TAU = 32.0
+"""FIPO's default half-life of the future discount (``gamma = 2^(-1/tau)``, DESIGN.md "FIPO")."""
+FIPO_DUAL_CLIP_C = 10.0
+"""FIPO's default dual-clip constant ``c`` (also the threshold of ``M_k``): 10 for 32B, 3 for 7B."""
+FIPO_WEIGHT_CLIP = (1.0, 1.2)
+"""FIPO's default ``[lo, hi]`` clip of ``exp(F_t)`` (32B; the 7B recipe uses [0.8, 1.2])."""
 
 
 def future_kl(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.Tensor, *, tau: float,
@@ -85,8 +94,8 @@ def future_kl(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.T
 
 
 def fipo_weights(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                 response_mask: torch.Tensor, *, tau: float = 32.0, clip: tuple[float, float] = (1.0, 1.2),
-                 dual_clip_c: float = 10.0, safety_thresh: float | None = None, chunk_size: int = 128,
+                 response_mask: torch.Tensor, *, tau: float = FIPO_TAU,
+                 clip: tuple[float, float] = FIPO_WEIGHT_CLIP, dual_clip_c: float = FIPO_DUAL_CLIP_C, safety_thresh: float | None = None, chunk_size: int = 128,
                  cp_group: Any = None, packed: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """FIPO token weights ``f: [B, T]`` (detached; 1 at masked tokens) and detached metrics.
 

@@ -45,6 +45,8 @@ from typing import Any, Optional, Union
 
 import torch
 
+from megatron_credit.cp_layout import chunk_owner, rank_chunks
+
 Coef = Union[torch.Tensor, float]
 
 
@@ -230,12 +232,13 @@ def _cp_scan(x: torch.Tensor, coef: Coef, k: int, group: Any) -> torch.Tensor:
     summary_all = torch.stack(summary(ya, pa) + summary(yb, pb), dim=1).contiguous()  # [B, 4]
     gathered = [torch.empty_like(summary_all) for _ in range(cp)]
     dist.all_gather(gathered, summary_all, group=group)
-    # Global chunk j lives on rank j (first half) for j < cp, else on rank 2cp-1-j (second half).
-    start = [gathered[j][:, 0] if j < cp else gathered[2 * cp - 1 - j][:, 2] for j in range(2 * cp)]
-    prod = [gathered[j][:, 1] if j < cp else gathered[2 * cp - 1 - j][:, 3] for j in range(2 * cp)]
+    owner = [chunk_owner(j, cp_size=cp) for j in range(2 * cp)]  # (rank, half) holding global chunk j
+    start = [gathered[r][:, 2 * half] for r, half in owner]
+    prod = [gathered[r][:, 2 * half + 1] for r, half in owner]
     carry = [x.new_zeros(b)] * (2 * cp)  # carry[j]: y at the first token after chunk j
     for j in range(2 * cp - 2, -1, -1):
         carry[j] = start[j + 1] + prod[j + 1] * carry[j + 1]
-    ya = torch.addcmul(ya, pa, carry[rank][:, None])
-    yb = torch.addcmul(yb, pb, carry[2 * cp - 1 - rank][:, None])
+    first, second = rank_chunks(cp_rank=rank, cp_size=cp)
+    ya = torch.addcmul(ya, pa, carry[first][:, None])
+    yb = torch.addcmul(yb, pb, carry[second][:, None])
     return torch.cat([ya, yb], dim=1)

@@ -1,9 +1,7 @@
 """Splitting a batch along the sequence for context parallelism (CP), and gathering it back.
 
-Megatron's load-balanced layout (``megatron.core.utils.get_batch_on_this_cp_rank``): with causal
-attention the last tokens of a sequence attend to the most keys, so the sequence is cut into ``2 * cp``
-equal chunks and rank ``r`` keeps chunks ``r`` and ``2*cp - 1 - r`` (concatenated in that order). Every
-rank then holds one cheap and one expensive chunk.
+Megatron's load-balanced layout (rank ``r`` keeps chunks ``r`` and ``2*cp - 1 - r`` of ``2 * cp``) is
+defined once, in ``megatron_credit/cp_layout.py``; ``split_for_cp`` and ``merge_cp_shards`` come from there.
 
 Labels are shifted *before* the split (``shift_labels``): the label of the last token of a chunk is the
 first token of the next chunk, which another rank holds. Per-token results (log-probs, entropies,
@@ -19,10 +17,10 @@ advantages) are gathered back into sequence order with ``gather_from_cp``.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
-
 import torch
 import torch.distributed as dist
+
+from megatron_credit.cp_layout import check_sequence_length, merge_cp_shards, split_for_cp
 
 __all__ = [
     "shift_labels", "split_for_cp", "merge_cp_shards", "gather_from_cp", "required_multiple",
@@ -56,15 +54,6 @@ def required_multiple(cp_size: int, tp_size: int, sequence_parallel: bool) -> in
     return 2 * cp_size * (tp_size if sequence_parallel else 1)
 
 
-def check_sequence_length(seq_len: int, *, multiple: int) -> None:
-    """Raise a ``ValueError`` naming ``seq_len`` unless it is a positive multiple of ``multiple``."""
-    if seq_len < multiple or seq_len % multiple:
-        raise ValueError(
-            f"sequence length {seq_len} is {'shorter than' if seq_len < multiple else 'not divisible by'} "
-            f"{multiple} (= 2*cp[*tp with sequence parallelism], see required_multiple); pad it with "
-            f"pad_for_parallel or enable padding")
-
-
 def pad_for_parallel(x: torch.Tensor, *, multiple: int, value, seq_dim: int = 1) -> torch.Tensor:
     """Right-pad ``x`` along ``seq_dim`` with ``value`` to the next multiple of ``multiple`` (at least one).
 
@@ -80,39 +69,6 @@ def pad_for_parallel(x: torch.Tensor, *, multiple: int, value, seq_dim: int = 1)
     shape = list(x.shape)
     shape[seq_dim] = target - seq_len
     return torch.cat([x, x.new_full(shape, value)], dim=seq_dim)
-
-
-def split_for_cp(x: torch.Tensor, *, cp_size: int, cp_rank: int, seq_dim: int = 1) -> torch.Tensor:
-    """This rank's part of ``x`` in megatron's load-balanced layout: chunks ``r`` and ``2*cp-1-r`` of 2*cp.
-
-    ``x: [..., T, ...]`` (T at ``seq_dim``) -> ``[..., 2*T/(2*cp), ...]``. Differentiable (slices and a
-    concatenation). Raises ``ValueError`` naming the length when ``T`` is not a multiple of ``2*cp``.
-    """
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank}")
-    if cp_size == 1:
-        return x
-    check_sequence_length(x.shape[seq_dim], multiple=2 * cp_size)
-    chunk = x.shape[seq_dim] // (2 * cp_size)
-    return torch.cat([x.narrow(seq_dim, cp_rank * chunk, chunk),
-                      x.narrow(seq_dim, (2 * cp_size - 1 - cp_rank) * chunk, chunk)], dim=seq_dim)
-
-
-def merge_cp_shards(shards: Sequence[torch.Tensor], *, seq_dim: int = 1) -> torch.Tensor:
-    """Inverse of ``split_for_cp``: the ``cp`` shards in rank order -> the full sequence."""
-    cp_size = len(shards)
-    if cp_size == 1:
-        return shards[0]
-    local = shards[0].shape[seq_dim]
-    if local % 2 or any(s.shape != shards[0].shape for s in shards):
-        raise ValueError(f"CP shards must have equal shapes with an even sequence length, got "
-                         f"{[tuple(s.shape) for s in shards]}")
-    half = local // 2
-    chunks: list[Optional[torch.Tensor]] = [None] * (2 * cp_size)
-    for r, s in enumerate(shards):
-        chunks[r] = s.narrow(seq_dim, 0, half)
-        chunks[2 * cp_size - 1 - r] = s.narrow(seq_dim, half, half)
-    return torch.cat(chunks, dim=seq_dim)
 
 
 class _GatherFromCP(torch.autograd.Function):

@@ -21,7 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_credit.credit.future_kl import LOG_RATIO_CLAMP, fipo_weights
+from megatron_credit.credit.future_kl import (FIPO_DUAL_CLIP_C, FIPO_TAU, FIPO_WEIGHT_CLIP, LOG_RATIO_CLAMP,
+                                              fipo_weights)
 from megatron_credit.losses.aggregation import AGG_MODES, AGG_REQUIRED_ARGS, aggregate_loss
 
 __all__ = ["AGG_MODES", "AGG_REQUIRED_ARGS", "aggregate_loss", "fipo_policy_loss", "gspo_loss", "ppo_clip_loss"]
@@ -113,8 +114,8 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
 
 def fipo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                      response_mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.28,
-                     dual_clip_c: float = 10.0, tau: float = 32.0,
-                     weight_clip: tuple[float, float] = (1.0, 1.2), safety_thresh: Optional[float] = None,
+                     dual_clip_c: float = FIPO_DUAL_CLIP_C, tau: float = FIPO_TAU,
+                     weight_clip: tuple[float, float] = FIPO_WEIGHT_CLIP, safety_thresh: Optional[float] = None,
                      chunk_size: int = 128,
                      cp_group: Any = None, packed: bool = False,
                      is_weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Metrics]:

@@ -20,21 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 
-
-def load_balanced_positions(local_len: int, *, cp_rank: int, cp_size: int) -> torch.Tensor:
-    """Global positions ``[local_len]`` of the tokens rank ``cp_rank`` holds (chunks r, 2cp-1-r).
-
-    >>> load_balanced_positions(4, cp_rank=0, cp_size=2).tolist()
-    [0, 1, 6, 7]
-    >>> load_balanced_positions(4, cp_rank=1, cp_size=2).tolist()
-    [2, 3, 4, 5]
-    """
-    if local_len % 2:
-        raise ValueError(f"local sequence length {local_len} must be even under context parallelism")
-    c = local_len // 2
-    first = torch.arange(c) + cp_rank * c
-    second = torch.arange(c) + (2 * cp_size - 1 - cp_rank) * c
-    return torch.cat([first, second])
+from megatron_credit.cp_layout import load_balanced_positions, merge_cp_shards, split_for_cp  # noqa: F401
 
 
 class _GatherLoadBalanced(torch.autograd.Function):
@@ -45,20 +31,14 @@ class _GatherLoadBalanced(torch.autograd.Function):
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         parts = [torch.empty_like(local) for _ in range(cp)]
         dist.all_gather(parts, local.contiguous(), group=group)
-        c = local.shape[0] // 2
-        chunks: list[Optional[torch.Tensor]] = [None] * (2 * cp)
-        for r, part in enumerate(parts):
-            chunks[r], chunks[2 * cp - 1 - r] = part[:c], part[c:]
-        ctx.group, ctx.cp, ctx.rank, ctx.c = group, cp, rank, c
-        return torch.cat(chunks)
+        ctx.group, ctx.cp, ctx.rank = group, cp, rank
+        return merge_cp_shards(parts, seq_dim=0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)  # every rank's queries contributed to every key
-        c, r, cp = ctx.c, ctx.rank, ctx.cp
-        mine = torch.cat([grad[r * c:(r + 1) * c], grad[(2 * cp - 1 - r) * c:(2 * cp - r) * c]])
-        return mine, None
+        return split_for_cp(grad, cp_size=ctx.cp, cp_rank=ctx.rank, seq_dim=0), None
 
 
 class CpuContextParallelAttention(MegatronModule):

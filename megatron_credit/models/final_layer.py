@@ -38,6 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from megatron_credit.cp_layout import load_balanced_positions, merge_cp_shards
 from megatron_credit.models.concentration import attention_concentration, attention_topk
 
 __all__ = ["FinalAttentionCapture", "capturing_core_attention", "final_layer_spec", "decoder_block_spec",
@@ -52,20 +53,14 @@ def _size(group) -> int:
 def gather_cp_sequence(local: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """CP shard ``[2c, ...]`` (chunks r, 2cp-1-r) -> full sequence ``[2 cp c, ...]`` in order, and this
     rank's global positions ``[2c]``. Without a group (or CP = 1): ``local`` and ``arange(2c)``."""
-    from megatron_credit.models.cpu_attention import load_balanced_positions
-
     cp = _size(group)
     if cp == 1:
         return local, torch.arange(local.shape[0], device=local.device)
     rank = dist.get_rank(group)
     parts = [torch.empty_like(local) for _ in range(cp)]
     dist.all_gather(parts, local.contiguous(), group=group)
-    c = local.shape[0] // 2
-    chunks: list[Optional[torch.Tensor]] = [None] * (2 * cp)
-    for r, part in enumerate(parts):
-        chunks[r], chunks[2 * cp - 1 - r] = part[:c], part[c:]
     positions = load_balanced_positions(local.shape[0], cp_rank=rank, cp_size=cp).to(local.device)
-    return torch.cat(chunks), positions
+    return merge_cp_shards(parts, seq_dim=0), positions
 
 
 @torch.no_grad()

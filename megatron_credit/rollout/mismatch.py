@@ -18,8 +18,7 @@ import math
 
 import torch
 
-# exp() of a log-ratio beyond this is meaningless for the estimators and overflows float16/bfloat16.
-_LOG_RATIO_CLAMP = 20.0
+from megatron_credit.credit.future_kl import LOG_RATIO_CLAMP as _LOG_RATIO_CLAMP
 
 
 def logprob_mismatch(
@@ -35,7 +34,9 @@ def logprob_mismatch(
     - ``mean_abs_diff`` []: token-mean of |engine - trainer| over the batch;
     - ``max_abs_diff`` []: its maximum (0 for an empty mask);
     - ``kl_k3`` []: token-mean of k3 over the batch;
-    - ``seq_kl_k1`` [B], ``seq_kl_k3`` [B]: per-sequence token-means (0 for an empty sequence).
+    - ``seq_kl_k1`` [B], ``seq_kl_k3`` [B]: per-sequence token-means (0 for an empty sequence);
+    - ``abs_diff_sum`` []: the sum of |engine - trainer| behind ``mean_abs_diff``, which the trainer sums
+      over ranks with the token count (``mismatch/logprob_abs_mean``).
     """
     m = mask.to(engine_logp.dtype)
     d = (trainer_logp - engine_logp).detach().clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP) * m
@@ -50,6 +51,7 @@ def logprob_mismatch(
         "kl_k3": k3.sum() / total,
         "seq_kl_k1": -d.sum(dim=-1) / per_seq,
         "seq_kl_k3": k3.sum(dim=-1) / per_seq,
+        "abs_diff_sum": abs_d.sum(),
     }
 
 

@@ -24,7 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_credit.data.context_parallel import split_for_cp
+from megatron_credit.cp_layout import load_balanced_positions, split_for_cp
 
 # Per-token fields, in label space; sliced, padded and CP-split together. All are [B, T] except CompPO's
 # top-K key indices / weights, [B, T, K]. ``gates`` (the transport of Comp-GAE) is batch-level only.
@@ -70,6 +70,9 @@ class TrainBatch:
     """``[B, T, K]`` int64 CompPO: global positions of the K keys the final layer attends to most."""
     topk_w: Optional[torch.Tensor] = None
     """``[B, T, K]`` their attention weights (mean over heads; 0 in padding slots)."""
+    extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    """``{name: [B, T]}`` an algorithm's side channels from the behaviour pass (``AlgorithmSpec.behaviour_extras``),
+    cut into micro-batches with the fields above and handed to its policy loss by name."""
 
     @property
     def size(self) -> int:
@@ -170,12 +173,10 @@ def make_microbatch(batch: TrainBatch, rows: Sequence[int], *, seq_len: int, num
     """Rows ``rows`` of ``batch`` cut or right-padded to ``seq_len`` tokens and ``num_rows`` rows (all
     padding is masked), then split for context parallelism (megatron's load-balanced layout) and copied
     to ``device`` (the actor's)."""
-    from megatron_credit.models.cpu_attention import load_balanced_positions
-
     idx = torch.tensor(list(rows), dtype=torch.long)
     out = {}
-    for name in TOKEN_FIELDS:
-        t = getattr(batch, name)
+    for name in TOKEN_FIELDS + tuple(batch.extras):
+        t = batch.extras[name] if name in batch.extras else getattr(batch, name)
         if t is None:
             continue
         t = t[idx]

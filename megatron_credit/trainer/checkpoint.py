@@ -33,31 +33,14 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-_DIR = re.compile(r"^iter_(\d{7})$")
-
-
-def checkpoint_dir(run_dir: str, step: int) -> str:
-    return os.path.join(run_dir, "checkpoints", f"iter_{step:07d}")
-
-
-def complete_checkpoints(run_dir: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of the complete checkpoints of a run, oldest first."""
-    root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    out = []
-    for name in os.listdir(root):
-        m = _DIR.match(name)
-        if m and os.path.exists(os.path.join(root, name, "meta.json")):
-            out.append((int(m.group(1)), os.path.join(root, name)))
-    return sorted(out)
+from megatron_credit.run_layout import (_DIR, CRITIC_OPTIM, MODEL_OPTIM, checkpoint_dir,  # noqa: F401
+                                        complete_checkpoints)
 
 
 def rng_state() -> dict[str, Any]:
@@ -125,10 +108,6 @@ def state_digest(state: dict[str, Any]) -> str:
             h.update(f"{k}:{v.dtype}:{tuple(v.shape)};".encode())
             h.update(v.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-MODEL_OPTIM = "model_optim"
-CRITIC_OPTIM = "critic_optim"
 
 
 def _sharded_state(actor, *, for_load: bool) -> dict[str, Any]:

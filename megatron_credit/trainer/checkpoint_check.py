@@ -25,8 +25,7 @@ from typing import Any, Callable, Optional
 
 from megatron_credit.conversion.hf_io import CheckpointFormatError
 
-MODEL_OPTIM = "model_optim"
-CRITIC_OPTIM = "critic_optim"
+from megatron_credit.run_layout import CRITIC_OPTIM, MODEL_OPTIM, complete_checkpoints
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:
@@ -75,8 +74,6 @@ def resolve(run_dir: str, resume: str, *, log: Callable[[str], None] = print) ->
     """``--resume``: ``none`` -> None; ``auto`` -> the newest complete checkpoint that passes
     :func:`check_checkpoint` (None when the run has none; a ValueError when every one is refused);
     a path -> that checkpoint, checked (CheckpointFormatError naming the refused file)."""
-    from megatron_credit.trainer.checkpoint import complete_checkpoints
-
     if resume == "none":
         return None
     if resume != "auto":
@@ -144,8 +141,6 @@ def check_fresh_run_dir(run_dir: str) -> None:
     """``--resume none``: refuse a run directory that already holds a run (its ``metrics.jsonl`` or
     checkpoints), instead of cutting its metrics and leaving its newer checkpoints for the next
     ``--resume auto`` to mix in. FileExistsError naming the directory and what it holds."""
-    from megatron_credit.trainer.checkpoint import complete_checkpoints
-
     held = []
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         held.append("metrics.jsonl")

@@ -38,9 +38,6 @@ class StepKnobs:
     """CompPO's phase (``stable`` when the controller is off)."""
 
 
-_CLIP_FIELDS = ("clip_eps", "clip_low", "clip_high")
-
-
 def base_knobs(recipe, params) -> StepKnobs:
     """The recipe's own settings."""
     return StepKnobs(params=params, kl_coef=recipe.algorithm.kl_coef, clip_grad=recipe.optim.clip_grad,
@@ -53,66 +50,34 @@ def phase_knobs(recipe, params, phase: str) -> StepKnobs:
 
     s, base = PHASE_TABLE[phase], PHASE_TABLE["stable"]
     ratio = lambda field: getattr(s, field) / getattr(base, field)  # noqa: E731
-    changes = {f: getattr(params, f) * ratio("clip") for f in _CLIP_FIELDS if hasattr(params, f)}
-    for field, table in (("value_clip", "value_clip"), ("adv_clip", "adv_clip")):
-        if getattr(params, field, None) is not None:
-            changes[field] = getattr(params, field) * ratio(table)
+    moved = params.scaled_for_phase(clip=ratio("clip"), value_clip=ratio("value_clip"), adv_clip=ratio("adv_clip"))
     b = base_knobs(recipe, params)
-    return StepKnobs(params=dataclasses.replace(params, **changes), kl_coef=b.kl_coef * ratio("kl_coef"),
+    return StepKnobs(params=moved, kl_coef=b.kl_coef * ratio("kl_coef"),
                      lr_scale=ratio("actor_lr"), critic_lr_scale=s.critic_lr_mult / base.critic_lr_mult,
                      clip_grad=b.clip_grad * ratio("grad_clip"), critic_clip_grad=b.clip_grad * ratio("grad_clip"),
                      epochs=max(1, round(b.epochs * ratio("epochs"))), phase=phase)
 
 
 class GateControl:
-    """Comp-GAE's transport from the behaviour pass's dynamic gate ``kappa`` (``params.gate_control``):
-
-    - ``dynamic``: ``kappa`` itself;
-    - ``fixed``: ``params.fixed_gate`` on every response token;
-    - ``shuffle``: one permutation of this rank's batch's gates over its valid positions (seeded by the
-      run's seed, the iteration and the DP rank), which keeps their distribution and breaks their
-      placement;
-    - ``position``: ``kappa`` while the mean gate per bin of relative position is collected (over DP) for
-      ``params.position_steps`` iterations, then that frozen schedule.
-    The critic keeps reading the dynamic ``kappa`` under every control: the controls change the credit
-    transport, not the critic's features, so the gate x critic factorial varies one thing at a time.
-    """
+    """Comp-GAE's transport from the behaviour pass's dynamic gate ``kappa``: the algorithm's gate control
+    (``params.gate_control``, a name in ``megatron_credit.gate_controls.GATE_CONTROLS``), whose state
+    travels in checkpoints."""
 
     def __init__(self, params, *, seed: int, dp_rank: int, dp_group=None):
-        from megatron_credit.credit.gates import PositionGateSchedule
+        from megatron_credit.gate_controls import GATE_CONTROLS
 
-        self.params, self.seed, self.dp_rank, self.dp_group = params, seed, dp_rank, dp_group
-        self.schedule = PositionGateSchedule(params.position_bins) if params.gate_control == "position" else None
-        self.collected = 0
+        name, kwargs = params.gate_control_settings()
+        self.control = GATE_CONTROLS.get(name)(**kwargs, seed=seed, dp_rank=dp_rank, dp_group=dp_group)
 
     def gates(self, kappa: torch.Tensor, mask: torch.Tensor, *, iteration: int) -> torch.Tensor:
         """``[B, T]`` transport gates for ``kappa, mask: [B, T]``."""
-        from megatron_credit.credit import gates as g
-
-        control = self.params.gate_control
-        if control == "fixed":
-            return g.fixed_gates(mask, self.params.fixed_gate)
-        if control == "shuffle":
-            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + iteration) * 4099 + self.dp_rank)
-            return g.shuffle_gates(kappa, mask, generator=gen)
-        if control == "position":
-            if not self.schedule.frozen:
-                self.schedule.collect(kappa, mask, group=self.dp_group)
-                self.collected += 1
-                if self.collected >= self.params.position_steps:
-                    self.schedule.freeze()
-                return torch.where(mask.bool(), kappa, 0.0)
-            return self.schedule.gates(mask)
-        return torch.where(mask.bool(), kappa, 0.0)
+        return self.control.gates(kappa, mask, iteration=iteration)
 
     def state_dict(self) -> dict:
-        return {"collected": self.collected,
-                "schedule": self.schedule.state_dict() if self.schedule is not None else None}
+        return self.control.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.collected = state["collected"]
-        if self.schedule is not None and state["schedule"] is not None:
-            self.schedule.load_state_dict(state["schedule"])
+        self.control.load_state_dict(state)
 
 
 def gate_stats(kappa: torch.Tensor, mask: torch.Tensor, transport=None) -> dict[str, torch.Tensor]:
@@ -136,30 +101,10 @@ def gate_stats(kappa: torch.Tensor, mask: torch.Tensor, transport=None) -> dict[
 def actor_options(spec, params, hf_config, *, dtype, pp_size: int = 1) -> dict:
     """The :class:`~megatron_credit.trainer.actor.Actor` keywords an algorithm needs: ``with_critic`` (a
     value head on the actor: critic algorithms, unless the critic is a separate model,
-    ``trainer.critic_model``), and for gated algorithms (CompPO) the attention capture, the gate map and
-    the chosen critic. The TAC fuses at most the layers of the last pipeline stage (the critic lives there)."""
-    from megatron_credit.trainer.critic_model import wants_separate_critic
-
-    head = {"with_critic": spec.needs_critic and not wants_separate_critic(spec, params)}
-    if not spec.needs_gates:
-        return head
-    import functools
-
-    from megatron_credit.credit.gates import comppo_gate
-
-    gate_fn = functools.partial(comppo_gate, k_lo=params.k_lo, k_hi=params.k_hi, tau=params.gate_tau)
-    head["capture_sink_keys"] = params.gate_sink_keys
-    if params.critic == "trunk":  # PPO's value head on the actor trunk (the Actor's default head)
-        return {**head, "capture_top_k": 0, "gate_fn": gate_fn}
-    from megatron_credit.models.critic import StandardCritic, TransportAlignedCritic
-
-    tac = params.critic == "tac"
-    layers = min(params.critic_layers, hf_config.num_hidden_layers // pp_size) if tac else 1
-    if tac:
-        factory = functools.partial(TransportAlignedCritic, hf_config.hidden_size, num_layers=layers,
-                                    value_clamp=params.value_clamp, dtype=dtype)
-    else:
-        factory = functools.partial(StandardCritic, hf_config.hidden_size, value_clamp=params.value_clamp)
-    return {**head, "critic_factory": factory, "critic_layers": layers,
-            "capture_top_k": params.critic_top_k if tac else 0,
-            "gate_fn": gate_fn}
+    ``trainer.critic_model``), the behaviour pass's capture and gate map (``spec.gate_options``) and the
+    critic kind's own keywords (``critic_kinds``: a critic on the actor's detached features)."""
+    kind = spec.critic_kind(params)
+    out = {"with_critic": kind is not None and not kind.separate_model, **spec.gate_options(params)}
+    if kind is not None and kind.actor_options is not None:
+        out.update(kind.actor_options(params, hf_config, dtype=dtype, pp_size=pp_size))
+    return out

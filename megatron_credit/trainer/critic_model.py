@@ -27,7 +27,8 @@ import torch
 
 def wants_separate_critic(spec, params) -> bool:
     """Whether the algorithm trains a value model of its own (PPO with ``params.critic: separate``)."""
-    return spec.needs_critic and getattr(params, "critic", None) == "separate"
+    kind = spec.critic_kind(params)
+    return kind is not None and kind.separate_model
 
 
 def build_separate_critic(recipe, hf_config, spec, params, *, device: torch.device):

@@ -8,13 +8,11 @@ SIGTERM (a scheduler's pre-emption) finishes the current iteration, saves, and e
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
 import signal
 import time
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -22,105 +20,10 @@ import torch.distributed as dist
 
 from megatron_credit.trainer import checkpoint as ckpt
 from megatron_credit.trainer import controls
-from megatron_credit.trainer.metrics import MetricsWriter, StatSums, finalize, plot_metrics
-
-
-class PhaseTimer:
-    """Wall-clock seconds per phase of the current iteration."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] += time.perf_counter() - t0
-
-
-@dataclasses.dataclass
-class Context:
-    """What one iteration needs (``step.py`` reads these; it never imports megatron)."""
-
-    recipe: Any
-    spec: Any
-    params: Any
-    actor: Any
-    rollouts: Any
-    pad_id: int
-    seq_multiple: int
-    critic: Any = None
-    """The separate value model (``trainer.critic_model``), or None (no critic, or a head on the actor)."""
-    knobs: Any = None
-    """``controls.StepKnobs`` of the next iteration (the recipe's, or those of CompPO's phase)."""
-    gate_control: Any = None
-    """``controls.GateControl`` (gated algorithms only)."""
-    phase: Any = None
-    """``credit.phase.PhaseController`` when ``algorithm.params.phase_controller`` is on."""
-    timer: PhaseTimer = dataclasses.field(default_factory=PhaseTimer)
-
-    def __post_init__(self) -> None:
-        if self.knobs is None:
-            self.knobs = controls.base_knobs(self.recipe, self.params)
-        if self.spec.needs_gates and self.gate_control is None:
-            group = self.actor.dp_group
-            self.gate_control = controls.GateControl(self.params, seed=self.recipe.seed,
-                                                     dp_rank=dist.get_rank(group), dp_group=group)
-            if self.params.phase_controller:
-                from megatron_credit.credit.phase import PhaseController
-
-                self.phase = PhaseController(self.params.phase_thresholds)
-
-    def advance_phase(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Feed the iteration's metrics to the phase controller; the next iteration runs with the knobs
-        of the phase it returns. Returns the metrics to log (``phase/level``: 0 stable ... 3 hard-stop)."""
-        from megatron_credit.credit.phase import PHASES
-        from megatron_credit.trainer.controls import phase_knobs
-
-        phase = self.phase.step(metrics)
-        self.knobs = phase_knobs(self.recipe, self.params, phase)
-        return {"phase/level": float(PHASES.index(phase))}
-
-    def check_length(self, length: int) -> None:
-        from megatron_credit.models import check_sequence_length
-
-        check_sequence_length(self.actor.hf_config, length, what="a prompt + response")
-
-    def gather_cp(self, t: torch.Tensor) -> torch.Tensor:
-        from megatron_credit.data.context_parallel import gather_from_cp
-
-        return gather_from_cp(t, cp_group=self.actor.cp_group if self.actor.cp_size > 1 else None)
-
-    def whiten(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``(A - mean) / std`` over the valid tokens of the whole global batch (summed over DP)."""
-        m = mask.bool()
-        s = torch.stack([torch.where(m, adv, 0.0).sum(), torch.where(m, adv * adv, 0.0).sum(),
-                         m.sum().float()]).double().to(self.actor.device)
-        if dist.get_world_size(self.actor.dp_group) > 1:
-            dist.all_reduce(s, group=self.actor.dp_group)
-        mean = s[0] / s[2].clamp(min=1)
-        var = (s[1] / s[2].clamp(min=1) - mean * mean).clamp(min=0)
-        mean, std = mean.to(adv.device), torch.sqrt(var + 1e-8).to(adv.device)
-        return torch.where(m, (adv - mean) / std, 0.0).float()
-
-    def all_finite(self, x: torch.Tensor) -> bool:
-        bad = torch.tensor([0.0 if bool(torch.isfinite(x).all()) else 1.0]).to(self.actor.device)
-        dist.all_reduce(bad)
-        return float(bad) == 0.0
-
-    def reduce_stats(self, stats: StatSums) -> dict[str, float]:
-        """Sum over DP x CP on the last stage, then hand the result to the pipeline's first stage."""
-        from megatron.core import parallel_state as ps
-
-        stats.all_reduce(self.actor.dp_cp_group, device=self.actor.device)
-        if self.actor.pp_size > 1:
-            box = [stats.values]
-            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
-                                       group=self.actor.pp_group, device=self.actor.device)
-            stats.values = box[0]
-        return finalize(stats)
+from megatron_credit.trainer.context import Context, PhaseTimer  # noqa: F401  (Context: re-exported)
+from megatron_credit.trainer.data_setup import build_data, hf_tokenizer  # noqa: F401  (hf_tokenizer: re-exported)
+from megatron_credit.trainer.metrics import MetricsWriter
+from megatron_credit.trainer.plots import plot_metrics
 
 
 def seq_multiple(parallel) -> int:
@@ -147,130 +50,38 @@ def _replica_group(dp_rank: int):
     return mine, src
 
 
-def hf_tokenizer(path: str, *, field: str):
-    """``AutoTokenizer.from_pretrained(path)`` (a folder or a hub name); one that transformers cannot load
-    a tokenizer from is a ``ValueError`` naming the recipe field and the path (issue 24), not a traceback."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"{field}: no tokenizer could be loaded from {path!r} "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
-
-
-def build_data(recipe, *, dp_rank: int, dp_size: int, log=lambda *_: None):
-    """(tokenizer, train prompt stream, validation prompts or None, the synthetic task or None)."""
-    from megatron_credit.data.prompts import DatasetPrompts, SyntheticPrompts
-
-    d = recipe.data
-    if d.source == "synthetic_arith":
-        from megatron_credit.data.synthetic import ArithConfig, ArithmeticTask
-        from megatron_credit.data.tokenizer import ArithTokenizerConfig, load_arith_tokenizer
-
-        arith = ArithConfig(seed=recipe.seed, num_operands=d.num_operands, min_operand=d.min_operand,
-                            max_operand=d.max_operand)
-        tokenizer = load_arith_tokenizer(ArithTokenizerConfig(vocab_size=d.tokenizer_vocab_size, task=arith))
-        task = ArithmeticTask(arith)
-        val = None
-        if recipe.train.val_every:
-            val_stream = SyntheticPrompts(ArithmeticTask(dataclasses.replace(arith, seed=recipe.seed + 1)),
-                                          tokenizer, dp_rank=dp_rank, dp_size=dp_size)
-            val = val_stream.take(recipe.train.val_prompts // dp_size)
-        return tokenizer, SyntheticPrompts(task, tokenizer, dp_rank=dp_rank, dp_size=dp_size), val, task
-    if d.source == "synthetic_chain":
-        return _chain_data(recipe, dp_rank=dp_rank, dp_size=dp_size)
-    from megatron_credit.data.dataset import load_prompt_dataset
-
-    tokenizer = hf_tokenizer(d.tokenizer_path or recipe.model.name_or_path,
-                             field="data.tokenizer_path" if d.tokenizer_path else "model.name_or_path")
-    train_ds = load_prompt_dataset([d.train_path], tokenizer=tokenizer, max_prompt_len=d.max_prompt_len)
-    val = None
-    if d.val_path and recipe.train.val_every:
-        val_ds = load_prompt_dataset([d.val_path], tokenizer=tokenizer, max_prompt_len=d.max_prompt_len)
-        val = DatasetPrompts(val_ds.records, tokenizer, seed=recipe.seed, dp_rank=dp_rank,
-                             dp_size=dp_size).take(min(recipe.train.val_prompts, len(val_ds.records)) // dp_size)
-    stream = DatasetPrompts(train_ds.records, tokenizer, seed=recipe.seed, dp_rank=dp_rank, dp_size=dp_size)
-    stream.dropped_prompts = train_ds.stats.too_long  # issue 24: data/dropped_prompts, a warning over 10%
-    warning = train_ds.stats.too_long_warning(f"data.train_path {d.train_path}")
-    if warning:
-        log(warning)
-    return tokenizer, stream, val, None
-
-
-def _chain_data(recipe, *, dp_rank: int, dp_size: int):
-    """``build_data`` of the chain task (``data/chain.py``): its tokenizer is the arithmetic one trained
-    on additions of the same operands (the same characters), independent of the seed."""
-    from megatron_credit.data.chain import ChainConfig, ChainTask
-    from megatron_credit.data.prompts import SyntheticPrompts
-    from megatron_credit.data.synthetic import ArithConfig
-    from megatron_credit.data.tokenizer import ArithTokenizerConfig, load_arith_tokenizer
-
-    d = recipe.data
-    chain = ChainConfig(seed=recipe.seed, num_operands=d.num_operands, min_operand=d.min_operand,
-                        max_operand=d.max_operand, decisive=d.decisive)
-    text = ArithConfig(num_operands=d.num_operands, min_operand=d.min_operand, max_operand=d.max_operand)
-    tokenizer = load_arith_tokenizer(ArithTokenizerConfig(vocab_size=d.tokenizer_vocab_size, task=text))
-    val = None
-    if recipe.train.val_every:
-        val_task = ChainTask(dataclasses.replace(chain, seed=recipe.seed + 1))
-        val = SyntheticPrompts(val_task, tokenizer, dp_rank=dp_rank, dp_size=dp_size).take(
-            recipe.train.val_prompts // dp_size)
-    task = ChainTask(chain)
-    return tokenizer, SyntheticPrompts(task, tokenizer, dp_rank=dp_rank, dp_size=dp_size), val, task
-
-
 def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
-    """Cross-section checks that need the world size; returns the layout. Raises ValueError."""
-    from megatron_credit.models import check_parallel_fits_model
-
-    check_parallel_fits_model(hf_config, recipe.parallel, world_size=world_size)
-    p = recipe.parallel
-    dp = p.data_parallel_size(world_size=world_size)
-    r, t = recipe.rollout, recipe.train
-    if r.prompts_per_step % dp:
-        raise ValueError(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by the "
-                         f"data-parallel size {dp}")
-    if r.n < 2 and not recipe.algorithm.spec_and_params()[0].needs_critic:  # issue 24: silent zero gradients
-        raise ValueError(f"rollout.n={r.n}: algorithm {recipe.algorithm.name}'s advantages are relative to the group "
-                         "of a prompt's samples, and a group of one has zero advantage (nothing trains); set "
-                         "rollout.n >= 2, or use an algorithm with a critic (ppo)")
-    per_rank = r.prompts_per_step // dp * r.n
-    if per_rank % t.num_minibatches:
-        raise ValueError(f"train.num_minibatches={t.num_minibatches} must divide the "
-                         f"{per_rank} samples per data-parallel rank (prompts_per_step / DP x n)")
-    if recipe.data.source == "dataset":
-        from megatron_credit.models import check_sequence_length
-
-        check_sequence_length(hf_config, recipe.data.max_prompt_len + r.max_response_len,
-                              what="data.max_prompt_len + rollout.max_response_len")
-    from megatron_credit.training_config import SYNTHETIC_SOURCES
-
-    if recipe.warmup.steps and recipe.data.source not in SYNTHETIC_SOURCES:
-        raise ValueError(f"warmup.steps > 0 needs data.source in {SYNTHETIC_SOURCES} (real runs start from a "
-                         "pretrained checkpoint)")
-    if recipe.warmup.steps and recipe.warmup.batch_size % dp:
-        raise ValueError(f"warmup.batch_size={recipe.warmup.batch_size} must be divisible by DP={dp}")
-    return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
-            "cp": p.context_parallel_size, "dp": dp}
+    """Cross-section checks that need the world size (``Recipe.validate``); returns the layout. Raises
+    ValueError."""
+    return recipe.validate(world_size=world_size, arch=hf_config)
 
 
-def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str = "auto",
-          log=print, recipe_file: str | None = None,
-          timings: dict[str, float] | None = None) -> list[dict[str, float]]:
-    """Run the recipe's iterations (after ``distributed.initialize``, whose device is ``device``: the
-    models, micro-batches and collectives' tensors are put there); returns rank 0's metric rows.
-    ``recipe_file``: the launch's ``--config`` (never rewritten when it is ``run_dir/config.yaml``).
-    ``timings``, when given, receives ``warmup_s`` (absent without a warm-up) and ``rl_s`` (the loop:
-    iterations, validation, checkpoints)."""
-    timings = {} if timings is None else timings
+@dataclasses.dataclass
+class Run:
+    """What :func:`build` makes for one launch: the iteration's context and what the loop saves with it."""
+
+    ctx: Context
+    """Actor, critic, rollouts, knobs, controls (``step.py``'s input)."""
+    prompts: Any
+    """The training prompt stream (its cursor is checkpointed)."""
+    task: Any
+    """The synthetic task (the warm-up's), or None."""
+    tokenizer: Any
+    """The tokenizer of the prompts and the engine."""
+    layout: dict[str, int]
+    """``{"tp", "pp", "cp", "dp"}`` of this launch."""
+    checkpoint: str | None
+    """The checkpoint this launch resumes from (every file checked), or None."""
+
+
+def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str, log) -> Run:
+    """Check the recipe, the run directory and the checkpoint to resume (before anything is built or
+    written), then build the data, the actor, a separate critic and the rollout manager."""
     from megatron.core import parallel_state as ps
 
     from megatron_credit.trainer.actor import Actor
-    from megatron_credit.trainer.critic_model import build_separate_critic, init_critic_from
+    from megatron_credit.trainer.critic_model import build_separate_critic
     from megatron_credit.trainer.rollout import RolloutManager
-    from megatron_credit.trainer.step import rl_iteration
-    from megatron_credit.trainer.warmup import run_warmup
 
     rank0 = dist.get_rank() == 0
     layout = check_recipe(recipe, hf_config, world_size=dist.get_world_size())
@@ -302,6 +113,21 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
     p = recipe.parallel
     ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=rollouts, critic=critic,
                   pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(p))
+    return Run(ctx=ctx, prompts=prompts, task=task, tokenizer=tokenizer, layout=layout, checkpoint=path)
+
+
+def restore(run: Run, *, log, timings: dict[str, float]) -> int:
+    """The weights RL starts from: the checkpoint's (resharded when the layout changed), or the initial
+    weights after the supervised warm-up; a separate critic starts from them; the engine gets them.
+    Returns the iteration the checkpoint ended (0 for a fresh run)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_credit.trainer.critic_model import init_critic_from
+    from megatron_credit.trainer.warmup import run_warmup
+
+    ctx, prompts, layout, path = run.ctx, run.prompts, run.layout, run.checkpoint
+    recipe, actor, critic = ctx.recipe, ctx.actor, ctx.critic
+    rank0 = dist.get_rank() == 0
     source = actor.load_initial_weights(seed=recipe.seed)
     start = 0
     if path is None:  # resumed: the checkpoint's weights replace these, and the log says "resumed from"
@@ -327,8 +153,9 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
             log(f"resumed from {path} (iteration {start}), resharded from {old} to {layout}")
     elif recipe.warmup.steps:
         t0 = time.perf_counter()
-        cached = run_warmup(actor, task, tokenizer, recipe=recipe, dp_rank=dp_rank, dp_size=dp_size,
-                            seq_multiple=ctx.seq_multiple, log=log if rank0 else (lambda *_: None))
+        cached = run_warmup(actor, run.task, run.tokenizer, recipe=recipe, dp_rank=ps.get_data_parallel_rank(),
+                            dp_size=layout["dp"], seq_multiple=ctx.seq_multiple,
+                            log=log if rank0 else (lambda *_: None))
         actor.reset_reference()
         timings["warmup_s"] = time.perf_counter() - t0
         log(f"warm-up: {'loaded from cache' if cached else f'{recipe.warmup.steps} steps'} "
@@ -336,54 +163,84 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
     if critic is not None and path is None:
         init_critic_from(critic, actor)  # the value model starts from the policy RL starts from
         log("critic: a separate value model, initialised from the actor's weights")
-    rollouts.sync_weights()
-    writer = None
-    if rank0:
-        import yaml
+    ctx.rollouts.sync_weights()
+    return start
 
-        from megatron_credit.config import recipe_to_dict
 
-        # The resolved recipe of this launch, written once the checkpoint (if any) was accepted: a refused
-        # resume leaves the previous launch's config.yaml as it was. The user's own recipe file is never
-        # rewritten (issue 24: --config D/config.yaml --output-dir D).
-        resolved = os.path.join(run_dir, "config.yaml")
-        if recipe_file is not None and os.path.exists(resolved) and os.path.samefile(recipe_file, resolved):
-            log(f"note: {resolved} is this launch's --config: left as it is (not replaced by the resolved recipe)")
-        else:
-            with open(resolved, "w", encoding="utf-8") as f:
-                yaml.safe_dump(recipe_to_dict(recipe), f, sort_keys=False)
+def open_metrics(recipe, *, run_dir: str, start: int, resumed: bool, recipe_file: str | None, log):
+    """Rank 0: the resolved recipe as ``run_dir/config.yaml`` and the metrics writer; None on other ranks."""
+    if dist.get_rank() != 0:
+        return None
+    import yaml
 
-        writer = MetricsWriter(run_dir, resume_step=start if path is not None else None,
-                               tensorboard=recipe.logging.tensorboard, wandb_project=recipe.logging.wandb,
-                               config=recipe_to_dict(recipe), log=log)
+    from megatron_credit.config import recipe_to_dict
+
+    # The resolved recipe of this launch, written once the checkpoint (if any) was accepted: a refused
+    # resume leaves the previous launch's config.yaml as it was. The user's own recipe file is never
+    # rewritten (issue 24: --config D/config.yaml --output-dir D).
+    resolved = os.path.join(run_dir, "config.yaml")
+    if recipe_file is not None and os.path.exists(resolved) and os.path.samefile(recipe_file, resolved):
+        log(f"note: {resolved} is this launch's --config: left as it is (not replaced by the resolved recipe)")
+    else:
+        with open(resolved, "w", encoding="utf-8") as f:
+            yaml.safe_dump(recipe_to_dict(recipe), f, sort_keys=False)
+    return MetricsWriter(run_dir, resume_step=start if resumed else None,
+                         tensorboard=recipe.logging.tensorboard, wandb_project=recipe.logging.wandb,
+                         config=recipe_to_dict(recipe), log=log)
+
+
+def iteration_metrics(run: Run, step: int) -> dict[str, float]:
+    """One RL iteration (``step.rl_iteration``), validation when due, the phase controller, timings."""
+    from megatron_credit.trainer.step import rl_iteration
+
+    ctx, recipe = run.ctx, run.ctx.recipe
+    ctx.timer = PhaseTimer()
+    t0 = time.perf_counter()
+    metrics = rl_iteration(ctx, step)
+    metrics["actor/lr"] = ctx.actor.last_lr  # the policy's lr of the iteration's last step
+    metrics["data/dropped_prompts"] = float(run.prompts.dropped_prompts)  # at load (issue 24)
+    if ctx.critic is not None:
+        metrics["critic/lr"] = ctx.critic.last_lr
+    if recipe.train.val_every and step % recipe.train.val_every == 0:
+        with ctx.timer("validation"):
+            metrics.update(ctx.rollouts.validate(step))
+    if ctx.phase is not None:
+        metrics.update(ctx.advance_phase(metrics))
+    dt = time.perf_counter() - t0
+    metrics["time/step_s"] = dt
+    metrics["throughput/tokens_per_s"] = metrics.pop("rollout/tokens") / dt
+    metrics.update({f"time/{k}_s": v for k, v in ctx.timer.seconds.items()})
+    return metrics
+
+
+def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str = "auto",
+          log=print, recipe_file: str | None = None,
+          timings: dict[str, float] | None = None) -> list[dict[str, float]]:
+    """Run the recipe's iterations (after ``distributed.initialize``, whose device is ``device``: the
+    models, micro-batches and collectives' tensors are put there); returns rank 0's metric rows.
+    ``recipe_file``: the launch's ``--config`` (never rewritten when it is ``run_dir/config.yaml``).
+    ``timings``, when given, receives ``warmup_s`` (absent without a warm-up) and ``rl_s`` (the loop:
+    iterations, validation, checkpoints)."""
+    from megatron_credit.trainer.divergence import DivergenceGuard, stop_if_any_rank_diverged  # issue 24
+
+    timings = {} if timings is None else timings
+    rank0 = dist.get_rank() == 0
+    run = build(recipe, hf_config, run_dir=run_dir, device=device, resume=resume, log=log)
+    start = restore(run, log=log, timings=timings)
+    writer = open_metrics(recipe, run_dir=run_dir, start=start, resumed=run.checkpoint is not None,
+                          recipe_file=recipe_file, log=log)
     stop = {"flag": False}
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
     bar = _progress(recipe, start, rank0)
     rows: list[dict[str, float]] = []
     step = start
-    from megatron_credit.trainer.divergence import DivergenceGuard, stop_if_any_rank_diverged  # issue 24
-
     guard = DivergenceGuard(max_skipped_steps=recipe.train.max_skipped_steps, vocab_size=hf_config.vocab_size,
                             steps_per_iteration=recipe.train.num_minibatches * recipe.train.epochs)
+    every = recipe.checkpoint.every
     t_rl = time.perf_counter()
     try:
         for step in _iterations(recipe, start, log if rank0 else (lambda *_: None), device=device):
-            ctx.timer = PhaseTimer()
-            t0 = time.perf_counter()
-            metrics = rl_iteration(ctx, step)
-            metrics["actor/lr"] = ctx.actor.last_lr  # the policy's lr of the iteration's last step
-            metrics["data/dropped_prompts"] = float(prompts.dropped_prompts)  # at load (issue 24)
-            if ctx.critic is not None:
-                metrics["critic/lr"] = ctx.critic.last_lr
-            if recipe.train.val_every and step % recipe.train.val_every == 0:
-                with ctx.timer("validation"):
-                    metrics.update(rollouts.validate(step))
-            if ctx.phase is not None:
-                metrics.update(ctx.advance_phase(metrics))
-            dt = time.perf_counter() - t0
-            metrics["time/step_s"] = dt
-            metrics["throughput/tokens_per_s"] = metrics.pop("rollout/tokens") / dt
-            metrics.update({f"time/{k}_s": v for k, v in ctx.timer.seconds.items()})
+            metrics = iteration_metrics(run, step)
             if writer is not None:
                 writer.write(step, metrics)
                 rows.append({"step": step, **metrics})
@@ -391,16 +248,14 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
             stop_if_any_rank_diverged(guard.check(step, metrics), device=device)  # before it is saved (issue 24)
             flag = torch.tensor([1.0 if stop["flag"] else 0.0]).to(device)
             dist.all_reduce(flag)
-            every = recipe.checkpoint.every
             if float(flag) > 0 or (every and step % every == 0):
-                _save(run_dir, step, ctx, prompts, layout)
+                _save(run_dir, step, run.ctx, run.prompts, run.layout)
             if float(flag) > 0:
                 log(f"SIGTERM: saved iteration {step}, exiting")
                 break
         else:
-            if recipe.checkpoint.save_at_end and (not recipe.checkpoint.every or step % recipe.checkpoint.every):
-                if step > start:
-                    _save(run_dir, step, ctx, prompts, layout)
+            if recipe.checkpoint.save_at_end and (not every or step % every) and step > start:
+                _save(run_dir, step, run.ctx, run.prompts, run.layout)
     finally:
         timings["rl_s"] = time.perf_counter() - t_rl
         signal.signal(signal.SIGTERM, previous)
@@ -408,7 +263,7 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
             bar.close()
         if writer is not None:
             writer.close()
-        rollouts.close()
+        run.ctx.rollouts.close()
     if rank0 and recipe.logging.plots:
         try:
             plot_metrics(run_dir)

@@ -11,37 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
-# metric -> (numerator, denominator) of the token- or step-weighted means of finalize().
-_MEANS = {
-    "actor/pg_loss": ("sum:pg_loss", "sum:opt_steps"),
-    "actor/entropy": ("sum:entropy", "sum:tokens"),
-    "actor/ppo_kl": ("sum:approx_kl", "sum:tokens"),
-    "actor/clipfrac_high": ("sum:clipfrac_high", "sum:tokens"),
-    "actor/clipfrac_low": ("sum:clipfrac_low", "sum:tokens"),
-    "actor/clipfrac_dual": ("sum:clipfrac_dual", "sum:tokens"),
-    "actor/logp_diff_abs": ("sum:logp_diff", "sum:tokens"),
-    "actor/kl_ref": ("sum:kl", "sum:tokens"),
-    "actor/grad_norm": ("sum:grad_norm", "sum:opt_steps"),
-    "fipo/weight_mean": ("sum:fipo_weight/mean", "sum:tokens"),
-    "fipo/frac_at_high": ("sum:fipo_weight/frac_at_high", "sum:tokens"),
-    "fipo/frac_dual_masked": ("sum:fipo_weight/frac_dual_masked", "sum:tokens"),
-    "critic/value_loss": ("sum:value_loss", "sum:opt_steps"),
-    "critic/grad_norm": ("sum:critic_grad_norm", "sum:opt_steps"),
-    "comppo/gate_mean": ("sum:gate", "sum:gate_tokens"),
-    "comppo/transport_mean": ("sum:transport", "sum:gate_tokens"),
-    "comppo/gate_first_third": ("sum:gate_first", "sum:gate_first_tokens"),
-    "comppo/gate_mid_third": ("sum:gate_mid", "sum:gate_mid_tokens"),
-    "comppo/gate_last_third": ("sum:gate_last", "sum:gate_last_tokens"),
-    "mismatch/logprob_abs_mean": ("sum:mismatch_abs", "sum:mismatch_tokens"),
-    "mismatch/tis_weight_mean": ("sum:tis_mean_weight", "sum:tokens"),
-    "mismatch/tis_capped_frac": ("sum:tis_capped_frac", "sum:tokens"),
-}
-_EXTREMES = {"fipo/weight_min": "min:fipo_weight/min", "fipo/weight_max": "max:fipo_weight/max"}
-
+from megatron_credit.metric_tables import BUILT_IN, CORE, MetricTable
 
 class StatSums:
     """Accumulated ``sum:`` / ``min:`` / ``max:`` tensors; ``replicated`` keys are equal on every rank
@@ -92,35 +66,24 @@ class StatSums:
                 self.values[k] = v
 
 
-def finalize(stats: StatSums) -> dict[str, float]:
-    """The documented metric names from reduced sums (missing inputs give no metric)."""
+def finalize(stats: StatSums, tables: Optional[Sequence[MetricTable]] = None) -> dict[str, float]:
+    """The documented metric names from reduced sums (missing inputs give no metric): the trainer's own
+    (``metric_tables.CORE``), those of ``tables`` (the algorithm's, ``AlgorithmSpec.metrics``; None: every
+    built-in algorithm's), and the per-rank ``sum:rank_avg/`` statistics averaged over ranks."""
     out: dict[str, float] = {}
-    for name, (num, den) in _MEANS.items():
-        if num in stats.values and den in stats.values:
-            out[name] = float(stats.values[num] / stats.values[den].clamp(min=1e-12))
-    for name, key in _EXTREMES.items():
-        if key in stats.values and math.isfinite(float(stats.values[key])):
-            out[name] = float(stats.values[key])
-    for key, v in stats.values.items():  # per-rank statistics (e.g. rank correlations): mean over ranks
+    v = stats.values
+    for table in (CORE, *(BUILT_IN if tables is None else tables)):
+        for name, (num, den) in table.means.items():
+            if num in v and den in v:
+                out[name] = float(v[num] / v[den].clamp(min=1e-12))
+        for name, key in table.extremes.items():
+            if key in v and math.isfinite(float(v[key])):
+                out[name] = float(v[key])
+        for derive in table.derived:
+            out.update(derive(v))
+    for key, x in v.items():  # per-rank statistics (e.g. rank correlations): mean over ranks
         if key.startswith("sum:rank_avg/"):
-            out[key[len("sum:rank_avg/"):]] = float(v / stats.values["sum:rank_avg_count"].clamp(min=1))
-    lo, hi = stats.values.get("min:first_minibatch/fipo_weight/min"), stats.values.get("max:first_minibatch/fipo_weight/max")
-    if lo is not None and hi is not None and math.isfinite(float(lo)) and math.isfinite(float(hi)):
-        out["fipo/first_minibatch_max_abs_dev"] = max(float(hi) - 1.0, 1.0 - float(lo))  # on-policy: 0
-    if "sum:fipo_weight/dev_sq" in stats.values and "sum:fipo_weight/mean" in stats.values:
-        n = stats.values["sum:tokens"].clamp(min=1e-12)  # std of the weights over every valid token
-        var = stats.values["sum:fipo_weight/dev_sq"] / n - (stats.values["sum:fipo_weight/mean"] / n - 1) ** 2
-        out["fipo/weight_std"] = math.sqrt(max(float(var), 0.0))
-    if "sum:skipped_steps" in stats.values:
-        out["actor/skipped_steps"] = float(stats.values["sum:skipped_steps"])
-    if "sum:critic_skipped_steps" in stats.values:  # a separate critic's own optimizer
-        out["critic/skipped_steps"] = float(stats.values["sum:critic_skipped_steps"])
-    if "sum:ret" in stats.values:
-        n = stats.values["sum:tokens"].clamp(min=1)
-        var = lambda s, s2: s2 / n - (s / n) ** 2  # noqa: E731
-        v_ret = var(stats.values["sum:ret"], stats.values["sum:ret2"])
-        v_res = var(stats.values["sum:resid"], stats.values["sum:resid2"])
-        out["critic/explained_var"] = float(1 - v_res / v_ret.clamp(min=1e-12))
+            out[key[len("sum:rank_avg/"):]] = float(x / v["sum:rank_avg_count"].clamp(min=1))
     return out
 
 
@@ -197,11 +160,3 @@ def truncate_metrics(path: str, *, after_step: int) -> None:
 def read_metrics(path: str) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def plot_metrics(run_dir: str) -> list[str]:
-    """PNG plots of ``run_dir/metrics.jsonl`` in ``run_dir/plots`` (``trainer/plots.py``: titles, units,
-    one quantity per axis); returns the files written."""
-    from megatron_credit.trainer.plots import plot_metrics as plot
-
-    return plot(run_dir)

@@ -7,16 +7,21 @@ here looks at an algorithm's name.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from megatron_credit.algorithms import KL_ESTIMATORS, AdvantageInputs
 from megatron_credit.data.microbatch import plan_minibatches
-from megatron_credit.rollout.mismatch import truncated_is_weights
-from megatron_credit.trainer.batch import TrainBatch, make_microbatch, round_up, step_denominators
+from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
+from megatron_credit.trainer.batch import TOKEN_FIELDS, TrainBatch, make_microbatch, round_up, step_denominators
 from megatron_credit.trainer.metrics import StatSums
 
+if TYPE_CHECKING:  # the iteration's inputs; no megatron import here
+    from megatron_credit.trainer.context import Context
 
-def rl_iteration(ctx, iteration: int) -> dict[str, float]:
+
+def rl_iteration(ctx: Context, iteration: int) -> dict[str, float]:
     """Rollout -> rewards -> (dynamic sampling) -> old log-probs -> advantages -> update -> sync."""
     timer = ctx.timer
     with timer("rollout"):
@@ -47,18 +52,18 @@ def rl_iteration(ctx, iteration: int) -> dict[str, float]:
 def add_mismatch(batch: TrainBatch, stats: StatSums) -> None:
     """Engine vs trainer log-probs of the sampled tokens (``rollout/mismatch_*``)."""
     if batch.old_logp is not None:
-        diff = torch.where(batch.loss_mask, (batch.old_logp - batch.rollout_logp).abs(), 0.0)
-        stats.add({"sum:mismatch_abs": diff.sum(), "sum:mismatch_tokens": batch.loss_mask.sum()})
+        mm = logprob_mismatch(batch.rollout_logp, batch.old_logp, batch.loss_mask)
+        stats.add({"sum:mismatch_abs": mm["abs_diff_sum"], "sum:mismatch_tokens": batch.loss_mask.sum()})
 
 
-def fused_old_logprob(ctx) -> bool:
+def fused_old_logprob(ctx: Context) -> bool:
     """``train.fuse_old_logprob``: the first mini-batch of the iteration is updated with the very policy
     that the behaviour pass would run, so its old log-probs are the update forward's own log-probs,
     detached (as verl does on-policy): the same loss and gradient without that forward pass. Later
     mini-batches keep their behaviour pass. Needs one epoch (a second one reads old log-probs of the
     first mini-batch after it was updated) and nothing else from the policy's pass (CompPO's attention
     capture, a value head on the trunk): those are refused naming the field."""
-    if not getattr(ctx.recipe.train, "fuse_old_logprob", False):
+    if not ctx.recipe.train.fuse_old_logprob:
         return False
     why = None
     if ctx.knobs.epochs != 1:
@@ -72,7 +77,7 @@ def fused_old_logprob(ctx) -> bool:
     return True
 
 
-def plan_microbatches(ctx, batch: TrainBatch) -> list[list[list[int]]]:
+def plan_microbatches(ctx: Context, batch: TrainBatch) -> list[list[list[int]]]:
     """One micro-batch plan per iteration, used by the behaviour pass and by every update epoch."""
     t = ctx.recipe.train
     return plan_minibatches(batch.seq_lens.tolist(), num_minibatches=t.num_minibatches,
@@ -80,7 +85,7 @@ def plan_microbatches(ctx, batch: TrainBatch) -> list[list[list[int]]]:
                             pad_to_multiple_of=ctx.seq_multiple)
 
 
-def microbatches(ctx, batch: TrainBatch, mini: list[list[int]]):
+def microbatches(ctx: Context, batch: TrainBatch, mini: list[list[int]]):
     """The micro-batches of one mini-batch, padded to ``ctx.seq_multiple`` (and to one shape with PP)."""
     lens = [round_up(int(max(batch.seq_lens[mb])), ctx.seq_multiple) for mb in mini]
     if ctx.actor.pp_size > 1:  # megatron's pipeline communicates one fixed shape per call
@@ -91,7 +96,7 @@ def microbatches(ctx, batch: TrainBatch, mini: list[list[int]]):
                             cp_size=ctx.actor.cp_size, cp_rank=ctx.actor.cp_rank) for mb, s, r in zip(mini, lens, rows)]
 
 
-def behaviour_pass(ctx, batch: TrainBatch, plan, *, skip_first: bool = False) -> None:
+def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = False) -> None:
     """Recompute ``old_logp`` (and critic ``values``, reference ``ref_logp``) with the update's plan; the
     outputs are copied from the actor's device into the batch (host memory, ``batch.py``).
     ``skip_first`` (``train.fuse_old_logprob``): the policy's pass skips the first mini-batch, whose
@@ -141,13 +146,18 @@ def behaviour_pass(ctx, batch: TrainBatch, plan, *, skip_first: bool = False) ->
         batch.values = None
     if not actor.last_stage:  # only the last stage computes losses; others never read these
         batch.old_logp = batch.values = batch.ref_logp = batch.kappa = batch.topk_idx = batch.topk_w = None
+    elif ctx.spec.behaviour_extras is not None:  # the algorithm's side channels (a per-token weight, ...)
+        batch.extras = ctx.spec.behaviour_extras(batch, ctx.knobs.params)
+        clash = sorted(set(batch.extras) & set(TOKEN_FIELDS))
+        if clash:
+            raise ValueError(f"behaviour_extras names {clash} clash with TrainBatch fields")
 
 
-def compute_advantages(ctx, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
+def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
     """``batch.advantages`` (and ``returns``) from the algorithm's estimator. CompPO: the transport gates
     (``ctx.gate_control``), the critic's warm-up (values enter the advantages after
-    ``params.critic_warmup_steps`` iterations), the critic's diagnostics. Then PPO-style whitening over
-    the global batch (masked, summed over DP) and the advantage clip, when the parameters ask for them."""
+    ``critic_warmup_steps`` iterations), the critic's diagnostics. Then PPO-style whitening over the global
+    batch (masked, summed over DP) and the advantage clip, when the algorithm's ``advantage_post`` asks."""
     if batch.old_logp is None:  # not the last pipeline stage
         return
     params = ctx.knobs.params
@@ -158,18 +168,19 @@ def compute_advantages(ctx, batch: TrainBatch, iteration: int = 1, stats: "StatS
 
         batch.gates = ctx.gate_control.gates(batch.kappa, mask, iteration=iteration)
         stats.add(gate_stats(batch.kappa, mask, batch.gates))
+    post = ctx.spec.advantage_post(params)
     values = batch.values
-    if values is not None and iteration <= getattr(params, "critic_warmup_steps", 0):
+    if values is not None and iteration <= post.critic_warmup_steps:
         values = torch.zeros_like(values)  # the critic trains on these returns but is not trusted yet
     inputs = AdvantageInputs(response_mask=mask, scores=batch.rewards, group_ids=batch.group_ids,
                              token_rewards=batch.token_rewards() if values is not None else None,
                              values=values, gates=batch.gates)
     out = ctx.spec.estimate(inputs, params)  # full sequences on every CP rank: no cp_group needed
     adv = out.advantages.float()
-    if getattr(params, "whiten_advantages", False):
+    if post.whiten:
         adv = ctx.whiten(adv, mask)
-    if getattr(params, "adv_clip", None) is not None:
-        adv = adv.clamp(-params.adv_clip, params.adv_clip)
+    if post.clip is not None:
+        adv = adv.clamp(-post.clip, post.clip)
     batch.advantages = adv
     batch.returns = None if out.returns is None else out.returns.float()
     if ctx.actor.feature_critic:
@@ -181,8 +192,8 @@ def compute_advantages(ctx, batch: TrainBatch, iteration: int = 1, stats: "StatS
         stats.add({"sum:rank_avg_count": torch.tensor(1.0)})
 
 
-def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "StatSums", *,
-                     first: bool = False, old_from_update: bool = False) -> None:
+def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], stats: "StatSums", *,
+                      first: bool = False, old_from_update: bool = False) -> None:
     """One optimizer step over one mini-batch: forward-backward of its micro-batches, reduce, clip, step.
     ``first``: the iteration's first mini-batch (its FIPO weights are also logged apart: on-policy, they
     must be exactly 1). ``old_from_update`` (``train.fuse_old_logprob``): the old log-probs are this
@@ -206,7 +217,7 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
         if alg.tis_cap is not None:  # engine vs trainer mismatch: min(pi_old / pi_engine, C)
             is_w, tis = truncated_is_weights(t["old_logp"], t["rollout_logp"], mask, cap=alg.tis_cap)
         per_tok, m = ctx.spec.loss(logp, t["old_logp"], t["advantages"], mask, params,
-                                   cp_group=cp_group, is_weights=is_w)
+                                   cp_group=cp_group, is_weights=is_w, side={k: t[k] for k in batch.extras})
         kl_tok = None
         if kl is not None:
             kl_tok = kl(logp, t["ref_logp"])
@@ -231,8 +242,9 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
         if kl_tok is not None:
             s["sum:kl"] = torch.where(mask, kl_tok, 0.0).sum().detach()
         if values is not None:
-            v_loss, v_stats = value_loss(values, t["values"], t["returns"], mask, den, params)
-            loss = loss + params.vf_coef * v_loss
+            v_loss, v_stats = ctx.spec.value_loss(values, t["values"], t["returns"], mask, params,
+                                                  global_num_tokens=den.global_num_tokens)
+            loss = loss + ctx.spec.value_weight(params) * v_loss
             s.update(v_stats)
         return loss, s
 
@@ -259,22 +271,7 @@ def update_minibatch(ctx, batch: TrainBatch, mini: list[list[int]], stats: "Stat
 
         def critic_loss_fn(mb, logp, ent, values, aux):
             t = mb.tensors  # the value loss itself (vf_coef weighs it against the policy loss on a shared trunk)
-            return value_loss(values, t["values"], t["returns"], t["loss_mask"], den, params)
+            return ctx.spec.value_loss(values, t["values"], t["returns"], t["loss_mask"], params,
+                                       global_num_tokens=den.global_num_tokens)
 
         critic_step(ctx, mbs, stats, critic_loss_fn)
-
-
-def value_loss(values, old_values, returns, mask, den, params):
-    """Clipped value loss ``0.5 max((V - R)^2, (clip(V, V_old +- eps) - R)^2)``, token-mean over the
-    step's global token count; stats for ``critic/value_loss`` and ``critic/explained_var``."""
-    from megatron_credit.losses.aggregation import aggregate_loss
-
-    err = (values - returns) ** 2
-    if params.value_clip is not None:
-        clipped = old_values + (values - old_values).clamp(-params.value_clip, params.value_clip)
-        err = torch.maximum(err, (clipped - returns) ** 2)
-    loss = 0.5 * aggregate_loss(err, mask, mode="token-mean", global_num_tokens=den.global_num_tokens)
-    r = torch.where(mask, returns, 0.0)
-    resid = torch.where(mask, returns - old_values, 0.0)
-    return loss, {"sum:value_loss": loss.detach(), "sum:ret": r.sum(), "sum:ret2": (r * r).sum(),
-                  "sum:resid": resid.sum(), "sum:resid2": (resid * resid).sum()}

@@ -1,0 +1,131 @@
+"""What one RL iteration reads (``trainer/step.py`` takes a :class:`Context`): the recipe, the algorithm,
+the models, the rollout manager, the knobs in force, CompPO's controls, and the few collectives the
+iteration needs (CP gather, DP whitening, the finite-loss vote, the metric reduction). ``trainer/loop.py``
+builds it once per launch.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_credit.trainer import controls
+from megatron_credit.trainer.metrics import StatSums, finalize
+
+if TYPE_CHECKING:  # annotations only: nothing of these is imported at run time here
+    from megatron_credit.algorithm_params import AlgorithmParams
+    from megatron_credit.algorithms import AlgorithmSpec
+    from megatron_credit.config import Recipe
+    from megatron_credit.credit.phase import PhaseController
+    from megatron_credit.trainer.actor import Actor
+    from megatron_credit.trainer.rollout import RolloutManager
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of the current iteration."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - t0
+
+
+@dataclasses.dataclass
+class Context:
+    """What one iteration needs (``step.py`` reads these; it never imports megatron)."""
+
+    recipe: Recipe
+    """The whole run's typed recipe (read-only)."""
+    spec: AlgorithmSpec
+    """The algorithm (``algorithms.ALGORITHMS``): estimator, loss, aggregation, its hooks."""
+    params: AlgorithmParams
+    """The algorithm's parameters as the recipe gives them (``knobs.params`` are those in force)."""
+    actor: Actor
+    """The policy (``trainer/actor.py``, the one megatron-facing file)."""
+    rollouts: RolloutManager
+    """Engine, rewards, dynamic sampling, weight sync (``trainer/rollout.py``)."""
+    pad_id: int
+    """The tokenizer's pad id."""
+    seq_multiple: int
+    """Micro-batch lengths are multiples of this (:func:`seq_multiple`)."""
+    critic: Optional[Actor] = None
+    """The separate value model (``trainer.critic_model``), or None (no critic, or a head on the actor)."""
+    knobs: Optional[controls.StepKnobs] = None
+    """``controls.StepKnobs`` of the next iteration (the recipe's, or those of CompPO's phase)."""
+    gate_control: Optional[controls.GateControl] = None
+    """``controls.GateControl`` (gated algorithms only)."""
+    phase: Optional[PhaseController] = None
+    """``credit.phase.PhaseController`` when ``algorithm.params.phase_controller`` is on."""
+    timer: PhaseTimer = dataclasses.field(default_factory=PhaseTimer)
+
+    def __post_init__(self) -> None:
+        if self.knobs is None:
+            self.knobs = controls.base_knobs(self.recipe, self.params)
+        if self.spec.needs_gates and self.gate_control is None:
+            group = self.actor.dp_group
+            self.gate_control = controls.GateControl(self.params, seed=self.recipe.seed,
+                                                     dp_rank=dist.get_rank(group), dp_group=group)
+            if self.params.phase_controller:
+                from megatron_credit.credit.phase import PhaseController
+
+                self.phase = PhaseController(self.params.phase_thresholds)
+
+    def advance_phase(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Feed the iteration's metrics to the phase controller; the next iteration runs with the knobs
+        of the phase it returns. Returns the metrics to log (``phase/level``: 0 stable ... 3 hard-stop)."""
+        from megatron_credit.credit.phase import PHASES
+        from megatron_credit.trainer.controls import phase_knobs
+
+        phase = self.phase.step(metrics)
+        self.knobs = phase_knobs(self.recipe, self.params, phase)
+        return {"phase/level": float(PHASES.index(phase))}
+
+    def check_length(self, length: int) -> None:
+        from megatron_credit.models import check_sequence_length
+
+        check_sequence_length(self.actor.hf_config, length, what="a prompt + response")
+
+    def gather_cp(self, t: torch.Tensor) -> torch.Tensor:
+        from megatron_credit.data.context_parallel import gather_from_cp
+
+        return gather_from_cp(t, cp_group=self.actor.cp_group if self.actor.cp_size > 1 else None)
+
+    def whiten(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``(A - mean) / std`` over the valid tokens of the whole global batch (summed over DP)."""
+        m = mask.bool()
+        s = torch.stack([torch.where(m, adv, 0.0).sum(), torch.where(m, adv * adv, 0.0).sum(),
+                         m.sum().float()]).double().to(self.actor.device)
+        if dist.get_world_size(self.actor.dp_group) > 1:
+            dist.all_reduce(s, group=self.actor.dp_group)
+        mean = s[0] / s[2].clamp(min=1)
+        var = (s[1] / s[2].clamp(min=1) - mean * mean).clamp(min=0)
+        mean, std = mean.to(adv.device), torch.sqrt(var + 1e-8).to(adv.device)
+        return torch.where(m, (adv - mean) / std, 0.0).float()
+
+    def all_finite(self, x: torch.Tensor) -> bool:
+        bad = torch.tensor([0.0 if bool(torch.isfinite(x).all()) else 1.0]).to(self.actor.device)
+        dist.all_reduce(bad)
+        return float(bad) == 0.0
+
+    def reduce_stats(self, stats: StatSums) -> dict[str, float]:
+        """Sum over DP x CP on the last stage, then hand the result to the pipeline's first stage."""
+        from megatron.core import parallel_state as ps
+
+        stats.all_reduce(self.actor.dp_cp_group, device=self.actor.device)
+        if self.actor.pp_size > 1:
+            box = [stats.values]
+            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                       group=self.actor.pp_group, device=self.actor.device)
+            stats.values = box[0]
+        return finalize(stats, self.spec.metrics)
