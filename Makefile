@@ -74,7 +74,7 @@ endif
 	touch $@
 
 test-compat: $(COMPAT_VENV)/.installed
-	$(COMPAT_PY) -c "from megatron.core import package_info as p; assert p.__version__ == '$(COMPAT_MCORE)', p.__version__; print('megatron-core', p.__version__)"
+	$(COMPAT_PY) -c "from importlib.metadata import version as v; assert v('megatron-core') == '$(COMPAT_MCORE)', v('megatron-core'); print('megatron-core', v('megatron-core'))"
 	$(COMPAT_PY) -m pytest $(COMPAT_TESTS) $(PYTEST_ARGS)
 
 # Every benchmark (benchmarks/run_all.py: what runs, how long each took when measured, the harmless
