@@ -44,6 +44,11 @@ class Registry(Generic[T]):
             raise ValueError(f"{self.kind} {name!r} is already registered")
         self._items[name] = obj
 
+    def remove(self, name: str) -> T:
+        """Unregister ``name`` (a plugin's or a test's registration), returning what it held."""
+        self.get(name)  # the same error as a lookup when it is not registered
+        return self._items.pop(name)
+
     def get(self, name: str) -> T:
         try:
             return self._items[name]

@@ -72,6 +72,17 @@ if NAME not in ALGORITHMS:  # the whole registration of the new algorithm
         params_cls=ProbWeightParams, behaviour_extras=prob_weight,
         metrics=(MetricTable(means={"weighted/token_weight_mean": ("sum:token_weight_mean", "sum:tokens")}),)))
 
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _unregister_after_this_module():
+    # The registration is module-level (the spawned pool worker imports this file to find it), so in the
+    # test process it would outlive this module: test_algorithms.py checks the exact built-in names.
+    yield
+    ALGORITHMS.remove(NAME)
+    POLICY_LOSSES.remove("test_weighted_ppo")
+
+
 RECIPE = {
     "model": {"architecture": dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

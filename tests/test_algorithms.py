@@ -29,6 +29,10 @@ def test_duplicates_and_unknown_names_are_refused():
         AlgorithmSpec(advantage_estimator="gae", policy_loss="trpo", loss_agg_mode="token-mean")
     with pytest.raises(ValueError, match="loss_agg_mode"):
         AlgorithmSpec(advantage_estimator="gae", policy_loss="ppo", loss_agg_mode="mean")
+    with pytest.raises(ValueError, match=r"unknown policy loss 'trpo'; valid names: \['dapo'"):
+        POLICY_LOSSES.remove("trpo")
+    POLICY_LOSSES.add("tmp_loss", ppo_clip_loss)
+    assert POLICY_LOSSES.remove("tmp_loss") is ppo_clip_loss and "tmp_loss" not in POLICY_LOSSES.names()
 
 
 def _inputs():
