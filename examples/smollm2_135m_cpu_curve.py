@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
         v = [r for r in rs if r["val"] is not None]
         ax.plot([r["min"] for r in v], [r["val"] for r in v], "s", color=line.get_color(), label=f"{name}: validation")
     ax.axhline(0.23, ls="--", color="gray", label="base model, sampled (0.23)")
-    ax.set_xlabel("minutes of RL (wall, 2 shared cores)")
+    ax.set_xlabel("minutes of RL (wall clock, 2 cores)")
     ax.set_ylabel("accuracy (fraction correct)")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("SmolLM2-135M-Instruct, GRPO + KL, one-digit addition")

@@ -273,9 +273,11 @@ def test_vllm_engine_logprobs_match_the_trainers(pool3, smollm2_dir):
     m = mask[:, :-1]
     assert int(m.sum()) == 4 * 12 and torch.equal(m, padded.response_mask[:, 1:])
     err = (trainer - engine).abs()[m]
-    # fp32 on both sides, different kernels (vLLM CPU attention vs megatron local spec): rounding only
-    assert err.max().item() < 2e-3, err.max().item()
-    assert err.mean().item() < 2e-4, err.mean().item()
+    # fp32 on both sides, different kernels (vLLM CPU attention vs megatron local spec): rounding only.
+    # Measured 2026-12-02 (AVX-512 CPU): max 3.0e-5, mean 8.2e-6 over 48 tokens down to log-prob -10.7;
+    # the bounds leave 10x / 6x for other vector units' rounding
+    assert err.max().item() < 3e-4, err.max().item()
+    assert err.mean().item() < 5e-5, err.mean().item()
     assert engine[m].min() < -1  # sampled tokens of some surprise, not only near-certain ones
 
 

@@ -103,7 +103,8 @@ def gate_tables(model_dir: str, data: str, *, prompts: int, samples: int, max_ne
         ids = torch.tensor([rec.prompt_ids])
         p = ids.shape[1]
         with torch.no_grad():
-            out = model.generate(ids.repeat(samples, 1), max_new_tokens=max_new_tokens, do_sample=True,
+            rows = ids.repeat(samples, 1)  # one prompt, no padding: the mask is all ones (said, not inferred)
+            out = model.generate(rows, attention_mask=torch.ones_like(rows), max_new_tokens=max_new_tokens, do_sample=True,
                                  temperature=1.0, top_p=1.0, top_k=0, pad_token_id=tok.pad_token_id)
         method = method_for_data_source(rec.data_source)
         for row in out:
