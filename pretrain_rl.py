@@ -1,5 +1,5 @@
 """Entry point: ``torchrun [...] pretrain_rl.py [--config R.yaml] [--output-dir D] [--resume auto|none|PATH]
-[--dry-run] [key.sub=value ...]`` (also installed as ``megatron-credit-train``).
+[--dry-run] [--plugin FILE.py|MODULE ...] [key.sub=value ...]`` (also installed as ``megatron-credit-train``).
 
 The launcher's environment and argv are read here and nowhere else; the trainer is
 ``megatron_credit.trainer.loop.train``. Without ``--config`` the embedded default is
@@ -28,6 +28,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the recipe against the world size and the model, print the layout and "
                              "the memory plan (exit 1 when it does not fit)")
+    parser.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE",
+                        help="import this file or module before the recipe is read, e.g. one that registers "
+                             "an algorithm (repeatable; examples/plugins/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 (before or after "
                                                      "the options)")
     # intermixed: `seed=7 --output-dir D logging.progress=false` (plain parse_args refuses the last one)
@@ -104,6 +107,9 @@ def _main(args) -> int:
     from megatron_credit import distributed
     from megatron_credit.config import load_recipe
 
+    from megatron_credit.plugins import load_plugins
+
+    load_plugins(args.plugin)  # before the recipe: its algorithm.name may be a plugin's
     config = args.config or DEFAULT_RECIPE
     recipe = load_recipe(config, overrides=args.overrides)
     launch = distributed.LaunchEnv.from_environ(os.environ)

@@ -120,7 +120,8 @@ class AlgorithmConfig:
     """Which algorithm, with its typed parameters (``megatron_credit.algorithms``)."""
 
     name: str = "grpo"
-    """Name in ``ALGORITHMS``: grpo, dapo, dr_grpo, rloo, gspo, ppo, fipo."""
+    """Name in ``ALGORITHMS``: grpo, dapo, dr_grpo, rloo, gspo, ppo, fipo, comppo, comppo_fipo, or one that a
+    ``--plugin`` file registers."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """Overrides of the algorithm's parameter dataclass (clip ranges, tau, ...); unknown keys fail."""
     kl_coef: float = 0.0
@@ -137,7 +138,9 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         from megatron_credit.algorithms import ALGORITHMS, KL_ESTIMATORS
 
-        ALGORITHMS.get(self.name)  # ValueError listing the valid names
+        if self.name not in ALGORITHMS:
+            raise ValueError(f"algorithm.name: unknown algorithm {self.name!r}; valid names: {ALGORITHMS.names()} "
+                             "(an algorithm that a plugin file registers needs --plugin FILE, on a resume too)")
         ALGORITHMS.get(self.name).make_params(self.params, where="algorithm.params")
         KL_ESTIMATORS.get(self.kl_estimator)
         if self.kl_coef < 0:
