@@ -64,22 +64,20 @@ class Context:
     knobs: Optional[controls.StepKnobs] = None
     """``controls.StepKnobs`` of the next iteration (the recipe's, or those of CompPO's phase)."""
     gate_control: Optional[controls.GateControl] = None
-    """``controls.GateControl`` (gated algorithms only)."""
+    """The transport-gate control of a gated algorithm (``spec.gate_control``), else None."""
     phase: Optional[PhaseController] = None
-    """``credit.phase.PhaseController`` when ``algorithm.params.phase_controller`` is on."""
+    """The phase controller the algorithm's parameters ask for (``spec.phase_controller``), or None."""
     timer: PhaseTimer = dataclasses.field(default_factory=PhaseTimer)
 
     def __post_init__(self) -> None:
         if self.knobs is None:
             self.knobs = controls.base_knobs(self.recipe, self.params)
-        if self.spec.needs_gates and self.gate_control is None:
-            group = self.actor.dp_group
-            self.gate_control = controls.GateControl(self.params, seed=self.recipe.seed,
-                                                     dp_rank=dist.get_rank(group), dp_group=group)
-            if self.params.phase_controller:
-                from megatron_credit.credit.phase import PhaseController
-
-                self.phase = PhaseController(self.params.phase_thresholds)
+        group = self.actor.dp_group
+        if self.gate_control is None:
+            self.gate_control = self.spec.gate_control(self.params, seed=self.recipe.seed,
+                                                        dp_rank=dist.get_rank(group), dp_group=group)
+        if self.phase is None:
+            self.phase = self.spec.phase_controller(self.params)
 
     def advance_phase(self, metrics: dict[str, float]) -> dict[str, float]:
         """Feed the iteration's metrics to the phase controller; the next iteration runs with the knobs

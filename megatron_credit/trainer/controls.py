@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_credit.gate_controls import GateControl  # noqa: F401  (re-exported: the trainer's type of ctx.gate_control)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepKnobs:
@@ -56,28 +58,6 @@ def phase_knobs(recipe, params, phase: str) -> StepKnobs:
                      lr_scale=ratio("actor_lr"), critic_lr_scale=s.critic_lr_mult / base.critic_lr_mult,
                      clip_grad=b.clip_grad * ratio("grad_clip"), critic_clip_grad=b.clip_grad * ratio("grad_clip"),
                      epochs=max(1, round(b.epochs * ratio("epochs"))), phase=phase)
-
-
-class GateControl:
-    """Comp-GAE's transport from the behaviour pass's dynamic gate ``kappa``: the algorithm's gate control
-    (``params.gate_control``, a name in ``megatron_credit.gate_controls.GATE_CONTROLS``), whose state
-    travels in checkpoints."""
-
-    def __init__(self, params, *, seed: int, dp_rank: int, dp_group=None):
-        from megatron_credit.gate_controls import GATE_CONTROLS
-
-        name, kwargs = params.gate_control_settings()
-        self.control = GATE_CONTROLS.get(name)(**kwargs, seed=seed, dp_rank=dp_rank, dp_group=dp_group)
-
-    def gates(self, kappa: torch.Tensor, mask: torch.Tensor, *, iteration: int) -> torch.Tensor:
-        """``[B, T]`` transport gates for ``kappa, mask: [B, T]``."""
-        return self.control.gates(kappa, mask, iteration=iteration)
-
-    def state_dict(self) -> dict:
-        return self.control.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.control.load_state_dict(state)
 
 
 def gate_stats(kappa: torch.Tensor, mask: torch.Tensor, transport=None) -> dict[str, torch.Tensor]:

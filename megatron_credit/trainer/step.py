@@ -154,10 +154,11 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
 
 
 def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
-    """``batch.advantages`` (and ``returns``) from the algorithm's estimator. CompPO: the transport gates
-    (``ctx.gate_control``), the critic's warm-up (values enter the advantages after
-    ``critic_warmup_steps`` iterations), the critic's diagnostics. Then PPO-style whitening over the global
-    batch (masked, summed over DP) and the advantage clip, when the algorithm's ``advantage_post`` asks."""
+    """``batch.advantages`` (and ``returns``) from the algorithm's estimator. Gated algorithms: the
+    transport gates (``ctx.gate_control``). The algorithm's ``advantage_post``: the critic's warm-up (values
+    enter the advantages after ``critic_warmup_steps`` iterations), PPO-style whitening over the global
+    batch (masked, summed over DP) and the advantage clip. Then the critic kind's diagnostics
+    (``spec.critic_stats``)."""
     if batch.old_logp is None:  # not the last pipeline stage
         return
     params = ctx.knobs.params
@@ -183,13 +184,8 @@ def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stat
         adv = adv.clamp(-post.clip, post.clip)
     batch.advantages = adv
     batch.returns = None if out.returns is None else out.returns.float()
-    if ctx.actor.feature_critic:
-        from megatron_credit.models.critic import critic_diagnostics
-
-        d = critic_diagnostics(batch.values, batch.returns, mask, value_clamp=params.value_clamp)
-        # explained variance comes from global sums in the update (``critic/explained_var``)
-        stats.add({f"sum:rank_avg/critic/{k}": v for k, v in d.items() if k != "explained_var"})
-        stats.add({"sum:rank_avg_count": torch.tensor(1.0)})
+    if batch.returns is not None:  # the critic kind's own diagnostics (CompPO's feature critics: critic/*)
+        stats.add(ctx.spec.critic_stats(batch.values, batch.returns, mask, params))
 
 
 def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], stats: "StatSums", *,
