@@ -167,6 +167,8 @@ class Actor:
         self.cp_size, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         self.tp_size, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()  # global rank of this pipeline's last stage
+        self.dp_rank = ps.get_data_parallel_rank()
         self.optimizer = self._build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, o)
         # last_lr reports the policy's lr, or a separate critic's own

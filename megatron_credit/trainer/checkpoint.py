@@ -27,46 +27,24 @@ rank files ``weights_only``, sizes checked); ``--resume auto`` falls back past a
 Resuming under the same layout is exact (same samples, same numbers). Under another layout the model and optimizer reshard exactly; sampling seeds depend on
 the data-parallel rank and the prompts are re-sharded, so the data position is carried over as the
 number of prompts consumed and the run continues on new samples.
+
+A megatron adapter by design (like ``actor.py``): the format is megatron's ``dist_checkpointing`` and the
+optimizer moments are mapped with its ``optimizer`` helpers, so this file imports megatron; the iteration
+(``loop.py``, ``step.py``, ``context.py``, ...) reaches it only through :func:`save` / :func:`load`.
 """
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_credit.distributed import rng_state, set_rng_state  # noqa: F401  (the rank files' RNG states)
 from megatron_credit.run_layout import (_DIR, CRITIC_OPTIM, MODEL_OPTIM, checkpoint_dir,  # noqa: F401
                                         complete_checkpoints)
-
-
-def rng_state() -> dict[str, Any]:
-    from megatron.core.tensor_parallel import random as mrandom
-
-    state = {"torch": torch.get_rng_state(), "python": list(_py_state()),
-             "tracker": mrandom.get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _py_state():
-    version, internal, gauss = random.getstate()
-    return version, list(internal), gauss
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core.tensor_parallel import random as mrandom
-
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    mrandom.get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def reference_extras(actor) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """What one RL iteration reads (``trainer/step.py`` takes a :class:`Context`): the recipe, the algorithm,
 the models, the rollout manager, the knobs in force, CompPO's controls, and the few collectives the
 iteration needs (CP gather, DP whitening, the finite-loss vote, the metric reduction). ``trainer/loop.py``
-builds it once per launch.
+builds it once per launch. No megatron import: the process groups and ranks come from the actor.
 """
 from __future__ import annotations
 
@@ -118,12 +118,10 @@ class Context:
 
     def reduce_stats(self, stats: StatSums) -> dict[str, float]:
         """Sum over DP x CP on the last stage, then hand the result to the pipeline's first stage."""
-        from megatron.core import parallel_state as ps
-
         stats.all_reduce(self.actor.dp_cp_group, device=self.actor.device)
         if self.actor.pp_size > 1:
             box = [stats.values]
-            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+            dist.broadcast_object_list(box, src=self.actor.pp_last_rank,
                                        group=self.actor.pp_group, device=self.actor.device)
             stats.values = box[0]
         return finalize(stats, self.spec.metrics)

@@ -77,8 +77,7 @@ class Run:
 def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str, log) -> Run:
     """Check the recipe, the run directory and the checkpoint to resume (before anything is built or
     written), then build the data, the actor, a separate critic and the rollout manager."""
-    from megatron.core import parallel_state as ps
-
+    from megatron_credit.distributed import data_parallel_rank
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.critic_model import build_separate_critic
     from megatron_credit.trainer.rollout import RolloutManager
@@ -94,7 +93,7 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
     if rank0:
         os.makedirs(run_dir, exist_ok=True)
     # --- end issue 24
-    dp_rank, dp_size = ps.get_data_parallel_rank(), layout["dp"]
+    dp_rank, dp_size = data_parallel_rank(), layout["dp"]
     spec, params = recipe.algorithm.spec_and_params()
     tokenizer, prompts, val_prompts, task = build_data(recipe, dp_rank=dp_rank, dp_size=dp_size,
                                                          log=log if rank0 else (lambda *_: None))
@@ -120,8 +119,6 @@ def restore(run: Run, *, log, timings: dict[str, float]) -> int:
     """The weights RL starts from: the checkpoint's (resharded when the layout changed), or the initial
     weights after the supervised warm-up; a separate critic starts from them; the engine gets them.
     Returns the iteration the checkpoint ended (0 for a fresh run)."""
-    from megatron.core import parallel_state as ps
-
     from megatron_credit.trainer.critic_model import init_critic_from
     from megatron_credit.trainer.warmup import run_warmup
 
@@ -153,7 +150,7 @@ def restore(run: Run, *, log, timings: dict[str, float]) -> int:
             log(f"resumed from {path} (iteration {start}), resharded from {old} to {layout}")
     elif recipe.warmup.steps:
         t0 = time.perf_counter()
-        cached = run_warmup(actor, run.task, run.tokenizer, recipe=recipe, dp_rank=ps.get_data_parallel_rank(),
+        cached = run_warmup(actor, run.task, run.tokenizer, recipe=recipe, dp_rank=actor.dp_rank,
                             dp_size=layout["dp"], seq_multiple=ctx.seq_multiple,
                             log=log if rank0 else (lambda *_: None))
         actor.reset_reference()

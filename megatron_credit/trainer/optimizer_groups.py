@@ -7,6 +7,9 @@ parameters go in which group, and the group keys megatron's ``OptimizerParamSche
   scaled by ``optim.critic_lr / optim.lr``; a separate critic (``role="critic"``) has every group on that
   schedule.
 - Frozen parameters (a separate critic's output layer) are left out.
+
+A megatron adapter by design: ``optim.backend: megatron`` is megatron's ``get_megatron_optimizer``, so this
+file imports megatron (lazily, for that backend only); only ``actor.py`` calls it.
 """
 from __future__ import annotations
 
