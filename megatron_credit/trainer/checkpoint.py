@@ -70,7 +70,7 @@ def load_reference(actor, saved: dict[str, Any], *, path: str) -> None:
     if mine is None or os.path.abspath(mine) != os.path.abspath(saved["hf_weights"]) or \
             state_digest(actor.reference.state_dict()) != saved["sha256"]:
         raise ValueError(f"--resume {path}: the reference model was saved as the HF weights of "
-                         f"{saved['hf_weights']!r}, and model.name_or_path ({actor.recipe.model.name_or_path!r}) "
+                         f"{saved['hf_weights']!r}, and model.name_or_path ({actor.model_path!r}) "
                          "does not hold those weights now (changed or another folder)")
 
 
@@ -188,7 +188,7 @@ def save(run_dir: str, step: int, actor, extras: dict[str, Any], *, layout: dict
         _barrier()
         if rank == 0:
             with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-                meta = {"step": step, "layout": layout, **_optimizer_meta(actor), "critic_lr": actor.recipe.optim.critic_lr}
+                meta = {"step": step, "layout": layout, **_optimizer_meta(actor), "critic_lr": actor.optim.critic_lr}
                 if critic is not None:
                     meta["critic"] = _optimizer_meta(critic)
                 json.dump(meta, f)
@@ -324,13 +324,13 @@ def _check_schedule(path: str, meta: dict[str, Any], actor, *, critic=None) -> N
     """``optim.resume_schedule: strict``: the recipe's lr schedule must be the checkpoint's (one error
     naming every field that differs), before anything is loaded."""
     saved = meta.get("opt_param_scheduler")
-    if saved is None or actor.recipe.optim.resume_schedule != "strict":
+    if saved is None or actor.optim.resume_schedule != "strict":
         return
     mine = actor.scheduler.state_dict()
     constant = "constant" in (mine["lr_decay_style"], saved["lr_decay_style"])  # decay steps: not the recipe's then
     keys = [k for k in SCHEDULE_FIELDS if not (k == "lr_decay_steps" and constant)]
     diff = [f"{SCHEDULE_FIELDS[k]}: checkpoint {saved[k]!r}, recipe {mine[k]!r}" for k in keys if saved[k] != mine[k]]
-    critic_lr = actor.recipe.optim.critic_lr
+    critic_lr = actor.optim.critic_lr
     if (getattr(actor, "with_critic", False) or critic is not None) and meta.get("critic_lr", critic_lr) != critic_lr:
         diff.append(f"optim.critic_lr: checkpoint {meta['critic_lr']!r}, recipe {critic_lr!r}")
     if diff:

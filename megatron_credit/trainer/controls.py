@@ -40,24 +40,25 @@ class StepKnobs:
     """CompPO's phase (``stable`` when the controller is off)."""
 
 
-def base_knobs(recipe, params) -> StepKnobs:
-    """The recipe's own settings."""
-    return StepKnobs(params=params, kl_coef=recipe.algorithm.kl_coef, clip_grad=recipe.optim.clip_grad,
-                     epochs=recipe.train.epochs)
+def base_knobs(params, *, kl_coef: float, clip_grad: float, epochs: int) -> StepKnobs:
+    """The recipe's own settings (``algorithm.kl_coef``, ``optim.clip_grad``, ``train.epochs``, given by
+    ``trainer.loop.build``)."""
+    return StepKnobs(params=params, kl_coef=kl_coef, clip_grad=clip_grad, epochs=epochs)
 
 
-def phase_knobs(recipe, params, phase: str) -> StepKnobs:
-    """The knobs of ``phase``: every setting of the phase table scaled by its ratio to the stable row."""
+def phase_knobs(base: StepKnobs, phase: str) -> StepKnobs:
+    """The knobs of ``phase``: every setting of the phase table scaled by its ratio to the stable row,
+    from ``base`` (the recipe's own: :func:`base_knobs`)."""
     from megatron_credit.credit.phase import PHASE_TABLE
 
-    s, base = PHASE_TABLE[phase], PHASE_TABLE["stable"]
-    ratio = lambda field: getattr(s, field) / getattr(base, field)  # noqa: E731
-    moved = params.scaled_for_phase(clip=ratio("clip"), value_clip=ratio("value_clip"), adv_clip=ratio("adv_clip"))
-    b = base_knobs(recipe, params)
-    return StepKnobs(params=moved, kl_coef=b.kl_coef * ratio("kl_coef"),
-                     lr_scale=ratio("actor_lr"), critic_lr_scale=s.critic_lr_mult / base.critic_lr_mult,
-                     clip_grad=b.clip_grad * ratio("grad_clip"), critic_clip_grad=b.clip_grad * ratio("grad_clip"),
-                     epochs=max(1, round(b.epochs * ratio("epochs"))), phase=phase)
+    s, stable = PHASE_TABLE[phase], PHASE_TABLE["stable"]
+    ratio = lambda field: getattr(s, field) / getattr(stable, field)  # noqa: E731
+    moved = base.params.scaled_for_phase(clip=ratio("clip"), value_clip=ratio("value_clip"),
+                                         adv_clip=ratio("adv_clip"))
+    return StepKnobs(params=moved, kl_coef=base.kl_coef * ratio("kl_coef"),
+                     lr_scale=ratio("actor_lr"), critic_lr_scale=s.critic_lr_mult / stable.critic_lr_mult,
+                     clip_grad=base.clip_grad * ratio("grad_clip"), critic_clip_grad=base.clip_grad * ratio("grad_clip"),
+                     epochs=max(1, round(base.epochs * ratio("epochs"))), phase=phase)
 
 
 def gate_stats(kappa: torch.Tensor, mask: torch.Tensor, transport=None) -> dict[str, torch.Tensor]:
