@@ -40,7 +40,7 @@ def main() -> None:
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.batch import TrainBatch
     from megatron_credit.trainer.controls import actor_options
-    from megatron_credit.trainer.loop import Context, seq_multiple
+    from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
     from megatron_credit.trainer.metrics import StatSums
 
     arch = dict(model_type="qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
@@ -58,11 +58,11 @@ def main() -> None:
         if not ctxs:
             device = distributed.initialize(recipe.parallel, seed=0)
         spec, params = recipe.algorithm.spec_and_params()
-        actor = Actor(hf_config=recipe.model.hf_config(), recipe=recipe, device=device,
+        actor = Actor(hf_config=recipe.model.hf_config(), **actor_settings(recipe), device=device,
                       with_reference=False,
                       **actor_options(spec, params, recipe.model.hf_config(), dtype=torch.float32))
         actor.load_initial_weights(seed=0)
-        ctxs[name] = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=None, pad_id=0,
+        ctxs[name] = Context(**context_settings(recipe, params), spec=spec, params=params, actor=actor, rollouts=None, pad_id=0,
                              seq_multiple=seq_multiple(recipe.parallel))
     g = torch.Generator().manual_seed(0)
     b, t = args.rows, args.seq

@@ -51,6 +51,11 @@ class AlgorithmParams:
         """The critic kind (a name in ``algorithms.CRITIC_KINDS``) of a critic algorithm; None: ``trunk``."""
         return None
 
+    def phase_control(self) -> Optional[PhaseThresholds]:
+        """The thresholds of the phase controller (``credit.phase``) when this algorithm runs one between
+        iterations; None: no controller."""
+        return None
+
     def scaled_for_phase(self, *, clip: float, value_clip: float, adv_clip: float):
         """These parameters with the clip ranges (``clip_eps``, ``clip_low``, ``clip_high``), ``value_clip``
         and ``adv_clip``, where this algorithm has them (and they are set), multiplied by the ratios of a
@@ -285,6 +290,9 @@ class CompPOFields(AlgorithmParams):
 
     def critic_name(self) -> Optional[str]:
         return self.critic
+
+    def phase_control(self) -> Optional[PhaseThresholds]:
+        return self.phase_thresholds if self.phase_controller else None
 
 
 @dataclass(frozen=True, kw_only=True)

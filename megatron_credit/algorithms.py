@@ -27,8 +27,10 @@ from megatron_credit.algorithm_params import (CRITICS, PPO_CRITICS, AdvantagePos
                                               PPOParams)
 from megatron_credit.credit import group
 from megatron_credit.critic_kinds import CRITIC_KINDS, CriticKind
+from megatron_credit.gate_controls import GateControl
 from megatron_credit.credit.future_kl import FIPO_DUAL_CLIP_C
 from megatron_credit.credit.gae import comp_gae, gae
+from megatron_credit.credit.phase import PhaseController
 from megatron_credit.losses import policy, value
 from megatron_credit.losses.kl import KL_ESTIMATORS, kl_k1, kl_k3, kl_low_var  # noqa: F401  (re-exported)
 from megatron_credit.metric_tables import CRITIC, FIPO, GATES, MetricTable
@@ -222,6 +224,24 @@ class AlgorithmSpec:
 
         return {"capture_sink_keys": params.gate_sink_keys, "capture_top_k": 0,
                 "gate_fn": functools.partial(comppo_gate, k_lo=params.k_lo, k_hi=params.k_hi, tau=params.gate_tau)}
+
+    def gate_control(self, params: Any, *, seed: int, dp_rank: int, dp_group: Any = None) -> Optional[GateControl]:
+        """The transport-gate control of a gated algorithm (``gate_controls``: the one its parameters name,
+        seeded by the run's ``seed`` and this ``dp_rank``), or None for others."""
+        return GateControl(params, seed=seed, dp_rank=dp_rank, dp_group=dp_group) if self.needs_gates else None
+
+    def phase_controller(self, params: AlgorithmParams) -> Optional[PhaseController]:
+        """The phase controller (``credit.phase``) its parameters ask for between iterations, or None."""
+        thresholds = params.phase_control()
+        return None if thresholds is None else PhaseController(thresholds)
+
+    def critic_stats(self, values, returns, mask, params: AlgorithmParams) -> dict:
+        """The ``sum:`` diagnostics of this algorithm's critic kind (``CriticKind.diagnostics``) for
+        ``values, returns, mask: [B, T]`` after the advantages; {} without a critic or diagnostics."""
+        kind = self.critic_kind(params)
+        if kind is None or kind.diagnostics is None:
+            return {}
+        return kind.diagnostics(values, returns, mask, params)
 
     def advantage_post(self, params: AlgorithmParams) -> AdvantagePost:
         """What happens to this algorithm's advantages before the update (critic warm-up, whitening, clip)."""

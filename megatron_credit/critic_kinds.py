@@ -29,6 +29,10 @@ class CriticKind:
     actor_options: Optional[Callable[..., dict]] = None
     """``fn(params, hf_config, *, dtype, pp_size) -> Actor keywords`` of a critic on the actor's detached
     features (``critic_factory``, ``critic_layers``, ``capture_top_k``); None: the Actor's default head."""
+    diagnostics: Optional[Callable[..., dict]] = None
+    """``fn(values, returns, mask, params) -> {"sum:...": tensor}``: this kind's diagnostics of the
+    iteration's values against its returns (``values, returns, mask: [B, T]``), added to the step's
+    statistics after the advantages; None: none."""
 
 
 def _tac(params: Any, hf_config, *, dtype, pp_size: int) -> dict:
@@ -48,11 +52,24 @@ def _standard(params: Any, hf_config, *, dtype, pp_size: int) -> dict:
     return {"critic_factory": factory, "critic_layers": 1, "capture_top_k": 0}
 
 
+def _feature_diagnostics(values, returns, mask, params: Any) -> dict:
+    """A feature critic's rank-local ``critic/{spearman,value_mae,clamp_frac}`` (averaged over ranks);
+    its explained variance comes from global sums in the update (``critic/explained_var``)."""
+    import torch
+
+    from megatron_credit.models.critic import critic_diagnostics
+
+    d = critic_diagnostics(values, returns, mask, value_clamp=params.value_clamp)
+    out = {f"sum:rank_avg/critic/{k}": v for k, v in d.items() if k != "explained_var"}
+    out["sum:rank_avg_count"] = torch.tensor(1.0)
+    return out
+
+
 CRITIC_KINDS: Registry[CriticKind] = Registry("critic kind")
 CRITIC_KINDS.add("trunk", CriticKind())
 CRITIC_KINDS.add("separate", CriticKind(separate_model=True))
-CRITIC_KINDS.add("tac", CriticKind(actor_options=_tac))
-CRITIC_KINDS.add("standard", CriticKind(actor_options=_standard))
+CRITIC_KINDS.add("tac", CriticKind(actor_options=_tac, diagnostics=_feature_diagnostics))
+CRITIC_KINDS.add("standard", CriticKind(actor_options=_standard, diagnostics=_feature_diagnostics))
 
 
 def check_critic(name: str, accepted: tuple[str, ...]) -> None:

@@ -88,3 +88,23 @@ class PositionGates(GateControlBase):
                 self.schedule.freeze()
             return torch.where(mask.bool(), kappa, 0.0)
         return self.schedule.gates(mask)
+
+
+class GateControl:
+    """Comp-GAE's transport from the behaviour pass's dynamic gate ``kappa``: the gate control the
+    algorithm's parameters name (``params.gate_control_settings()``: a name in :data:`GATE_CONTROLS` and
+    its keywords), whose state travels in checkpoints. ``AlgorithmSpec.gate_control`` builds it."""
+
+    def __init__(self, params, *, seed: int, dp_rank: int, dp_group=None):
+        name, kwargs = params.gate_control_settings()
+        self.control = GATE_CONTROLS.get(name)(**kwargs, seed=seed, dp_rank=dp_rank, dp_group=dp_group)
+
+    def gates(self, kappa: torch.Tensor, mask: torch.Tensor, *, iteration: int) -> torch.Tensor:
+        """``[B, T]`` transport gates for ``kappa, mask: [B, T]``."""
+        return self.control.gates(kappa, mask, iteration=iteration)
+
+    def state_dict(self) -> dict:
+        return self.control.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.control.load_state_dict(state)

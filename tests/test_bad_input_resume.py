@@ -288,7 +288,7 @@ def _all_steps_skipped():
 
     def skipped(ctx, it):
         metrics = original(ctx, it)
-        metrics["actor/skipped_steps"] = float(ctx.recipe.train.num_minibatches)
+        metrics["actor/skipped_steps"] = float(ctx.train.num_minibatches)
         return metrics
 
     originals = step.rl_iteration, checkpoint.save

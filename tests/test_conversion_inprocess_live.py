@@ -386,7 +386,9 @@ def _trainer_run(root, params_dtype: str):
     hf = _unique_hf_state(cfg)
     device = distributed.initialize(recipe.parallel, seed=0)
     try:
-        actor = Actor(hf_config=cfg, recipe=recipe, device=device, with_critic=True, with_reference=False)
+        from megatron_credit.trainer.loop import actor_settings
+
+        actor = Actor(hf_config=cfg, **actor_settings(recipe), device=device, with_critic=True, with_reference=False)
         local = {k: v for k, v in actor.model.state_dict(keep_vars=True).items() if not k.startswith("value_head.")}
         load_hf_into_local_state(local, hf.__getitem__, family_for_config(cfg), cfg, tp_rank=0, tp_size=1,
                                  layer_offset=0)

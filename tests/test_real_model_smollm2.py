@@ -194,7 +194,7 @@ def _behaviour_logp(folder: str, ids: torch.Tensor, prompt_len: int, tp: int):
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.batch import TrainBatch
     from megatron_credit.trainer.controls import actor_options
-    from megatron_credit.trainer.loop import Context, seq_multiple
+    from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
 
     recipe = recipe_from_dict({"model": {"name_or_path": folder, "params_dtype": "float32"},
                                "parallel": {"tensor_model_parallel_size": tp},
@@ -205,10 +205,10 @@ def _behaviour_logp(folder: str, ids: torch.Tensor, prompt_len: int, tp: int):
     try:
         hf = recipe.model.hf_config()
         spec, params = recipe.algorithm.spec_and_params()
-        actor = Actor(hf_config=hf, recipe=recipe, device=device, with_reference=False,
+        actor = Actor(hf_config=hf, **actor_settings(recipe), device=device, with_reference=False,
                       **actor_options(spec, params, hf, dtype=torch.float32, pp_size=1))
         assert actor.load_initial_weights(seed=0).startswith("HF weights")
-        ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=None, pad_id=hf.pad_token_id,
+        ctx = Context(**context_settings(recipe, params), spec=spec, params=params, actor=actor, rollouts=None, pad_id=hf.pad_token_id,
                       seq_multiple=seq_multiple(recipe.parallel))
         b, s = ids.shape
         labels = torch.cat([ids[:, 1:], torch.full((b, 1), hf.pad_token_id)], dim=1)

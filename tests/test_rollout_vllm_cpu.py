@@ -173,7 +173,7 @@ def test_from_recipe_then_close():
                          overrides=["rollout.engine=vllm", f"rollout.engine_options.engine_kwargs.kv_cache_memory_bytes={KV_CACHE}"])
     cfg = recipe.model.hf_config()
     # An inline architecture: vLLM gets a temporary config.json, dummy weights, the actor's dtype.
-    eng = VLLMRolloutEngine.from_recipe(recipe, hf_config=cfg, options=recipe.rollout.engine_options)
+    eng = VLLMRolloutEngine.from_config(recipe.rollout, recipe.model, seed=recipe.seed, hf_config=cfg)
     folder = eng._config_dir.name
     assert os.path.isfile(os.path.join(folder, "config.json")) and eng.max_model_len == 64
     with pytest.raises(RuntimeError, match="no valid weights"):

@@ -60,7 +60,7 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
     from megatron_credit.config import recipe_from_dict
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
-    from megatron_credit.trainer.loop import Context, seq_multiple
+    from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
     from megatron_credit.trainer.metrics import StatSums
 
     recipe = recipe_from_dict({"model": {"architecture": ARCH}, "parallel": parallel,
@@ -75,16 +75,16 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
         spec, params = recipe.algorithm.spec_and_params()
         from megatron_credit.trainer.controls import actor_options
 
-        actor = Actor(hf_config=hf, recipe=recipe, device=device, with_reference=False,
+        actor = Actor(hf_config=hf, **actor_settings(recipe), device=device, with_reference=False,
                       **actor_options(spec, params, hf, dtype=torch.float32,
                                       pp_size=recipe.parallel.pipeline_model_parallel_size))
         from megatron_credit.trainer.critic_model import build_separate_critic, init_critic_from
 
-        critic = build_separate_critic(recipe, hf, spec, params, device=device)
+        critic = build_separate_critic(hf, spec, params, device=device, **actor_settings(recipe))
         actor.load_initial_weights(seed=1234)
         if critic is not None:
             init_critic_from(critic, actor)
-        ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=None, pad_id=0,
+        ctx = Context(**context_settings(recipe, params), spec=spec, params=params, actor=actor, rollouts=None, pad_id=0,
                       seq_multiple=seq_multiple(recipe.parallel), critic=critic)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         # Mini-batch i of the global batch = rows [8i, 8i + 8): each DP rank takes its share of each
@@ -282,7 +282,7 @@ def _overlap_is_real(parallel: dict):
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.controls import actor_options
-    from megatron_credit.trainer.loop import Context, seq_multiple
+    from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
     from megatron_credit.trainer.metrics import StatSums
 
     recipe = recipe_from_dict({"model": {"architecture": ARCH}, "parallel": parallel, "algorithm": {"name": "ppo"},
@@ -294,10 +294,10 @@ def _overlap_is_real(parallel: dict):
     try:
         hf = recipe.model.hf_config()
         spec, params = recipe.algorithm.spec_and_params()
-        actor = Actor(hf_config=hf, recipe=recipe, device=device, with_reference=False,
+        actor = Actor(hf_config=hf, **actor_settings(recipe), device=device, with_reference=False,
                       **actor_options(spec, params, hf, dtype=torch.float32))
         actor.load_initial_weights(seed=1234)
-        ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=None, pad_id=0,
+        ctx = Context(**context_settings(recipe, params), spec=spec, params=params, actor=actor, rollouts=None, pad_id=0,
                       seq_multiple=seq_multiple(recipe.parallel))
         import torch.distributed as dist
 

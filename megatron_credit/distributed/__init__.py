@@ -7,7 +7,8 @@ DP groups, installs the CPU shims where needed and seeds every generator. The la
 
 Three modules, one job each:
 
-- this ``__init__``: process groups, megatron ``parallel_state``, seeds, version compatibility;
+- this ``__init__``: process groups, megatron ``parallel_state`` (and the rank queries the trainer
+  makes before an actor exists), seeds and RNG states (a checkpoint's rank file), version compatibility;
 - :mod:`megatron_credit.distributed.cpu_shims`: the CPU shims megatron-core needs (and only they);
 - :mod:`megatron_credit.distributed.grads`: gradient reduction over DP x CP, TP and the embedding group.
 
@@ -27,7 +28,7 @@ import datetime
 import inspect
 import random
 import socket
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -158,6 +159,13 @@ def get_batch_on_this_cp_rank(batch: dict, *, cp_group=None) -> dict:
     return fn(batch, cp_group=cp_group)  # megatron-core 0.16 / 0.17
 
 
+def data_parallel_rank() -> int:
+    """This rank's data-parallel rank (megatron's groups, after :func:`initialize`)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank()
+
+
 def destroy(*, process_group: bool = False) -> None:
     """Tear down megatron's groups (and the default process group when ``process_group``).
 
@@ -226,3 +234,32 @@ def cpu_rng_stream_seeds(seed: int, *, tp_rank: int) -> dict[str, int]:
     return {mrandom._DATA_PARALLEL_RNG_TRACKER_NAME: seed,
             mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME: seed + _TP_SEED_OFFSET + tp_rank,
             mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME: seed + _EP_SEED_OFFSET + tp_rank}
+
+
+def rng_state() -> dict[str, Any]:
+    """This rank's RNG states (torch, python, megatron's RNG tracker, CUDA when present): what a
+    checkpoint's rank file keeps, so a resumed run draws what the uninterrupted one would have."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    state = {"torch": torch.get_rng_state(), "python": list(_py_state()),
+             "tracker": mrandom.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _py_state():
+    version, internal, gauss = random.getstate()
+    return version, list(internal), gauss
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    mrandom.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

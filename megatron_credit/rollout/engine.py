@@ -56,13 +56,15 @@ ROLLOUT_ENGINES: Registry[Any] = Registry("rollout engine")
 """Engine name -> constructor (a class or factory taking keyword arguments)."""
 
 
-def build_rollout_engine_for_recipe(recipe, *, hf_config, device) -> RolloutEngine:
-    """The engine a trainer recipe names (``rollout.engine``), built by the engine's ``from_recipe``;
+def build_trainer_engine(rollout, model, *, seed: int, hf_config, device) -> RolloutEngine:
+    """The engine the recipe's ``rollout`` section names (``rollout.engine``, with its
+    ``rollout.engine_options``), built by the engine's ``from_config`` for the recipe's ``model`` section
+    (the actor's dtype, path, context / RoPE overrides) and ``hf_config``; ``seed``: the run's;
     ``device``: this rank's (``distributed.initialize``'s), where an in-process engine runs."""
     import megatron_credit.rollout  # noqa: F401  (registers the built-in engines)
 
-    return ROLLOUT_ENGINES.get(recipe.rollout.engine).from_recipe(
-        recipe, hf_config=hf_config, options=recipe.rollout.engine_options, device=device)
+    return ROLLOUT_ENGINES.get(rollout.engine).from_config(rollout, model, seed=seed, hf_config=hf_config,
+                                                           device=device)
 
 
 def build_rollout_engine(name: str, **kwargs: Any) -> RolloutEngine:

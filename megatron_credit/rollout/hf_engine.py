@@ -246,12 +246,13 @@ class HFRolloutEngine:
     # -- weights and memory -------------------------------------------------------------------------
 
     @classmethod
-    def from_recipe(cls, recipe, *, hf_config, device, options=None) -> "HFRolloutEngine":
-        """The trainer's engine: the recipe's model config (weights come by sync), on ``device`` (the
-        actor's: this rank's GPU when it has one), in the actor's dtype; ``options``
-        (``rollout.engine_options``) override."""
-        kwargs = {"hf_config": hf_config, "device": device, "dtype": recipe.model.torch_dtype(),
-                  "max_batch_size": recipe.rollout.max_batch_size, **dict(options or {})}
+    def from_config(cls, rollout, model, *, seed: int, hf_config, device) -> "HFRolloutEngine":
+        """The trainer's engine for the recipe's ``rollout`` and ``model`` sections: ``hf_config`` (weights
+        come by sync), on ``device`` (the actor's: this rank's GPU when it has one), in the actor's dtype
+        (``model.dtype``), ``rollout.max_batch_size``; ``rollout.engine_options`` override. ``seed`` is not
+        used (sampling seeds come with each request)."""
+        kwargs = {"hf_config": hf_config, "device": device, "dtype": model.torch_dtype(),
+                  "max_batch_size": rollout.max_batch_size, **dict(rollout.engine_options or {})}
         return cls(**kwargs)
 
     def update_weights(self, buckets: WeightBuckets, *, strict: bool = True) -> int:

@@ -198,7 +198,7 @@ class VLLMRolloutEngine:
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         engine_kwargs = dict(engine_kwargs or {})
-        self._config_dir = None  # from_recipe's temporary config.json folder
+        self._config_dir = None  # from_config's temporary config.json folder
         platform = vllm_platform(cuda=_cuda_available(), gpu_memory_utilization=gpu_memory_utilization)
         weight_transfer, v1_multiprocessing = resolve_transfer(platform, weight_transfer, v1_multiprocessing,
                                                                os.environ)
@@ -306,11 +306,11 @@ class VLLMRolloutEngine:
         return RolloutBatch(samples=samples, wall_s=wall)
 
     @classmethod
-    def from_recipe(cls, recipe, *, hf_config, device=None, options=None) -> "VLLMRolloutEngine":
-        """The trainer's engine: the recipe's model config, the actor's dtype, the recipe's context / RoPE
-        overrides and seed; ``device`` is not used (vLLM places its workers itself). ``options``
-        (``rollout.engine_options``: tensor_parallel_size, gpu_memory_utilization, weight_transfer,
-        engine_kwargs, ...) override.
+    def from_config(cls, rollout, model, *, seed: int, hf_config, device=None) -> "VLLMRolloutEngine":
+        """The trainer's engine for the recipe's ``rollout`` and ``model`` sections: the model's config,
+        the actor's dtype, the model's context / RoPE overrides, the run's ``seed``; ``device`` is not used
+        (vLLM places its workers itself). ``rollout.engine_options`` (tensor_parallel_size,
+        gpu_memory_utilization, weight_transfer, engine_kwargs, ...) override.
 
         The trainer syncs the actor's weights before the first ``generate``, so nothing is read from disk
         (``load_format="dummy"``) and vLLM needs only a ``config.json``: that of ``model.name_or_path``, or,
@@ -320,15 +320,15 @@ class VLLMRolloutEngine:
         import tempfile
 
         tmp = None
-        path = recipe.model.name_or_path
+        path = model.name_or_path
         if not path:
             tmp = tempfile.TemporaryDirectory(prefix="mc-vllm-config-")
             hf_config.to_json_file(os.path.join(tmp.name, "config.json"))
             path = tmp.name
-        kwargs = {"model_path": path, "seed": recipe.seed, "load_format": "dummy",
-                  "dtype": str(recipe.model.torch_dtype()).removeprefix("torch."),
-                  "max_position_embeddings": recipe.model.max_position_embeddings,
-                  "rope_theta": recipe.model.rope_theta, **dict(options or {})}
+        kwargs = {"model_path": path, "seed": seed, "load_format": "dummy",
+                  "dtype": str(model.torch_dtype()).removeprefix("torch."),
+                  "max_position_embeddings": model.max_position_embeddings,
+                  "rope_theta": model.rope_theta, **dict(rollout.engine_options or {})}
         try:
             engine = cls(**kwargs)
         except BaseException:
@@ -450,7 +450,7 @@ class VLLMRolloutEngine:
         self._state = "awake"
 
     def close(self) -> None:
-        """Shut the engine down (its processes, its memory, ``from_recipe``'s temporary folder); afterwards
+        """Shut the engine down (its processes, its memory, ``from_config``'s temporary folder); afterwards
         every call but ``close`` raises RuntimeError."""
         if self._llm is None:
             return

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,10 @@ from megatron_credit.distributed.grads import grad_of
 from megatron_credit.trainer.schedule import build_scheduler, critic_schedule, set_lrs
 from megatron_credit.trainer.optimizer import MasterWeightsAdamW
 from megatron_credit.trainer.batch import MicroBatch
+
+if TYPE_CHECKING:
+    from megatron_credit.config import ModelConfig, ParallelConfig
+    from megatron_credit.training_config import OptimConfig
 
 LossFn = Callable[[MicroBatch, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], dict],
                   tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -71,11 +75,18 @@ class Actor:
     """This rank's stage of the policy (and value head), its optimizer, and the schedules; with
     ``role="critic"``, of a separate value model (PPO's ``algorithm.params.critic: separate``)."""
 
-    def __init__(self, *, hf_config, recipe, device: torch.device, with_critic: bool, with_reference: bool,
+    def __init__(self, *, hf_config, model: ModelConfig, parallel: ParallelConfig, optim: OptimConfig,
+                 device: torch.device, with_critic: bool, with_reference: bool, seed: int,
+                 temperature: float = 1.0, recompute: Optional[str] = None, logprob_chunk_size: int = 1024,
                  critic_factory: Optional[Callable[[], torch.nn.Module]] = None, capture_top_k: Optional[int] = None,
                  gate_fn: Optional[Callable] = None, critic_layers: int = 1, role: str = "policy",
                  capture_sink_keys: int = 0):
-        """``critic_factory``: builds the value head of the last stage (default: a zero-initialised linear
+        """The recipe's ``model``, ``parallel`` and ``optim`` sections, and the few values of others the
+        actor reads (``trainer.loop.actor_settings`` unpacks them): ``seed`` (a feature critic's
+        initialisation), ``temperature`` (``rollout.temperature``: the log-probs are those of the sampling
+        distribution), ``recompute`` and ``logprob_chunk_size`` (``train.*``).
+
+        ``critic_factory``: builds the value head of the last stage (default: a zero-initialised linear
         head on the actor's trunk, PPO). A factory's module (CompPO's critics) reads detached actor
         features: ``(layers, history, topk_idx, topk_w, kappa)``, the last ``critic_layers`` layers'
         outputs among them. ``capture_top_k`` (CompPO): build the final layer with the attention capture
@@ -100,25 +111,26 @@ class Actor:
 
         from megatron_credit.models import build_gpt_model, transformer_config_from_hf
 
-        self.recipe, self.hf_config = recipe, hf_config
+        self.hf_config, self.optim, self.model_path = hf_config, optim, model.name_or_path
+        self.temperature, self.logprob_chunk_size = temperature, logprob_chunk_size
         self.device = torch.device(device)
         self.ps = ps
         import os
 
-        path = recipe.model.name_or_path
+        path = model.name_or_path
         # Weights come from a checkpoint: skip megatron's random init (minutes per rank at 32B);
         # build_gpt_model then sets the TP attributes init would have set.
         self.from_checkpoint = bool(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
         overrides = dict(calculate_per_token_loss=True)
         if self.from_checkpoint:
             overrides["perform_initialization"] = False
-        if recipe.train.recompute == "full":
+        if recompute == "full":
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        elif recipe.train.recompute == "selective":
+        elif recompute == "selective":
             overrides.update(recompute_granularity="selective")
-        self.config = transformer_config_from_hf(hf_config, parallel=recipe.parallel,
-                                                 params_dtype=recipe.model.torch_dtype(), **overrides)
-        te = recipe.model.use_transformer_engine()
+        self.config = transformer_config_from_hf(hf_config, parallel=parallel,
+                                                 params_dtype=model.torch_dtype(), **overrides)
+        te = model.use_transformer_engine()
         self.capture_top_k, self.gate_fn, self.capture_sink_keys = capture_top_k, gate_fn, capture_sink_keys
         self.model = build_gpt_model(hf_config, self.config, use_transformer_engine=te,
                                      capture_final_attention=capture_top_k is not None).to(self.device)
@@ -133,11 +145,11 @@ class Actor:
                 # Seeded on its own: the same critic whatever RNG draws this stage's layers consumed, so
                 # every layout (and every TP rank) starts from the same critic.
                 with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(recipe.seed)
+                    torch.manual_seed(seed)
                     head = critic_factory()
                 self._hook_layer_outputs(critic_layers - 1)
             else:
-                head = torch.nn.Linear(hf_config.hidden_size, 1, dtype=recipe.model.torch_dtype())
+                head = torch.nn.Linear(hf_config.hidden_size, 1, dtype=model.torch_dtype())
                 torch.nn.init.zeros_(head.weight)  # zero-initialised: V = 0 until the critic learns
                 torch.nn.init.zeros_(head.bias)
             self.model.value_head = head.to(self.device)
@@ -145,7 +157,7 @@ class Actor:
             self.model.output_layer.weight.requires_grad_(False)
         from megatron_credit.distributed.grads import wrap_ddp
 
-        o = recipe.optim
+        o = optim
         self.megatron_optimizer = o.backend == "megatron"
         if self.megatron_optimizer and self.feature_critic:
             raise ValueError("optim.backend: megatron clips all parameters together, but this algorithm's critic "
@@ -167,6 +179,8 @@ class Actor:
         self.cp_size, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         self.tp_size, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()  # global rank of this pipeline's last stage
+        self.dp_rank = ps.get_data_parallel_rank()
         self.optimizer = self._build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, o)
         # last_lr reports the policy's lr, or a separate critic's own
@@ -205,7 +219,7 @@ class Actor:
         (default ``optim.weight_decay``): the supervised warm-up builds a second one without decay."""
         from megatron_credit.trainer.optimizer_groups import build_optimizer
 
-        wd = self.recipe.optim.weight_decay if weight_decay is None else weight_decay
+        wd = self.optim.weight_decay if weight_decay is None else weight_decay
         return build_optimizer(self, weight_decay=wd)
 
     def build_optimizer(self, *, weight_decay: float):
@@ -243,8 +257,7 @@ class Actor:
             shapes = {(mb.num_rows, mb.seq_len) for mb in microbatches}
             assert len(shapes) == 1, f"PP needs one micro-batch shape, got {shapes}"
         sp = self.config.sequence_parallel
-        temperature = self.recipe.rollout.temperature
-        chunk = self.recipe.train.logprob_chunk_size
+        temperature, chunk = self.temperature, self.logprob_chunk_size
 
         def loss_func(mb: MicroBatch, hidden: torch.Tensor):
             from megatron_credit.losses.logprob import logprobs_from_hidden
@@ -382,13 +395,13 @@ class Actor:
         if not isinstance(self.optimizer, MasterWeightsAdamW):
             if critic_lr_scale != 1.0:  # the phase controller's critic knob: CompPO's, refused with this backend
                 raise ValueError("optim.backend: megatron has no separate critic learning rate to scale")
-            policy_lr = set_lrs(self.optimizer, self.scheduler, self.recipe.optim, lr=lr, lr_scale=lr_scale,
+            policy_lr = set_lrs(self.optimizer, self.scheduler, self.optim, lr=lr, lr_scale=lr_scale,
                                 report_max_lr=self._report_max_lr)
             norm, ok = self._megatron_step(loss_finite=loss_finite, clip=clip)
             if ok and lr is None:
                 self.last_lr = policy_lr
             return norm, ok
-        clip = self.recipe.optim.clip_grad if clip is None else clip
+        clip = self.optim.clip_grad if clip is None else clip
         sets = self._param_sets()
         clips = [clip, clip if critic_clip is None else critic_clip][: len(sets)]
         norms = [self.global_grad_norm(ps_) for ps_ in sets]
@@ -401,7 +414,7 @@ class Actor:
                     for p in params:
                         if grad_of(p) is not None:
                             grad_of(p).mul_(coef)
-            policy_lr = set_lrs(self.optimizer, self.scheduler, self.recipe.optim, lr=lr, lr_scale=lr_scale,
+            policy_lr = set_lrs(self.optimizer, self.scheduler, self.optim, lr=lr, lr_scale=lr_scale,
                                 critic_lr_scale=critic_lr_scale, report_max_lr=self._report_max_lr)
             self.optimizer.step()
             if lr is None:  # the run's schedule (not the warm-up's constant lr)
@@ -418,7 +431,7 @@ class Actor:
         skipped when the loss or the norm is not finite, then the clip and the update."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-        opt, o = self.optimizer, self.recipe.optim
+        opt, o = self.optimizer, self.optim
         clip = o.clip_grad if clip is None else clip
         found_inf = opt.prepare_grads()
         norm = torch.tensor(float(opt.get_grad_norm()), dtype=torch.float64).to(self.device)
@@ -443,7 +456,7 @@ class Actor:
         different point of the RNG stream). Returns where the weights came from."""
         from megatron_credit.conversion import family_for_config, load_hf_into_local_state
 
-        path = self.recipe.model.name_or_path
+        path = self.model_path
         if self.from_checkpoint:
             from megatron_credit.conversion.hf_io import SafetensorsReader
 

@@ -27,46 +27,24 @@ rank files ``weights_only``, sizes checked); ``--resume auto`` falls back past a
 Resuming under the same layout is exact (same samples, same numbers). Under another layout the model and optimizer reshard exactly; sampling seeds depend on
 the data-parallel rank and the prompts are re-sharded, so the data position is carried over as the
 number of prompts consumed and the run continues on new samples.
+
+A megatron adapter by design (like ``actor.py``): the format is megatron's ``dist_checkpointing`` and the
+optimizer moments are mapped with its ``optimizer`` helpers, so this file imports megatron; the iteration
+(``loop.py``, ``step.py``, ``context.py``, ...) reaches it only through :func:`save` / :func:`load`.
 """
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from megatron_credit.distributed import rng_state, set_rng_state  # noqa: F401  (the rank files' RNG states)
 from megatron_credit.run_layout import (_DIR, CRITIC_OPTIM, MODEL_OPTIM, checkpoint_dir,  # noqa: F401
                                         complete_checkpoints)
-
-
-def rng_state() -> dict[str, Any]:
-    from megatron.core.tensor_parallel import random as mrandom
-
-    state = {"torch": torch.get_rng_state(), "python": list(_py_state()),
-             "tracker": mrandom.get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _py_state():
-    version, internal, gauss = random.getstate()
-    return version, list(internal), gauss
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    from megatron.core.tensor_parallel import random as mrandom
-
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    mrandom.get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def reference_extras(actor) -> dict[str, Any]:
@@ -92,7 +70,7 @@ def load_reference(actor, saved: dict[str, Any], *, path: str) -> None:
     if mine is None or os.path.abspath(mine) != os.path.abspath(saved["hf_weights"]) or \
             state_digest(actor.reference.state_dict()) != saved["sha256"]:
         raise ValueError(f"--resume {path}: the reference model was saved as the HF weights of "
-                         f"{saved['hf_weights']!r}, and model.name_or_path ({actor.recipe.model.name_or_path!r}) "
+                         f"{saved['hf_weights']!r}, and model.name_or_path ({actor.model_path!r}) "
                          "does not hold those weights now (changed or another folder)")
 
 
@@ -210,7 +188,7 @@ def save(run_dir: str, step: int, actor, extras: dict[str, Any], *, layout: dict
         _barrier()
         if rank == 0:
             with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-                meta = {"step": step, "layout": layout, **_optimizer_meta(actor), "critic_lr": actor.recipe.optim.critic_lr}
+                meta = {"step": step, "layout": layout, **_optimizer_meta(actor), "critic_lr": actor.optim.critic_lr}
                 if critic is not None:
                     meta["critic"] = _optimizer_meta(critic)
                 json.dump(meta, f)
@@ -346,13 +324,13 @@ def _check_schedule(path: str, meta: dict[str, Any], actor, *, critic=None) -> N
     """``optim.resume_schedule: strict``: the recipe's lr schedule must be the checkpoint's (one error
     naming every field that differs), before anything is loaded."""
     saved = meta.get("opt_param_scheduler")
-    if saved is None or actor.recipe.optim.resume_schedule != "strict":
+    if saved is None or actor.optim.resume_schedule != "strict":
         return
     mine = actor.scheduler.state_dict()
     constant = "constant" in (mine["lr_decay_style"], saved["lr_decay_style"])  # decay steps: not the recipe's then
     keys = [k for k in SCHEDULE_FIELDS if not (k == "lr_decay_steps" and constant)]
     diff = [f"{SCHEDULE_FIELDS[k]}: checkpoint {saved[k]!r}, recipe {mine[k]!r}" for k in keys if saved[k] != mine[k]]
-    critic_lr = actor.recipe.optim.critic_lr
+    critic_lr = actor.optim.critic_lr
     if (getattr(actor, "with_critic", False) or critic is not None) and meta.get("critic_lr", critic_lr) != critic_lr:
         diff.append(f"optim.critic_lr: checkpoint {meta['critic_lr']!r}, recipe {critic_lr!r}")
     if diff:

@@ -15,6 +15,10 @@ Every rank checks every file, so all ranks reach the same verdict without a coll
 is one :class:`~megatron_credit.conversion.hf_io.CheckpointFormatError` naming it; ``--resume auto``
 then takes the newest checkpoint that passes and says which it skipped. The load itself still runs
 under ``weights_only_byte_items`` (a second guard, for files changed after the check).
+
+Partly a megatron adapter by design: :func:`check_request` compares the model's tensors with the
+checkpoint's through megatron's sharded state dict (``dist_checkpointing.mapping``, imported there only);
+the rest is the standard library and torch.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""What one RL iteration reads (``trainer/step.py`` takes a :class:`Context`): the recipe, the algorithm,
-the models, the rollout manager, the knobs in force, CompPO's controls, and the few collectives the
-iteration needs (CP gather, DP whitening, the finite-loss vote, the metric reduction). ``trainer/loop.py``
-builds it once per launch.
+"""What one RL iteration reads (``trainer/step.py`` takes a :class:`Context`): the recipe sections it
+reads, the algorithm, the models, the rollout manager, the knobs in force, the algorithm's controls (gate
+control, phase controller), and the few collectives the iteration needs (CP gather, DP whitening, the
+finite-loss vote, the metric reduction). ``trainer/loop.py`` builds it once per launch. No megatron import:
+the process groups and ranks come from the actor.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from megatron_credit.trainer.metrics import StatSums, finalize
 if TYPE_CHECKING:  # annotations only: nothing of these is imported at run time here
     from megatron_credit.algorithm_params import AlgorithmParams
     from megatron_credit.algorithms import AlgorithmSpec
-    from megatron_credit.config import Recipe
+    from megatron_credit.training_config import AlgorithmConfig, TrainConfig
     from megatron_credit.credit.phase import PhaseController
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.rollout import RolloutManager
@@ -43,10 +44,9 @@ class PhaseTimer:
 
 @dataclasses.dataclass
 class Context:
-    """What one iteration needs (``step.py`` reads these; it never imports megatron)."""
+    """What one iteration needs (``step.py`` reads these; it never imports megatron). No field is the whole
+    recipe: ``trainer.loop.build`` hands over the sections and values the iteration reads."""
 
-    recipe: Recipe
-    """The whole run's typed recipe (read-only)."""
     spec: AlgorithmSpec
     """The algorithm (``algorithms.ALGORITHMS``): estimator, loss, aggregation, its hooks."""
     params: AlgorithmParams
@@ -59,37 +59,48 @@ class Context:
     """The tokenizer's pad id."""
     seq_multiple: int
     """Micro-batch lengths are multiples of this (:func:`seq_multiple`)."""
+    train: TrainConfig
+    """The recipe's ``train`` section (the micro-batch plan, ``fuse_old_logprob``; read-only)."""
+    algorithm: AlgorithmConfig
+    """The recipe's ``algorithm`` section (``kl_estimator``, ``tis_cap``; read-only)."""
+    base_knobs: controls.StepKnobs
+    """The recipe's own knobs (``controls.base_knobs``); a phase's are scaled from these."""
+    norm_length: int
+    """Dr.GRPO's fixed length ``L`` of the loss denominator: ``rollout.max_response_len``."""
+    seed: int
+    """The run's seed (the gate controls draw from it)."""
     critic: Optional[Actor] = None
     """The separate value model (``trainer.critic_model``), or None (no critic, or a head on the actor)."""
     knobs: Optional[controls.StepKnobs] = None
-    """``controls.StepKnobs`` of the next iteration (the recipe's, or those of CompPO's phase)."""
+    """``controls.StepKnobs`` of the next iteration (``base_knobs``, or those of the phase in force)."""
     gate_control: Optional[controls.GateControl] = None
-    """``controls.GateControl`` (gated algorithms only)."""
+    """The transport-gate control of a gated algorithm (``spec.gate_control``), else None."""
     phase: Optional[PhaseController] = None
-    """``credit.phase.PhaseController`` when ``algorithm.params.phase_controller`` is on."""
+    """The phase controller the algorithm's parameters ask for (``spec.phase_controller``), or None."""
     timer: PhaseTimer = dataclasses.field(default_factory=PhaseTimer)
 
     def __post_init__(self) -> None:
         if self.knobs is None:
-            self.knobs = controls.base_knobs(self.recipe, self.params)
-        if self.spec.needs_gates and self.gate_control is None:
-            group = self.actor.dp_group
-            self.gate_control = controls.GateControl(self.params, seed=self.recipe.seed,
-                                                     dp_rank=dist.get_rank(group), dp_group=group)
-            if self.params.phase_controller:
-                from megatron_credit.credit.phase import PhaseController
-
-                self.phase = PhaseController(self.params.phase_thresholds)
+            self.knobs = self.base_knobs
+        group = self.actor.dp_group
+        if self.gate_control is None:
+            self.gate_control = self.spec.gate_control(self.params, seed=self.seed, dp_rank=dist.get_rank(group),
+                                                        dp_group=group)
+        if self.phase is None:
+            self.phase = self.spec.phase_controller(self.params)
 
     def advance_phase(self, metrics: dict[str, float]) -> dict[str, float]:
         """Feed the iteration's metrics to the phase controller; the next iteration runs with the knobs
         of the phase it returns. Returns the metrics to log (``phase/level``: 0 stable ... 3 hard-stop)."""
         from megatron_credit.credit.phase import PHASES
-        from megatron_credit.trainer.controls import phase_knobs
 
         phase = self.phase.step(metrics)
-        self.knobs = phase_knobs(self.recipe, self.params, phase)
+        self.knobs = controls.phase_knobs(self.base_knobs, phase)
         return {"phase/level": float(PHASES.index(phase))}
+
+    def set_phase(self, phase: str) -> None:
+        """The knobs of ``phase`` from the next iteration on (a resumed run's phase)."""
+        self.knobs = controls.phase_knobs(self.base_knobs, phase)
 
     def check_length(self, length: int) -> None:
         from megatron_credit.models import check_sequence_length
@@ -120,12 +131,10 @@ class Context:
 
     def reduce_stats(self, stats: StatSums) -> dict[str, float]:
         """Sum over DP x CP on the last stage, then hand the result to the pipeline's first stage."""
-        from megatron.core import parallel_state as ps
-
         stats.all_reduce(self.actor.dp_cp_group, device=self.actor.device)
         if self.actor.pp_size > 1:
             box = [stats.values]
-            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+            dist.broadcast_object_list(box, src=self.actor.pp_last_rank,
                                        group=self.actor.pp_group, device=self.actor.device)
             stats.values = box[0]
         return finalize(stats, self.spec.metrics)

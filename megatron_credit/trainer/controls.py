@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_credit.gate_controls import GateControl  # noqa: F401  (re-exported: the trainer's type of ctx.gate_control)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepKnobs:
@@ -38,46 +40,25 @@ class StepKnobs:
     """CompPO's phase (``stable`` when the controller is off)."""
 
 
-def base_knobs(recipe, params) -> StepKnobs:
-    """The recipe's own settings."""
-    return StepKnobs(params=params, kl_coef=recipe.algorithm.kl_coef, clip_grad=recipe.optim.clip_grad,
-                     epochs=recipe.train.epochs)
+def base_knobs(params, *, kl_coef: float, clip_grad: float, epochs: int) -> StepKnobs:
+    """The recipe's own settings (``algorithm.kl_coef``, ``optim.clip_grad``, ``train.epochs``, given by
+    ``trainer.loop.build``)."""
+    return StepKnobs(params=params, kl_coef=kl_coef, clip_grad=clip_grad, epochs=epochs)
 
 
-def phase_knobs(recipe, params, phase: str) -> StepKnobs:
-    """The knobs of ``phase``: every setting of the phase table scaled by its ratio to the stable row."""
+def phase_knobs(base: StepKnobs, phase: str) -> StepKnobs:
+    """The knobs of ``phase``: every setting of the phase table scaled by its ratio to the stable row,
+    from ``base`` (the recipe's own: :func:`base_knobs`)."""
     from megatron_credit.credit.phase import PHASE_TABLE
 
-    s, base = PHASE_TABLE[phase], PHASE_TABLE["stable"]
-    ratio = lambda field: getattr(s, field) / getattr(base, field)  # noqa: E731
-    moved = params.scaled_for_phase(clip=ratio("clip"), value_clip=ratio("value_clip"), adv_clip=ratio("adv_clip"))
-    b = base_knobs(recipe, params)
-    return StepKnobs(params=moved, kl_coef=b.kl_coef * ratio("kl_coef"),
-                     lr_scale=ratio("actor_lr"), critic_lr_scale=s.critic_lr_mult / base.critic_lr_mult,
-                     clip_grad=b.clip_grad * ratio("grad_clip"), critic_clip_grad=b.clip_grad * ratio("grad_clip"),
-                     epochs=max(1, round(b.epochs * ratio("epochs"))), phase=phase)
-
-
-class GateControl:
-    """Comp-GAE's transport from the behaviour pass's dynamic gate ``kappa``: the algorithm's gate control
-    (``params.gate_control``, a name in ``megatron_credit.gate_controls.GATE_CONTROLS``), whose state
-    travels in checkpoints."""
-
-    def __init__(self, params, *, seed: int, dp_rank: int, dp_group=None):
-        from megatron_credit.gate_controls import GATE_CONTROLS
-
-        name, kwargs = params.gate_control_settings()
-        self.control = GATE_CONTROLS.get(name)(**kwargs, seed=seed, dp_rank=dp_rank, dp_group=dp_group)
-
-    def gates(self, kappa: torch.Tensor, mask: torch.Tensor, *, iteration: int) -> torch.Tensor:
-        """``[B, T]`` transport gates for ``kappa, mask: [B, T]``."""
-        return self.control.gates(kappa, mask, iteration=iteration)
-
-    def state_dict(self) -> dict:
-        return self.control.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.control.load_state_dict(state)
+    s, stable = PHASE_TABLE[phase], PHASE_TABLE["stable"]
+    ratio = lambda field: getattr(s, field) / getattr(stable, field)  # noqa: E731
+    moved = base.params.scaled_for_phase(clip=ratio("clip"), value_clip=ratio("value_clip"),
+                                         adv_clip=ratio("adv_clip"))
+    return StepKnobs(params=moved, kl_coef=base.kl_coef * ratio("kl_coef"),
+                     lr_scale=ratio("actor_lr"), critic_lr_scale=s.critic_lr_mult / stable.critic_lr_mult,
+                     clip_grad=base.clip_grad * ratio("grad_clip"), critic_clip_grad=base.clip_grad * ratio("grad_clip"),
+                     epochs=max(1, round(base.epochs * ratio("epochs"))), phase=phase)
 
 
 def gate_stats(kappa: torch.Tensor, mask: torch.Tensor, transport=None) -> dict[str, torch.Tensor]:

@@ -31,16 +31,17 @@ def wants_separate_critic(spec, params) -> bool:
     return kind is not None and kind.separate_model
 
 
-def build_separate_critic(recipe, hf_config, spec, params, *, device: torch.device):
+def build_separate_critic(hf_config, spec, params, *, device: torch.device, **settings):
     """The separate value model of this rank on ``device``, or None when the algorithm has none (call
-    after ``distributed.initialize``, next to the actor)."""
+    after ``distributed.initialize``, next to the actor). ``settings``: the actor's recipe sections and
+    values (``trainer.loop.actor_settings``: ``model``, ``parallel``, ``optim``, ``seed``, ...)."""
     if not wants_separate_critic(spec, params):
         return None
     from megatron_credit.trainer.actor import Actor
 
     untied = copy.deepcopy(hf_config)
     untied.tie_word_embeddings = False
-    return Actor(hf_config=untied, recipe=recipe, device=device, with_critic=True, with_reference=False, role="critic")
+    return Actor(hf_config=untied, device=device, with_critic=True, with_reference=False, role="critic", **settings)
 
 
 @torch.no_grad()

@@ -19,38 +19,42 @@ def hf_tokenizer(path: str, *, field: str):
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
 
 
-def build_data(recipe, *, dp_rank: int, dp_size: int, log=lambda *_: None):
-    """(tokenizer, train prompt stream, validation prompts or None, the synthetic task or None)."""
+def build_data(d, *, seed: int, model_path: str | None, val_every: int, val_prompts: int, dp_rank: int,
+               dp_size: int, log=lambda *_: None):
+    """(tokenizer, train prompt stream, validation prompts or None, the synthetic task or None) of the
+    recipe's ``data`` section ``d``; ``seed``: the run's; ``model_path`` (``model.name_or_path``): where the
+    tokenizer comes from when ``data.tokenizer_path`` is unset; ``val_every`` / ``val_prompts``
+    (``train.*``): validation prompts are built when ``val_every`` is set."""
     from megatron_credit.data.prompts import DatasetPrompts, SyntheticPrompts
 
-    d = recipe.data
     if d.source == "synthetic_arith":
         from megatron_credit.data.synthetic import ArithConfig, ArithmeticTask
         from megatron_credit.data.tokenizer import ArithTokenizerConfig, load_arith_tokenizer
 
-        arith = ArithConfig(seed=recipe.seed, num_operands=d.num_operands, min_operand=d.min_operand,
+        arith = ArithConfig(seed=seed, num_operands=d.num_operands, min_operand=d.min_operand,
                             max_operand=d.max_operand)
         tokenizer = load_arith_tokenizer(ArithTokenizerConfig(vocab_size=d.tokenizer_vocab_size, task=arith))
         task = ArithmeticTask(arith)
         val = None
-        if recipe.train.val_every:
-            val_stream = SyntheticPrompts(ArithmeticTask(dataclasses.replace(arith, seed=recipe.seed + 1)),
+        if val_every:
+            val_stream = SyntheticPrompts(ArithmeticTask(dataclasses.replace(arith, seed=seed + 1)),
                                           tokenizer, dp_rank=dp_rank, dp_size=dp_size)
-            val = val_stream.take(recipe.train.val_prompts // dp_size)
+            val = val_stream.take(val_prompts // dp_size)
         return tokenizer, SyntheticPrompts(task, tokenizer, dp_rank=dp_rank, dp_size=dp_size), val, task
     if d.source == "synthetic_chain":
-        return _chain_data(recipe, dp_rank=dp_rank, dp_size=dp_size)
+        return _chain_data(d, seed=seed, val_every=val_every, val_prompts=val_prompts, dp_rank=dp_rank,
+                           dp_size=dp_size)
     from megatron_credit.data.dataset import load_prompt_dataset
 
-    tokenizer = hf_tokenizer(d.tokenizer_path or recipe.model.name_or_path,
+    tokenizer = hf_tokenizer(d.tokenizer_path or model_path,
                              field="data.tokenizer_path" if d.tokenizer_path else "model.name_or_path")
     train_ds = load_prompt_dataset([d.train_path], tokenizer=tokenizer, max_prompt_len=d.max_prompt_len)
     val = None
-    if d.val_path and recipe.train.val_every:
+    if d.val_path and val_every:
         val_ds = load_prompt_dataset([d.val_path], tokenizer=tokenizer, max_prompt_len=d.max_prompt_len)
-        val = DatasetPrompts(val_ds.records, tokenizer, seed=recipe.seed, dp_rank=dp_rank,
-                             dp_size=dp_size).take(min(recipe.train.val_prompts, len(val_ds.records)) // dp_size)
-    stream = DatasetPrompts(train_ds.records, tokenizer, seed=recipe.seed, dp_rank=dp_rank, dp_size=dp_size)
+        val = DatasetPrompts(val_ds.records, tokenizer, seed=seed, dp_rank=dp_rank,
+                             dp_size=dp_size).take(min(val_prompts, len(val_ds.records)) // dp_size)
+    stream = DatasetPrompts(train_ds.records, tokenizer, seed=seed, dp_rank=dp_rank, dp_size=dp_size)
     stream.dropped_prompts = train_ds.stats.too_long  # issue 24: data/dropped_prompts, a warning over 10%
     warning = train_ds.stats.too_long_warning(f"data.train_path {d.train_path}")
     if warning:
@@ -58,7 +62,7 @@ def build_data(recipe, *, dp_rank: int, dp_size: int, log=lambda *_: None):
     return tokenizer, stream, val, None
 
 
-def _chain_data(recipe, *, dp_rank: int, dp_size: int):
+def _chain_data(d, *, seed: int, val_every: int, val_prompts: int, dp_rank: int, dp_size: int):
     """``build_data`` of the chain task (``data/chain.py``): its tokenizer is the arithmetic one trained
     on additions of the same operands (the same characters), independent of the seed."""
     from megatron_credit.data.chain import ChainConfig, ChainTask
@@ -66,15 +70,13 @@ def _chain_data(recipe, *, dp_rank: int, dp_size: int):
     from megatron_credit.data.synthetic import ArithConfig
     from megatron_credit.data.tokenizer import ArithTokenizerConfig, load_arith_tokenizer
 
-    d = recipe.data
-    chain = ChainConfig(seed=recipe.seed, num_operands=d.num_operands, min_operand=d.min_operand,
+    chain = ChainConfig(seed=seed, num_operands=d.num_operands, min_operand=d.min_operand,
                         max_operand=d.max_operand, decisive=d.decisive)
     text = ArithConfig(num_operands=d.num_operands, min_operand=d.min_operand, max_operand=d.max_operand)
     tokenizer = load_arith_tokenizer(ArithTokenizerConfig(vocab_size=d.tokenizer_vocab_size, task=text))
     val = None
-    if recipe.train.val_every:
-        val_task = ChainTask(dataclasses.replace(chain, seed=recipe.seed + 1))
-        val = SyntheticPrompts(val_task, tokenizer, dp_rank=dp_rank, dp_size=dp_size).take(
-            recipe.train.val_prompts // dp_size)
+    if val_every:
+        val_task = ChainTask(dataclasses.replace(chain, seed=seed + 1))
+        val = SyntheticPrompts(val_task, tokenizer, dp_rank=dp_rank, dp_size=dp_size).take(val_prompts // dp_size)
     task = ChainTask(chain)
     return tokenizer, SyntheticPrompts(task, tokenizer, dp_rank=dp_rank, dp_size=dp_size), val, task

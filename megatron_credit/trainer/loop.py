@@ -9,6 +9,7 @@ SIGTERM (a scheduler's pre-emption) finishes the current iteration, saves, and e
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import signal
@@ -74,11 +75,30 @@ class Run:
     """The checkpoint this launch resumes from (every file checked), or None."""
 
 
+def actor_settings(recipe) -> dict:
+    """The recipe's sections and values an :class:`~megatron_credit.trainer.actor.Actor` (and a separate
+    critic) reads: ``model``, ``parallel``, ``optim``, the run's seed, the sampling temperature and the
+    ``train`` fields of the forward pass."""
+    return {"model": recipe.model, "parallel": recipe.parallel, "optim": recipe.optim, "seed": recipe.seed,
+            "temperature": recipe.rollout.temperature, "recompute": recipe.train.recompute,
+            "logprob_chunk_size": recipe.train.logprob_chunk_size}
+
+
+def context_settings(recipe, params) -> dict:
+    """The recipe's sections and values a :class:`Context` reads besides the models and the algorithm:
+    ``train``, ``algorithm``, Dr.GRPO's length, the seed, and the recipe's own knobs."""
+    return {"train": recipe.train, "algorithm": recipe.algorithm, "norm_length": recipe.rollout.max_response_len,
+            "seed": recipe.seed,
+            "base_knobs": controls.base_knobs(params, kl_coef=recipe.algorithm.kl_coef,
+                                              clip_grad=recipe.optim.clip_grad, epochs=recipe.train.epochs)}
+
+
 def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str, log) -> Run:
     """Check the recipe, the run directory and the checkpoint to resume (before anything is built or
-    written), then build the data, the actor, a separate critic and the rollout manager."""
-    from megatron.core import parallel_state as ps
-
+    written), then build the data, the actor, a separate critic and the rollout manager. The one place
+    that unpacks the recipe: each component gets its own section (or explicit values)."""
+    from megatron_credit.distributed import data_parallel_rank
+    from megatron_credit.rollout.engine import build_trainer_engine
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.critic_model import build_separate_critic
     from megatron_credit.trainer.rollout import RolloutManager
@@ -94,39 +114,43 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
     if rank0:
         os.makedirs(run_dir, exist_ok=True)
     # --- end issue 24
-    dp_rank, dp_size = ps.get_data_parallel_rank(), layout["dp"]
+    dp_rank, dp_size = data_parallel_rank(), layout["dp"]
     spec, params = recipe.algorithm.spec_and_params()
-    tokenizer, prompts, val_prompts, task = build_data(recipe, dp_rank=dp_rank, dp_size=dp_size,
-                                                         log=log if rank0 else (lambda *_: None))
+    t = recipe.train
+    tokenizer, prompts, val_prompts, task = build_data(
+        recipe.data, seed=recipe.seed, model_path=recipe.model.name_or_path, val_every=t.val_every,
+        val_prompts=t.val_prompts, dp_rank=dp_rank, dp_size=dp_size, log=log if rank0 else (lambda *_: None))
     if tokenizer.vocab_size > hf_config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model vocab_size is "
                          f"{hf_config.vocab_size}")
-    actor = Actor(hf_config=hf_config, recipe=recipe, device=device,
-                  with_reference=recipe.algorithm.kl_coef > 0,
+    settings = actor_settings(recipe)
+    actor = Actor(hf_config=hf_config, device=device, with_reference=recipe.algorithm.kl_coef > 0, **settings,
                   **controls.actor_options(spec, params, hf_config, dtype=recipe.model.torch_dtype(),
                                            pp_size=recipe.parallel.pipeline_model_parallel_size))
-    critic = build_separate_critic(recipe, hf_config, spec, params, device=device)
+    critic = build_separate_critic(hf_config, spec, params, device=device, **settings)
     group, src = _replica_group(dp_rank)
-    rollouts = RolloutManager(recipe=recipe, hf_config=hf_config, tokenizer=tokenizer, prompts=prompts,
+    engine = functools.partial(build_trainer_engine, recipe.rollout, recipe.model, seed=recipe.seed,
+                               hf_config=hf_config, device=actor.device)
+    rollouts = RolloutManager(rollout=recipe.rollout, reward=recipe.reward, engine_factory=engine, seed=recipe.seed,
+                              max_draws=recipe.algorithm.max_draws, dynamic_sampling=recipe.algorithm.dynamic_sampling,
+                              val_samples=t.val_samples, tokenizer=tokenizer, prompts=prompts,
                               val_prompts=val_prompts, actor=actor, replica_group=group, replica_src=src,
                               dp_rank=dp_rank, dp_size=dp_size, log=log)
-    p = recipe.parallel
-    ctx = Context(recipe=recipe, spec=spec, params=params, actor=actor, rollouts=rollouts, critic=critic,
-                  pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(p))
+    ctx = Context(spec=spec, params=params, actor=actor, rollouts=rollouts, critic=critic,
+                  pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(recipe.parallel),
+                  **context_settings(recipe, params))
     return Run(ctx=ctx, prompts=prompts, task=task, tokenizer=tokenizer, layout=layout, checkpoint=path)
 
 
-def restore(run: Run, *, log, timings: dict[str, float]) -> int:
+def restore(run: Run, recipe, *, log, timings: dict[str, float]) -> int:
     """The weights RL starts from: the checkpoint's (resharded when the layout changed), or the initial
-    weights after the supervised warm-up; a separate critic starts from them; the engine gets them.
-    Returns the iteration the checkpoint ended (0 for a fresh run)."""
-    from megatron.core import parallel_state as ps
-
+    weights after the supervised warm-up (``recipe.warmup``); a separate critic starts from them; the
+    engine gets them. Returns the iteration the checkpoint ended (0 for a fresh run)."""
     from megatron_credit.trainer.critic_model import init_critic_from
     from megatron_credit.trainer.warmup import run_warmup
 
     ctx, prompts, layout, path = run.ctx, run.prompts, run.layout, run.checkpoint
-    recipe, actor, critic = ctx.recipe, ctx.actor, ctx.critic
+    actor, critic = ctx.actor, ctx.critic
     rank0 = dist.get_rank() == 0
     source = actor.load_initial_weights(seed=recipe.seed)
     start = 0
@@ -153,7 +177,8 @@ def restore(run: Run, *, log, timings: dict[str, float]) -> int:
             log(f"resumed from {path} (iteration {start}), resharded from {old} to {layout}")
     elif recipe.warmup.steps:
         t0 = time.perf_counter()
-        cached = run_warmup(actor, run.task, run.tokenizer, recipe=recipe, dp_rank=ps.get_data_parallel_rank(),
+        cached = run_warmup(actor, run.task, run.tokenizer, w=recipe.warmup, model=recipe.model,
+                            parallel=recipe.parallel, data=recipe.data, seed=recipe.seed, dp_rank=actor.dp_rank,
                             dp_size=layout["dp"], seq_multiple=ctx.seq_multiple,
                             log=log if rank0 else (lambda *_: None))
         actor.reset_reference()
@@ -193,7 +218,7 @@ def iteration_metrics(run: Run, step: int) -> dict[str, float]:
     """One RL iteration (``step.rl_iteration``), validation when due, the phase controller, timings."""
     from megatron_credit.trainer.step import rl_iteration
 
-    ctx, recipe = run.ctx, run.ctx.recipe
+    ctx = run.ctx
     ctx.timer = PhaseTimer()
     t0 = time.perf_counter()
     metrics = rl_iteration(ctx, step)
@@ -201,7 +226,7 @@ def iteration_metrics(run: Run, step: int) -> dict[str, float]:
     metrics["data/dropped_prompts"] = float(run.prompts.dropped_prompts)  # at load (issue 24)
     if ctx.critic is not None:
         metrics["critic/lr"] = ctx.critic.last_lr
-    if recipe.train.val_every and step % recipe.train.val_every == 0:
+    if ctx.train.val_every and step % ctx.train.val_every == 0:
         with ctx.timer("validation"):
             metrics.update(ctx.rollouts.validate(step))
     if ctx.phase is not None:
@@ -226,20 +251,20 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
     timings = {} if timings is None else timings
     rank0 = dist.get_rank() == 0
     run = build(recipe, hf_config, run_dir=run_dir, device=device, resume=resume, log=log)
-    start = restore(run, log=log, timings=timings)
+    start = restore(run, recipe, log=log, timings=timings)
     writer = open_metrics(recipe, run_dir=run_dir, start=start, resumed=run.checkpoint is not None,
                           recipe_file=recipe_file, log=log)
     stop = {"flag": False}
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
-    bar = _progress(recipe, start, rank0)
+    bar = _progress(recipe.logging, recipe.train.steps, start, rank0)
     rows: list[dict[str, float]] = []
     step = start
     guard = DivergenceGuard(max_skipped_steps=recipe.train.max_skipped_steps, vocab_size=hf_config.vocab_size,
                             steps_per_iteration=recipe.train.num_minibatches * recipe.train.epochs)
-    every = recipe.checkpoint.every
+    every, keep = recipe.checkpoint.every, recipe.checkpoint.keep
     t_rl = time.perf_counter()
     try:
-        for step in _iterations(recipe, start, log if rank0 else (lambda *_: None), device=device):
+        for step in _iterations(recipe.train, start, log if rank0 else (lambda *_: None), device=device):
             metrics = iteration_metrics(run, step)
             if writer is not None:
                 writer.write(step, metrics)
@@ -249,13 +274,13 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
             flag = torch.tensor([1.0 if stop["flag"] else 0.0]).to(device)
             dist.all_reduce(flag)
             if float(flag) > 0 or (every and step % every == 0):
-                _save(run_dir, step, run.ctx, run.prompts, run.layout)
+                _save(run_dir, step, run, keep=keep)
             if float(flag) > 0:
                 log(f"SIGTERM: saved iteration {step}, exiting")
                 break
         else:
             if recipe.checkpoint.save_at_end and (not every or step % every) and step > start:
-                _save(run_dir, step, run.ctx, run.prompts, run.layout)
+                _save(run_dir, step, run, keep=keep)
     finally:
         timings["rl_s"] = time.perf_counter() - t_rl
         signal.signal(signal.SIGTERM, previous)
@@ -272,35 +297,34 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
     return rows
 
 
-def _save(run_dir, step, ctx, prompts, layout) -> None:
-    actor = ctx.actor
-    extras = {"prompts": prompts.state_dict(), "rng": ckpt.rng_state()}
+def _save(run_dir, step, run: Run, *, keep: int) -> None:
+    """Iteration ``step`` as a checkpoint of ``run_dir`` (``checkpoint.keep``: how many are kept)."""
+    ctx, actor = run.ctx, run.ctx.actor
+    extras = {"prompts": run.prompts.state_dict(), "rng": ckpt.rng_state()}
     if actor.reference is not None:
         extras["reference"] = ckpt.reference_extras(actor)
     if ctx.gate_control is not None:
         extras["gate_control"] = ctx.gate_control.state_dict()
     if ctx.phase is not None:
         extras["phase"] = ctx.phase.state_dict()
-    ckpt.save(run_dir, step, actor, extras, layout=layout, keep=ctx.recipe.checkpoint.keep, critic=ctx.critic)
+    ckpt.save(run_dir, step, actor, extras, layout=run.layout, keep=keep, critic=ctx.critic)
 
 
 def _load_controls(ctx, extras: dict) -> None:
-    """CompPO's gate schedule and phase from a checkpoint's extras (the knobs follow the phase)."""
-    from megatron_credit.trainer.controls import phase_knobs
-
+    """The algorithm's gate control and phase from a checkpoint's extras (the knobs follow the phase)."""
     if ctx.gate_control is not None and "gate_control" in extras:
         ctx.gate_control.load_state_dict(extras["gate_control"])
     if ctx.phase is not None and "phase" in extras:
         ctx.phase.load_state_dict(extras["phase"])
-        ctx.knobs = phase_knobs(ctx.recipe, ctx.params, ctx.phase.phase)
+        ctx.set_phase(ctx.phase.phase)
 
 
-def _iterations(recipe, start: int, log, *, device: torch.device):
+def _iterations(train, start: int, log, *, device: torch.device):
     """Iterations ``start + 1 .. train.steps``, ending early once ``train.max_wall_s`` seconds have passed
     since the first began (checked between iterations, the same decision on every rank); the loop then
     ends as after its last step (``checkpoint.save_at_end`` applies)."""
-    wall, t0 = recipe.train.max_wall_s, time.perf_counter()
-    for step in range(start + 1, recipe.train.steps + 1):
+    wall, t0 = train.max_wall_s, time.perf_counter()
+    for step in range(start + 1, train.steps + 1):
         if wall is not None and step > start + 1:
             over = torch.tensor([1.0 if time.perf_counter() - t0 >= wall else 0.0]).to(device)
             dist.all_reduce(over)  # clocks differ per rank: stop when any rank is over
@@ -310,12 +334,12 @@ def _iterations(recipe, start: int, log, *, device: torch.device):
         yield step
 
 
-def _progress(recipe, start: int, rank0: bool):
-    if not (rank0 and recipe.logging.progress):
+def _progress(logging, steps: int, start: int, rank0: bool):
+    if not (rank0 and logging.progress):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=recipe.train.steps, initial=start, desc="RL", dynamic_ncols=True)
+    return tqdm(total=steps, initial=start, desc="RL", dynamic_ncols=True)
 
 
 def _show(bar, m: dict[str, float], log) -> None:

@@ -7,6 +7,9 @@ parameters go in which group, and the group keys megatron's ``OptimizerParamSche
   scaled by ``optim.critic_lr / optim.lr``; a separate critic (``role="critic"``) has every group on that
   schedule.
 - Frozen parameters (a separate critic's output layer) are left out.
+
+A megatron adapter by design: ``optim.backend: megatron`` is megatron's ``get_megatron_optimizer``, so this
+file imports megatron (lazily, for that backend only); only ``actor.py`` calls it.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ def build_optimizer(actor, *, weight_decay: float):
     """AdamW on fp32 masters (``trainer.optimizer``), or megatron's optimizer (``optim.backend: megatron``)."""
     from megatron_credit.trainer.optimizer import MasterWeightsAdamW
 
-    o, wd = actor.recipe.optim, weight_decay
+    o, wd = actor.optim, weight_decay
     if actor.megatron_optimizer:
         return _megatron_optimizer(actor, weight_decay=wd)
     decay, no_decay, critic = [], [], []
@@ -48,7 +51,7 @@ def _megatron_optimizer(actor, *, weight_decay: float):
     from megatron.core.optimizer import OptimizerConfig, ParamKey, get_megatron_optimizer
     from megatron.core.optimizer import get_standard_config_overrides
 
-    o, dtype = actor.recipe.optim, actor.config.params_dtype
+    o, dtype = actor.optim, actor.config.params_dtype
     if dtype == torch.float16:
         raise ValueError("optim.backend: megatron with model.params_dtype float16 needs loss scaling, which the "
                          "trainer does not do: use bfloat16 or float32")

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from megatron_credit.rollout.types import FinishStatus, RolloutBatch, SamplingParams
 from megatron_credit.trainer.batch import TrainBatch, train_batch_from_rollout
+
+if TYPE_CHECKING:
+    from megatron_credit.training_config import RewardConfig, RolloutConfig
 
 
 POOL_COUNTS = ("reward_pool/items", "reward_pool/timeouts", "reward_pool/errors", "reward_pool/restarts",
@@ -31,25 +34,28 @@ def _seed(*parts: int) -> int:
 class RolloutManager:
     """Collects each iteration's :class:`TrainBatch` for this rank (see module docstring)."""
 
-    def __init__(self, *, recipe, hf_config, tokenizer, prompts, val_prompts, actor, replica_group,
-                 replica_src: int, dp_rank: int, dp_size: int, log=print):
-        self.recipe, self.tokenizer, self.prompts, self.val_prompts = recipe, tokenizer, prompts, val_prompts
+    def __init__(self, *, rollout: RolloutConfig, reward: RewardConfig, engine_factory: Callable[[], Any],
+                 seed: int, max_draws: int, dynamic_sampling: bool, val_samples: int, tokenizer, prompts,
+                 val_prompts, actor, replica_group, replica_src: int, dp_rank: int, dp_size: int, log=print):
+        """The recipe's ``rollout`` and ``reward`` sections; ``engine_factory()`` builds the rollout engine
+        (on the replica's source rank only: ``rollout.engine.build_trainer_engine``); ``seed`` (the run's),
+        ``max_draws`` and ``dynamic_sampling`` (``algorithm.*``: DAPO's dynamic sampling), ``val_samples``
+        (``train.val_samples``: k of the validation's Avg@k)."""
+        self.rollout, self.reward = rollout, reward
+        self.seed, self.max_draws, self.dynamic_sampling, self.val_samples = seed, max_draws, dynamic_sampling, val_samples
+        self.tokenizer, self.prompts, self.val_prompts = tokenizer, prompts, val_prompts
         self.actor, self.group, self.src = actor, replica_group, replica_src
         self.dp_rank, self.dp_size, self.log = dp_rank, dp_size, log
         self.is_src = dist.get_rank() == replica_src
         self.engine = self.pool = None
         if self.is_src:
-            from megatron_credit.rollout.engine import build_rollout_engine_for_recipe
-
-            self.engine = build_rollout_engine_for_recipe(recipe, hf_config=hf_config, device=actor.device)
-            if recipe.reward.num_workers > 0:
+            self.engine = engine_factory()
+            if reward.num_workers > 0:
                 from megatron_credit.rewards.pool import RewardPool, RewardPoolConfig
 
-                self.pool = RewardPool(RewardPoolConfig(num_workers=recipe.reward.num_workers,
-                                                        timeout_s=recipe.reward.timeout_s,
-                                                        batch_timeout_s=recipe.reward.batch_timeout_s))
-        r = recipe.rollout
-        self.prompts_per_rank = r.prompts_per_step // dp_size
+                self.pool = RewardPool(RewardPoolConfig(num_workers=reward.num_workers, timeout_s=reward.timeout_s,
+                                                        batch_timeout_s=reward.batch_timeout_s))
+        self.prompts_per_rank = rollout.prompts_per_step // dp_size
         self.stop_ids = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
 
     def close(self) -> None:
@@ -78,7 +84,7 @@ class RolloutManager:
             self.engine.wake_up()
 
     def _params(self, n: int, seed: int) -> SamplingParams:
-        r = self.recipe.rollout
+        r = self.rollout
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_response_len, stop_token_ids=self.stop_ids, n=n, seed=seed)
 
@@ -90,12 +96,12 @@ class RolloutManager:
         rollout = self.engine.generate([list(rec.prompt_ids) for rec in records], self._params(n, seed))
         texts = [self.tokenizer.decode(s.response_ids) for s in rollout.samples]
         rec_of = [records[i // n] for i in range(len(rollout.samples))]
-        rw = self.recipe.reward
+        rw = self.reward
         scored = score_responses(
             self.pool, responses=texts, ground_truths=[r.ground_truth for r in rec_of],
             data_sources=[r.data_source for r in rec_of],
             response_lens=torch.tensor([len(s.response_ids) for s in rollout.samples]),
-            shaping=ShapingConfig(max_response_len=self.recipe.rollout.max_response_len,
+            shaping=ShapingConfig(max_response_len=self.rollout.max_response_len,
                                   overlong_buffer_len=rw.overlong_buffer_len,
                                   overlong_penalty_factor=rw.overlong_penalty_factor))
         pool = {k: float(v) for k, v in scored.metrics.items() if k in POOL_COUNTS}
@@ -103,25 +109,25 @@ class RolloutManager:
 
     def collect(self, iteration: int) -> tuple[TrainBatch, dict[str, float]]:
         """This iteration's rows: ``prompts_per_rank`` groups of ``n`` (dynamic sampling: mixed groups)."""
-        r, alg = self.recipe.rollout, self.recipe.algorithm
+        r = self.rollout
         payload = None
         if self.is_src:
             self.wake_up()
             kept, draws, drawn_groups, t0 = [], 0, 0, time.perf_counter()
             pool_sums = dict.fromkeys(POOL_COUNTS, 0.0) if self.pool is not None else {}
             while len(kept) < self.prompts_per_rank:
-                if draws == alg.max_draws:
+                if draws == self.max_draws:
                     break
                 records = self.prompts.take(self.prompts_per_rank)
                 rollout, rewards, correct, pool = self._generate_and_score(
-                    records, r.n, _seed(self.recipe.seed, iteration, draws, self.dp_rank))
+                    records, r.n, _seed(self.seed, iteration, draws, self.dp_rank))
                 for k, v in pool.items():
                     pool_sums[k] += v
                 draws += 1
                 drawn_groups += len(records)
                 for g in range(len(records)):
                     sl = slice(g * r.n, (g + 1) * r.n)
-                    if alg.dynamic_sampling and bool(correct[sl].all() | ~correct[sl].any()):
+                    if self.dynamic_sampling and bool(correct[sl].all() | ~correct[sl].any()):
                         continue  # DAPO: a group whose accuracy does not vary carries no signal
                     kept.append((rollout.samples[sl], rewards[sl], correct[sl]))
             payload = (kept[: self.prompts_per_rank], draws, drawn_groups, time.perf_counter() - t0, pool_sums)
@@ -133,7 +139,7 @@ class RolloutManager:
         if float(short) > 0:
             raise ValueError(  # the recipe's to fix: one error line (issue 24), not a traceback
                 f"dynamic sampling: fewer than rollout.prompts_per_step/DP = {self.prompts_per_rank} groups "
-                f"with mixed accuracy after algorithm.max_draws={alg.max_draws} draws on some data-parallel "
+                f"with mixed accuracy after algorithm.max_draws={self.max_draws} draws on some data-parallel "
                 "rank; raise algorithm.max_draws, or turn algorithm.dynamic_sampling off")
         samples = []
         for g, (ss, _, _) in enumerate(kept):
@@ -177,13 +183,13 @@ class RolloutManager:
 
         if self.val_prompts is None:
             return {}
-        k = self.recipe.train.val_samples
+        k = self.val_samples
         names = (f"avg@{k}", f"cons@{k}", f"pass@{k}", "num_problems")
         sums = torch.zeros(len(names), dtype=torch.float64, device=self.actor.device)
         if self.is_src:
             self.wake_up()
             problems = sample_and_grade(self.engine, self.tokenizer, self.val_prompts, k=k, pool=self.pool,
-                                        sampling=self._params(k, _seed(self.recipe.seed, -1, self.dp_rank)))
+                                        sampling=self._params(k, _seed(self.seed, -1, self.dp_rank)))
             per_rank = metric_sums(problems, k=k)
             sums += torch.tensor([per_rank[name] for name in names], dtype=torch.float64).to(sums.device)
             self.sleep()

@@ -63,7 +63,7 @@ def fused_old_logprob(ctx: Context) -> bool:
     mini-batches keep their behaviour pass. Needs one epoch (a second one reads old log-probs of the
     first mini-batch after it was updated) and nothing else from the policy's pass (CompPO's attention
     capture, a value head on the trunk): those are refused naming the field."""
-    if not ctx.recipe.train.fuse_old_logprob:
+    if not ctx.train.fuse_old_logprob:
         return False
     why = None
     if ctx.knobs.epochs != 1:
@@ -79,7 +79,7 @@ def fused_old_logprob(ctx: Context) -> bool:
 
 def plan_microbatches(ctx: Context, batch: TrainBatch) -> list[list[list[int]]]:
     """One micro-batch plan per iteration, used by the behaviour pass and by every update epoch."""
-    t = ctx.recipe.train
+    t = ctx.train
     return plan_minibatches(batch.seq_lens.tolist(), num_minibatches=t.num_minibatches,
                             max_tokens_per_microbatch=t.max_tokens_per_microbatch,
                             pad_to_multiple_of=ctx.seq_multiple)
@@ -154,10 +154,11 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
 
 
 def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
-    """``batch.advantages`` (and ``returns``) from the algorithm's estimator. CompPO: the transport gates
-    (``ctx.gate_control``), the critic's warm-up (values enter the advantages after
-    ``critic_warmup_steps`` iterations), the critic's diagnostics. Then PPO-style whitening over the global
-    batch (masked, summed over DP) and the advantage clip, when the algorithm's ``advantage_post`` asks."""
+    """``batch.advantages`` (and ``returns``) from the algorithm's estimator. Gated algorithms: the
+    transport gates (``ctx.gate_control``). The algorithm's ``advantage_post``: the critic's warm-up (values
+    enter the advantages after ``critic_warmup_steps`` iterations), PPO-style whitening over the global
+    batch (masked, summed over DP) and the advantage clip. Then the critic kind's diagnostics
+    (``spec.critic_stats``)."""
     if batch.old_logp is None:  # not the last pipeline stage
         return
     params = ctx.knobs.params
@@ -183,13 +184,8 @@ def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stat
         adv = adv.clamp(-post.clip, post.clip)
     batch.advantages = adv
     batch.returns = None if out.returns is None else out.returns.float()
-    if ctx.actor.feature_critic:
-        from megatron_credit.models.critic import critic_diagnostics
-
-        d = critic_diagnostics(batch.values, batch.returns, mask, value_clamp=params.value_clamp)
-        # explained variance comes from global sums in the update (``critic/explained_var``)
-        stats.add({f"sum:rank_avg/critic/{k}": v for k, v in d.items() if k != "explained_var"})
-        stats.add({"sum:rank_avg_count": torch.tensor(1.0)})
+    if batch.returns is not None:  # the critic kind's own diagnostics (CompPO's feature critics: critic/*)
+        stats.add(ctx.spec.critic_stats(batch.values, batch.returns, mask, params))
 
 
 def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], stats: "StatSums", *,
@@ -199,9 +195,9 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
     must be exactly 1). ``old_from_update`` (``train.fuse_old_logprob``): the old log-probs are this
     forward's own, detached, and are written into ``batch.old_logp`` after it."""
     rows = [i for mb in mini for i in mb]
-    den = step_denominators(batch.loss_mask[rows], norm_length=ctx.recipe.rollout.max_response_len,
+    den = step_denominators(batch.loss_mask[rows], norm_length=ctx.norm_length,
                             device=ctx.actor.device, dp_group=ctx.actor.dp_group)
-    alg, knobs = ctx.recipe.algorithm, ctx.knobs
+    alg, knobs = ctx.algorithm, ctx.knobs
     params = knobs.params
     kl = KL_ESTIMATORS.get(alg.kl_estimator) if knobs.kl_coef > 0 else None
     cp_group = ctx.actor.cp_group if ctx.actor.cp_size > 1 else None

@@ -26,19 +26,22 @@ from megatron_credit.data.synthetic import ArithmeticTask, carry_dropped_answer
 from megatron_credit.trainer.batch import TrainBatch, make_microbatch, round_up, step_denominators
 
 
-def warmup_seed(recipe) -> int:
-    """The seed of the warm-up: ``warmup.seed``, or the recipe's seed when it is None."""
-    return recipe.seed if recipe.warmup.seed is None else recipe.warmup.seed
+def warmup_seed(w, seed: int) -> int:
+    """The seed of the warm-up ``w`` (the recipe's ``warmup`` section): ``warmup.seed``, or the run's
+    ``seed`` when it is None."""
+    return seed if w.seed is None else w.seed
 
 
-def warmup_cache_path(recipe, rank: int) -> Path:
-    key = {"model": dataclasses.asdict(recipe.model), "parallel": dataclasses.asdict(recipe.parallel),
-           "data": dataclasses.asdict(recipe.data), "warmup": {k: v for k, v in
-                                                            dataclasses.asdict(recipe.warmup).items()
-                                                            if k not in ("cache_dir", "seed")},
-           "seed": warmup_seed(recipe), "version": 2}
+def warmup_cache_path(w, *, model, parallel, data, seed: int, rank: int) -> Path:
+    """This rank's cache file of the warm-up ``w``, under a key of everything that determines its result:
+    the recipe's ``model``, ``parallel`` and ``data`` sections, ``w`` itself (but where it is cached) and
+    the warm-up's seed (:func:`warmup_seed` of the run's ``seed``)."""
+    key = {"model": dataclasses.asdict(model), "parallel": dataclasses.asdict(parallel),
+           "data": dataclasses.asdict(data), "warmup": {k: v for k, v in dataclasses.asdict(w).items()
+                                                       if k not in ("cache_dir", "seed")},
+           "seed": warmup_seed(w, seed), "version": 2}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    root = Path(recipe.warmup.cache_dir or Path.home() / ".cache" / "megatron_credit" / "warmup")
+    root = Path(w.cache_dir or Path.home() / ".cache" / "megatron_credit" / "warmup")
     return root / digest / f"rank_{rank:05d}.pt"
 
 
@@ -75,17 +78,17 @@ def supervised_batch(task: ArithmeticTask | ChainTask, tokenizer, indices, *, ca
                       correct=torch.zeros(n, dtype=torch.bool))
 
 
-def run_warmup(actor, task: ArithmeticTask | ChainTask, tokenizer, *, recipe, dp_rank: int, dp_size: int,
-               seq_multiple: int, log=print) -> bool:
-    """Warm the actor up (or load the cached result); returns whether it came from the cache.
+def run_warmup(actor, task: ArithmeticTask | ChainTask, tokenizer, *, w, model, parallel, data, seed: int,
+               dp_rank: int, dp_size: int, seq_multiple: int, log=print) -> bool:
+    """Warm the actor up (or load the cached result); returns whether it came from the cache. ``w``: the
+    recipe's ``warmup`` section; ``seed``: the run's; ``model``, ``parallel``, ``data``: the sections the
+    result depends on, read for the cache key only (:func:`warmup_cache_path`).
 
     With ``warmup.seed`` set the policy is re-initialised from that seed first, so the result is what
     the cache key says whatever the recipe's seed; the value head keeps its recipe-seed initialisation
     (as on a cache hit)."""
-    w = recipe.warmup
-    seed = warmup_seed(recipe)
-    rank = dist.get_rank()
-    path = warmup_cache_path(recipe, rank)
+    path = warmup_cache_path(w, model=model, parallel=parallel, data=data, seed=seed, rank=dist.get_rank())
+    seed = warmup_seed(w, seed)
     have = torch.tensor([1.0 if path.exists() else 0.0]).to(actor.device)
     dist.all_reduce(have, op=dist.ReduceOp.MIN)
     if float(have) == 1.0:
