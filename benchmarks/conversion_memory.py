@@ -70,7 +70,7 @@ def main() -> None:
     nbytes = json.loads((work / "hf" / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
     params = nbytes // 2
     baseline, _ = _run([sys.executable, "-W", "ignore", "-c",
-                        "import megatron_credit.conversion.checkpoint, megatron.core.dist_checkpointing, "
+                        "import megatron_credit.conversion.converters, megatron.core.dist_checkpointing, "
                         "megatron.core.models.gpt, transformers, megatron_credit.models"])
     to_mc, to_mc_s = _run([sys.executable, "-W", "ignore", "tools/convert_hf_to_megatron.py", "--hf-dir",
                            str(work / "hf"), "--out", str(work / "mc"), "--no-progress"])

@@ -267,8 +267,6 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     """Check ``recipe``'s layout on ``nodes`` x ``gpus_per_node`` GPUs of kind ``gpu`` and estimate one
     GPU's peak memory (module docstring). ``distributed_optimizer`` defaults to what the run does
     (``optim.distributed_optimizer``, or ``cluster.distributed_optimizer``)."""
-    from megatron_credit.data.context_parallel import required_multiple
-
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is not one of {sorted(GPUS)}")
     if distributed_optimizer is None:
@@ -280,10 +278,7 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     problems = recipe.problems(hf_config, world_size=world)  # the trainer's checks (Recipe.validate)
     dp = max(world // p.model_parallel_size, 1)
     seq = recipe.data.max_prompt_len + r.max_response_len
-    # The trainer pads each micro-batch up to a multiple of 2 x CP (x TP with sequence parallelism), so a
-    # budget that is not a multiple trains (issue 24: the planner refused what torchrun ran); its peak is
-    # the budget rounded up to that multiple.
-    multiple = required_multiple(cp, tp, p.sequence_parallel)
+    micro_tokens = _micro_batch_tokens(recipe, seq=seq)
     layout = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world": world}
     if a.num_heads % tp or a.num_layers % pp:
         tp = pp = 1  # keep the arithmetic meaningful; the problem is reported above
@@ -295,17 +290,7 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     optim_per_param = 8 + (4 if wb != 4 else 0)  # Adam m, v (+ fp32 master weights)
     optimizer = math.ceil(params * optim_per_param / shard)
     other = math.ceil(params * optim_per_param / (1 if distributed_optimizer else dp * cp))
-    spec, alg_params = recipe.algorithm.spec_and_params()
-    kind = spec.critic_kind(alg_params)
-    separate_critic = kind is not None and kind.separate_model
-    critic_params = 0
-    if separate_critic:
-        critic_params = params  # a value model of the actor's architecture and layout
-    elif spec.needs_gates:
-        critic_params = math.ceil(0.005 * params)  # CompPO's critic: < 0.5 % of the actor
-    elif spec.needs_critic:
-        critic_params = a.hidden_size + 1  # PPO's value head on the actor trunk
-    micro_tokens = -(-max(t.max_tokens_per_microbatch, seq) // multiple) * multiple
+    critic_params, separate_critic = _critic_params(recipe, a, actor_params=params)
     local_tokens = math.ceil(micro_tokens / cp)
     local_attn = recipe.model.transformer_impl == "local"
     chunk = min(t.logprob_chunk_size, local_tokens)
@@ -348,6 +333,32 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
                 terms=terms, notes=notes, optimizer_bytes_other=other,
                 train_peak=resident + terms["activations"] + terms["logprob_chunk"],
                 rollout_peak=resident + terms["rollout_engine"], gpu_bytes=gpu_bytes, kv_tokens=kv_tokens)
+
+
+def _micro_batch_tokens(recipe, *, seq: int) -> int:
+    """Tokens of the longest micro-batch: ``max(train.max_tokens_per_microbatch, seq)`` padded up to a
+    multiple of 2 x CP (x TP with sequence parallelism)."""
+    from megatron_credit.data.context_parallel import required_multiple
+
+    p = recipe.parallel
+    # The trainer pads each micro-batch up to that multiple, so a budget that is not a multiple trains
+    # (issue 24: the planner refused what torchrun ran); its peak is the budget rounded up.
+    multiple = required_multiple(p.context_parallel_size, p.tensor_model_parallel_size, p.sequence_parallel)
+    return -(-max(recipe.train.max_tokens_per_microbatch, seq) // multiple) * multiple
+
+
+def _critic_params(recipe, a: Architecture, *, actor_params: int) -> tuple[int, bool]:
+    """(the critic's parameters on one GPU, whether it is a separate value model) for the recipe's
+    algorithm, given the actor's parameters on its largest stage."""
+    spec, alg_params = recipe.algorithm.spec_and_params()
+    kind = spec.critic_kind(alg_params)
+    if kind is not None and kind.separate_model:
+        return actor_params, True  # a value model of the actor's architecture and layout
+    if spec.needs_gates:
+        return math.ceil(0.005 * actor_params), False  # CompPO's critic: < 0.5 % of the actor
+    if spec.needs_critic:
+        return a.hidden_size + 1, False  # PPO's value head on the actor trunk
+    return 0, False
 
 
 def _dtype_name(recipe, hf_config) -> str:

@@ -185,7 +185,7 @@ def _produce(root: str) -> None:
     """The tiny checkpoint, and the cases that need a conversion or a model load (a fresh process)."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_credit.conversion import checkpoint as C
+    from megatron_credit.conversion import converters as C
     from megatron_credit.conversion.testing import tiny_hf_config
     from tools import convert_hf_to_megatron as to_mc
 
@@ -256,7 +256,7 @@ def ckpt(produced, tmp_path):
 
 
 def _to_hf(ckpt: Path, out: Path):
-    from megatron_credit.conversion.checkpoint import convert_megatron_to_hf
+    from megatron_credit.conversion.converters import convert_megatron_to_hf
 
     return convert_megatron_to_hf(ckpt, out, progress=False)
 
@@ -379,7 +379,7 @@ def test_clean_export_still_works(produced):
 
 # --- HF -> megatron: the output folder -----------------------------------------------------------------
 def _to_mc(src: Path, out: Path, **kw):
-    from megatron_credit.conversion.checkpoint import convert_hf_to_megatron
+    from megatron_credit.conversion.converters import convert_hf_to_megatron
 
     return convert_hf_to_megatron(src, out, progress=False, **kw)
 

@@ -48,7 +48,7 @@ def _main(fn, argv) -> tuple[int, str]:
 def _roundtrip(root: str) -> None:
     import torch
 
-    from megatron_credit.conversion.checkpoint import convert_hf_to_megatron, convert_megatron_to_hf
+    from megatron_credit.conversion.converters import convert_hf_to_megatron, convert_megatron_to_hf
     from megatron_credit.conversion.run_export import export_run_checkpoint
     from tools import convert_megatron_to_hf as to_hf
     from tools import export_run_to_hf as export

@@ -12,7 +12,7 @@ import pytest
 def _failing_save(monkeypatch, exc: BaseException):
     from megatron.core import dist_checkpointing
 
-    from megatron_credit.conversion import checkpoint as conversion
+    from megatron_credit.conversion import mcore_save
     from megatron_credit.trainer import checkpoint
 
     def save(state, path, **_):
@@ -21,7 +21,7 @@ def _failing_save(monkeypatch, exc: BaseException):
 
     monkeypatch.setattr(dist_checkpointing, "save", save)
     monkeypatch.setattr(checkpoint, "_sharded_state", lambda actor, for_load: {})
-    monkeypatch.setattr(conversion, "_save_strategy", lambda: None)
+    monkeypatch.setattr(mcore_save, "_save_strategy", lambda: None)
     return checkpoint
 
 

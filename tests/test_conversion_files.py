@@ -78,7 +78,7 @@ def _produce(root: str) -> None:
     """All conversions, run in a fresh process (see the module docstring)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_credit.conversion import checkpoint as C
+    from megatron_credit.conversion import converters as C, mcore_save, model_io
     from tools import convert_hf_to_megatron as to_mc, convert_megatron_to_hf as to_hf
 
     root = Path(root)
@@ -122,16 +122,16 @@ def _produce(root: str) -> None:
     results["fp64_out_exists"] = (root / "mc_fp64").exists()
 
     # Transformer Engine _extra_state: a TE-like request on our checkpoint, and a TE-written checkpoint.
-    cfg = C.load_hf_config(root / "mc_fp32")
+    cfg = model_io.load_hf_config(root / "mc_fp32")
     layers = cfg.num_hidden_layers
 
     def te_request_loads():
-        with C.single_stage_parallel_state():
-            model = C.build_model(cfg, params_dtype=torch.float32)
+        with model_io.single_stage_parallel_state():
+            model = model_io.build_model(cfg, params_dtype=torch.float32)
             _with_extra_request(model, _extra_state_objects(layers))
-            C.load_dist_checkpoint(model, root / "mc_fp32")
-            ref = C.build_model(cfg, params_dtype=torch.float32)
-            C.load_dist_checkpoint(ref, root / "mc_fp32")
+            model_io.load_dist_checkpoint(model, root / "mc_fp32")
+            ref = model_io.build_model(cfg, params_dtype=torch.float32)
+            model_io.load_dist_checkpoint(ref, root / "mc_fp32")
             a, b = model.state_dict(), ref.state_dict()
             weights = [k for k in a if isinstance(a[k], torch.Tensor)]
             return len(weights) > 10 and sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in weights)
@@ -139,23 +139,24 @@ def _produce(root: str) -> None:
     def weight_request_missing_raises():
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-        with C.single_stage_parallel_state():
-            model = C.build_model(cfg, params_dtype=torch.float32)
+        with model_io.single_stage_parallel_state():
+            model = model_io.build_model(cfg, params_dtype=torch.float32)
             _with_extra_request(model, {"bogus.weight": ShardedTensor.from_rank_offsets(
                 "bogus.weight", torch.zeros(3), replica_id=0)})
-            C.load_dist_checkpoint(model, root / "mc_fp32")
+            model_io.load_dist_checkpoint(model, root / "mc_fp32")
 
     def write_te_checkpoint():
         te = root / "mc_te"
-        (te / C.MODEL_SUBDIR).mkdir(parents=True)
-        for f in ("config.json", C.META_NAME):
+        (te / model_io.MODEL_SUBDIR).mkdir(parents=True)
+        for f in ("config.json", model_io.META_NAME):
             (te / f).write_bytes((root / "mc_fp32" / f).read_bytes())
-        with C.single_stage_parallel_state():
-            model = C.build_model(cfg, params_dtype=torch.float32)
-            C.load_dist_checkpoint(model, root / "mc_fp32")
-            request = C._whole_gated_fc1(model.sharded_state_dict())
+        with model_io.single_stage_parallel_state():
+            model = model_io.build_model(cfg, params_dtype=torch.float32)
+            model_io.load_dist_checkpoint(model, root / "mc_fp32")
+            request = mcore_save._whole_gated_fc1(model.sharded_state_dict())
             request.update(_extra_state_objects(layers))
-            dist_checkpointing.save(request, str(te / C.MODEL_SUBDIR), sharded_strategy=C._save_strategy())
+            dist_checkpointing.save(request, str(te / model_io.MODEL_SUBDIR),
+                                    sharded_strategy=mcore_save._save_strategy())
         return C.convert_megatron_to_hf(te, root / "back_te", progress=False)
 
     _step(results, "te_request_on_local_checkpoint", te_request_loads)
@@ -298,7 +299,7 @@ def test_unchanged_dtype_keeps_config_bytes(produced):
 
 
 def test_write_config_sets_torch_dtype_of_old_configs(tmp_path):
-    from megatron_credit.conversion.checkpoint import _write_config
+    from megatron_credit.conversion.converters import _write_config
 
     src = tmp_path / "src.json"
     src.write_text(json.dumps({"torch_dtype": "bfloat16", "hidden_size": 8}))
@@ -404,7 +405,7 @@ def write_preloaded_data_multiproc(transform_list, use_msc, rank, write_buckets,
 
 
 def test_save_internals_are_checked():
-    from megatron_credit.conversion.checkpoint import _checked_write_fn
+    from megatron_credit.conversion.mcore_save import _checked_write_fn
 
     ok = functools.partial(write_preloaded_data_multiproc, [], False)
     assert _checked_write_fn(_Request(ok)) == ("write_preloaded_data_multiproc", ([], False), (0, [], None))

@@ -32,7 +32,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megatron_credit.conversion import checkpoint as C
+from megatron_credit.conversion import converters as C, mcore_save, model_io
 from megatron_credit.conversion.export_target import MANIFEST_NAME
 from megatron_credit.conversion.hf_io import INDEX_NAME, CheckpointFormatError, SafetensorsReader
 from megatron_credit.conversion.safe_load import (COMMON_STATE_KEY, UnsafeCheckpointError, check_dist_checkpoint,
@@ -42,7 +42,7 @@ from megatron_credit.conversion.testing import rewrite_common_state
 SHARD_BYTES = 20_000  # the tiny model's bf16 weights are ~150 KB: several shards
 TOKENIZER = {"tokenizer_config.json": '{"model_max_length": 64}\n', "chat_template.jinja": "{{ messages }}\n"}
 UNSUPPORTED = (r"unsupported megatron-core version (?P<v>\S+) for the in-process checkpoint writer "
-               r"\(megatron_credit/conversion/checkpoint\.py; checked on 0\.16\.1 - 0\.19\.2\): ")
+               r"\(megatron_credit/conversion/mcore_save\.py; checked on 0\.16\.1 - 0\.19\.2\): ")
 
 
 class _RunsCode:
@@ -162,7 +162,7 @@ def test_config_without_dtype_field(made, tmp_path, case):
     ckpt = _copy(made.fp32 if case == "fp32 from bf16" else made.bf16, tmp_path / "ckpt")
     raw = _strip_config_dtype(ckpt)
     if case == "same dtype, meta without source_dtype":
-        _edit_json(ckpt / C.META_NAME, lambda m: {k: v for k, v in m.items() if k != "source_dtype"})
+        _edit_json(ckpt / model_io.META_NAME, lambda m: {k: v for k, v in m.items() if k != "source_dtype"})
     C.convert_megatron_to_hf(ckpt, tmp_path / "out", progress=False)
     got = (tmp_path / "out" / "config.json").read_bytes()
     if case == "fp32 from bf16":
@@ -247,28 +247,28 @@ META_CASES = {
 @pytest.mark.parametrize("case", sorted(META_CASES))
 def test_read_meta_names_the_problem(tmp_path, case):
     raw, message = META_CASES[case]
-    (tmp_path / C.META_NAME).write_text(raw)
-    path = tmp_path / C.META_NAME
+    (tmp_path / model_io.META_NAME).write_text(raw)
+    path = tmp_path / model_io.META_NAME
     with pytest.raises(CheckpointFormatError, match=f"^{re.escape(repr(str(path)))} {message}") as info:
-        C.read_meta(tmp_path)
+        model_io.read_meta(tmp_path)
     assert info.value.path == str(path)
 
 
 def test_read_meta_of_a_folder_without_it(tmp_path):
-    path = tmp_path / C.META_NAME
+    path = tmp_path / model_io.META_NAME
     with pytest.raises(FileNotFoundError, match=f"^{re.escape(repr(str(path)))} not found: is "
                                                 f"{re.escape(repr(str(tmp_path)))} a converted checkpoint\\?$"):
-        C.read_meta(tmp_path)
+        model_io.read_meta(tmp_path)
 
 
 def test_read_meta_returns_what_the_import_wrote(made):
-    assert C.read_meta(made.bf16) == made.meta16
-    assert made.meta16["conversion_version"] == C.CONVERSION_VERSION and made.meta16["dtype"] == "bf16"
+    assert model_io.read_meta(made.bf16) == made.meta16
+    assert made.meta16["conversion_version"] == model_io.CONVERSION_VERSION and made.meta16["dtype"] == "bf16"
 
 
 def test_export_checks_the_meta_before_writing(made, tmp_path):
     ckpt = _copy(made.bf16, tmp_path / "ckpt")
-    _edit_json(ckpt / C.META_NAME, lambda m: {**m, "conversion_version": 0})
+    _edit_json(ckpt / model_io.META_NAME, lambda m: {**m, "conversion_version": 0})
     with pytest.raises(CheckpointFormatError, match="conversion_version 0 != 1"):
         C.convert_megatron_to_hf(ckpt, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
@@ -277,8 +277,8 @@ def test_export_checks_the_meta_before_writing(made, tmp_path):
 def test_hand_edited_meta_dtype_is_refused(made, tmp_path):
     """A meta claiming bf16 for fp32 weights would cast them silently: refused, naming the meta file."""
     ckpt = _copy(made.fp32, tmp_path / "ckpt")
-    _edit_json(ckpt / C.META_NAME, lambda m: {**m, "dtype": "bf16"})
-    path = ckpt / C.META_NAME
+    _edit_json(ckpt / model_io.META_NAME, lambda m: {**m, "dtype": "bf16"})
+    path = ckpt / model_io.META_NAME
     with pytest.raises(CheckpointFormatError, match=f"^{re.escape(repr(str(path)))} says dtype 'bf16' "
                                                     r"\(torch\.bfloat16\) but model/ stores \['torch\.float32'\] "
                                                     "weights$") as info:
@@ -351,9 +351,9 @@ STRICT_CASES = {  # edit of the request -> (where, stored but not requested, req
 @pytest.fixture
 def fp32_model(made):
     """Builds fresh fp32 models of the checkpoint's config (in megatron state of one process)."""
-    cfg = C.load_hf_config(made.fp32)
-    with C.single_stage_parallel_state():
-        yield lambda: C.build_model(cfg, params_dtype=torch.float32)
+    cfg = model_io.load_hf_config(made.fp32)
+    with model_io.single_stage_parallel_state():
+        yield lambda: model_io.build_model(cfg, params_dtype=torch.float32)
 
 
 def _weights(model) -> dict[str, torch.Tensor]:
@@ -363,11 +363,11 @@ def _weights(model) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def loaded(made):
     """The weights of a model loaded from the fp32 checkpoint, and those of a fresh model."""
-    cfg = C.load_hf_config(made.fp32)
-    with C.single_stage_parallel_state():
-        fresh = _weights(C.build_model(cfg, params_dtype=torch.float32))
-        model = C.build_model(cfg, params_dtype=torch.float32)
-        C.load_dist_checkpoint(model, made.fp32)
+    cfg = model_io.load_hf_config(made.fp32)
+    with model_io.single_stage_parallel_state():
+        fresh = _weights(model_io.build_model(cfg, params_dtype=torch.float32))
+        model = model_io.build_model(cfg, params_dtype=torch.float32)
+        model_io.load_dist_checkpoint(model, made.fp32)
         return SimpleNamespace(weights=_weights(model), fresh=fresh)
 
 
@@ -380,7 +380,7 @@ def test_load_refuses_keys_that_differ(made, fp32_model, case):
     with pytest.raises(ValueError, match=f"^{re.escape(where)}: keys stored but not in the model: "
                                          f"{re.escape(str(stored))}; keys of the model not stored: "
                                          rf"{re.escape(str(requested))} \(only TE _extra_state may differ\)$"):
-        C.load_dist_checkpoint(model, made.fp32)
+        model_io.load_dist_checkpoint(model, made.fp32)
 
 
 def test_load_gives_the_checkpoint_weights(made, loaded):
@@ -397,7 +397,7 @@ def test_te_extra_state_request_is_tolerated(made, fp32_model, loaded):
     """A TE model asks for core_attention._extra_state, which a local-spec checkpoint lacks."""
     model = fp32_model()
     _edit_request(model, lambda r: {**r, **_extra_state_objects(2)})
-    C.load_dist_checkpoint(model, made.fp32)
+    model_io.load_dist_checkpoint(model, made.fp32)
     got, want = _weights(model), loaded.weights
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
@@ -407,14 +407,15 @@ def test_te_written_checkpoint_exports_the_same_weights(made, tmp_path):
     from megatron.core import dist_checkpointing
 
     te = tmp_path / "te"
-    (te / C.MODEL_SUBDIR).mkdir(parents=True)
-    for f in ("config.json", C.META_NAME):
+    (te / model_io.MODEL_SUBDIR).mkdir(parents=True)
+    for f in ("config.json", model_io.META_NAME):
         shutil.copyfile(made.fp32 / f, te / f)
-    with C.single_stage_parallel_state():
-        model = C.build_model(C.load_hf_config(made.fp32), params_dtype=torch.float32)
-        C.load_dist_checkpoint(model, made.fp32)
-        request = {**C._whole_gated_fc1(model.sharded_state_dict()), **_extra_state_objects(2)}
-        dist_checkpointing.save(request, str(te / C.MODEL_SUBDIR), sharded_strategy=C._save_strategy())
+    with model_io.single_stage_parallel_state():
+        model = model_io.build_model(model_io.load_hf_config(made.fp32), params_dtype=torch.float32)
+        model_io.load_dist_checkpoint(model, made.fp32)
+        request = {**mcore_save._whole_gated_fc1(model.sharded_state_dict()), **_extra_state_objects(2)}
+        dist_checkpointing.save(request, str(te / model_io.MODEL_SUBDIR),
+                                sharded_strategy=mcore_save._save_strategy())
     assert any("core_attention._extra_state" in k for k in read_dist_metadata(te / "model").state_dict_metadata)
     C.convert_megatron_to_hf(te, tmp_path / "out", progress=False)
     _assert_weights(tmp_path / "out", _source_tensors(made), torch.float32)
@@ -424,8 +425,8 @@ def test_check_only_extra_state_lists_five_keys_per_side():
     keys = [f"k{i}.weight" for i in range(7)] + ["x._extra_state"]
     with pytest.raises(ValueError, match=re.escape(f"here: keys stored but not in the model: {keys[:5]}; keys of "
                                                    f"the model not stored: {keys[2:7]} (only TE")):
-        C._check_only_extra_state(keys, keys[2:], "here")
-    C._check_only_extra_state(["a._extra_state"], ["b.core_attention._extra_state"], "here")
+        model_io._check_only_extra_state(keys, keys[2:], "here")
+    model_io._check_only_extra_state(["a._extra_state"], ["b.core_attention._extra_state"], "here")
 
 
 # --- safe_load: what torch would unpickle -------------------------------------------------------
@@ -721,12 +722,12 @@ def _without_attr(attr):
 
 def test_known_write_functions_are_accepted():
     multiproc = functools.partial(write_preloaded_data_multiproc, ["t"], False)
-    assert C._checked_write_fn(_Request(multiproc)) == ("write_preloaded_data_multiproc", (["t"], False),
+    assert mcore_save._checked_write_fn(_Request(multiproc)) == ("write_preloaded_data_multiproc", (["t"], False),
                                                         (0, "buckets", "results"))
     multithread = functools.partial(write_preloaded_data_multithread, ["t"], True)
-    assert C._checked_write_fn(_Request(multithread, (1, [], None))) == ("write_preloaded_data_multithread",
+    assert mcore_save._checked_write_fn(_Request(multithread, (1, [], None))) == ("write_preloaded_data_multithread",
                                                                          (["t"], True), (1, [], None))
-    assert C._checked_write_fn(_Request(None)) is None  # this rank writes nothing
+    assert mcore_save._checked_write_fn(_Request(None)) is None  # this rank writes nothing
 
 
 WRITE_FN_CASES = {
@@ -763,7 +764,7 @@ def test_unknown_save_internals_are_refused(case):
 
     make, detail = WRITE_FN_CASES[case]
     with pytest.raises(RuntimeError, match=f"^{UNSUPPORTED}{re.escape(detail)}") as info:
-        C._checked_write_fn(make())
+        mcore_save._checked_write_fn(make())
     assert re.match(UNSUPPORTED, str(info.value))["v"] == package_info.__version__
 
 
@@ -774,15 +775,15 @@ def test_changed_write_preloaded_data_signature_is_refused(monkeypatch):
     detail = ("FileSystemWriterAsync.write_preloaded_data takes ('bucket', 'queue'), expected ('transform_list', "
               "'local_proc_idx', 'write_bucket', 'results_queue', 'count_queue', 'use_fsync') first")
     with pytest.raises(RuntimeError, match=f"^{UNSUPPORTED}{re.escape(detail)}$"):
-        C._checked_write_fn(_Request(functools.partial(write_preloaded_data_multiproc, [], False)))
+        mcore_save._checked_write_fn(_Request(functools.partial(write_preloaded_data_multiproc, [], False)))
     # megatron 0.17+ writes with its own function: our in-process writer (and its check) is not used.
     multithread = functools.partial(write_preloaded_data_multithread, [], False)
-    assert C._checked_write_fn(_Request(multithread))[0] == "write_preloaded_data_multithread"
+    assert mcore_save._checked_write_fn(_Request(multithread))[0] == "write_preloaded_data_multithread"
 
 
 @pytest.fixture
 def parallel_state():
-    with C.single_stage_parallel_state():
+    with model_io.single_stage_parallel_state():
         yield
 
 
@@ -803,7 +804,7 @@ def test_strategy_runs_megatrons_multithread_writer_itself(parallel_state, monke
         calls.append(("async_save", sharded_state_dict, checkpoint_dir, async_strategy))
         return request
 
-    strategy = C._save_strategy()
+    strategy = mcore_save._save_strategy()
     strategy.async_save = async_save
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     strategy.save({"w": 1}, "/ckpt")
@@ -814,7 +815,7 @@ def test_strategy_runs_megatrons_multithread_writer_itself(parallel_state, monke
 
 def test_strategy_with_nothing_to_write_still_finalizes(parallel_state):
     calls = []
-    strategy = C._save_strategy()
+    strategy = mcore_save._save_strategy()
     strategy.async_save = lambda sd, d: calls.append("async_save") or _Request(
         None, finalize_fns=[lambda: calls.append("finalize")])
     strategy.save({}, "/ckpt")
@@ -842,7 +843,7 @@ def test_in_process_writer_reports_each_bucket(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
     results = queue.Queue()
     buckets = [_bucket(tmp_path / "__0_0.distcp", "a", b"first"), _bucket(tmp_path / "__0_1.distcp", "b", b"second!")]
-    C._write_buckets_in_process(_transforms(), False, 0, buckets, results)
+    mcore_save._write_buckets_in_process(_transforms(), False, 0, buckets, results)
     out = results.get_nowait()
     assert sorted(out) == [0, 1] and results.empty()
     for i, (name, fqn, data) in enumerate([("__0_0.distcp", "a", b"first"), ("__0_1.distcp", "b", b"second!")]):
@@ -856,7 +857,7 @@ def test_in_process_writer_reports_each_bucket(tmp_path, monkeypatch):
 def test_in_process_writer_reports_the_first_failure(tmp_path):
     results = queue.Queue()
     buckets = [_bucket(tmp_path / "missing" / "__0_0.distcp", "a", b"x"), _bucket(tmp_path / "__0_1.distcp", "b", b"y")]
-    C._write_buckets_in_process(_transforms(), False, 0, buckets, results)
+    mcore_save._write_buckets_in_process(_transforms(), False, 0, buckets, results)
     err = results.get_nowait()
     assert isinstance(err, FileNotFoundError) and str(tmp_path / "missing") in str(err) and results.empty()
     assert not (tmp_path / "__0_1.distcp").exists()  # nothing written after the failure
@@ -870,6 +871,7 @@ def test_in_process_writer_passes_use_msc_on(tmp_path):
     except ImportError:
         pass
     results = queue.Queue()
-    C._write_buckets_in_process(_transforms(), True, 0, [_bucket(tmp_path / "__0_0.distcp", "a", b"x")], results)
+    mcore_save._write_buckets_in_process(_transforms(), True, 0, [_bucket(tmp_path / "__0_0.distcp", "a", b"x")],
+                                         results)
     err = results.get_nowait()
     assert isinstance(err, ModuleNotFoundError) and err.name == "multistorageclient"

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_credit.conversion import checkpoint as C
+from megatron_credit.conversion import converters as C, mcore_save, model_io
 from megatron_credit.conversion.hf_io import CheckpointFormatError, SafetensorsReader
 from megatron_credit.conversion.testing import tiny_hf_config, write_random_hf_checkpoint
 
@@ -101,9 +101,9 @@ def _expected_meta(src: Path, *, dtype: str, source_dtype: str, tp: int = 1, pp:
 
 def _loaded_state(ckpt: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The weights of ``ckpt`` loaded into a fresh TP = PP = 1 model of ``dtype``."""
-    with C.single_stage_parallel_state():
-        model = C.build_model(C.load_hf_config(ckpt), params_dtype=dtype)
-        C.load_dist_checkpoint(model, ckpt)
+    with model_io.single_stage_parallel_state():
+        model = model_io.build_model(model_io.load_hf_config(ckpt), params_dtype=dtype)
+        model_io.load_dist_checkpoint(model, ckpt)
         return {k: v.clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
 
@@ -113,9 +113,9 @@ def _assert_weights(ckpt: Path, src: Path, dtype: torch.dtype) -> None:
     from megatron_credit.conversion.safe_load import read_dist_metadata, stored_weight_dtypes
     from megatron_credit.conversion.streaming import iter_megatron_from_hf
 
-    assert stored_weight_dtypes(read_dist_metadata(ckpt / C.MODEL_SUBDIR)) == {dtype}
+    assert stored_weight_dtypes(read_dist_metadata(ckpt / model_io.MODEL_SUBDIR)) == {dtype}
     state = _loaded_state(ckpt, dtype)
-    cfg, reader = C.load_hf_config(src), SafetensorsReader(src)
+    cfg, reader = model_io.load_hf_config(src), SafetensorsReader(src)
     want = dict(iter_megatron_from_hf(reader.get, family_for_config(cfg), cfg))
     assert sorted(state) == sorted(want)
     for name, t in state.items():
@@ -180,9 +180,9 @@ def test_default_conversion_writes_exact_metadata_last_file(default_run, src):
     out, meta, _ = default_run
     want = _expected_meta(src, dtype="bf16", source_dtype="bf16")  # the fp32 inv_freq does not count
     assert meta == want
-    assert (out / C.META_NAME).read_text() == json.dumps(want, indent=2) + "\n"
-    assert C.read_meta(out) == want
-    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", C.META_NAME, "model", *TOKENIZER])
+    assert (out / model_io.META_NAME).read_text() == json.dumps(want, indent=2) + "\n"
+    assert model_io.read_meta(out) == want
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", model_io.META_NAME, "model", *TOKENIZER])
 
 
 def test_default_conversion_stores_the_hf_tensors_bit_exact(default_run, src):
@@ -200,7 +200,7 @@ def test_fc1_is_saved_as_one_gate_up_tensor_per_layer(default_run):
     """Not megatron's two halves per layer (see ``_whole_gated_fc1``): one chunk [1, 2F, H] per layer."""
     from megatron_credit.conversion.safe_load import read_dist_metadata
 
-    md = read_dist_metadata(default_run[0] / C.MODEL_SUBDIR).state_dict_metadata
+    md = read_dist_metadata(default_run[0] / model_io.MODEL_SUBDIR).state_dict_metadata
     fc1 = md["decoder.layers.mlp.linear_fc1.weight"]
     assert tuple(fc1.size) == (LAYERS, 2 * FFN, HIDDEN)
     assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in fc1.chunks) == [
@@ -218,7 +218,7 @@ def test_progress_bar_counts_the_hf_tensors_read(default_run, fp32_run):
 def test_fp32_on_request_with_planned_parallel_sizes(fp32_run, src):
     out, meta, _ = fp32_run
     want = _expected_meta(src, dtype="fp32", source_dtype="bf16", tp=2, pp=2)
-    assert meta == want and json.loads((out / C.META_NAME).read_text()) == want
+    assert meta == want and json.loads((out / model_io.META_NAME).read_text()) == want
     _assert_weights(out, src, torch.float32)
 
 
@@ -251,11 +251,11 @@ def test_whole_gated_fc1_keeps_the_parameter_and_recurses():
     every other entry is passed on as it is."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    with C.single_stage_parallel_state():
-        model = C.build_model(_cfg(), params_dtype=torch.float32)
+    with model_io.single_stage_parallel_state():
+        model = model_io.build_model(_cfg(), params_dtype=torch.float32)
         request = model.sharded_state_dict()
         extra = object()
-        nested = C._whole_gated_fc1({"model": request, "other": extra})
+        nested = mcore_save._whole_gated_fc1({"model": request, "other": extra})
         params = dict(model.named_parameters())
     assert set(nested) == {"model", "other"} and nested["other"] is extra
     got = nested["model"]
@@ -283,14 +283,14 @@ def test_build_model_is_the_local_tp1_pp1_model_unless_asked(monkeypatch):
     cfg = tiny_hf_config("qwen2", num_hidden_layers=2)
     assert cfg.vocab_size == 131
     with pytest.raises(ValueError, match="parallel.tensor_model_parallel_size=3 does not divide num_attention_heads=4"):
-        C.build_model(cfg, params_dtype=torch.float32, tp=3)
+        model_io.build_model(cfg, params_dtype=torch.float32, tp=3)
     with pytest.raises(ValueError, match="parallel.pipeline_model_parallel_size=3 does not divide num_hidden_layers=2"):
-        C.build_model(cfg, params_dtype=torch.float32, pp=3)
-    with C.single_stage_parallel_state():
+        model_io.build_model(cfg, params_dtype=torch.float32, pp=3)
+    with model_io.single_stage_parallel_state():
         with monkeypatch.context() as m:
             m.setattr(gpt, "transformer_engine_available", lambda: True)
             m.setattr(torch.cuda, "is_available", lambda: True)
-            model = C.build_model(cfg, params_dtype=torch.float16)
+            model = model_io.build_model(cfg, params_dtype=torch.float16)
         names = {k: v.dtype for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     assert (model.config.tensor_model_parallel_size, model.config.pipeline_model_parallel_size) == (1, 1)
     assert model.config.params_dtype == torch.float16
@@ -307,24 +307,24 @@ def test_overwrite_replaces_only_the_converters_entries_metadata_last(root, src,
     (out / "model" / "stale.distcp").write_text("old")
     (out / "config.json").write_text('{"the": "user\'s"}')
     (out / "tokenizer_config.json").write_text("old tokenizer")
-    (out / C.META_NAME).write_text('{"old": true}')
+    (out / model_io.META_NAME).write_text('{"old": true}')
     (out / "notes.txt").write_text("the user's")
     moves: list[tuple[str, bool]] = []  # (name moved into out, was an old metadata file there)
     real_replace = os.replace
 
     def spy(a, b):
         if Path(b).parent == out and not Path(b).name.startswith(".tmp"):
-            moves.append((Path(b).name, (out / C.META_NAME).exists()))
+            moves.append((Path(b).name, (out / model_io.META_NAME).exists()))
         return real_replace(a, b)
 
     monkeypatch.setattr(os, "replace", spy)
     meta, _ = _convert(src, out, overwrite=True, progress=False)
     monkeypatch.undo()
     assert meta == _expected_meta(src, dtype="bf16", source_dtype="bf16")
-    assert sorted(name for name, _ in moves) == sorted(["config.json", "model", C.META_NAME, *TOKENIZER])
-    assert moves[-1][0] == C.META_NAME  # a folder with metadata is a complete checkpoint
+    assert sorted(name for name, _ in moves) == sorted(["config.json", "model", model_io.META_NAME, *TOKENIZER])
+    assert moves[-1][0] == model_io.META_NAME  # a folder with metadata is a complete checkpoint
     assert not any(had_meta for _, had_meta in moves)  # the old metadata went first
-    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", C.META_NAME, "model", "notes.txt",
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", model_io.META_NAME, "model", "notes.txt",
                                                             *TOKENIZER])
     assert (out / "notes.txt").read_text() == "the user's"
     for name in ("config.json", *TOKENIZER):
@@ -383,13 +383,13 @@ def test_out_in_the_source_is_refused_before_writing(root, src, where):
 
 def test_check_out_dir_resolves_paths(tmp_path):
     (tmp_path / "src" / "a").mkdir(parents=True)
-    C.check_out_dir(tmp_path / "src", tmp_path / "out")
-    C.check_out_dir(tmp_path / "src", tmp_path / "src2")  # a sibling with a common prefix is outside
-    C.check_out_dir(tmp_path / "src" / "a", tmp_path / "src")  # the source's parent is outside it
+    model_io.check_out_dir(tmp_path / "src", tmp_path / "out")
+    model_io.check_out_dir(tmp_path / "src", tmp_path / "src2")  # a sibling with a common prefix is outside
+    model_io.check_out_dir(tmp_path / "src" / "a", tmp_path / "src")  # the source's parent is outside it
     with pytest.raises(ValueError, match=r"^--ckpt '.*/src/a/\.\.' is the source folder '.*/src'; choose"):
-        C.check_out_dir(tmp_path / "src", tmp_path / "src" / "a" / ".." / ".", flag="--ckpt")
+        model_io.check_out_dir(tmp_path / "src", tmp_path / "src" / "a" / ".." / ".", flag="--ckpt")
     with pytest.raises(ValueError, match=r"^--out '.*/src/a/b' is inside the source folder '.*/src'; choose"):
-        C.check_out_dir(tmp_path / "src" / ".", tmp_path / "src" / "a" / "b")
+        model_io.check_out_dir(tmp_path / "src" / ".", tmp_path / "src" / "a" / "b")
 
 
 def test_failure_removes_a_new_folder_and_the_staging_folder(root, bad_shape_src):
@@ -408,7 +408,7 @@ def test_failure_removes_a_new_folder_and_the_staging_folder(root, bad_shape_src
     used = root / "fail_used"
     (used / "model").mkdir(parents=True)
     (used / "model" / "old.distcp").write_text("old")
-    (used / C.META_NAME).write_text('{"old": true}')
+    (used / model_io.META_NAME).write_text('{"old": true}')
     (used / "notes.txt").write_text("the user's")
     before = _listing(used)
     with pytest.raises(ValueError, match=message):
@@ -423,7 +423,7 @@ def test_cleanup_never_hides_the_error_that_stopped_the_conversion(root, src):
     out.mkdir()
     stray = out / f".tmp-convert-{os.getpid()}"
     stray.write_text("not mine to delete")
-    with pytest.raises(NotADirectoryError, match=re.escape(str(stray / C.MODEL_SUBDIR))):
+    with pytest.raises(NotADirectoryError, match=re.escape(str(stray / model_io.MODEL_SUBDIR))):
         C.convert_hf_to_megatron(src, out, overwrite=True, progress=False)
     assert _listing(out) == {stray.name: b"not mine to delete"}
 
@@ -466,7 +466,7 @@ def test_unsupported_architecture_is_refused(root):
 
 
 def test_load_hf_config_reads_a_config(src):
-    cfg = C.load_hf_config(str(src))
+    cfg = model_io.load_hf_config(str(src))
     assert (cfg.model_type, cfg.architectures, cfg.num_hidden_layers, cfg.vocab_size) == (
         "qwen2", ["Qwen2ForCausalLM"], LAYERS, VOCAB)
 
@@ -487,7 +487,7 @@ def test_bad_config_json_is_named(tmp_path, case):
     (tmp_path / "config.json").write_bytes(raw)
     path = tmp_path / "config.json"
     with pytest.raises(CheckpointFormatError, match=f"^{re.escape(repr(str(path)))} {message}") as info:
-        C.load_hf_config(tmp_path)
+        model_io.load_hf_config(tmp_path)
     assert info.value.path == str(path)
     with pytest.raises(CheckpointFormatError, match=message):
         C.convert_hf_to_megatron(tmp_path, tmp_path.parent / f"{tmp_path.name}_out", progress=False)
@@ -497,7 +497,7 @@ def test_bad_config_json_is_named(tmp_path, case):
 def test_missing_config_json_is_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=re.escape(f"no config.json in {str(tmp_path)!r}")):
-        C.load_hf_config(tmp_path)
+        model_io.load_hf_config(tmp_path)
     with pytest.raises(FileNotFoundError, match=re.escape(f"no config.json in {str(tmp_path)!r}")):
         C.convert_hf_to_megatron(tmp_path, tmp_path / "out", progress=False)
 

@@ -198,7 +198,7 @@ def world1():
     from megatron.core import parallel_state as ps
 
     from megatron_credit.conversion import iter_hf_weight_buckets, load_hf_into_local_state
-    from megatron_credit.conversion.checkpoint import build_model, single_stage_parallel_state
+    from megatron_credit.conversion.model_io import build_model, single_stage_parallel_state
 
     cfg, hf, fam = _tiny("qwen2", False)
     with single_stage_parallel_state():
@@ -345,8 +345,8 @@ def _hand_checkpoint(run_dir, edit) -> tuple[str, dict[str, torch.Tensor]]:
 
     from megatron_credit.config import ModelConfig
     from megatron_credit.conversion import family_for_config, load_hf_into_local_state
-    from megatron_credit.conversion.checkpoint import (_save_strategy, _whole_gated_fc1, build_model,
-                                                       single_stage_parallel_state)
+    from megatron_credit.conversion.mcore_save import _save_strategy, _whole_gated_fc1
+    from megatron_credit.conversion.model_io import build_model, single_stage_parallel_state
 
     _write_config_yaml(run_dir, {"architecture": RUN_ARCH, "params_dtype": "float32"})
     ckpt = run_dir / "checkpoints" / "iter_0000001"

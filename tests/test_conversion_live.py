@@ -86,7 +86,7 @@ def _export_real_model(family: str, tp: int, pp: int):
     from megatron_credit import distributed
     from megatron_credit.config import ParallelConfig
     from megatron_credit.conversion import family_for_config, iter_hf_weight_buckets, load_hf_into_local_state
-    from megatron_credit.conversion.checkpoint import build_model
+    from megatron_credit.conversion.model_io import build_model
 
     distributed.initialize(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
     try:

@@ -99,7 +99,7 @@ def _megatron_logits(hf_dir: str, tp: int, pp: int, *, ckpt_dir: str | None = No
     from megatron_credit import distributed
     from megatron_credit.config import ParallelConfig
     from megatron_credit.conversion import family_for_config, load_hf_into_local_state
-    from megatron_credit.conversion.checkpoint import build_model, load_dist_checkpoint, load_hf_config
+    from megatron_credit.conversion.model_io import build_model, load_dist_checkpoint, load_hf_config
     from megatron_credit.conversion.hf_io import SafetensorsReader
     from megatron_credit.conversion.transforms import TPLayout, tp_shard
 
@@ -276,7 +276,7 @@ def test_parity_check_catches_wrong_layouts(pool, hf_dirs, corrupt):
 
 
 def test_converter_errors(hf_dirs, tmp_path):
-    from megatron_credit.conversion.checkpoint import convert_hf_to_megatron, convert_megatron_to_hf
+    from megatron_credit.conversion.converters import convert_hf_to_megatron, convert_megatron_to_hf
 
     src = hf_dirs[("qwen2", False)]
     with pytest.raises(ValueError, match="tp=3 does not divide num_attention_heads=4"):

@@ -99,7 +99,7 @@ def _tiny_hf_model(out_dir: str) -> None:
 
 
 def test_evaluate_cli_hf_dir_and_megatron_checkpoint_agree(tmp_path, capsys):
-    from megatron_credit.conversion.checkpoint import convert_hf_to_megatron
+    from megatron_credit.conversion.converters import convert_hf_to_megatron
     from tools.evaluate import main
 
     hf = str(tmp_path / "hf")

@@ -153,7 +153,7 @@ def _megatron_logits(folder: str, ids: torch.Tensor, tp: int, pp: int):
     from megatron_credit import distributed
     from megatron_credit.config import ParallelConfig
     from megatron_credit.conversion import family_for_config, load_hf_into_local_state
-    from megatron_credit.conversion.checkpoint import build_model, load_hf_config
+    from megatron_credit.conversion.model_io import build_model, load_hf_config
     from megatron_credit.conversion.hf_io import SafetensorsReader
 
     distributed.initialize(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)

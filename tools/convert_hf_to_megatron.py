@@ -4,7 +4,7 @@
 
 ``--tp`` / ``--pp`` check that the planned parallel sizes divide the model (the checkpoint itself is
 topology-free: megatron reshards on load). ``--dtype`` casts the weights; a cast that loses precision
-needs ``--allow-lossy-dtype``. See ``megatron_credit/conversion/checkpoint.py`` for the layout.
+needs ``--allow-lossy-dtype``. See ``megatron_credit/conversion/converters.py`` for the layout.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _main(argv: list[str]) -> int:
     args = parse_args(argv)
-    from megatron_credit.conversion.checkpoint import convert_hf_to_megatron
+    from megatron_credit.conversion.converters import convert_hf_to_megatron
 
     meta = convert_hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
                                   allow_lossy_dtype=args.allow_lossy_dtype, overwrite=args.overwrite,

@@ -48,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _main(argv: list[str]) -> int:
     args = parse_args(argv)
-    from megatron_credit.conversion.checkpoint import convert_megatron_to_hf
+    from megatron_credit.conversion.converters import convert_megatron_to_hf
 
     files = convert_megatron_to_hf(args.ckpt, args.out, dtype=args.dtype, allow_lossy_dtype=args.allow_lossy_dtype,
                                    max_shard_bytes=args.max_shard_size, progress=not args.no_progress,

@@ -79,7 +79,7 @@ def _hf_folder(args):
     with tempfile.TemporaryDirectory(prefix="mc-eval-") as tmp:
         out = str(Path(tmp) / "hf")
         if args.megatron_ckpt:
-            from megatron_credit.conversion.checkpoint import convert_megatron_to_hf
+            from megatron_credit.conversion.converters import convert_megatron_to_hf
 
             convert_megatron_to_hf(args.megatron_ckpt, out, progress=not args.no_progress)
         else:

@@ -4,8 +4,10 @@
 * :mod:`.base` - model dims, rules, the family registry; :mod:`.qwen2`, :mod:`.qwen3`, :mod:`.llama`
 * :mod:`.streaming` - full-tensor HF <-> megatron generators; :mod:`.live` - a TP/PP-sharded model
   (loading, and the bucketed HF-named weight generator used by weight sync)
-* :mod:`.hf_io` - streaming safetensors reader/writer; :mod:`.checkpoint` - dist-checkpoint converters
-  (imports megatron-core; used by ``tools/convert_*``); :mod:`.testing` - tiny configs, random checkpoints
+* :mod:`.hf_io` - streaming safetensors reader/writer; :mod:`.testing` - tiny configs, random checkpoints
+* :mod:`.converters` - HF folder <-> dist-checkpoint converters (used by ``tools/convert_*``);
+  :mod:`.model_io` - a converted folder's files and the model it loads into; :mod:`.mcore_save` -
+  workarounds on megatron-core's private torch_dist save machinery (all three use megatron-core)
 
 Importing this package needs torch only (megatron-core and transformers are imported where used).
 """

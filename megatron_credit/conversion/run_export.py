@@ -37,9 +37,10 @@ def export_run_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathL
 
     from megatron_credit.config import load_recipe
     from megatron_credit.conversion.base import family_for_config
-    from megatron_credit.conversion.checkpoint import (_check_only_extra_state, _whole_gated_fc1, build_model,
-                                                       check_out_dir, single_stage_parallel_state)
     from megatron_credit.conversion.hf_io import ShardedSafetensorsWriter, copy_tokenizer_files
+    from megatron_credit.conversion.mcore_save import _whole_gated_fc1
+    from megatron_credit.conversion.model_io import (_check_only_extra_state, build_model, check_out_dir,
+                                                     single_stage_parallel_state)
     from megatron_credit.conversion.safe_load import (check_dist_checkpoint, checkpoint_errors_unwrapped,
                                                       stored_weight_dtypes, weights_only_byte_items)
     from megatron_credit.conversion.streaming import iter_hf_from_megatron

