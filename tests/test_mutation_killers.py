@@ -17,7 +17,7 @@ rule of the code is changed, and says why that rule matters to a user.
   a thousands separator in a plain digit string is dropped.
 - math-verify: symbolic answers are read as math whatever their spacing.
 
-Conversion weights that must all be distinct live in ``tests/test_conversion_unique_weights.py``.
+Conversion weights that must all be distinct live in ``tests/conversion/test_unique_weights.py``.
 """
 import math
 
@@ -31,8 +31,8 @@ from megatron_credit.credit.group import broadcast_to_tokens, dr_grpo_advantages
 from megatron_credit.losses.policy import AGG_MODES, aggregate_loss, fipo_policy_loss, gspo_loss, ppo_clip_loss
 from megatron_credit.rewards.dapo import normalize_final_answer, score_dapo
 from megatron_credit.rewards.math import compute_score
-from tests.test_credit_future_kl import future_kl_reference
-from tests.test_losses_policy import ppo_reference
+from tests.credit.test_future_kl import future_kl_reference
+from tests.losses.test_policy import ppo_reference
 
 
 # --- FIPO boundaries: ratio == c exactly ---------------------------------------------------------

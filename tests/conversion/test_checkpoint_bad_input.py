@@ -3,7 +3,7 @@
 Every case is a file a user could plausibly hand us (truncated, random, hand-edited, crafted) and the
 test asserts the exact outcome: a ``CheckpointFormatError`` naming the file, the user's files still
 there, no code run, no temporary files left. One tiny checkpoint is converted once in a subprocess
-(saving a dist checkpoint starts a multiprocessing Manager, see ``test_conversion_files.py``); the
+(saving a dist checkpoint starts a multiprocessing Manager, see ``tests/conversion/test_checkpoint_files.py``); the
 cases that need a model load run there too, the others run here on copies of it.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from megatron_credit.conversion.hf_io import (INDEX_NAME, SINGLE_NAME, CheckpointFormatError, SafetensorsReader,
                                               ShardedSafetensorsWriter, write_safetensors)
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 
 class _RunsCode:
@@ -239,7 +239,7 @@ def produced(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad_ckpt")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
-    code = f"from tests.test_bad_input_checkpoints import _produce; _produce({str(root)!r})"
+    code = f"from tests.conversion.test_checkpoint_bad_input import _produce; _produce({str(root)!r})"
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+
 VOCAB = 160
 
 
@@ -169,7 +170,7 @@ def produced(tmp_path_factory):
     root = tmp_path_factory.mktemp("files")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
-    code = f"from tests.test_conversion_files import _produce; _produce({str(root)!r})"
+    code = f"from tests.conversion.test_checkpoint_files import _produce; _produce({str(root)!r})"
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_bad_input_resume import RECIPE, REPO, _cli, _env
+from tests.trainer.test_resume_bad_input import RECIPE, REPO, _cli, _env
 
 USER_FILES = {"model-00001-of-00002.safetensors": b"user shard 1", "model-00002-of-00002.safetensors": b"user shard 2",
               "model.safetensors.index.json": json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
@@ -91,7 +91,7 @@ def results(tmp_path_factory):
     (root / "recipe.yaml").write_text(yaml.safe_dump(RECIPE))
     proc = _cli("--config", root / "recipe.yaml", "--output-dir", root / "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    code = f"from tests.test_bad_input_exports import _roundtrip; _roundtrip({str(root)!r})"
+    code = f"from tests.conversion.test_export_bad_input import _roundtrip; _roundtrip({str(root)!r})"
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, env=_env(), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

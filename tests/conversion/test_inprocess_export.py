@@ -1,6 +1,7 @@
 """megatron -> HF export, the checks on a converted checkpoint and the in-process dist-checkpoint writer,
 run in the pytest process (so that ``make mutation`` sees them; the subprocess tests in
-``test_conversion_files.py`` / ``test_bad_input_checkpoints.py`` check the same surfaces from outside).
+``tests/conversion/test_checkpoint_files.py`` / ``tests/conversion/test_checkpoint_bad_input.py`` check the
+same surfaces from outside).
 
 - the export is bit-exact against the source safetensors, sharded by ``max_shard_bytes`` with an index
   naming the shard of every tensor, with the tokenizer files and ``config.json``: copied byte for byte

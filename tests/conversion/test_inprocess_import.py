@@ -1,8 +1,8 @@
 """HF -> megatron conversion run in the pytest process: what ``convert_hf_to_megatron`` writes, and what
 it refuses to write.
 
-The other conversion tests convert in a subprocess (``test_conversion_files.py``,
-``test_bad_input_checkpoints.py``), which a mutation run cannot trace; here every conversion runs in
+The other conversion tests convert in a subprocess (``tests/conversion/test_checkpoint_files.py``,
+``tests/conversion/test_checkpoint_bad_input.py``), which a mutation run cannot trace; here every conversion runs in
 this process (a world-size-1 gloo group made by ``single_stage_parallel_state``), on a two-layer Qwen2
 with every tensor drawn afresh (``write_random_hf_checkpoint``), so that a tensor loaded into the wrong
 parameter, layer or half of fc1 changes a value the tests compare bit for bit.

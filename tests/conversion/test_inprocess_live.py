@@ -1,9 +1,9 @@
 """HF weights in and out of a live model (``conversion.live``) and a training run's checkpoint -> HF
 (``conversion.run_export``), run in the pytest process.
 
-``tests/test_conversion_live.py`` checks the weight-sync generator on spawned gloo workers; here the same
+``tests/conversion/test_live.py`` checks the weight-sync generator on spawned gloo workers; here the same
 contracts run where ``make mutation`` can trace them: TP = 2, PP = 2 and TP = PP = 2 on a
-:class:`tests.threaded_harness.ThreadedPool` (ranks as threads), and world size 1 on a real megatron
+:class:`tests.support.threaded_harness.ThreadedPool` (ranks as threads), and world size 1 on a real megatron
 ``GPTModel``. Every HF tensor holds values no other element of the model holds, so a tensor taken from
 the wrong layer, rank, stage or slot cannot pass. The run export reads a checkpoint written by the
 trainer's own ``trainer.checkpoint.save`` (model, AdamW moments, a PPO value head) and must give back the
@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 
-from tests.threaded_harness import ThreadedPool
+from tests.support.threaded_harness import ThreadedPool
 
 BUCKET = 12_000  # bytes: many buckets for the tiny models, the embedding alone in its own
 PAD = 4  # vocabulary padding rows of a hand-built rank state (the exporter must drop them)

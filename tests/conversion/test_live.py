@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed_harness import DistributedPool
+from tests.support.distributed_harness import DistributedPool
 
 BUCKET = 12_000  # bytes: several buckets for the tiny models, some tensors alone in a bucket
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_harness import DistributedPool, pipeline_forward
+from tests.support.distributed_harness import DistributedPool, pipeline_forward
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 FAMILIES = ["qwen2", "qwen3", "llama"]
 TOL = 1e-4  # max |megatron - hf| / max |hf| over valid positions, fp32
 TIED = ["llama-tied", "qwen3-tied"]  # always built with peaked attention

@@ -60,7 +60,7 @@ class _Unique:
 
 
 # --- expected layouts, written out from the docstrings -------------------------------------------
-from tests.test_conversion_maps import _qkv_reference  # noqa: E402  (one loop reference of the QKV layout)
+from tests.conversion.test_maps import _qkv_reference  # noqa: E402  (one loop reference of the QKV layout)
 
 
 def _flags(family, c):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed_harness import DistributedPool
-from tests.test_conversion_live import _export_real_model, _hf_state
-from tests.test_conversion_parity import TOL, _hf_logits, _make_hf_dir, _megatron_logits, _rel_err
+from tests.support.distributed_harness import DistributedPool
+from tests.conversion.test_live import _export_real_model, _hf_state
+from tests.conversion.test_parity import TOL, _hf_logits, _make_hf_dir, _megatron_logits, _rel_err
 
 TP = 4
 

@@ -5,7 +5,7 @@ the logits here.
 
 HF's initialisation makes norms all ones and biases all zeros, and the scaled parity runs multiply
 ``q_norm`` and ``k_norm`` by the same factor, so a swap of two such tensors cannot move the logits of
-``tests/test_conversion_parity.py``. Here every HF tensor is drawn afresh (norms ``1 + noise``,
+``tests/conversion/test_parity.py``. Here every HF tensor is drawn afresh (norms ``1 + noise``,
 biases ``noise``, q/k made peaked so that RoPE and per-head scales matter), a guard asserts that no
 two tensors are equal up to scale, and the megatron model at TP=2 and PP=2 must give the logits of
 ``transformers``.
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_harness import DistributedPool
-from tests.test_conversion_parity import LENGTHS, TOL, _batch, _last, _rel_err
+from tests.support.distributed_harness import DistributedPool
+from tests.conversion.test_parity import LENGTHS, TOL, _batch, _last, _rel_err
 
 CASES = {
     "qwen2": ("qwen2", {}),  # q/k/v biases

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from megatron_credit.credit.future_kl import fipo_weights, future_kl, masked_summary, multi_dual_clip_keep
-from tests.distributed_harness import block_subgroup, load_balanced_shard
-from tests.threaded_harness import gloo_and_threads_pool
+from tests.support.distributed_harness import block_subgroup, load_balanced_shard
+from tests.support.threaded_harness import gloo_and_threads_pool
 
 
 def make_batch(b, t, seed, *, packed=False, dtype=torch.float64):

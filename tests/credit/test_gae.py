@@ -6,8 +6,8 @@ import torch
 
 from megatron_credit.credit.gae import comp_gae, gae
 from megatron_credit.credit.gates import comppo_gate, concentration_from_lse, normalized_concentration
-from tests.distributed_harness import block_subgroup, load_balanced_shard
-from tests.threaded_harness import gloo_and_threads_pool
+from tests.support.distributed_harness import block_subgroup, load_balanced_shard
+from tests.support.threaded_harness import gloo_and_threads_pool
 
 
 def make_batch(b, t, seed):

@@ -8,7 +8,7 @@ import torch
 from megatron_credit.credit.gates import PositionGateSchedule, fixed_gates, relative_position_bins, shuffle_gates
 from megatron_credit.models.critic import (StandardCritic, TransportAlignedCritic, average_ranks, build_critic,
                                            critic_diagnostics, critic_parameter_count)
-from tests.distributed_harness import DistributedPool
+from tests.support.distributed_harness import DistributedPool
 
 
 def make_gates(b, t, seed, *, left_pad=True):
@@ -484,7 +484,7 @@ def _position_schedule_over_subgroups(per_rank_kappa):
     """Ranks {0, 1} and {2, 3} each build one schedule over their own DP group."""
     import torch.distributed as dist
 
-    from tests.distributed_harness import block_subgroup
+    from tests.support.distributed_harness import block_subgroup
 
     group, _ = block_subgroup(2)
     rank = dist.get_rank()
@@ -496,7 +496,7 @@ def _position_schedule_over_subgroups(per_rank_kappa):
 
 
 def test_position_schedule_is_built_over_its_data_parallel_group_only():
-    from tests.threaded_harness import ThreadedPool
+    from tests.support.threaded_harness import ThreadedPool
 
     kappa = [[0.1, 0.3], [0.3, 0.5], [0.5, 0.7], [0.9, 0.9]]
     means = ThreadedPool(world_size=4).run(_position_schedule_over_subgroups, kappa)

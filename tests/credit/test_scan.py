@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from megatron_credit.credit.scan import reverse_linear_scan
-from tests.distributed_harness import block_subgroup, load_balanced_shard
-from tests.threaded_harness import gloo_and_threads_pool
+from tests.support.distributed_harness import block_subgroup, load_balanced_shard
+from tests.support.threaded_harness import gloo_and_threads_pool
 
 
 def loop_reference(x, a):

@@ -6,7 +6,7 @@ from megatron_credit.data.context_parallel import (
     check_sequence_length, gather_from_cp, merge_cp_shards, pad_for_parallel, required_multiple,
     shift_labels, split_for_cp,
 )
-from tests.distributed_harness import DistributedPool, block_subgroup
+from tests.support.distributed_harness import DistributedPool, block_subgroup
 
 
 def _expected_positions(seq, cp, rank):

@@ -10,7 +10,7 @@ from megatron_credit.data.microbatch import (
     microbatch_stats,
     plan_minibatches,
 )
-from tests.threaded_harness import gloo_and_threads_pool
+from tests.support.threaded_harness import gloo_and_threads_pool
 
 
 def _cost_ref(lens, mb, mode, mult):

@@ -10,9 +10,8 @@ import torch
 
 from megatron_credit.distributed import LaunchEnv
 from megatron_credit.distributed.cpu_shims import CpuRNGStatesTracker
-from tests.distributed_harness import DistributedPool
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.distributed_harness import DistributedPool
+from tests.support.paths import ROOT
 
 
 def test_launch_env_from_torchrun_variables():

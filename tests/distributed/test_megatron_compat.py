@@ -11,7 +11,7 @@ import torch
 
 from megatron_credit import distributed
 from megatron_credit.distributed import cpu_shims
-from tests.distributed_harness import DistributedPool
+from tests.support.distributed_harness import DistributedPool
 
 
 def test_shim_targets_exist_on_the_installed_megatron_core():

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from megatron_credit.losses.logprob import logprobs_and_entropy, logprobs_from_hidden
-from tests.distributed_harness import block_subgroup
-from tests.threaded_harness import gloo_and_threads_pool
+from tests.support.distributed_harness import block_subgroup
+from tests.support.threaded_harness import gloo_and_threads_pool
 
 F64 = torch.float64
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from megatron_credit.models.concentration import attention_concentration, attention_topk
-from tests.distributed_harness import DistributedPool, load_balanced_shard
+from tests.support.distributed_harness import DistributedPool, load_balanced_shard
+from tests.support.paths import ROOT
 
 # ---------------------------------------------------------------------------------- dense reference
 
@@ -197,7 +198,7 @@ FUSED_BATCH, FUSED_SEQ, TOP_K = 2, 16, 4
 
 
 def _fused_inputs():
-    from tests.test_parallel_invariance import QWEN2
+    from tests.models.test_parallel_invariance import QWEN2
 
     g = torch.Generator().manual_seed(7)
     return torch.randint(0, QWEN2["vocab_size"], (FUSED_BATCH, FUSED_SEQ), generator=g)
@@ -250,7 +251,7 @@ def _build_pair(arch, parallel, weights=None):
 
     from megatron_credit.config import ModelConfig
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
-    from tests.test_parallel_invariance import _reference_name, _shard
+    from tests.models.test_parallel_invariance import _reference_name, _shard
 
     hf = ModelConfig(architecture=arch).hf_config()
     plain = build_gpt_model(hf, transformer_config_from_hf(hf, parallel=parallel))
@@ -288,7 +289,7 @@ def _fused_case(arch, tp, pp, cp, query_start):
     from megatron_credit.config import ParallelConfig
     from megatron_credit.models.concentration import attention_concentration, attention_topk
     from megatron_credit.models.cpu_attention import load_balanced_positions
-    from tests.test_parallel_invariance import _VOCAB_SHARDED, _unshard
+    from tests.models.test_parallel_invariance import _VOCAB_SHARDED, _unshard
 
     torch.set_num_threads(1)
     ids = _fused_inputs()
@@ -342,7 +343,7 @@ def _check_stats(got, want, *, rtol, atol):
                          ids=["tp2", "tp2-one-kv-head", "cp2", "pp2", "cp2-late-start"])
 def test_fused_final_layer(pool2, kv_heads, tp, pp, cp, query_start):
     """tp2-one-kv-head: TP above the KV-head count, each rank holds its own copy of the one group."""
-    from tests.test_parallel_invariance import QWEN2
+    from tests.models.test_parallel_invariance import QWEN2
 
     results = pool2.run(_fused_case, dict(QWEN2, num_key_value_heads=kv_heads), tp, pp, cp, query_start)
     ws1 = results[0][0]
@@ -398,7 +399,7 @@ print((kib('VmHWM') - base) * 1024)
 
 def _peak_bytes(b, hq, hkv, tq, tk, d, what):
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+               PYTHONPATH=ROOT)
     res = subprocess.run([sys.executable, "-c", _PROBE.format(args=(b, hq, hkv, tq, tk, d, what))],
                          capture_output=True, text=True, check=True, env=env, timeout=900)
     return int(res.stdout.strip().splitlines()[-1])

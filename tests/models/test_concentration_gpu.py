@@ -1,5 +1,5 @@
 """GPU checks of CompPO's attention statistics. NOT RUN on the CPU machines they were written on (the
-task that wrote them drew no GPU): run ``pytest -q tests/test_concentration_gpu.py`` on a GPU node.
+task that wrote them drew no GPU): run ``pytest -q tests/models/test_concentration_gpu.py`` on a GPU node.
 
 - the issue's memory bound at its full size, measured exactly (``torch.cuda.max_memory_allocated``);
 - the kernels on CUDA equal the dense float64 reference;
@@ -9,7 +9,7 @@ task that wrote them drew no GPU): run ``pytest -q tests/test_concentration_gpu.
 import pytest
 import torch
 
-from tests.test_concentration import dense_concentration, dense_topk
+from tests.models.test_concentration import dense_concentration, dense_topk
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_credit.models.concentration import attention_concentration
-from tests.test_concentration import CASES, _inputs, dense_attention
+from tests.models.test_concentration import CASES, _inputs, dense_attention
 
 
 def dense_sinkless(query, key, sink_keys, *, q_positions=None, scale=None):

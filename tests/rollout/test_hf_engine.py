@@ -93,7 +93,7 @@ def test_stop_tokens_and_max_length(engine):
 
 
 def test_stop_token_on_the_last_allowed_step_is_stopped(engine):
-    """The vLLM engine agrees (vLLM itself says "length" there): see test_rollout_vllm_rules.py."""
+    """The vLLM engine agrees (vLLM itself says "length" there): see tests/rollout/test_vllm_engine_rules.py."""
     free = engine.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=5)).samples[0].response_ids
     last = free[4]
     k = free.index(last)  # the greedy stream is the same with a stop token until that token appears

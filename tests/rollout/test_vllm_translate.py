@@ -64,7 +64,7 @@ def test_constructor_validates_before_importing_vllm(monkeypatch):
     from megatron_credit.rollout import vllm_engine
 
     monkeypatch.setattr(vllm_engine, "_cuda_available", lambda: True)  # GPU defaults (cuda_ipc)
-    # a clean environment: an engine started earlier in this process (test_rollout_vllm_cpu.py) leaves
+    # a clean environment: an engine started earlier in this process (tests/rollout/test_vllm_engine_cpu.py) leaves
     # VLLM_ENABLE_V1_MULTIPROCESSING=0 behind, which turns the third refusal into "environment sets ..."
     for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
         monkeypatch.delenv(var, raising=False)

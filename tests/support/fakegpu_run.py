@@ -1,5 +1,5 @@
-"""``python -m tests.fakegpu_run pretrain_rl.py-arguments...``: the trainer's command line on the emulated
-accelerator of :mod:`tests.fakegpu` (each launch is a process of its own: the backend registration
+"""``python -m tests.support.fakegpu_run pretrain_rl.py-arguments...``: the trainer's command line on the emulated
+accelerator of :mod:`tests.support.fakegpu` (each launch is a process of its own: the backend registration
 is process-wide). Works under ``torch.distributed.run`` too: ``distributed.initialize`` asks for NCCL
 (``torch.cuda.is_available()`` answers True) and gets gloo behind NCCL's device checks."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 def main(argv: list[str]) -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, root)
-    from tests.fakegpu import fake_cuda
+    from tests.support.fakegpu import fake_cuda
 
     with fake_cuda():
         import pretrain_rl

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tests.distributed_harness import DistributedPool
+from tests.support.distributed_harness import DistributedPool
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Distributed checks with ranks as threads of the test process (torch's threaded process-group backend).
 
-:class:`ThreadedPool` has :class:`tests.distributed_harness.DistributedPool`'s interface: ``run(fn, *args)``
+:class:`ThreadedPool` has :class:`tests.support.distributed_harness.DistributedPool`'s interface: ``run(fn, *args)``
 calls ``fn`` on every rank and returns the results in rank order. The ranks are threads of this process
 with an initialised ``torch.distributed`` world (the ``threaded`` backend of
 ``torch.testing._internal.distributed.multi_threaded_pg``: in-memory collectives, subgroups from
@@ -89,7 +89,7 @@ def gloo_and_threads_pool(world_size: int):
         if request.param == "threads":
             yield ThreadedPool(world_size=world_size)
             return
-        from tests.distributed_harness import DistributedPool
+        from tests.support.distributed_harness import DistributedPool
 
         with DistributedPool(world_size=world_size) as p:
             yield p

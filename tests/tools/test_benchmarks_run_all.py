@@ -5,7 +5,8 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.paths import ROOT
+
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import run_all  # noqa: E402

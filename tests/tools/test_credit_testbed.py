@@ -11,7 +11,7 @@ import pytest
 from tools.testbed_stats import (curve_metrics, interaction_interval, interpolate, mean_interval, paired_interval,
                                  t_cdf, t_quantile)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.paths import ROOT
 
 # Two-sided 95% (and one 90% / 99%) Student-t critical values from printed tables.
 T_TABLE = {(0.975, 1): 12.706, (0.975, 2): 4.303, (0.975, 3): 3.182, (0.975, 4): 2.776, (0.975, 5): 2.571,
@@ -102,7 +102,7 @@ def test_smoke_run_writes_results_records_failures_and_resumes(tmp_path):
         assert row["final"]["n"] == 2 and row["final"]["mean"] == want.mean and row["final"]["hi"] == want.hi
     assert task["table"]["fipo"]["diff"]["auc"]["n"] == 2
     # FIPO's weight std is logged per iteration and the report takes its mean over the cell's iterations
-    # (its value is checked in tests/test_trainer_step.py: 0 on the first mini-batch, > 0 after it).
+    # (its value is checked in tests/trainer/test_step.py: 0 on the first mini-batch, > 0 after it).
     for s in ("1", "2"):
         rows = [json.loads(line) for line in (tmp_path / f"cells/chain3/fipo/seed_{s}/run/metrics.jsonl").open()]
         stds = [r["fipo/weight_std"] for r in rows]

@@ -14,7 +14,8 @@ import pytest
 
 from megatron_credit.config import load_recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.paths import ROOT
+
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.yaml")))
 NAMES = [os.path.splitext(os.path.basename(r))[0] for r in RECIPES]
 
@@ -90,7 +91,7 @@ def test_published_settings():
 
 
 def _free_port() -> int:
-    from tests.distributed_harness import _free_port as free
+    from tests.support.distributed_harness import _free_port as free
 
     return free()
 

@@ -15,7 +15,7 @@ import yaml
 
 from tools import gpu_check_trainer as G
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 
 @pytest.mark.parametrize("name", G.NAMES)

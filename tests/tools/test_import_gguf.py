@@ -1,7 +1,7 @@
 """``tools/import_gguf.py`` refuses bad input with one line, exit code 2, and touches no user file.
 
 Small GGUF files are written with the ``gguf`` package's writer (metadata only: the checks run before
-any tensor is read). The import of a real GGUF file is tested in ``tests/test_real_model_smollm2.py``.
+any tensor is read). The import of a real GGUF file is tested in ``tests/models/test_real_model_smollm2.py``.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from tools import import_gguf
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:

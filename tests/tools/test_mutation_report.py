@@ -11,6 +11,8 @@ import pytest
 
 from tools import mutation_report as mr
 
+from tests.support.paths import ROOT
+
 MOD = "megatron_credit.credit.scan"
 
 
@@ -92,7 +94,7 @@ def test_under_mutmut_a_test_that_hangs_fails_within_the_short_timeout(tmp_path)
     import sys
     import time
 
-    shutil.copy(os.path.join(os.path.dirname(__file__), "conftest.py"), tmp_path / "conftest.py")
+    shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_hang.py").write_text("def test_fast():\n    assert True\n\n"
                                            "def test_hangs():\n    while True:\n        pass\n")
     env = dict(os.environ, MUTANT_UNDER_TEST="megatron_credit.credit.scan.x__doubling__mutmut_1",

@@ -10,7 +10,8 @@ import types
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.paths import ROOT
+
 sys.path.insert(0, ROOT)
 
 import pretrain_rl  # noqa: E402

@@ -359,7 +359,7 @@ def _reductions_over_pairs():
     import torch.distributed as dist
 
     from megatron_credit.data.microbatch import max_count_across_ranks
-    from tests.distributed_harness import block_subgroup
+    from tests.support.distributed_harness import block_subgroup
 
     group, _ = block_subgroup(2)
     rank = dist.get_rank()
@@ -388,7 +388,7 @@ def _reductions_over_pairs():
 
 
 def test_stat_sums_and_step_denominators_reduce_over_their_group_only():
-    from tests.threaded_harness import ThreadedPool
+    from tests.support.threaded_harness import ThreadedPool
 
     out = ThreadedPool(world_size=4).run(_reductions_over_pairs)
     for rank, (stats, den, extremes, counts) in enumerate(out):
@@ -422,7 +422,7 @@ def test_step_token_count_is_summed_over_dp_before_rounding_to_float32():
     # The exact sum 3 * 2^24 + 3 rounds once, to 3 * 2^24 + 4 (float32's spacing there is 4). Summing
     # counts already rounded to float32 (2^24 each) would give 3 * 2^24: 4 tokens lost, i.e. a different
     # token-mean loss scale on every rank.
-    from tests.threaded_harness import ThreadedPool
+    from tests.support.threaded_harness import ThreadedPool
 
     out = ThreadedPool(world_size=3).run(_token_count_past_float32)
     assert out == [float(3 * 2**24 + 4)] * 3

@@ -9,7 +9,7 @@ import shutil
 
 import torch
 
-from tests.test_trainer_e2e import _char_tokenizer, _cli, _lines, _stable
+from tests.trainer.test_loop_e2e import _char_tokenizer, _cli, _lines, _stable
 
 
 def _hf_folder(path) -> None:

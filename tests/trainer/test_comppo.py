@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 
-from tests.distributed_harness import DistributedPool
-from tests.test_trainer_e2e import _cli, _lines, _stable, _train
+from tests.support.distributed_harness import DistributedPool
+from tests.trainer.test_loop_e2e import _cli, _lines, _stable, _train
 
 LAYOUTS = {"TP=2": ["parallel.tensor_model_parallel_size=2"], "PP=2": ["parallel.pipeline_model_parallel_size=2"],
            "CP=2": ["parallel.context_parallel_size=2"]}
@@ -26,7 +26,7 @@ BEFORE_UPDATE_REL = 5e-5
 # Averaged over both mini-batches, the second after an AdamW step. Adam's first step moves each weight by
 # about +-lr whatever its gradient's size, so float-rounding differences of tiny gradients between layouts
 # become lr-sized weight differences (PPO shows the same ~0.3% here): a loose check. The update itself is
-# compared at 1e-5 on a fixed batch in tests/test_trainer_step.py.
+# compared at 1e-5 on a fixed batch in tests/trainer/test_step.py.
 AFTER_UPDATE = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/value_loss", "critic/grad_norm")
 
 

@@ -1,4 +1,4 @@
-"""Device placement: the trainer on an emulated accelerator (``tests/fakegpu.py``) equals the CPU path.
+"""Device placement: the trainer on an emulated accelerator (``tests/support/fakegpu.py``) equals the CPU path.
 
 Every tensor the trainer makes or moves must be on the device ``distributed.initialize`` returns, and
 every collective must get device tensors (NCCL's contract): the emulated device raises, as CUDA does,
@@ -8,7 +8,7 @@ all tensors to be on the same device ... cpu, fakegpu:0! (in aten.mul.Tensor)`` 
 ``rope_utils.py``). Each scenario runs in processes of its own (the backend registration is
 process-wide); the numbers must equal the CPU path's (the emulated device computes on the CPU).
 
-- the update on the fixed batch of ``test_trainer_step`` (behaviour pass, advantages, two optimizer
+- the update on the fixed batch of ``tests/trainer/test_step.py`` (behaviour pass, advantages, two optimizer
   steps) for GRPO, FIPO, PPO with a value head and with a separate critic, and CompPO;
 - ``pretrain_rl.py`` with the supervised warm-up, a frozen reference (KL), megatron's optimizer, the HF
   engine and its weight sync, a checkpoint every iteration and a resume;
@@ -23,23 +23,23 @@ import sys
 
 import pytest
 
-from tests.distributed_harness import DistributedPool, _free_port
+from tests.support.distributed_harness import DistributedPool, _free_port
+from tests.support.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCAL = ["model.transformer_impl=local"]  # the emulated machine has no Transformer Engine
 pytestmark = pytest.mark.slow
 
 
 def _on_fake_device(fn, *args, **kwargs):
     """``fn`` inside the emulated one-GPU machine (runs in a pool worker)."""
-    from tests.fakegpu import fake_cuda
+    from tests.support.fakegpu import fake_cuda
 
     with fake_cuda():
         return fn(*args, **kwargs)
 
 
 def _fixed_batch(algorithm: str, overrides: list[str], *, fake: bool):
-    from tests import test_trainer_step as ts
+    from tests.trainer import test_step as ts
 
     with DistributedPool(world_size=1) as pool:  # a fresh process per scenario
         if fake:
@@ -68,7 +68,7 @@ def test_the_update_on_the_device_equals_the_cpu_path(name):
 
 
 def _launch(out: str, *args: str, fake: bool, nproc: int = 1, timeout: int = 600):
-    entry = ["-m", "tests.fakegpu_run"] if fake else [os.path.join(ROOT, "pretrain_rl.py")]
+    entry = ["-m", "tests.support.fakegpu_run"] if fake else [os.path.join(ROOT, "pretrain_rl.py")]
     cmd = [sys.executable, *entry, "--output-dir", out, *args]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from tests.distributed_harness import DistributedPool
-from tests.test_trainer_e2e import TINY, VOLATILE
+from tests.support.distributed_harness import DistributedPool
+from tests.trainer.test_loop_e2e import TINY, VOLATILE
 
 
 def _run(run_dir: str, overrides):

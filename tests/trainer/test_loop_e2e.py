@@ -15,9 +15,9 @@ import sys
 import pytest
 import yaml
 
-from tests.distributed_harness import DistributedPool
+from tests.support.distributed_harness import DistributedPool
+from tests.support.paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = {
     "model": {"architecture": dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -114,7 +114,7 @@ def _cli(*args, timeout=600):
 
 def _torchrun(*args, nproc: int = 2, timeout: int = 300):
     """``pretrain_rl.py`` under ``torch.distributed.run`` with ``nproc`` local ranks (gloo)."""
-    from tests.distributed_harness import _free_port
+    from tests.support.distributed_harness import _free_port
 
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                            "--master-port", str(_free_port()), os.path.join(ROOT, "pretrain_rl.py"), *args],

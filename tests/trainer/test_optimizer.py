@@ -52,7 +52,7 @@ def test_bf16_model_steps_fp32_masters_and_keeps_small_updates():
 
 
 def test_bf16_run_resumes_bit_identically(tmp_path):
-    from tests.test_trainer_e2e import CLI_TINY, _cli, _lines, _stable
+    from tests.trainer.test_loop_e2e import CLI_TINY, _cli, _lines, _stable
 
     args = [*CLI_TINY, "model.params_dtype=bfloat16"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")

@@ -20,9 +20,9 @@ import pytest
 import torch
 import yaml
 
-from tests.distributed_harness import DistributedPool
+from tests.support.distributed_harness import DistributedPool
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 RECIPE = {
     "model": {"architecture": dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

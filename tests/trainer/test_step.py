@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from tests.distributed_harness import DistributedPool
+from tests.support.distributed_harness import DistributedPool
 
 ARCH = dict(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
