@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_credit.credit.future_kl import fipo_weights, future_kl, masked_summary, multi_dual_clip_keep
+from tests.references import fipo_weights_reference, future_kl_reference
 from tests.support.distributed_harness import block_subgroup, load_balanced_shard
 from tests.support.threaded_harness import gloo_and_threads_pool
 
@@ -54,26 +55,6 @@ def nan_padded(logp, old, mask, seed=0):
         sel = pad & (kind == k)
         logp[sel], old[sel] = a, b
     return logp, old
-
-
-def future_kl_reference(logp, old, mask, *, tau, c, packed):
-    d = (logp - old).clamp(-20, 20)
-    keep = (d <= math.log(c)).double()
-    m = mask.double()
-    gamma = 2.0 ** (-1.0 / tau)
-    b, t = d.shape
-    out = torch.zeros(b, t, dtype=torch.float64)
-    for i in range(b):
-        for s in range(t):
-            if not mask[i, s]:
-                continue
-            acc = 0.0
-            for k in range(s, t):
-                if packed and not mask[i, k]:
-                    break  # end of this packed response
-                acc += keep[i, k] * m[i, k] * gamma ** (k - s) * d[i, k]
-            out[i, s] = acc
-    return out
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -135,7 +116,7 @@ def test_safety_thresh_is_separate_from_dual_clip_c():
     assert torch.equal(w_default, torch.full((1, 3), 1.2, dtype=torch.float64))
     assert torch.equal(w, torch.tensor([[1.0, 1.2, 1.0]], dtype=torch.float64))
     assert float(metrics["frac_dual_capped"]) == 2 / 3 and float(metrics["frac_dual_masked"]) == 0.0
-    ref = fipo_reference(logp, old, adv, mask, tau=4.0, clip=(1.0, 1.2), c=10.0, safety=4.0)
+    ref = fipo_weights_reference(logp, old, adv, mask, tau=4.0, clip=(1.0, 1.2), c=10.0, safety=4.0)
     assert torch.equal(w, ref)
     with pytest.raises(ValueError, match="safety_thresh"):
         fipo_weights(logp, old, adv, mask, safety_thresh=0.0)
@@ -170,22 +151,6 @@ def test_zero_length_batch_and_bad_args():
         fipo_weights(z, z, z, z.bool(), clip=(1.2, 1.0))
 
 
-def fipo_reference(logp, old, adv, mask, *, tau, clip, c, safety=None):
-    f = future_kl_reference(logp, old, mask, tau=tau, c=c, packed=False)
-    w = torch.ones_like(f)
-    b, t = f.shape
-    for i in range(b):
-        for s in range(t):
-            if not mask[i, s]:
-                continue
-            v = min(max(math.exp(f[i, s]), clip[0]), clip[1])
-            ratio = math.exp(min(max(float(logp[i, s] - old[i, s]), -20), 20))
-            if adv[i, s] < 0 and ratio > (c if safety is None else safety):
-                v = min(v, 1.0)
-            w[i, s] = v
-    return w
-
-
 @pytest.mark.parametrize("clip,c", [((1.0, 1.2), 10.0), ((0.8, 1.2), 3.0)])
 def test_fipo_weights_match_loop_and_metrics(clip, c):
     logp, old, mask = make_batch(6, 90, seed=7)
@@ -193,7 +158,7 @@ def test_fipo_weights_match_loop_and_metrics(clip, c):
     adv = torch.randn(6, 90, dtype=torch.float64)
     w, metrics = fipo_weights(logp, old, adv, mask, tau=8.0, clip=clip, dual_clip_c=c, chunk_size=16)
     assert not w.requires_grad
-    ref = fipo_reference(logp.detach(), old, adv, mask, tau=8.0, clip=clip, c=c)
+    ref = fipo_weights_reference(logp.detach(), old, adv, mask, tau=8.0, clip=clip, c=c)
     torch.testing.assert_close(w, ref, rtol=1e-12, atol=1e-12)
     vals = ref[mask]
     d = (logp.detach() - old).clamp(-20, 20)

@@ -6,6 +6,7 @@ import torch
 
 from megatron_credit.credit.gae import comp_gae, gae
 from megatron_credit.credit.gates import comppo_gate, concentration_from_lse, normalized_concentration
+from tests.references import comp_gae_reference, comppo_gate_reference, gae_reference
 from tests.support.distributed_harness import block_subgroup, load_balanced_shard
 from tests.support.threaded_harness import gloo_and_threads_pool
 
@@ -23,45 +24,6 @@ def make_batch(b, t, seed):
         mask[i, start:start + n] = True
     rewards = rewards * mask  # rewards live on response tokens
     return rewards, values, gates, mask
-
-
-def comp_gae_reference(r, v, kappa, mask, lam):
-    """delta_t = r_t + k_t V_{t+1} m_{t+1} - V_t m_t;  A_t = delta_t + lam k_t A_{t+1} m_{t+1}."""
-    b, t = r.shape
-    m = mask.double()
-    adv = torch.zeros(b, t, dtype=torch.float64)
-    for i in range(b):
-        nxt_a, nxt_v, nxt_m = 0.0, 0.0, 0.0
-        for s in reversed(range(t)):
-            delta = r[i, s] + kappa[i, s] * nxt_v * nxt_m - v[i, s] * m[i, s]
-            a = delta + lam * kappa[i, s] * nxt_a * nxt_m
-            adv[i, s] = a
-            nxt_a, nxt_v, nxt_m = a, v[i, s], m[i, s]
-    return adv * m, (adv + v) * m
-
-
-def gae_reference(r, v, mask, gamma, lam):
-    """Textbook GAE per response, written independently of Comp-GAE: for each maximal run of valid
-    tokens [s, e), delta_t = r_t + gamma V_{t+1} [t+1 < e] - V_t and A_t = sum_l (gamma lam)^l delta_{t+l}
-    within the run."""
-    b, t = r.shape
-    adv = torch.zeros(b, t, dtype=torch.float64)
-    for i in range(b):
-        s = 0
-        while s < t:
-            if not mask[i, s]:
-                s += 1
-                continue
-            e = s
-            while e < t and mask[i, e]:
-                e += 1
-            delta = [float(r[i, u]) + (gamma * float(v[i, u + 1]) if u + 1 < e else 0.0) - float(v[i, u])
-                     for u in range(s, e)]
-            for u in range(s, e):
-                adv[i, u] = sum((gamma * lam) ** (w - u) * delta[w - s] for w in range(u, e))
-            s = e
-    m = mask.double()
-    return adv, (adv + v) * m
 
 
 @pytest.mark.parametrize("t,k", [(1, 128), (2, 2), (37, 4), (300, 128), (1000, 16)])
@@ -137,10 +99,9 @@ def test_comppo_gate_matches_formula():
     # A valid concentration lies in [1/n, 1].
     h = 1.0 / n + torch.rand(200, generator=g, dtype=torch.float64) * (1.0 - 1.0 / n)
     kappa = comppo_gate(h, n, k_lo=0.1, k_hi=0.9, tau=4.0)
+    ref = comppo_gate_reference(h, n, k_lo=0.1, k_hi=0.9, tau=4.0)
     for i in range(200):
-        c = 1.0 if n[i] == 1 else (float(h[i]) - 1 / int(n[i])) / (1 - 1 / int(n[i]))
-        ref = 0.1 + 0.8 / (1 + math.exp(-4.0 * (c - 0.5)))
-        assert abs(float(kappa[i]) - ref) < 1e-12
+        assert abs(float(kappa[i]) - float(ref[i])) < 1e-12
     assert torch.all(kappa >= 0.1) and torch.all(kappa <= 0.9)
     # Uniform attention -> c = 0, a single visible key or one-hot attention -> c = 1.
     torch.testing.assert_close(normalized_concentration(torch.tensor([0.25, 1.0, 1.0]), torch.tensor([4, 4, 1])),

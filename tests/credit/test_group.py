@@ -4,6 +4,7 @@ import torch
 
 from megatron_credit.credit.group import (broadcast_to_tokens, dr_grpo_advantages, grpo_advantages,
                                           rloo_advantages)
+from tests.references import group_advantages_reference
 
 
 def make_groups(seed, n_groups=7):
@@ -16,34 +17,16 @@ def make_groups(seed, n_groups=7):
     return scores[perm], ids[perm]
 
 
-def loop_reference(scores, ids, kind, eps=1e-6):
-    out = torch.zeros_like(scores)
-    for i in range(len(scores)):
-        members = [float(scores[j]) for j in range(len(scores)) if ids[j] == ids[i]]
-        n = len(members)
-        if n == 1:
-            continue
-        mean = sum(members) / n
-        if kind == "grpo":
-            std = (sum((x - mean) ** 2 for x in members) / (n - 1)) ** 0.5
-            out[i] = (float(scores[i]) - mean) / (std + eps)
-        elif kind == "dr_grpo":
-            out[i] = float(scores[i]) - mean
-        else:
-            out[i] = float(scores[i]) - (sum(members) - float(scores[i])) / (n - 1)
-    return out
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_group_advantages_match_loop(seed):
     scores, ids = make_groups(seed)
-    torch.testing.assert_close(grpo_advantages(scores, ids), loop_reference(scores, ids, "grpo"),
+    torch.testing.assert_close(grpo_advantages(scores, ids), group_advantages_reference(scores, ids, "grpo"),
                                rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grpo_advantages(scores, ids, norm_by_std=False),
-                               loop_reference(scores, ids, "dr_grpo"), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(dr_grpo_advantages(scores, ids), loop_reference(scores, ids, "dr_grpo"),
+                               group_advantages_reference(scores, ids, "dr_grpo"), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dr_grpo_advantages(scores, ids), group_advantages_reference(scores, ids, "dr_grpo"),
                                rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(rloo_advantages(scores, ids), loop_reference(scores, ids, "rloo"),
+    torch.testing.assert_close(rloo_advantages(scores, ids), group_advantages_reference(scores, ids, "rloo"),
                                rtol=1e-12, atol=1e-12)
 
 

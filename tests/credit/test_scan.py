@@ -3,19 +3,9 @@ import pytest
 import torch
 
 from megatron_credit.credit.scan import reverse_linear_scan
+from tests.references import scan_reference
 from tests.support.distributed_harness import block_subgroup, load_balanced_shard
 from tests.support.threaded_harness import gloo_and_threads_pool
-
-
-def loop_reference(x, a):
-    """y_t = x_t + a_t y_{t+1}, y_T = 0, one position at a time in float64."""
-    x, a = x.double(), (a.double() if isinstance(a, torch.Tensor) else torch.full(x.shape, a, dtype=torch.float64))
-    y = torch.zeros_like(x)
-    nxt = torch.zeros(x.shape[0], dtype=torch.float64)
-    for t in reversed(range(x.shape[1])):
-        nxt = x[:, t] + a[:, t] * nxt
-        y[:, t] = nxt
-    return y
 
 
 def random_case(b, t, seed, dtype=torch.float64, zero_frac=0.1):
@@ -32,7 +22,7 @@ def test_general_matches_loop_float64(t, k):
     x, a = random_case(3, t, seed=t * 131 + k)
     y = reverse_linear_scan(x, a, chunk_size=k)
     assert y.shape == x.shape and y.dtype == torch.float64
-    torch.testing.assert_close(y, loop_reference(x, a), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y, scan_reference(x, a), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("t", [0, 1, 5, 128, 300, 4100])
@@ -40,7 +30,7 @@ def test_general_matches_loop_float64(t, k):
 @pytest.mark.parametrize("gamma", [0.0, 0.5, 2 ** (-1 / 32), 1.0])
 def test_constant_coefficient_matches_loop(t, k, gamma):
     x, _ = random_case(2, t, seed=t + k)
-    torch.testing.assert_close(reverse_linear_scan(x, gamma, chunk_size=k), loop_reference(x, gamma),
+    torch.testing.assert_close(reverse_linear_scan(x, gamma, chunk_size=k), scan_reference(x, gamma),
                                rtol=1e-12, atol=1e-10)
 
 
@@ -54,18 +44,18 @@ def test_constant_path_at_large_chunk_matches_loop(k):
     for t in (1, 100, 4100):
         x, _ = random_case(3, t, seed=t + k)
         for gamma in (0.0, 2 ** (-1 / 32), 1.0):
-            torch.testing.assert_close(scan._scan_constant(x, gamma, k), loop_reference(x, gamma),
+            torch.testing.assert_close(scan._scan_constant(x, gamma, k), scan_reference(x, gamma),
                                        rtol=1e-12, atol=1e-12)
 
 
 def test_float32_close_to_float64():
     x, a = random_case(4, 3000, seed=5, dtype=torch.float64)
     a = a.clamp(max=0.999)
-    ref = loop_reference(x, a)
+    ref = scan_reference(x, a)
     y32 = reverse_linear_scan(x.float(), a.float())
     assert y32.dtype == torch.float32
     torch.testing.assert_close(y32.double(), ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(reverse_linear_scan(x.float(), 0.98).double(), loop_reference(x, 0.98),
+    torch.testing.assert_close(reverse_linear_scan(x.float(), 0.98).double(), scan_reference(x, 0.98),
                                rtol=1e-4, atol=1e-4)
 
 
@@ -99,7 +89,7 @@ def test_gradients_flow_through_local_scan():
     (reverse_linear_scan(x, a, chunk_size=8) * w).sum().backward()
     # dL/dx_u = sum_t w_t W[t, u] = the forward scan of w with the coefficients shifted by one.
     a_prev = torch.nn.functional.pad(a[:, :-1], (1, 0))
-    g_ref = loop_reference(w.flip(1), a_prev.flip(1)).flip(1)
+    g_ref = scan_reference(w.flip(1), a_prev.flip(1)).flip(1)
     torch.testing.assert_close(x.grad, g_ref, rtol=1e-12, atol=1e-12)
 
 
@@ -107,7 +97,7 @@ def test_gradients_flow_through_constant_scan():
     x = torch.randn(2, 300, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, 300, dtype=torch.float64)
     (reverse_linear_scan(x, 0.9, chunk_size=16) * w).sum().backward()
-    g_ref = loop_reference(w.flip(1), 0.9).flip(1)  # the transpose of a constant scan is a forward scan
+    g_ref = scan_reference(w.flip(1), 0.9).flip(1)  # the transpose of a constant scan is a forward scan
     torch.testing.assert_close(x.grad, g_ref, rtol=1e-12, atol=1e-12)
 
 
@@ -123,7 +113,7 @@ def test_tables_first_built_under_inference_mode_serve_differentiable_calls():
     y = reverse_linear_scan(xg, gamma, chunk_size=8)  # reuses the cached tables, saved for backward
     y.sum().backward()
     torch.testing.assert_close(y.detach(), y_inf, rtol=0, atol=0)
-    torch.testing.assert_close(y.detach(), loop_reference(x, gamma), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y.detach(), scan_reference(x, gamma), rtol=1e-12, atol=1e-12)
     # d(sum_t y_t)/dx_u = sum_{t<=u} gamma**(u-t)
     ref_grad = torch.tensor([sum(gamma ** (u - t) for t in range(u + 1)) for u in range(40)], dtype=torch.float64)
     torch.testing.assert_close(xg.grad, ref_grad.expand(2, 40), rtol=1e-12, atol=1e-12)
@@ -176,7 +166,7 @@ def test_float64_matmul_path_rounds_once(t):
 
     x64 = torch.randn(3, t, dtype=torch.float64, generator=torch.Generator().manual_seed(t))
     x32 = x64.float()
-    exact = loop_reference(x32.double(), 0.97)
+    exact = scan_reference(x32.double(), 0.97)
     for k in (2, 8, 32):
         y = _scan_constant(x32, 0.97, k, float64_matmul=True)
         assert y.dtype == torch.float32 and y.shape == x32.shape
@@ -232,7 +222,7 @@ def test_cp_2_and_4_equal_unsharded(pool):
                     assert got_cp == cp
                     expect = cp_shard(reverse_linear_scan(x, coef, chunk_size=k), cp, r)
                     torch.testing.assert_close(y, expect, rtol=1e-12, atol=1e-12)
-                    torch.testing.assert_close(y, cp_shard(loop_reference(x, coef), cp, r),
+                    torch.testing.assert_close(y, cp_shard(scan_reference(x, coef), cp, r),
                                                rtol=1e-11, atol=1e-11)
                     checked += 1
     assert checked == 4 * len(cases) * 2 * 3

@@ -3,22 +3,11 @@ import pytest
 import torch
 
 from megatron_credit.losses.logprob import logprobs_and_entropy, logprobs_from_hidden
+from tests.references import logprob_entropy_reference
 from tests.support.distributed_harness import block_subgroup
 from tests.support.threaded_harness import gloo_and_threads_pool
 
 F64 = torch.float64
-
-
-def _reference(logits, labels, temperature=1.0):
-    """Loop over tokens: logp = log_softmax(z)[y], H = -sum p log p, z = logits / temperature."""
-    batch, seq, _ = logits.shape
-    logp, ent = [], []
-    for b in range(batch):
-        for t in range(seq):
-            ls = torch.log_softmax(logits[b, t] / temperature, dim=-1)
-            logp.append(ls[labels[b, t]])
-            ent.append(-(ls.exp() * ls).sum())
-    return torch.stack(logp).view(batch, seq), torch.stack(ent).view(batch, seq)
 
 
 def _loss(logp, ent, g_logp, g_ent):
@@ -36,7 +25,7 @@ def _data(batch, seq, vocab, seed=0, dtype=F64):
 
 def _ref_with_grad(logits, labels, g_logp, g_ent, temperature=1.0):
     x = logits.detach().to(F64).requires_grad_()
-    logp, ent = _reference(x, labels, temperature)
+    logp, ent = logprob_entropy_reference(x, labels, temperature)
     _loss(logp, ent, g_logp, g_ent).backward()
     return logp.detach(), ent.detach(), x.grad
 
@@ -75,7 +64,7 @@ def test_entropy_off_and_single_output_gradients():
     assert ent is None
     (logp * g_logp).sum().backward()
     xr = logits.clone().requires_grad_()
-    ref_logp, _ = _reference(xr, labels)
+    ref_logp, _ = logprob_entropy_reference(xr, labels)
     (ref_logp * g_logp).sum().backward()
     torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=1e-12)
 
@@ -84,7 +73,7 @@ def test_entropy_off_and_single_output_gradients():
     _, ent = logprobs_and_entropy(x, labels, chunk_size=5)
     (ent * g_ent).sum().backward()
     xr.grad = None
-    _, ref_ent = _reference(xr, labels)
+    _, ref_ent = logprob_entropy_reference(xr, labels)
     (ref_ent * g_ent).sum().backward()
     torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=1e-12)
 
@@ -124,7 +113,7 @@ def test_extreme_logits_are_stable():
     x = logits.clone().requires_grad_()
     logp, ent = logprobs_and_entropy(x, labels, chunk_size=3)
     (logp.sum() + ent.sum()).backward()
-    ref_logp, ref_ent = _reference(logits, labels)
+    ref_logp, ref_ent = logprob_entropy_reference(logits, labels)
     torch.testing.assert_close(logp, ref_logp, rtol=1e-12, atol=1e-9)
     torch.testing.assert_close(ent, ref_ent, rtol=0, atol=1e-9)
     assert torch.isfinite(x.grad).all()
@@ -135,7 +124,7 @@ def test_fp32_entropy_is_precise_for_large_offset_logits():
     # instead come from shifted logits, H = log S - E_p[z - m], precise to a few fp32 ulps of H itself.
     logits, labels, _, _ = _data(4, 16, 257, seed=11)
     logits32 = (logits + 100.0).float()
-    ref_logp, ref_ent = _reference(logits32.double(), labels)
+    ref_logp, ref_ent = logprob_entropy_reference(logits32.double(), labels)
     for chunk_size in (5, 1024):
         logp, ent = logprobs_and_entropy(logits32, labels, chunk_size=chunk_size)
         assert ent.dtype == torch.float32
@@ -151,7 +140,7 @@ def test_hidden_matches_reference(chunk_size):
     labels = torch.randint(0, 9, (2, 5), generator=gen)
     g_logp, g_ent = torch.randn(2, 5, generator=gen, dtype=F64), torch.randn(2, 5, generator=gen, dtype=F64)
     hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
-    ref_logp, ref_ent = _reference(hr @ wr.t(), labels, 0.8)
+    ref_logp, ref_ent = logprob_entropy_reference(hr @ wr.t(), labels, 0.8)
     _loss(ref_logp, ref_ent, g_logp, g_ent).backward()
     hx, wx = h.clone().requires_grad_(), w.clone().requires_grad_()
     logp, ent = logprobs_from_hidden(hx, wx, labels, chunk_size=chunk_size, temperature=0.8)
@@ -169,7 +158,7 @@ def test_hidden_bf16_close_to_fp32_and_weight_only_grad():
     (logp.sum() + ent.sum()).backward()
     assert logp.dtype == torch.float32 and w.grad.dtype == torch.bfloat16
     logits = (h @ w.detach().t()).double().requires_grad_()  # the same bf16 matmul, then exact math
-    ref_logp, ref_ent = _reference(logits, labels)
+    ref_logp, ref_ent = logprob_entropy_reference(logits, labels)
     torch.testing.assert_close(logp.double(), ref_logp, rtol=0, atol=1e-5)
     torch.testing.assert_close(ent.double(), ref_ent, rtol=0, atol=1e-5)
     (ref_logp.sum() + ref_ent.sum()).backward()

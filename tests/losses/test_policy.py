@@ -7,6 +7,7 @@ import torch
 from megatron_credit.credit.future_kl import fipo_weights
 from megatron_credit.losses.policy import AGG_MODES, aggregate_loss, fipo_policy_loss, gspo_loss, ppo_clip_loss
 from megatron_credit.rollout.mismatch import truncated_is_weights
+from tests.references import aggregate_reference, ppo_reference
 from tests.support.distributed_harness import block_subgroup, load_balanced_shard
 from tests.support.threaded_harness import gloo_and_threads_pool
 
@@ -22,25 +23,6 @@ def make_batch(b, t, seed):
         start = int(torch.randint(0, t - n + 1, (1,), generator=g))
         mask[i, start:start + n] = True
     return logp, old, adv, mask
-
-
-def ppo_reference(logp, old, adv, mask, *, el, eh, c, isw=None):
-    """Per-token loss and d loss / d logp from the formulas, one token at a time."""
-    b, t = logp.shape
-    loss, grad = torch.zeros(b, t, dtype=torch.float64), torch.zeros(b, t, dtype=torch.float64)
-    for i in range(b):
-        for s in range(t):
-            if not mask[i, s]:
-                continue
-            a = float(adv[i, s])
-            r = math.exp(min(max(float(logp[i, s] - old[i, s]), -20), 20))
-            unclipped, clipped = -a * r, -a * min(max(r, 1 - el), 1 + eh)
-            val, g = (unclipped, -a * r) if unclipped >= clipped else (clipped, 0.0)
-            if c is not None and a < 0 and -a * c < val:
-                val, g = -a * c, 0.0
-            wgt = 1.0 if isw is None else float(isw[i, s])
-            loss[i, s], grad[i, s] = val * wgt, g * wgt
-    return loss, grad
 
 
 @pytest.mark.parametrize("el,eh,c", [(0.2, 0.28, 3.0), (0.2, 0.2, None), (0.1, 0.5, 1.5)])
@@ -155,22 +137,6 @@ def test_gspo_matches_sequence_level_gspo():
 
 
 # ---------------------------------------------------------------------------- aggregation
-
-def aggregate_reference(l, mask, mode, n_tok, n_seq, length):
-    total = 0.0
-    for i in range(l.shape[0]):
-        seq = sum(float(l[i, t]) for t in range(l.shape[1]) if mask[i, t])
-        cnt = int(mask[i].sum())
-        if mode == "token-mean":
-            total += seq / n_tok
-        elif mode == "seq-mean-token-sum":
-            total += seq / n_seq
-        elif mode == "seq-mean-token-mean":
-            total += (seq / cnt if cnt else 0.0) / n_seq
-        else:
-            total += seq / (n_seq * length)
-    return total
-
 
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_aggregate_matches_loop(mode):
