@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.trainer.test_resume_bad_input import RECIPE, REPO, _cli, _env
+from tests.support.paths import REPO
+from tests.support.runs import TINY_CHECKPOINTED, run_pretrain_rl, subprocess_env
 
 USER_FILES = {"model-00001-of-00002.safetensors": b"user shard 1", "model-00002-of-00002.safetensors": b"user shard 2",
               "model.safetensors.index.json": json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
@@ -88,12 +89,12 @@ def _roundtrip(root: str) -> None:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("exports")
-    (root / "recipe.yaml").write_text(yaml.safe_dump(RECIPE))
-    proc = _cli("--config", root / "recipe.yaml", "--output-dir", root / "run")
+    (root / "recipe.yaml").write_text(yaml.safe_dump(TINY_CHECKPOINTED))
+    proc = run_pretrain_rl("--config", root / "recipe.yaml", "--output-dir", root / "run")
     assert proc.returncode == 0, proc.stderr[-3000:]
     code = f"from tests.conversion.test_export_bad_input import _roundtrip; _roundtrip({str(root)!r})"
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((root / "results.json").read_text())
 

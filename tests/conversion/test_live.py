@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.distributed_harness import DistributedPool
+from tests.support.distributed_harness import module_pool
 
 BUCKET = 12_000  # bytes: several buckets for the tiny models, some tensors alone in a bucket
 
@@ -112,10 +112,7 @@ def _export_real_model(family: str, tp: int, pp: int):
         distributed.destroy()
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as p:
-        yield p
+pool = module_pool(2)
 
 
 @pytest.mark.parametrize("family,tied", [("qwen2", False), ("qwen3", True), ("llama", True)])

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.distributed_harness import DistributedPool, pipeline_forward
+from tests.support.distributed_harness import module_pool, pipeline_forward
 from tests.support.paths import REPO
 
 FAMILIES = ["qwen2", "qwen3", "llama"]
@@ -146,10 +146,7 @@ def _last(results: list):
 
 
 # --- fixtures --------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as p:
-        yield p
+pool = module_pool(2)
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.distributed_harness import DistributedPool
+from tests.support.distributed_harness import module_pool
 from tests.conversion.test_live import _export_real_model, _hf_state
 from tests.conversion.test_parity import TOL, _hf_logits, _make_hf_dir, _megatron_logits, _rel_err
 
 TP = 4
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=TP) as p:
-        yield p
+pool = module_pool(TP)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.distributed_harness import DistributedPool
+from tests.support.distributed_harness import module_pool
 from tests.conversion.test_parity import LENGTHS, TOL, _batch, _last, _rel_err
 
 CASES = {
@@ -150,10 +150,7 @@ def _megatron_logits(hf_dir: str, tp: int, pp: int):
 
 
 # --- tests -----------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as p:
-        yield p
+pool = module_pool(2)
 
 
 @pytest.fixture(scope="module")

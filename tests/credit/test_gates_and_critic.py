@@ -8,7 +8,7 @@ import torch
 from megatron_credit.credit.gates import PositionGateSchedule, fixed_gates, relative_position_bins, shuffle_gates
 from megatron_credit.models.critic import (StandardCritic, TransportAlignedCritic, average_ranks, build_critic,
                                            critic_diagnostics, critic_parameter_count)
-from tests.support.distributed_harness import DistributedPool
+from tests.support.distributed_harness import module_pool
 
 
 def make_gates(b, t, seed, *, left_pad=True):
@@ -171,10 +171,7 @@ def test_position_schedule_state_dict_and_misuse():
         PositionGateSchedule(0)
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as p:
-        yield p
+pool = module_pool(2)
 
 
 def _collect_shard(batches, bins):

@@ -6,7 +6,7 @@ from megatron_credit.data.context_parallel import (
     check_sequence_length, gather_from_cp, merge_cp_shards, pad_for_parallel, required_multiple,
     shift_labels, split_for_cp,
 )
-from tests.support.distributed_harness import DistributedPool, block_subgroup
+from tests.support.distributed_harness import block_subgroup, module_pool
 
 
 def _expected_positions(seq, cp, rank):
@@ -87,10 +87,7 @@ def test_required_multiple_and_padding():
 WORLD = 4
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=WORLD) as p:
-        yield p
+pool = module_pool(WORLD)
 
 
 _cp_group = block_subgroup

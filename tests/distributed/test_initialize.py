@@ -10,7 +10,7 @@ import torch
 
 from megatron_credit.distributed import LaunchEnv
 from megatron_credit.distributed.cpu_shims import CpuRNGStatesTracker
-from tests.support.distributed_harness import DistributedPool
+from tests.support.distributed_harness import module_pool
 from tests.support.paths import ROOT
 
 
@@ -41,10 +41,7 @@ def test_cpu_rng_tracker_forks_streams_and_restores_the_default():
             pass
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as p:
-        yield p
+pool = module_pool(2)
 
 
 def _groups_and_seeds(tp, cp):

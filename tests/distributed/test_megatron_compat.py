@@ -11,7 +11,7 @@ import torch
 
 from megatron_credit import distributed
 from megatron_credit.distributed import cpu_shims
-from tests.support.distributed_harness import DistributedPool
+from tests.support.distributed_harness import module_pool
 
 
 def test_shim_targets_exist_on_the_installed_megatron_core():
@@ -69,10 +69,7 @@ def test_cpu_rng_streams_have_megatrons_seeds(monkeypatch, tp_rank):
     assert recorder.seeds[mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME] == 1234 + 2718 + tp_rank
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as p:
-        yield p
+pool = module_pool(2)
 
 
 def _cp_split_worker(batch):

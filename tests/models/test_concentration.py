@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_credit.models.concentration import attention_concentration, attention_topk
-from tests.support.distributed_harness import DistributedPool, load_balanced_shard
+from tests.support.distributed_harness import load_balanced_shard, module_pool
 from tests.support.paths import ROOT
 
 # ---------------------------------------------------------------------------------- dense reference
@@ -176,10 +176,7 @@ def _kernel_ranks(tp: int, cp: int):
     return full, mine
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    with DistributedPool(world_size=2) as p:
-        yield p
+pool2 = module_pool(2)
 
 
 @pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2)], ids=["tp2", "cp2"])

@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from tests.support.distributed_harness import DistributedPool
+from tests.support.distributed_harness import module_pool
 
 SEED = 1234
 BATCH, SEQ = 4, 16
@@ -212,16 +212,10 @@ def _check(results, *, tp):
 # ------------------------------------------------------------------------------------------- tests
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    with DistributedPool(world_size=2) as p:
-        yield p
+pool2 = module_pool(2)
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    with DistributedPool(world_size=4) as p:
-        yield p
+pool4 = module_pool(4)
 
 
 @pytest.mark.parametrize("tp,pp,cp", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 1, 1)],

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.distributed_harness import DistributedPool, pipeline_forward
+from tests.support.distributed_harness import module_pool, pipeline_forward
 from tests.support.paths import REPO
 
 pytestmark = pytest.mark.slow
@@ -54,10 +54,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-@pytest.fixture(scope="module")
-def pool3():
-    with DistributedPool(world_size=3) as p:
-        yield p
+pool3 = module_pool(3)
 
 
 @pytest.fixture(scope="module")

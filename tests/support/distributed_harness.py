@@ -171,3 +171,17 @@ def pipeline_forward(model, ids: torch.Tensor, pos: torch.Tensor, attn_mask, *, 
         parts = [torch.empty_like(out) for _ in range(tp)]
         dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
         return torch.cat(parts, dim=-1)
+
+
+def module_pool(world_size: int):
+    """A module-scoped fixture: a :class:`DistributedPool` of ``world_size`` workers, started once for the
+    module's tests. ``pool = module_pool(2)`` at module level; the fixture takes the name it is bound to
+    (``pool``, ``pool2``, ...: ``tests/conftest.py`` finds the gloo-pool tests by that name)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def pool():
+        with DistributedPool(world_size=world_size) as p:
+            yield p
+
+    return pool

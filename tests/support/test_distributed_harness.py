@@ -1,13 +1,10 @@
 import pytest
 import torch
 
-from tests.support.distributed_harness import DistributedPool
+from tests.support.distributed_harness import module_pool
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=2) as p:
-        yield p
+pool = module_pool(2)
 
 
 def _allreduce_rank_plus(x):

@@ -12,6 +12,7 @@ from tools.testbed_stats import (curve_metrics, interaction_interval, interpolat
                                  t_cdf, t_quantile)
 
 from tests.support.paths import ROOT
+from tests.support.runs import metrics_rows
 
 # Two-sided 95% (and one 90% / 99%) Student-t critical values from printed tables.
 T_TABLE = {(0.975, 1): 12.706, (0.975, 2): 4.303, (0.975, 3): 3.182, (0.975, 4): 2.776, (0.975, 5): 2.571,
@@ -104,7 +105,7 @@ def test_smoke_run_writes_results_records_failures_and_resumes(tmp_path):
     # FIPO's weight std is logged per iteration and the report takes its mean over the cell's iterations
     # (its value is checked in tests/trainer/test_step.py: 0 on the first mini-batch, > 0 after it).
     for s in ("1", "2"):
-        rows = [json.loads(line) for line in (tmp_path / f"cells/chain3/fipo/seed_{s}/run/metrics.jsonl").open()]
+        rows = metrics_rows(tmp_path / f"cells/chain3/fipo/seed_{s}/run")
         stds = [r["fipo/weight_std"] for r in rows]
         assert len(stds) == 2 and all(x >= 0 for x in stds)
         assert task["cells"]["fipo"][s]["fipo_std"] == pytest.approx(sum(stds) / 2, abs=1e-15)

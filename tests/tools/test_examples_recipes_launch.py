@@ -15,6 +15,7 @@ import pytest
 from megatron_credit.config import load_recipe
 
 from tests.support.paths import ROOT
+from tests.support.runs import metrics_rows
 
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "examples", "*.yaml")))
 NAMES = [os.path.splitext(os.path.basename(r))[0] for r in RECIPES]
@@ -123,8 +124,7 @@ def test_two_nodes_on_localhost_train_and_export(tmp_path):
             raise
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert "layout TP=1 PP=1 CP=1 DP=2" in outs[0]
-    with open(run / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f]
+    rows = metrics_rows(run)
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["actor/grad_norm"] > 0
     last = rows[-1]
     assert 0.0 <= last["val/accuracy"] <= last["val/pass@2"] <= 1.0 and "val/cons@2" in last

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import types
 
 import pytest
 
 from tests.support.paths import ROOT
+from tests.support.runs import metrics_rows, run_pretrain_rl
 
 sys.path.insert(0, ROOT)
 
@@ -63,32 +63,25 @@ def test_finished_line_names_the_iteration_results_and_how_to_start_again(tmp_pa
                                                               "train.steps=2; results in")
 
 
-def _cli(*args):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *args], capture_output=True,
-                          text=True, env=env, cwd=ROOT, timeout=600)
-
-
 def test_a_second_run_says_it_is_done_and_a_resume_never_says_random_initialisation(tmp_path):
     out = str(tmp_path / "run")
     tiny = ["warmup.steps=0", "train.val_every=0", "rollout.prompts_per_step=8", "logging.plots=false",
             "checkpoint.every=1", "logging.tensorboard=false"]
     # options after the overrides, and overrides after the options
-    first = _cli("train.steps=1", "--output-dir", out, *tiny, "logging.progress=false")
+    first = run_pretrain_rl("train.steps=1", "--output-dir", out, *tiny, "logging.progress=false")
     assert first.returncode == 0, first.stderr[-2000:]
     assert "actor weights: random initialisation (seed 1234)" in first.stdout
     done = [line for line in first.stdout.splitlines() if line.startswith("done: ")]
     assert len(done) == 1 and "1 iterations (to 1) in" in done[0] and "s of RL + 0s of warm-up" in done[0]
-    resumed = _cli("--output-dir", out, *tiny, "logging.progress=false", "train.steps=2")
+    resumed = run_pretrain_rl("--output-dir", out, *tiny, "logging.progress=false", "train.steps=2")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "random initialisation" not in resumed.stdout and "resumed from" in resumed.stdout
     assert "1 iterations (to 2)" in resumed.stdout
-    again = _cli("--output-dir", out, *tiny, "logging.progress=false", "train.steps=2")
+    again = run_pretrain_rl("--output-dir", out, *tiny, "logging.progress=false", "train.steps=2")
     assert again.returncode == 0, again.stderr[-2000:]
     lines = again.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"already finished: {out} is at iteration 2 of train.steps=2")
-    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
-        assert [json.loads(line)["step"] for line in f] == [1, 2]  # nothing rewritten by the third launch
+    assert [r["step"] for r in metrics_rows(out)] == [1, 2]  # nothing rewritten by the third launch
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import shutil
 
 import torch
 
-from tests.trainer.test_loop_e2e import _char_tokenizer, _cli, _lines, _stable
+from tests.support.runs import char_tokenizer, metrics_rows, run_pretrain_rl, stable
 
 
 def _hf_folder(path) -> None:
@@ -20,7 +20,7 @@ def _hf_folder(path) -> None:
                       num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0,
                       eos_token_id=2)
     Qwen2ForCausalLM(cfg).save_pretrained(path)
-    _char_tokenizer(str(path))
+    char_tokenizer(str(path))
 
 
 def test_reference_of_hf_weights_is_saved_as_a_digest_and_resumes_exactly(tmp_path):
@@ -39,17 +39,17 @@ def test_reference_of_hf_weights_is_saved_as_a_digest_and_resumes_exactly(tmp_pa
     (tmp_path / "recipe.yaml").write_text(json.dumps(recipe))  # JSON is YAML
     args = ["--config", str(tmp_path / "recipe.yaml")]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    proc = _cli("--output-dir", a, *args, "train.steps=2")
+    proc = run_pretrain_rl("--output-dir", a, *args, "train.steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _cli("--output-dir", b, *args, "train.steps=1").returncode == 0
+    assert run_pretrain_rl("--output-dir", b, *args, "train.steps=1").returncode == 0
     rank = os.path.join(b, "checkpoints", "iter_0000001", "rank_00000.pt")
     saved = torch.load(rank, weights_only=True)["reference"]
     assert set(saved) == {"hf_weights", "sha256"} and saved["hf_weights"] == str(model) and len(saved["sha256"]) == 64
     assert os.path.getsize(rank) < 200_000  # RNG states and the data cursor only
-    proc = _cli("--output-dir", b, *args, "train.steps=2")
+    proc = run_pretrain_rl("--output-dir", b, *args, "train.steps=2")
     assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
-    assert _stable(_lines(b)) == _stable(_lines(a)) and [r["step"] for r in _lines(b)] == [1, 2]
-    assert "actor/kl_ref" in _lines(b)[1]  # the reference pass ran after the resume
+    assert stable(metrics_rows(b)) == stable(metrics_rows(a)) and [r["step"] for r in metrics_rows(b)] == [1, 2]
+    assert "actor/kl_ref" in metrics_rows(b)[1]  # the reference pass ran after the resume
     # the folder's weights changed since the save: the reference cannot be rebuilt from it
     c = str(tmp_path / "c")
     shutil.copytree(os.path.join(b, "checkpoints", "iter_0000001"), os.path.join(c, "checkpoints", "iter_0000001"))
@@ -60,7 +60,7 @@ def test_reference_of_hf_weights_is_saved_as_a_digest_and_resumes_exactly(tmp_pa
     k = next(iter(state))
     state[k] = state[k] + 1e-3
     save_file(state, model / f, metadata={"format": "pt"})
-    proc = _cli("--output-dir", c, *args, "train.steps=2")
+    proc = run_pretrain_rl("--output-dir", c, *args, "train.steps=2")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-3000:]
     assert "reference model" in errors[0] and "model.name_or_path" in errors[0] and str(model) in errors[0]

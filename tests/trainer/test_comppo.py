@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 
-from tests.support.distributed_harness import DistributedPool
-from tests.trainer.test_loop_e2e import _cli, _lines, _stable, _train
+from tests.support.distributed_harness import module_pool
+from tests.support.runs import metrics_rows, run_pretrain_rl, stable, train_tiny
 
 LAYOUTS = {"TP=2": ["parallel.tensor_model_parallel_size=2"], "PP=2": ["parallel.pipeline_model_parallel_size=2"],
            "CP=2": ["parallel.context_parallel_size=2"]}
@@ -30,23 +30,17 @@ BEFORE_UPDATE_REL = 5e-5
 AFTER_UPDATE = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "critic/value_loss", "critic/grad_norm")
 
 
-@pytest.fixture(scope="module")
-def pool1():
-    with DistributedPool(world_size=1) as p:
-        yield p
+pool1 = module_pool(1)
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    with DistributedPool(world_size=2) as p:
-        yield p
+pool2 = module_pool(2)
 
 
 @pytest.mark.parametrize("algorithm", ["comppo", "comppo_fipo"])
 def test_comppo_trains_two_iterations_with_the_same_numbers_in_every_layout(pool1, pool2, tmp_path, algorithm):
     base = [f"algorithm.name={algorithm}", "algorithm.params.critic_layers=2",
             "model.architecture.num_hidden_layers=4"]  # 2 layers per stage at PP=2: the same TAC everywhere
-    ref = pool1.run(_train, str(tmp_path / "ws1"), "none", base)[0]
+    ref = pool1.run(train_tiny, str(tmp_path / "ws1"), "none", base)[0]
     assert [r["step"] for r in ref] == [1, 2]
     for r in ref:
         assert 0.1 < r["comppo/gate_mean"] < 0.9, r["comppo/gate_mean"]
@@ -62,7 +56,7 @@ def test_comppo_trains_two_iterations_with_the_same_numbers_in_every_layout(pool
     assert math.isnan(ref[0]["critic/spearman"])  # constant values have no ranks
     assert -1.0 <= ref[1]["critic/spearman"] <= 1.0  # the critic has learned something after one iteration
     for name, layout in LAYOUTS.items():
-        got = pool2.run(_train, str(tmp_path / name), "none", base + layout)[0]
+        got = pool2.run(train_tiny, str(tmp_path / name), "none", base + layout)[0]
         # Iteration 1 samples the same responses in every layout (same weights, same seeds); iteration 2
         # samples from weights that differ by float rounding, so only iteration 1 is compared.
         for keys, rel in ((BEFORE_UPDATE, BEFORE_UPDATE_REL), (AFTER_UPDATE, 2e-2)):
@@ -190,12 +184,12 @@ COMPPO_CLI = ["warmup.steps=0", "train.val_every=0", "rollout.prompts_per_step=8
 
 def test_comppo_resume_continues_bit_identically(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    assert _cli("--output-dir", a, *COMPPO_CLI, "train.steps=4").returncode == 0
-    proc = _cli("--output-dir", b, *COMPPO_CLI, "train.steps=2")
+    assert run_pretrain_rl("--output-dir", a, *COMPPO_CLI, "train.steps=4").returncode == 0
+    proc = run_pretrain_rl("--output-dir", b, *COMPPO_CLI, "train.steps=2")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = _cli("--output-dir", b, *COMPPO_CLI, "train.steps=4")
+    proc = run_pretrain_rl("--output-dir", b, *COMPPO_CLI, "train.steps=4")
     assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-2000:]
-    rows_a, rows_b = _stable(_lines(a)), _stable(_lines(b))
+    rows_a, rows_b = stable(metrics_rows(a)), stable(metrics_rows(b))
     assert rows_a == rows_b and [r["step"] for r in rows_b] == [1, 2, 3, 4]
     assert all("phase/level" in r and "comppo/gate_mean" in r for r in rows_a)
     assert os.path.isdir(os.path.join(b, "checkpoints", "iter_0000004"))
@@ -209,8 +203,8 @@ PPO_EQUIV = ["algorithm.name=comppo", "algorithm.params.gate_control=fixed", "al
 def test_a_constant_gate_equal_to_gamma_reproduces_ppo_bit_for_bit(pool1, tmp_path):
     """The papers' sanity check through the whole trainer: CompPO with kappa = gamma = 1 and PPO's critic
     and settings gives PPO's run exactly (the attention capture changes no number)."""
-    ppo = pool1.run(_train, str(tmp_path / "ppo"), "none", ["algorithm.name=ppo"])[0]
-    comp = pool1.run(_train, str(tmp_path / "comppo"), "none", PPO_EQUIV)[0]
+    ppo = pool1.run(train_tiny, str(tmp_path / "ppo"), "none", ["algorithm.name=ppo"])[0]
+    comp = pool1.run(train_tiny, str(tmp_path / "comppo"), "none", PPO_EQUIV)[0]
     assert len(ppo) == len(comp) == 2
     for a, b in zip(ppo, comp):
         shared = [k for k in a if k in b and not k.startswith(("time/", "throughput/"))]

@@ -16,7 +16,6 @@ process-wide); the numbers must equal the CPU path's (the emulated device comput
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import pytest
 
 from tests.support.distributed_harness import DistributedPool, _free_port
 from tests.support.paths import ROOT
+from tests.support.runs import metrics_rows
 
 LOCAL = ["model.transformer_impl=local"]  # the emulated machine has no Transformer Engine
 pytestmark = pytest.mark.slow
@@ -79,11 +79,6 @@ def _launch(out: str, *args: str, fake: bool, nproc: int = 1, timeout: int = 600
     return proc
 
 
-def _rows(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
 def _same_numbers(cpu: list[dict], dev: list[dict]) -> None:
     """Every metric equal up to float noise: the CPU path runs the CPU attention of ``models/cpu_attention.py``,
     the device path megatron's own (1e-6-level differences; explained variance, a ratio of small
@@ -111,7 +106,7 @@ def test_the_trainer_on_the_device_warms_up_syncs_checkpoints_and_resumes(tmp_pa
         _launch(out, *RUN, f"warmup.cache_dir={cache}", "train.steps=1", fake=fake)
         proc = _launch(out, *RUN, f"warmup.cache_dir={cache}", "train.steps=2", fake=fake)
         assert "resumed from" in proc.stdout, proc.stdout[-2000:]
-        runs[fake] = _rows(out)
+        runs[fake] = metrics_rows(out)
     dev = runs[True]
     assert [r["step"] for r in dev] == [1, 2] and all(r["actor/grad_norm"] > 0 for r in dev)
     assert all(r["mismatch/logprob_abs_mean"] < 1e-4 for r in dev)  # the engine got the device weights
@@ -126,6 +121,6 @@ def test_torchrun_tensor_parallel_on_the_device(tmp_path):
             "algorithm.name=ppo", "checkpoint.every=0", "checkpoint.save_at_end=false", *LOCAL]
     _launch(str(tmp_path / "cpu"), *args, fake=False, nproc=2)
     _launch(str(tmp_path / "dev"), *args, fake=True, nproc=2)
-    dev = _rows(str(tmp_path / "dev"))
+    dev = metrics_rows(str(tmp_path / "dev"))
     assert dev[0]["actor/grad_norm"] > 0 and dev[0]["mismatch/logprob_abs_mean"] < 1e-4
-    _same_numbers(_rows(str(tmp_path / "cpu")), dev)
+    _same_numbers(metrics_rows(str(tmp_path / "cpu")), dev)

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from tests.support.distributed_harness import DistributedPool
-from tests.trainer.test_loop_e2e import TINY, VOLATILE
+from tests.support.distributed_harness import module_pool
+from tests.support.runs import TINY, VOLATILE
 
 
 def _run(run_dir: str, overrides):
@@ -28,10 +28,7 @@ def _run(run_dir: str, overrides):
         distributed.destroy()
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=1) as p:
-        yield p
+pool = module_pool(1)
 
 
 @pytest.mark.parametrize("minibatches", [1, 2])

@@ -52,15 +52,15 @@ def test_bf16_model_steps_fp32_masters_and_keeps_small_updates():
 
 
 def test_bf16_run_resumes_bit_identically(tmp_path):
-    from tests.trainer.test_loop_e2e import CLI_TINY, _cli, _lines, _stable
+    from tests.support.runs import CLI_TINY, metrics_rows, run_pretrain_rl, stable
 
     args = [*CLI_TINY, "model.params_dtype=bfloat16"]
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    assert _cli("--output-dir", a, *args, "train.steps=4").returncode == 0
-    assert _cli("--output-dir", b, *args, "train.steps=2").returncode == 0
-    proc = _cli("--output-dir", b, *args, "train.steps=4")
+    assert run_pretrain_rl("--output-dir", a, *args, "train.steps=4").returncode == 0
+    assert run_pretrain_rl("--output-dir", b, *args, "train.steps=2").returncode == 0
+    proc = run_pretrain_rl("--output-dir", b, *args, "train.steps=4")
     assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-2000:]
-    assert _stable(_lines(a)) == _stable(_lines(b))
+    assert stable(metrics_rows(a)) == stable(metrics_rows(b))
     with open(os.path.join(b, "checkpoints", "iter_0000004", "meta.json")) as f:
         assert json.load(f)["step"] == 4
 

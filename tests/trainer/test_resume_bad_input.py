@@ -8,32 +8,18 @@ or, when no checkpoint is written, a one-rank gloo worker.
 """
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from tests.support.distributed_harness import DistributedPool
-from tests.support.paths import REPO
+from tests.support.distributed_harness import module_pool
+from tests.support.runs import TINY_CHECKPOINTED, metrics_rows, run_pretrain_rl
 
-RECIPE = {
-    "model": {"architecture": dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6,
-                                   tie_word_embeddings=False)},
-    "rollout": {"prompts_per_step": 8, "n": 4, "max_response_len": 4},
-    "optim": {"lr": 1e-3},
-    "train": {"steps": 2, "num_minibatches": 2},
-    "checkpoint": {"every": 1, "keep": 3},
-    "logging": {"tensorboard": False, "progress": False, "plots": False},
-}
 ITER1, ITER2 = "iter_0000001", "iter_0000002"
 
 
@@ -47,22 +33,13 @@ class _RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                OMP_NUM_THREADS="1")
-
-
-def _cli(*args, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "pretrain_rl.py"), *map(str, args)], capture_output=True,
-                          text=True, cwd=REPO, env=_env(), timeout=timeout)
-
-
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
-    (root / "recipe.yaml").write_text("# the user's recipe: these comments must survive\n" + yaml.safe_dump(RECIPE))
+    (root / "recipe.yaml").write_text("# the user's recipe: these comments must survive\n"
+                                      + yaml.safe_dump(TINY_CHECKPOINTED))
     for name, extra in (("grpo", []), ("ppo", ["algorithm.name=ppo"])):
-        proc = _cli("--config", root / "recipe.yaml", "--output-dir", root / name, *extra)
+        proc = run_pretrain_rl("--config", root / "recipe.yaml", "--output-dir", root / name, *extra)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert sorted(os.listdir(root / name / "checkpoints")) == [ITER1, ITER2]
     return root
@@ -194,18 +171,18 @@ def test_auto_resume_falls_back_runs_nothing_and_keeps_the_recipe_file(run, tmp_
     recipe = run / "config.yaml"
     recipe.write_text("# my recipe, my comments\n" + recipe.read_text())
     before = recipe.read_bytes()
-    proc = _cli("--config", recipe, "--output-dir", run, "train.steps=3")
+    proc = run_pretrain_rl("--config", recipe, "--output-dir", run, "train.steps=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not marker.exists()
     assert "falling back to" in proc.stdout and f"resumed from {run / 'checkpoints' / ITER1}" in proc.stdout
     assert recipe.read_bytes() == before
-    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in metrics_rows(run)]
     assert steps == [1, 2, 3]
 
 
 def test_resume_none_over_an_existing_run_refuses_and_changes_nothing(run):
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
-    proc = _cli("--config", run / "config.yaml", "--output-dir", run, "--resume", "none")
+    proc = run_pretrain_rl("--config", run / "config.yaml", "--output-dir", run, "--resume", "none")
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--resume none" in errors[0] and "already holds a run" in errors[0], proc.stderr
@@ -213,10 +190,7 @@ def test_resume_none_over_an_existing_run_refuses_and_changes_nothing(run):
 
 
 # --- resumes with another model or algorithm: one line, before megatron reads data ------------------------
-@pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(world_size=1) as p:
-        yield p
+pool = module_pool(1)
 
 
 def _train(run_dir: str, resume: str, overrides=(), patch=None):
@@ -226,7 +200,7 @@ def _train(run_dir: str, resume: str, overrides=(), patch=None):
     from megatron_credit.config import recipe_from_dict
     from megatron_credit.trainer.loop import train
 
-    recipe = recipe_from_dict(RECIPE, overrides=list(overrides))
+    recipe = recipe_from_dict(TINY_CHECKPOINTED, overrides=list(overrides))
     restore, extra = patch() if patch is not None else (lambda: None, None)
     device = distributed.initialize(recipe.parallel, seed=recipe.seed)
     try:
@@ -262,7 +236,7 @@ def test_reward_pool_counts_and_dropped_prompts_reach_metrics_jsonl(pool, tmp_pa
                               ["reward.num_workers=1", "checkpoint.every=0", "checkpoint.save_at_end=false",
                                "train.steps=1"])[0]
     assert error is None, error
-    line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    line = metrics_rows(tmp_path / "run")[0]
     draws = line["rollout/draws"]
     assert line["reward_pool/items"] == 8 * 4 * draws and line["reward_pool/timeouts"] == 0
     assert line["reward_pool/errors"] == 0 and line["reward_pool/restarts"] == 0 and line["reward_pool/seconds"] > 0
@@ -307,8 +281,7 @@ def test_consecutive_skipped_steps_stop_the_run_before_it_saves(pool, tmp_path):
     assert rows is None and error.startswith("error: diverged: 4 optimizer steps in a row were skipped"), error
     assert "up to iteration 2" in error and "train.max_skipped_steps=4" in error
     assert saved == [1]  # iteration 2 (the 4th skipped step) was never saved, nothing was pruned
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    assert [r["step"] for r in metrics_rows(tmp_path / "run")] == [1, 2]
 
 
 def test_divergence_guard_counts_only_fully_skipped_iterations_and_collapse():
@@ -350,12 +323,12 @@ def test_overflowing_or_impossible_limits_are_refused_at_validation(override, me
     from megatron_credit.config import recipe_from_dict
 
     with pytest.raises(ValueError, match=message):
-        recipe_from_dict(RECIPE, overrides=[override])
+        recipe_from_dict(TINY_CHECKPOINTED, overrides=[override])
 
 
 def test_bad_sampling_limit_is_refused_before_anything_is_written(tmp_path):
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(RECIPE))
-    proc = _cli("--config", tmp_path / "r.yaml", "--output-dir", tmp_path / "run", "rollout.top_p=2")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(TINY_CHECKPOINTED))
+    proc = run_pretrain_rl("--config", tmp_path / "r.yaml", "--output-dir", tmp_path / "run", "rollout.top_p=2")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: rollout.top_p"), proc.stderr
     assert not (tmp_path / "run").exists()
 
@@ -383,7 +356,7 @@ def test_a_head_layout_the_model_cannot_have_names_its_fields(override, message)
     from megatron_credit.config import recipe_from_dict
     from megatron_credit.trainer.loop import check_recipe
 
-    recipe = recipe_from_dict(RECIPE, overrides=[override])
+    recipe = recipe_from_dict(TINY_CHECKPOINTED, overrides=[override])
     with pytest.raises(ValueError, match=message):
         check_recipe(recipe, recipe.model.hf_config(), world_size=1)
 
@@ -392,7 +365,7 @@ def test_hidden_size_not_divisible_by_heads_names_the_fields():
     from megatron_credit.config import recipe_from_dict
     from megatron_credit.trainer.loop import check_recipe
 
-    recipe = recipe_from_dict(RECIPE, overrides=["model.architecture.num_attention_heads=6",
+    recipe = recipe_from_dict(TINY_CHECKPOINTED, overrides=["model.architecture.num_attention_heads=6",
                                                  "model.architecture.num_key_value_heads=3"])
     with pytest.raises(ValueError, match=r"num_attention_heads=6 does not divide hidden_size=32"):
         check_recipe(recipe, recipe.model.hf_config(), world_size=1)
@@ -402,8 +375,8 @@ def test_a_group_of_one_sample_is_refused_for_group_relative_algorithms():
     from megatron_credit.config import recipe_from_dict
     from megatron_credit.trainer.loop import check_recipe
 
-    recipe = recipe_from_dict(RECIPE, overrides=["rollout.n=1"])
+    recipe = recipe_from_dict(TINY_CHECKPOINTED, overrides=["rollout.n=1"])
     with pytest.raises(ValueError, match=r"rollout.n=1: algorithm grpo's advantages are relative to the group"):
         check_recipe(recipe, recipe.model.hf_config(), world_size=1)
-    ppo = recipe_from_dict(RECIPE, overrides=["rollout.n=1", "algorithm.name=ppo"])
+    ppo = recipe_from_dict(TINY_CHECKPOINTED, overrides=["rollout.n=1", "algorithm.name=ppo"])
     assert check_recipe(ppo, ppo.model.hf_config(), world_size=1)["dp"] == 1  # a critic needs no group

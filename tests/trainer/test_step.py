@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from tests.support.distributed_harness import DistributedPool
+from tests.support.distributed_harness import module_pool
 
 ARCH = dict(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0,
@@ -116,16 +116,10 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
         distributed.destroy()
 
 
-@pytest.fixture(scope="module")
-def pool1():
-    with DistributedPool(world_size=1) as p:
-        yield p
+pool1 = module_pool(1)
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    with DistributedPool(world_size=2) as p:
-        yield p
+pool2 = module_pool(2)
 
 
 KEYS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "fipo/weight_mean",
