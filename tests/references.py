@@ -1,6 +1,6 @@
-"""The float64 loop references of the math: one position (or token, or response) at a time, written from
-DESIGN.md's formulas and independently of ``megatron_credit``'s vectorised code. Every test of the credit
-and loss math compares against these, so each formula has one reference (issue 28).
+"""The float64 references of the math: loops (one position, token or response at a time) or, for attention, a
+materialised softmax, written from DESIGN.md's formulas and independently of ``megatron_credit``'s code.
+Every test of the credit and loss math compares against these, so each formula has one reference (issue 28).
 
 - :func:`scan_reference`: the reverse linear recurrence ``y_t = x_t + a_t y_{t+1}``;
 - :func:`gae_reference` (textbook GAE, by runs of valid tokens), :func:`comp_gae_reference` (Comp-GAE),
@@ -9,7 +9,10 @@ and loss math compares against these, so each formula has one reference (issue 2
 - :func:`future_kl_reference` (FIPO's discounted future KL), :func:`fipo_weights_reference`;
 - :func:`ppo_reference` (PPO clip with dual clip and IS weights: loss and gradient), :func:`gspo_reference`,
   :func:`aggregate_reference` (the loss aggregation modes);
-- :func:`logprob_entropy_reference` (log-probs and entropies of temperature-scaled logits).
+- :func:`logprob_entropy_reference` (log-probs and entropies of temperature-scaled logits);
+- :func:`dense_attention` (a materialised causal softmax), :func:`dense_concentration`, :func:`dense_topk`
+  (CompPO's attention statistics from it);
+- :func:`qkv_reference` (megatron's fused QKV row layout, row by row).
 """
 import math
 
@@ -196,3 +199,38 @@ def logprob_entropy_reference(logits, labels, temperature=1.0):
             logp.append(ls[labels[b, t]])
             ent.append(-(ls.exp() * ls).sum())
     return torch.stack(logp).view(batch, seq), torch.stack(ent).view(batch, seq)
+
+
+def dense_attention(query, key, *, scale=None, q_positions=None):
+    """``a [B, Hq, Tq, Tk]`` float64: materialised causal softmax, GQA by repeating K (reference only)."""
+    q, k = query.double(), key.double()
+    tq, tk = q.shape[2], k.shape[2]
+    pos = torch.arange(tk - tq, tk) if q_positions is None else q_positions
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    s = s.masked_fill(torch.arange(tk)[None, :] > pos[:, None], float("-inf"))
+    return torch.softmax(s, dim=-1)
+
+
+def dense_concentration(query, key, **kw):
+    """``(H [B, Tq], n [B, Tq])``: the head-mean of sum_i a_i**2 over the dense attention, and the visible keys."""
+    a = dense_attention(query, key, **kw)
+    return (a * a).sum(-1).mean(1), (a > 0).sum(-1)[:, 0]
+
+
+def dense_topk(query, key, k, **kw):
+    """The top-``k`` of the head-mean dense attention ``[B, Tq, Tk]`` (values, indices), and that attention."""
+    a = dense_attention(query, key, **kw).mean(1)  # [B, Tq, Tk]
+    return torch.topk(a, min(k, a.shape[-1]), dim=-1), a
+
+
+def qkv_reference(q, k, v, heads, groups, d):
+    """Row-by-row loop: for each group g, its q heads, then k head g, then v head g."""
+    rows = []
+    per = heads // groups
+    for g in range(groups):
+        for h in range(g * per, (g + 1) * per):
+            rows += [q[h * d + j] for j in range(d)]
+        rows += [k[g * d + j] for j in range(d)]
+        rows += [v[g * d + j] for j in range(d)]
+    return torch.stack(rows)

@@ -10,20 +10,9 @@ from megatron_credit.conversion.hf_io import SafetensorsReader, ShardedSafetenso
 from megatron_credit.conversion.testing import tiny_hf_config, write_random_hf_checkpoint
 from megatron_credit.conversion.transforms import (TPLayout, fuse_gate_up, fuse_qkv, split_gate_up, split_qkv,
                                                    tp_gather, tp_shard)
+from tests.references import qkv_reference
 
 FAMILY_NAMES = ["qwen2", "qwen3", "llama"]
-
-
-def _qkv_reference(q, k, v, heads, groups, d):
-    """Row-by-row loop: for each group g, its q heads, then k head g, then v head g."""
-    rows = []
-    per = heads // groups
-    for g in range(groups):
-        for h in range(g * per, (g + 1) * per):
-            rows += [q[h * d + j] for j in range(d)]
-        rows += [k[g * d + j] for j in range(d)]
-        rows += [v[g * d + j] for j in range(d)]
-    return torch.stack(rows)
 
 
 @pytest.mark.parametrize("heads,groups,d,bias", [(8, 2, 3, False), (4, 4, 2, True), (6, 1, 4, False)])
@@ -34,7 +23,7 @@ def test_fuse_qkv_matches_loop_and_inverts(heads, groups, d, bias):
     k = torch.randn(groups * d, *shape, generator=g, dtype=torch.float64)
     v = torch.randn(groups * d, *shape, generator=g, dtype=torch.float64)
     fused = fuse_qkv(q, k, v, num_heads=heads, num_query_groups=groups, head_dim=d)
-    assert torch.equal(fused, _qkv_reference(q, k, v, heads, groups, d))
+    assert torch.equal(fused, qkv_reference(q, k, v, heads, groups, d))
     for a, b in zip(split_qkv(fused, num_heads=heads, num_query_groups=groups, head_dim=d), (q, k, v)):
         assert torch.equal(a, b)
 

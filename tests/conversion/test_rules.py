@@ -60,7 +60,7 @@ class _Unique:
 
 
 # --- expected layouts, written out from the docstrings -------------------------------------------
-from tests.conversion.test_maps import _qkv_reference  # noqa: E402  (one loop reference of the QKV layout)
+from tests.references import qkv_reference  # noqa: E402  (one loop reference of the QKV layout)
 
 
 def _flags(family, c):
@@ -117,7 +117,7 @@ def _expected_megatron(family, c, hf, *, fused=False):
         out.append((m + ("self_attention.linear_qkv.layer_norm_weight" if fused else "input_layernorm.weight"),
                     hf[p + "input_layernorm.weight"], Kind.COPY, TPLayout.REPLICATED))
         for kind in ("weight", "bias") if qkv_b else ("weight",):
-            qkv = _qkv_reference(*(hf[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"), H, G, d)
+            qkv = qkv_reference(*(hf[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"), H, G, d)
             out.append((m + f"self_attention.linear_qkv.{kind}", qkv, Kind.QKV, TPLayout.ROWS))
         if family == "qwen3":
             out.append((m + "self_attention.q_layernorm.weight", hf[p + "self_attn.q_norm.weight"], Kind.COPY,
@@ -532,7 +532,7 @@ def test_fuse_qkv_groups_rows_per_query_group_and_splits_back(heads, groups, d, 
     u = _Unique(torch.bfloat16 if rest == () else torch.float64)
     q, k, v = u(heads * d, *rest), u(groups * d, *rest), u(groups * d, *rest)
     fused = fuse_qkv(q, k, v, num_heads=heads, num_query_groups=groups, head_dim=d)
-    assert fused.dtype == q.dtype and torch.equal(fused, _qkv_reference(q, k, v, heads, groups, d))
+    assert fused.dtype == q.dtype and torch.equal(fused, qkv_reference(q, k, v, heads, groups, d))
     back = split_qkv(fused, num_heads=heads, num_query_groups=groups, head_dim=d)
     assert len(back) == 3
     for got, want in zip(back, (q, k, v)):
@@ -549,14 +549,14 @@ def test_qkv_tp_shards_are_contiguous_row_blocks_holding_whole_or_partial_groups
     for rest in ((hidden,), ()):  # the weight and the bias
         q, k, v = u(heads * d, *rest), u(groups * d, *rest), u(groups * d, *rest)
         fused = fuse_qkv(q, k, v, num_heads=heads, num_query_groups=groups, head_dim=d)
-        ref = _qkv_reference(q, k, v, heads, groups, d)
+        ref = qkv_reference(q, k, v, heads, groups, d)
         rows = ref.shape[0] // tp
         shards = [tp_shard(fused, TPLayout.ROWS, rank=r, size=tp) for r in range(tp)]
         for r, shard in enumerate(shards):
             assert torch.equal(shard, ref[r * rows:(r + 1) * rows])
             if groups % tp == 0:
                 hq, gq = heads // tp * d, groups // tp * d
-                want = _qkv_reference(q[r * hq:(r + 1) * hq], k[r * gq:(r + 1) * gq], v[r * gq:(r + 1) * gq],
+                want = qkv_reference(q[r * hq:(r + 1) * hq], k[r * gq:(r + 1) * gq], v[r * gq:(r + 1) * gq],
                                       heads // tp, groups // tp, d)
                 assert torch.equal(shard, want)
             else:

@@ -16,52 +16,15 @@ import pytest
 import torch
 
 from megatron_credit.models.concentration import attention_concentration, attention_topk
+from tests.references import dense_attention, dense_concentration, dense_topk
+from tests.support.attention import ATTENTION_CASES, attention_inputs
 from tests.support.distributed_harness import load_balanced_shard, module_pool
 from tests.support.paths import ROOT
 
-# ---------------------------------------------------------------------------------- dense reference
 
-
-def dense_attention(query, key, *, scale=None, q_positions=None):
-    """``a [B, Hq, Tq, Tk]`` float64: materialised causal softmax, GQA by repeating K (reference only)."""
-    q, k = query.double(), key.double()
-    tq, tk = q.shape[2], k.shape[2]
-    pos = torch.arange(tk - tq, tk) if q_positions is None else q_positions
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    s = s.masked_fill(torch.arange(tk)[None, :] > pos[:, None], float("-inf"))
-    return torch.softmax(s, dim=-1)
-
-
-def dense_concentration(query, key, **kw):
-    a = dense_attention(query, key, **kw)
-    return (a * a).sum(-1).mean(1), (a > 0).sum(-1)[:, 0]
-
-
-def dense_topk(query, key, k, **kw):
-    a = dense_attention(query, key, **kw).mean(1)  # [B, Tq, Tk]
-    return torch.topk(a, min(k, a.shape[-1]), dim=-1), a
-
-
-def _inputs(b, hq, hkv, tq, tk, d, *, seed=0, dtype=torch.float32, spread=2.0):
-    g = torch.Generator().manual_seed(seed)
-    # spread > 1 gives peaked rows (H far from 1/n) as well as flat ones.
-    q = (torch.randn(b, hq, tq, d, generator=g) * spread).to(dtype)
-    k = torch.randn(b, hkv, tk, d, generator=g).to(dtype)
-    return q, k
-
-
-CASES = [  # b, hq, hkv, tq, tk, d, chunk
-    (2, 8, 2, 37, 37, 16, 8),     # Tq == Tk: row 0 sees one key (n = 1, H = 1); 8 does not divide 37
-    (1, 8, 2, 20, 53, 16, 16),    # Tq < Tk, GQA 4:1
-    (2, 4, 4, 33, 33, 8, 1024),   # MHA, one chunk
-    (1, 6, 3, 50, 70, 32, 7),     # odd chunk
-]
-
-
-@pytest.mark.parametrize("b,hq,hkv,tq,tk,d,chunk", CASES)
+@pytest.mark.parametrize("b,hq,hkv,tq,tk,d,chunk", ATTENTION_CASES)
 def test_concentration_matches_dense_float64(b, hq, hkv, tq, tk, d, chunk):
-    q, k = _inputs(b, hq, hkv, tq, tk, d)
+    q, k = attention_inputs(b, hq, hkv, tq, tk, d)
     h, n = attention_concentration(q, k, chunk_size=chunk)
     h_ref, n_ref = dense_concentration(q, k)
     assert h.dtype == torch.float32 and n.dtype == torch.int64
@@ -76,7 +39,7 @@ def test_concentration_matches_dense_float64(b, hq, hkv, tq, tk, d, chunk):
 
 def test_concentration_large_scores_keep_float32_precision():
     """Scores of O(100) (peaked heads): H comes from max-shifted log-sum-exps, no large cancellation."""
-    q, k = _inputs(1, 4, 2, 40, 40, 16, spread=12.0)
+    q, k = attention_inputs(1, 4, 2, 40, 40, 16, spread=12.0)
     h, _ = attention_concentration(q, k, chunk_size=6)
     h_ref, _ = dense_concentration(q, k)
     assert float(h_ref.min()) < 0.9 and float(h_ref.max()) > 0.99  # mixed, mostly one-hot rows
@@ -84,13 +47,13 @@ def test_concentration_large_scores_keep_float32_precision():
 
 
 def test_concentration_bfloat16_inputs_score_in_float32():
-    q, k = _inputs(1, 4, 2, 24, 24, 16, dtype=torch.bfloat16)
+    q, k = attention_inputs(1, 4, 2, 24, 24, 16, dtype=torch.bfloat16)
     h, _ = attention_concentration(q, k, chunk_size=5)
     torch.testing.assert_close(h.double(), dense_concentration(q, k)[0], rtol=2e-5, atol=1e-7)
 
 
 def test_concentration_custom_scale_and_cp_positions():
-    q, k = _inputs(2, 4, 2, 32, 32, 8)
+    q, k = attention_inputs(2, 4, 2, 32, 32, 8)
     for cp in (2, 4):
         for r in range(cp):
             pos = load_balanced_shard(torch.arange(32)[None], cp, r)[0]
@@ -100,10 +63,10 @@ def test_concentration_custom_scale_and_cp_positions():
             assert torch.equal(n[0], pos + 1) and torch.equal(n, n_ref.expand_as(n))
 
 
-@pytest.mark.parametrize("b,hq,hkv,tq,tk,d,chunk", CASES)
+@pytest.mark.parametrize("b,hq,hkv,tq,tk,d,chunk", ATTENTION_CASES)
 @pytest.mark.parametrize("k", [1, 5])
 def test_topk_matches_dense_float64(b, hq, hkv, tq, tk, d, chunk, k):
-    q, key = _inputs(b, hq, hkv, tq, tk, d, seed=1)
+    q, key = attention_inputs(b, hq, hkv, tq, tk, d, seed=1)
     idx, w = attention_topk(q, key, k, chunk_size=chunk)
     (w_ref, idx_ref), a = dense_topk(q, key, k)
     assert idx.shape == w.shape == (b, tq, k) and idx.dtype == torch.int64 and w.dtype == torch.float32
@@ -125,7 +88,7 @@ def test_topk_ties_broken_by_smaller_index_and_cp_positions():
     q, key = torch.zeros(1, 2, 6, 4), torch.zeros(1, 1, 6, 4)  # uniform rows: every weight ties
     idx, w = attention_topk(q, key, 3, chunk_size=2)
     assert idx[0].tolist() == [[0, 0, 0], [0, 1, 1], [0, 1, 2], [0, 1, 2], [0, 1, 2], [0, 1, 2]]
-    q, key = _inputs(1, 4, 2, 16, 16, 8, seed=3)
+    q, key = attention_inputs(1, 4, 2, 16, 16, 8, seed=3)
     pos = load_balanced_shard(torch.arange(16)[None], 2, 1)[0]
     idx, w = attention_topk(q[:, :, pos], key, 3, chunk_size=3, q_positions=pos)
     (w_ref, idx_ref), _ = dense_topk(q[:, :, pos], key, 3, q_positions=pos)
@@ -134,10 +97,10 @@ def test_topk_ties_broken_by_smaller_index_and_cp_positions():
 
 
 def test_bad_inputs_name_the_field():
-    q, k = _inputs(1, 6, 4, 4, 4, 8)
+    q, k = attention_inputs(1, 6, 4, 4, 4, 8)
     with pytest.raises(ValueError, match="multiple of key heads"):
         attention_concentration(q, k)
-    q, k = _inputs(1, 4, 2, 8, 4, 8)
+    q, k = attention_inputs(1, 4, 2, 8, 4, 8)
     with pytest.raises(ValueError, match="Tq=8 > Tk=4"):
         attention_concentration(q, k)
     with pytest.raises(ValueError, match="q_positions"):
@@ -157,7 +120,7 @@ def _kernel_ranks(tp: int, cp: int):
     from megatron_credit.models.final_layer import gather_cp_sequence, scatter_to_global
 
     torch.set_num_threads(1)
-    q, k = _inputs(2, 8, 2, 24, 24, 16, seed=5)
+    q, k = attention_inputs(2, 8, 2, 24, 24, 16, seed=5)
     full = dict(hk=attention_concentration(q, k, chunk_size=5), tk=attention_topk(q, k, 4, chunk_size=5))
     rank, group = dist.get_rank(), dist.group.WORLD
     if tp > 1:  # megatron's head split: rank r holds query heads r*Hq/tp.. and their key groups

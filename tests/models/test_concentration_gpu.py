@@ -9,7 +9,7 @@ task that wrote them drew no GPU): run ``pytest -q tests/models/test_concentrati
 import pytest
 import torch
 
-from tests.models.test_concentration import dense_concentration, dense_topk
+from tests.references import dense_concentration, dense_topk
 
 pytestmark = pytest.mark.gpu
 

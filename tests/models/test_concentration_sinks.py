@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_credit.models.concentration import attention_concentration
-from tests.models.test_concentration import CASES, _inputs, dense_attention
+from tests.references import dense_attention
+from tests.support.attention import ATTENTION_CASES, attention_inputs
 
 
 def dense_sinkless(query, key, sink_keys, *, q_positions=None, scale=None):
@@ -24,10 +25,10 @@ def dense_sinkless(query, key, sink_keys, *, q_positions=None, scale=None):
     return (kept * kept).sum(-1).mean(1), ((a > 0) & keep).sum(-1)[:, 0]
 
 
-@pytest.mark.parametrize("b,hq,hkv,tq,tk,d,chunk", CASES)
+@pytest.mark.parametrize("b,hq,hkv,tq,tk,d,chunk", ATTENTION_CASES)
 @pytest.mark.parametrize("sink_keys", [1, 3, 40])
 def test_sinkless_concentration_matches_dense_float64(b, hq, hkv, tq, tk, d, chunk, sink_keys):
-    q, k = _inputs(b, hq, hkv, tq, tk, d, seed=sink_keys)
+    q, k = attention_inputs(b, hq, hkv, tq, tk, d, seed=sink_keys)
     k[:, :, 0] *= 6.0  # a real sink: key 0 takes much of the mass of many queries
     h, n = attention_concentration(q, k, chunk_size=chunk, sink_keys=sink_keys)
     want_h, want_n = dense_sinkless(q, k, sink_keys)
@@ -40,7 +41,7 @@ def test_sinkless_concentration_matches_dense_float64(b, hq, hkv, tq, tk, d, chu
 
 
 def test_zero_sink_keys_is_the_plain_gate_and_cp_positions():
-    q, k = _inputs(1, 4, 2, 12, 12, 8, seed=3)
+    q, k = attention_inputs(1, 4, 2, 12, 12, 8, seed=3)
     assert torch.equal(attention_concentration(q, k, sink_keys=0)[0], attention_concentration(q, k)[0])
     positions = torch.tensor([0, 1, 2, 9, 10, 11])  # a load-balanced CP shard's queries
     h, n = attention_concentration(q[:, :, positions], k, q_positions=positions, chunk_size=5, sink_keys=2)
@@ -55,7 +56,7 @@ def test_capture_passes_sink_keys_to_H_and_not_to_topk():
     from megatron_credit.models.concentration import attention_topk
     from megatron_credit.models.final_layer import FinalAttentionCapture
 
-    q, k = _inputs(2, 4, 2, 10, 10, 8, seed=5)
+    q, k = attention_inputs(2, 4, 2, 10, 10, 8, seed=5)
     capture = FinalAttentionCapture()
     capture.arm(query_start=4, top_k=3, sink_keys=2)
     capture.record(q.permute(2, 0, 1, 3), k.permute(2, 0, 1, 3), scale=8 ** -0.5)
