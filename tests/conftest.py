@@ -1,4 +1,5 @@
-"""Shared pytest set-up: GPU-marked tests are skipped with a reason on machines without CUDA."""
+"""Shared pytest set-up: GPU-marked tests are skipped with a reason on machines without CUDA; a test that
+starts a process without its ``dist`` / ``spawn`` marker fails (``tests/support/spawn_guard.py``)."""
 import os
 import re
 
@@ -10,6 +11,31 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tests.support import spawn_guard  # noqa: E402
+
+spawn_guard.install()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    spawn_guard.running(item)
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    spawn_guard.running(item)
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    spawn_guard.running(item)
+    try:
+        return (yield)
+    finally:
+        spawn_guard.running(None)
 
 
 def pytest_collection_modifyitems(config, items):

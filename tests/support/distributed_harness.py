@@ -73,6 +73,9 @@ class DistributedPool:
         self._results = None
 
     def start(self) -> None:
+        from tests.support import spawn_guard
+
+        spawn_guard.require(("dist",), f"{self.world_size} gloo worker processes (DistributedPool)")
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._results = ctx.Queue()

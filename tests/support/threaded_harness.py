@@ -80,11 +80,11 @@ class ThreadedPool:
 
 def gloo_and_threads_pool(world_size: int):
     """A module-scoped ``pool`` fixture run twice: ``[gloo]`` (a :class:`DistributedPool` of spawned
-    workers) and ``[threads]`` (a :class:`ThreadedPool`). Under ``make mutation`` only the ``[threads]``
-    runs are kept (``tests/conftest.py``)."""
+    workers; its tests carry the ``dist`` marker) and ``[threads]`` (a :class:`ThreadedPool`, unmarked: in
+    ``make test-fast``). Under ``make mutation`` only the ``[threads]`` runs are kept (``tests/conftest.py``)."""
     import pytest
 
-    @pytest.fixture(scope="module", params=["gloo", "threads"])
+    @pytest.fixture(scope="module", params=[pytest.param("gloo", marks=pytest.mark.dist), "threads"])
     def pool(request):
         if request.param == "threads":
             yield ThreadedPool(world_size=world_size)

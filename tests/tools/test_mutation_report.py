@@ -12,6 +12,7 @@ import pytest
 from tools import mutation_report as mr
 
 from tests.support.paths import ROOT
+from tests.support.runs import subprocess_env
 
 MOD = "megatron_credit.credit.scan"
 
@@ -85,6 +86,7 @@ def test_main_without_results(tmp_path, capsys):
     assert "no mutmut results" in capsys.readouterr().out
 
 
+@pytest.mark.spawn
 def test_under_mutmut_a_test_that_hangs_fails_within_the_short_timeout(tmp_path):
     # tests/conftest.py under MUTANT_UNDER_TEST: a never-ending loop (what a mutated loop bound does) fails
     # its test after MUTATION_TEST_TIMEOUT_S, so mutmut records a kill instead of waiting for its CPU limit.
@@ -97,7 +99,8 @@ def test_under_mutmut_a_test_that_hangs_fails_within_the_short_timeout(tmp_path)
     shutil.copy(os.path.join(ROOT, "tests", "conftest.py"), tmp_path / "conftest.py")
     (tmp_path / "test_hang.py").write_text("def test_fast():\n    assert True\n\n"
                                            "def test_hangs():\n    while True:\n        pass\n")
-    env = dict(os.environ, MUTANT_UNDER_TEST="megatron_credit.credit.scan.x__doubling__mutmut_1",
+    # the copied conftest imports tests.support (its process guard): the repository goes on PYTHONPATH
+    env = dict(subprocess_env(), MUTANT_UNDER_TEST="megatron_credit.credit.scan.x__doubling__mutmut_1",
                MUTATION_TEST_TIMEOUT_S="2")
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
