@@ -21,6 +21,9 @@ from megatron_credit.losses import policy
 from megatron_credit.metric_tables import MetricTable
 from tests.support.distributed_harness import DistributedPool
 
+pytestmark = pytest.mark.dist
+
+
 NAME = "test_prob_weighted_grpo"
 
 

@@ -91,6 +91,7 @@ def test_cpu_bf16_follows_torchs_capabilities(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only CLI path")
+@pytest.mark.dist
 def test_trainer_cli_prints_one_line_before_building_anything(tmp_path):
     """pretrain_rl.py with the demo recipe asking for Transformer Engine: exit 2, one line naming the
     field, no run directory."""

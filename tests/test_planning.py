@@ -164,6 +164,7 @@ def pool2():
         yield p
 
 
+@pytest.mark.dist
 def test_param_count_equals_megatron_per_rank_tp2_and_pp2(pool2):
     from megatron_credit.config import ModelConfig
 

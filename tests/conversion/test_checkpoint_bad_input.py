@@ -261,6 +261,7 @@ def _to_hf(ckpt: Path, out: Path):
     return convert_megatron_to_hf(ckpt, out, progress=False)
 
 
+@pytest.mark.spawn
 def test_crafted_metadata_pickle_is_refused_without_running_code(ckpt, tmp_path):
     from megatron_credit.conversion.safe_load import UnsafeCheckpointError
 
@@ -323,6 +324,7 @@ def _layout(ckpt: Path, layout: str) -> Path:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", sorted(DIST_CASES))
+@pytest.mark.spawn
 def test_damaged_dist_checkpoint_gets_one_clear_error(ckpt, tmp_path, case, layout):
     damage, message = DIST_CASES[case]
     damage(_layout(ckpt, layout))
@@ -347,6 +349,7 @@ META_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(META_CASES))
+@pytest.mark.spawn
 def test_conversion_meta_is_checked(ckpt, tmp_path, case):
     edit, message = META_CASES[case]
     _edit_meta(ckpt, edit)
@@ -355,6 +358,7 @@ def test_conversion_meta_is_checked(ckpt, tmp_path, case):
     assert "conversion_meta.json" in str(info.value)
 
 
+@pytest.mark.spawn
 def test_conversion_meta_not_json(ckpt, tmp_path):
     (ckpt / "conversion_meta.json").write_text('{"dtype": "fp')
     with pytest.raises(CheckpointFormatError, match="conversion_meta.json' is not valid JSON"):
@@ -362,6 +366,7 @@ def test_conversion_meta_not_json(ckpt, tmp_path):
 
 
 @pytest.mark.parametrize("where", ["equal", "inside"])
+@pytest.mark.spawn
 def test_export_into_the_source_is_refused_before_writing(ckpt, where):
     out = ckpt if where == "equal" else ckpt / "model" / "hf"
     before = sorted(str(p) for p in ckpt.rglob("*"))
@@ -422,6 +427,7 @@ def test_failed_import_leaves_nothing(produced):
 
 # --- the command line ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.spawn
 def test_converter_cli_prints_one_line_and_exits_2(ckpt, tmp_path, capsys, layout):
     from tools import convert_megatron_to_hf as to_hf
 
@@ -435,6 +441,7 @@ def test_converter_cli_prints_one_line_and_exits_2(ckpt, tmp_path, capsys, layou
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.spawn
 def test_crafted_common_state_pickle_is_one_line_and_runs_nothing(ckpt, tmp_path, capsys):
     """megatron-core 0.19's common_state/shard_0_1 byte item replaced by a pickle that runs code (torch's
     load planner would unpickle it with weights_only=False): the converter prints one line naming the

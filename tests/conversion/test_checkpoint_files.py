@@ -202,17 +202,20 @@ def _same_weights(a: Path, b: Path, dtype: torch.dtype | None = None) -> None:
 
 
 # --- 1. Transformer Engine _extra_state -------------------------------------------------------------
+@pytest.mark.spawn
 def test_te_model_loads_local_spec_checkpoint(produced):
     """A model that also asks for TE's core_attention._extra_state gets the same weights."""
     assert _ok(produced[1], "te_request_on_local_checkpoint") is True
 
 
+@pytest.mark.spawn
 def test_te_written_checkpoint_converts_back(produced):
     root, results = produced
     _ok(results, "te_checkpoint_to_hf")
     _same_weights(root / "back_fp32", root / "back_te")
 
 
+@pytest.mark.spawn
 def test_missing_weight_key_still_raises(produced):
     r = produced[1]["missing_weight_key_raises"]
     assert not r["ok"] and "bogus.weight" in r["error"] and "_extra_state" in r["error"], r
@@ -220,6 +223,7 @@ def test_missing_weight_key_still_raises(produced):
 
 # --- 2. re-exporting into a used folder -------------------------------------------------------------
 @pytest.mark.parametrize("name", ["sharded_then_single", "single_then_sharded"])
+@pytest.mark.spawn
 def test_reexport_replaces_earlier_weight_files(produced, name):
     from megatron_credit.conversion.hf_io import INDEX_NAME, SINGLE_NAME, SafetensorsReader
 
@@ -275,6 +279,7 @@ def test_writer_removes_only_weight_files(tmp_path):
 
 
 # --- 3. config dtype after a dtype change -----------------------------------------------------------
+@pytest.mark.spawn
 def test_export_config_names_the_written_dtype(produced):
     root, results = produced
     meta = _ok(results, "import_bf16_as_fp32")
@@ -289,6 +294,7 @@ def test_export_config_names_the_written_dtype(produced):
     _same_weights(root / "src_bf16", root / "back_fp32", dtype=torch.float32)
 
 
+@pytest.mark.spawn
 def test_unchanged_dtype_keeps_config_bytes(produced):
     root, results = produced
     meta = _ok(results, "import_bf16_default")
@@ -316,12 +322,14 @@ def test_write_config_sets_torch_dtype_of_old_configs(tmp_path):
 
 
 # --- 5. minor ---------------------------------------------------------------------------------------
+@pytest.mark.spawn
 def test_fp64_source_needs_dtype_and_writes_nothing(produced):
     r = produced[1]["fp64_without_dtype"]
     assert not r["ok"] and "pass --dtype" in r["error"], r
     assert produced[1]["fp64_out_exists"] is False
 
 
+@pytest.mark.spawn
 def test_tied_config_with_stored_lm_head(produced):
     from megatron_credit.conversion.hf_io import SafetensorsReader
 
@@ -337,6 +345,7 @@ def test_tied_config_with_stored_lm_head(produced):
     assert torch.equal(got, want)
 
 
+@pytest.mark.spawn
 def test_tokenizer_files_are_copied(produced, tmp_path):
     from megatron_credit.conversion.hf_io import copy_tokenizer_files
 

@@ -21,6 +21,9 @@ import yaml
 from tests.support.paths import REPO
 from tests.support.runs import TINY_CHECKPOINTED, run_pretrain_rl, subprocess_env
 
+pytestmark = pytest.mark.dist
+
+
 USER_FILES = {"model-00001-of-00002.safetensors": b"user shard 1", "model-00002-of-00002.safetensors": b"user shard 2",
               "model.safetensors.index.json": json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
                                                                          "b": "model-00002-of-00002.safetensors"}}).encode(),

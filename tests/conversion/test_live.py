@@ -117,6 +117,7 @@ pool = module_pool(2)
 
 @pytest.mark.parametrize("family,tied", [("qwen2", False), ("qwen3", True), ("llama", True)])
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+@pytest.mark.dist
 def test_buckets_equal_hf_state_on_every_rank(pool, family, tied, tp, pp):
     _, hf = _hf_state(family, tied)
     per_rank = pool.run(_export, family, tied, tp, pp)
@@ -138,6 +139,7 @@ def test_buckets_equal_hf_state_on_every_rank(pool, family, tied, tp, pp):
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+@pytest.mark.dist
 def test_real_model_export_round_trips(pool, tp, pp):
     for family in ("qwen3", "llama"):  # llama tied: the export has no lm_head, whichever stage holds it
         _, hf = _hf_state(family, tied=(family == "llama"))

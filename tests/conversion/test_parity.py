@@ -21,6 +21,9 @@ import torch
 from tests.support.distributed_harness import module_pool, pipeline_forward
 from tests.support.paths import REPO
 
+pytestmark = pytest.mark.dist
+
+
 FAMILIES = ["qwen2", "qwen3", "llama"]
 TOL = 1e-4  # max |megatron - hf| / max |hf| over valid positions, fp32
 TIED = ["llama-tied", "qwen3-tied"]  # always built with peaked attention

@@ -175,6 +175,7 @@ def test_distinctness_guard_rejects_equal_norms():
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.dist
 def test_logits_match_transformers_with_distinct_weights(pool, hf_dirs, case):
     want = _hf_logits(hf_dirs[case])
     for tp, pp in LAYOUTS:

@@ -187,6 +187,7 @@ def _collect_shard(batches, bins):
     return sched.state_dict()
 
 
+@pytest.mark.dist
 def test_position_schedule_dp_allreduce_equals_single_process(pool):
     batches = [make_gates(8, 23, seed) for seed in (10, 11)]
     single = PositionGateSchedule(20)

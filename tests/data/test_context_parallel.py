@@ -114,6 +114,7 @@ def _megatron_layout_worker(cp, batch):
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.parametrize("seq_dim", [1, 0])
+@pytest.mark.dist
 def test_gather_inverts_split_with_gradient(pool, cp, seq_dim):
     gen = torch.Generator().manual_seed(cp)
     shape = (3, 16) if seq_dim == 1 else (16, 3)
@@ -136,6 +137,7 @@ def test_gather_inverts_split_with_gradient(pool, cp, seq_dim):
 
 
 @pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.dist
 def test_split_equals_megatron_get_batch_on_this_cp_rank(pool, cp):
     gen = torch.Generator().manual_seed(40 + cp)
     batch = {"tokens": torch.randint(0, 100, (2, 24), generator=gen),

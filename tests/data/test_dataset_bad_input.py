@@ -129,6 +129,7 @@ def test_in_process_math_verify_timeout_is_reported(monkeypatch):
     assert (record.correct, record.score, record.status) == (False, -1.0, "timeout")
 
 
+@pytest.mark.spawn
 def test_pool_alone_knows_the_builtin_methods():
     """A fresh interpreter that imports only the pool resolves "dapo" (no RewardPool workers needed)."""
     import subprocess

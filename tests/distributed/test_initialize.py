@@ -119,6 +119,7 @@ def _finalize_with_a_param_unused_on_rank_1():
         distributed.destroy()
 
 
+@pytest.mark.dist
 def test_megatron_ddp_sums_gradients_with_a_param_unused_on_one_rank(pool):
     for steps, frozen, dp in pool.run(_finalize_with_a_param_unused_on_rank_1):
         assert dp == 2 and frozen is None  # frozen params get no gradient buffer
@@ -128,6 +129,7 @@ def test_megatron_ddp_sums_gradients_with_a_param_unused_on_one_rank(pool):
             torch.testing.assert_close(b, k * torch.tensor([1.0, 2.0]), rtol=0, atol=0)
 
 
+@pytest.mark.dist
 def test_megatron_groups_and_seeds_on_gloo(pool):
     a, b = pool.run(_groups_and_seeds, 2, 1)
     assert (a["tp"], a["cp"], a["dp"]) == (2, 1, 1)
@@ -158,6 +160,7 @@ def _threads_after_init_destroy_cycles(n):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc (Linux)")
+@pytest.mark.dist
 def test_destroy_frees_the_gloo_threads_of_megatrons_groups(pool):
     # Each gloo group holds three threads until destroyed; before the fix every initialize/destroy cycle
     # left ~51 of them behind (the counts went 60, 111, 162, ...), and a test pool worker reached 1,500.
@@ -165,12 +168,14 @@ def test_destroy_frees_the_gloo_threads_of_megatrons_groups(pool):
         assert counts[1:] == counts[:-1], counts
 
 
+@pytest.mark.dist
 def test_sizes_not_fitting_the_world_are_refused_before_any_group(pool):
     for message, initialised in pool.run(_refuse_bad_world):
         assert "world_size 2 is not divisible" in message and "pipeline_model_parallel_size (4)" in message
         assert not initialised
 
 
+@pytest.mark.dist
 def test_entry_point_refuses_a_bad_override():
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config",

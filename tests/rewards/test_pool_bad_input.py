@@ -13,6 +13,9 @@ from megatron_credit.rewards.base import REWARD_FNS, graded
 from megatron_credit.rewards.pool import RewardItem, RewardPool, RewardPoolConfig
 
 
+pytestmark = pytest.mark.spawn
+
+
 def _which_worker(response, ground_truth):
     time.sleep(0.2)  # long enough that the other worker is busy too if it got an item
     return graded(False, str(os.getpid()))

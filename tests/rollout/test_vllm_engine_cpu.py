@@ -21,6 +21,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from megatron_credit.rollout import FinishStatus, HFRolloutEngine, SamplingParams, logprob_mismatch  # noqa: E402
 from tests.support.paths import ROOT  # noqa: E402
 
+pytestmark = [pytest.mark.vllm, pytest.mark.spawn]  # the real engine (its multiprocess mode starts processes)
+
+
 PROMPTS = [[3, 17, 42, 8], [5, 6, 7, 8, 9, 10, 11], [60, 61]]
 DEMO = dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)  # examples/demo_cpu.yaml (head_dim 32)

@@ -9,7 +9,7 @@ must change the outputs exactly as loading the weights from disk does, and sleep
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm, pytest.mark.spawn]  # vLLM starts its engine processes
 
 from megatron_credit.rollout import FinishStatus, HFRolloutEngine, SamplingParams, logprob_mismatch  # noqa: E402
 

@@ -25,6 +25,9 @@ from tests.support.distributed_harness import _free_port, module_pool  # noqa: E
 from tests.support.paths import ROOT  # noqa: E402
 from tests.support.runs import metrics_rows  # noqa: E402
 
+pytestmark = [pytest.mark.dist, pytest.mark.vllm]
+
+
 DEMO = os.path.join(ROOT, "examples", "demo_cpu.yaml")
 # The demo's model and engine, sized for a test: one-digit sums and a short warm-up (cached per test module)
 # so that groups have mixed outcomes at the first iteration; the engine's KV cache bounded to 64 MiB of RAM.

@@ -4,6 +4,9 @@ import torch
 from tests.support.distributed_harness import module_pool
 
 
+pytestmark = pytest.mark.dist
+
+
 pool = module_pool(2)
 
 

@@ -27,6 +27,7 @@ def test_the_plan_names_each_benchmark_and_the_total_time():
     assert lines[3].startswith("  not run: benchmarks/trl_grpo_peer.py: needs trl")
 
 
+@pytest.mark.spawn
 def test_the_filter_silences_megatron_s_cpu_warnings_in_child_processes():
     code = ("import warnings, megatron.core.optimizer, megatron.core.models.backends; warnings.warn('When using async "
             "grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1')")

@@ -85,6 +85,7 @@ def _testbed(out, *args):
                           env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
 
 
+@pytest.mark.dist
 def test_smoke_run_writes_results_records_failures_and_resumes(tmp_path):
     # grpo and fipo x 2 seeds x 2 iterations; "grpo:no_such_param=1" fails at recipe load (a failed cell).
     methods = "grpo,fipo,grpo:no_such_param=1"
@@ -151,6 +152,7 @@ def test_tool_doctests():
         assert doctest.testmod(module).failed == 0, module.__name__
 
 
+@pytest.mark.spawn
 def test_the_testbed_writes_into_the_repository_only_when_asked(tmp_path):
     # issue 27: `--out runs/testbed` as the README shows it rewrote the committed docs/results/ (--doc was
     # on by default). Now --doc is off unless given; `--doc` alone names the committed report.

@@ -103,6 +103,7 @@ TWO_NODE_OVERRIDES = ["train.steps=2", "warmup.steps=20", "warmup.batch_size=16"
                       "algorithm.name=ppo"]  # the value loss has a gradient even when every answer is wrong
 
 
+@pytest.mark.dist
 def test_two_nodes_on_localhost_train_and_export(tmp_path):
     """``torchrun.sh`` twice (NNODES=2, NODE_RANK 0 and 1, one process each, gloo): DP = 2 across the
     "nodes"; two iterations with validation; then the checkpoint exported to HF holds the trained weights."""
@@ -164,6 +165,7 @@ for host in node01 node02 node03 node04; do echo "$host"; sleep 0.05; done
 """
 
 
+@pytest.mark.spawn
 def test_sbatch_under_a_fake_slurm_prints_the_torchrun_commands(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -191,6 +193,7 @@ def test_sbatch_under_a_fake_slurm_prints_the_torchrun_commands(tmp_path):
     assert proc.returncode != 0 and "not inside a Slurm allocation" in proc.stderr
 
 
+@pytest.mark.dist
 def test_torchrun_sh_refuses_a_node_rank_outside_nnodes():
     env = dict(os.environ, NNODES="2", NODE_RANK="2", DRY_RUN="1")
     proc = subprocess.run([os.path.join(ROOT, "examples", "launch", "torchrun.sh")], env=env, capture_output=True,
@@ -198,6 +201,7 @@ def test_torchrun_sh_refuses_a_node_rank_outside_nnodes():
     assert proc.returncode == 2 and "NODE_RANK=2 must be in [0, NNODES=2)" in proc.stderr
 
 
+@pytest.mark.dist
 def test_dry_run_prints_the_memory_plan():
     """``pretrain_rl.py --dry-run`` under the world size of a 32-GPU launch: the layout, the planner's table,
     exit 0; a world that fits the layout but not the memory exits 1."""
@@ -215,6 +219,7 @@ def test_dry_run_prints_the_memory_plan():
     assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.spawn
 def test_a_recipe_script_plans_then_prints_its_commands(tmp_path):
     """``examples/grpo_qwen25_7b.sh`` with the model folder present (its config.json) and DRY_RUN=1: the plan
     passes on the declared node, then the torchrun command with the folder / data overrides and the export."""

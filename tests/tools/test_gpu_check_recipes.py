@@ -52,12 +52,14 @@ def test_llama1b_is_llama_3_2_1b_shaped(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the no-GPU path")
+@pytest.mark.spawn
 def test_run_without_cuda_is_skipped_with_why(tmp_path):
     proc = subprocess.run([sys.executable, "tools/gpu_check_trainer.py", "run", "demo_hf", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 77 and proc.stdout.strip().splitlines()[-1] == "skipped: CUDA is not available to torch"
 
 
+@pytest.mark.spawn
 def test_gpu_check_script_parses_and_degrades_without_a_gpu(tmp_path):
     assert subprocess.run(["bash", "-n", "tools/gpu_check.sh"], cwd=REPO).returncode == 0
     if shutil.which("nvidia-smi") and subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0:

@@ -91,6 +91,7 @@ def test_unwritable_out(tmp_path, capsys):
             ro.chmod(0o755)
 
 
+@pytest.mark.spawn
 def test_script_runs_from_any_directory(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"nope")

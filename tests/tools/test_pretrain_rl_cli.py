@@ -63,6 +63,7 @@ def test_finished_line_names_the_iteration_results_and_how_to_start_again(tmp_pa
                                                               "train.steps=2; results in")
 
 
+@pytest.mark.dist
 def test_a_second_run_says_it_is_done_and_a_resume_never_says_random_initialisation(tmp_path):
     out = str(tmp_path / "run")
     tiny = ["warmup.steps=0", "train.val_every=0", "rollout.prompts_per_step=8", "logging.plots=false",

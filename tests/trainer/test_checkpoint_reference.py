@@ -12,6 +12,9 @@ import torch
 from tests.support.runs import char_tokenizer, metrics_rows, run_pretrain_rl, stable
 
 
+pytestmark = pytest.mark.dist
+
+
 def _hf_folder(path) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -37,6 +37,7 @@ pool2 = module_pool(2)
 
 
 @pytest.mark.parametrize("algorithm", ["comppo", "comppo_fipo"])
+@pytest.mark.dist
 def test_comppo_trains_two_iterations_with_the_same_numbers_in_every_layout(pool1, pool2, tmp_path, algorithm):
     base = [f"algorithm.name={algorithm}", "algorithm.params.critic_layers=2",
             "model.architecture.num_hidden_layers=4"]  # 2 layers per stage at PP=2: the same TAC everywhere
@@ -182,6 +183,7 @@ COMPPO_CLI = ["warmup.steps=0", "train.val_every=0", "rollout.prompts_per_step=8
               "algorithm.params.critic_layers=2", "checkpoint.every=2"]
 
 
+@pytest.mark.dist
 def test_comppo_resume_continues_bit_identically(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     assert run_pretrain_rl("--output-dir", a, *COMPPO_CLI, "train.steps=4").returncode == 0
@@ -200,6 +202,7 @@ PPO_EQUIV = ["algorithm.name=comppo", "algorithm.params.gate_control=fixed", "al
              "algorithm.params.whiten_advantages=true"]
 
 
+@pytest.mark.dist
 def test_a_constant_gate_equal_to_gamma_reproduces_ppo_bit_for_bit(pool1, tmp_path):
     """The papers' sanity check through the whole trainer: CompPO with kappa = gamma = 1 and PPO's critic
     and settings gives PPO's run exactly (the attention capture changes no number)."""

@@ -27,7 +27,7 @@ from tests.support.paths import ROOT
 from tests.support.runs import metrics_rows
 
 LOCAL = ["model.transformer_impl=local"]  # the emulated machine has no Transformer Engine
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.dist]  # gloo pools, the trainer on the emulated device, torchrun
 
 
 def _on_fake_device(fn, *args, **kwargs):

@@ -11,6 +11,9 @@ from tests.support.distributed_harness import module_pool
 from tests.support.runs import TINY, VOLATILE
 
 
+pytestmark = pytest.mark.dist
+
+
 def _run(run_dir: str, overrides):
     from megatron_credit import distributed
     from megatron_credit.config import recipe_from_dict

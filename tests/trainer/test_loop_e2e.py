@@ -20,6 +20,9 @@ from tests.support.paths import ROOT
 from tests.support.runs import CLI_TINY, char_tokenizer, metrics_rows, run_pretrain_rl, stable, train_tiny
 
 
+pytestmark = pytest.mark.dist
+
+
 pool = module_pool(1)
 
 

@@ -51,6 +51,7 @@ def test_bf16_model_steps_fp32_masters_and_keeps_small_updates():
     assert torch.equal(plain, start)  # ...while plain bf16 AdamW rounds every one of them away
 
 
+@pytest.mark.dist
 def test_bf16_run_resumes_bit_identically(tmp_path):
     from tests.support.runs import CLI_TINY, metrics_rows, run_pretrain_rl, stable
 

@@ -164,6 +164,7 @@ def test_auto_with_every_checkpoint_refused_is_one_error(run):
         resolve(str(run), "auto", log=lambda *_: None)
 
 
+@pytest.mark.dist
 def test_auto_resume_falls_back_runs_nothing_and_keeps_the_recipe_file(run, tmp_path):
     # The run directory's config.yaml is the --config (the user's own recipe, with comments).
     marker = tmp_path / "pwned"
@@ -180,6 +181,7 @@ def test_auto_resume_falls_back_runs_nothing_and_keeps_the_recipe_file(run, tmp_
     assert steps == [1, 2, 3]
 
 
+@pytest.mark.dist
 def test_resume_none_over_an_existing_run_refuses_and_changes_nothing(run):
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     proc = run_pretrain_rl("--config", run / "config.yaml", "--output-dir", run, "--resume", "none")
@@ -222,6 +224,7 @@ MISMATCHES = {
 
 
 @pytest.mark.parametrize("case", sorted(MISMATCHES))
+@pytest.mark.dist
 def test_resume_of_another_model_is_one_line(pool, made, tmp_path, case):
     source, overrides, message = MISMATCHES[case]
     shutil.copytree(made / source, tmp_path / "run")
@@ -231,6 +234,7 @@ def test_resume_of_another_model_is_one_line(pool, made, tmp_path, case):
     assert "(model.architecture / model.name_or_path and algorithm.name" in error
 
 
+@pytest.mark.dist
 def test_reward_pool_counts_and_dropped_prompts_reach_metrics_jsonl(pool, tmp_path):
     rows, error, _ = pool.run(_train, str(tmp_path / "run"), "none",
                               ["reward.num_workers=1", "checkpoint.every=0", "checkpoint.save_at_end=false",
@@ -243,6 +247,7 @@ def test_reward_pool_counts_and_dropped_prompts_reach_metrics_jsonl(pool, tmp_pa
     assert line["data/dropped_prompts"] == 0 and rows[0]["reward_pool/items"] == line["reward_pool/items"]
 
 
+@pytest.mark.dist
 def test_exhausted_dynamic_sampling_is_one_line(pool, tmp_path):
     # A random policy never answers right: no group has mixed accuracy, every draw is dropped.
     rows, error, _ = pool.run(_train, str(tmp_path / "run"), "none",
@@ -275,6 +280,7 @@ def _all_steps_skipped():
     return restore, saved
 
 
+@pytest.mark.dist
 def test_consecutive_skipped_steps_stop_the_run_before_it_saves(pool, tmp_path):
     rows, error, saved = pool.run(_train, str(tmp_path / "run"), "none",
                                   ["train.steps=6", "train.max_skipped_steps=4"], _all_steps_skipped)[0]
@@ -326,6 +332,7 @@ def test_overflowing_or_impossible_limits_are_refused_at_validation(override, me
         recipe_from_dict(TINY_CHECKPOINTED, overrides=[override])
 
 
+@pytest.mark.dist
 def test_bad_sampling_limit_is_refused_before_anything_is_written(tmp_path):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(TINY_CHECKPOINTED))
     proc = run_pretrain_rl("--config", tmp_path / "r.yaml", "--output-dir", tmp_path / "run", "rollout.top_p=2")

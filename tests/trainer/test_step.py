@@ -140,6 +140,7 @@ LAYOUTS = {"TP=2": {"tensor_model_parallel_size": 2},
 
 
 @pytest.mark.parametrize("algorithm", ["fipo", "ppo", "ppo:separate", "comppo"])
+@pytest.mark.dist
 def test_fixed_batch_update_is_invariant_to_the_layout(pool1, pool2, algorithm):
     # CompPO: gates and top-K keys from the final layer in the behaviour pass (heads split under TP, keys
     # gathered under CP), the TAC on the last stage (one fused layer: a PP=2 stage holds one of the two).
@@ -165,16 +166,19 @@ def test_fixed_batch_update_is_invariant_to_the_layout(pool1, pool2, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ["dapo", "grpo", "dr_grpo", "gspo", "rloo"])
+@pytest.mark.dist
 def test_token_and_sequence_means_do_not_depend_on_micro_batching(pool1, algorithm):
     one = pool1.run(_run_fixed, {}, algorithm, max_tokens=4096)[0]
     four = pool1.run(_run_fixed, {}, algorithm, max_tokens=40)[0]  # 2 rows of <= 20 tokens each
     _assert_same(one, four, f"{algorithm} 1 vs many micro-batches")
 
 
+@pytest.mark.dist
 def test_data_parallel_sequence_mean_matches_world_size_one(pool1, pool2):
     _assert_same(pool1.run(_run_fixed, {}, "grpo")[0], pool2.run(_run_fixed, {}, "grpo")[0], "grpo DP=2")
 
 
+@pytest.mark.dist
 def test_a_non_finite_step_is_skipped_not_applied(pool1):
     out = pool1.run(_run_fixed, {}, "dapo", poison=0)[0]
     assert out[0]["actor/skipped_steps"] == 1.0 and not out[0]["changed"]
@@ -207,6 +211,7 @@ def _engine_agrees(batch, plan):
     return {}
 
 
+@pytest.mark.dist
 def test_truncated_importance_weights_reach_the_update_and_the_metrics(pool1):
     # algorithm.tis_cap: the loss of the first (on-policy) step is the token mean of -A min(pi_old/pi_engine, C),
     # and mismatch/tis_* report the weights; without the engine disagreeing, TIS changes nothing.
@@ -228,6 +233,7 @@ MEGATRON_LAYOUTS = {"ws1": None, "DP=2": {}, "TP=2": {"tensor_model_parallel_siz
 
 
 @pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["megatron", "megatron+distopt"])
+@pytest.mark.dist
 def test_megatron_optimizer_matches_the_local_one(pool1, pool2, distributed_optimizer):
     # optim.backend: megatron (get_megatron_optimizer; with the distributed optimizer the states and fp32
     # main params are sharded over DP) takes the same steps as the local AdamW: PPO (the value head in its
@@ -254,6 +260,7 @@ OVERLAP = {"DP=2 local": ({}, ["optim.overlap_grad_reduce=true"]),
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "fipo"])
+@pytest.mark.dist
 def test_overlapped_gradient_reduction_and_parameter_gather_take_the_same_steps(pool1, pool2, algorithm):
     # megatron DDP's overlap_grad_reduce (asynchronous bucket reductions started in the backward of a
     # mini-batch's last micro-batch, the earlier ones under no_sync) and the distributed optimizer's
@@ -320,6 +327,7 @@ def _overlap_is_real(parallel: dict):
         distributed.destroy()
 
 
+@pytest.mark.dist
 def test_overlap_flags_turn_the_overlapped_mechanisms_on(pool2):
     for r in pool2.run(_overlap_is_real, {}):
         assert r["micro_batches"] > 1
@@ -334,6 +342,7 @@ def test_overlapped_parameter_gather_needs_the_distributed_optimizer():
         recipe_from_dict({}, overrides=["optim.backend=megatron", "optim.overlap_param_gather=true"])
 
 
+@pytest.mark.dist
 def test_megatron_optimizer_skips_a_non_finite_step(pool1):
     out = pool1.run(_run_fixed, {}, "dapo", poison=0, overrides=["optim.backend=megatron"])[0]
     assert out[0]["actor/skipped_steps"] == 1.0 and not out[0]["changed"]
@@ -348,6 +357,7 @@ def _refusal(overrides):
     return None
 
 
+@pytest.mark.dist
 def test_megatron_optimizer_refuses_a_separately_clipped_critic(pool1):
     msg = pool1.run(_refusal, ["optim.backend=megatron"])[0]
     assert msg is not None and "optim.backend: megatron" in msg and "optim.backend: local" in msg
@@ -358,6 +368,7 @@ def _zero_advantages(batch, plan):
     return {}
 
 
+@pytest.mark.dist
 def test_a_separate_critic_trains_like_a_trunk_head_without_policy_gradient(pool1):
     # With every advantage 0 the policy loss has no gradient, so PPO's trunk model (vf_coef 1, the trunk on
     # the critic's lr) is trained by the value loss alone: exactly what the separate value model is, built
@@ -382,6 +393,7 @@ def test_a_separate_critic_trains_like_a_trunk_head_without_policy_gradient(pool
     assert plain[0]["actor/grad_norm"] > 0 and plain[0]["changed"]
 
 
+@pytest.mark.dist
 def test_a_separate_critic_with_the_megatron_optimizer_matches_the_local_one(pool1, pool2):
     common = ["algorithm.params.critic=separate", "optim.critic_lr=2e-3", "optim.weight_decay=0.1",
               "optim.clip_grad=0.5", "optim.warmup_steps=3"]
