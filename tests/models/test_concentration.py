@@ -159,7 +159,7 @@ FUSED_BATCH, FUSED_SEQ, TOP_K = 2, 16, 4
 
 
 def _fused_inputs():
-    from tests.models.test_parallel_invariance import QWEN2
+    from tests.support.sharding import QWEN2
 
     g = torch.Generator().manual_seed(7)
     return torch.randint(0, QWEN2["vocab_size"], (FUSED_BATCH, FUSED_SEQ), generator=g)
@@ -212,7 +212,7 @@ def _build_pair(arch, parallel, weights=None):
 
     from megatron_credit.config import ModelConfig
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
-    from tests.models.test_parallel_invariance import _reference_name, _shard
+    from tests.support.sharding import reference_name, shard
 
     hf = ModelConfig(architecture=arch).hf_config()
     plain = build_gpt_model(hf, transformer_config_from_hf(hf, parallel=parallel))
@@ -221,8 +221,8 @@ def _build_pair(arch, parallel, weights=None):
     with torch.no_grad():
         for model in (plain, fused):
             for n, p in model.named_parameters():
-                src = plain.state_dict()[n] if weights is None else weights[_reference_name(model, n)]
-                p.copy_(src if weights is None else _shard(src, p, tp_rank, tp))
+                src = plain.state_dict()[n] if weights is None else weights[reference_name(model, n)]
+                p.copy_(src if weights is None else shard(src, p, tp_rank, tp))
     assert plain.final_attention_capture is None
     return plain, fused
 
@@ -250,7 +250,7 @@ def _fused_case(arch, tp, pp, cp, query_start):
     from megatron_credit.config import ParallelConfig
     from megatron_credit.models.concentration import attention_concentration, attention_topk
     from megatron_credit.models.cpu_attention import load_balanced_positions
-    from tests.models.test_parallel_invariance import _VOCAB_SHARDED, _unshard
+    from tests.support.sharding import VOCAB_SHARDED, unshard
 
     torch.set_num_threads(1)
     ids = _fused_inputs()
@@ -285,7 +285,7 @@ def _fused_case(arch, tp, pp, cp, query_start):
     mine = dict(present=fused.final_attention_capture.present, last=fused.post_process)
     if "logits" in f_out:
         mine.update(logits_equal=torch.equal(p_out["logits"], f_out["logits"]), pos=pos,
-                    logits=_unshard(f_out["logits"], _VOCAB_SHARDED, ps.get_tensor_model_parallel_group()),
+                    logits=unshard(f_out["logits"], VOCAB_SHARDED, ps.get_tensor_model_parallel_group()),
                     got={x: f_out[x] for x in ("H", "n", "topk_idx", "topk_w")})
     distributed.destroy()
     dist.barrier()
@@ -305,7 +305,7 @@ def _check_stats(got, want, *, rtol, atol):
 @pytest.mark.dist
 def test_fused_final_layer(pool2, kv_heads, tp, pp, cp, query_start):
     """tp2-one-kv-head: TP above the KV-head count, each rank holds its own copy of the one group."""
-    from tests.models.test_parallel_invariance import QWEN2
+    from tests.support.sharding import QWEN2
 
     results = pool2.run(_fused_case, dict(QWEN2, num_key_value_heads=kv_heads), tp, pp, cp, query_start)
     ws1 = results[0][0]

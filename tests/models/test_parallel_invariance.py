@@ -10,21 +10,16 @@ so the DP x CP gradient all-reduce (a sum) must reproduce the full-batch gradien
 """
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
 from tests.support.distributed_harness import module_pool
+from tests.support.sharding import QWEN2, VOCAB_SHARDED, reference_name, shard, unshard
 
 SEED = 1234
 BATCH, SEQ = 4, 16
 RTOL, ATOL = 1e-5, 1e-6
 
-QWEN2 = dict(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=96,
-             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6,
-             tie_word_embeddings=False)
 QWEN3_TIED = dict(model_type="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=64, rope_theta=1000000.0, rms_norm_eps=1e-6,
@@ -43,42 +38,6 @@ def _batch():
     return ids, labels, w, u
 
 
-def _global_name(model, name: str) -> str:
-    """Rename ``decoder.layers.<local>.`` to the global layer index of this pipeline stage."""
-    m = re.match(r"(.*decoder\.layers\.)(\d+)(\..*)", name)
-    if not m:
-        return name
-    layer = model.decoder.layers[int(m.group(2))]
-    return f"{m.group(1)}{layer.layer_number - 1}{m.group(3)}"
-
-
-def _shard(full: torch.Tensor, param, rank: int, size: int) -> torch.Tensor:
-    """The TP shard of ``full`` held by ``rank`` (megatron's _initialize_affine_weight_cpu split)."""
-    if not getattr(param, "tensor_model_parallel", False) or size == 1:
-        return full
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    pieces = torch.chunk(full, size * stride, dim=dim)
-    return torch.cat(pieces[rank::size], dim=dim)
-
-
-def _unshard(local: torch.Tensor, param, group) -> torch.Tensor:
-    """Inverse of ``_shard``: all-gather the TP shards back to the full tensor."""
-    import torch.distributed as dist
-
-    size = dist.get_world_size(group)
-    if not getattr(param, "tensor_model_parallel", False) or size == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(parts, local.contiguous(), group=group)
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
-    per_rank = [torch.chunk(p, stride, dim=dim) for p in parts]
-    return torch.cat([per_rank[r][s] for s in range(stride) for r in range(size)], dim=dim)
-
-
-class _VOCAB_SHARDED:  # noqa: N801 - stands for a parameter's TP attributes: logits [b, s, V/tp]
-    tensor_model_parallel, partition_dim, partition_stride = True, 2, 1
-
-
 def _build(arch, parallel):
     from megatron_credit.config import ModelConfig
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
@@ -88,15 +47,6 @@ def _build(arch, parallel):
     # must not divide it by the token count or the number of microbatches.
     return build_gpt_model(hf, transformer_config_from_hf(hf, parallel=parallel,
                                                           calculate_per_token_loss=True))
-
-
-def _reference_name(model, name: str) -> str:
-    """The world-size-1 name of a sharded parameter. With tied embeddings and PP > 1 the last stage
-    holds its own copy of the embedding as ``output_layer.weight``; the reference has only the
-    embedding (its output layer has no weight of its own)."""
-    if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
-        return "embedding.word_embeddings.weight"
-    return _global_name(model, name)
 
 
 def _reference(arch):
@@ -140,11 +90,11 @@ def _run_sharded(arch, tp, pp, cp, ref):
     tied_copy_equal = all(torch.equal(p, ref["weights"]["embedding.word_embeddings.weight"])
                           for n, p in model.named_parameters() if n == "output_layer.weight"
                           and model.share_embeddings_and_output_weights and tp == 1)
-    same_init = all(torch.equal(_shard(ref["weights"][_reference_name(model, n)], p, tp_rank, tp), p)
+    same_init = all(torch.equal(shard(ref["weights"][reference_name(model, n)], p, tp_rank, tp), p)
                     for n, p in model.named_parameters())
     with torch.no_grad():
         for n, p in model.named_parameters():
-            p.copy_(_shard(ref["weights"][_reference_name(model, n)], p, tp_rank, tp))
+            p.copy_(shard(ref["weights"][reference_name(model, n)], p, tp_rank, tp))
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rows = torch.arange(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)
@@ -168,12 +118,12 @@ def _run_sharded(arch, tp, pp, cp, ref):
         # The global length: megatron's get_tensor_shapes divides by the CP size itself.
         seq_length=SEQ, micro_batch_size=len(rows), forward_only=False)
     finalize(ddp)
-    grads = [(_reference_name(model, n), _unshard(grad_of(p), p, tp_group))
+    grads = [(reference_name(model, n), unshard(grad_of(p), p, tp_group))
              for n, p in model.named_parameters()]
     out = dict(grads=grads, same_init=same_init, tied_copy_equal=tied_copy_equal, rows=rows, pos=pos)
     if kept:
         out.update(logp=kept["logp"], ent=kept["ent"],
-                   logits=_unshard(kept["logits"], _VOCAB_SHARDED, tp_group))
+                   logits=unshard(kept["logits"], VOCAB_SHARDED, tp_group))
     distributed.destroy()
     dist.barrier()
     return out
