@@ -272,6 +272,7 @@ def test_crafted_metadata_pickle_is_refused_without_running_code(ckpt, tmp_path)
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.spawn
 def test_crafted_byte_item_is_refused_without_running_code(produced):
     root, results = produced
     r = results["evil_bytes"]
@@ -375,6 +376,7 @@ def test_export_into_the_source_is_refused_before_writing(ckpt, where):
     assert sorted(str(p) for p in ckpt.rglob("*")) == before
 
 
+@pytest.mark.spawn
 def test_clean_export_still_works(produced):
     root, results = produced
     assert results["clean_export"]["ok"], results["clean_export"]["trace"]
@@ -389,6 +391,7 @@ def _to_mc(src: Path, out: Path, **kw):
     return convert_hf_to_megatron(src, out, progress=False, **kw)
 
 
+@pytest.mark.spawn
 def test_import_refuses_a_non_empty_folder(produced, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -399,6 +402,7 @@ def test_import_refuses_a_non_empty_folder(produced, tmp_path):
 
 
 @pytest.mark.parametrize("where", ["equal", "inside"])
+@pytest.mark.spawn
 def test_import_into_the_source_is_refused_before_writing(produced, tmp_path, where):
     src = tmp_path / "src"
     shutil.copytree(produced[0] / "src", src)
@@ -408,6 +412,7 @@ def test_import_into_the_source_is_refused_before_writing(produced, tmp_path, wh
     assert sorted(os.listdir(src)) == before
 
 
+@pytest.mark.spawn
 def test_import_overwrite_replaces_only_its_files(produced):
     root, results = produced
     assert results["overwrite"] == {"ok": True, "value": 0}, results["overwrite"]
@@ -418,6 +423,7 @@ def test_import_overwrite_replaces_only_its_files(produced):
     assert not [p for p in used.iterdir() if p.name.startswith(".tmp")]
 
 
+@pytest.mark.spawn
 def test_failed_import_leaves_nothing(produced):
     _, results = produced
     r = results["failed_save"]

@@ -116,6 +116,7 @@ DAMAGED = {
 
 
 @pytest.mark.parametrize("case", sorted(EVIL))
+@pytest.mark.dist
 def test_auto_skips_a_crafted_checkpoint_without_running_code(run, tmp_path, case):
     from megatron_credit.trainer.checkpoint import resolve
 
@@ -129,6 +130,7 @@ def test_auto_skips_a_crafted_checkpoint_without_running_code(run, tmp_path, cas
 
 
 @pytest.mark.parametrize("case", sorted(EVIL))
+@pytest.mark.dist
 def test_resume_path_refuses_a_crafted_file_naming_it(run, tmp_path, case):
     from megatron_credit.conversion.safe_load import UnsafeCheckpointError
     from megatron_credit.trainer.checkpoint import resolve
@@ -141,6 +143,7 @@ def test_resume_path_refuses_a_crafted_file_naming_it(run, tmp_path, case):
 
 
 @pytest.mark.parametrize("case", sorted(DAMAGED))
+@pytest.mark.dist
 def test_a_damaged_newest_checkpoint_falls_back_and_is_named(run, case):
     from megatron_credit.conversion.hf_io import CheckpointFormatError
     from megatron_credit.trainer.checkpoint import resolve
@@ -155,6 +158,7 @@ def test_a_damaged_newest_checkpoint_falls_back_and_is_named(run, case):
     assert info.value.path == str(bad)
 
 
+@pytest.mark.dist
 def test_auto_with_every_checkpoint_refused_is_one_error(run):
     from megatron_credit.trainer.checkpoint import resolve
 
