@@ -57,8 +57,8 @@ def _marks(path: Path) -> set[str]:
     """The markers the file sets: ``pytest.mark.<name>`` anywhere in its code."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     return {node.attr for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-            and node.value.attr == "mark" and isinstance(node.value.value, ast.Name) and node.value.value.id == "pytest"}
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"
+            and isinstance(node.value.value, ast.Name) and node.value.value.id == "pytest"}
 
 
 def test_every_file_that_starts_processes_carries_the_marker():
