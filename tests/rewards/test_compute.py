@@ -2,6 +2,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megatron_credit.rewards.compute import score_responses

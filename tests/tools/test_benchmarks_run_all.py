@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.paths import ROOT
 
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 
+import pytest
 import torch
 
 from tests.support.runs import char_tokenizer, metrics_rows, run_pretrain_rl, stable
