@@ -21,9 +21,6 @@ from megatron_credit.losses import policy
 from megatron_credit.metric_tables import MetricTable
 from tests.support.distributed_harness import DistributedPool
 
-pytestmark = pytest.mark.dist
-
-
 NAME = "test_prob_weighted_grpo"
 
 
@@ -68,7 +65,11 @@ def weighted_ppo(logp, old_logp, advantages, response_mask, *, token_weight, cli
     return loss, metrics
 
 
-if NAME not in ALGORITHMS:  # the whole registration of the new algorithm
+def register() -> None:
+    """The whole registration of the new algorithm (idempotent). The test process registers it for this
+    module's tests only (the fixture below), the spawned pool worker at the start of ``_train``."""
+    if NAME in ALGORITHMS:
+        return
     POLICY_LOSSES.add("test_weighted_ppo", weighted_ppo)
     ALGORITHMS.add(NAME, AlgorithmSpec(
         advantage_estimator="grpo", policy_loss="test_weighted_ppo", loss_agg_mode="token-mean",
@@ -76,11 +77,11 @@ if NAME not in ALGORITHMS:  # the whole registration of the new algorithm
         metrics=(MetricTable(means={"weighted/token_weight_mean": ("sum:token_weight_mean", "sum:tokens")}),)))
 
 
-
 @pytest.fixture(scope="module", autouse=True)
-def _unregister_after_this_module():
-    # The registration is module-level (the spawned pool worker imports this file to find it), so in the
-    # test process it would outlive this module: test_algorithms.py checks the exact built-in names.
+def _registered_for_this_module():
+    # Not at import: collecting this file must not register it (test_algorithms.py checks the exact built-in
+    # names, whether this module runs before it, after it or is deselected, as in `make test-fast`).
+    register()
     yield
     ALGORITHMS.remove(NAME)
     POLICY_LOSSES.remove("test_weighted_ppo")
@@ -106,6 +107,7 @@ def _train(run_dir: str):
     from megatron_credit.config import recipe_from_dict
     from megatron_credit.trainer.loop import train
 
+    register()  # in the spawned worker, which imported this module to find this function
     recipe = recipe_from_dict(RECIPE, overrides=[f"warmup.cache_dir={os.path.join(run_dir, 'warmup-cache')}"])
     device = distributed.initialize(recipe.parallel, seed=recipe.seed)
     try:
@@ -125,6 +127,7 @@ def test_the_registration_is_checked_like_a_built_in_one():
         recipe_from_dict({**RECIPE, "algorithm": {"name": NAME, "params": {"tau": 4}}})
 
 
+@pytest.mark.dist
 def test_a_new_algorithm_with_a_side_channel_trains_two_iterations(tmp_path):
     with DistributedPool(world_size=1) as pool:
         rows, seen = pool.run(_train, str(tmp_path))[0]
