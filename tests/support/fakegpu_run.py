@@ -9,7 +9,7 @@ import sys
 
 
 def main(argv: list[str]) -> int:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
     sys.path.insert(0, root)
     from tests.support.fakegpu import fake_cuda
 
