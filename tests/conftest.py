@@ -1,4 +1,5 @@
-"""Shared pytest set-up: GPU-marked tests are skipped with a reason on machines without CUDA."""
+"""Shared pytest set-up: GPU-marked tests are skipped with a reason on machines without CUDA; a test that
+starts a process without its ``dist`` / ``spawn`` marker fails (``tests/support/spawn_guard.py``)."""
 import os
 import re
 
@@ -10,6 +11,31 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+from tests.support import spawn_guard  # noqa: E402
+
+spawn_guard.install()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    spawn_guard.running(item)
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    spawn_guard.running(item)
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    spawn_guard.running(item)
+    try:
+        return (yield)
+    finally:
+        spawn_guard.running(None)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,7 +56,7 @@ def _deselect_distributed_under_mutmut(config, items):
     ``os.wait()``, which also reaps the spawned workers of the traced in-process stats run and then
     crashes on the unknown pid (KeyError in ``wait_for_result``); and the code those workers run is
     invisible to mutmut's tracing anyway, so these tests could never kill a mutant there. The
-    ``[threads]`` runs of ``tests.threaded_harness.gloo_and_threads_pool`` (ranks as threads of this
+    ``[threads]`` runs of ``tests.support.threaded_harness.gloo_and_threads_pool`` (ranks as threads of this
     process) stay: they are what reaches the distributed code under mutmut."""
     def spawns(item):  # the DistributedPool fixtures are named pool, pool1, pool2, pool4
         params = getattr(getattr(item, "callspec", None), "params", {})
@@ -86,7 +112,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
-    """SmolLM2-135M-Instruct as a dequantized HF folder, imported once per session (tests/real_model.py)."""
-    from tests.real_model import provide
+    """SmolLM2-135M-Instruct as a dequantized HF folder, imported once per session (tests/support/real_model.py)."""
+    from tests.support.real_model import provide
 
     return provide(tmp_path_factory)

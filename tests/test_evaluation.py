@@ -88,9 +88,9 @@ def _tiny_hf_model(out_dir: str) -> None:
     import torch
     import transformers
 
-    from tests.test_trainer_e2e import _char_tokenizer
+    from tests.support.runs import char_tokenizer
 
-    _char_tokenizer(out_dir)
+    char_tokenizer(out_dir)
     cfg = transformers.AutoConfig.for_model("qwen2", vocab_size=96, hidden_size=32, intermediate_size=64,
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                             max_position_embeddings=128, tie_word_embeddings=False)

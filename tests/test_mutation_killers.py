@@ -17,7 +17,7 @@ rule of the code is changed, and says why that rule matters to a user.
   a thousands separator in a plain digit string is dropped.
 - math-verify: symbolic answers are read as math whatever their spacing.
 
-Conversion weights that must all be distinct live in ``tests/test_conversion_unique_weights.py``.
+Conversion weights that must all be distinct live in ``tests/conversion/test_unique_weights.py``.
 """
 import math
 
@@ -31,8 +31,8 @@ from megatron_credit.credit.group import broadcast_to_tokens, dr_grpo_advantages
 from megatron_credit.losses.policy import AGG_MODES, aggregate_loss, fipo_policy_loss, gspo_loss, ppo_clip_loss
 from megatron_credit.rewards.dapo import normalize_final_answer, score_dapo
 from megatron_credit.rewards.math import compute_score
-from tests.test_credit_future_kl import future_kl_reference
-from tests.test_losses_policy import ppo_reference
+from tests.references import (comppo_gate_reference, fipo_weights_reference, group_advantages_reference,
+                              gspo_reference, ppo_reference)
 
 
 # --- FIPO boundaries: ratio == c exactly ---------------------------------------------------------
@@ -149,20 +149,6 @@ def test_is_weights_with_grad_are_detached_in_the_loss(name):
 
 
 # --- FIPO's loss: every setting reaches the math ------------------------------------------------
-def fipo_weights_reference(logp, old, adv, mask, *, tau, clip, c, safety, packed):
-    """DESIGN.md "FIPO" one token at a time: clamp(exp(F), lo, hi), then min(f, 1) where A < 0 and
-    ratio > safety (``None``: c); 1 on masked tokens."""
-    f = future_kl_reference(logp, old, mask, tau=tau, c=c, packed=packed)
-    s = c if safety is None else safety
-    w = torch.ones_like(f)
-    for i, t in mask.nonzero().tolist():
-        v = min(max(math.exp(f[i, t]), clip[0]), clip[1])
-        if adv[i, t] < 0 and math.exp(min(max(float(logp[i, t] - old[i, t]), -20), 20)) > s:
-            v = min(v, 1.0)
-        w[i, t] = v
-    return w
-
-
 def _fipo_batch(seed=0):
     """Packed rows (two responses each, split by masked prompt tokens) with log-ratios ~N(0, 0.1) and
     tokens placed where each FIPO setting decides the result: A < 0 at ratio 2.5 (capped only by a
@@ -269,22 +255,6 @@ def _gspo_batch():
         logp[i, :n] = old[i, :n] + s + noise - noise.mean()  # the row's mean log-ratio is s
     adv = torch.tensor(adv_row, dtype=torch.float64)[:, None] * mask
     return logp, old, adv, mask
-
-
-def gspo_reference(logp, old, adv, mask, *, el, eh):
-    """Per-token value of GSPO-token: each valid token carries its row's sequence loss."""
-    out = torch.zeros_like(logp)
-    for i in range(logp.shape[0]):
-        n = int(mask[i].sum())
-        if n == 0:
-            continue
-        lr = sum(float(logp[i, t] - old[i, t]) for t in range(logp.shape[1]) if mask[i, t]) / n
-        s = math.exp(min(max(lr, -20.0), 20.0))
-        for t in range(logp.shape[1]):
-            if mask[i, t]:
-                a = float(adv[i, t])
-                out[i, t] = max(-a * s, -a * min(max(s, 1 - el), 1 + eh))
-    return out
 
 
 def test_gspo_sequence_ratio_is_clamped_on_both_sides():
@@ -447,35 +417,19 @@ def test_norm_length_must_be_positive_and_named():
 
 
 # --- group estimators: groups of one, two and more ----------------------------------------------
-def _group_reference(scores, ids):
-    """Per response: (n, mean, unbiased std, mean of the others) of its group, by loops."""
-    out = []
-    for i in range(len(scores)):
-        mates = [float(scores[j]) for j in range(len(scores)) if ids[j] == ids[i]]
-        n = len(mates)
-        mean = sum(mates) / n
-        std = math.sqrt(sum((x - mean) ** 2 for x in mates) / (n - 1)) if n > 1 else 0.0
-        others = (sum(mates) - float(scores[i])) / (n - 1) if n > 1 else float(scores[i])
-        out.append((n, mean, std, others))
-    return out
-
-
 def test_group_advantages_for_groups_of_one_two_and_more():
     """GRPO's unbiased std and RLOO's leave-one-out mean at n = 2 (where n - 1 = 1 is the whole
     denominator), n = 1 (advantage 0) and larger groups, ids interleaved, against loop references."""
     ids = torch.tensor([5, 9, 2, 5, 9, 9, 2, 7, 2, 9])  # sizes: 5 -> 2, 9 -> 4, 2 -> 3, 7 -> 1
     scores = torch.tensor([0.3, 1.0, -2.0, 1.7, 0.0, 0.5, 4.0, 3.3, 1.0, -1.5], dtype=torch.float64)
-    ref = _group_reference(scores, ids)
-    eps = 1e-6
-    want_grpo = [(float(s) - m) / (sd + eps) if n > 1 else 0.0 for s, (n, m, sd, _) in zip(scores, ref)]
-    want_centred = [float(s) - m if n > 1 else 0.0 for s, (n, m, _, _) in zip(scores, ref)]
-    want_rloo = [float(s) - o if n > 1 else 0.0 for s, (n, _, _, o) in zip(scores, ref)]
-    as_t = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
-    torch.testing.assert_close(grpo_advantages(scores, ids), as_t(want_grpo), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grpo_advantages(scores, ids, norm_by_std=False), as_t(want_centred),
+    want_grpo = group_advantages_reference(scores, ids, "grpo")  # eps 1e-6 in the std, 0 for a group of one
+    want_centred = group_advantages_reference(scores, ids, "dr_grpo")
+    want_rloo = group_advantages_reference(scores, ids, "rloo")
+    torch.testing.assert_close(grpo_advantages(scores, ids), want_grpo, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grpo_advantages(scores, ids, norm_by_std=False), want_centred,
                                rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(dr_grpo_advantages(scores, ids), as_t(want_centred), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(rloo_advantages(scores, ids), as_t(want_rloo), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dr_grpo_advantages(scores, ids), want_centred, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(rloo_advantages(scores, ids), want_rloo, rtol=1e-12, atol=1e-12)
     # The pair (0.3, 1.7): unbiased std = |a - b| / sqrt(2), so GRPO gives -+1/sqrt(2) (up to eps).
     assert float(grpo_advantages(scores, ids)[0]) == pytest.approx(-1 / math.sqrt(2), rel=1e-5)
 
@@ -492,25 +446,16 @@ def test_group_estimators_name_bad_shapes_and_keep_the_advantage_dtype():
 
 
 # --- CompPO gate ----------------------------------------------------------------------------------
-def _gate_reference(h, n, *, k_lo, k_hi, tau):
-    out = torch.empty_like(h)
-    for i in range(h.numel()):
-        nv = int(n[i])
-        c = 1.0 if nv <= 1 else (float(h[i]) - 1 / nv) / (1 - 1 / nv)
-        out[i] = k_lo + (k_hi - k_lo) / (1 + math.exp(-tau * (c - 0.5)))
-    return out
-
-
 def test_comppo_gate_default_tau_and_envelope_edges():
     """DESIGN.md: kappa = k_lo + (k_hi - k_lo) sigmoid(tau (c - 1/2)) with (0.1, 0.9), tau = 4. The
     envelope may reach [0, 1], and k_lo == k_hi is a constant gate (the fixed-gate control, 0.61)."""
     g = torch.Generator().manual_seed(5)
     n = torch.randint(1, 40, (64,), generator=g)
     h = 1 / n.double() + torch.rand(64, generator=g, dtype=torch.float64) * (1 - 1 / n.double())
-    torch.testing.assert_close(comppo_gate(h, n), _gate_reference(h, n, k_lo=0.1, k_hi=0.9, tau=4.0),
+    torch.testing.assert_close(comppo_gate(h, n), comppo_gate_reference(h, n, k_lo=0.1, k_hi=0.9, tau=4.0),
                                rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(comppo_gate(h, n, k_lo=0.0, k_hi=1.0),
-                               _gate_reference(h, n, k_lo=0.0, k_hi=1.0, tau=4.0), rtol=1e-12, atol=1e-12)
+                               comppo_gate_reference(h, n, k_lo=0.0, k_hi=1.0, tau=4.0), rtol=1e-12, atol=1e-12)
     assert torch.equal(comppo_gate(h, n, k_lo=0.61, k_hi=0.61), torch.full_like(h, 0.61))
     for k_lo, k_hi in ((-0.1, 0.5), (0.6, 0.5), (0.1, 1.5)):
         with pytest.raises(ValueError, match=rf"need 0 <= k_lo <= k_hi <= 1, got k_lo={k_lo}, k_hi={k_hi}"):

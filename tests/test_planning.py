@@ -158,12 +158,13 @@ def test_param_count_equals_megatron_tp1(arch):
 
 @pytest.fixture(scope="module")
 def pool2():
-    from tests.distributed_harness import DistributedPool
+    from tests.support.distributed_harness import DistributedPool
 
     with DistributedPool(world_size=2) as p:
         yield p
 
 
+@pytest.mark.dist
 def test_param_count_equals_megatron_per_rank_tp2_and_pp2(pool2):
     from megatron_credit.config import ModelConfig
 

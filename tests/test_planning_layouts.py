@@ -55,6 +55,7 @@ def test_a_product_that_does_not_divide_the_gpus_says_so(qwen32b):
     assert msg.startswith("parallel: TP x PP x CP = 8 x 2 x 2 = 32 does not divide 48 GPUs (3 node(s) x 16); ")
 
 
+@pytest.mark.dist
 def test_dry_run_refuses_before_any_table_and_never_calls_a_failing_plan_valid():
     import subprocess
     import sys
@@ -75,6 +76,7 @@ def test_dry_run_refuses_before_any_table_and_never_calls_a_failing_plan_valid()
                                          "not fit (exit 1); nothing was built")
 
 
+@pytest.mark.dist
 def test_dry_run_of_a_layout_error_is_one_refusal_not_a_verdict_then_valid():
     """Issue 28: ``--dry-run`` at TP=9 on the SmolLM2 recipe (9 heads, 3 KV heads: the heads fit, vocab_size
     49152 does not divide by 9) printed the planner's "DOES NOT FIT: 1 layout error(s)" and then "the layout is

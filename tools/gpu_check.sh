@@ -11,14 +11,14 @@
 #                  a Llama-3.2-1B-shaped model (random init) at 4K-token responses for 2 iterations
 #                  (trainer_llama1b, vLLM when the vLLM demo passed, else the HF engine); each prints
 #                  tokens/s/GPU, mismatch/logprob_abs_mean from metrics.jsonl, and the peak memory against
-#                  the planner's estimate. Their recipes are planned on CPU by tests/test_gpu_check_recipes.py.
+#                  the planner's estimate. Their recipes are planned on CPU by tests/tools/test_gpu_check_recipes.py.
 #   te_vs_local    the TE spec against the local spec on the invariance batch (logits, gradients; fp32, bf16),
 #                  and the TP attributes of a TE model built without random init
 #   vllm_roundtrip the vLLM engine's generate / weight sync / sleep / wake, engine vs trainer log-probs
 #   pytest_gpu     `pytest -m gpu` (all GPU-marked tests but the vLLM file)
 #   bench_kernels  Future-KL and log-prob + entropy kernels at T = 20K
 #   bench_actor    actor forward-backward tokens/s at 4K and 16K for a ~1B (Llama-3.2-1B-shaped) model
-#   pytest_vllm    tests/test_rollout_vllm_gpu.py in the vLLM venv
+#   pytest_vllm    tests/rollout/test_vllm_engine_gpu.py in the vLLM venv
 #
 # Every part degrades to "skipped: why" (no GPU, no TE, no vLLM, no registry, no time left) or
 # "failed (...)" with its output tail; the script itself always exits 0 once the report is written.
@@ -160,11 +160,11 @@ else
 fi
 
 run_part pytest_gpu 90 30 "$PYM" -m pytest -m gpu tests -q -p no:cacheprovider --timeout=80 \
-  --ignore=tests/test_rollout_vllm_gpu.py
+  --ignore=tests/rollout/test_vllm_engine_gpu.py
 run_part bench_kernels 45 20 "$PYM" tools/gpu_check.py bench_kernels
 run_part bench_actor 60 40 "$PYM" tools/gpu_check.py bench_actor
 if [ -n "$VPY" ]; then
-  run_part pytest_vllm 100 60 "$VPY" -m pytest -m gpu tests/test_rollout_vllm_gpu.py -q -p no:cacheprovider --timeout=90
+  run_part pytest_vllm 100 60 "$VPY" -m pytest -m gpu tests/rollout/test_vllm_engine_gpu.py -q -p no:cacheprovider --timeout=90
 else
   report "" "## pytest_vllm" "skipped: $VLLM_WHY"
 fi

@@ -14,7 +14,7 @@ NAME:
 
 vLLM reads a checkpoint folder, so the vLLM recipes name ``DIR/hf`` (``model.name_or_path``): ``run``
 writes random bf16 weights there, ``recipe`` only its ``config.json`` (what ``--dry-run`` and the
-planner need: ``tests/test_gpu_check_recipes.py`` plans every recipe on CPU).
+planner need: ``tests/tools/test_gpu_check_recipes.py`` plans every recipe on CPU).
 
 ``run`` calls ``pretrain_rl.main`` in this process, then prints: per iteration the rollout tokens/s
 (one GPU: per GPU), ``mismatch/logprob_abs_mean`` (engine vs trainer log-probs) from ``metrics.jsonl``;

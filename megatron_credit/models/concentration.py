@@ -26,7 +26,7 @@ and sees key ``j`` iff ``j <= q_positions[t]``. Scores are float32 whatever the 
 
 Memory: per (query chunk, key chunk) block one float32 score tile ``[B, Hq, c, c]`` (32 MB at B = 1,
 Hq = 8, c = 1024), worked on in place, and a few row vectors; nothing grows with ``Tq * Tk``. Measured
-on CPU (``benchmarks/concentration.py``, tests/test_concentration.py): ~68 MB peak extra at every T from
+on CPU (``benchmarks/concentration.py``, tests/models/test_concentration.py): ~68 MB peak extra at every T from
 2K to 20K (the tile plus the GEMM library's buffers), against 4 GB for a dense softmax at 8K. Query heads are grouped onto
 their key head by a reshape (``[B, Hkv, G * c, D] @ [B, Hkv, D, c]``), so K is never repeated per head.
 The causal structure is used: key chunks past a query chunk's last position are skipped.

