@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.paths import ROOT
+
 PLUGIN = os.path.join(ROOT, "examples", "plugins", "token_weighted_grpo.py")
 TINY = ["data.min_operand=1", "data.max_operand=9", "warmup.steps=150", "rollout.prompts_per_step=8",
         "rollout.n=4", "train.steps=2", "train.val_every=0", "checkpoint.every=0", "checkpoint.save_at_end=false",
@@ -42,6 +43,7 @@ def _untimed(row):
     return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))}
 
 
+@pytest.mark.dist
 @pytest.mark.slow
 def test_the_example_plugin_trains_from_the_command_line_and_is_grpo_at_beta_zero(tmp_path):
     grpo = _train(tmp_path, "grpo", "algorithm.name=grpo")
@@ -58,6 +60,7 @@ def test_the_example_plugin_trains_from_the_command_line_and_is_grpo_at_beta_zer
     assert one[0]["actor/pg_loss"] != grpo[0]["actor/pg_loss"]  # ... a different loss on them
 
 
+@pytest.mark.dist
 def test_bad_plugins_are_one_line(tmp_path):
     missing = _cli("--plugin", str(tmp_path / "nope.py"), "--dry-run")
     assert missing.returncode == 2

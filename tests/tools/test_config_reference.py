@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from tests.support.paths import ROOT
 from tools import config_reference
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_the_committed_reference_is_current():
