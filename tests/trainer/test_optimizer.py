@@ -135,7 +135,7 @@ def test_a_resumed_schedule_that_differs_is_refused_naming_the_fields():
 
     def actor(with_critic=False, **kw):
         o = OptimConfig(**{"lr": 1e-3, "warmup_steps": 2, **kw})
-        return SimpleNamespace(scheduler=build_scheduler(_groups(o), o), recipe=SimpleNamespace(optim=o),
+        return SimpleNamespace(scheduler=build_scheduler(_groups(o), o), optim=o,
                                with_critic=with_critic)
 
     meta = {"opt_param_scheduler": actor().scheduler.state_dict(), "critic_lr": 1e-3}
