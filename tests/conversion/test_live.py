@@ -124,7 +124,7 @@ def test_buckets_equal_hf_state_on_every_rank(pool, family, tied, tp, pp):
     for buckets in per_rank:
         names = [n for b in buckets for n, _ in b]
         assert sorted(names) == sorted(hf) and len(names) == len(set(names))
-        from megatron_credit.conversion.live import sync_group
+        from megatron_credit.rollout.weight_sync import sync_group
 
         groups = [[sync_group(n) for n, _ in b] for b in buckets]
         for b, g in zip(buckets, groups):  # over the size only by one whole group (a decoder layer)
