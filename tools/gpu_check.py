@@ -154,7 +154,7 @@ def vllm_roundtrip() -> int:
         raise Skip(f"vLLM is not importable: {type(e).__name__}: {e}") from e
     from transformers import Qwen2Config
 
-    from megatron_credit.conversion.live import group_buckets
+    from megatron_credit.rollout.weight_sync import group_buckets
     from megatron_credit.rollout import HFRolloutEngine, SamplingParams, logprob_mismatch
     from megatron_credit.rollout.vllm_engine import VLLMRolloutEngine
 

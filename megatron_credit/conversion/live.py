@@ -21,50 +21,9 @@ import torch
 from megatron_credit.conversion.base import Family, Kind, ModelDims
 from megatron_credit.conversion.streaming import expand_rules, rule_to_hf, rule_to_megatron
 from megatron_credit.conversion.transforms import TPLayout, pad_rows, tp_gather, tp_shard
+from megatron_credit.rollout.weight_sync import group_buckets
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def sync_group(hf_name: str) -> str:
-    """The weight-sync group of an HF tensor: its whole decoder layer, or the tensor alone (embeddings,
-    final norm, head). A bucket never splits a group, because vLLM fuses q/k/v and gate/up per layer and
-    its CPU backend's ``reload_weights`` rebuilds a layer wrongly from part of a fused group.
-
-    >>> sync_group("model.layers.3.self_attn.q_proj.weight"), sync_group("lm_head.weight")
-    ('model.layers.3', 'lm_head.weight')
-    """
-    m = _HF_LAYER.match(hf_name)
-    return f"model.layers.{m.group(1)}" if m else hf_name
-
-
-def group_buckets(named: Iterable[tuple[str, torch.Tensor]], *,
-                  bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """``(hf_name, tensor)`` pairs, in HF order, as buckets of whole sync groups (:func:`sync_group`) of at
-    most ``bucket_bytes`` (a larger group is a bucket of its own): the buckets of every weight sync, the
-    trainer's (:func:`iter_hf_weight_buckets`) and the tests' and GPU check's alike. Consumes ``named``
-    lazily. ``bucket_bytes=1``: one group per bucket.
-
-    >>> pairs = [(n, torch.zeros(2)) for n in ("model.embed_tokens.weight", "model.layers.0.q.weight",
-    ...                                         "model.layers.0.k.weight", "model.layers.1.q.weight")]
-    >>> [[n for n, _ in b] for b in group_buckets(pairs, bucket_bytes=1)]
-    [['model.embed_tokens.weight'], ['model.layers.0.q.weight', 'model.layers.0.k.weight'], ['model.layers.1.q.weight']]
-    >>> [len(b) for b in group_buckets(pairs, bucket_bytes=24)]
-    [3, 1]
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size, group = 0, None  # bytes in ``bucket``; the sync group of its last tensor
-    for hf_name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if bucket and size + nbytes > bucket_bytes and sync_group(hf_name) != group:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((hf_name, t))
-        size, group = size + nbytes, sync_group(hf_name)
-    if bucket:
-        yield bucket
 
 
 def uses_fused_norms(local_state: Mapping[str, Any]) -> bool:
@@ -163,7 +122,7 @@ def _gather_tp(t: torch.Tensor, layout, tp_group) -> torch.Tensor:
 def iter_hf_weight_buckets(local_state: Mapping[str, torch.Tensor], family: Family, cfg: Any, *, tp_group=None,
                            pp_group=None, layer_offset: int = 0,
                            bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield lists of ``(hf_name, full tensor)`` of whole sync groups (:func:`sync_group`: one decoder
+    """Yield lists of ``(hf_name, full tensor)`` of whole sync groups (:func:`~megatron_credit.rollout.weight_sync.sync_group`: one decoder
     layer, or one other tensor) whose total size is at most ``bucket_bytes``.
 
     A bucket closes only between groups, so a single group larger than ``bucket_bytes`` is a bucket of

@@ -35,17 +35,19 @@ from megatron_credit.models.critic import (StandardCritic, TransportAlignedCriti
                                            critic_diagnostics, critic_parameter_count)
 from megatron_credit.models.concentration import attention_concentration, attention_topk
 from megatron_credit.models.final_layer import FinalAttentionCapture
-from megatron_credit.models.gpt import (build_gpt_model, gpt_decoder_block_spec, gpt_layer_spec,
-                                        set_tensor_parallel_attributes, transformer_engine_available,
+from megatron_credit.models.gpt import (build_gpt_model, final_hidden_states, gpt_decoder_block_spec,
+                                        gpt_layer_spec, set_tensor_parallel_attributes, transformer_engine_available,
                                         use_transformer_engine_spec)
 from megatron_credit.models.hf_config import (
-    SUPPORTED_MODEL_TYPES, RopeSettings, check_parallel_fits_model, check_sequence_length, head_dim,
+    SUPPORTED_MODEL_TYPES, RopeSettings, actor_transformer_config, check_parallel_fits_model, check_sequence_length, head_dim,
     rope_settings, transformer_config_from_hf)
 
 __all__ = [
-    "FinalAttentionCapture", "SUPPORTED_MODEL_TYPES", "RopeSettings", "attention_concentration", "attention_topk",
+    "FinalAttentionCapture", "SUPPORTED_MODEL_TYPES", "RopeSettings", "actor_transformer_config",
+    "attention_concentration", "attention_topk",
     "StandardCritic", "TransportAlignedCritic", "build_critic", "build_gpt_model",
-    "critic_diagnostics", "critic_parameter_count", "check_parallel_fits_model", "check_sequence_length", "gpt_decoder_block_spec",
+    "critic_diagnostics", "critic_parameter_count", "check_parallel_fits_model", "check_sequence_length",
+    "final_hidden_states", "gpt_decoder_block_spec",
     "gpt_layer_spec", "head_dim", "rope_settings", "set_tensor_parallel_attributes",
     "transformer_config_from_hf", "transformer_engine_available", "use_transformer_engine_spec",
 ]

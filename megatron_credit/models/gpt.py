@@ -21,6 +21,7 @@ its gradient-norm and clipping count a TP-sharded weight without them once, on T
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -265,3 +266,17 @@ def set_tensor_parallel_attributes(model) -> int:
         set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=stride)
         count += 1
     return count
+
+
+@contextlib.contextmanager
+def final_hidden_states(model):
+    """Make the last stage return its final hidden states ``[s, b, H]`` (after the final norm) instead of
+    logits: the trainer computes log-probs chunk by chunk from them and the output weight, so no
+    ``[b, s, V]`` logits tensor ever exists (``trainer/actor.py``). GPTModel._postprocess returns ``hidden_states`` when
+    ``post_process`` is False; the decoder keeps its own flag and still applies the final norm."""
+    was = model.post_process
+    model.post_process = False
+    try:
+        yield
+    finally:
+        model.post_process = was

@@ -199,3 +199,19 @@ def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def actor_transformer_config(hf_config, *, parallel, params_dtype: torch.dtype, recompute: Optional[str] = None,
+                             from_checkpoint: bool = False):
+    """The trainer's ``TransformerConfig``: :func:`transformer_config_from_hf` with the per-token loss
+    (``calculate_per_token_loss``: megatron divides by nothing, ``trainer/actor.py``'s loss contract), no
+    random init when the weights come from a checkpoint (minutes per rank at 32B; ``build_gpt_model`` sets
+    the TP attributes init would have set), and the recompute (``full``: every layer, ``selective``)."""
+    overrides: dict[str, Any] = dict(calculate_per_token_loss=True)
+    if from_checkpoint:
+        overrides["perform_initialization"] = False
+    if recompute == "full":
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute == "selective":
+        overrides.update(recompute_granularity="selective")
+    return transformer_config_from_hf(hf_config, parallel=parallel, params_dtype=params_dtype, **overrides)

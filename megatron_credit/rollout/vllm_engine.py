@@ -364,7 +364,7 @@ class VLLMRolloutEngine:
         """
         import torch
 
-        from megatron_credit.conversion.live import sync_group
+        from megatron_credit.rollout.weight_sync import sync_group
 
         self._check_alive()
         if self._state == "asleep":

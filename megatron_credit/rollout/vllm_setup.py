@@ -319,7 +319,7 @@ def check_bucket(bucket: Any, table: Mapping[str, tuple[int, ...]], *, group_of)
 
     Every name must be one of ``table`` (:func:`hf_param_table`), once, with that shape and a floating
     dtype (vLLM's loaders cast it to the engine's dtype); the bucket must hold every tensor of each sync
-    group it touches (``group_of``: :func:`megatron_credit.conversion.live.sync_group`, a whole decoder
+    group it touches (``group_of``: :func:`megatron_credit.rollout.weight_sync.sync_group`, a whole decoder
     layer): vLLM's CPU ``reload_weights`` rebuilds a layer wrongly from part of a fused group. Raises
     ValueError naming the tensor. A bad bucket sent would leave the engine wrong or, in a multiprocess
     engine, dead.

@@ -150,7 +150,7 @@ class WeightSyncExtension:
         vLLM's CPU backend repacks each Linear after loading and leaves an empty parameter, so
         ``model.load_weights`` fails; ``reload_weights`` restores the layers it touches, loads, and
         repacks them again. It rebuilds a layer from the tensors given, so a bucket must hold whole
-        fused groups (the actor's buckets are whole decoder layers: ``conversion.live.sync_group``).
+        fused groups (the actor's buckets are whole decoder layers: ``rollout.weight_sync.sync_group``).
         """
         named_tensors = _named_tensors(named_tensors)
         self.reload_weights(weights_iterator=iter(named_tensors))  # type: ignore[attr-defined]

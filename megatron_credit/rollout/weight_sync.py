@@ -7,6 +7,11 @@ insists that every parameter was covered once the stream ends. Tied parameters (
 under two names, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``) count as covered when
 either name arrives.
 
+The buckets themselves are the sync protocol between the trainer and every engine: :func:`group_buckets`
+cuts an HF-ordered stream into buckets of whole :func:`sync_group` groups (a decoder layer, or one tensor
+apart from the layers), which the trainer's source (``conversion.live.iter_hf_weight_buckets``) yields
+and the vLLM engine checks (``rollout.vllm_setup.check_bucket``).
+
 >>> m = torch.nn.Linear(2, 1)
 >>> load_named_tensor_buckets(m, [[("weight", torch.ones(1, 2))], [("bias", torch.zeros(1))]])
 2
@@ -19,9 +24,53 @@ ValueError: weight sync: unknown parameter 'weigth' (not in the rollout model; i
 """
 from __future__ import annotations
 
-from typing import Iterable
+import re
+from typing import Iterable, Iterator
 
 import torch
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def sync_group(hf_name: str) -> str:
+    """The weight-sync group of an HF tensor: its whole decoder layer, or the tensor alone (embeddings,
+    final norm, head). A bucket never splits a group, because vLLM fuses q/k/v and gate/up per layer and
+    its CPU backend's ``reload_weights`` rebuilds a layer wrongly from part of a fused group.
+
+    >>> sync_group("model.layers.3.self_attn.q_proj.weight"), sync_group("lm_head.weight")
+    ('model.layers.3', 'lm_head.weight')
+    """
+    m = _HF_LAYER.match(hf_name)
+    return f"model.layers.{m.group(1)}" if m else hf_name
+
+
+def group_buckets(named: Iterable[tuple[str, torch.Tensor]], *,
+                  bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``(hf_name, tensor)`` pairs, in HF order, as buckets of whole sync groups (:func:`sync_group`) of at
+    most ``bucket_bytes`` (a larger group is a bucket of its own): the buckets of every weight sync, the
+    trainer's (:func:`iter_hf_weight_buckets`) and the tests' and GPU check's alike. Consumes ``named``
+    lazily. ``bucket_bytes=1``: one group per bucket.
+
+    >>> pairs = [(n, torch.zeros(2)) for n in ("model.embed_tokens.weight", "model.layers.0.q.weight",
+    ...                                         "model.layers.0.k.weight", "model.layers.1.q.weight")]
+    >>> [[n for n, _ in b] for b in group_buckets(pairs, bucket_bytes=1)]
+    [['model.embed_tokens.weight'], ['model.layers.0.q.weight', 'model.layers.0.k.weight'], ['model.layers.1.q.weight']]
+    >>> [len(b) for b in group_buckets(pairs, bucket_bytes=24)]
+    [3, 1]
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size, group = 0, None  # bytes in ``bucket``; the sync group of its last tensor
+    for hf_name, t in named:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes and sync_group(hf_name) != group:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((hf_name, t))
+        size, group = size + nbytes, sync_group(hf_name)
+    if bucket:
+        yield bucket
 
 
 def load_named_tensor_buckets(

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_credit.distributed.grads import grad_of
+from megatron_credit.models import actor_transformer_config, build_gpt_model, final_hidden_states
 from megatron_credit.trainer.schedule import build_scheduler, critic_schedule, set_lrs
 from megatron_credit.trainer.optimizer import MasterWeightsAdamW
 from megatron_credit.trainer.batch import MicroBatch
@@ -57,18 +58,12 @@ final layer's attention statistics when :meth:`Actor.run` captures them, else ``
 (``role="critic"``) passes ``logp = entropy = None``."""
 
 
-@contextlib.contextmanager
-def _final_hidden_states(model):
-    """Make the last stage return its final hidden states ``[s, b, H]`` (after the final norm) instead of
-    logits: log-probs are then computed chunk by chunk from them and the output weight, so no
-    ``[b, s, V]`` logits tensor ever exists. GPTModel._postprocess returns ``hidden_states`` when
-    ``post_process`` is False; the decoder keeps its own flag and still applies the final norm."""
-    was = model.post_process
-    model.post_process = False
-    try:
-        yield
-    finally:
-        model.post_process = was
+def _has_safetensors(path: Optional[str]) -> bool:
+    """Whether the weights come from a checkpoint (then megatron's random init, minutes per rank at 32B,
+    is skipped; ``build_gpt_model`` sets the TP attributes init would have set)."""
+    import os
+
+    return bool(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
 
 
 class Actor:
@@ -109,27 +104,15 @@ class Actor:
                                       and capture_top_k is None), "a separate critic is a trunk + value head"
         from megatron.core import parallel_state as ps
 
-        from megatron_credit.models import build_gpt_model, transformer_config_from_hf
 
         self.hf_config, self.optim, self.model_path = hf_config, optim, model.name_or_path
         self.temperature, self.logprob_chunk_size = temperature, logprob_chunk_size
         self.device = torch.device(device)
         self.ps = ps
-        import os
-
-        path = model.name_or_path
-        # Weights come from a checkpoint: skip megatron's random init (minutes per rank at 32B);
-        # build_gpt_model then sets the TP attributes init would have set.
-        self.from_checkpoint = bool(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
-        overrides = dict(calculate_per_token_loss=True)
-        if self.from_checkpoint:
-            overrides["perform_initialization"] = False
-        if recompute == "full":
-            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-        elif recompute == "selective":
-            overrides.update(recompute_granularity="selective")
-        self.config = transformer_config_from_hf(hf_config, parallel=parallel,
-                                                 params_dtype=model.torch_dtype(), **overrides)
+        self.from_checkpoint = _has_safetensors(model.name_or_path)
+        # per-token loss: the loss contract above; no random init for checkpoint weights
+        self.config = actor_transformer_config(hf_config, parallel=parallel, params_dtype=model.torch_dtype(),
+                                               recompute=recompute, from_checkpoint=self.from_checkpoint)
         te = model.use_transformer_engine()
         self.capture_top_k, self.gate_fn, self.capture_sink_keys = capture_top_k, gate_fn, capture_sink_keys
         self.model = build_gpt_model(hf_config, self.config, use_transformer_engine=te,
@@ -141,18 +124,8 @@ class Actor:
         self._collect = False
         self.last_critic_grad_norm: Optional[torch.Tensor] = None
         if with_critic and self.last_stage:
-            if critic_factory is not None:
-                # Seeded on its own: the same critic whatever RNG draws this stage's layers consumed, so
-                # every layout (and every TP rank) starts from the same critic.
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(seed)
-                    head = critic_factory()
-                self._hook_layer_outputs(critic_layers - 1)
-            else:
-                head = torch.nn.Linear(hf_config.hidden_size, 1, dtype=model.torch_dtype())
-                torch.nn.init.zeros_(head.weight)  # zero-initialised: V = 0 until the critic learns
-                torch.nn.init.zeros_(head.bias)
-            self.model.value_head = head.to(self.device)
+            self.model.value_head = self._value_head(critic_factory, seed=seed, critic_layers=critic_layers,
+                                                     dtype=model.torch_dtype())
         if self.is_critic and self.last_stage:  # values come from the head: no vocabulary projection trains
             self.model.output_layer.weight.requires_grad_(False)
         from megatron_credit.distributed.grads import wrap_ddp
@@ -171,16 +144,7 @@ class Actor:
             self.reference = build_gpt_model(hf_config, self.config, use_transformer_engine=te).to(self.device)
             self.reference.load_state_dict(self.model.state_dict(), strict=False)
             self.reference.requires_grad_(False).eval()
-        self.tp_group = ps.get_tensor_model_parallel_group()
-        self.pp_group = ps.get_pipeline_model_parallel_group()
-        self.dp_group = ps.get_data_parallel_group()
-        self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
-        self.cp_group = ps.get_context_parallel_group()
-        self.cp_size, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-        self.tp_size, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-        self.pp_size = ps.get_pipeline_model_parallel_world_size()
-        self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()  # global rank of this pipeline's last stage
-        self.dp_rank = ps.get_data_parallel_rank()
+        self._read_process_groups(ps)
         self.optimizer = self._build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, o)
         # last_lr reports the policy's lr, or a separate critic's own
@@ -197,6 +161,35 @@ class Actor:
         self.scheduler.num_steps = int(value)
 
     # -- building ------------------------------------------------------------------------------------
+    def _value_head(self, critic_factory, *, seed: int, critic_layers: int, dtype: torch.dtype) -> torch.nn.Module:
+        """The last stage's value head on this rank's device: a factory's (CompPO's critics, reading the last
+        ``critic_layers`` layers' outputs), or a zero-initialised linear head on the trunk (PPO)."""
+        if critic_factory is not None:
+            # Seeded on its own: the same critic whatever RNG draws this stage's layers consumed, so
+            # every layout (and every TP rank) starts from the same critic.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                head = critic_factory()
+            self._hook_layer_outputs(critic_layers - 1)
+        else:
+            head = torch.nn.Linear(self.hf_config.hidden_size, 1, dtype=dtype)
+            torch.nn.init.zeros_(head.weight)  # zero-initialised: V = 0 until the critic learns
+            torch.nn.init.zeros_(head.bias)
+        return head.to(self.device)
+
+    def _read_process_groups(self, ps) -> None:
+        """This rank's megatron groups, sizes and ranks, read once (``ps``: megatron's parallel_state)."""
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_cp_group = ps.get_data_parallel_group(with_context_parallel=True)
+        self.cp_group = ps.get_context_parallel_group()
+        self.cp_size, self.cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        self.tp_size, self.tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()  # global rank of this pipeline's last stage
+        self.dp_rank = ps.get_data_parallel_rank()
+
     def _hook_layer_outputs(self, count: int) -> None:
         """Keep the outputs ``[s, b, H]`` (detached) of this stage's last ``count`` decoder layers before the
         final one, for a feature critic (the final layer's output reaches it after the final norm)."""
@@ -289,7 +282,7 @@ class Actor:
             self._collect = self.feature_critic and self.last_stage and not reference
             self._layer_outputs = []
             try:
-                with _final_hidden_states(model_chunk) if self.last_stage else contextlib.nullcontext():
+                with final_hidden_states(model_chunk) if self.last_stage else contextlib.nullcontext():
                     out = model_chunk(mb.tensors["input_ids"], mb.position_ids, None)
             finally:
                 self._collect = False

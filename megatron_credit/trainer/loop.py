@@ -271,11 +271,10 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
                 rows.append({"step": step, **metrics})
                 _show(bar, metrics, log)
             stop_if_any_rank_diverged(guard.check(step, metrics), device=device)  # before it is saved (issue 24)
-            flag = torch.tensor([1.0 if stop["flag"] else 0.0]).to(device)
-            dist.all_reduce(flag)
-            if float(flag) > 0 or (every and step % every == 0):
+            sigterm = _any_rank(stop["flag"], device)
+            if sigterm or (every and step % every == 0):
                 _save(run_dir, step, run, keep=keep)
-            if float(flag) > 0:
+            if sigterm:
                 log(f"SIGTERM: saved iteration {step}, exiting")
                 break
         else:
@@ -290,11 +289,23 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
             writer.close()
         run.ctx.rollouts.close()
     if rank0 and recipe.logging.plots:
-        try:
-            plot_metrics(run_dir)
-        except ImportError:
-            log("matplotlib is not installed: no plots (pip install matplotlib)")
+        _plot(run_dir, log)
     return rows
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is set on any rank (every rank calls this at the same point of each iteration)."""
+    t = torch.tensor([1.0 if flag else 0.0]).to(device)
+    dist.all_reduce(t)
+    return float(t) > 0
+
+
+def _plot(run_dir: str, log) -> None:
+    """The run's plots (``plots/*.png``), or one line when matplotlib is missing."""
+    try:
+        plot_metrics(run_dir)
+    except ImportError:
+        log("matplotlib is not installed: no plots (pip install matplotlib)")
 
 
 def _save(run_dir, step, run: Run, *, keep: int) -> None:

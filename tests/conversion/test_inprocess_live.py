@@ -99,7 +99,7 @@ def _check_buckets(buckets, hf: dict, cfg, tied: bool) -> None:
     names = [n for b in buckets for n, _ in b]
     assert sorted(names) == sorted(hf) and len(names) == len(set(names))
     _hf_order(names, cfg, tied)
-    from megatron_credit.conversion.live import sync_group
+    from megatron_credit.rollout.weight_sync import sync_group
 
     sizes = [[t.numel() * t.element_size() for _, t in b] for b in buckets]
     groups = [[sync_group(n) for n, _ in b] for b in buckets]
@@ -232,7 +232,7 @@ def test_no_process_group_means_size_one(world1):
     (whole,) = iter_hf_weight_buckets(state, fam, cfg)
     assert [n for n, _ in whole] == [n for b in world1[3] for n, _ in b]
     tiny = list(iter_hf_weight_buckets(state, fam, cfg, bucket_bytes=1))
-    from megatron_credit.conversion.live import sync_group
+    from megatron_credit.rollout.weight_sync import sync_group
 
     names = [n for b in world1[3] for n, _ in b]  # with 1-byte buckets: one bucket per sync group
     want: list[list[str]] = []

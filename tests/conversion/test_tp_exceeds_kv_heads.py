@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.support.distributed_harness import module_pool
-from tests.conversion.test_live import _export_real_model, _hf_state
-from tests.conversion.test_parity import TOL, _hf_logits, _make_hf_dir, _megatron_logits, _rel_err
+from tests.support.live_export import _export_real_model, _hf_state
+from tests.support.parity import TOL, _hf_logits, _make_hf_dir, _megatron_logits, _rel_err
 
 pytestmark = pytest.mark.dist
 

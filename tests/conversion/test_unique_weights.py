@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.support.distributed_harness import module_pool
-from tests.conversion.test_parity import LENGTHS, TOL, _batch, _last, _rel_err
+from tests.support.parity import LENGTHS, TOL, _batch, _last, _rel_err
 
 CASES = {
     "qwen2": ("qwen2", {}),  # q/k/v biases

@@ -60,7 +60,7 @@ def _mismatch(hf_model, batch):
 
 def _layer_buckets(model):
     """One bucket per decoder layer (embedding and head apart): the trainer's bucketing (``group_buckets``)."""
-    from megatron_credit.conversion.live import group_buckets
+    from megatron_credit.rollout.weight_sync import group_buckets
 
     return list(group_buckets(model.state_dict().items(), bucket_bytes=1))
 

@@ -18,7 +18,7 @@ PROMPTS = [[3, 17, 42, 8], [5, 6, 7, 8, 9, 10, 11], [60, 61]]
 
 def _layer_buckets(state, device="cuda"):
     """The trainer's buckets (``group_buckets``): one per decoder layer, embedding and head apart."""
-    from megatron_credit.conversion.live import group_buckets
+    from megatron_credit.rollout.weight_sync import group_buckets
 
     return list(group_buckets(((k, v.detach().to(device)) for k, v in state.items()), bucket_bytes=1))
 

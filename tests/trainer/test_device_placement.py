@@ -8,8 +8,8 @@ all tensors to be on the same device ... cpu, fakegpu:0! (in aten.mul.Tensor)`` 
 ``rope_utils.py``). Each scenario runs in processes of its own (the backend registration is
 process-wide); the numbers must equal the CPU path's (the emulated device computes on the CPU).
 
-- the update on the fixed batch of ``tests/trainer/test_step.py`` (behaviour pass, advantages, two optimizer
-  steps) for GRPO, FIPO, PPO with a value head and with a separate critic, and CompPO;
+- the update on the fixed batch of ``tests/support/fixed_batch.py`` (test_step's; behaviour pass,
+  advantages, two optimizer steps) for GRPO, FIPO, PPO with a value head and with a separate critic, and CompPO;
 - ``pretrain_rl.py`` with the supervised warm-up, a frozen reference (KL), megatron's optimizer, the HF
   engine and its weight sync, a checkpoint every iteration and a resume;
 - ``pretrain_rl.py`` under ``torchrun`` with TP = 2.
@@ -39,12 +39,12 @@ def _on_fake_device(fn, *args, **kwargs):
 
 
 def _fixed_batch(algorithm: str, overrides: list[str], *, fake: bool):
-    from tests.trainer import test_step as ts
+    from tests.support.fixed_batch import _run_fixed
 
     with DistributedPool(world_size=1) as pool:  # a fresh process per scenario
         if fake:
-            return pool.run(_on_fake_device, ts._run_fixed, {}, algorithm, overrides=overrides)[0]
-        return pool.run(ts._run_fixed, {}, algorithm, overrides=overrides)[0]
+            return pool.run(_on_fake_device, _run_fixed, {}, algorithm, overrides=overrides)[0]
+        return pool.run(_run_fixed, {}, algorithm, overrides=overrides)[0]
 
 
 SCENARIOS = {"grpo": ("grpo", []), "fipo": ("fipo", []), "ppo": ("ppo", []),
