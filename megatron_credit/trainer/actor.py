@@ -25,7 +25,7 @@ sequence parallelism and of q/k norms, and the tied-embedding all-reduce across 
 ``main_grad`` is the gradient of the mini-batch loss, independent of the micro-batch split and of the
 DP / CP sizes. ``num_tokens`` is not passed (megatron would divide again).
 
-The step (``optim.backend``): ``local`` is AdamW on fp32 masters (``trainer.optimizer``), reading the fp32
+The step (``optim.backend``; the mixin in ``trainer/actor_step.py``): ``local`` is AdamW on fp32 masters (``trainer.optimizer``), reading the fp32
 ``main_grad``, with the gradient norm, the clipping (the policy and a feature critic separately) and the
 skip of non-finite steps in :meth:`Actor.optimizer_step`; ``megatron`` is ``get_megatron_optimizer``
 (with the distributed optimizer when asked), its norm and clip, the same skip. Either way the learning
@@ -39,11 +39,10 @@ import functools
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
-from megatron_credit.distributed.grads import grad_of
 from megatron_credit.models import actor_transformer_config, build_gpt_model, final_hidden_states
-from megatron_credit.trainer.schedule import build_scheduler, critic_schedule, set_lrs
+from megatron_credit.trainer.actor_step import OptimizerStep
+from megatron_credit.trainer.schedule import build_scheduler, critic_schedule
 from megatron_credit.trainer.optimizer import MasterWeightsAdamW
 from megatron_credit.trainer.batch import MicroBatch
 
@@ -66,7 +65,7 @@ def _has_safetensors(path: Optional[str]) -> bool:
     return bool(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
 
 
-class Actor:
+class Actor(OptimizerStep):
     """This rank's stage of the policy (and value head), its optimizer, and the schedules; with
     ``role="critic"``, of a separate value model (PPO's ``algorithm.params.critic: separate``)."""
 
@@ -341,107 +340,6 @@ class Actor:
         history = gather_from_cp(h.detach(), cp_group=cp) if cp is not None else h.detach()
         return head(layers, history, local.get("topk_idx"), local.get("topk_w"), local["kappa"]).float()
 
-    # -- the optimizer step --------------------------------------------------------------------------
-    def global_grad_norm(self, params=None) -> torch.Tensor:
-        """L2 norm of the gradient of ``params`` (default: the whole model), the same on every rank (float64).
-
-        Megatron's counting: TP-sharded parameters add their shard on every TP rank; parameters
-        replicated over TP are counted on TP rank 0 only; the last stage's copy of a tied embedding
-        (``shared``) is not counted; stages are summed over PP."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.model.parameters() if params is None else params:
-            g = grad_of(p)
-            if g is None or getattr(p, "shared", False):
-                continue
-            if not getattr(p, "tensor_model_parallel", False) and self.tp_rank != 0:
-                continue
-            sq += g.detach().double().pow(2).sum()
-        for group, size in ((self.tp_group, self.tp_size), (self.pp_group, self.pp_size)):
-            if size > 1:
-                dist.all_reduce(sq, group=group)
-        return sq.sqrt()
-
-    def _param_sets(self) -> list[list[torch.nn.Parameter]]:
-        """Parameter sets clipped separately: the whole model, or (feature critic) policy and critic."""
-        if not self.feature_critic:
-            return [list(self.model.parameters())]
-        policy, critic = [], []
-        for name, p in self.model.named_parameters():
-            (critic if name.startswith("value_head.") else policy).append(p)
-        return [policy, critic]  # the critic set is empty off the last stage; the norms still all-reduce
-
-    def optimizer_step(self, *, lr: Optional[float] = None, lr_scale: float = 1.0, loss_finite: bool = True,
-                       clip: Optional[float] = None, critic_clip: Optional[float] = None,
-                       critic_lr_scale: float = 1.0) -> tuple[torch.Tensor, bool]:
-        """Reduce gradients, clip, step; returns ``(grad_norm, applied)``.
-
-        The learning rates are the schedule's (``trainer/schedule.py``) at this step, times ``lr_scale``
-        (the critic's also times ``critic_lr_scale``); ``lr`` instead sets a constant one (the warm-up).
-        ``clip`` (default ``optim.clip_grad``) bounds the gradient norm; a feature critic (CompPO's,
-        detached from the policy) is clipped on its own to ``critic_clip`` (default ``clip``) and its norm
-        kept in ``last_critic_grad_norm``; the returned norm is then the policy's. A step whose gradient
-        norm (or loss) is not finite is skipped: gradients are dropped, the parameters, the optimizer state
-        and the schedule's position are untouched."""
-        from megatron_credit.distributed.grads import finalize
-
-        finalize(self.ddp)  # DP x CP sum, TP norms, tied embeddings (no num_tokens: already global shares)
-        if not isinstance(self.optimizer, MasterWeightsAdamW):
-            if critic_lr_scale != 1.0:  # the phase controller's critic knob: CompPO's, refused with this backend
-                raise ValueError("optim.backend: megatron has no separate critic learning rate to scale")
-            policy_lr = set_lrs(self.optimizer, self.scheduler, self.optim, lr=lr, lr_scale=lr_scale,
-                                report_max_lr=self._report_max_lr)
-            norm, ok = self._megatron_step(loss_finite=loss_finite, clip=clip)
-            if ok and lr is None:
-                self.last_lr = policy_lr
-            return norm, ok
-        clip = self.optim.clip_grad if clip is None else clip
-        sets = self._param_sets()
-        clips = [clip, clip if critic_clip is None else critic_clip][: len(sets)]
-        norms = [self.global_grad_norm(ps_) for ps_ in sets]
-        self.last_critic_grad_norm = norms[1] if len(norms) > 1 else None
-        ok = all(bool(torch.isfinite(n)) for n in norms) and loss_finite
-        if ok:
-            for params, norm, c in zip(sets, norms, clips):
-                if c > 0 and float(norm) > c:
-                    coef = c / (float(norm) + 1e-6)
-                    for p in params:
-                        if grad_of(p) is not None:
-                            grad_of(p).mul_(coef)
-            policy_lr = set_lrs(self.optimizer, self.scheduler, self.optim, lr=lr, lr_scale=lr_scale,
-                                critic_lr_scale=critic_lr_scale, report_max_lr=self._report_max_lr)
-            self.optimizer.step()
-            if lr is None:  # the run's schedule (not the warm-up's constant lr)
-                self.last_lr = policy_lr
-            self.optimizer_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(set_to_none=True)
-        self.ddp.zero_grad_buffer()
-        return norms[0], ok
-
-    def _megatron_step(self, *, loss_finite: bool, clip: Optional[float]) -> tuple[torch.Tensor, bool]:
-        """megatron's ``ChainedOptimizer.step`` with the trainer's checks in between: main grads prepared,
-        megatron's global norm (over DP x CP shards with the distributed optimizer, TP and PP), the step
-        skipped when the loss or the norm is not finite, then the clip and the update."""
-        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-
-        opt, o = self.optimizer, self.optim
-        clip = o.clip_grad if clip is None else clip
-        found_inf = opt.prepare_grads()
-        norm = torch.tensor(float(opt.get_grad_norm()), dtype=torch.float64).to(self.device)
-        ok = loss_finite and not found_inf and bool(torch.isfinite(norm))
-        if ok:
-            if clip > 0:
-                for inner in opt.chained_optimizers:
-                    params = inner.get_parameters()
-                    if params:
-                        clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=float(norm))
-            ok = bool(opt.step_with_ready_grads())
-            self.optimizer_steps += int(ok)
-        opt.zero_grad(set_to_none=True)
-        self.ddp.zero_grad_buffer()
-        return norm, ok
-
-    # -- weights in ------------------------------------------------------------------------------------
     def load_initial_weights(self, *, seed: int) -> str:
         """Fill this rank's shard from HF weights: the safetensors of ``model.name_or_path`` when it has
         them, else a ``transformers`` random init seeded with ``seed``. Either way every layout starts
