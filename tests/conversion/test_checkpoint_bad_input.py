@@ -25,16 +25,7 @@ from megatron_credit.conversion.hf_io import (INDEX_NAME, SINGLE_NAME, Checkpoin
                                               ShardedSafetensorsWriter, write_safetensors)
 
 from tests.support.paths import REPO
-
-
-class _RunsCode:
-    """A pickle payload that creates ``marker`` when unpickled by an unrestricted unpickler."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+from tests.support.payloads import RunsCode
 
 
 # --- safetensors files and indexes --------------------------------------------------------------------
@@ -223,7 +214,7 @@ def _produce(root: str) -> None:
     evil = root / "evil_bytes"
     shutil.copytree(root / "mc", evil)
     path, offset, length = _extra_state_item(evil)
-    payload = pickle.dumps(_RunsCode(root / "pwned_bytes"), protocol=2)
+    payload = pickle.dumps(RunsCode(root / "pwned_bytes"), protocol=2)
     assert len(payload) <= length
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -266,7 +257,7 @@ def test_crafted_metadata_pickle_is_refused_without_running_code(ckpt, tmp_path)
     from megatron_credit.conversion.safe_load import UnsafeCheckpointError
 
     marker = tmp_path / "pwned"
-    (ckpt / "model" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    (ckpt / "model" / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
     with pytest.raises(UnsafeCheckpointError, match=r"references posix\.system.*refusing to unpickle"):
         _to_hf(ckpt, tmp_path / "out")
     assert not marker.exists() and not (tmp_path / "out").exists()
@@ -459,7 +450,7 @@ def test_crafted_common_state_pickle_is_one_line_and_runs_nothing(ckpt, tmp_path
     md = read_dist_metadata(model)
     index = next(i for i in md.storage_data if i.fqn == COMMON_STATE_KEY)
     marker = tmp_path / "pwned"
-    payload = pickle.dumps([_RunsCode(marker)], protocol=2)  # a plain pickle: torch.load(weights_only=False) runs it
+    payload = pickle.dumps([RunsCode(marker)], protocol=2)  # a plain pickle: torch.load(weights_only=False) runs it
     info = md.storage_data[index]
     with open(model / info.relative_path, "ab") as f:
         md.storage_data[index] = type(info)(relative_path=info.relative_path, offset=f.tell(), length=len(payload))

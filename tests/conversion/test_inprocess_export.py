@@ -39,21 +39,12 @@ from megatron_credit.conversion.hf_io import INDEX_NAME, CheckpointFormatError, 
 from megatron_credit.conversion.safe_load import (COMMON_STATE_KEY, UnsafeCheckpointError, check_dist_checkpoint,
                                                   megatron_reads_common_state, read_dist_metadata, stored_weight_dtypes)
 from megatron_credit.conversion.testing import rewrite_common_state
+from tests.support.payloads import RunsCode
 
 SHARD_BYTES = 20_000  # the tiny model's bf16 weights are ~150 KB: several shards
 TOKENIZER = {"tokenizer_config.json": '{"model_max_length": 64}\n', "chat_template.jinja": "{{ messages }}\n"}
 UNSUPPORTED = (r"unsupported megatron-core version (?P<v>\S+) for the in-process checkpoint writer "
                r"\(megatron_credit/conversion/mcore_save\.py; checked on 0\.16\.1 - 0\.19\.2\): ")
-
-
-class _RunsCode:
-    """A pickle payload that creates ``marker`` when an unrestricted unpickler loads it."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 @pytest.fixture(scope="module")
@@ -435,7 +426,7 @@ def test_crafted_metadata_pickle_is_refused_before_it_runs(made, tmp_path):
     ckpt = _copy(made.bf16, tmp_path / "ckpt")
     marker = tmp_path / "pwned"
     path = ckpt / "model" / ".metadata"
-    path.write_bytes(pickle.dumps(_RunsCode(marker)))
+    path.write_bytes(pickle.dumps(RunsCode(marker)))
     with pytest.raises(UnsafeCheckpointError, match=f"^{re.escape(repr(str(path)))} references posix\\.system, which "
                                                     "torch never writes into checkpoint metadata; refusing to unpickle "
                                                     r"it \(a crafted file runs code this way\)\. Only load checkpoints "
@@ -467,7 +458,7 @@ def test_crafted_byte_item_is_refused_before_it_runs(made, tmp_path):
     md = read_dist_metadata(ckpt / "model")
     index, info = next((i, s) for i, s in md.storage_data.items() if i.fqn.endswith("_extra_state/shard_0_2"))
     marker = tmp_path / "pwned"
-    payload = pickle.dumps(_RunsCode(marker), protocol=2)
+    payload = pickle.dumps(RunsCode(marker), protocol=2)
     with open(ckpt / "model" / info.relative_path, "r+b") as f:
         f.seek(info.offset)
         f.write(payload + bytes(info.length - len(payload)))
@@ -677,7 +668,7 @@ def test_crafted_common_state_item_is_refused_before_it_runs(made, tmp_path):
     info = next(s for i, s in md.storage_data.items() if i.fqn == COMMON_STATE_KEY)
     marker = tmp_path / "pwned"
     buf = io.BytesIO()
-    torch.save([_RunsCode(marker)], buf)
+    torch.save([RunsCode(marker)], buf)
     with open(model / info.relative_path, "ab") as f:
         offset = f.tell()
         f.write(buf.getvalue())

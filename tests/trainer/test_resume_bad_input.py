@@ -18,19 +18,10 @@ import torch
 import yaml
 
 from tests.support.distributed_harness import module_pool
+from tests.support.payloads import RunsCode
 from tests.support.runs import TINY_CHECKPOINTED, metrics_rows, run_pretrain_rl
 
 ITER1, ITER2 = "iter_0000001", "iter_0000002"
-
-
-class _RunsCode:
-    """A pickle payload that creates ``marker`` when unpickled by an unrestricted unpickler."""
-
-    def __init__(self, marker: Path):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +58,13 @@ def _extra_state_item(model_dir: Path) -> tuple[Path, int, int]:
 
 def _evil_metadata(run: Path, marker: Path) -> Path:
     path = _model_dir(run) / ".metadata"
-    path.write_bytes(pickle.dumps(_RunsCode(marker)))
+    path.write_bytes(pickle.dumps(RunsCode(marker)))
     return path
 
 
 def _evil_byte_item(run: Path, marker: Path) -> Path:
     path, offset, length = _extra_state_item(_model_dir(run))
-    payload = pickle.dumps(_RunsCode(marker), protocol=2)
+    payload = pickle.dumps(RunsCode(marker), protocol=2)
     assert len(payload) <= length
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -83,7 +74,7 @@ def _evil_byte_item(run: Path, marker: Path) -> Path:
 
 def _evil_rank_file(run: Path, marker: Path) -> Path:
     path = run / "checkpoints" / ITER2 / "rank_00000.pt"
-    torch.save({"rng": _RunsCode(marker)}, path)
+    torch.save({"rng": RunsCode(marker)}, path)
     return path
 
 
