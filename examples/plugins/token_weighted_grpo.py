@@ -43,7 +43,7 @@ class TokenWeightParams(AlgorithmParams):
         return {"norm_by_std": True}  # GRPO's group advantages, divided by the group's std
 
     def loss_kwargs(self) -> dict:
-        return {"clip_eps": self.clip_eps, "beta": self.beta}
+        return {"clip_eps": self.clip_eps}  # beta is the side channel's (token_weight), not the loss's
 
 
 def token_weight(batch, params: TokenWeightParams) -> dict[str, torch.Tensor]:
@@ -52,10 +52,9 @@ def token_weight(batch, params: TokenWeightParams) -> dict[str, torch.Tensor]:
     return {"token_weight": torch.where(batch.loss_mask, 1.0 + params.beta * (1.0 - p), 0.0)}
 
 
-def weighted_ppo(logp, old_logp, advantages, response_mask, *, token_weight, clip_eps, beta,
-                 is_weights=None, cp_group=None):
+def weighted_ppo(logp, old_logp, advantages, response_mask, *, token_weight, clip_eps, is_weights=None,
+                 cp_group=None):
     """PPO's clipped loss on ``token_weight * advantages``; reports this micro-batch's mean weight."""
-    del beta  # already in token_weight; accepted so that loss_kwargs can name it
     m = response_mask.bool()
     loss, metrics = policy.ppo_clip_loss(logp, old_logp, advantages * token_weight, response_mask,
                                          clip_low=clip_eps, clip_high=clip_eps, dual_clip_c=None,
