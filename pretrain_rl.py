@@ -149,7 +149,8 @@ def _main(args) -> int:
             print(finished, flush=True)
         return 0
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
-    device = distributed.initialize(recipe.parallel, seed=recipe.seed, launch=launch)
+    device = distributed.initialize(recipe.parallel, seed=recipe.seed, launch=launch,
+                                    timeout_s=recipe.distributed.timeout_s)
     try:
         if rank0:
             os.makedirs(run_dir, exist_ok=True)  # config.yaml: written by train() once a resume is accepted

@@ -5,7 +5,7 @@ mutates it at run time. Each section validates its own fields in ``__post_init__
 the world size or the model's shape live in ``ParallelConfig.validate`` and
 ``megatron_credit.models.check_parallel_fits_model`` and run before any model is built.
 
-Sections: ``model``, ``parallel``, ``cluster`` (planning only), ``data``, ``rollout``, ``reward``, ``algorithm`` (name + typed
+Sections: ``model``, ``parallel``, ``distributed``, ``cluster`` (planning only), ``data``, ``rollout``, ``reward``, ``algorithm`` (name + typed
 params), ``optim``, ``train``, ``warmup``, ``checkpoint``, ``logging``, plus ``seed``.
 
 >>> r = recipe_from_dict({"parallel": {"tensor_model_parallel_size": 2}},
@@ -77,6 +77,20 @@ class ParallelConfig:
         """Data-parallel replicas for ``world_size`` ranks (after ``validate``)."""
         self.validate(world_size=world_size)
         return world_size // self.model_parallel_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedConfig:
+    """The process groups of the run."""
+
+    timeout_s: float = 3 * 3600.0
+    """Timeout of every process group the trainer makes (the default one, megatron's, the engines'):
+    ranks wait in them while the engines generate, which at 20K-token responses takes far longer than
+    NCCL's default of 10 minutes."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
+            raise ValueError(f"distributed.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +233,8 @@ class Recipe:
     """The actor."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Sharding of the actor."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Process groups (timeouts)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """The cluster the recipe was sized for (planning and launchers only)."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -274,6 +290,9 @@ class Recipe:
             out.append(f"rollout.n={r.n}: algorithm {self.algorithm.name}'s advantages are relative to the group "
                        "of a prompt's samples, and a group of one has zero advantage (nothing trains); set "
                        "rollout.n >= 2, or use an algorithm with a critic (ppo)")
+        if world_size % r.tensor_parallel_size:
+            out.append(f"rollout.engine_options.tensor_parallel_size={r.tensor_parallel_size} must divide the world "
+                       f"size {world_size} (world size / rollout TP engines, each on GPUs of its own)")
         per_rank = r.prompts_per_step // dp * r.n
         if not r.prompts_per_step % dp and per_rank % t.num_minibatches:
             out.append(f"train.num_minibatches={t.num_minibatches} must divide the "

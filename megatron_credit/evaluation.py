@@ -143,13 +143,15 @@ def summarize(problems: Sequence[ProblemResult], *, pass_ks: Optional[Sequence[i
 
 
 def sample_and_grade(engine, tokenizer, records, *, k: int, sampling, pool=None,
-                     batch_prompts: Optional[int] = None, progress=None) -> list[ProblemResult]:
+                     batch_prompts: Optional[int] = None, progress=None, first_group: int = 0) -> list[ProblemResult]:
     """``k`` samples of every prompt record from ``engine`` (``sampling``: a ``SamplingParams`` whose ``n``
     is replaced by ``k``), decoded and graded by the records' verifiers (in ``pool`` when given).
 
     ``batch_prompts``: prompts per engine call (None: all at once); ``progress(num_done)`` is called after
     each call. Sampling seeds are ``sampling.seed + call index``, so results do not depend on the
-    progress bar, only on ``batch_prompts``."""
+    progress bar, only on ``batch_prompts``. The ``i``-th record of a call is group ``first_group + i`` of
+    the engine's seeds (the trainer's validation, one call per engine: each engine samples its slice of
+    one list as the whole list would be)."""
     import torch
 
     from megatron_credit.rewards.compute import score_responses
@@ -161,7 +163,8 @@ def sample_and_grade(engine, tokenizer, records, *, k: int, sampling, pool=None,
     for call, start in enumerate(range(0, len(records), step)):
         chunk = records[start:start + step]
         params = dataclasses.replace(sampling, n=k, seed=None if sampling.seed is None else sampling.seed + call)
-        rollout = engine.generate([list(r.prompt_ids) for r in chunk], params)
+        rollout = engine.generate([list(r.prompt_ids) for r in chunk], params,
+                                  group_ids=range(first_group, first_group + len(chunk)))
         texts = [tokenizer.decode(s.response_ids) for s in rollout.samples]
         owner = [chunk[i // k] for i in range(len(rollout.samples))]
         lens = [len(s.response_ids) for s in rollout.samples]

@@ -59,7 +59,8 @@ class RolloutConfig:
     engine: str = "hf"
     """Name in ``megatron_credit.rollout.ROLLOUT_ENGINES`` (``hf`` on CPU, ``vllm`` on GPU)."""
     prompts_per_step: int = 64
-    """Prompts per iteration over the whole job (split over data-parallel ranks)."""
+    """Prompts per iteration over the whole job (split over the engines to sample, then over the
+    data-parallel ranks to train)."""
     n: int = 8
     """Samples per prompt (the group of GRPO-style estimators)."""
     temperature: float = 1.0
@@ -89,6 +90,15 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p must be in (0, 1] (1 = off), got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"rollout.top_k must be >= 0 (0 = off), got {self.top_k}")
+        tp = dict(self.engine_options).get("tensor_parallel_size", 1)
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"rollout.engine_options.tensor_parallel_size must be a positive integer, got {tp!r}")
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """GPUs per rollout engine (``engine_options.tensor_parallel_size``, default 1): the job runs
+        world size / this many engines (``rollout.placement``)."""
+        return int(dict(self.engine_options).get("tensor_parallel_size", 1))
 
 
 @dataclass(frozen=True, kw_only=True)

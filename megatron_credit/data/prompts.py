@@ -1,9 +1,10 @@
 """Prompt streams for the trainer: which prompts each data-parallel rank takes, resumably.
 
-A stream hands out tokenized :class:`~megatron_credit.data.records.PromptRecord` s. Each DP rank has
-its own cursor over a disjoint share (rank ``r`` of ``d`` takes items ``r, r + d, r + 2d, ...`` of the
-stream), so ranks never see the same prompt and dynamic sampling may draw more on one rank than on
-another. ``state_dict()`` is the cursor: a resumed run continues with exactly the next prompts.
+A stream hands out tokenized :class:`~megatron_credit.data.records.PromptRecord` s. The trainer reads one
+stream for the whole job, the same on every rank (``dp_size=1``; its engines split each draw); a share
+of it (rank ``r`` of ``d`` takes items ``r, r + d, r + 2d, ...``) serves readers that each need their own
+prompts. ``state_dict()`` is the cursor: a resumed run continues with exactly
+the next prompts.
 
 - :class:`SyntheticPrompts`: the arithmetic task, item ``i`` is problem ``i`` (no files).
 - :class:`DatasetPrompts`: a loaded :class:`~megatron_credit.data.dataset.PromptDataset`, reshuffled
@@ -15,7 +16,7 @@ another. ``state_dict()`` is the cursor: a resumed run continues with exactly th
 ...         return [len(messages[0]["content"])]
 >>> s = SyntheticPrompts(ArithmeticTask(ArithConfig(seed=0)), Tok(), dp_rank=1, dp_size=2)
 >>> [r.extra_info["index"] for r in s.take(3)], s.state_dict()
-([1, 3, 5], {'cursor': 3})
+([1, 3, 5], {'cursor': 3, 'scope': 'rank'})
 """
 from __future__ import annotations
 
@@ -37,13 +38,15 @@ class _Cursor:
     """The resumable part of a stream: how many items this rank has taken."""
 
     cursor: int = 0
+    dp_size: int = 1
     dropped_prompts: int = 0
     """Prompts of the stream's files dropped at load (over ``data.max_prompt_len``): ``data/dropped_prompts``."""
 
-    def state_dict(self) -> dict[str, int]:
-        return {"cursor": self.cursor}
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor; ``scope``: "job" for the trainer's one stream of the whole job, "rank" for a share."""
+        return {"cursor": self.cursor, "scope": "job" if self.dp_size == 1 else "rank"}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.cursor = int(state["cursor"])
 
 

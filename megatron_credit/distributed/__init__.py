@@ -85,14 +85,20 @@ def default_backend() -> str:
 
 
 def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
-               backend: Optional[str] = None, timeout_s: float = 1800.0) -> torch.device:
+               backend: Optional[str] = None, timeout_s: Optional[float] = None) -> torch.device:
     """Join the process group, build megatron's parallel groups, seed; return this rank's device.
 
     ``parallel``: a ``megatron_credit.config.ParallelConfig``. If ``torch.distributed`` is already
     initialised (tests, an embedding application) its group and backend are used as they are; else a
-    group is created from ``launch`` (default: one process). Raises ``ValueError`` before creating
-    any megatron group if the sizes do not fit the world size.
+    group is created from ``launch`` (default: one process). ``timeout_s`` (the recipe's
+    ``distributed.timeout_s``; None: its default) is the timeout of the default group (set on it also
+    when it already exists) and of every megatron group: ranks wait in them while the engines generate.
+    Raises ``ValueError`` before creating any megatron group if the sizes do not fit the world size.
     """
+    from megatron_credit.config import DistributedConfig
+
+    timeout_s = DistributedConfig().timeout_s if timeout_s is None else float(timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s)
     import_megatron_core()
     from megatron.core import parallel_state
 
@@ -107,8 +113,9 @@ def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
             torch.cuda.set_device(launch.local_rank)
         port = launch.master_port or _free_port()
         dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{port}",
-                                rank=launch.rank, world_size=launch.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+    else:
+        set_group_timeout(None, timeout)
     backend = dist.get_backend()
     parallel.validate(world_size=dist.get_world_size())
     on_cpu = backend == "gloo" and not torch.cuda.is_available()
@@ -119,9 +126,41 @@ def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        distributed_timeout_minutes=timeout_s / 60.0,
     )
+    # megatron creates some groups without its timeout (EXPERT_DATA_PARALLEL_GROUP_GLOO: 30 minutes)
+    from torch.distributed import distributed_c10d
+
+    for group in list(distributed_c10d._world.pg_map):
+        set_group_timeout(group, timeout)
     set_seed(seed, on_cpu=on_cpu)
     return device
+
+
+def set_group_timeout(group, timeout: datetime.timedelta) -> None:
+    """Set the timeout of an existing process group (None: the default group) on each of its backends."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def group_timeouts() -> dict[str, float]:
+    """The timeout in seconds of every live process group, by group name, read from each group's backends
+    (the smallest where they differ): what a test checks against ``distributed.timeout_s``."""
+    from torch.distributed import distributed_c10d
+
+    out: dict[str, float] = {}
+    for group in list(distributed_c10d._world.pg_map):
+        name = distributed_c10d._get_process_group_name(group)
+        seconds = []
+        for device in ("cpu", "cuda"):
+            try:
+                backend = group._get_backend(torch.device(device))
+            except RuntimeError:
+                continue
+            seconds.append(backend.options._timeout.total_seconds())
+        out[name] = min(seconds)
+    return out
 
 
 def import_megatron_core():

@@ -43,8 +43,10 @@ class RolloutEngine(Protocol):
         """Release accelerator memory (weights and KV cache) until ``wake_up``."""
         ...
 
-    def wake_up(self) -> None:
-        """Restore what ``sleep`` released."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore what ``sleep`` released: ``tags`` among ("weights", "kv_cache"), both by default. The
+        trainer wakes the weights, syncs them (``update_weights`` refuses sleeping weights), then wakes the
+        KV cache: the cache is allocated after the sync's buffers are gone."""
         ...
 
     def close(self) -> None:
@@ -56,15 +58,16 @@ ROLLOUT_ENGINES: Registry[Any] = Registry("rollout engine")
 """Engine name -> constructor (a class or factory taking keyword arguments)."""
 
 
-def build_trainer_engine(rollout, model, *, seed: int, hf_config, device) -> RolloutEngine:
+def build_trainer_engine(rollout, model, *, seed: int, hf_config, device, gpus: tuple[int, ...]) -> RolloutEngine:
     """The engine the recipe's ``rollout`` section names (``rollout.engine``, with its
     ``rollout.engine_options``), built by the engine's ``from_config`` for the recipe's ``model`` section
     (the actor's dtype, path, context / RoPE overrides) and ``hf_config``; ``seed``: the run's;
-    ``device``: this rank's (``distributed.initialize``'s), where an in-process engine runs."""
+    ``device``: this rank's (``distributed.initialize``'s), where an in-process engine runs; ``gpus``: the
+    local device indices the engine owns, ``device``'s first (``rollout.placement.EngineLayout.gpus``)."""
     import megatron_credit.rollout  # noqa: F401  (registers the built-in engines)
 
     return ROLLOUT_ENGINES.get(rollout.engine).from_config(rollout, model, seed=seed, hf_config=hf_config,
-                                                           device=device)
+                                                           device=device, gpus=tuple(gpus))
 
 
 def build_rollout_engine(name: str, **kwargs: Any) -> RolloutEngine:
@@ -81,3 +84,15 @@ def resolve_group_ids(num_prompts: int, group_ids: Sequence[int] | None) -> list
     if len(group_ids) != num_prompts:
         raise ValueError(f"group_ids has {len(group_ids)} entries for {num_prompts} prompts")
     return [int(g) for g in group_ids]
+
+
+def empty_cache(device: torch.device | str) -> None:
+    """Give the caching allocator's free blocks of ``device``'s kind back to the device (CUDA, or an
+    accelerator module with ``empty_cache``), so that an engine waking next finds the memory the trainer
+    freed; nothing on the CPU. Engines call it after they sleep, the trainer after it offloads."""
+    device = torch.device(device)
+    if device.type == "cpu" or (device.type == "cuda" and not torch.cuda.is_available()):
+        return
+    module = getattr(torch, device.type, None)
+    if module is not None and hasattr(module, "empty_cache"):
+        module.empty_cache()

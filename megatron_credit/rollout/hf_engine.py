@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resolve_group_ids
+from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, empty_cache, resolve_group_ids
 from megatron_credit.rollout.sampling import ExponentialNoise, noise_block_steps, row_seed, sample_step
 from megatron_credit.rollout.types import FinishStatus, RolloutBatch, RolloutSample, SamplingParams, SampleTimings
 from megatron_credit.rollout.weight_sync import load_named_tensor_buckets
@@ -56,18 +56,25 @@ class HFRolloutEngine:
         max_batch_size: int | None = None,
         compact_finished: bool = True,
         init_seed: int = 0,
+        sleep_level: int = 1,
     ):
         if sum(x is not None for x in (model, hf_config, model_path)) != 1:
             raise ValueError("give exactly one of model, hf_config, model_path")
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if sleep_level not in (1, 2):
+            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        self.sleep_level = sleep_level
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.compact_finished = compact_finished
         if model is None:
             model = _build_model(hf_config, model_path, dtype, attn_implementation, init_seed)
         self._model = model.to(device=self.device).eval()
-        self._asleep = False
+        # What sleep() released, until wake_up() brings it back: "weights" and "kv_cache" (vLLM's tags).
+        self._asleep: set[str] = set()
+        self._weights_valid = True  # False after a level-2 sleep, until a sync
+        self._shapes: dict[int, tuple[torch.Size, torch.dtype]] = {}
         # transformers 5.x renamed the KV-cache argument `past_key_values` -> `cache` (the old name is
         # deprecated); older releases only know the old one.
         params = inspect.signature(self._model.forward).parameters
@@ -88,6 +95,8 @@ class HFRolloutEngine:
         """Sample ``params.n`` responses per prompt; see :class:`RolloutEngine`."""
         if self._asleep:
             raise RuntimeError("the engine is asleep: call wake_up() before generate()")
+        if not self._weights_valid:
+            raise RuntimeError("the engine dropped its weights (sleep level 2): update_weights first")
         gids = resolve_group_ids(len(prompts), group_ids)
         for i, p in enumerate(prompts):
             if len(p) == 0:
@@ -246,40 +255,78 @@ class HFRolloutEngine:
     # -- weights and memory -------------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, rollout, model, *, seed: int, hf_config, device) -> "HFRolloutEngine":
+    def from_config(cls, rollout, model, *, seed: int, hf_config, device, gpus=None) -> "HFRolloutEngine":
         """The trainer's engine for the recipe's ``rollout`` and ``model`` sections: ``hf_config`` (weights
         come by sync), on ``device`` (the actor's: this rank's GPU when it has one), in the actor's dtype
         (``model.dtype``), ``rollout.max_batch_size``; ``rollout.engine_options`` override. ``seed`` is not
-        used (sampling seeds come with each request)."""
+        used (sampling seeds come with each request). ``gpus``: the devices the engine owns
+        (``rollout.placement``); the model is one full copy on the first, the building rank's ``device``
+        (``engine_options.tensor_parallel_size`` only sets how many ranks share one engine). The trainer
+        syncs every parameter after waking the weights, so on an accelerator the engine sleeps at level 2
+        (weights dropped, not copied to the host)."""
+        opts = dict(rollout.engine_options or {})
+        opts.pop("tensor_parallel_size", None)
         kwargs = {"hf_config": hf_config, "device": device, "dtype": model.torch_dtype(),
-                  "max_batch_size": rollout.max_batch_size, **dict(rollout.engine_options or {})}
+                  "max_batch_size": rollout.max_batch_size, "sleep_level": 2, **opts}
         return cls(**kwargs)
 
     def update_weights(self, buckets: WeightBuckets, *, strict: bool = True) -> int:
         """Copy HF-named tensors into the model in place; returns how many tensors were copied.
 
         Unknown names and shape mismatches raise ValueError naming the tensor; with ``strict``, so does
-        a stream that leaves a parameter uncovered. Allowed while asleep (the copy lands in host memory
-        and ``wake_up`` moves it back), which is the colocated order: sleep, train, sync, wake up.
+        a stream that leaves a parameter uncovered. Refused while the weights sleep: the colocated order is
+        ``wake_up(["weights"])``, sync, ``wake_up(["kv_cache"])``, generate, ``sleep()``.
         """
-        return load_named_tensor_buckets(self.model, buckets, strict=strict)
+        if "weights" in self._asleep:
+            raise RuntimeError("the engine's weights are asleep: call wake_up(['weights']) before update_weights()")
+        count = load_named_tensor_buckets(self.model, buckets, strict=strict)
+        self._weights_valid = self._weights_valid or strict
+        return count
+
+    def _unique_params(self) -> list[torch.nn.Parameter]:
+        return list({id(p): p for p in self.model.parameters()}.values())
 
     def sleep(self) -> None:
-        """On CUDA, move the weights to host memory and free the cache; on CPU there is nothing to free."""
-        if self.device.type == "cuda" and not self._asleep:
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
-        self._asleep = True
+        """On an accelerator, release the weights (level 1: to host memory; level 2: dropped, a sync must
+        follow) and the allocator's cache; on the CPU nothing is freed (only the state is tracked)."""
+        if self._asleep:
+            return
+        if self.device.type != "cpu":
+            if self.sleep_level == 1:
+                self.model.to("cpu")
+            else:  # tied parameters are one Parameter: each is released once
+                for p in self._unique_params():
+                    self._shapes[id(p)] = (p.shape, p.dtype)
+                    p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+                self._weights_valid = False
+            empty_cache(self.device)
+        self._asleep = {"weights", "kv_cache"}
 
-    def wake_up(self) -> None:
-        if self.device.type == "cuda" and self._asleep:
-            self.model.to(self.device)
-        self._asleep = False
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Restore what :meth:`sleep` released: ``tags`` ("weights", "kv_cache"), all by default. After a
+        level-2 sleep the weights come back uninitialised, for :meth:`update_weights` to fill."""
+        wanted = _wake_tags(tags)
+        if "weights" in wanted and "weights" in self._asleep and self.device.type != "cpu":
+            if self.sleep_level == 1:
+                self.model.to(self.device)
+            else:
+                for p in self._unique_params():
+                    shape, dtype = self._shapes.pop(id(p))
+                    p.data = torch.empty(shape, dtype=dtype, device=self.device)
+        self._asleep -= wanted
 
     def close(self) -> None:
         self._model = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        empty_cache(self.device)
+
+
+def _wake_tags(tags: Sequence[str] | None) -> set[str]:
+    """The parts to wake: ``tags`` checked against vLLM's two ("weights", "kv_cache"); None: both."""
+    wanted = {"weights", "kv_cache"} if tags is None else set(tags)
+    if not wanted or wanted - {"weights", "kv_cache"}:
+        raise ValueError(f"wake_up tags must be among ('weights', 'kv_cache'), got {tags!r}")
+    return wanted
+
 
 
 def _build_model(hf_config: Any, model_path: str | None, dtype: torch.dtype, attn_implementation: str, init_seed: int):

@@ -391,6 +391,12 @@ def _finish_load(path: str, meta: dict[str, Any], layout: dict[str, int]):
     return int(meta["step"]), extras, meta
 
 
+def rank0_extras(path: str) -> dict[str, Any]:
+    """Rank 0's extras of checkpoint ``path``, read on any layout: what every rank saves alike (the job's
+    prompt stream)."""
+    return torch.load(os.path.join(path, "rank_00000.pt"), map_location="cpu", weights_only=True)
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -19,12 +19,15 @@ def hf_tokenizer(path: str, *, field: str):
                          f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
 
 
-def build_data(d, *, seed: int, model_path: str | None, val_every: int, val_prompts: int, dp_rank: int,
-               dp_size: int, log=lambda *_: None):
+def build_data(d, *, seed: int, model_path: str | None, val_every: int, val_prompts: int, log=lambda *_: None):
     """(tokenizer, train prompt stream, validation prompts or None, the synthetic task or None) of the
     recipe's ``data`` section ``d``; ``seed``: the run's; ``model_path`` (``model.name_or_path``): where the
     tokenizer comes from when ``data.tokenizer_path`` is unset; ``val_every`` / ``val_prompts``
-    (``train.*``): validation prompts are built when ``val_every`` is set."""
+    (``train.*``): validation prompts are built when ``val_every`` is set.
+
+    The stream and the validation prompts are the job's, the same on every rank: each iteration takes
+    ``rollout.prompts_per_step`` prompts, which the engines split (``rollout.placement``), so what is
+    sampled does not depend on the number of ranks or engines, and the cursor resumes on any layout."""
     from megatron_credit.data.prompts import DatasetPrompts, SyntheticPrompts
 
     if d.source == "synthetic_arith":
@@ -37,13 +40,10 @@ def build_data(d, *, seed: int, model_path: str | None, val_every: int, val_prom
         task = ArithmeticTask(arith)
         val = None
         if val_every:
-            val_stream = SyntheticPrompts(ArithmeticTask(dataclasses.replace(arith, seed=seed + 1)),
-                                          tokenizer, dp_rank=dp_rank, dp_size=dp_size)
-            val = val_stream.take(val_prompts // dp_size)
-        return tokenizer, SyntheticPrompts(task, tokenizer, dp_rank=dp_rank, dp_size=dp_size), val, task
+            val = SyntheticPrompts(ArithmeticTask(dataclasses.replace(arith, seed=seed + 1)), tokenizer).take(val_prompts)
+        return tokenizer, SyntheticPrompts(task, tokenizer), val, task
     if d.source == "synthetic_chain":
-        return _chain_data(d, seed=seed, val_every=val_every, val_prompts=val_prompts, dp_rank=dp_rank,
-                           dp_size=dp_size)
+        return _chain_data(d, seed=seed, val_every=val_every, val_prompts=val_prompts)
     from megatron_credit.data.dataset import load_prompt_dataset
 
     tokenizer = hf_tokenizer(d.tokenizer_path or model_path,
@@ -52,9 +52,8 @@ def build_data(d, *, seed: int, model_path: str | None, val_every: int, val_prom
     val = None
     if d.val_path and val_every:
         val_ds = load_prompt_dataset([d.val_path], tokenizer=tokenizer, max_prompt_len=d.max_prompt_len)
-        val = DatasetPrompts(val_ds.records, tokenizer, seed=seed, dp_rank=dp_rank,
-                             dp_size=dp_size).take(min(val_prompts, len(val_ds.records)) // dp_size)
-    stream = DatasetPrompts(train_ds.records, tokenizer, seed=seed, dp_rank=dp_rank, dp_size=dp_size)
+        val = DatasetPrompts(val_ds.records, tokenizer, seed=seed).take(min(val_prompts, len(val_ds.records)))
+    stream = DatasetPrompts(train_ds.records, tokenizer, seed=seed)
     stream.dropped_prompts = train_ds.stats.too_long  # issue 24: data/dropped_prompts, a warning over 10%
     warning = train_ds.stats.too_long_warning(f"data.train_path {d.train_path}")
     if warning:
@@ -62,7 +61,7 @@ def build_data(d, *, seed: int, model_path: str | None, val_every: int, val_prom
     return tokenizer, stream, val, None
 
 
-def _chain_data(d, *, seed: int, val_every: int, val_prompts: int, dp_rank: int, dp_size: int):
+def _chain_data(d, *, seed: int, val_every: int, val_prompts: int):
     """``build_data`` of the chain task (``data/chain.py``): its tokenizer is the arithmetic one trained
     on additions of the same operands (the same characters), independent of the seed."""
     from megatron_credit.data.chain import ChainConfig, ChainTask
@@ -77,6 +76,6 @@ def _chain_data(d, *, seed: int, val_every: int, val_prompts: int, dp_rank: int,
     val = None
     if val_every:
         val_task = ChainTask(dataclasses.replace(chain, seed=seed + 1))
-        val = SyntheticPrompts(val_task, tokenizer, dp_rank=dp_rank, dp_size=dp_size).take(val_prompts // dp_size)
+        val = SyntheticPrompts(val_task, tokenizer).take(val_prompts)
     task = ChainTask(chain)
-    return tokenizer, SyntheticPrompts(task, tokenizer, dp_rank=dp_rank, dp_size=dp_size), val, task
+    return tokenizer, SyntheticPrompts(task, tokenizer), val, task

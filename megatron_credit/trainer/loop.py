@@ -37,18 +37,18 @@ def seq_multiple(parallel) -> int:
                              parallel.sequence_parallel)
 
 
-def _replica_group(dp_rank: int):
-    """The ranks of this data-parallel replica (its TP x PP x CP ranks) and its first rank."""
-    ranks = [None] * dist.get_world_size()
-    # NCCL: the pickled ids travel on torch.cuda.current_device(), set by distributed.initialize
-    dist.all_gather_object(ranks, dp_rank)
-    mine = None
-    for d in sorted(set(ranks)):
-        members = [r for r, x in enumerate(ranks) if x == d]
-        group = dist.new_group(members)
-        if d == dp_rank:
-            mine, src = group, members[0]
-    return mine, src
+def _ranks_layout(dp_rank: int) -> tuple[list[int], int, int]:
+    """(the data-parallel rank of every rank, this rank's local rank, the ranks of its node): gathered once,
+    for the engine layout (``rollout.placement``) and the routing of samples. torchrun numbers ranks node by
+    node, so the local rank (the device ``distributed.initialize`` took) is the rank's place on its host."""
+    import socket
+
+    mine = (dp_rank, socket.gethostname())
+    everyone: list = [None] * dist.get_world_size()
+    # NCCL: the pickled tuples travel on torch.cuda.current_device(), set by distributed.initialize
+    dist.all_gather_object(everyone, mine)
+    node = [r for r, (_, host) in enumerate(everyone) if host == mine[1]]
+    return [d for d, _ in everyone], node.index(dist.get_rank()), len(node)
 
 
 def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
@@ -99,6 +99,8 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
     that unpacks the recipe: each component gets its own section (or explicit values)."""
     from megatron_credit.distributed import data_parallel_rank
     from megatron_credit.rollout.engine import build_trainer_engine
+    from megatron_credit.rollout.placement import EngineLayout
+    from megatron_credit.trainer.offload import GenerationOffload
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.critic_model import build_separate_critic
     from megatron_credit.trainer.rollout import RolloutManager
@@ -114,12 +116,11 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
     if rank0:
         os.makedirs(run_dir, exist_ok=True)
     # --- end issue 24
-    dp_rank, dp_size = data_parallel_rank(), layout["dp"]
     spec, params = recipe.algorithm.spec_and_params()
     t = recipe.train
     tokenizer, prompts, val_prompts, task = build_data(
         recipe.data, seed=recipe.seed, model_path=recipe.model.name_or_path, val_every=t.val_every,
-        val_prompts=t.val_prompts, dp_rank=dp_rank, dp_size=dp_size, log=log if rank0 else (lambda *_: None))
+        val_prompts=t.val_prompts, log=log if rank0 else (lambda *_: None))
     if tokenizer.vocab_size > hf_config.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but model vocab_size is "
                          f"{hf_config.vocab_size}")
@@ -128,14 +129,16 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
                   **controls.actor_options(spec, params, hf_config, dtype=recipe.model.torch_dtype(),
                                            pp_size=recipe.parallel.pipeline_model_parallel_size))
     critic = build_separate_critic(hf_config, spec, params, device=device, **settings)
-    group, src = _replica_group(dp_rank)
+    dp_of_rank, local_rank, node_ranks = _ranks_layout(data_parallel_rank())
+    engines = EngineLayout(world_size=dist.get_world_size(), local_world_size=node_ranks,
+                           rollout_tp=recipe.rollout.tensor_parallel_size)
     engine = functools.partial(build_trainer_engine, recipe.rollout, recipe.model, seed=recipe.seed,
                                hf_config=hf_config, device=actor.device)
     rollouts = RolloutManager(rollout=recipe.rollout, reward=recipe.reward, engine_factory=engine, seed=recipe.seed,
                               max_draws=recipe.algorithm.max_draws, dynamic_sampling=recipe.algorithm.dynamic_sampling,
                               val_samples=t.val_samples, tokenizer=tokenizer, prompts=prompts,
-                              val_prompts=val_prompts, actor=actor, replica_group=group, replica_src=src,
-                              dp_rank=dp_rank, dp_size=dp_size, log=log)
+                              val_prompts=val_prompts, actor=actor, layout=engines, local_rank=local_rank,
+                              dp_of_rank=dp_of_rank, offload=GenerationOffload([actor, critic]), log=log)
     ctx = Context(spec=spec, params=params, actor=actor, rollouts=rollouts, critic=critic,
                   pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(recipe.parallel),
                   **context_settings(recipe, params))
@@ -144,8 +147,8 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
 
 def restore(run: Run, recipe, *, log, timings: dict[str, float]) -> int:
     """The weights RL starts from: the checkpoint's (resharded when the layout changed), or the initial
-    weights after the supervised warm-up (``recipe.warmup``); a separate critic starts from them; the
-    engine gets them. Returns the iteration the checkpoint ended (0 for a fresh run)."""
+    weights after the supervised warm-up (``recipe.warmup``); a separate critic starts from them. Returns
+    the iteration the checkpoint ended (0 for a fresh run)."""
     from megatron_credit.trainer.critic_model import init_critic_from
     from megatron_credit.trainer.warmup import run_warmup
 
@@ -158,19 +161,18 @@ def restore(run: Run, recipe, *, log, timings: dict[str, float]) -> int:
         log(f"actor weights: {source}")
     if path is not None:
         start, extras, meta = ckpt.load(path, actor, layout=layout, critic=critic)
+        old_dp = meta["layout"]["dp"]
+        prompts.load_state_dict(_job_stream_state((extras or ckpt.rank0_extras(path))["prompts"], saved_dp=old_dp))
         if extras is not None:
-            prompts.load_state_dict(extras["prompts"])
             _load_controls(ctx, extras)
             ckpt.set_rng_state(extras["rng"])
             if actor.reference is not None:
                 ckpt.load_reference(actor, extras["reference"], path=path)
             log(f"resumed from {path} (iteration {start})")
         else:
-            # Another layout: the weights and optimizer resharded exactly; the data position is carried
-            # over as the prompts consumed per iteration, divided among the new data-parallel ranks.
+            # Another layout: the weights and optimizer resharded exactly; the prompt stream is the job's
+            # (the same on every rank and layout), so its cursor carries over as it is.
             old = meta["layout"]
-            per_rank_old = recipe.rollout.prompts_per_step // old["dp"]
-            prompts.load_state_dict({"cursor": start * per_rank_old * old["dp"] // layout["dp"]})
             if actor.reference is not None:
                 log("note: the reference model restarts from the loaded policy (layout changed)")
                 actor.reset_reference()
@@ -188,8 +190,16 @@ def restore(run: Run, recipe, *, log, timings: dict[str, float]) -> int:
     if critic is not None and path is None:
         init_critic_from(critic, actor)  # the value model starts from the policy RL starts from
         log("critic: a separate value model, initialised from the actor's weights")
-    ctx.rollouts.sync_weights()
-    return start
+    return start  # the engines get these weights when they first wake (RolloutManager.generating)
+
+
+def _job_stream_state(state: dict, *, saved_dp: int) -> dict:
+    """The job's prompt-stream state from a checkpoint: as saved, or, from a checkpoint whose ranks each
+    had a share of the stream (every ``saved_dp``-th prompt, a cursor per rank, no ``scope``), the prompts
+    the whole job had consumed."""
+    if state.get("scope") == "job":
+        return state
+    return {"cursor": int(state["cursor"]) * saved_dp, "scope": "job"}
 
 
 def open_metrics(recipe, *, run_dir: str, start: int, resumed: bool, recipe_file: str | None, log):

@@ -26,6 +26,19 @@ from typing import Any, Iterable
 import torch
 
 
+def step_options(masters: list[torch.Tensor]) -> dict[str, bool]:
+    """AdamW's implementation for ``masters``: fused on CUDA (one kernel per group; the default ``foreach``
+    implementation allocates a temporary copy of every parameter during the step, memory an engine
+    colocated on the GPU would miss), torch's default elsewhere (the CPU's is the per-parameter loop).
+
+    >>> step_options([torch.zeros(1)])
+    {}
+    """
+    if masters and all(m.device.type == "cuda" for m in masters):
+        return {"fused": True}
+    return {}
+
+
 class MasterWeightsAdamW:
     """``torch.optim.AdamW`` over fp32 masters of ``param_groups``' parameters.
 
@@ -46,7 +59,7 @@ class MasterWeightsAdamW:
                 masters.append(m)
             g["params"] = masters
         self.mixed = any(m is not p for m, p in zip(self.masters, self.model_params))
-        self.inner = torch.optim.AdamW(groups, **adamw_kwargs)
+        self.inner = torch.optim.AdamW(groups, **step_options(self.masters), **adamw_kwargs)
 
     @property
     def param_groups(self):

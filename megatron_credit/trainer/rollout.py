@@ -1,62 +1,76 @@
-"""Rollouts of one data-parallel replica: the engine, the reward pool, dynamic sampling, the broadcast.
+"""Rollouts of the whole job: the engines, the reward pools, dynamic sampling, the samples to the trainers.
 
-One engine per DP replica, on the replica's first rank (TP = PP = CP rank 0, the "source"); the
-samples and their rewards are broadcast to the other ranks of the replica, which train on the same
-rows. Weight sync streams the actor's HF-named buckets (collective over TP and PP) into the engine.
-Sampling seeds depend only on ``(seed, iteration, draw, dp_rank)``, so a resumed run samples exactly
-what the uninterrupted run would have.
+Every GPU generates (``rollout.placement``): world size / rollout TP engines, engine ``e`` built by rank
+``e * rollout_tp`` on the GPUs of its ``rollout_tp`` ranks, whatever the trainer's TP / PP / CP / DP.
+Each draw takes ``rollout.prompts_per_step`` prompts from the job's one stream; each engine samples and
+scores its contiguous slice, with seeds from (run seed, iteration, draw) and each prompt's index in the
+draw, so the samples do not depend on the number of engines or ranks. Whether each group's accuracy
+varies (DAPO's dynamic sampling) is all-gathered, every rank takes the same decisions, and the kept
+groups go, in order, to the data-parallel ranks that train them (``prompts_per_step / DP`` each, to every
+TP / PP / CP rank of that replica) in one all-to-all of the pickled samples.
+
+Around each generation phase (the iteration's rollout, validation) the trainer gives the engine its
+memory: the optimizer states go to the host and the gradient buffers are released
+(``trainer.offload``), the engine wakes its weights, receives the current ones (HF-named buckets of
+whole layers, gathered over TP and PP on every rank: ``Actor.hf_weight_buckets``), wakes its KV cache,
+generates and sleeps; then the trainer takes its memory back. A resumed run samples exactly what the
+uninterrupted run would have.
 """
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import pickle
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from megatron_credit.rollout.placement import EngineLayout, dp_rank_of_group, draw_seed, split
 from megatron_credit.rollout.types import FinishStatus, RolloutBatch, SamplingParams
 from megatron_credit.trainer.batch import TrainBatch, train_batch_from_rollout
 
 if TYPE_CHECKING:
+    from megatron_credit.trainer.offload import GenerationOffload
     from megatron_credit.training_config import RewardConfig, RolloutConfig
 
 
 POOL_COUNTS = ("reward_pool/items", "reward_pool/timeouts", "reward_pool/errors", "reward_pool/restarts",
                "reward_pool/seconds")
-"""The reward pool's counts logged per iteration (``ScoredBatch.metrics`` of every draw, summed)."""
-
-
-def _seed(*parts: int) -> int:
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:7], "little")
+"""The reward pools' counts logged per iteration (``ScoredBatch.metrics`` of every draw, summed)."""
 
 
 class RolloutManager:
     """Collects each iteration's :class:`TrainBatch` for this rank (see module docstring)."""
 
-    def __init__(self, *, rollout: RolloutConfig, reward: RewardConfig, engine_factory: Callable[[], Any],
+    def __init__(self, *, rollout: RolloutConfig, reward: RewardConfig, engine_factory: Callable[..., Any],
                  seed: int, max_draws: int, dynamic_sampling: bool, val_samples: int, tokenizer, prompts,
-                 val_prompts, actor, replica_group, replica_src: int, dp_rank: int, dp_size: int, log=print):
-        """The recipe's ``rollout`` and ``reward`` sections; ``engine_factory()`` builds the rollout engine
-        (on the replica's source rank only: ``rollout.engine.build_trainer_engine``); ``seed`` (the run's),
+                 val_prompts, actor, layout: EngineLayout, local_rank: int, dp_of_rank: list[int],
+                 offload: GenerationOffload, log=print):
+        """The recipe's ``rollout`` and ``reward`` sections; ``engine_factory(gpus=...)`` builds the rollout
+        engine (on engine leaders only: ``rollout.engine.build_trainer_engine``); ``seed`` (the run's),
         ``max_draws`` and ``dynamic_sampling`` (``algorithm.*``: DAPO's dynamic sampling), ``val_samples``
-        (``train.val_samples``: k of the validation's Avg@k)."""
+        (``train.val_samples``: k of the validation's Avg@k); ``layout``: the engines; ``local_rank``: this
+        rank's device index on its node; ``dp_of_rank``: the data-parallel rank of every global rank;
+        ``offload``: what the trainer gives up while engines generate."""
         self.rollout, self.reward = rollout, reward
         self.seed, self.max_draws, self.dynamic_sampling, self.val_samples = seed, max_draws, dynamic_sampling, val_samples
         self.tokenizer, self.prompts, self.val_prompts = tokenizer, prompts, val_prompts
-        self.actor, self.group, self.src = actor, replica_group, replica_src
-        self.dp_rank, self.dp_size, self.log = dp_rank, dp_size, log
-        self.is_src = dist.get_rank() == replica_src
+        self.actor, self.layout, self.offload, self.log = actor, layout, offload, log
+        self.rank = dist.get_rank()
+        self.dp_of_rank = list(dp_of_rank)
+        self.dp_rank, self.dp_size = self.dp_of_rank[self.rank], max(self.dp_of_rank) + 1
+        self.engine_index = layout.engine_of(self.rank)
         self.engine = self.pool = None
-        if self.is_src:
-            self.engine = engine_factory()
+        if layout.is_leader(self.rank):
+            self.engine = engine_factory(gpus=layout.gpus(rank=self.rank, local_rank=local_rank))
             if reward.num_workers > 0:
                 from megatron_credit.rewards.pool import RewardPool, RewardPoolConfig
 
                 self.pool = RewardPool(RewardPoolConfig(num_workers=reward.num_workers, timeout_s=reward.timeout_s,
                                                         batch_timeout_s=reward.batch_timeout_s))
-        self.prompts_per_rank = rollout.prompts_per_step // dp_size
         self.stop_ids = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
+        self.last_sync: dict[str, float] = {}
 
     def close(self) -> None:
         if self.pool is not None:
@@ -64,36 +78,64 @@ class RolloutManager:
         if self.engine is not None:
             self.engine.close()
 
+    # -- the generation phase ------------------------------------------------------------------------
     def sync_weights(self) -> None:
-        """Actor -> engine (every rank takes part in the TP / PP gathers). Engines accept weights while
-        asleep (the colocated order: sleep, train, sync, wake up)."""
-        buckets = self.actor.hf_weight_buckets()
+        """Actor -> engine: every rank takes part in the TP / PP gathers; engine leaders load the buckets
+        into their awake engine. Sets ``sync/bytes`` (what one engine received) and ``sync/seconds``."""
+        t0, nbytes = time.perf_counter(), 0
+
+        def counted(buckets):
+            nonlocal nbytes
+            for bucket in buckets:
+                nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                yield bucket
+
+        stream = counted(self.actor.hf_weight_buckets())
         if self.engine is not None:
-            self.engine.update_weights(buckets)
+            self.engine.update_weights(stream)
         else:
-            for _ in buckets:
+            for _ in stream:
                 pass
+        self.last_sync = {"sync/bytes": float(nbytes), "sync/seconds": time.perf_counter() - t0}
 
-    def sleep(self) -> None:
-        """Release the engine's accelerator memory while the actor trains (a no-op on CPU)."""
-        if self.engine is not None:
-            self.engine.sleep()
-
-    def wake_up(self) -> None:
-        if self.engine is not None:
-            self.engine.wake_up()
+    @contextlib.contextmanager
+    def generating(self):
+        """The memory order of a generation phase: offload (optimizer states to the host, gradient buffers
+        released, the allocator's cache emptied), wake the engine's weights, sync them, wake its KV cache;
+        afterwards the engine sleeps (dropping what the next sync overwrites) and the trainer restores its
+        states before it trains."""
+        self.offload.offload()
+        try:
+            if self.engine is not None:
+                self.engine.wake_up(["weights"])
+            self.sync_weights()
+            if self.engine is not None:
+                self.engine.wake_up(["kv_cache"])
+            yield
+        finally:
+            if self.engine is not None:
+                self.engine.sleep()
+            self.offload.restore()
 
     def _params(self, n: int, seed: int) -> SamplingParams:
         r = self.rollout
         return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_response_len, stop_token_ids=self.stop_ids, n=n, seed=seed)
 
-    def _generate_and_score(self, records, n: int, seed: int):
-        """On the source rank: samples and their shaped rewards."""
+    def _my_prompts(self, count: int) -> range:
+        """This engine's slice of ``count`` prompts (empty on ranks that lead no engine)."""
+        if self.engine is None:
+            return range(0)
+        return split(count, self.layout.num_engines)[self.engine_index]
+
+    def _generate_and_score(self, records, n: int, seed: int, *, first_group: int):
+        """On an engine leader: samples and their shaped rewards; prompt ``i`` of ``records`` is prompt
+        ``first_group + i`` of the draw (its samples' seeds)."""
         from megatron_credit.rewards.compute import score_responses
         from megatron_credit.rewards.shaping import ShapingConfig
 
-        rollout = self.engine.generate([list(rec.prompt_ids) for rec in records], self._params(n, seed))
+        rollout = self.engine.generate([list(rec.prompt_ids) for rec in records], self._params(n, seed),
+                                       group_ids=range(first_group, first_group + len(records)))
         texts = [self.tokenizer.decode(s.response_ids) for s in rollout.samples]
         rec_of = [records[i // n] for i in range(len(rollout.samples))]
         rw = self.reward
@@ -107,68 +149,95 @@ class RolloutManager:
         pool = {k: float(v) for k, v in scored.metrics.items() if k in POOL_COUNTS}
         return rollout, scored.rewards, scored.correct, pool
 
+    def _draw(self, iteration: int, draw: int, held: dict, pool_sums: dict) -> list[bool]:
+        """One draw of ``prompts_per_step`` prompts over all engines; this engine's groups go to ``held``
+        (keyed ``(draw, prompt)``). Returns, for every prompt of the draw, whether the group counts
+        (dynamic sampling: its accuracy varies), the same list on every rank."""
+        n, count = self.rollout.n, self.rollout.prompts_per_step
+        records = self.prompts.take(count)
+        mine = self._my_prompts(count)
+        varies: dict[int, bool] = {}
+        if len(mine):
+            rollout, rewards, correct, pool = self._generate_and_score(
+                [records[i] for i in mine], n, draw_seed(self.seed, iteration, draw), first_group=mine.start)
+            for k, v in pool.items():
+                pool_sums[k] = pool_sums.get(k, 0.0) + v
+            for j, p in enumerate(mine):
+                sl = slice(j * n, (j + 1) * n)
+                held[(draw, p)] = (rollout.samples[sl], rewards[sl], correct[sl])
+                varies[p] = bool(correct[sl].any() & ~correct[sl].all())
+        merged: dict[int, bool] = {}
+        for part in self._all_gather(varies):
+            merged.update(part)
+        assert sorted(merged) == list(range(count)), "every prompt of a draw is sampled by exactly one engine"
+        return [merged[p] or not self.dynamic_sampling for p in range(count)]
+
     def collect(self, iteration: int) -> tuple[TrainBatch, dict[str, float]]:
-        """This iteration's rows: ``prompts_per_rank`` groups of ``n`` (dynamic sampling: mixed groups)."""
-        r = self.rollout
-        payload = None
-        if self.is_src:
-            self.wake_up()
-            kept, draws, drawn_groups, t0 = [], 0, 0, time.perf_counter()
-            pool_sums = dict.fromkeys(POOL_COUNTS, 0.0) if self.pool is not None else {}
-            while len(kept) < self.prompts_per_rank:
-                if draws == self.max_draws:
-                    break
-                records = self.prompts.take(self.prompts_per_rank)
-                rollout, rewards, correct, pool = self._generate_and_score(
-                    records, r.n, _seed(self.seed, iteration, draws, self.dp_rank))
-                for k, v in pool.items():
-                    pool_sums[k] += v
+        """This rank's rows: ``prompts_per_step / DP`` groups of ``n`` (dynamic sampling: mixed groups)."""
+        count = self.rollout.prompts_per_step
+        held: dict[tuple[int, int], Any] = {}
+        kept: list[tuple[int, int]] = []
+        pool_sums: dict[str, float] = {}
+        draws = 0
+        with self.generating():
+            t0 = time.perf_counter()
+            while len(kept) < count and draws < self.max_draws:
+                counts = self._draw(iteration, draws, held, pool_sums)
+                kept += [(draws, p) for p in range(count) if counts[p]]
                 draws += 1
-                drawn_groups += len(records)
-                for g in range(len(records)):
-                    sl = slice(g * r.n, (g + 1) * r.n)
-                    if self.dynamic_sampling and bool(correct[sl].all() | ~correct[sl].any()):
-                        continue  # DAPO: a group whose accuracy does not vary carries no signal
-                    kept.append((rollout.samples[sl], rewards[sl], correct[sl]))
-            payload = (kept[: self.prompts_per_rank], draws, drawn_groups, time.perf_counter() - t0, pool_sums)
-            self.sleep()  # the actor trains next
-        payload = self._broadcast(payload)
-        kept, draws, drawn_groups, wall, pool_sums = payload
-        short = torch.tensor([float(len(kept) < self.prompts_per_rank)]).to(self.actor.device)
-        dist.all_reduce(short)
-        if float(short) > 0:
-            raise ValueError(  # the recipe's to fix: one error line (issue 24), not a traceback
-                f"dynamic sampling: fewer than rollout.prompts_per_step/DP = {self.prompts_per_rank} groups "
-                f"with mixed accuracy after algorithm.max_draws={self.max_draws} draws on some data-parallel "
-                "rank; raise algorithm.max_draws, or turn algorithm.dynamic_sampling off")
+            wall = time.perf_counter() - t0
+        if len(kept) < count:
+            raise ValueError(  # the recipe's to fix: one error line, not a traceback
+                f"dynamic sampling: fewer than rollout.prompts_per_step = {count} groups with mixed accuracy "
+                f"after algorithm.max_draws={self.max_draws} draws ({len(kept)} kept); raise algorithm.max_draws, "
+                "or turn algorithm.dynamic_sampling off")
+        rows = self._route(kept[:count], held)
         samples = []
-        for g, (ss, _, _) in enumerate(kept):
+        for g, (ss, _, _) in enumerate(rows):
             for s in ss:
                 s.group_id = g
                 samples.append(s)
         padded = RolloutBatch(samples=samples).to_padded(pad_token_id=self.tokenizer.pad_token_id)
-        batch = train_batch_from_rollout(padded, rewards=torch.cat([k[1] for k in kept]),
-                                         correct=torch.cat([k[2] for k in kept]),
+        batch = train_batch_from_rollout(padded, rewards=torch.cat([k[1] for k in rows]),
+                                         correct=torch.cat([k[2] for k in rows]),
                                          pad_id=self.tokenizer.pad_token_id)
         status = padded.status
         metrics = self._dp_mean({
             "reward/mean": batch.rewards.mean(), "accuracy/mean": batch.correct.float().mean(),
             "response_length/mean": padded.response_lens.float().mean(),
             "response/truncated_frac": (status == int(FinishStatus.TRUNCATED)).float().mean(),
-            "rollout/draws": torch.tensor(float(draws)),
-            "rollout/kept_group_frac": torch.tensor(len(kept) / max(drawn_groups, 1)),
             "time/rollout_engine_s": torch.tensor(wall)})
+        metrics.update({"rollout/draws": float(draws), "rollout/kept_group_frac": len(kept) / (draws * count),
+                        "rollout/engines": float(self.layout.num_engines), **self.last_sync})
         metrics["rollout/tokens"] = self._dp_sum(batch.seq_lens.sum().float())
         metrics.update(self._pool_metrics(pool_sums, iteration))
         return batch, metrics
 
+    def _route(self, kept: list[tuple[int, int]], held: dict) -> list[Any]:
+        """The kept groups to the ranks that train them: group ``k`` to every rank of data-parallel rank
+        ``dp_rank_of_group(k)``, from the engine leader that holds it. Returns this rank's groups in order."""
+        world = len(self.dp_of_rank)
+        send: list[list[Any]] = [[] for _ in range(world)]
+        for k, key in enumerate(kept):
+            if key in held:
+                dp = dp_rank_of_group(k, groups=len(kept), dp_size=self.dp_size)
+                for q in range(world):
+                    if self.dp_of_rank[q] == dp:
+                        send[q].append((k, held[key]))
+        got = sorted((item for part in self._exchange(send) for item in part), key=lambda item: item[0])
+        assert len(got) == len(kept) // self.dp_size, "each data-parallel rank gets prompts_per_step / DP groups"
+        return [group for _, group in got]
+
     def _pool_metrics(self, sums: dict[str, float], iteration: int) -> dict[str, float]:
-        """``reward_pool/*`` of the iteration, summed over its draws and the data-parallel ranks
-        (``seconds``: the mean over ranks); a warning line when more than a tenth of the items timed out."""
-        if not sums:
+        """``reward_pool/*`` of the iteration, summed over its draws and the engines' pools (``seconds``: the
+        mean over the pools); a warning line when more than a tenth of the items timed out."""
+        if self.reward.num_workers == 0:
             return {}
-        out = {k: v * (1 if k == "reward_pool/seconds" else self.dp_size)
-               for k, v in self._dp_mean({k: torch.tensor(v) for k, v in sums.items()}).items()}
+        keys = POOL_COUNTS
+        vec = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64).to(self.actor.device)
+        dist.all_reduce(vec)  # only engine leaders hold a pool
+        out = dict(zip(keys, vec.tolist()))
+        out["reward_pool/seconds"] /= self.layout.num_engines
         if out["reward_pool/timeouts"] > 0.1 * max(out["reward_pool/items"], 1.0):
             self.log(f"warning: iteration {iteration}: {out['reward_pool/timeouts']:.0f} of "
                      f"{out['reward_pool/items']:.0f} responses timed out in the reward pool (scored as incorrect; "
@@ -177,8 +246,8 @@ class RolloutManager:
 
     def validate(self, iteration: int) -> dict[str, float]:
         """Avg@k (``val/accuracy``), Cons@k and Pass@k on the held-out prompts, sampled at the rollout
-        temperature with k = ``train.val_samples``, over all DP ranks (``megatron_credit.evaluation``, the
-        code of ``tools/evaluate.py``)."""
+        temperature with k = ``train.val_samples``, each engine its slice of the prompts, with the same seeds
+        whatever the engine count (``megatron_credit.evaluation``, the code of ``tools/evaluate.py``)."""
         from megatron_credit.evaluation import means_from_sums, metric_sums, sample_and_grade
 
         if self.val_prompts is None:
@@ -186,26 +255,46 @@ class RolloutManager:
         k = self.val_samples
         names = (f"avg@{k}", f"cons@{k}", f"pass@{k}", "num_problems")
         sums = torch.zeros(len(names), dtype=torch.float64, device=self.actor.device)
-        if self.is_src:
-            self.wake_up()
-            problems = sample_and_grade(self.engine, self.tokenizer, self.val_prompts, k=k, pool=self.pool,
-                                        sampling=self._params(k, _seed(self.seed, -1, self.dp_rank)))
-            per_rank = metric_sums(problems, k=k)
-            sums += torch.tensor([per_rank[name] for name in names], dtype=torch.float64).to(sums.device)
-            self.sleep()
-        dist.all_reduce(sums)  # only source ranks contribute
+        with self.generating():
+            mine = self._my_prompts(len(self.val_prompts))
+            if len(mine):
+                problems = sample_and_grade(self.engine, self.tokenizer, [self.val_prompts[i] for i in mine], k=k,
+                                            pool=self.pool, sampling=self._params(k, draw_seed(self.seed, -1)),
+                                            first_group=mine.start)
+                per_engine = metric_sums(problems, k=k)
+                sums += torch.tensor([per_engine[name] for name in names], dtype=torch.float64).to(sums.device)
+        dist.all_reduce(sums)  # only engine leaders contribute
         means = means_from_sums(dict(zip(names, sums.tolist())))
         return {"val/accuracy": means[f"avg@{k}"], f"val/cons@{k}": means[f"cons@{k}"],
                 f"val/pass@{k}": means[f"pass@{k}"]}
 
     # -- collectives ---------------------------------------------------------------------------------
-    def _broadcast(self, obj: Any) -> Any:
-        if self.group is None or dist.get_world_size(self.group) == 1:
-            return obj
-        box = [obj]
-        # the pickled samples travel as a byte tensor on this rank's device (NCCL: a CUDA tensor)
-        dist.broadcast_object_list(box, src=self.src, group=self.group, device=self.actor.device)
-        return box[0]
+    def _all_gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank (small objects: NCCL moves them through this rank's device)."""
+        out = [None] * len(self.dp_of_rank)
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _exchange(self, send: list[Any]) -> list[Any]:
+        """All-to-all of picklable objects: ``send[q]`` goes to rank ``q``; returns what every rank sent
+        here. The pickles travel as one byte tensor on this rank's device (NCCL: a CUDA tensor)."""
+        if len(send) == 1:
+            return send
+        blobs = [pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL) for x in send]
+        device = self.actor.device
+        sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64).to(device)
+        got = torch.empty_like(sizes)
+        dist.all_to_all_single(got, sizes)
+        recv = got.tolist()
+        out = torch.empty(sum(recv), dtype=torch.uint8, device=device)
+        payload = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).to(device)
+        dist.all_to_all_single(out, payload, output_split_sizes=recv, input_split_sizes=[len(b) for b in blobs])
+        data = out.cpu().numpy().tobytes()
+        parts, at = [], 0
+        for size in recv:
+            parts.append(pickle.loads(data[at:at + size]))  # noqa: S301  (this job's own ranks)
+            at += size
+        return parts
 
     def _dp_mean(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
         keys = sorted(values)

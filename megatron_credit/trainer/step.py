@@ -22,7 +22,8 @@ if TYPE_CHECKING:  # the iteration's inputs; no megatron import here
 
 
 def rl_iteration(ctx: Context, iteration: int) -> dict[str, float]:
-    """Rollout -> rewards -> (dynamic sampling) -> old log-probs -> advantages -> update -> sync."""
+    """(Sync ->) rollout -> rewards -> (dynamic sampling) -> old log-probs -> advantages -> update. The
+    engines receive the weights when they wake for the next generation (``RolloutManager.generating``)."""
     timer = ctx.timer
     with timer("rollout"):
         batch, rollout_metrics = ctx.rollouts.collect(iteration)  # engine + reward pool + dyn. sampling
@@ -43,8 +44,6 @@ def rl_iteration(ctx: Context, iteration: int) -> dict[str, float]:
                                  old_from_update=fused and epoch == 0 and i == 0)
     if fused:  # the first mini-batch's old log-probs exist only now
         add_mismatch(batch, stats)
-    with timer("sync"):
-        ctx.rollouts.sync_weights()
     return {**rollout_metrics, **ctx.reduce_stats(stats)}
 
 

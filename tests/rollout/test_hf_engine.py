@@ -223,12 +223,20 @@ def test_sleep_wake_close():
         eng.generate(PROMPTS, params)
     eng.wake_up()
     assert _as_tuples(eng.generate(PROMPTS, params)) == _as_tuples(before)
-    # The colocated order: sleep, (train), sync weights while asleep, wake up.
+    # The colocated order: sleep, (train), wake the weights, sync, wake the KV cache. Weights are never
+    # pushed into a sleeping engine.
     other = _engine(init_seed=2)
     eng.sleep()
+    with pytest.raises(RuntimeError, match=r"weights are asleep: call wake_up\(\['weights'\]\)"):
+        eng.update_weights([list(other.model.state_dict().items())])
+    eng.wake_up(["weights"])
     eng.update_weights([list(other.model.state_dict().items())])
-    eng.wake_up()
+    with pytest.raises(RuntimeError, match="asleep"):
+        eng.generate(PROMPTS, params)  # the KV cache still sleeps
+    eng.wake_up(["kv_cache"])
     assert _as_tuples(eng.generate(PROMPTS, params)) == _as_tuples(other.generate(PROMPTS, params))
+    with pytest.raises(ValueError, match="wake_up tags"):
+        eng.wake_up(["kv"])
     eng.close()
     with pytest.raises(RuntimeError, match="closed"):
         eng.generate(PROMPTS, params)

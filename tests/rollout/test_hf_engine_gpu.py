@@ -37,10 +37,20 @@ def test_cuda_seed_reproduces_and_sleep_frees_and_restores():
     eng = _engine("cuda", torch.bfloat16)
     params = SamplingParams(max_new_tokens=8, n=2, seed=3)
     a = eng.generate(PROMPTS, params)
+    state = {k: v.clone() for k, v in eng.model.state_dict().items()}
     eng.sleep()
-    assert next(eng.model.parameters()).device.type == "cpu"
-    eng.update_weights([list(eng.model.state_dict().items())])  # syncing while asleep lands on the host
+    assert next(eng.model.parameters()).device.type == "cpu"  # level 1: to the host
     eng.wake_up()
     assert next(eng.model.parameters()).device.type == "cuda"
     b = eng.generate(PROMPTS, params)
     assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
+    # level 2 (the trainer's): the weights are dropped, woken empty, and a sync restores them
+    eng.sleep_level = 2
+    free = torch.cuda.memory_allocated()
+    eng.sleep()
+    assert torch.cuda.memory_allocated() < free
+    eng.wake_up(["weights"])
+    eng.update_weights([list(state.items())])
+    eng.wake_up(["kv_cache"])
+    c = eng.generate(PROMPTS, params)
+    assert [s.response_ids for s in a.samples] == [s.response_ids for s in c.samples]

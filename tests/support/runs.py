@@ -49,7 +49,7 @@ def train_tiny(run_dir: str, resume: str = "auto", overrides=()):
 
     cache = os.path.join(os.path.dirname(run_dir), "warmup-cache")
     recipe = recipe_from_dict(TINY, overrides=[f"warmup.cache_dir={cache}", *overrides])
-    device = distributed.initialize(recipe.parallel, seed=recipe.seed)
+    device = distributed.initialize(recipe.parallel, seed=recipe.seed, timeout_s=recipe.distributed.timeout_s)
     try:
         return train(recipe, recipe.model.hf_config(), run_dir=run_dir, device=device, resume=resume,
                      log=lambda *a: None)
