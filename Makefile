@@ -110,8 +110,15 @@ mutation: $(VENV)/bin/mutmut
 	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children $(MUTATION_JOBS) $(MUTANTS)
 	$(PY) tools/mutation_report.py
 
-# The one prepared GPU check (tools/gpu_check.sh): about 10 minutes on one H200 (the trainer first), writes
-# runs/gpu_check_report.md (or $(GPU_CHECK_REPORT)); every part degrades to "skipped: why".
-.PHONY: gpu-check
+# The one prepared GPU check (tools/gpu_check.sh), for an offline GPU machine with torch alone: it installs
+# the wheelhouse below with --no-index and runs its parts in at most 8 minutes on one H200; writes
+# $OUT/gpu_check_report.md or runs/gpu_check_report.md (or $(GPU_CHECK_REPORT)); every part degrades to
+# "skipped: why". GPU_CHECK_DRY=1 walks every part on a machine without CUDA (CI does, on CPU).
+# `make gpu-wheelhouse` (where the registries are) fills .cache/gpu_wheelhouse/ with what that machine lacks
+# (tools/gpu_wheelhouse.txt against tools/gpu_machine_packages.txt), a few MiB; it travels with the tree.
+.PHONY: gpu-check gpu-wheelhouse
 gpu-check:
 	bash tools/gpu_check.sh $(GPU_CHECK_REPORT)
+
+gpu-wheelhouse:  # pip and packaging are all it needs: the venv's python when there is one
+	PYTHON=$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bash tools/gpu_wheelhouse.sh

@@ -225,10 +225,12 @@ class AlgorithmSpec:
         return {"capture_sink_keys": params.gate_sink_keys, "capture_top_k": 0,
                 "gate_fn": functools.partial(comppo_gate, k_lo=params.k_lo, k_hi=params.k_hi, tau=params.gate_tau)}
 
-    def gate_control(self, params: Any, *, seed: int, dp_rank: int, dp_group: Any = None) -> Optional[GateControl]:
+    def gate_control(self, params: Any, *, seed: int, dp_rank: int, dp_group: Any = None,
+                     device: Any = None) -> Optional[GateControl]:
         """The transport-gate control of a gated algorithm (``gate_controls``: the one its parameters name,
-        seeded by the run's ``seed`` and this ``dp_rank``), or None for others."""
-        return GateControl(params, seed=seed, dp_rank=dp_rank, dp_group=dp_group) if self.needs_gates else None
+        seeded by the run's ``seed`` and this ``dp_rank``; its collectives on ``device``), or None for others."""
+        return GateControl(params, seed=seed, dp_rank=dp_rank, dp_group=dp_group,
+                           device=device) if self.needs_gates else None
 
     def phase_controller(self, params: AlgorithmParams) -> Optional[PhaseController]:
         """The phase controller (``credit.phase``) its parameters ask for between iterations, or None."""

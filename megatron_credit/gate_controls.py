@@ -31,9 +31,9 @@ class GateControlBase:
     """A gate control: ``gates(kappa, mask, iteration=...)`` with ``kappa, mask: [B, T]`` -> ``[B, T]``."""
 
     def __init__(self, *, fixed_gate: float = 0.61, position_bins: int = 20, position_steps: int = 10,
-                 seed: int = 0, dp_rank: int = 0, dp_group=None):
+                 seed: int = 0, dp_rank: int = 0, dp_group=None, device=None):
         self.fixed_gate, self.position_bins, self.position_steps = fixed_gate, position_bins, position_steps
-        self.seed, self.dp_rank, self.dp_group = seed, dp_rank, dp_group
+        self.seed, self.dp_rank, self.dp_group, self.device = seed, dp_rank, dp_group, device
         self.schedule = None
         self.collected = 0
 
@@ -82,7 +82,7 @@ class PositionGates(GateControlBase):
 
     def gates(self, kappa, mask, *, iteration):
         if not self.schedule.frozen:
-            self.schedule.collect(kappa, mask, group=self.dp_group)
+            self.schedule.collect(kappa, mask, group=self.dp_group, device=self.device)
             self.collected += 1
             if self.collected >= self.position_steps:
                 self.schedule.freeze()
@@ -93,11 +93,13 @@ class PositionGates(GateControlBase):
 class GateControl:
     """Comp-GAE's transport from the behaviour pass's dynamic gate ``kappa``: the gate control the
     algorithm's parameters name (``params.gate_control_settings()``: a name in :data:`GATE_CONTROLS` and
-    its keywords), whose state travels in checkpoints. ``AlgorithmSpec.gate_control`` builds it."""
+    its keywords), whose state travels in checkpoints. ``AlgorithmSpec.gate_control`` builds it. ``device``:
+    the rank's device, where a control's collectives over ``dp_group`` run (default: the gates' device)."""
 
-    def __init__(self, params, *, seed: int, dp_rank: int, dp_group=None):
+    def __init__(self, params, *, seed: int, dp_rank: int, dp_group=None, device=None):
         name, kwargs = params.gate_control_settings()
-        self.control = GATE_CONTROLS.get(name)(**kwargs, seed=seed, dp_rank=dp_rank, dp_group=dp_group)
+        self.control = GATE_CONTROLS.get(name)(**kwargs, seed=seed, dp_rank=dp_rank, dp_group=dp_group,
+                                               device=device)
 
     def gates(self, kappa: torch.Tensor, mask: torch.Tensor, *, iteration: int) -> torch.Tensor:
         """``[B, T]`` transport gates for ``kappa, mask: [B, T]``."""

@@ -1,6 +1,6 @@
 """The measuring parts of ``tools/gpu_check.sh`` (one GPU): each prints a short markdown body.
 
-    python tools/gpu_check.py {env,te_vs_local,vllm_roundtrip,bench_actor,bench_kernels}
+    python tools/gpu_check.py {env,te_vs_local,vllm_roundtrip,bench_kernels}
 
 Exit status: 0 passed, 1 failed (a check outside its tolerance, or an error), 77 skipped (the reason is
 the last line printed). The numbers are for the report; the tolerances are deliberately loose where
@@ -23,6 +23,12 @@ class Skip(Exception):
     """A part that cannot run here; the message says why."""
 
 
+def _which(cmd: str) -> bool:
+    import shutil
+
+    return shutil.which(cmd) is not None
+
+
 def _need_cuda():
     import torch
 
@@ -35,13 +41,24 @@ def env() -> int:
     """Versions of everything the GPU paths depend on."""
     import platform
 
+    import subprocess
+    from importlib import metadata
+
     print(f"- python {platform.python_version()} ({sys.executable})")
-    for name in ("torch", "transformer_engine", "vllm", "transformers", "megatron.core", "flash_attn", "triton"):
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                         capture_output=True, text=True) if _which("nvidia-smi") else None
+    print(f"- nvidia-smi: {smi.stdout.strip() if smi is not None and smi.returncode == 0 else 'not available'}")
+    for name in ("torch", "megatron.core", "transformers", "triton", "transformer_engine", "vllm", "flash_attn"):
         try:
             mod = importlib.import_module(name)
-            print(f"- {name} {getattr(mod, '__version__', '?')}")
+            print(f"- {name} {getattr(mod, '__version__', '?')} imports ({os.path.dirname(mod.__file__ or '')})")
         except Exception as e:  # noqa: BLE001 - any failure is reported, not fatal
-            print(f"- {name}: not importable ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+            print(f"- {name}: does not import ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+    for dist in ("megatron-core", "math-verify", "pytest-timeout"):
+        try:
+            print(f"- {dist} {metadata.version(dist)} (installed metadata)")
+        except metadata.PackageNotFoundError:
+            print(f"- {dist}: no installed metadata")
     try:
         import torch
 
@@ -211,58 +228,6 @@ def vllm_roundtrip() -> int:
 
 
 # ------------------------------------------------------------------------------------------ benchmarks
-def _llama_1b_config():
-    from transformers import LlamaConfig
-
-    # Llama-3.2-1B's shape (untied head here: one fewer special case), ~1.5B parameters with the head.
-    return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                       rope_theta=5e5, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
-
-
-def bench_actor() -> int:
-    """Actor forward-backward tokens/s at 4K and 16K (one sequence, bf16, TE spec when available)."""
-    torch = _need_cuda()
-    from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
-    from megatron_credit.losses.logprob import logprobs_and_entropy
-    from megatron_credit.models import build_gpt_model, transformer_config_from_hf, transformer_engine_available
-
-    te = transformer_engine_available()
-    distributed.initialize(ParallelConfig(), seed=0)
-    cfg = _llama_1b_config()
-    tc = transformer_config_from_hf(cfg, parallel=ParallelConfig(), params_dtype=torch.bfloat16,
-                                    perform_initialization=False, use_cpu_initialization=False)
-    model = build_gpt_model(cfg, tc, use_transformer_engine=te).cuda()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"- model: Llama-3.2-1B shape, {n_params / 1e9:.2f}B parameters, bf16, "
-          f"{'TE' if te else 'local (no TE: 16K skipped)'} spec")
-    for seq in (4096, 16384):
-        if seq > 4096 and not te:
-            print(f"- {seq}: skipped: the local spec keeps fp32 score matrices")
-            continue
-        ids = torch.randint(0, cfg.vocab_size, (1, seq), device="cuda")
-        pos = torch.arange(seq, device="cuda")[None]
-        torch.cuda.reset_peak_memory_stats()
-        times = []
-        for it in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            logp, ent = logprobs_and_entropy(model(ids, pos, None), ids.roll(-1, 1))
-            (logp.sum() + 0.01 * ent.sum()).backward()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            model.zero_grad(set_to_none=True)
-        best = min(times[2:])
-        print(f"- {seq} tokens: forward-backward {best * 1e3:.0f} ms, {seq / best:,.0f} tokens/s, "
-              f"peak memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
-    distributed.destroy(process_group=True)
-    return 0
-
-
 def _best_ms(fn, reps=5):
     import torch
 
@@ -297,25 +262,44 @@ def published_future_kl(logp, old_logp, mask, *, tau=32.0, c=10.0, k=128):
     return out * mask
 
 
+def _peak_extra_gib(fn) -> tuple[float, float]:
+    """(best ms of 3, peak GiB allocated above the start) of ``fn`` on the GPU."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ms = _best_ms(fn, reps=3)
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
 def bench_kernels() -> int:
-    """Future-KL (ours vs the published O(T^2) algorithm vs a cumsum) and log-prob kernels at T = 20K."""
+    """At T = 20,480, B = 8: Future-KL and the scan (CP 1) against torch.cumsum; the log-prob + entropy
+    chunked path at V = 152,064 against the naive one (peak memory); the concentration statistic at
+    16K queries x 20K keys against the dense softmax (peak memory)."""
     torch = _need_cuda()
     from megatron_credit.credit.future_kl import future_kl
+    from megatron_credit.credit.scan import reverse_linear_scan
     from megatron_credit.losses.logprob import logprobs_and_entropy
+    from megatron_credit.models.concentration import attention_concentration
 
+    torch.set_float32_matmul_precision("highest")
     t, b = 20480, 8
     g = torch.Generator(device="cuda").manual_seed(0)
     logp = -torch.rand(b, t, device="cuda", generator=g) * 3
     old = logp - 0.3 * torch.randn(b, t, device="cuda", generator=g)
     mask = torch.ones(b, t, device="cuda")
-    ours = _best_ms(lambda: future_kl(logp, old, mask, tau=32.0, dual_clip_c=10.0))
+    coef = torch.rand(b, t, device="cuda", generator=g)
     floor = _best_ms(lambda: torch.cumsum(logp, dim=1))
-    pub = _best_ms(lambda: published_future_kl(logp, old, mask), reps=3)
+    ours = _best_ms(lambda: future_kl(logp, old, mask, tau=32.0, dual_clip_c=10.0))
+    scan_const = _best_ms(lambda: reverse_linear_scan(logp, 0.97))
+    scan_gen = _best_ms(lambda: reverse_linear_scan(logp, coef))
     ref = published_future_kl(logp.double(), old.double(), mask.double())
     err = (future_kl(logp.double(), old.double(), mask.double(), tau=32.0, dual_clip_c=10.0) - ref).abs().max().item()
-    print(f"- Future-KL B={b} T={t} fp32: ours {ours:.2f} ms, published {pub:.1f} ms ({pub / ours:.0f}x), "
-          f"cumsum floor {floor:.3f} ms ({ours / floor:.1f}x the floor); max |ours - published| (fp64) {err:.1e}")
-    vocab = 151936
+    print(f"- B={b} T={t} fp32, torch.cumsum {floor:.3f} ms: Future-KL {ours:.2f} ms ({ours / floor:.1f}x cumsum); "
+          f"scan (CP 1) constant coefficient {scan_const:.2f} ms ({scan_const / floor:.1f}x), per-token coefficient "
+          f"{scan_gen:.2f} ms ({scan_gen / floor:.1f}x); max |Future-KL - published O(T^2)| (fp64) {err:.1e}", flush=True)
+    vocab = 152064
     logits = (torch.randn(1, t, vocab, device="cuda", dtype=torch.bfloat16) * 2).requires_grad_()
     labels = torch.randint(0, vocab, (1, t), device="cuda")
 
@@ -329,22 +313,42 @@ def bench_kernels() -> int:
         ent = -(ls.exp() * ls).sum(-1)
         (lp.sum() + ent.sum()).backward()
 
+    peaks = {}
     for name, fn in (("chunked (ours)", ours_lp), ("naive fp32", naive_lp)):
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
         try:
-            ms = _best_ms(fn, reps=3)
-            extra = (torch.cuda.max_memory_allocated() - base) / 2**30
-            print(f"- log-prob + entropy fwd+bwd, T={t}, V={vocab}, bf16 logits: {name} {ms:.1f} ms, "
-                  f"peak extra {extra:.1f} GiB")
+            ms, peaks[name] = _peak_extra_gib(fn)
+            print(f"- log-prob + entropy fwd+bwd, T={t}, V={vocab}, bf16 logits ({logits.numel() * 2 / 2**30:.1f} GiB): "
+                  f"{name} {ms:.1f} ms, peak extra {peaks[name]:.1f} GiB", flush=True)
         except torch.cuda.OutOfMemoryError:
-            print(f"- {name}: out of memory")
+            print(f"- log-prob + entropy: {name}: out of memory")
         logits.grad = None
-    return 0 if err < 1e-6 else 1
+    del logits
+    torch.cuda.empty_cache()
+    tq, tk, hq, d = 16384, 20480, 2, 128
+    q = torch.randn(1, hq, tq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, 1, tk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def dense():
+        s = (q.float() @ k.float().expand(1, hq, tk, d).transpose(-1, -2)) * d ** -0.5
+        pos = torch.arange(tk - tq, tk, device="cuda")
+        s.masked_fill_(torch.arange(tk, device="cuda")[None, :] > pos[:, None], float("-inf"))
+        a = torch.softmax(s, dim=-1)
+        return (a * a).sum(-1).mean(1)
+
+    ms_ours, peak_ours = _peak_extra_gib(lambda: attention_concentration(q, k))
+    h_ours = attention_concentration(q, k)[0]
+    try:
+        ms_dense, peak_dense = _peak_extra_gib(dense)
+        diff = (dense() - h_ours).abs().max().item()
+        dense_txt = f"dense fp32 softmax {ms_dense:.0f} ms, peak extra {peak_dense:.1f} GiB; max |H - dense| {diff:.1e}"
+    except torch.cuda.OutOfMemoryError:
+        dense_txt, diff = "dense: out of memory", 0.0
+    print(f"- concentration, {tq} queries x {tk} keys, {hq} query heads, bf16: ours {ms_ours:.0f} ms, "
+          f"peak extra {peak_ours:.2f} GiB; {dense_txt}")
+    return 0 if err < 1e-6 and diff < 1e-3 else 1
 
 
-PARTS = {"env": env, "te_vs_local": te_vs_local, "vllm_roundtrip": vllm_roundtrip, "bench_actor": bench_actor,
-         "bench_kernels": bench_kernels}
+PARTS = {"env": env, "te_vs_local": te_vs_local, "vllm_roundtrip": vllm_roundtrip, "bench_kernels": bench_kernels}
 
 
 def main(argv=None) -> int:

@@ -1,27 +1,30 @@
-"""The trainer parts of ``tools/gpu_check.sh``: ``pretrain_rl.py`` itself on one GPU (issue 23).
+"""The trainer parts of ``tools/gpu_check.sh``: ``pretrain_rl.py`` itself on one GPU.
 
     python tools/gpu_check_trainer.py recipe NAME DIR   # write DIR/recipe.yaml (+ DIR/hf/config.json); no GPU
     python tools/gpu_check_trainer.py run NAME DIR      # write it, train, print the numbers
 
 NAME:
 
-- ``demo_hf`` / ``demo_vllm``: ``examples/demo_cpu.yaml`` with GPU overrides (bf16, the Transformer
-  Engine spec when TE imports, else the local spec and the report says so; 3 iterations, no warm-up,
-  validation or checkpoints), the HF engine / vLLM (colocated, ``gpu_memory_utilization`` 0.2);
-- ``llama1b_hf`` / ``llama1b_vllm``: Llama-3.2-1B's shape (``_llama_1b_architecture``, random init) at
-  4,096-token responses (random weights never stop early) for 2 iterations, GRPO, 8 rows per
-  iteration with the HF engine, 32 with vLLM.
+- ``demo_hf`` / ``demo_vllm``: ``examples/demo_cpu.yaml`` on the GPU in bf16 with the local spec (its
+  warm-up included, so RL starts where the CPU demo does), 30 iterations, no validation or checkpoints,
+  the HF engine / vLLM (colocated, ``gpu_memory_utilization`` 0.2). Passes when the reward rises (the mean
+  of the last 5 iterations above that of the first 5) and the rollout-vs-trainer mismatch stays under
+  ``MISMATCH_BOUND`` at every iteration;
+- ``qwen15b_hf`` / ``qwen15b_vllm``: Qwen2.5-1.5B's shape (``_qwen25_15b_architecture``, random init) for
+  one GRPO iteration at 4,096-token responses (random weights over 152K tokens almost never stop early),
+  4 prompts x 2 samples; the Transformer Engine spec when TE imports, else the local spec. Prints tokens/s,
+  each phase's seconds, and the peak memory against the planner's estimate for the same recipe.
 
 vLLM reads a checkpoint folder, so the vLLM recipes name ``DIR/hf`` (``model.name_or_path``): ``run``
 writes random bf16 weights there, ``recipe`` only its ``config.json`` (what ``--dry-run`` and the
 planner need: ``tests/tools/test_gpu_check_recipes.py`` plans every recipe on CPU).
 
-``run`` calls ``pretrain_rl.main`` in this process, then prints: per iteration the rollout tokens/s
-(one GPU: per GPU), ``mismatch/logprob_abs_mean`` (engine vs trainer log-probs) from ``metrics.jsonl``;
-this process's peak ``torch.cuda.max_memory_allocated`` against the planner's estimate
-(``megatron_credit.planning.plan`` on one H200: its train peak, and its rollout peak with the HF
-engine; a vLLM engine's memory lives in its own processes). Exit 0 passed, 1 failed, 77 skipped (the
-last line says why).
+``run`` calls ``pretrain_rl.main`` in this process, then prints from ``metrics.jsonl`` per iteration the
+rollout tokens/s (one GPU: per GPU), the ``time/*`` phases, ``mismatch/logprob_abs_mean`` (engine vs
+trainer log-probs) and the reward; this process's peak ``torch.cuda.max_memory_allocated`` against the
+planner's estimate (``megatron_credit.planning.plan`` on one H200: its train peak, and its rollout peak
+with the HF engine; a vLLM engine's memory lives in its own processes). Exit 0 passed, 1 failed, 77
+skipped (the last line says why).
 """
 from __future__ import annotations
 
@@ -36,19 +39,22 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 SKIP = 77
-NAMES = ("demo_hf", "demo_vllm", "llama1b_hf", "llama1b_vllm")
+NAMES = ("demo_hf", "demo_vllm", "qwen15b_hf", "qwen15b_vllm")
 GPU = "h200"
+DEMO_STEPS = 30
+MISMATCH_BOUND = 0.05
+"""``mismatch/logprob_abs_mean`` (nats per response token) allowed in bf16: engine and trainer each round
+every matmul to bf16's 8-bit mantissa (2**-9 relative), which moves log-probs by ~1e-2 at logits of
+magnitude ~10 through two different kernels; 0.05 is 2.5x the 0.02 the vLLM round trip allows against
+transformers. A missing weight sync shows as ~1 (the demo's first iteration moves that much)."""
 
 
-def _llama_1b_architecture() -> dict:
-    """Llama-3.2-1B's config.json numbers (tied head, llama3 RoPE scaling), bf16."""
-    return {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
-            "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-            "max_position_embeddings": 131072, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
-            "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-            "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-            "torch_dtype": "bfloat16"}
+def _qwen25_15b_architecture() -> dict:
+    """Qwen2.5-1.5B's config.json numbers (tied head, q/k/v biases as every Qwen2), bf16."""
+    return {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
+            "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+            "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2, "dtype": "bfloat16"}
 
 
 def recipe_dict(name: str, *, te: bool, hf_dir: str) -> dict:
@@ -61,20 +67,20 @@ def recipe_dict(name: str, *, te: bool, hf_dir: str) -> dict:
     r = copy.deepcopy(base)
     vllm = name.endswith("_vllm")
     r["model"]["params_dtype"] = "bfloat16"
-    r["model"]["transformer_impl"] = "transformer_engine" if te else "local"
     r["cluster"] = {"nodes": 1, "gpus_per_node": 1, "gpu": GPU}
-    r["warmup"] = {"steps": 0}
     r["checkpoint"] = {"every": 0, "save_at_end": False}
     r["logging"] = {"tensorboard": False, "progress": False, "plots": False}
     r["train"].update(val_every=0)
     if name.startswith("demo"):
-        r["train"]["steps"] = 3
+        r["model"]["transformer_impl"] = "local"  # the demo's own spec: the check is of the trainer on CUDA
+        r["train"]["steps"] = DEMO_STEPS
     else:
-        arch = _llama_1b_architecture()
-        r["model"]["architecture"] = arch
+        r["model"]["transformer_impl"] = "transformer_engine" if te else "local"
+        r["warmup"] = {"steps": 0}
+        r["model"]["architecture"] = _qwen25_15b_architecture()
         r["algorithm"] = {"name": "grpo"}
-        r["rollout"].update(prompts_per_step=8 if vllm else 4, n=4 if vllm else 2, max_response_len=4096)
-        r["train"].update(steps=2, num_minibatches=2, max_tokens_per_microbatch=8192, logprob_chunk_size=1024)
+        r["rollout"].update(prompts_per_step=4, n=2, max_response_len=4096)
+        r["train"].update(steps=1, num_minibatches=2, max_tokens_per_microbatch=4352, logprob_chunk_size=1024)  # one row
         r["optim"] = {"lr": 1.0e-6, "clip_grad": 1.0}
     if vllm:
         arch = r["model"].pop("architecture")
@@ -138,8 +144,9 @@ def run(name: str, out_dir: str) -> int:
             return SKIP
     t0 = time.perf_counter()
     recipe_path = write(name, out_dir, te=te, weights=True)
-    print(f"- recipe {recipe_path} ({'TE spec' if te else 'local spec: Transformer Engine does not import'}, bf16, "
-          f"written in {time.perf_counter() - t0:.0f} s)")
+    spec = yaml_spec(recipe_path)
+    print(f"- recipe {recipe_path} ({spec} spec{'' if te else ' (Transformer Engine does not import)'}, bf16, "
+          f"written in {time.perf_counter() - t0:.0f} s)", flush=True)
     import pretrain_rl
     from megatron_credit.config import load_recipe
     from megatron_credit.planning import plan
@@ -151,29 +158,49 @@ def run(name: str, out_dir: str) -> int:
     wall = time.perf_counter() - t1
     peak = torch.cuda.max_memory_allocated()
     rows = _rows(run_dir)
-    print(f"- pretrain_rl.py exit {rc}, {len(rows)} iteration(s) in {wall:.0f} s")
-    for row in rows:
+    print(f"- pretrain_rl.py exit {rc}, {len(rows)} iteration(s) in {wall:.0f} s (warm-up and start-up included)")
+    for row in rows if len(rows) <= 3 else rows[:2] + rows[-2:]:
+        phases = ", ".join(f"{k[5:]} {v:.1f}" for k, v in row.items() if k.startswith("time/") and isinstance(v, float))
         print(f"  - iteration {row.get('step')}: {row.get('throughput/tokens_per_s', float('nan')):.0f} tokens/s/GPU, "
-              f"step {row.get('time/step_s', float('nan')):.1f} s, mismatch/logprob_abs_mean "
-              f"{row.get('mismatch/logprob_abs_mean', float('nan')):.3e}, reward {row.get('reward/mean', float('nan')):.3f}")
+              f"seconds: {phases}; mismatch/logprob_abs_mean {row.get('mismatch/logprob_abs_mean', float('nan')):.3e}, "
+              f"reward {row.get('reward/mean', float('nan')):.3f}")
     recipe = load_recipe(str(recipe_path))
     p = plan(recipe, recipe.model.hf_config(), nodes=1, gpus_per_node=1, gpu=GPU)
     gib = 1024 ** 3
-    est = p.rollout_peak if name.endswith("_hf") else p.train_peak
+    est = max(p.rollout_peak, p.train_peak) if name.endswith("_hf") else p.train_peak
     print(f"- peak memory of the trainer process {peak / gib:.2f} GiB; planner: train peak {p.train_peak / gib:.2f} "
           f"GiB, rollout peak {p.rollout_peak / gib:.2f} GiB ({'HF engine in-process' if name.endswith('_hf') else 'vLLM in its own processes: compare with the train peak'}); "
-          f"measured / planned {peak / max(est, p.train_peak):.2f}")
-    want = 3 if name.startswith("demo") else 2
+          f"measured / planned {peak / est:.2f}")
+    return _verdict(name, rc, rows, peak, p.gpu_bytes)
+
+
+def yaml_spec(recipe_path: Path) -> str:
+    import yaml
+
+    return yaml.safe_load(recipe_path.read_text())["model"]["transformer_impl"]
+
+
+def _verdict(name: str, rc, rows: list[dict], peak: int, gpu_bytes: int) -> int:
+    """0 when the run holds what the part promises (module docstring), else 1 with the reason printed."""
+    want = DEMO_STEPS if name.startswith("demo") else 1
+    problems = []
     if rc not in (0, None) or len(rows) != want:
-        print(f"failed: expected {want} iterations with exit 0")
-        return 1
-    if any(not (row.get("mismatch/logprob_abs_mean", float("nan")) >= 0) for row in rows):
-        print("failed: mismatch/logprob_abs_mean missing or not a number")
-        return 1
-    if peak > p.gpu_bytes:
-        print("failed: the peak exceeds the GPU")
-        return 1
-    return 0
+        problems.append(f"expected {want} iterations with exit 0")
+    mism = [row.get("mismatch/logprob_abs_mean", float("nan")) for row in rows]
+    if not all(0 <= m <= MISMATCH_BOUND for m in mism):
+        problems.append(f"mismatch/logprob_abs_mean outside [0, {MISMATCH_BOUND}] (max {max(mism, default=float('nan')):.3g})")
+    else:
+        print(f"- mismatch/logprob_abs_mean at most {max(mism, default=float('nan')):.3e} (bound {MISMATCH_BOUND})")
+    if name.startswith("demo") and len(rows) >= 10:
+        first, last = (sum(r["reward/mean"] for r in part) / 5 for part in (rows[:5], rows[-5:]))
+        print(f"- reward: mean of the first 5 iterations {first:.3f}, of the last 5 {last:.3f}")
+        if not last > first:
+            problems.append("the reward did not rise")
+    if peak > gpu_bytes:
+        problems.append("the peak exceeds the GPU")
+    for problem in problems:
+        print(f"failed: {problem}")
+    return 1 if problems else 0
 
 
 def main(argv=None) -> int:

@@ -124,8 +124,10 @@ class PositionGateSchedule:
     def frozen(self) -> bool:
         return self._means is not None
 
-    def collect(self, kappa: torch.Tensor, mask: torch.Tensor, *, group=None) -> None:
-        """Accumulate ``kappa: [B, T]`` over valid tokens (``mask: [B, T]``) into the bins."""
+    def collect(self, kappa: torch.Tensor, mask: torch.Tensor, *, group=None, device=None) -> None:
+        """Accumulate ``kappa: [B, T]`` over valid tokens (``mask: [B, T]``) into the bins. ``device``: where
+        the all-reduce over ``group`` runs (NCCL reduces device tensors only, and the trainer's batch lives
+        in host memory); default ``kappa``'s device."""
         if self.frozen:
             raise RuntimeError("PositionGateSchedule.collect after freeze()")
         if kappa.shape != mask.shape:
@@ -138,6 +140,7 @@ class PositionGateSchedule:
         if group is not None:
             import torch.distributed as dist
 
+            stats = stats.to(device if device is not None else kappa.device)
             dist.all_reduce(stats, group=group)
         stats = stats.cpu()  # once per iteration, while collecting: the schedule is tiny host state
         self._sum += stats[0]

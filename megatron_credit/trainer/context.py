@@ -85,7 +85,7 @@ class Context:
         group = self.actor.dp_group
         if self.gate_control is None:
             self.gate_control = self.spec.gate_control(self.params, seed=self.seed, dp_rank=dist.get_rank(group),
-                                                        dp_group=group)
+                                                        dp_group=group, device=self.actor.device)
         if self.phase is None:
             self.phase = self.spec.phase_controller(self.params)
 

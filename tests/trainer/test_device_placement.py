@@ -9,7 +9,8 @@ all tensors to be on the same device ... cpu, fakegpu:0! (in aten.mul.Tensor)`` 
 process-wide); the numbers must equal the CPU path's (the emulated device computes on the CPU).
 
 - the update on the fixed batch of ``tests/support/fixed_batch.py`` (test_step's; behaviour pass,
-  advantages, two optimizer steps) for GRPO, FIPO, PPO with a value head and with a separate critic, and CompPO;
+  advantages, two optimizer steps) for GRPO, FIPO, PPO with a value head and with a separate critic, and CompPO
+  (with the dynamic gate and with the ``position`` control, whose schedule is all-reduced over DP);
 - ``pretrain_rl.py`` with the supervised warm-up, a frozen reference (KL), megatron's optimizer, the HF
   engine and its weight sync, a checkpoint every iteration and a resume;
 - ``pretrain_rl.py`` under ``torchrun`` with TP = 2.
@@ -49,7 +50,11 @@ def _fixed_batch(algorithm: str, overrides: list[str], *, fake: bool):
 
 SCENARIOS = {"grpo": ("grpo", []), "fipo": ("fipo", []), "ppo": ("ppo", []),
              "ppo:separate": ("ppo", ["algorithm.params.critic=separate"]),
-             "comppo": ("comppo", ["algorithm.params.critic_layers=1"])}
+             "comppo": ("comppo", ["algorithm.params.critic_layers=1"]),
+             # the position control all-reduces its bin sums over DP: a device tensor, though the batch
+             # (and so kappa) lives in host memory
+             "comppo:position": ("comppo", ["algorithm.params.critic_layers=1",
+                                            "algorithm.params.gate_control=position"])}
 KEYS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/ppo_kl", "actor/logp_diff_abs",
         "fipo/weight_mean", "fipo/weight_max", "critic/value_loss", "critic/grad_norm")
 
