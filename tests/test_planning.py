@@ -329,7 +329,7 @@ def test_gpu_table_and_unknown_model():
 
 def test_a_budget_that_is_not_a_multiple_of_2cp_is_planned_as_the_trainer_pads_it():
     """CP=2 with train.max_tokens_per_microbatch=63: the trainer pads micro-batches to multiples of 4 and
-    trains it, so the plan has no problem (it refused it before, issue 24) and counts 64 tokens, as for 64."""
+    trains it, so the plan has no problem and counts 64 tokens, as for 64."""
     def recipe_with(budget):
         return recipe_from_dict({
             "model": {"architecture": TINY_ARCH, "params_dtype": "float32"},

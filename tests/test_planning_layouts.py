@@ -93,10 +93,9 @@ def test_dry_run_refuses_before_any_table_and_never_calls_a_failing_plan_valid()
 
 @pytest.mark.dist
 def test_dry_run_of_a_layout_error_is_one_refusal_not_a_verdict_then_valid():
-    """Issue 28: ``--dry-run`` at TP=9 on the SmolLM2 recipe (9 heads, 3 KV heads: the heads fit, vocab_size
-    49152 does not divide by 9) printed the planner's "DOES NOT FIT: 1 layout error(s)" and then "the layout is
-    valid for this world size", because the trainer's checks and the planner's were two lists. Now both read
-    ``Recipe.problems``: the dry run (and the trainer) refuse it in one line before any table."""
+    """``--dry-run`` at TP=9 on the SmolLM2 recipe (9 heads, 3 KV heads: the heads fit, vocab_size 49152 does
+    not divide by 9): the trainer and the planner both read ``Recipe.problems``, so the dry run refuses it in
+    one line before any table, never a planner verdict followed by "the layout is valid"."""
     import subprocess
     import sys
 
