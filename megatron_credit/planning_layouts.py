@@ -61,7 +61,8 @@ def layout_refusal(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: st
 def _fitting_layout(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
                     distributed_optimizer: Optional[bool]) -> Optional[str]:
     """The TP x PP x CP of these GPUs closest to the recipe's (fewest fields changed, then the smallest
-    log2 distance, then the largest DP) whose plan fits, as overrides; None when none fits."""
+    log2 distance, then the largest DP, then the lowest peak) whose plan fits, as overrides; None when
+    none fits."""
     p, world = recipe.parallel, nodes * gpus_per_node
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     divisors = [d for d in range(1, world + 1) if world % d == 0]
@@ -75,7 +76,7 @@ def _fitting_layout(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: s
         if result.fits:
             changed = (t != tp) + (q != pp) + (c != cp)
             distance = sum(abs(math.log2(new / old)) for new, old in ((t, tp), (q, pp), (c, cp)))
-            candidates.append(((changed, distance, -result.layout["dp"]), t, q, c, result))
+            candidates.append(((changed, distance, -result.layout["dp"], result.peak), t, q, c, result))
     if not candidates:
         return None
     _, t, q, c, result = min(candidates, key=lambda x: x[0])

@@ -7,9 +7,10 @@ import os
 
 import pytest
 
-from megatron_credit.config import recipe_from_dict
-from megatron_credit.planning import (GIB, GPUS, RESERVED_BYTES, Architecture, known_architecture, plan,
-                                      resolve_hf_config, stage_param_counts, total_param_count)
+from megatron_credit.config import load_recipe, recipe_from_dict
+from megatron_credit.planning import (CUDA_CONTEXT_BYTES, GIB, GPUS, RESERVED_BYTES, Architecture, format_plan,
+                                      known_architecture, plan, resolve_hf_config, stage_param_counts,
+                                      total_param_count)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_ARCH = dict(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -19,7 +20,8 @@ TINY_ARCH = dict(model_type="qwen2", vocab_size=128, hidden_size=64, intermediat
 
 def test_tiny_tp2_fp32_hf_engine_by_hand():
     """Configuration A: the tiny Qwen2 (h 64, I 128, L 2, 4 heads, 2 KV heads of 16, V 128, untied) in fp32,
-    TP = 2 on 2 GPUs, micro-batch budget 64 tokens, responses of 8, the hf engine with 8 rows."""
+    TP = 2 on 2 GPUs, micro-batch budget 64 tokens, responses of 8, the hf engine at rollout TP 1: one
+    engine per GPU, 4 prompts x 2 = 8 rows over 2 engines."""
     recipe = recipe_from_dict({
         "model": {"architecture": TINY_ARCH, "params_dtype": "float32"},
         "parallel": {"tensor_model_parallel_size": 2},
@@ -42,12 +44,16 @@ def test_tiny_tp2_fp32_hf_engine_by_hand():
     assert p.terms["activations"] == 544 * 4 * 2 * 72 == 313344
     assert p.terms["logprob_chunk"] == 3 * 4 * 16 * 64 == 12288
     # The hf engine: the whole model (2 x 37120 + 2 x 8192 + 64 = 90688 params) in fp32 and the KV cache
-    # of 8 rows x 72 tokens at 2 (K, V) x 2 layers x 2 heads x 16 x 4 bytes = 512 bytes a token.
+    # of 4 rows x 72 tokens at 2 (K, V) x 2 layers x 2 heads x 16 x 4 bytes = 512 bytes a token.
     assert total_param_count(Architecture.from_hf(recipe.model.hf_config())) == 90688
-    assert p.terms["rollout_engine"] == 90688 * 4 + 8 * 72 * 512 == 657664
-    resident = params * 16 + RESERVED_BYTES
-    assert p.train_peak == resident + 313344 + 12288 and p.rollout_peak == resident + 657664
-    assert p.fits and p.peak == p.rollout_peak
+    assert (p.engines, p.gpus_per_engine, p.kv_tokens) == (2, 1, 4 * 72)
+    assert p.terms["rollout_engine"] == 90688 * 4 + 4 * 72 * 512 == 510208
+    assert p.terms["cuda_contexts"] == CUDA_CONTEXT_BYTES  # the hf engine lives in the trainer's process
+    assert p.offload_bytes == params * (4 + 8)  # fp32 gradients + Adam m, v
+    resident = params * 16 + RESERVED_BYTES + CUDA_CONTEXT_BYTES
+    assert p.train_peak == resident + 313344 + 12288
+    assert p.rollout_peak == resident - params * 12 + 510208
+    assert p.fits and p.peak == p.train_peak
 
 
 def test_ppo_critic_on_the_trunk_or_a_separate_value_model():
@@ -109,10 +115,119 @@ def test_qwen25_32b_tp8_pp2_cp2_sp_bf16_full_recompute_vllm_by_hand():
     assert p.terms["rollout_engine"] == share
     total = 64 * (5120 * 7168 + 7168 + 5120 * 5120 + 3 * 5120 * 27648 + 2 * 5120) + 2 * 152064 * 5120 + 5120
     assert p.kv_tokens == (share - 2 * total // 8) // (2 * 64 * 1 * 128 * 2)
-    resident = 2 * params + 4 * params + 6 * params + 2 * params + RESERVED_BYTES
-    assert p.rollout_peak == resident + share
+    # Two CUDA contexts a GPU: the trainer rank's and its vLLM worker's.
+    assert p.terms["cuda_contexts"] == 2 * CUDA_CONTEXT_BYTES == GIB
+    resident = 2 * params + 4 * params + 6 * params + 2 * params + RESERVED_BYTES + GIB
+    assert p.offload_bytes == 4 * params + 6 * params  # gradients + the optimizer's DP x CP shard
+    assert p.rollout_peak == resident - p.offload_bytes + share
     assert p.train_peak == resident + 1248591872 + 3 * 4 * 1024 * 152064 // 8
     assert p.fits
+
+
+def test_fipo_32b_recipe_every_gpu_generates_four_engines_of_eight_by_hand():
+    """``examples/fipo_qwen25_32b.yaml`` on its 4 x 8 H100-80GB (TP 8 x PP 2 x CP 2, DP 1, bf16, no
+    distributed optimizer, vLLM at rollout TP 8 and 0.45): 32 / 8 = 4 engines where one DP replica used to
+    generate. While they generate, the optimizer states and fp32 gradients are on the host; each GPU also
+    holds two CUDA contexts (the trainer rank's and its vLLM worker's)."""
+    recipe = load_recipe(os.path.join(ROOT, "examples", "fipo_qwen25_32b.yaml"))
+    p = plan(recipe, resolve_hf_config(recipe.model), nodes=4, gpus_per_node=8, gpu="h100-80gb")
+    assert p.problems == () and p.layout["dp"] == 1
+    assert (p.engines, p.gpus_per_engine) == (4, 8)
+    params = 2048033792  # the last stage on one TP rank (configuration B)
+    assert p.terms["weights"] == 2 * params and p.terms["gradients"] == 4 * params
+    assert p.terms["optimizer"] == 12 * params  # fp32 master + m + v, not sharded
+    assert p.terms["cuda_contexts"] == 2 * CUDA_CONTEXT_BYTES == GIB
+    assert p.offload_bytes == 16 * params == 32768540672  # 30.52 GiB of pinned host memory a GPU
+    assert p.offload_bytes_per_node == 8 * 16 * params
+    share = int(0.45 * 81559 * 2 ** 20)
+    total = 64 * (5120 * 7168 + 7168 + 5120 * 5120 + 3 * 5120 * 27648 + 2 * 5120) + 2 * 152064 * 5120 + 5120
+    kv = (share - 2 * total // 8) // (2 * 64 * 1 * 128 * 2)  # bf16 K, V of 64 layers, one KV head a GPU
+    assert p.terms["rollout_engine"] == share and p.kv_tokens == kv == 924481
+    assert p.kv_tokens_per_gpu == 4 * kv // 32 == 115560
+    activations, chunk = 1248591872, 3 * 4 * 1024 * 152064 // 8  # configuration B's
+    assert p.train_peak == 18 * params + RESERVED_BYTES + GIB + activations + chunk
+    assert p.rollout_peak == 2 * params + RESERVED_BYTES + GIB + share
+    # The plan before the offload: the whole resident set (the trainer's context inside a 4 GiB reserve,
+    # no worker context) plus the engine: 74.17 GiB, now 44.16 GiB.
+    assert RESERVED_BYTES + CUDA_CONTEXT_BYTES == 4 * GIB
+    before = 18 * params + 4 * GIB + share
+    assert p.rollout_peak + p.offload_bytes - CUDA_CONTEXT_BYTES == before
+    assert (round(before / GIB, 2), round(p.rollout_peak / GIB, 2)) == (74.17, 44.16)
+    text = format_plan(p)
+    assert "rollout 4 engine(s) x 8 GPU(s) (world 32 / rollout.engine_options.tensor_parallel_size 8)" in text
+    assert "KV cache          924,481  tokens per engine; 115,560 per GPU (4 engine(s) x 924,481 / 32 GPUs)" in text
+    assert "host offload        30.52  pinned host GiB per GPU" in text and "244.14 GiB per node of 8" in text
+
+
+def test_comppo_4b_recipe_plans_four_engines_of_two_gpus():
+    recipe = load_recipe(os.path.join(ROOT, "examples", "comppo_qwen3_4b.yaml"))
+    p = plan(recipe, resolve_hf_config(recipe.model), nodes=1, gpus_per_node=8, gpu="h100-80gb")
+    assert p.problems == () and (p.engines, p.gpus_per_engine) == (4, 2) and p.layout["dp"] == 4
+    assert p.terms["cuda_contexts"] == GIB
+    assert p.kv_tokens_per_gpu == p.kv_tokens // 2
+
+
+def _tiny(engine: str, **rollout):
+    return recipe_from_dict({
+        "model": {"architecture": TINY_ARCH, "params_dtype": "float32"},
+        "parallel": {"tensor_model_parallel_size": 2},
+        "rollout": {"engine": engine, "prompts_per_step": 8, "n": 2, "max_response_len": 8, **rollout},
+        "train": {"num_minibatches": 2, "max_tokens_per_microbatch": 64},
+    })
+
+
+def test_hf_engine_one_per_gpu_at_rollout_tp1_one_per_group_above():
+    """The hf engine at rollout TP 1 on 8 GPUs (trainer TP 2, DP 4): 8 engines, one per GPU, 8 prompts x 2
+    = 16 rows over 8 engines; at rollout TP 2, 4 engines, each on the first GPU of its pair, 4 rows each.
+    The engine is the whole fp32 model (90688 params) and the KV of its rows x 72 tokens at 512 B a token."""
+    p1 = plan(_tiny("hf"), _tiny("hf").model.hf_config(), nodes=1, gpus_per_node=8, gpu="h100-80gb")
+    assert p1.problems == () and p1.layout["dp"] == 4
+    assert (p1.engines, p1.gpus_per_engine, p1.kv_tokens) == (8, 1, 2 * 72)
+    assert p1.terms["rollout_engine"] == 90688 * 4 + 2 * 72 * 512
+    assert p1.terms["cuda_contexts"] == CUDA_CONTEXT_BYTES  # in the trainer's process: no second context
+    r2 = _tiny("hf", engine_options={"tensor_parallel_size": 2})
+    p2 = plan(r2, r2.model.hf_config(), nodes=1, gpus_per_node=8, gpu="h100-80gb")
+    assert (p2.engines, p2.gpus_per_engine, p2.kv_tokens) == (4, 2, 4 * 72)
+    assert p2.terms["rollout_engine"] == 90688 * 4 + 4 * 72 * 512
+    assert p2.kv_tokens_per_gpu == 4 * 4 * 72 // 8
+    assert "on the first of its 2 GPUs" in p2.notes["rollout_engine"]
+    # vLLM in the trainer's process (weight_transfer in_process): one context, as the hf engine.
+    r3 = _tiny("vllm", engine_options={"weight_transfer": "in_process"})
+    p3 = plan(r3, r3.model.hf_config(), nodes=1, gpus_per_node=8, gpu="h100-80gb")
+    assert p3.terms["cuda_contexts"] == CUDA_CONTEXT_BYTES and p3.engines == 8
+
+
+def test_offload_is_the_gradients_and_the_optimizer_shard_by_hand():
+    """The tiny Qwen2 (90688 params at TP 1) in bf16 with the distributed optimizer over DP = 2: the rank
+    offloads fp32 gradients (4 B/param) and its half of master + m + v (12 B/param / 2). PPO's value head
+    stays on the GPU (counted, not offloaded), so the offload is the same with a critic."""
+    base = {"model": {"architecture": {**TINY_ARCH, "torch_dtype": "bfloat16"}, "params_dtype": "bfloat16"},
+            "rollout": {"prompts_per_step": 4, "n": 2, "max_response_len": 8},
+            "optim": {"backend": "megatron", "distributed_optimizer": True},
+            "train": {"num_minibatches": 2, "max_tokens_per_microbatch": 64}}
+    for name in ("grpo", "ppo"):
+        recipe = recipe_from_dict({**base, "algorithm": {"name": name}})
+        p = plan(recipe, recipe.model.hf_config(), nodes=1, gpus_per_node=2, gpu="h100-80gb")
+        assert p.offload_bytes == 4 * 90688 + 12 * 90688 // 2 == 906880, name
+        assert p.offload_bytes_per_node == 2 * 906880
+        kept = p.terms["weights"] + p.terms["critic"] + RESERVED_BYTES + p.terms["cuda_contexts"]
+        assert p.rollout_peak == kept + p.terms["rollout_engine"]
+    assert p.terms["critic"] == (64 + 1) * (2 + 4 + 12)
+
+
+def test_rollout_tp_must_divide_the_node_and_the_world():
+    def problems(rtp: int, nodes: int):
+        r = recipe_from_dict({"model": {"architecture": TINY_ARCH, "params_dtype": "float32"},
+                              "rollout": {"engine": "vllm", "prompts_per_step": 16, "n": 2, "max_response_len": 8,
+                                          "engine_options": {"tensor_parallel_size": rtp}},
+                              "train": {"num_minibatches": 2, "max_tokens_per_microbatch": 64}})
+        return list(plan(r, r.model.hf_config(), nodes=nodes, gpus_per_node=8, gpu="h100-80gb").problems)
+
+    field = "rollout.engine_options.tensor_parallel_size"
+    assert problems(3, 1) == [f"{field}=3 does not divide gpus_per_node=8 (an engine's GPUs are on one node)",
+                              f"{field}=3 does not divide the world size 8 (every GPU hosts a share of one engine)"]
+    assert problems(16, 2) == [f"{field}=16 does not divide gpus_per_node=8 (an engine's GPUs are on one node)"]
+    assert problems(4, 2) == []
 
 
 def test_published_sizes():
@@ -180,15 +295,18 @@ def test_layout_problems_and_cli_exit_codes(capsys):
 
     recipe = os.path.join(ROOT, "examples", "fipo_qwen25_32b.yaml")
     assert main(["--config", recipe]) == 0 and "verdict: FITS" in capsys.readouterr().out
-    # One node: 8 GPUs cannot hold TP 8 x PP 2 x CP 2: refused before any table (issue 27), one error line
-    # with the arithmetic and what would fit.
+    # One node: 8 GPUs cannot hold TP 8 x PP 2 x CP 2: refused before any table, one error line with the
+    # arithmetic and what would fit (with the optimizer and gradients on the host while generating, the
+    # training peak of TP 8 alone is the limit).
     assert main(["--config", recipe, "--nodes", "1"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.startswith("error: parallel: TP x PP x CP = 8 x 2 x 2 = 32 > 8 GPUs")
-    assert "fits on 4 nodes x 8 GPUs (32 GPUs, DP=1" in captured.err
-    # One node with a layout that divides it: the memory does not fit, and the verdict names the term.
+    assert ("a layout that fits: parallel.tensor_model_parallel_size=8 parallel.pipeline_model_parallel_size=1 "
+            "parallel.context_parallel_size=1 (DP=1") in captured.err
+    # One node with a layout that divides it, without full recompute: the memory does not fit, and the
+    # verdict names the term.
     code = main(["--config", recipe, "--nodes", "1", "parallel.pipeline_model_parallel_size=1",
-                 "parallel.context_parallel_size=1"])
+                 "parallel.context_parallel_size=1", "train.recompute=selective"])
     out = capsys.readouterr().out
     assert code == 1 and "DOES NOT FIT" in out and "largest term: optimizer" in out, out
     assert main(["--config", recipe, "--gpu", "tpu-v9"]) == 2
@@ -196,7 +314,8 @@ def test_layout_problems_and_cli_exit_codes(capsys):
     recipe_bad = main(["--config", recipe, "parallel.tensor_model_parallel_size=3"])  # 3 x 2 x 2 = 12 on 32 GPUs
     err = capsys.readouterr().err
     assert recipe_bad == 2 and "TP x PP x CP = 3 x 2 x 2 = 12 does not divide 32 GPUs" in err
-    assert "a layout that fits: parallel.tensor_model_parallel_size=8 parallel.pipeline_model_parallel_size=2" in err
+    # the closest TP to 3 (log2 distance) whose plan fits: 4 (TP 2 does not fit)
+    assert "a layout that fits: parallel.tensor_model_parallel_size=4 parallel.pipeline_model_parallel_size=2" in err
     # A layout that divides the GPUs but not the model still gets its table and the layout error.
     recipe_bad = main(["--config", recipe, "--nodes", "8", "parallel.tensor_model_parallel_size=16"])
     assert recipe_bad == 1 and "does not divide num_attention_heads=40" in capsys.readouterr().out
@@ -210,7 +329,7 @@ def test_gpu_table_and_unknown_model():
 
 def test_a_budget_that_is_not_a_multiple_of_2cp_is_planned_as_the_trainer_pads_it():
     """CP=2 with train.max_tokens_per_microbatch=63: the trainer pads micro-batches to multiples of 4 and
-    trains it, so the plan has no problem (it refused it before, issue 24) and counts 64 tokens, as for 64."""
+    trains it, so the plan has no problem and counts 64 tokens, as for 64."""
     def recipe_with(budget):
         return recipe_from_dict({
             "model": {"architecture": TINY_ARCH, "params_dtype": "float32"},

@@ -1,4 +1,4 @@
-"""An impossible layout is refused before any table, with the arithmetic and a layout that fits (issue 27)."""
+"""An impossible layout is refused before any table, with the arithmetic and a layout that fits."""
 from __future__ import annotations
 
 import os
@@ -25,8 +25,21 @@ def test_a_layout_that_divides_the_gpus_is_not_refused(qwen32b):
     assert layout_refusal(recipe, hf, nodes=8, gpus_per_node=8, gpu="h100-80gb") is None  # DP = 2
 
 
-def test_too_few_gpus_names_the_arithmetic_and_the_nodes_on_which_it_fits(qwen32b):
+def test_too_few_gpus_names_the_arithmetic_and_a_layout_of_one_node_that_fits(qwen32b):
     recipe, hf = qwen32b
+    msg = layout_refusal(recipe, hf, nodes=1, gpus_per_node=8, gpu="h100-80gb")
+    fixed = load_recipe(RECIPE, overrides=["parallel.pipeline_model_parallel_size=1", "parallel.context_parallel_size=1"])
+    peak = plan(fixed, hf, nodes=1, gpus_per_node=8, gpu="h100-80gb").peak / GIB
+    # Two fields changed either way (TP 4 x PP 2 ties with TP 8 alone): the one with the lower peak.
+    assert msg == ("parallel: TP x PP x CP = 8 x 2 x 2 = 32 > 8 GPUs (1 node(s) x 8); a layout that fits: "
+                   "parallel.tensor_model_parallel_size=8 parallel.pipeline_model_parallel_size=1 "
+                   f"parallel.context_parallel_size=1 (DP=1, peak {peak:.1f} of {GPUS['h100-80gb'] / GIB:.1f} GiB)")
+    assert plan(fixed, hf, nodes=1, gpus_per_node=8, gpu="h100-80gb").fits
+
+
+def test_too_few_gpus_names_the_arithmetic_and_the_nodes_on_which_it_fits(qwen32b):
+    """Without full recompute no layout of one node holds the activations; four nodes do."""
+    recipe, hf = load_recipe(RECIPE, overrides=["train.recompute=selective"]), qwen32b[1]
     msg = layout_refusal(recipe, hf, nodes=1, gpus_per_node=8, gpu="h100-80gb")
     peak = plan(recipe, hf, nodes=4, gpus_per_node=8, gpu="h100-80gb").peak / GIB
     assert msg == ("parallel: TP x PP x CP = 8 x 2 x 2 = 32 > 8 GPUs (1 node(s) x 8); no layout of 8 GPUs fits this "
@@ -34,7 +47,8 @@ def test_too_few_gpus_names_the_arithmetic_and_the_nodes_on_which_it_fits(qwen32
                    f"{GPUS['h100-80gb'] / GIB:.1f} GiB)")
     for tp, pp, cp in ((8, 1, 1), (4, 2, 1), (2, 2, 2)):  # what the message claims: none of 8 GPUs fits
         overrides = [f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
-                     f"parallel.context_parallel_size={cp}", *(["parallel.sequence_parallel=false"] if tp == 1 else [])]
+                     f"parallel.context_parallel_size={cp}", "train.recompute=selective",
+                     *(["parallel.sequence_parallel=false"] if tp == 1 else [])]
         assert not plan(load_recipe(RECIPE, overrides=overrides), hf, nodes=1, gpus_per_node=8, gpu="h100-80gb").fits
 
 
@@ -69,7 +83,8 @@ def test_dry_run_refuses_before_any_table_and_never_calls_a_failing_plan_valid()
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and proc.stdout == "" and len(errors) == 1, proc.stdout + proc.stderr
     assert errors[0].startswith("error: parallel: TP x PP x CP = 8 x 2 x 2 = 32 > 8 GPUs")
-    proc = dry(8, "parallel.pipeline_model_parallel_size=1", "parallel.context_parallel_size=1")
+    proc = dry(8, "parallel.pipeline_model_parallel_size=1", "parallel.context_parallel_size=1",
+               "train.recompute=selective")
     assert proc.returncode == 1 and "verdict: DOES NOT FIT" in proc.stdout
     assert "the recipe is valid" not in proc.stdout
     assert proc.stdout.rstrip().endswith("dry run: the layout is valid for this world size but its memory plan does "
@@ -78,10 +93,9 @@ def test_dry_run_refuses_before_any_table_and_never_calls_a_failing_plan_valid()
 
 @pytest.mark.dist
 def test_dry_run_of_a_layout_error_is_one_refusal_not_a_verdict_then_valid():
-    """Issue 28: ``--dry-run`` at TP=9 on the SmolLM2 recipe (9 heads, 3 KV heads: the heads fit, vocab_size
-    49152 does not divide by 9) printed the planner's "DOES NOT FIT: 1 layout error(s)" and then "the layout is
-    valid for this world size", because the trainer's checks and the planner's were two lists. Now both read
-    ``Recipe.problems``: the dry run (and the trainer) refuse it in one line before any table."""
+    """``--dry-run`` at TP=9 on the SmolLM2 recipe (9 heads, 3 KV heads: the heads fit, vocab_size 49152 does
+    not divide by 9): the trainer and the planner both read ``Recipe.problems``, so the dry run refuses it in
+    one line before any table, never a planner verdict followed by "the layout is valid"."""
     import subprocess
     import sys
 

@@ -5,7 +5,9 @@
 
 Without ``--nodes`` / ``--gpus-per-node`` / ``--gpu`` the recipe's ``cluster`` section is used. The model's
 numbers come from ``model.name_or_path``'s ``config.json`` when it is a local folder, else from the
-planner's table of known architectures. Prints the layout, one row per memory term, the peaks and a
+planner's table of known architectures. Prints the layout, the rollout engines (world / rollout TP: every
+GPU generates), one row per memory term, the KV cache per engine and per GPU, the host memory the
+optimizer and gradient offload takes (per GPU and per node), the training and rollout peaks and a
 verdict; exits 0 when it fits, 1 when it does not, 2 on a user error. A layout the GPUs cannot hold
 (TP x PP x CP not dividing them) is a user error, refused before any table with the arithmetic and a
 layout that would fit (``megatron_credit.planning_layouts``).

@@ -215,7 +215,8 @@ def test_dry_run_prints_the_memory_plan():
     assert proc.returncode == 0, proc.stderr
     assert "layout TP=8 PP=2 CP=2 DP=1" in proc.stdout and "memory plan for 32 rank(s) on h100-80gb" in proc.stdout
     assert "verdict: FITS" in proc.stdout and "activations" in proc.stdout
-    proc = dry(8, "parallel.pipeline_model_parallel_size=1", "parallel.context_parallel_size=1")
+    proc = dry(8, "parallel.pipeline_model_parallel_size=1", "parallel.context_parallel_size=1",
+               "train.recompute=selective")
     assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout, proc.stdout + proc.stderr
 
 
