@@ -64,8 +64,11 @@ The vLLM 0.11 API used, and what we rely on:
     them on its own ordinal of that GPU and loads them (no host copy). The handles are those of vLLM's
     ``examples/offline_inference/rlhf_colocate.py`` / ``rlhf_utils.py``, but that example sends them
     through Ray actors (cloudpickle); here they go through vLLM's own msgpack transport, which
-    pickles their function and class parts only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: pass
-    ``allow_insecure_serialization=True`` and the engine sets it (trusted single-node use only).
+    pickles their function and class parts only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+    (``v1/serial_utils.py`` refuses them otherwise), so the engine sets it whenever it uses this
+    transfer (the engine-core process then unpickles what this process sends it over a local socket);
+    ``allow_insecure_serialization=False`` forbids that, and an environment that sets the variable
+    to anything but ``1`` is refused.
     The actor and the vLLM workers must see the same physical GPUs.
   * ``"in_process"``: ``v1_multiprocessing=False`` (the engine sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
     and either TP = 1 with the single-process executor, or ``engine_kwargs=
@@ -190,8 +193,8 @@ class VLLMRolloutEngine:
     """Rollout engine over ``vllm.LLM`` with sleep mode and in-memory weight sync (see module docstring).
 
     ``logprobs_mode`` ("raw" or "processed") is fixed per engine because vLLM fixes it per engine.
-    ``weight_transfer`` ("cuda_ipc" or "in_process"), ``v1_multiprocessing`` and
-    ``allow_insecure_serialization`` choose how weight buckets reach the workers; they are checked by
+    ``weight_transfer`` ("cuda_ipc", "serialized" or "in_process") and ``v1_multiprocessing`` choose how
+    weight buckets reach the workers (``allow_insecure_serialization=False`` forbids "cuda_ipc"); they are checked by
     :func:`weight_transfer_env` before vLLM is imported, and the env vars it returns are set here, in
     this process, before the engine (and its engine-core process, which inherits them) starts.
     ``max_position_embeddings`` / ``rope_theta`` override the checkpoint's (the recipe's
@@ -215,7 +218,7 @@ class VLLMRolloutEngine:
         load_format: str = "auto",
         weight_transfer: str | None = None,
         v1_multiprocessing: bool | None = None,
-        allow_insecure_serialization: bool = False,
+        allow_insecure_serialization: bool | None = None,
         max_position_embeddings: int | None = None,
         rope_theta: float | None = None,
         engine_kwargs: dict[str, Any] | None = None,

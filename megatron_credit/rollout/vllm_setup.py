@@ -44,15 +44,16 @@ def weight_transfer_env(
     *,
     tensor_parallel_size: int,
     v1_multiprocessing: bool,
-    allow_insecure_serialization: bool,
     distributed_executor_backend: str | None,
     environ: Mapping[str, str],
+    allow_insecure_serialization: bool | None = None,
 ) -> dict[str, str]:
     """Check that ``weight_transfer`` can work with this executor setup; return the vLLM env vars it needs.
 
     "cuda_ipc" needs vLLM's multiprocess V1 engine (IPC handles cannot be opened by the process that
-    made them) and ``allow_insecure_serialization`` (the handles go through vLLM's msgpack transport,
-    which pickles their function/class parts only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
+    made them) and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: the handles go through vLLM's msgpack
+    transport, which pickles their function/class parts only then (``v1/serial_utils.py`` refuses them
+    otherwise), so the transfer sets it -- unless ``allow_insecure_serialization=False`` forbids it.
     "serialized" (the tensors' bytes, through vLLM's msgpack transport: a host copy, no pickling) needs the
     multiprocess engine: there tensors in ``collective_rpc`` arguments would arrive as plain lists.
     "in_process" needs the workers inside this process: ``v1_multiprocessing=False`` and either TP = 1
@@ -61,7 +62,7 @@ def weight_transfer_env(
     variables to a conflicting value.
 
     >>> weight_transfer_env("cuda_ipc", tensor_parallel_size=2, v1_multiprocessing=True,
-    ...     allow_insecure_serialization=True, distributed_executor_backend=None, environ={})
+    ...     distributed_executor_backend=None, environ={})
     {'VLLM_ALLOW_INSECURE_SERIALIZATION': '1', 'VLLM_ENABLE_V1_MULTIPROCESSING': '1'}
     """
     if weight_transfer not in WEIGHT_TRANSFERS:
@@ -72,10 +73,10 @@ def weight_transfer_env(
             raise ValueError("weight_transfer='cuda_ipc' needs vLLM's multiprocess engine (v1_multiprocessing=True, "
                              "no external_launcher): a process cannot open its own CUDA IPC handles. Use "
                              "weight_transfer='in_process' for in-process executors")
-        if not allow_insecure_serialization:
+        if allow_insecure_serialization is False:
             raise ValueError("weight_transfer='cuda_ipc' sends torch IPC handles through vLLM's msgpack transport, "
-                             "which pickles them only with VLLM_ALLOW_INSECURE_SERIALIZATION=1: pass "
-                             "allow_insecure_serialization=True (trusted, single-node setups only)")
+                             "which pickles them only with VLLM_ALLOW_INSECURE_SERIALIZATION=1, and "
+                             "allow_insecure_serialization=False forbids it: use weight_transfer='serialized'")
         env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **env}
     elif weight_transfer == "serialized":
         if not v1_multiprocessing:

@@ -156,8 +156,6 @@ def _engine(**kw):
     kw.setdefault("weight_transfer", "in_process")
     if kw["weight_transfer"] == "in_process":
         kw.setdefault("v1_multiprocessing", False)
-    else:
-        kw.setdefault("allow_insecure_serialization", True)
     return VLLMRolloutEngine(model_path=kw.pop("model_path", "/nonexistent"), **kw)
 
 
@@ -291,6 +289,13 @@ def test_level_2_sleep_needs_a_sync_before_generating(fake_vllm, on_cuda_device)
         eng.generate([[1]], SamplingParams(max_new_tokens=1))
     _sync(eng)
     assert eng.generate([[1]], SamplingParams(max_new_tokens=1, seed=0)).samples[0].response_ids == [101]
+
+
+# -------------------------------------------------------------------------------- transfer environment
+def test_the_default_cuda_engine_starts_with_what_cuda_ipc_needs(fake_vllm):
+    eng = _engine(weight_transfer=None)  # no recipe sets allow_insecure_serialization
+    assert eng.weight_transfer == "cuda_ipc"
+    assert FakeLLM.instances[0].env_at_start["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
 
 
 # ------------------------------------------------------------------------------ allocator environment
