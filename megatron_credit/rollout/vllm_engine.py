@@ -88,9 +88,10 @@ The vLLM 0.11 API used, and what we rely on:
     device; the engine replaces it by
     :func:`~megatron_credit.rollout.vllm_setup.pinned_device_executor` on this process's current GPU
     (``gpus[0]`` when given, which must be it), so each trainer rank's engine lands on that rank's GPU.
-    With ``torch.distributed`` already
-    initialised, vLLM builds its groups over the trainer's whole world (collectives): every rank must
-    build its engine at the same time.
+    With ``external_launcher`` and ``torch.distributed`` already initialised, vLLM builds its groups
+    over the trainer's whole world (collectives): every rank must build its engine at the same time,
+    which holds only with the trainer's TP = PP = CP = 1 and a rollout TP of 1 (the recipe's checks
+    call :func:`~megatron_credit.rollout.vllm_setup.launcher_problem`).
 
   Both env vars are set in this process by the constructor, before vLLM starts (its engine-core and
   worker processes inherit them); a conflicting value already in the environment is an error.

@@ -103,6 +103,39 @@ def weight_transfer_env(
     return env
 
 
+def launcher_problem(engine_options: Mapping[str, Any], *, tp: int, pp: int, cp: int) -> str | None:
+    """Why the recipe's in-process ``external_launcher`` engine cannot run under this trainer, in one
+    line, or None (also for every other executor).
+
+    ``engine_options``: ``rollout.engine_options``; ``tp`` / ``pp`` / ``cp``: the trainer's tensor,
+    pipeline and context parallel sizes. With ``distributed_executor_backend="external_launcher"``
+    vLLM builds its process groups over ``torch.distributed``'s whole world, the trainer's: with the
+    trainer's model split (TP, PP or CP > 1) these groups are not the engine's. And every rank of such
+    an engine must build it, while the trainer builds one engine per rollout-TP group, on its first
+    rank: a rollout TP above 1 would wait for the others forever.
+
+    >>> inproc = {"engine_kwargs": {"distributed_executor_backend": "external_launcher"}}
+    >>> launcher_problem(inproc, tp=1, pp=1, cp=1), launcher_problem({"tensor_parallel_size": 4}, tp=2, pp=1, cp=1)
+    (None, None)
+    >>> launcher_problem(inproc, tp=2, pp=1, cp=1)[:89]
+    'rollout.engine_options.engine_kwargs.distributed_executor_backend=external_launcher needs'
+    """
+    kwargs = engine_options.get("engine_kwargs") or {}
+    if kwargs.get("distributed_executor_backend") != "external_launcher":
+        return None
+    field = "rollout.engine_options.engine_kwargs.distributed_executor_backend=external_launcher"
+    if (tp, pp, cp) != (1, 1, 1):
+        return (f"{field} needs parallel.tensor_model_parallel_size = pipeline_model_parallel_size = "
+                f"context_parallel_size = 1 (got {tp}, {pp}, {cp}): vLLM would build its groups over the "
+                "trainer's whole world; use the default multiprocess engine")
+    rollout_tp = engine_options.get("tensor_parallel_size", 1)
+    if rollout_tp != 1:
+        return (f"{field} needs rollout.engine_options.tensor_parallel_size = 1 (got {rollout_tp}): every rank "
+                "of such an engine must build it, and the trainer builds one per rollout-TP group; use the "
+                "default multiprocess engine")
+    return None
+
+
 def sleep_mode_alloc_env(environ: Mapping[str, str], *, in_process: bool) -> dict[str, Optional[str]]:
     """The allocator variables to change (value, or None to unset) while the engine processes start.
 
@@ -308,10 +341,11 @@ def check_engine_memory(platform: VLLMPlatform, llm_kwargs: Mapping[str, Any]) -
     other engines is whatever they left at that moment. On CPU ``kv_cache_memory_bytes`` (> 0) bounds
     it instead (there a fraction would be of host RAM). Raises ValueError naming the setting.
 
-    >>> check_engine_memory(vllm_platform(cuda=True, gpu_memory_utilization=None), {"gpu_memory_utilization": None})
+    >>> check_engine_memory(vllm_platform(cuda=True), {"gpu_memory_utilization": 0.4})
+    >>> check_engine_memory(vllm_platform(cuda=True), {"gpu_memory_utilization": None})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: the vLLM engine needs an explicit gpu_memory_utilization in (0, 1] (rollout.engine_options.gpu_memory_utilization: its share of each of its GPUs); got None
+    ValueError: the vLLM engine needs an explicit gpu_memory_utilization in (0, 1] ...; got None
     """
     key, what = (("gpu_memory_utilization", "in (0, 1] (rollout.engine_options.gpu_memory_utilization: its share "
                   "of each of its GPUs)") if platform.name == "cuda" else

@@ -4,8 +4,8 @@ in-process launcher's limits. Each guards a way in which vLLM (0.32 - 0.34) woul
 misplace, an engine the trainer builds."""
 import pytest
 
-from megatron_credit.rollout.vllm_setup import (engine_visible_devices, resolve_transfer, vllm_platform,
-                                                weight_transfer_env)
+from megatron_credit.rollout.vllm_setup import (engine_visible_devices, launcher_problem, resolve_transfer,
+                                                vllm_platform, weight_transfer_env)
 
 
 # ------------------------------------------------------------------------------------- weight transfer
@@ -79,3 +79,30 @@ def test_cuda_ipc_workers_find_the_actors_gpu_in_their_restricted_view(monkeypat
     assert vllm_worker.local_device_index(actor_uuid) == 0
     with pytest.raises(RuntimeError, match="not visible to this vLLM worker"):
         vllm_worker.local_device_index(physical["0"])  # another engine's GPU
+
+
+# ---------------------------------------------------------------------------------- in-process launcher
+_LAUNCHER = {"engine_kwargs": {"distributed_executor_backend": "external_launcher"}}
+
+
+@pytest.mark.parametrize("tp,pp,cp", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (4, 2, 2)])
+def test_an_in_process_launcher_engine_is_refused_under_a_split_trainer(tp, pp, cp):
+    problem = launcher_problem(_LAUNCHER, tp=tp, pp=pp, cp=cp)
+    assert problem == ("rollout.engine_options.engine_kwargs.distributed_executor_backend=external_launcher needs "
+                       "parallel.tensor_model_parallel_size = pipeline_model_parallel_size = context_parallel_size "
+                       f"= 1 (got {tp}, {pp}, {cp}): vLLM would build its groups over the trainer's whole world; use "
+                       "the default multiprocess engine")
+    assert "\n" not in problem
+
+
+def test_an_in_process_launcher_engine_needs_rollout_tp_1():
+    assert launcher_problem(_LAUNCHER, tp=1, pp=1, cp=1) is None
+    problem = launcher_problem({**_LAUNCHER, "tensor_parallel_size": 2}, tp=1, pp=1, cp=1)
+    assert problem.startswith("rollout.engine_options.engine_kwargs.distributed_executor_backend=external_launcher "
+                              "needs rollout.engine_options.tensor_parallel_size = 1 (got 2)")
+
+
+def test_other_executors_are_not_the_launchers_concern():
+    for options in ({}, {"engine_kwargs": None}, {"tensor_parallel_size": 8},
+                    {"engine_kwargs": {"distributed_executor_backend": "mp"}}):
+        assert launcher_problem(options, tp=8, pp=4, cp=2) is None
