@@ -222,13 +222,15 @@ class VLLMRolloutEngine:
     """Rollout engine over ``vllm.LLM`` with sleep mode and in-memory weight sync (see module docstring).
 
     ``logprobs_mode`` ("raw" or "processed") is fixed per engine because vLLM fixes it per engine.
-    ``weight_transfer`` ("cuda_ipc", "serialized" or "in_process") and ``v1_multiprocessing`` choose how
-    weight buckets reach the workers (``allow_insecure_serialization=False`` forbids "cuda_ipc"); they are checked by
-    :func:`weight_transfer_env` before vLLM is imported, and the env vars it returns are set here, in
-    this process, before the engine (and its engine-core process, which inherits them) starts.
-    ``max_position_embeddings`` / ``rope_theta`` override the checkpoint's (the recipe's
-    ``model.max_position_embeddings`` / ``model.rope_theta``, which the trainer's model uses too); with
-    a local ``model_path`` the engine always passes the checkpoint's RoPE to vLLM as ``hf_overrides``
+    ``weight_transfer`` ("cuda_ipc", "serialized" or "in_process") and ``v1_multiprocessing`` choose
+    how weight buckets reach the workers (``allow_insecure_serialization=False`` forbids "cuda_ipc");
+    they are checked by :func:`weight_transfer_env` before vLLM is imported, and the env vars it returns
+    are set here, in this process, before the engine (and its engine-core process, which inherits them)
+    starts. ``gpus``: the engine's GPUs (see :meth:`from_config`); ``gpu_memory_utilization``: its
+    share of each, always passed to vLLM on CUDA. ``max_position_embeddings`` / ``rope_theta``
+    override the checkpoint's (the recipe's ``model.max_position_embeddings`` / ``model.rope_theta``,
+    which the trainer's model uses too); with a local ``model_path`` the engine always passes the
+    checkpoint's RoPE to vLLM as ``hf_overrides``
     (:func:`~megatron_credit.rollout.vllm_setup.vllm_hf_overrides`). ``engine_kwargs`` pass through to
     ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``, ``distributed_executor_backend``; a dict
     ``hf_overrides`` there wins over ours).
@@ -388,7 +390,8 @@ class VLLMRolloutEngine:
         # The trainer wakes the weights and syncs all of them before each generation phase, so a sleep
         # may drop them (level 2: no host copy) where sleep frees memory (CUDA).
         kwargs = {"model_path": path, "seed": seed, "load_format": "dummy",
-                  "sleep_level": 2 if _cuda_available() else 1, "dtype": str(model.torch_dtype()).removeprefix("torch."),
+                  "sleep_level": 2 if _cuda_available() else 1,
+                  "dtype": str(model.torch_dtype()).removeprefix("torch."),
                   "max_position_embeddings": model.max_position_embeddings,
                   "rope_theta": model.rope_theta, **dict(rollout.engine_options or {})}
         if gpus is not None:
