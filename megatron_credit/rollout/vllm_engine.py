@@ -138,9 +138,9 @@ from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resol
 from megatron_credit.rollout.sampling import row_seed
 from megatron_credit.rollout.types import RolloutBatch, RolloutSample, SamplingParams
 from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env, check_bucket,  # noqa: F401
-                                                check_engine_memory, engine_visible_devices, hf_param_table,
-                                                pinned_device_executor, read_config_json, resolve_transfer,
-                                                sleep_mode_alloc_env, vllm_hf_overrides, vllm_platform,
+                                                check_engine_memory, engine_hf_overrides,
+                                                engine_visible_devices, hf_param_table, pinned_device_executor,
+                                                resolve_transfer, sleep_mode_alloc_env, vllm_platform,
                                                 weight_transfer_env)
 from megatron_credit.rollout.vllm_translate import (_VLLM_LOGPROBS_MODE, completion_to_sample,  # noqa: F401
                                                     failed_samples, prompt_length_error, request_plan,
@@ -168,25 +168,6 @@ def _current_cuda_device() -> int:
     import torch
 
     return torch.cuda.current_device()
-
-
-def _hf_overrides(model_path: str, given: Any, *, max_position_embeddings: int | None,
-                  rope_theta: float | None) -> Any:
-    """``hf_overrides`` for ``vllm.LLM``: the checkpoint's RoPE (and the recipe's overrides), then ``given``."""
-    config = read_config_json(model_path)
-    if config is None:
-        if max_position_embeddings is not None or rope_theta is not None:
-            raise ValueError("max_position_embeddings / rope_theta overrides need a local model_path with a "
-                             f"config.json; got {model_path!r}")
-        return given if given is not None else {}
-    if given is not None and not isinstance(given, Mapping):
-        raise ValueError("engine_kwargs['hf_overrides'] must be a dict for this engine (it adds the "
-                         f"checkpoint's RoPE settings to it); got {type(given).__name__}")
-    ours = vllm_hf_overrides(config, max_position_embeddings=max_position_embeddings, rope_theta=rope_theta)
-    given = dict(given or {})
-    if "rope_theta" in given and "rope_parameters" not in given:  # vLLM reads rope_parameters only
-        given["rope_parameters"] = {**ours["rope_parameters"], "rope_theta": float(given["rope_theta"])}
-    return {**ours, **given}
 
 
 def _import_vllm():
@@ -272,9 +253,9 @@ class VLLMRolloutEngine:
         )
         in_process = weight_transfer == "in_process"
         start_env = sleep_mode_alloc_env(os.environ, in_process=in_process) if platform.sleep_mode else {}
-        engine_kwargs["hf_overrides"] = _hf_overrides(model_path, engine_kwargs.get("hf_overrides"),
-                                                      max_position_embeddings=max_position_embeddings,
-                                                      rope_theta=rope_theta)
+        engine_kwargs["hf_overrides"] = engine_hf_overrides(model_path, engine_kwargs.get("hf_overrides"),
+                                                            max_position_embeddings=max_position_embeddings,
+                                                            rope_theta=rope_theta)
         if platform.name == "cuda" and gpus is not None:
             if len(gpus) != tensor_parallel_size:
                 raise ValueError(f"gpus={tuple(gpus)} must name tensor_parallel_size={tensor_parallel_size} GPU(s)")

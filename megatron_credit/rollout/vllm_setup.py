@@ -277,6 +277,26 @@ def read_config_json(model_path: str) -> Optional[dict[str, Any]]:
         return json.load(f)
 
 
+def engine_hf_overrides(model_path: str, given: Any, *, max_position_embeddings: int | None,
+                        rope_theta: float | None) -> Any:
+    """``hf_overrides`` for ``vllm.LLM``: the checkpoint's RoPE (:func:`vllm_hf_overrides`, with the recipe's
+    overrides) when ``model_path`` is a local folder, then ``given`` (``engine_kwargs["hf_overrides"]``)."""
+    config = read_config_json(model_path)
+    if config is None:
+        if max_position_embeddings is not None or rope_theta is not None:
+            raise ValueError("max_position_embeddings / rope_theta overrides need a local model_path with a "
+                             f"config.json; got {model_path!r}")
+        return given if given is not None else {}
+    if given is not None and not isinstance(given, Mapping):
+        raise ValueError("engine_kwargs['hf_overrides'] must be a dict for this engine (it adds the "
+                         f"checkpoint's RoPE settings to it); got {type(given).__name__}")
+    ours = vllm_hf_overrides(config, max_position_embeddings=max_position_embeddings, rope_theta=rope_theta)
+    given = dict(given or {})
+    if "rope_theta" in given and "rope_parameters" not in given:  # vLLM reads rope_parameters only
+        given["rope_parameters"] = {**ours["rope_parameters"], "rope_theta": float(given["rope_theta"])}
+    return {**ours, **given}
+
+
 def pinned_device_executor(base: type, device_index: int) -> type:
     """A subclass of vLLM's ``UniProcExecutor`` (``base``) whose worker uses CUDA device ``device_index``.
 
