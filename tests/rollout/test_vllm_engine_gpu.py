@@ -43,8 +43,9 @@ def vllm_engine(tiny_model_dir):
 
     path, _ = tiny_model_dir
     # Default multiprocess V1 engine: weight buckets travel as CUDA IPC handles.
+    # The engine's processes see only this process's GPU (gpus), where the actor's IPC handles live.
     eng = VLLMRolloutEngine(model_path=str(path), gpu_memory_utilization=0.2, logprobs_mode="raw",
-                            weight_transfer="cuda_ipc", allow_insecure_serialization=True,
+                            weight_transfer="cuda_ipc", gpus=(torch.cuda.current_device(),),
                             engine_kwargs={"enforce_eager": True, "max_model_len": 256})
     yield eng
     eng.close()
@@ -81,15 +82,18 @@ def test_vllm_seed_reproduces_and_sleep_wake_keeps_weights(vllm_engine):
     assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
 
 
-def test_vllm_update_weights_while_asleep(vllm_engine, tiny_model_dir):
+def test_vllm_update_weights_after_waking_the_weights(vllm_engine, tiny_model_dir):
     _, hf = tiny_model_dir
     params = SamplingParams(temperature=0, max_new_tokens=12)
     before = vllm_engine.generate(PROMPTS, params)
     new_sd = {k: v + 0.05 * torch.randn_like(v) for k, v in hf.model.state_dict().items()}
     hf.model.load_state_dict(new_sd)
     vllm_engine.sleep()
+    with pytest.raises(RuntimeError, match="weights are asleep"):  # vLLM's workers would crash
+        vllm_engine.update_weights(_layer_buckets(new_sd))
+    vllm_engine.wake_up(tags=["weights"])
     assert vllm_engine.update_weights(_layer_buckets(new_sd)) == len(new_sd)
-    vllm_engine.wake_up()
+    vllm_engine.wake_up(tags=["kv_cache"])
     after = vllm_engine.generate(PROMPTS, params)
     assert [s.response_ids for s in after.samples] != [s.response_ids for s in before.samples]
     padded, trainer = _trainer_logprobs(hf.model.cuda(), after)
@@ -123,6 +127,7 @@ def test_vllm_greedy_n_and_sleep_after_a_sync(vllm_engine, tiny_model_dir):
     assert [s.sample_index for s in greedy.samples] == [0, 1, 2]
     assert len({tuple(s.response_ids) for s in greedy.samples}) == 1
     vllm_engine.sleep()
+    vllm_engine.wake_up(tags=["weights"])
     vllm_engine.update_weights(_layer_buckets(hf.model.state_dict()))
     vllm_engine.sleep()  # weights woken for the sync must be released again (vLLM alone would ignore this)
     vllm_engine.wake_up()
@@ -136,3 +141,26 @@ def test_vllm_stop_token_on_the_last_step_is_stopped(vllm_engine):
     s = vllm_engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=k + 1,
                                                          stop_token_ids=[free[5]])).samples[0]
     assert s.response_ids == free[: k + 1] and s.status == FinishStatus.STOPPED
+
+
+def test_vllm_level_2_sleep_in_the_trainers_order(vllm_engine, tiny_model_dir):
+    """The trainer's engine (``from_config`` on CUDA) sleeps at level 2: the weights are dropped, and the
+    sync after waking them restores them exactly."""
+    _, hf = tiny_model_dir
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    before = vllm_engine.generate(PROMPTS, params)
+    vllm_engine.sleep_level = 2
+    try:
+        vllm_engine.sleep()
+        vllm_engine.wake_up(tags=["weights"])
+        vllm_engine.wake_up(tags=["kv_cache"])
+        with pytest.raises(RuntimeError, match="no valid weights"):
+            vllm_engine.generate(PROMPTS, params)
+        vllm_engine.sleep()
+        vllm_engine.wake_up(tags=["weights"])
+        vllm_engine.update_weights(_layer_buckets(hf.model.state_dict()))
+        vllm_engine.wake_up(tags=["kv_cache"])
+        after = vllm_engine.generate(PROMPTS, params)
+    finally:
+        vllm_engine.sleep_level = 1
+    assert [s.response_ids for s in after.samples] == [s.response_ids for s in before.samples]

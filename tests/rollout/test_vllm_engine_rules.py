@@ -156,8 +156,6 @@ def _engine(**kw):
     kw.setdefault("weight_transfer", "in_process")
     if kw["weight_transfer"] == "in_process":
         kw.setdefault("v1_multiprocessing", False)
-    else:
-        kw.setdefault("allow_insecure_serialization", True)
     return VLLMRolloutEngine(model_path=kw.pop("model_path", "/nonexistent"), **kw)
 
 
@@ -211,6 +209,7 @@ def test_sleep_after_a_weight_sync_then_wake_up(fake_vllm, on_cuda_device):
     eng = _engine()
     llm = FakeLLM.instances[0]
     eng.sleep()
+    eng.wake_up(tags=["weights"])
     assert _sync(eng) == 3  # HF tensors sent
     assert llm.mapped == {"weights": True, "kv_cache": False}
     eng.sleep()  # e.g. the trainer's next phase: the weights must be released again, not ignored
@@ -258,27 +257,82 @@ def test_a_bad_bucket_is_refused_before_it_is_sent_and_a_dropped_one_is_named(fa
     assert eng.update_weights(others, strict=False) == 3
 
 
-@pytest.mark.parametrize("sequence", [
-    ["sleep", "sync", "wake_up", "generate"],
-    ["sync", "generate", "sleep", "sleep", "wake_up", "wake_up", "generate"],
-    ["sleep", "sync", "sync", "sleep", "sync", "wake_up", "generate", "sleep", "wake_up", "generate"],
-])
-def test_sleep_wake_sync_sequences_keep_vllm_consistent(fake_vllm, on_cuda_device, sequence):
+def test_weights_are_never_updated_while_asleep(fake_vllm, on_cuda_device):
+    """vLLM's workers crash when weights are loaded into released memory: the engine refuses (one line)
+    rather than waking the weights behind the caller's back, and the KV cache cannot wake first."""
     eng = _engine()
     llm = FakeLLM.instances[0]
+    eng.sleep()
+    with pytest.raises(RuntimeError, match=r"^update_weights while the engine's weights are asleep: call "
+                                           r"wake_up\(tags=\['weights'\]\) first"):
+        _sync(eng)
+    assert llm.loaded == [] and llm.mapped == {"weights": False, "kv_cache": False}
+    with pytest.raises(RuntimeError, match=r"wake_up\(tags=\['kv_cache'\]\) while the weights are asleep"):
+        eng.wake_up(tags=["kv_cache"])
+    with pytest.raises(ValueError, match=r"wake_up tags must be among \['weights', 'kv_cache'\]"):
+        eng.wake_up(tags=["scheduling"])
+    assert eng._state == "asleep" and llm.mapped == {"weights": False, "kv_cache": False}
+
+
+@pytest.mark.parametrize("sequence", [
+    ["sleep", "weights", "sync", "kv_cache", "generate"],  # the trainer's generation phase
+    ["sleep", "weights", "sync", "wake_up", "generate"],
+    ["sync", "generate", "sleep", "sleep", "wake_up", "wake_up", "generate"],
+    ["sleep", "weights", "weights", "sync", "sync", "sleep", "weights", "sync", "kv_cache", "kv_cache", "generate",
+     "sleep", "wake_up", "generate"],
+    ["weights", "kv_cache", "sleep", "weights", "sleep", "wake_up", "generate"],
+])
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_wake_sync_sequences_keep_vllm_consistent(fake_vllm, on_cuda_device, sequence, level):
+    eng = _engine(sleep_level=level)
+    llm = FakeLLM.instances[0]
+    synced = True  # since the last sleep
     for op in sequence:
         if op == "sync":
             _sync(eng)
+            synced = True
         elif op == "generate":
+            if level == 2 and not synced:  # a level-2 sleep dropped the weights
+                with pytest.raises(RuntimeError, match="no valid weights"):
+                    eng.generate([[1]], SamplingParams(max_new_tokens=1, seed=0))
+                continue
             assert eng.generate([[1]], SamplingParams(max_new_tokens=1, seed=0)).samples[0].status \
                 == FinishStatus.TRUNCATED
+        elif op in ("weights", "kv_cache"):
+            eng.wake_up(tags=[op])
         else:
             getattr(eng, op)()
+            synced = synced and op != "sleep"
         # The engine's view and vLLM's agree after every step.
         expected = {"awake": (False, set()), "asleep": (True, {"weights", "kv_cache"}),
                     "weights": (True, {"kv_cache"})}[eng._state]
         assert (llm.is_sleeping, llm.sleeping_tags) == expected, (op, eng._state)
     assert not any("tag not sleeping" in n for n in llm.noops)
+
+
+class _Model:
+    name_or_path, max_position_embeddings, rope_theta = "/nonexistent", None, None
+
+    @staticmethod
+    def torch_dtype():
+        return torch.bfloat16
+
+
+def test_the_trainers_engine_sleeps_at_level_2_with_an_explicit_gpu_share(fake_vllm):
+    eng = VLLMRolloutEngine.from_config(NS(engine_options={}), _Model(), seed=0, hf_config=None, gpus=(0,))
+    assert eng.sleep_level == 2 and FakeLLM.instances[-1].kwargs["gpu_memory_utilization"] == 0.5
+    for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
+        os.environ.pop(var)  # set by the engine for this process
+    eng = VLLMRolloutEngine.from_config(NS(engine_options={"gpu_memory_utilization": 0.35, "sleep_level": 1}),
+                                        _Model(), seed=0, hf_config=None)
+    assert eng.sleep_level == 1 and FakeLLM.instances[-1].kwargs["gpu_memory_utilization"] == 0.35
+    # vLLM 0.34 sizes its KV cache from the free memory unless told: never left to it.
+    built = len(FakeLLM.instances)
+    for options in ({"gpu_memory_utilization": None}, {"engine_kwargs": {"gpu_memory_utilization": None}},
+                    {"gpu_memory_utilization": 1.5}):
+        with pytest.raises(ValueError, match=r"needs an explicit gpu_memory_utilization in \(0, 1\]"):
+            VLLMRolloutEngine.from_config(NS(engine_options=options), _Model(), seed=0, hf_config=None)
+    assert len(FakeLLM.instances) == built
 
 
 def test_level_2_sleep_needs_a_sync_before_generating(fake_vllm, on_cuda_device):
@@ -291,6 +345,13 @@ def test_level_2_sleep_needs_a_sync_before_generating(fake_vllm, on_cuda_device)
         eng.generate([[1]], SamplingParams(max_new_tokens=1))
     _sync(eng)
     assert eng.generate([[1]], SamplingParams(max_new_tokens=1, seed=0)).samples[0].response_ids == [101]
+
+
+# -------------------------------------------------------------------------------- transfer environment
+def test_the_default_cuda_engine_starts_with_what_cuda_ipc_needs(fake_vllm):
+    eng = _engine(weight_transfer=None)  # no recipe sets allow_insecure_serialization
+    assert eng.weight_transfer == "cuda_ipc"
+    assert FakeLLM.instances[0].env_at_start["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
 
 
 # ------------------------------------------------------------------------------ allocator environment
@@ -329,6 +390,32 @@ def test_in_process_engine_runs_on_the_trainer_ranks_gpu(fake_vllm, on_cuda_devi
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the engine set it for this process (restored by the fixture)
     _engine(weight_transfer="cuda_ipc")
     assert [i.kwargs.get("distributed_executor_backend") for i in FakeLLM.instances[1:]] == ["external_launcher", None]
+
+
+@pytest.mark.parametrize("trainer_visible", [None, "GPU-a,GPU-b,GPU-c,GPU-d"])
+def test_engines_start_on_their_own_gpus(fake_vllm, monkeypatch, trainer_visible):
+    if trainer_visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", trainer_visible)
+    else:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for gpus in ((0, 1), (2, 3)):
+        _engine(weight_transfer="cuda_ipc", tensor_parallel_size=2, gpus=gpus)
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # set by the engine for this process
+        os.environ.pop("VLLM_ALLOW_INSECURE_SERIALIZATION")
+    seen = [i.env_at_start["CUDA_VISIBLE_DEVICES"] for i in FakeLLM.instances]
+    assert seen == (["0,1", "2,3"] if trainer_visible is None else ["GPU-a,GPU-b", "GPU-c,GPU-d"])
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == trainer_visible  # restored after the start
+    with pytest.raises(ValueError, match=r"gpus=\(0,\) must name tensor_parallel_size=2"):
+        _engine(weight_transfer="cuda_ipc", tensor_parallel_size=2, gpus=(0,))
+
+
+def test_an_in_process_engine_runs_on_gpus_0_which_is_this_ranks(fake_vllm, on_cuda_device):
+    _engine(gpus=(3,))
+    assert FakeUniProcExecutor.set_device_calls == [3]
+    # The process's own view is kept (vLLM's workers are in this process, already on its GPU).
+    assert FakeLLM.instances[0].env_at_start.get("CUDA_VISIBLE_DEVICES") == os.environ.get("CUDA_VISIBLE_DEVICES")
+    with pytest.raises(ValueError, match=r"in-process engine runs on this process's GPU \(cuda:3\)"):
+        _engine(gpus=(1,))
 
 
 def test_pinned_device_executor_keeps_the_rest_of_the_distributed_args():

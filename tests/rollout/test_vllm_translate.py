@@ -57,7 +57,7 @@ def test_completion_without_logprobs_fails():
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed here")
 def test_missing_vllm_raises_a_clear_import_error():
     with pytest.raises(ImportError, match=r"needs vLLM .*'hf' engine"):
-        VLLMRolloutEngine(model_path="/nonexistent", allow_insecure_serialization=True)
+        VLLMRolloutEngine(model_path="/nonexistent")
 
 
 def test_constructor_validates_before_importing_vllm(monkeypatch):
@@ -72,14 +72,14 @@ def test_constructor_validates_before_importing_vllm(monkeypatch):
         VLLMRolloutEngine(model_path="/x", logprobs_mode="raw_logits")
     with pytest.raises(ValueError, match="sleep_level"):
         VLLMRolloutEngine(model_path="/x", sleep_level=3)
-    with pytest.raises(ValueError, match="allow_insecure_serialization=True"):
-        VLLMRolloutEngine(model_path="/x")  # default cuda_ipc transfer without the explicit opt-in
+    with pytest.raises(ValueError, match="allow_insecure_serialization=False forbids it"):
+        VLLMRolloutEngine(model_path="/x", allow_insecure_serialization=False)  # the default cuda_ipc transfer
     with pytest.raises(ValueError, match="v1_multiprocessing=False"):
         VLLMRolloutEngine(model_path="/x", weight_transfer="in_process", v1_multiprocessing=True)
 
 
 # ------------------------------------------------------------------------- executor / transfer checks
-def _env(mode, *, tp=1, mp=True, insecure=True, backend=None, environ=None):
+def _env(mode, *, tp=1, mp=True, insecure=None, backend=None, environ=None):
     return weight_transfer_env(mode, tensor_parallel_size=tp, v1_multiprocessing=mp,
                                allow_insecure_serialization=insecure, distributed_executor_backend=backend,
                                environ=environ or {})
@@ -97,7 +97,8 @@ def test_weight_transfer_env_accepts_the_supported_setups():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mode="nccl"), "weight_transfer must be one of"),
-    (dict(mode="cuda_ipc", insecure=False), "VLLM_ALLOW_INSECURE_SERIALIZATION=1"),
+    (dict(mode="cuda_ipc", insecure=False), "allow_insecure_serialization=False forbids"),
+    (dict(mode="cuda_ipc", environ={"VLLM_ALLOW_INSECURE_SERIALIZATION": "0"}), "environment sets"),
     (dict(mode="cuda_ipc", mp=False), "cannot open its own CUDA IPC handles"),
     (dict(mode="cuda_ipc", backend="external_launcher"), "cannot open its own CUDA IPC handles"),
     (dict(mode="in_process"), "v1_multiprocessing=False"),
