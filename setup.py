@@ -47,7 +47,7 @@ setup(
         "vllm": ["vllm==0.33.0"],
         # gguf + accelerate: transformers' GGUF loading (tools/import_gguf.py, the real model of the tests).
         "test": ["pytest>=8", "pytest-timeout>=2.3", "gguf>=0.10", "accelerate>=0.26"],
-        # `make mutation` (issue 14); mutmut 3's config and result layout (setup.cfg, mutants/*.meta).
+        # `make mutation`; mutmut 3's config and result layout (setup.cfg, mutants/*.meta).
         "mutation": ["mutmut>=3.8,<4"],
     },
     entry_points={

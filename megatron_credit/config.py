@@ -286,10 +286,17 @@ class Recipe:
         if r.prompts_per_step % dp:
             out.append(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by the "
                        f"data-parallel size {dp}")
-        if r.n < 2 and not self.algorithm.spec_and_params()[0].needs_critic:  # issue 24: silent zero gradients
+        if r.n < 2 and not self.algorithm.spec_and_params()[0].needs_critic:  # silent zero gradients otherwise
             out.append(f"rollout.n={r.n}: algorithm {self.algorithm.name}'s advantages are relative to the group "
                        "of a prompt's samples, and a group of one has zero advantage (nothing trains); set "
                        "rollout.n >= 2, or use an algorithm with a critic (ppo)")
+        if r.engine == "vllm":
+            from megatron_credit.rollout.vllm_setup import launcher_problem
+
+            why = launcher_problem(r.engine_options, tp=tp, pp=p.pipeline_model_parallel_size,
+                                   cp=p.context_parallel_size)
+            if why:
+                out.append(why)
         if world_size % r.tensor_parallel_size:
             out.append(f"rollout.engine_options.tensor_parallel_size={r.tensor_parallel_size} must divide the world "
                        f"size {world_size} (world size / rollout TP engines, each on GPUs of its own)")

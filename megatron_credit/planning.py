@@ -390,18 +390,13 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
 
 def _rollout_layout(recipe, *, nodes: int, gpus_per_node: int, problems: list) -> tuple[int, int]:
     """(engines, rollout TP): every GPU generates, an engine on each contiguous group of rollout-TP GPUs
-    of a node. Appends to ``problems`` a rollout TP that does not divide the node or the world."""
-    rtp = int(dict(recipe.rollout.engine_options).get("tensor_parallel_size", 1))
-    field = f"rollout.engine_options.tensor_parallel_size={rtp}"
-    world = nodes * gpus_per_node
-    if rtp < 1:
-        problems.append(f"{field} must be >= 1")
-        return world, 1
+    of a node (``rollout.placement``). Appends to ``problems`` a rollout TP that splits a node (the
+    recipe's own checks name one that does not divide the world)."""
+    rtp = recipe.rollout.tensor_parallel_size
     if gpus_per_node % rtp:
-        problems.append(f"{field} does not divide gpus_per_node={gpus_per_node} (an engine's GPUs are on one node)")
-    if world % rtp:
-        problems.append(f"{field} does not divide the world size {world} (every GPU hosts a share of one engine)")
-    return max(world // rtp, 1), rtp
+        problems.append(f"rollout.engine_options.tensor_parallel_size={rtp} does not divide gpus_per_node="
+                        f"{gpus_per_node} (an engine's GPUs are on one node)")
+    return max(nodes * gpus_per_node // rtp, 1), rtp
 
 
 def _cuda_contexts(recipe) -> tuple[int, str]:

@@ -96,3 +96,20 @@ def test_norm_by_std_is_refused_where_it_means_nothing(name):
         recipe_from_dict({"algorithm": {"name": name, "params": {"norm_by_std": False}}})
     grpo = recipe_from_dict({"algorithm": {"name": "grpo", "params": {"norm_by_std": False}}})
     assert grpo.algorithm.spec_and_params()[1].estimator_kwargs() == {"norm_by_std": False}
+
+
+def test_an_in_process_vllm_engine_under_a_split_trainer_is_refused_in_one_line():
+    from megatron_credit.config import recipe_from_dict
+
+    recipe = recipe_from_dict({}, overrides=[
+        "rollout.engine=vllm", "parallel.tensor_model_parallel_size=2",
+        "rollout.engine_options.engine_kwargs.distributed_executor_backend=external_launcher"])
+    problems = recipe.problems(recipe.model.hf_config(), world_size=2)
+    assert [p for p in problems if "external_launcher" in p] == [
+        "rollout.engine_options.engine_kwargs.distributed_executor_backend=external_launcher needs "
+        "parallel.tensor_model_parallel_size = pipeline_model_parallel_size = context_parallel_size = 1 "
+        "(got 2, 1, 1): vLLM would build its groups over the trainer's whole world; use the default "
+        "multiprocess engine"]
+    three = recipe_from_dict({}, overrides=["rollout.engine_options.tensor_parallel_size=3"])
+    assert "rollout.engine_options.tensor_parallel_size=3 must divide the world size 4" in " ".join(
+        three.problems(three.model.hf_config(), world_size=4))

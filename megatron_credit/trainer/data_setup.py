@@ -9,7 +9,7 @@ import dataclasses
 
 def hf_tokenizer(path: str, *, field: str):
     """``AutoTokenizer.from_pretrained(path)`` (a folder or a hub name); one that transformers cannot load
-    a tokenizer from is a ``ValueError`` naming the recipe field and the path (issue 24), not a traceback."""
+    a tokenizer from is a ``ValueError`` naming the recipe field and the path, not a traceback."""
     from transformers import AutoTokenizer
 
     try:
@@ -54,7 +54,7 @@ def build_data(d, *, seed: int, model_path: str | None, val_every: int, val_prom
         val_ds = load_prompt_dataset([d.val_path], tokenizer=tokenizer, max_prompt_len=d.max_prompt_len)
         val = DatasetPrompts(val_ds.records, tokenizer, seed=seed).take(min(val_prompts, len(val_ds.records)))
     stream = DatasetPrompts(train_ds.records, tokenizer, seed=seed)
-    stream.dropped_prompts = train_ds.stats.too_long  # issue 24: data/dropped_prompts, a warning over 10%
+    stream.dropped_prompts = train_ds.stats.too_long  # data/dropped_prompts, a warning over 10%
     warning = train_ds.stats.too_long_warning(f"data.train_path {d.train_path}")
     if warning:
         log(warning)

@@ -107,7 +107,7 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
 
     rank0 = dist.get_rank() == 0
     layout = check_recipe(recipe, hf_config, world_size=dist.get_world_size())
-    # --- issue 24: the run directory and the checkpoint are checked before anything is built or written
+    # the run directory and the checkpoint are checked before anything is built or written
     from megatron_credit.trainer.checkpoint_check import check_fresh_run_dir
 
     if resume == "none":
@@ -115,7 +115,6 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
     path = ckpt.resolve(run_dir, resume, log=log if rank0 else (lambda *_: None))  # every file checked
     if rank0:
         os.makedirs(run_dir, exist_ok=True)
-    # --- end issue 24
     spec, params = recipe.algorithm.spec_and_params()
     t = recipe.train
     tokenizer, prompts, val_prompts, task = build_data(
@@ -212,7 +211,7 @@ def open_metrics(recipe, *, run_dir: str, start: int, resumed: bool, recipe_file
 
     # The resolved recipe of this launch, written once the checkpoint (if any) was accepted: a refused
     # resume leaves the previous launch's config.yaml as it was. The user's own recipe file is never
-    # rewritten (issue 24: --config D/config.yaml --output-dir D).
+    # rewritten (--config D/config.yaml --output-dir D).
     resolved = os.path.join(run_dir, "config.yaml")
     if recipe_file is not None and os.path.exists(resolved) and os.path.samefile(recipe_file, resolved):
         log(f"note: {resolved} is this launch's --config: left as it is (not replaced by the resolved recipe)")
@@ -233,7 +232,7 @@ def iteration_metrics(run: Run, step: int) -> dict[str, float]:
     t0 = time.perf_counter()
     metrics = rl_iteration(ctx, step)
     metrics["actor/lr"] = ctx.actor.last_lr  # the policy's lr of the iteration's last step
-    metrics["data/dropped_prompts"] = float(run.prompts.dropped_prompts)  # at load (issue 24)
+    metrics["data/dropped_prompts"] = float(run.prompts.dropped_prompts)  # dropped at load
     if ctx.critic is not None:
         metrics["critic/lr"] = ctx.critic.last_lr
     if ctx.train.val_every and step % ctx.train.val_every == 0:
@@ -256,7 +255,7 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
     ``recipe_file``: the launch's ``--config`` (never rewritten when it is ``run_dir/config.yaml``).
     ``timings``, when given, receives ``warmup_s`` (absent without a warm-up) and ``rl_s`` (the loop:
     iterations, validation, checkpoints)."""
-    from megatron_credit.trainer.divergence import DivergenceGuard, stop_if_any_rank_diverged  # issue 24
+    from megatron_credit.trainer.divergence import DivergenceGuard, stop_if_any_rank_diverged
 
     timings = {} if timings is None else timings
     rank0 = dist.get_rank() == 0
@@ -280,7 +279,7 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
                 writer.write(step, metrics)
                 rows.append({"step": step, **metrics})
                 _show(bar, metrics, log)
-            stop_if_any_rank_diverged(guard.check(step, metrics), device=device)  # before it is saved (issue 24)
+            stop_if_any_rank_diverged(guard.check(step, metrics), device=device)  # before it is saved
             sigterm = _any_rank(stop["flag"], device)
             if sigterm or (every and step % every == 0):
                 _save(run_dir, step, run, keep=keep)

@@ -2,7 +2,7 @@
 
 Two iterations of GRPO and of FIPO on the demo's model shape (``examples/demo_cpu.yaml``: head_dim 32,
 which vLLM's CPU attention supports) through ``megatron_credit.trainer.loop.train`` in a one-rank gloo
-worker, and a ``torchrun`` run with DP = 2 (two processes, one vLLM engine each). The engine's log-probs
+worker, and ``torchrun`` runs at DP = 2 and at trainer TP = 2 (two processes, one vLLM engine each). The engine's log-probs
 of its own samples must equal the actor's (``mismatch/logprob_abs_mean``) at every iteration, the second
 one included: the actor's first update (its gradient is not zero) reached the engine through the sync. A
 run whose syncs after the first send nothing shows that this metric sees a missing sync.
@@ -96,21 +96,24 @@ def test_a_missing_sync_shows_in_the_mismatch(pool, runs):
     assert rows[1]["mismatch/logprob_abs_mean"] > 1e-3  # iteration 2 sampled with the weights of iteration 1
 
 
-def test_torchrun_data_parallel_one_engine_per_replica(tmp_path):
-    run = tmp_path / "dp2"
+@pytest.mark.parametrize("layout", ["parallel.tensor_model_parallel_size=1", "parallel.tensor_model_parallel_size=2"])
+def test_torchrun_an_engine_on_every_rank(tmp_path, layout):
+    # DP 2 (two replicas) or trainer TP 2 (one replica over both ranks): every rank runs an engine
+    # (rollout TP 1), fed from the trainer's layout, and each engine's samples match the actor after every sync
+    run = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
          os.path.join(ROOT, "pretrain_rl.py"), "--config", DEMO, "--output-dir", str(run), *OVERRIDES,
-         f"warmup.cache_dir={tmp_path / 'warmup-cache'}", "algorithm.name=grpo"],
+         f"warmup.cache_dir={tmp_path / 'warmup-cache'}", "algorithm.name=grpo", layout],
         capture_output=True, text=True, cwd=ROOT, timeout=600,
         env=dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "DP=2" in out
-    # vLLM logs its engine's start once per engine, tagged with the process id: one per DP rank.
+    assert ("DP=1" if layout.endswith("2") else "DP=2") in out
+    # vLLM logs its engine's start once per engine, tagged with the process id: one per rank.
     pids = set(re.findall(r"\(MainProcess pid=(\d+)\)[^\n]*Initializing a V1 LLM engine", out))
     assert len(pids) == 2, pids
     rows = metrics_rows(run)
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["rollout/engines"] == 2 for r in rows)
     assert all(r["actor/grad_norm"] > 0 for r in rows)
     assert all(r["mismatch/logprob_abs_mean"] <= 1e-4 for r in rows), [r["mismatch/logprob_abs_mean"] for r in rows]
