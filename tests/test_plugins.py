@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from tests.support.paths import ROOT
+from tests.support.runs import VOLATILE
 
 PLUGIN = os.path.join(ROOT, "examples", "plugins", "token_weighted_grpo.py")
 TINY = ["data.min_operand=1", "data.max_operand=9", "warmup.steps=150", "rollout.prompts_per_step=8",
@@ -40,7 +41,7 @@ def _train(tmp_path, name, *overrides):
 
 
 def _untimed(row):
-    return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))}
+    return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
 
 
 @pytest.mark.dist

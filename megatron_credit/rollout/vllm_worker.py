@@ -73,6 +73,32 @@ def pack_ipc_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any
     return {"device_uuid": uuid, "tensors": tensors}
 
 
+def stage_ipc_bucket(bucket: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> tuple[list, dict[str, Any]]:
+    """A bucket put on ``device`` (contiguous, its copies finished) and its :func:`pack_ipc_bucket` handles:
+    ``(tensors, packed)``; keep ``tensors`` alive until every receiver has loaded them."""
+    tensors = [(name, t.detach().to(device).contiguous()) for name, t in bucket]
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # the workers read this memory next
+    return tensors, pack_ipc_bucket(tensors)
+
+
+def select_device_bucket(packed: dict[str, Any], *, own_uuid: str | None) -> dict[str, Any]:
+    """The one-device bucket a worker opens: ``packed`` itself, or, when every trainer rank of the engine
+    staged the bucket on its own GPU (``{"by_device": {uuid: packed}}``), the one on the worker's own GPU.
+
+    >>> one = {"device_uuid": "GPU-b", "tensors": []}
+    >>> select_device_bucket({"by_device": {"GPU-a": {}, "GPU-b": one}}, own_uuid="GPU-b") is one
+    True
+    """
+    by_device = packed.get("by_device")
+    if by_device is None:
+        return packed
+    if own_uuid not in by_device:
+        raise RuntimeError(f"no trainer rank staged this weight bucket on the worker's GPU {own_uuid} (staged on "
+                           f"{sorted(map(str, by_device))}): the engine's GPUs must be its trainer ranks' GPUs")
+    return by_device[own_uuid]
+
+
 def unpack_ipc_bucket(packed: dict[str, Any], *, device_index: int | None) -> list[tuple[str, torch.Tensor]]:
     """Receiver side: rebuild the tensors of :func:`pack_ipc_bucket`.
 
@@ -159,7 +185,10 @@ class WeightSyncExtension:
         return len(named_tensors)
 
     def load_ipc_weights(self, packed: dict[str, Any]) -> int:
-        """Multiprocess executors: load one bucket sent as CUDA IPC handles (:func:`pack_ipc_bucket`)."""
+        """Multiprocess executors: load one bucket sent as CUDA IPC handles (:func:`pack_ipc_bucket`), or the
+        copy on this worker's own GPU of one staged by every trainer rank (:func:`select_device_bucket`)."""
+        if "by_device" in packed:
+            packed = select_device_bucket(packed, own_uuid=cuda_device_uuid(torch.device(self.device).index))  # type: ignore[attr-defined]
         uuid = packed["device_uuid"]
         weights = unpack_ipc_bucket(packed, device_index=None if uuid is None else local_device_index(uuid))
         try:

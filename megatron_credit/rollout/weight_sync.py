@@ -25,7 +25,7 @@ ValueError: weight sync: unknown parameter 'weigth' (not in the rollout model; i
 from __future__ import annotations
 
 import re
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -116,3 +116,41 @@ def _check(name: str, tensor: torch.Tensor, targets: dict[str, torch.Tensor]) ->
     want = tuple(targets[name].shape)
     if tuple(tensor.shape) != want:
         raise ValueError(f"weight sync: shape mismatch for {name!r}: got {tuple(tensor.shape)}, model has {want}")
+
+
+class PeerBuckets:
+    """The ranks of one engine's GPUs sending it every bucket from their own GPU (CUDA IPC from the
+    colocated rank): each worker of a tensor-parallel engine then maps the memory of the trainer rank on
+    its own GPU, never another GPU's (which would open a CUDA context there, ~0.5 GiB each).
+
+    Every rank of the group stages each bucket on its own device with ``stage(bucket, device) ->
+    (tensors, handle)``; the engine's leader calls :meth:`gather` with its handle and gets every rank's
+    (its own first), sends them, then calls :meth:`done`; the other ranks run :meth:`follow` over the
+    same stream, keeping each bucket's tensors alive until the leader is done with it. ``group``: the
+    engine's ranks; ``leader``: its first (a global rank).
+    """
+
+    def __init__(self, group: Any, leader: int, stage: Callable[[list, torch.device], tuple[Any, Any]]):
+        self.group, self.leader, self.stage = group, leader, stage
+
+    def gather(self, handle: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.gather_object(handle, out, dst=self.leader, group=self.group)
+        return out
+
+    def done(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
+
+    def follow(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], device: torch.device) -> None:
+        """A non-leader rank's side of a sync: stage, hand over, wait, free; bucket by bucket."""
+        import torch.distributed as dist
+
+        for bucket in buckets:
+            tensors, handle = self.stage(list(bucket), device)
+            dist.gather_object(handle, None, dst=self.leader, group=self.group)
+            self.done()  # the engine's workers have read this rank's memory
+            del tensors, handle

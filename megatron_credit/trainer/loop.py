@@ -137,7 +137,8 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
                               max_draws=recipe.algorithm.max_draws, dynamic_sampling=recipe.algorithm.dynamic_sampling,
                               val_samples=t.val_samples, tokenizer=tokenizer, prompts=prompts,
                               val_prompts=val_prompts, actor=actor, layout=engines, local_rank=local_rank,
-                              dp_of_rank=dp_of_rank, offload=GenerationOffload([actor, critic]), log=log)
+                              dp_of_rank=dp_of_rank, offload=GenerationOffload([actor, critic]),
+                              group_timeout_s=recipe.distributed.timeout_s, log=log)
     ctx = Context(spec=spec, params=params, actor=actor, rollouts=rollouts, critic=critic,
                   pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(recipe.parallel),
                   **context_settings(recipe, params))

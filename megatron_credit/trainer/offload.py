@@ -35,9 +35,11 @@ def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 
 def _storage_key(t: torch.Tensor) -> int:
+    """Where ``t``'s memory lives (views of one tensor share it); the tensor itself for a tensor subclass
+    without a storage of its own."""
     try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):  # a tensor subclass without a plain storage
+        return t.untyped_storage().data_ptr() or id(t)
+    except (RuntimeError, NotImplementedError, TypeError):
         return id(t)
 
 

@@ -46,13 +46,14 @@ class RolloutManager:
     def __init__(self, *, rollout: RolloutConfig, reward: RewardConfig, engine_factory: Callable[..., Any],
                  seed: int, max_draws: int, dynamic_sampling: bool, val_samples: int, tokenizer, prompts,
                  val_prompts, actor, layout: EngineLayout, local_rank: int, dp_of_rank: list[int],
-                 offload: GenerationOffload, log=print):
+                 offload: GenerationOffload, group_timeout_s: float, log=print):
         """The recipe's ``rollout`` and ``reward`` sections; ``engine_factory(gpus=...)`` builds the rollout
         engine (on engine leaders only: ``rollout.engine.build_trainer_engine``); ``seed`` (the run's),
         ``max_draws`` and ``dynamic_sampling`` (``algorithm.*``: DAPO's dynamic sampling), ``val_samples``
         (``train.val_samples``: k of the validation's Avg@k); ``layout``: the engines; ``local_rank``: this
         rank's device index on its node; ``dp_of_rank``: the data-parallel rank of every global rank;
-        ``offload``: what the trainer gives up while engines generate."""
+        ``offload``: what the trainer gives up while engines generate; ``group_timeout_s``: the timeout of
+        the engines' own process groups (``distributed.timeout_s``)."""
         self.rollout, self.reward = rollout, reward
         self.seed, self.max_draws, self.dynamic_sampling, self.val_samples = seed, max_draws, dynamic_sampling, val_samples
         self.tokenizer, self.prompts, self.val_prompts = tokenizer, prompts, val_prompts
@@ -71,6 +72,29 @@ class RolloutManager:
                                                         batch_timeout_s=reward.batch_timeout_s))
         self.stop_ids = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
         self.last_sync: dict[str, float] = {}
+        self.peers = self._peer_buckets(group_timeout_s)
+
+    def _peer_buckets(self, timeout_s: float):
+        """The :class:`~megatron_credit.rollout.weight_sync.PeerBuckets` of this rank's engine when it takes
+        each bucket from every rank of its GPUs (vLLM's CUDA IPC at rollout TP > 1), else None. Every rank
+        makes every engine's group, in the same order, when any engine asks for it."""
+        import datetime
+
+        from megatron_credit.rollout.engine import ROLLOUT_ENGINES
+        from megatron_credit.rollout.weight_sync import PeerBuckets
+
+        wants = self._all_gather(bool(getattr(self.engine, "peer_transfer", False)))
+        if not any(wants):
+            return None
+        stage = ROLLOUT_ENGINES.get(self.rollout.engine).stage_peer_bucket
+        mine = None
+        for e in range(self.layout.num_engines):
+            leader = self.layout.leader(e)
+            group = dist.new_group(list(range(leader, leader + self.layout.rollout_tp)),
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+            if e == self.engine_index and wants[leader]:
+                mine = PeerBuckets(group, leader, stage)
+        return mine
 
     def close(self) -> None:
         if self.pool is not None:
@@ -92,7 +116,9 @@ class RolloutManager:
 
         stream = counted(self.actor.hf_weight_buckets())
         if self.engine is not None:
-            self.engine.update_weights(stream)
+            self.engine.update_weights(stream, **({"peers": self.peers} if self.peers is not None else {}))
+        elif self.peers is not None:  # this rank's GPU serves a worker of the engine: its copy of each bucket
+            self.peers.follow(stream, self.actor.device)
         else:
             for _ in stream:
                 pass

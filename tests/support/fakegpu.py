@@ -18,7 +18,8 @@
   one-GPU machine; megatron's ``model_parallel_cuda_manual_seed`` installs the CPU RNG tracker with the
   seeds megatron's CUDA tracker would use (CUDA generators do not exist here);
 - ``Tensor.data = x`` (megatron's ``deallocate_output_tensor``, the tied embedding's ``.cuda()``) works
-  on fakegpu tensors.
+  on fakegpu tensors, and so does the trainer's release of a storage around generation (``trainer/offload.py``
+  resizes the inner tensor's storage: a wrapper has none of its own).
 
 The backend name is ``fakegpu``, not ``cuda``: code that checks ``device.type == "cuda"`` sees a CUDA
 device only where it asked for one by name (``torch.device("cuda")``). FakeTensorMode was tried first
@@ -356,12 +357,33 @@ def fake_cuda():
         pass
     patches += _collective_patches(mock)
     patches.append(mock.patch("torch.utils.swap_tensors", _swap_keeping_attributes(torch.utils.swap_tensors)))
+    # The trainer frees device memory around generation by resizing storages (trainer/offload.py); a wrapper
+    # tensor has no storage of its own: its inner CPU tensor's is what a CUDA tensor's would be.
+    patches += [mock.patch("megatron_credit.trainer.offload.release_storage", _release_inner_storage),
+                mock.patch("megatron_credit.trainer.offload.restore_storage", _restore_inner_storage)]
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
         stack.enter_context(_FactoryMode())
         stack.enter_context(_DeviceMode())
         yield device
+
+
+def _inner(t: torch.Tensor) -> torch.Tensor:
+    return t.inner if isinstance(t, FakeGpuTensor) else t
+
+
+def _release_inner_storage(t: torch.Tensor) -> int:
+    storage = _inner(t).untyped_storage()
+    nbytes = storage.nbytes()
+    if nbytes:
+        storage.resize_(0)
+    return nbytes
+
+
+def _restore_inner_storage(t: torch.Tensor, nbytes: int) -> None:
+    _inner(t).untyped_storage().resize_(nbytes)
+    t.zero_()
 
 
 _Generator = torch.Generator

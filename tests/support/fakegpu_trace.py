@@ -41,20 +41,6 @@ def _instrument(events: list) -> None:
         return all(t.inner.untyped_storage().nbytes() == 0
                    for t in offload_mod.optimizer_tensors(o.optimizer, o.model.parameters()))
 
-    # The emulated device's tensors keep their data in ``inner`` (a CPU tensor): its storage is what a
-    # CUDA tensor's would be, so release / restore act there (a wrapper subclass has no storage of its own).
-    def release_storage(t):
-        storage = t.inner.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes:
-            storage.resize_(0)
-        return nbytes
-
-    def restore_storage(t, nbytes):
-        t.inner.untyped_storage().resize_(nbytes)
-        t.zero_()
-    offload_mod.release_storage, offload_mod.restore_storage = release_storage, restore_storage
-
     def released(o) -> bool:
         return all(b.inner.untyped_storage().nbytes() == 0 for b in offload_mod.grad_buffers(o.ddp))
 

@@ -25,7 +25,7 @@ import pytest
 
 from tests.support.distributed_harness import DistributedPool, _free_port
 from tests.support.paths import ROOT
-from tests.support.runs import metrics_rows
+from tests.support.runs import VOLATILE, metrics_rows
 
 LOCAL = ["model.transformer_impl=local"]  # the emulated machine has no Transformer Engine
 pytestmark = [pytest.mark.slow, pytest.mark.dist]  # gloo pools, the trainer on the emulated device, torchrun
@@ -92,7 +92,7 @@ def _same_numbers(cpu: list[dict], dev: list[dict]) -> None:
     for a, b in zip(cpu, dev):
         assert b["reward/mean"] == a["reward/mean"]  # the same samples
         for k, v in a.items():
-            if not k.startswith(("time/", "throughput/")) and isinstance(v, float):
+            if not k.startswith(VOLATILE) and isinstance(v, float):
                 rel = 1e-3 if k == "critic/explained_var" else 1e-5
                 assert b[k] == pytest.approx(v, rel=rel, abs=1e-6), f"step {a['step']} {k}: {b[k]} vs {v}"
 

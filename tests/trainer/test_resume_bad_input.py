@@ -248,7 +248,7 @@ def test_exhausted_dynamic_sampling_is_one_line(pool, tmp_path):
     rows, error, _ = pool.run(_train, str(tmp_path / "run"), "none",
                               ["algorithm.name=dapo", "algorithm.dynamic_sampling=true", "algorithm.max_draws=1",
                                "checkpoint.every=0", "checkpoint.save_at_end=false", "train.steps=1"])[0]
-    assert rows is None and error.startswith("error: dynamic sampling: fewer than rollout.prompts_per_step/DP = 8 "
+    assert rows is None and error.startswith("error: dynamic sampling: fewer than rollout.prompts_per_step = 8 "
                                              "groups with mixed accuracy after algorithm.max_draws=1 draws"), error
 
 
