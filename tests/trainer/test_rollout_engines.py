@@ -15,9 +15,12 @@ from tests.support.runs import metrics_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]  # torchrun worlds of 4, a gloo pool
 
-RUN = ["--config", "examples/demo_cpu.yaml", "train.steps=3", "warmup.steps=0", "train.val_every=3",
-       "train.val_prompts=16", "rollout.prompts_per_step=16", "logging.progress=false", "logging.plots=false",
-       "checkpoint.every=0", "checkpoint.save_at_end=false"]
+RUN = ["--config", "examples/demo_cpu.yaml", "train.steps=3", "train.val_every=3", "train.val_prompts=16",
+       "rollout.prompts_per_step=16", "logging.progress=false", "logging.plots=false", "checkpoint.every=0",
+       "checkpoint.save_at_end=false", "data.min_operand=0", "data.max_operand=9", "rollout.max_response_len=4"]
+# A short warm-up (one-digit sums) so that rewards vary; cached per layout, so only runs of one trainer
+# layout share it
+WARM = ["warmup.steps=30", "warmup.batch_size=32", "warmup.lr=3e-3", "warmup.carry_drop_prob=0"]
 
 
 def _launch(out: str, *args: str, nproc: int, timeout: int = 600):
@@ -31,22 +34,25 @@ def _launch(out: str, *args: str, nproc: int, timeout: int = 600):
 
 
 def test_the_same_samples_come_from_one_two_or_four_engines(tmp_path):
-    # trainer TP 2 x DP 2 on 4 ranks: 4 engines (rollout TP 1, one per rank) or 2 (rollout TP 2), against
-    # one engine on one rank; random initial weights, the same on every layout
-    four = _launch(str(tmp_path / "four"), *RUN, "parallel.tensor_model_parallel_size=2", nproc=4)
-    two = _launch(str(tmp_path / "two"), *RUN, "parallel.tensor_model_parallel_size=2",
-                  "rollout.engine_options.tensor_parallel_size=2", nproc=4)
-    one = _launch(str(tmp_path / "one"), *RUN, nproc=1)
-    assert [r["rollout/engines"] for r in four + two + one] == [4.0] * 3 + [2.0] * 3 + [1.0] * 3
-    for rows in (two, one):
-        for a, b in zip(four, rows, strict=True):
-            for key in ("reward/mean", "response_length/mean", "response/truncated_frac"):
+    # trainer TP 2 x DP 2 on 4 ranks: 4 engines (rollout TP 1, one per rank) against 2 (rollout TP 2) from the
+    # same warmed-up policy; then 2 engines against 1 engine on one rank from the same random initial weights
+    # (the warm-up depends on the trainer's layout, the initial weights do not)
+    tp2, rtp2 = "parallel.tensor_model_parallel_size=2", "rollout.engine_options.tensor_parallel_size=2"
+    cache = f"warmup.cache_dir={tmp_path / 'warmup-cache'}"
+    four = _launch(str(tmp_path / "four"), *RUN, *WARM, cache, tp2, nproc=4)
+    two = _launch(str(tmp_path / "two"), *RUN, *WARM, cache, tp2, rtp2, nproc=4)
+    two_random = _launch(str(tmp_path / "two-random"), *RUN, "warmup.steps=0", tp2, rtp2, nproc=4)
+    one_random = _launch(str(tmp_path / "one-random"), *RUN, "warmup.steps=0", nproc=1)
+    assert [r["rollout/engines"] for r in four + two + one_random] == [4.0] * 3 + [2.0] * 3 + [1.0] * 3
+    for a_rows, b_rows in ((four, two), (two_random, one_random)):
+        for a, b in zip(a_rows, b_rows, strict=True):
+            for key in ("reward/mean", "accuracy/mean", "response_length/mean", "response/truncated_frac"):
                 assert a[key] == b[key], (a["step"], key, a[key], b[key])
-    assert four[-1]["val/accuracy"] == two[-1]["val/accuracy"] == one[-1]["val/accuracy"]
-    # the lengths vary over the samples: equal means are not a coincidence of constant lengths
-    assert len({r["response_length/mean"] for r in one}) > 1
-    for r in four:  # every engine receives the whole model each iteration
-        assert r["sync/bytes"] == one[0]["sync/bytes"] > 0 and r["sync/seconds"] > 0
+        assert a_rows[-1]["val/accuracy"] == b_rows[-1]["val/accuracy"]
+    # equal means are not a coincidence of constant values: rewards and lengths vary
+    assert len({r["reward/mean"] for r in four}) > 1 and len({r["response_length/mean"] for r in one_random}) > 1
+    for r in four + one_random:  # every engine receives the whole model each iteration
+        assert r["sync/bytes"] == one_random[0]["sync/bytes"] > 0 and r["sync/seconds"] > 0
 
 
 def test_engines_own_their_devices_and_the_trainer_frees_memory_before_they_wake(tmp_path):
