@@ -196,7 +196,11 @@ def restore(run: Run, recipe, *, log, timings: dict[str, float]) -> int:
 def _job_stream_state(state: dict, *, saved_dp: int) -> dict:
     """The job's prompt-stream state from a checkpoint: as saved, or, from a checkpoint whose ranks each
     had a share of the stream (every ``saved_dp``-th prompt, a cursor per rank, no ``scope``), the prompts
-    the whole job had consumed."""
+    the whole job had consumed.
+
+    >>> _job_stream_state({"cursor": 24, "scope": "job"}, saved_dp=4), _job_stream_state({"cursor": 6}, saved_dp=4)
+    ({'cursor': 24, 'scope': 'job'}, {'cursor': 24, 'scope': 'job'})
+    """
     if state.get("scope") == "job":
         return state
     return {"cursor": int(state["cursor"]) * saved_dp, "scope": "job"}
