@@ -290,13 +290,13 @@ class Recipe:
             out.append(f"rollout.n={r.n}: algorithm {self.algorithm.name}'s advantages are relative to the group "
                        "of a prompt's samples, and a group of one has zero advantage (nothing trains); set "
                        "rollout.n >= 2, or use an algorithm with a critic (ppo)")
-        if r.engine == "vllm":
-            from megatron_credit.rollout.vllm_setup import launcher_problem
+        from megatron_credit.rollout.engine import ROLLOUT_ENGINES
 
-            why = launcher_problem(r.engine_options, tp=tp, pp=p.pipeline_model_parallel_size,
-                                   cp=p.context_parallel_size)
-            if why:
-                out.append(why)
+        layout_problem = getattr(ROLLOUT_ENGINES.get(r.engine), "layout_problem", None)  # an engine's own rule
+        why = layout_problem(r.engine_options, tp=tp, pp=p.pipeline_model_parallel_size,
+                             cp=p.context_parallel_size) if layout_problem else None
+        if why:
+            out.append(why)
         if world_size % r.tensor_parallel_size:
             out.append(f"rollout.engine_options.tensor_parallel_size={r.tensor_parallel_size} must divide the world "
                        f"size {world_size} (world size / rollout TP engines, each on GPUs of its own)")

@@ -31,6 +31,7 @@ from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resol
 from megatron_credit.rollout.sampling import row_seed
 from megatron_credit.rollout.types import RolloutBatch, RolloutSample, SamplingParams
 from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env, check_bucket,  # noqa: F401
+                                                launcher_problem,
                                                 check_engine_memory, engine_hf_overrides,
                                                 engine_visible_devices, hf_param_table, pinned_device_executor,
                                                 resolve_transfer, sleep_mode_alloc_env, vllm_platform,
@@ -282,6 +283,10 @@ class VLLMRolloutEngine:
             raise
         engine._config_dir = tmp
         return engine
+
+    layout_problem = staticmethod(launcher_problem)
+    """Why the recipe's engine options cannot run under the trainer's layout (one line), or None: the
+    recipe's checks ask every engine class that has one."""
 
     stage_peer_bucket = staticmethod(stage_ipc_bucket)
     """How the other trainer ranks of the engine's GPUs stage a bucket for :class:`PeerBuckets`."""
