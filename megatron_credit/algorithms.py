@@ -78,6 +78,13 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimat
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
+def _takes(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` has a parameter ``name``."""
+    import inspect
+
+    return name in inspect.signature(fn).parameters
+
+
 @ADVANTAGE_ESTIMATORS.register("grpo")
 def grpo_estimator(inputs: AdvantageInputs, *, norm_by_std: bool = True,
                    eps: float = 1e-6) -> AdvantageOutput:
@@ -145,9 +152,9 @@ POLICY_LOSSES.add("gspo", policy.gspo_loss)
 
 @POLICY_LOSSES.register("fipo")
 def fipo_loss(logp, old_logp, advantages, response_mask, *, drop_multi_dual_clip: bool = False,
-              dual_clip_c: float = FIPO_DUAL_CLIP_C, cp_group: Any = None, **kwargs):
+              dual_clip_c: float = FIPO_DUAL_CLIP_C, cp_group: Any = None, row_slots=None, **kwargs):
     """FIPO: :func:`~megatron_credit.losses.policy.fipo_policy_loss` (Future-KL weights computed on this
-    rank's CP shard with the carry exchange over ``cp_group``), optionally dropping whole responses with
+    rank's CP shard with the carry exchange over ``cp_group``; ``row_slots`` as there), optionally dropping whole responses with
     more than one dual-clipped token (the published code's rule; counts summed over CP)."""
     from megatron_credit.credit.future_kl import multi_dual_clip_keep
 
@@ -156,7 +163,7 @@ def fipo_loss(logp, old_logp, advantages, response_mask, *, drop_multi_dual_clip
                                     dual_clip_c=dual_clip_c, cp_group=cp_group)
         response_mask = response_mask.bool() & keep[:, None]
     return policy.fipo_policy_loss(logp, old_logp, advantages, response_mask, dual_clip_c=dual_clip_c,
-                                   cp_group=cp_group, **kwargs)
+                                   cp_group=cp_group, row_slots=row_slots, **kwargs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,12 +210,16 @@ class AlgorithmSpec:
         return fn(inputs, **kwargs)
 
     def loss(self, logp, old_logp, advantages, response_mask, params: Any, *, cp_group: Any = None,
-             is_weights=None, side: Optional[dict] = None):
+             is_weights=None, side: Optional[dict] = None, row_slots=None):
         """Per-token policy loss ``[B, T]`` and detached metrics (see ``losses.policy``); ``side``: this
-        micro-batch's share of the :attr:`behaviour_extras` tensors, passed as keywords."""
+        micro-batch's share of the :attr:`behaviour_extras` tensors, passed as keywords. ``row_slots``
+        (``[B, T]`` bool; packed micro-batches under CP, whose rows have empty slots inside them,
+        ``data/packing.py``): handed to a loss that declares it (one that scans along the row: FIPO); a
+        loss that only sums over masked tokens is not affected by the empty slots."""
         fn = POLICY_LOSSES.get(self.policy_loss)
+        extra = {"row_slots": row_slots} if row_slots is not None and _takes(fn, "row_slots") else {}
         return fn(logp, old_logp, advantages, response_mask, cp_group=cp_group, is_weights=is_weights,
-                  **(side or {}), **params.loss_kwargs())
+                  **(side or {}), **extra, **params.loss_kwargs())
 
     def critic_kind(self, params: AlgorithmParams) -> Optional[CriticKind]:
         """The critic this algorithm trains (``critic_kinds.CRITIC_KINDS``; ``trunk`` unless its parameters

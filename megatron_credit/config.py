@@ -304,6 +304,9 @@ class Recipe:
         if not r.prompts_per_step % dp and per_rank % t.num_minibatches:
             out.append(f"train.num_minibatches={t.num_minibatches} must divide the "
                        f"{per_rank} samples per data-parallel rank (prompts_per_step / DP x n)")
+        if t.packing and self.algorithm.spec_and_params()[0].needs_gates:
+            out.append(f"train.packing: true: algorithm {self.algorithm.name} captures the final layer's attention "
+                       "over whole rows, which packed micro-batches do not have; set train.packing=false (or null)")
         if self.data.source == "dataset":  # synthetic prompts are short
             try:
                 check_sequence_length(arch, self.data.max_prompt_len + r.max_response_len,
@@ -316,6 +319,14 @@ class Recipe:
         if w.steps and w.batch_size % dp:
             out.append(f"warmup.batch_size={w.batch_size} must be divisible by DP={dp}")
         return out
+
+    @property
+    def packing(self) -> bool:
+        """Whether the trainer packs its micro-batches: ``train.packing``, or where it is None, whether the
+        algorithm allows it (not one that captures the final layer's attention)."""
+        if self.train.packing is not None:
+            return self.train.packing
+        return not self.algorithm.spec_and_params()[0].needs_gates
 
     def validate(self, *, world_size: int, arch) -> dict[str, int]:
         """Raise ``ValueError`` (the first of :meth:`problems`) unless the recipe runs on ``world_size``

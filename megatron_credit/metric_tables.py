@@ -40,6 +40,8 @@ CORE = MetricTable(means={
     "mismatch/logprob_abs_mean": ("sum:mismatch_abs", "sum:mismatch_tokens"),
     "mismatch/tis_weight_mean": ("sum:tis_mean_weight", "sum:tokens"),
     "mismatch/tis_capped_frac": ("sum:tis_capped_frac", "sum:tokens"),
+    # what the update's forward passes compute beyond the sequences' own tokens (padding rows, alignment)
+    "throughput/padding_fraction": ("sum:padding_tokens", "sum:computed_tokens"),
 }, derived=(_skipped,))
 """The trainer's own metrics, whatever the algorithm."""
 

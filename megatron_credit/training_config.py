@@ -258,6 +258,11 @@ class TrainConfig:
     """Passes over the batch per iteration."""
     max_tokens_per_microbatch: int = 4096
     """Token budget of one micro-batch (per rank, before the CP split)."""
+    packing: Optional[bool] = None
+    """Pack each micro-batch's sequences end to end (THD: no padding rows, first-fit decreasing into
+    ``max_tokens_per_microbatch``; ``data/packing.py``) instead of padding every row to the longest.
+    None: on wherever it is supported, i.e. for every algorithm but those that capture the final layer's
+    attention (CompPO), whose capture reads whole rows."""
     val_every: int = 0
     """Validate every this many iterations (0: never)."""
     val_prompts: int = 128

@@ -54,7 +54,7 @@ FIPO_WEIGHT_CLIP = (1.0, 1.2)
 
 def future_kl(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.Tensor, *, tau: float,
               dual_clip_c: float, chunk_size: int = 128, cp_group: Any = None,
-              packed: bool = False) -> torch.Tensor:
+              packed: bool = False, row_slots: torch.Tensor | None = None) -> torch.Tensor:
     """Discounted future sum of log-probability shifts, ``F: [B, T]`` (0 at masked tokens).
 
     Args:
@@ -65,6 +65,9 @@ def future_kl(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.T
         dual_clip_c: tokens with ``ratio > c`` are left out of the future sums (``M_k``); ``c > 1``.
         chunk_size, cp_group: see :func:`reverse_linear_scan` (CP layout: megatron load-balanced).
         packed: treat each run of the mask as its own response (see module docstring).
+        row_slots: ``[B, T]`` bool, False at empty slots inside a row (a packed micro-batch's row view under
+            CP: each half of the row ends with empty slots, ``data/packing.py``); the transport passes
+            them unchanged (``coef = 1``, no evidence). None: every slot holds a token.
     """
     _check_c(dual_clip_c)
     if tau <= 0:
@@ -89,6 +92,10 @@ def future_kl(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.T
         # coef_t = gamma * m_t cuts after every masked token: y at a masked t is x_t = 0, so the token
         # before it receives nothing from beyond. No halo from the next CP chunk is needed.
         coef = m.to(logp.dtype).mul_(gamma) if packed else gamma
+        if row_slots is not None:  # empty slots pass the carry on unchanged (x is 0 there: m is 0)
+            if not isinstance(coef, torch.Tensor):
+                coef = torch.full_like(x, coef)
+            coef = torch.where(row_slots, coef, 1.0)
         y = reverse_linear_scan(x, coef, chunk_size=chunk_size, cp_group=cp_group)
         return y.mul_(m)  # y is finite everywhere (finite x, coef), so this product is exact
 
@@ -96,7 +103,8 @@ def future_kl(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.T
 def fipo_weights(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                  response_mask: torch.Tensor, *, tau: float = FIPO_TAU,
                  clip: tuple[float, float] = FIPO_WEIGHT_CLIP, dual_clip_c: float = FIPO_DUAL_CLIP_C, safety_thresh: float | None = None, chunk_size: int = 128,
-                 cp_group: Any = None, packed: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 cp_group: Any = None, packed: bool = False,
+                 row_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """FIPO token weights ``f: [B, T]`` (detached; 1 at masked tokens) and detached metrics.
 
     ``f = clamp(exp(F), clip[0], clip[1])`` (``clip[0]`` is the lower clamp: at the default 1.0 a
@@ -120,7 +128,7 @@ def fipo_weights(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.T
         raise ValueError(f"safety_thresh must be > 0, got {safety_thresh}")
     with torch.no_grad():
         f = future_kl(logp, old_logp, response_mask, tau=tau, dual_clip_c=dual_clip_c,
-                      chunk_size=chunk_size, cp_group=cp_group, packed=packed)
+                      chunk_size=chunk_size, cp_group=cp_group, packed=packed, row_slots=row_slots)
         w = torch.exp(f).clamp(lo, hi)
         d = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         over_c = d > math.log(dual_clip_c)  # ratio > c, compared in log space (no overflow)

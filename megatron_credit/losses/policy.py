@@ -118,15 +118,17 @@ def fipo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
                      weight_clip: tuple[float, float] = FIPO_WEIGHT_CLIP, safety_thresh: Optional[float] = None,
                      chunk_size: int = 128,
                      cp_group: Any = None, packed: bool = False,
-                     is_weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Metrics]:
-    """FIPO: the DAPO loss on ``f * A`` with Future-KL weights ``f`` (:func:`fipo_weights`).
+                     is_weights: Optional[torch.Tensor] = None,
+                     row_slots: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Metrics]:
+    """FIPO: the DAPO loss on ``f * A`` with Future-KL weights ``f`` (:func:`fipo_weights`; ``row_slots``
+    as there).
 
     With all weights 1 (e.g. ``weight_clip=(1, 1)``, or ``logp == old_logp`` and ``weight_clip[0] <= 1``)
     this is exactly :func:`ppo_clip_loss` with the same clip settings, i.e. GRPO/DAPO.
     """
     w, w_metrics = fipo_weights(logp, old_logp, advantages, response_mask, tau=tau, clip=weight_clip,
                                 dual_clip_c=dual_clip_c, safety_thresh=safety_thresh,
-                                chunk_size=chunk_size, cp_group=cp_group, packed=packed)
+                                chunk_size=chunk_size, cp_group=cp_group, packed=packed, row_slots=row_slots)
     loss, metrics = ppo_clip_loss(logp, old_logp, advantages * w, response_mask, clip_low=clip_low,
                                   clip_high=clip_high, dual_clip_c=dual_clip_c, is_weights=is_weights)
     metrics.update({f"fipo_weight/{k}": v for k, v in w_metrics.items()})

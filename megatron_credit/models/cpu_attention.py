@@ -1,4 +1,5 @@
-"""Exact causal core attention under context parallelism without Transformer Engine (CPU path).
+"""Exact causal core attention without Transformer Engine (CPU path), under context parallelism and for
+packed (THD) micro-batches.
 
 Megatron's load-balanced CP layout splits each sequence of length ``S`` into ``2 * cp`` chunks of
 ``c = S / (2 cp)`` tokens; rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` (so causal work is even).
@@ -8,8 +9,14 @@ and attends its local queries to all keys with the causal mask written in *globa
 The backward of the gather sums the K/V gradients of all ranks' queries (an all-reduce) and keeps
 this rank's two chunks, so gradients are exact.
 
-Megatron's ``DotProductAttention`` asserts ``context_parallel_size == 1``; this module takes its
-place in the local layer spec (``megatron_credit.models.gpt.gpt_layer_spec``) when CP > 1.
+Packed sequences (``packed_seq_params`` in THD format, ``data/packing.py``): the micro-batch is one
+token stream ``[t, heads, dim]`` of sequences at ``cu_seqlens``; each sequence attends causally to its own
+tokens only, one sequence at a time (no ``[t, t]`` score matrix across sequences). Under CP each rank holds
+two chunks of every sequence (megatron's THD split); K and V are gathered into stream order as above.
+
+Megatron's ``DotProductAttention`` asserts ``context_parallel_size == 1`` and no packed sequences; this
+module takes its place in the local layer spec (``megatron_credit.models.gpt.gpt_layer_spec``) when
+CP > 1 or when the trainer packs sequences.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_credit.cp_layout import load_balanced_positions, merge_cp_shards, split_for_cp  # noqa: F401
+from megatron_credit.data.packing import PackedLayout, rank_indices
 
 
 class _GatherLoadBalanced(torch.autograd.Function):
@@ -41,12 +49,45 @@ class _GatherLoadBalanced(torch.autograd.Function):
         return split_for_cp(grad, cp_size=ctx.cp, cp_rank=ctx.rank, seq_dim=0), None
 
 
+class _GatherPacked(torch.autograd.Function):
+    """This rank's ``[t_local, ...]`` share of a packed stream -> the whole stream ``[t, ...]`` in order;
+    backward: sum over ranks, keep this rank's tokens."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group, indices) -> torch.Tensor:
+        rank = dist.get_rank(group)
+        parts = [torch.empty_like(local) for _ in indices]
+        dist.all_gather(parts, local.contiguous(), group=group)
+        full = local.new_empty((sum(len(i) for i in indices), *local.shape[1:]))
+        for idx, part in zip(indices, parts):
+            full[idx.to(local.device)] = part
+        ctx.group, ctx.own = group, indices[rank]
+        return full
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[ctx.own.to(grad.device)], None, None
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [b, np, sq, hn]`` against ``k, v [b, np, S, hn]`` with key ``j`` visible to query ``i`` when
+    ``j <= q_pos[i]``; ``[b, np, sq, hn]``."""
+    scores = torch.matmul(q.float(), k.transpose(-1, -2).float()) * scale
+    k_pos = torch.arange(k.shape[-2], device=q.device)
+    scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
 class CpuContextParallelAttention(MegatronModule):
-    """Drop-in core attention (``DotProductAttention``'s constructor and forward) for CP > 1.
+    """Drop-in core attention (``DotProductAttention``'s constructor and forward) for CP > 1 and for packed
+    sequences.
 
     ``forward(query [sq, b, np, hn], key [sq, b, ng, hn], value [sq, b, ng, hn], attention_mask)``
     returns ``[sq, b, np * hn]``; ``np``/``ng`` are this TP rank's query heads / KV groups and
-    ``sq`` the local (CP-sharded) length. Causal only, no padding mask, no attention dropout.
+    ``sq`` the local (CP-sharded) length. With ``packed_seq_params`` (THD) the inputs are ``[t, np, hn]``
+    and the output ``[t, np * hn]``. Causal only, no padding mask, no attention dropout.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
@@ -69,13 +110,18 @@ class CpuContextParallelAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+        if attention_mask is not None or attention_bias is not None:
             raise ValueError("CPU context-parallel attention supports causal attention only "
-                             "(no attention_mask, attention_bias or packed sequences)")
+                             "(no attention_mask or attention_bias)")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         cp, rank = dist.get_world_size(self.cp_group), dist.get_rank(self.cp_group)
         sq, b, n_heads, hn = query.shape
-        k = _GatherLoadBalanced.apply(key, self.cp_group)  # [S, b, ng, hn]
-        v = _GatherLoadBalanced.apply(value, self.cp_group)
+        if cp > 1:
+            k = _GatherLoadBalanced.apply(key, self.cp_group)  # [S, b, ng, hn]
+            v = _GatherLoadBalanced.apply(value, self.cp_group)
+        else:  # a packing model's padded batches (the supervised warm-up)
+            k, v = key, value
         groups = k.shape[2]
         # GQA: query head h uses KV group h // (np / ng), megatron's grouping.
         k = k.repeat_interleave(n_heads // groups, dim=2)
@@ -88,3 +134,32 @@ class CpuContextParallelAttention(MegatronModule):
         probs = torch.softmax(scores, dim=-1).to(value.dtype)  # [b, np, sq, S]
         out = torch.matmul(probs, v.permute(1, 2, 0, 3))  # [b, np, sq, hn]
         return out.permute(2, 0, 1, 3).reshape(sq, b, n_heads * hn)
+
+    def _packed(self, query, key, value, params):
+        """THD: ``query [t, np, hn]``, ``key, value [t, ng, hn]`` (this CP rank's chunks of every sequence at
+        ``cu_seqlens``) -> ``[t, np * hn]``."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"CPU attention: packed sequences in format {params.qkv_format!r}; expected 'thd'")
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu = [int(x) for x in cu.tolist()]
+        cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
+        rank = dist.get_rank(self.cp_group) if cp > 1 else 0
+        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        layout = PackedLayout.build(lens, multiple=2 * cp if cp > 1 else 1, cp_size=cp, cp_rank=rank)
+        if cp > 1:  # every sequence's keys and values whole, in stream order
+            indices = rank_indices(cu, cp_size=cp)
+            key = _GatherPacked.apply(key, self.cp_group, indices)
+            value = _GatherPacked.apply(value, self.cp_group, indices)
+        t, n_heads, hn = query.shape
+        rep = n_heads // key.shape[1]  # GQA: query head h uses KV group h // (np / ng)
+        out, start_local = [], 0
+        for k, (start, length) in enumerate(zip(cu[:-1], lens)):
+            n_local = length // cp
+            q = query[start_local:start_local + n_local].permute(1, 0, 2)[None]  # [1, np, sq, hn]
+            keys = key[start:start + length].repeat_interleave(rep, dim=1).permute(1, 0, 2)[None]
+            vals = value[start:start + length].repeat_interleave(rep, dim=1).permute(1, 0, 2)[None]
+            q_pos = layout.positions[start_local:start_local + n_local].to(query.device)
+            out.append(_causal(q, keys, vals, q_pos, self.softmax_scale)[0].permute(1, 0, 2))
+            start_local += n_local
+        assert start_local == t, (start_local, t)
+        return torch.cat(out, dim=0).reshape(t, n_heads * hn)

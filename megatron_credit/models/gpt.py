@@ -72,10 +72,13 @@ def use_transformer_engine_spec(requested: Optional[bool], *, cuda: bool, te_ava
     return bool(requested)
 
 
-def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool] = None):
+def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool] = None,
+                   packed_sequences: bool = False):
     """The ``ModuleSpec`` of one decoder layer for ``transformer_config``.
 
     ``use_transformer_engine``: None chooses by :func:`use_transformer_engine_spec` ("auto").
+    ``packed_sequences``: the model runs packed (THD) micro-batches; TE's attention takes them as they are,
+    the local spec's core attention becomes ``CpuContextParallelAttention`` (megatron's asserts they are absent).
     """
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -90,7 +93,7 @@ def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool]
                                     normalization=transformer_config.normalization)
     if transformer_config.sequence_parallel:
         spec = _with_sequence_parallel_norms(spec)
-    if transformer_config.context_parallel_size > 1:
+    if transformer_config.context_parallel_size > 1 or packed_sequences:
         from megatron_credit.models.cpu_attention import CpuContextParallelAttention
 
         spec = copy.deepcopy(spec)
@@ -107,14 +110,16 @@ def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool]
 
 
 def gpt_decoder_block_spec(transformer_config, *, use_transformer_engine: Optional[bool] = None,
-                           final_attention_capture=None, pp_rank: Optional[int] = None):
+                           final_attention_capture=None, pp_rank: Optional[int] = None,
+                           packed_sequences: bool = False):
     """The decoder spec of pipeline rank ``pp_rank`` (default: this rank's).
 
     Without ``final_attention_capture`` it is :func:`gpt_layer_spec` (megatron repeats it per layer);
     with one (a ``models.final_layer.FinalAttentionCapture``), a ``TransformerBlockSubmodules`` whose
     GLOBAL last layer (on the last stage only) records into it; the other layers keep the plain spec.
     """
-    spec = gpt_layer_spec(transformer_config, use_transformer_engine=use_transformer_engine)
+    spec = gpt_layer_spec(transformer_config, use_transformer_engine=use_transformer_engine,
+                          packed_sequences=packed_sequences)
     local_sp = getattr(spec.submodules, "input_layernorm", None) is SequenceParallelTorchNorm
     if final_attention_capture is None and not local_sp:
         return spec
@@ -173,7 +178,8 @@ def _with_sequence_parallel_norms(spec):
 
 def build_gpt_model(hf_config, transformer_config, *, pre_process: Optional[bool] = None,
                     post_process: Optional[bool] = None, use_transformer_engine: Optional[bool] = None,
-                    capture_final_attention: bool = False, final_attention_capture=None):
+                    capture_final_attention: bool = False, final_attention_capture=None,
+                    packed_sequences: bool = False):
     """A megatron ``GPTModel`` (this rank's pipeline stage) for ``hf_config``.
 
     ``pre_process`` / ``post_process`` default to whether this rank is the first / last pipeline
@@ -185,6 +191,9 @@ def build_gpt_model(hf_config, transformer_config, *, pre_process: Optional[bool
     ``model.final_attention_capture`` is armed (``models.final_layer``); its groups are megatron's TP
     and CP groups unless ``final_attention_capture`` (an unarmed ``FinalAttentionCapture``) is passed.
     ``model.final_attention_capture`` is None otherwise.
+
+    ``packed_sequences``: the model also runs packed (THD) micro-batches, ``forward(input_ids [1, t],
+    position_ids [1, t], None, packed_seq_params=...)`` (``data/packing.py``); see :func:`gpt_layer_spec`.
     """
     from megatron.core import parallel_state
     # megatron-core 0.19 deprecates GPTModel (it logs "GPTModel IS DEPRECATED ... use HybridModel":
@@ -216,7 +225,8 @@ def build_gpt_model(hf_config, transformer_config, *, pre_process: Optional[bool
         config=transformer_config,
         transformer_layer_spec=gpt_decoder_block_spec(transformer_config,
                                                       use_transformer_engine=use_transformer_engine,
-                                                      final_attention_capture=capture),
+                                                      final_attention_capture=capture,
+                                                      packed_sequences=packed_sequences),
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,

@@ -74,7 +74,7 @@ class Actor(OptimizerStep):
                  temperature: float = 1.0, recompute: Optional[str] = None, logprob_chunk_size: int = 1024,
                  critic_factory: Optional[Callable[[], torch.nn.Module]] = None, capture_top_k: Optional[int] = None,
                  gate_fn: Optional[Callable] = None, critic_layers: int = 1, role: str = "policy",
-                 capture_sink_keys: int = 0):
+                 capture_sink_keys: int = 0, packed_sequences: bool = False):
         """The recipe's ``model``, ``parallel`` and ``optim`` sections, and the few values of others the
         actor reads (``trainer.loop.actor_settings`` unpacks them): ``seed`` (a feature critic's
         initialisation), ``temperature`` (``rollout.temperature``: the log-probs are those of the sampling
@@ -92,6 +92,10 @@ class Actor(OptimizerStep):
         head and the reference copy are moved there explicitly, as megatron's ``training.get_model`` does
         (``model_module.cuda(torch.cuda.current_device())``) after building: ``use_cpu_initialization``
         builds on the CPU, and even without it megatron 0.16's local spec leaves its norms there.
+
+        ``packed_sequences`` (``train.packing``): the micro-batches are packed streams (THD, with
+        megatron's ``PackedSeqParams``; ``trainer/batch.py``), of different lengths under PP (megatron's
+        ``variable_seq_lengths``: each send is preceded by its shape).
 
         ``role="critic"``: a value model (``trainer.critic_model.build_separate_critic`` builds it): the
         trunk and the default value head, no log-probs, the output layer frozen and unused, every group
@@ -113,9 +117,15 @@ class Actor(OptimizerStep):
         self.config = actor_transformer_config(hf_config, parallel=parallel, params_dtype=model.torch_dtype(),
                                                recompute=recompute, from_checkpoint=self.from_checkpoint)
         te = model.use_transformer_engine()
+        if packed_sequences and capture_top_k is not None:
+            raise ValueError("train.packing: the final layer's attention capture reads whole rows; set train.packing=false")
+        self.packed_sequences = packed_sequences
+        if packed_sequences and parallel.pipeline_model_parallel_size > 1:
+            self.config.variable_seq_lengths = True  # packed micro-batches differ in length
         self.capture_top_k, self.gate_fn, self.capture_sink_keys = capture_top_k, gate_fn, capture_sink_keys
         self.model = build_gpt_model(hf_config, self.config, use_transformer_engine=te,
-                                     capture_final_attention=capture_top_k is not None).to(self.device)
+                                     capture_final_attention=capture_top_k is not None,
+                                     packed_sequences=packed_sequences).to(self.device)
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.with_critic = with_critic
         self.feature_critic = critic_factory is not None  # reads detached features, clipped on its own
@@ -140,7 +150,8 @@ class Actor(OptimizerStep):
         self.reference = None
         self.reference_from: Optional[str] = None  # see load_initial_weights
         if with_reference:
-            self.reference = build_gpt_model(hf_config, self.config, use_transformer_engine=te).to(self.device)
+            self.reference = build_gpt_model(hf_config, self.config, use_transformer_engine=te,
+                                             packed_sequences=packed_sequences).to(self.device)
             self.reference.load_state_dict(self.model.state_dict(), strict=False)
             self.reference.requires_grad_(False).eval()
         self._read_process_groups(ps)
@@ -236,7 +247,8 @@ class Actor(OptimizerStep):
         ``loss_fn`` runs on the last stage per micro-batch (see the module docstring for the loss
         scale). Gradients accumulate into DDP's ``main_grad`` (call :meth:`optimizer_step` after a mini-batch).
         Returns the stats dict of each micro-batch on the last stage, ``[]`` elsewhere.
-        All micro-batches must have one shape when PP > 1 (megatron communicates fixed shapes).
+        Padded micro-batches must have one shape when PP > 1 (megatron communicates fixed shapes);
+        packed ones go with megatron's ``PackedSeqParams``.
         ``capture`` (CompPO's behaviour pass): the final layer also computes its attention statistics;
         ``loss_fn`` then gets them as ``aux`` (``H``, ``n``, ``kappa``, ``topk_idx``, ``topk_w``: whole
         rows ``[b, seq_len(, K)]``, 0 before the micro-batch's first response position); else ``aux`` is {}.
@@ -245,7 +257,7 @@ class Actor(OptimizerStep):
 
         model = self.reference if reference else self.model
         runner = model if reference else self.ddp  # gradients go to DDP's buffers
-        if self.pp_size > 1:
+        if self.pp_size > 1 and not self.config.variable_seq_lengths:
             shapes = {(mb.num_rows, mb.seq_len) for mb in microbatches}
             assert len(shapes) == 1, f"PP needs one micro-batch shape, got {shapes}"
         sp = self.config.sequence_parallel
@@ -282,10 +294,21 @@ class Actor(OptimizerStep):
             self._layer_outputs = []
             try:
                 with final_hidden_states(model_chunk) if self.last_stage else contextlib.nullcontext():
-                    out = model_chunk(mb.tensors["input_ids"], mb.position_ids, None)
+                    out = model_chunk(mb.tensors["input_ids"], mb.position_ids, None, **packed_inputs(mb))
             finally:
                 self._collect = False
             return out, functools.partial(loss_func, mb)  # megatron calls it right after, on the last stage
+
+        def packed_inputs(mb: MicroBatch) -> dict:
+            if not mb.packed:
+                return {}
+            from megatron.core.packed_seq_params import PackedSeqParams
+
+            cu = mb.layout.cu_seqlens.to(self.device)  # padded = real lengths: see data/packing.py
+            longest = max(mb.layout.padded_lens)
+            return {"packed_seq_params": PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)}
 
         first = microbatches[0]
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()

@@ -13,6 +13,12 @@ sequences (every CP rank of a DP replica holds the same rows, so they are never 
 micro-batch's loss is then ``aggregate_loss(..., global_num_tokens=N)``, and the sum over micro-batches
 and DP x CP ranks is the loss of the whole mini-batch, whatever the split.
 
+Micro-batch layouts. A :class:`MicroBatch` is either padded rows ``[b, s]`` (:func:`make_microbatch`) or
+one packed stream ``[1, t]`` of its sequences end to end (:func:`make_packed_microbatch`, THD, megatron's
+``PackedSeqParams``; ``data/packing.py``). Per-sequence math reads the packed one through its row view
+(:meth:`MicroBatch.rows_view`), outputs go back to the batch's rows through :meth:`MicroBatch.whole_rows`,
+so the losses, the aggregations and the scans see one response per row either way.
+
 Devices. A ``TrainBatch`` stays where the rollout made it (host memory); each ``MicroBatch`` is cut and
 CP-split there, then copied to the actor's device (pinned, non-blocking on CUDA); the denominators are
 made on that device, where the loss and NCCL read them.
@@ -25,6 +31,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatron_credit.cp_layout import load_balanced_positions, split_for_cp
+from megatron_credit.data.packing import PackedLayout
 
 # Per-token fields, in label space; sliced, padded and CP-split together. All are [B, T] except CompPO's
 # top-K key indices / weights, [B, T, K]. ``gates`` (the transport of Comp-GAE) is batch-level only.
@@ -148,7 +155,37 @@ class MicroBatch:
     tensors: dict
     """Per-token fields of :data:`TOKEN_FIELDS` that are set, ``[b, s]`` (this CP rank's share)."""
     whole_loss_mask: torch.Tensor
-    """``[b, seq_len]`` loss mask of the whole rows (for per-response denominators under CP)."""
+    """``[b, seq_len]`` loss mask of the whole rows (for per-response denominators under CP); packed: the
+    ``[n, T]`` rows of the batch's loss mask."""
+    layout: Optional[PackedLayout] = None
+    """Packed: where each of this rank's tokens lives (``data/packing.py``); None for padded rows."""
+
+    @property
+    def packed(self) -> bool:
+        return self.layout is not None
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens the forward pass computes (all CP ranks): the padded block, or the packed stream."""
+        return self.layout.total_tokens if self.packed else self.num_rows * self.seq_len
+
+    def rows_view(self, t: Optional[torch.Tensor], fill=0) -> Optional[torch.Tensor]:
+        """``t`` (this rank's ``[b, s(, ...)]`` tokens) with one response per row: itself when padded, the
+        packed stream's row view ``[n, W(, ...)]`` (differentiable) when packed."""
+        if t is None or not self.packed:
+            return t
+        return self.layout.to_rows(t, fill)
+
+    def whole_rows(self, local: torch.Tensor, *, cp_group=None) -> torch.Tensor:
+        """This rank's ``[b, s]`` output -> ``[len(rows), >= longest row]``: row ``k`` is ``rows[k]``'s whole
+        sequence (gathered over ``cp_group`` under CP; detached use only)."""
+        if self.packed:
+            return self.layout.whole_rows(local, cp_group=cp_group)
+        if cp_group is not None:
+            from megatron_credit.data.context_parallel import gather_from_cp
+
+            local = gather_from_cp(local, cp_group=cp_group)
+        return local[: len(self.rows)]
 
     @property
     def query_start(self) -> int:
@@ -198,6 +235,24 @@ def make_microbatch(batch: TrainBatch, rows: Sequence[int], *, seq_len: int, num
                       position_ids=to_device(pos.expand(num_rows, -1).contiguous(), device),
                       tensors={k: to_device(v, device) for k, v in out.items()},
                       whole_loss_mask=to_device(whole, device))
+
+
+def make_packed_microbatch(batch: TrainBatch, rows: Sequence[int], *, multiple: int, pad_id: int,
+                           device: torch.device, cp_size: int = 1, cp_rank: int = 0) -> MicroBatch:
+    """Rows ``rows`` of ``batch`` as one packed stream: each sequence's ``seq_lens`` tokens rounded up to
+    ``multiple`` (the CP / SP alignment, masked), end to end; this CP rank's chunks of every sequence
+    (megatron's THD split), on ``device``."""
+    idx = torch.tensor(list(rows), dtype=torch.long)
+    layout = PackedLayout.build(batch.seq_lens[idx].tolist(), multiple=multiple, cp_size=cp_size, cp_rank=cp_rank)
+    out = {}
+    for name in TOKEN_FIELDS + tuple(batch.extras):
+        t = batch.extras[name] if name in batch.extras else getattr(batch, name)
+        if t is not None:
+            out[name] = layout.pack(t[idx], pad_id if name in ("input_ids", "labels") else 0)
+    return MicroBatch(rows=tuple(int(r) for r in rows), num_rows=1, seq_len=layout.total_tokens,
+                      position_ids=to_device(layout.positions[None], device),
+                      tensors={k: to_device(v, device) for k, v in out.items()},
+                      whole_loss_mask=to_device(batch.loss_mask[idx], device), layout=layout)
 
 
 def round_up(n: int, multiple: int) -> int:

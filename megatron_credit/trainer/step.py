@@ -14,7 +14,8 @@ import torch
 from megatron_credit.algorithms import KL_ESTIMATORS, AdvantageInputs
 from megatron_credit.data.microbatch import plan_minibatches
 from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
-from megatron_credit.trainer.batch import TOKEN_FIELDS, TrainBatch, make_microbatch, round_up, step_denominators
+from megatron_credit.trainer.batch import (TOKEN_FIELDS, TrainBatch, make_microbatch, make_packed_microbatch, round_up,
+                                           step_denominators)
 from megatron_credit.trainer.metrics import StatSums
 
 if TYPE_CHECKING:  # the iteration's inputs; no megatron import here
@@ -77,17 +78,25 @@ def fused_old_logprob(ctx: Context) -> bool:
 
 
 def plan_microbatches(ctx: Context, batch: TrainBatch) -> list[list[list[int]]]:
-    """One micro-batch plan per iteration, used by the behaviour pass and by every update epoch."""
+    """One micro-batch plan per iteration, used by the behaviour pass and by every update epoch: padded
+    rows filled longest first, or packed streams first-fit decreasing (``train.packing``)."""
     t = ctx.train
     return plan_minibatches(batch.seq_lens.tolist(), num_minibatches=t.num_minibatches,
                             max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+                            mode="packed" if ctx.actor.packed_sequences else "padded",
                             pad_to_multiple_of=ctx.seq_multiple)
 
 
 def microbatches(ctx: Context, batch: TrainBatch, mini: list[list[int]]):
-    """The micro-batches of one mini-batch, padded to ``ctx.seq_multiple`` (and to one shape with PP)."""
+    """The micro-batches of one mini-batch: packed streams (each sequence aligned to ``ctx.seq_multiple``;
+    under PP megatron sends each one's own shape), or rows padded to ``ctx.seq_multiple`` (and to one
+    shape with PP: megatron's pipeline then communicates one fixed shape per call)."""
+    a = ctx.actor
+    if a.packed_sequences:
+        return [make_packed_microbatch(batch, mb, multiple=ctx.seq_multiple, pad_id=ctx.pad_id, device=a.device,
+                                       cp_size=a.cp_size, cp_rank=a.cp_rank) for mb in mini]
     lens = [round_up(int(max(batch.seq_lens[mb])), ctx.seq_multiple) for mb in mini]
-    if ctx.actor.pp_size > 1:  # megatron's pipeline communicates one fixed shape per call
+    if ctx.actor.pp_size > 1:
         rows, lens = [max(len(mb) for mb in mini)] * len(mini), [max(lens)] * len(mini)
     else:
         rows = [len(mb) for mb in mini]
@@ -137,10 +146,8 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
             for mb, out in zip(mbs, run(mbs)):
                 for key, field in mapping.items():
                     if key in out:
-                        full = out[key] if key.startswith("aux:") else ctx.gather_cp(out[key])
-                        n = min(mb.seq_len, shape[1])  # seq_len may be padded past T
-                        target = getattr(batch, field)
-                        target[list(mb.rows), :n] = full[: len(mb.rows), :n].to(target.device, target.dtype)
+                        full = out[key] if key.startswith("aux:") else None
+                        write_rows(ctx, getattr(batch, field), mb, out[key], whole=full)
     if not (actor.with_critic or critic is not None):
         batch.values = None
     if not actor.last_stage:  # only the last stage computes losses; others never read these
@@ -150,6 +157,15 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
         clash = sorted(set(batch.extras) & set(TOKEN_FIELDS))
         if clash:
             raise ValueError(f"behaviour_extras names {clash} clash with TrainBatch fields")
+
+
+def write_rows(ctx: Context, target: torch.Tensor, mb, local: torch.Tensor, *, whole=None) -> None:
+    """``target[mb.rows]`` := the micro-batch's output ``local`` (this rank's tokens; ``whole``: already
+    whole rows, as the attention capture returns them), cut to the batch's ``T``."""
+    full = whole[: len(mb.rows)] if whole is not None else mb.whole_rows(
+        local, cp_group=ctx.actor.cp_group if ctx.actor.cp_size > 1 else None)
+    n = min(full.shape[1], target.shape[1])  # a micro-batch may be padded past T
+    target[list(mb.rows), :n] = full[:, :n].to(target.device, target.dtype)
 
 
 def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
@@ -204,15 +220,20 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
     fresh_old = []  # (micro-batch, detached log-probs) of an old_from_update step
 
     def loss_fn(mb, logp, ent, values, aux):
-        t, mask = mb.tensors, mb.tensors["loss_mask"]
         if old_from_update:
-            t = {**t, "old_logp": logp.detach()}
-            fresh_old.append((mb, t["old_logp"]))
+            fresh_old.append((mb, logp.detach()))
+        # One response per row from here on (the packed stream's row view; padded rows as they are).
+        logp, ent, values = mb.rows_view(logp), mb.rows_view(ent), mb.rows_view(values)
+        t = {k: mb.rows_view(v, False if v.dtype == torch.bool else 0) for k, v in mb.tensors.items()}
+        mask = t["loss_mask"]
+        if old_from_update:
+            t["old_logp"] = logp.detach()
         is_w, tis = None, {}
         if alg.tis_cap is not None:  # engine vs trainer mismatch: min(pi_old / pi_engine, C)
             is_w, tis = truncated_is_weights(t["old_logp"], t["rollout_logp"], mask, cap=alg.tis_cap)
         per_tok, m = ctx.spec.loss(logp, t["old_logp"], t["advantages"], mask, params,
-                                   cp_group=cp_group, is_weights=is_w, side={k: t[k] for k in batch.extras})
+                                   cp_group=cp_group, is_weights=is_w, side={k: t[k] for k in batch.extras},
+                                   row_slots=mb.layout.row_slots.to(mask.device) if mb.packed and cp_group else None)
         kl_tok = None
         if kl is not None:
             kl_tok = kl(logp, t["ref_logp"])
@@ -246,10 +267,10 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
     mbs = microbatches(ctx, batch, mini)
     out = ctx.actor.run(mbs, loss_fn, forward_only=False)
     for mb, old in fresh_old:  # as the behaviour pass writes them (the last stage only computes losses)
-        n = min(mb.seq_len, batch.old_logp.shape[1])
-        full = ctx.gather_cp(old)
-        batch.old_logp[list(mb.rows), :n] = full[: len(mb.rows), :n].to(batch.old_logp.device, batch.old_logp.dtype)
+        write_rows(ctx, batch.old_logp, mb, old)
     local = StatSums()
+    computed = sum(mb.computed_tokens for mb in mbs)  # padding: what the forward computes past the tokens
+    local.add({"sum:computed_tokens": computed, "sum:padding_tokens": computed - int(batch.seq_lens[rows].sum())})
     for s in out:
         local.add(s)
     loss_ok = ctx.all_finite(local.get("sum:pg_loss"))
