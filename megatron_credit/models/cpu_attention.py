@@ -128,7 +128,7 @@ class CpuContextParallelAttention(MegatronModule):
         v = v.repeat_interleave(n_heads // groups, dim=2)
         q = query.permute(1, 2, 0, 3)  # [b, np, sq, hn]
         scores = torch.matmul(q.float(), k.permute(1, 2, 3, 0).float()) * self.softmax_scale
-        q_pos = load_balanced_positions(sq, cp_rank=rank, cp_size=cp).to(query.device)
+        q_pos = (load_balanced_positions(sq, cp_rank=rank, cp_size=cp) if cp > 1 else torch.arange(sq)).to(query.device)
         k_pos = torch.arange(k.shape[0], device=query.device)
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(value.dtype)  # [b, np, sq, S]

@@ -59,6 +59,8 @@ class TrainBatch:
     """``[B]`` float32 shaped reward of each response."""
     correct: torch.Tensor
     """``[B]`` bool verifier verdict."""
+    policy_version: Optional[torch.Tensor] = None
+    """``[B]`` int64 the policy that generated each row: the RL iterations its weights had completed."""
     old_logp: Optional[torch.Tensor] = None
     """``[B, T]`` behaviour log-probs recomputed by the actor (set by the old-log-prob pass)."""
     ref_logp: Optional[torch.Tensor] = None
@@ -96,15 +98,17 @@ class TrainBatch:
 
 
 def train_batch_from_rollout(padded, *, rewards: torch.Tensor, correct: torch.Tensor,
-                             pad_id: int) -> TrainBatch:
-    """A :class:`TrainBatch` from a ``rollout.PaddedRollout`` (which is aligned with the tokens)."""
+                             pad_id: int, policy_version: Optional[int] = None) -> TrainBatch:
+    """A :class:`TrainBatch` from a ``rollout.PaddedRollout`` (which is aligned with the tokens);
+    ``policy_version``: the version of the weights that generated every row."""
     ids = padded.input_ids
     shift = lambda x, fill: torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], dim=1)  # noqa: E731
     return TrainBatch(
         input_ids=ids, labels=shift(ids, pad_id), loss_mask=shift(padded.response_mask, False),
         rollout_logp=shift(padded.rollout_logprobs, 0.0),
         seq_lens=padded.prompt_lens + padded.response_lens, group_ids=padded.group_ids,
-        rewards=rewards.float(), correct=correct.bool())
+        rewards=rewards.float(), correct=correct.bool(),
+        policy_version=None if policy_version is None else torch.full((ids.shape[0],), policy_version))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

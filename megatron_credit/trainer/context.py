@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # annotations only: nothing of these is imported at run time 
     from megatron_credit.training_config import AlgorithmConfig, TrainConfig
     from megatron_credit.credit.phase import PhaseController
     from megatron_credit.trainer.actor import Actor
-    from megatron_credit.trainer.rollout import RolloutManager
+    from megatron_credit.trainer.rollout import RolloutSource
 
 
 class PhaseTimer:
@@ -53,8 +53,9 @@ class Context:
     """The algorithm's parameters as the recipe gives them (``knobs.params`` are those in force)."""
     actor: Actor
     """The policy (``trainer/actor.py``, the one megatron-facing file)."""
-    rollouts: RolloutManager
-    """Engine, rewards, dynamic sampling, weight sync (``trainer/rollout.py``)."""
+    rollouts: RolloutSource
+    """Where batches come from: ``next(step)`` (``trainer/rollout.py``; ``RolloutManager``: engines, rewards,
+    dynamic sampling, weight sync)."""
     pad_id: int
     """The tokenizer's pad id."""
     seq_multiple: int

@@ -27,7 +27,7 @@ def rl_iteration(ctx: Context, iteration: int) -> dict[str, float]:
     engines receive the weights when they wake for the next generation (``RolloutManager.generating``)."""
     timer = ctx.timer
     with timer("rollout"):
-        batch, rollout_metrics = ctx.rollouts.collect(iteration)  # engine + reward pool + dyn. sampling
+        batch, rollout_metrics = ctx.rollouts.next(iteration)  # engine + reward pool + dyn. sampling
     ctx.check_length(int(batch.seq_lens.max()))
     plan = plan_microbatches(ctx, batch)
     fused = fused_old_logprob(ctx)
