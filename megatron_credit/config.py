@@ -304,9 +304,6 @@ class Recipe:
         if not r.prompts_per_step % dp and per_rank % t.num_minibatches:
             out.append(f"train.num_minibatches={t.num_minibatches} must divide the "
                        f"{per_rank} samples per data-parallel rank (prompts_per_step / DP x n)")
-        if t.packing and self.algorithm.spec_and_params()[0].needs_gates:
-            out.append(f"train.packing: true: algorithm {self.algorithm.name} captures the final layer's attention "
-                       "over whole rows, which packed micro-batches do not have; set train.packing=false (or null)")
         if self.data.source == "dataset":  # synthetic prompts are short
             try:
                 check_sequence_length(arch, self.data.max_prompt_len + r.max_response_len,
@@ -322,11 +319,8 @@ class Recipe:
 
     @property
     def packing(self) -> bool:
-        """Whether the trainer packs its micro-batches: ``train.packing``, or where it is None, whether the
-        algorithm allows it (not one that captures the final layer's attention)."""
-        if self.train.packing is not None:
-            return self.train.packing
-        return not self.algorithm.spec_and_params()[0].needs_gates
+        """Whether the trainer packs its micro-batches (``train.packing``; None: yes)."""
+        return True if self.train.packing is None else self.train.packing
 
     def validate(self, *, world_size: int, arch) -> dict[str, int]:
         """Raise ``ValueError`` (the first of :meth:`problems`) unless the recipe runs on ``world_size``

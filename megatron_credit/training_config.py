@@ -261,8 +261,8 @@ class TrainConfig:
     packing: Optional[bool] = None
     """Pack each micro-batch's sequences end to end (THD: no padding rows, first-fit decreasing into
     ``max_tokens_per_microbatch``; ``data/packing.py``) instead of padding every row to the longest.
-    None: on wherever it is supported, i.e. for every algorithm but those that capture the final layer's
-    attention (CompPO), whose capture reads whole rows."""
+    None: on (the default; ``false`` pads every micro-batch's rows to its longest, under PP to the
+    mini-batch's largest row count and length)."""
     val_every: int = 0
     """Validate every this many iterations (0: never)."""
     val_prompts: int = 128

@@ -17,6 +17,8 @@ Parallelism (the groups are captured from megatron ``parallel_state`` at build t
   K is all-gathered over the CP group into sequence order (``[S, b, ng, d]``: one layer's keys), each
   rank scores its own queries at their global positions, and the small results are summed into global
   order (each position is written by exactly one rank), so every CP rank holds the same result.
+- Packed micro-batches (THD, ``data/packing.py``): each sequence's queries against its own keys only (under
+  CP its keys gathered into stream order), and the result is whole rows, one per sequence.
 - PP: only the last stage holds the layer; ``capture.present`` is False elsewhere and ``result`` stays
   None. Sequence parallelism needs nothing: inside attention q/k cover the (CP-local) full sequence.
 
@@ -121,8 +123,11 @@ class FinalAttentionCapture:
         self.query_start = None
 
     @torch.no_grad()
-    def record(self, query: torch.Tensor, key: torch.Tensor, *, scale: float) -> None:
-        """Compute ``result`` from the layer's ``query [sq, b, np, d]`` and ``key [sq, b, ng, d]``."""
+    def record(self, query: torch.Tensor, key: torch.Tensor, *, scale: float, packed_seq_params=None) -> None:
+        """Compute ``result`` from the layer's ``query [sq, b, np, d]`` and ``key [sq, b, ng, d]``; packed
+        (``packed_seq_params``, THD): ``query [t, np, d]``, ``key [t, ng, d]``, see :meth:`_record_packed`."""
+        if packed_seq_params is not None:
+            return self._record_packed(query, key, scale=scale, params=packed_seq_params)
         key, positions = gather_cp_sequence(key, self.cp_group)  # [S, b, ng, d], [sq]
         width = key.shape[0] - self.query_start
         if width <= 0:
@@ -142,6 +147,63 @@ class FinalAttentionCapture:
         self.result = result
 
 
+    def _record_packed(self, query: torch.Tensor, key: torch.Tensor, *, scale: float, params) -> None:
+        """A packed stream (``data/packing.py``): each sequence's queries from position ``query_start`` of
+        that sequence on, against that sequence's keys only (gathered over CP into stream order). ``result``
+        holds whole rows from position 0, one per sequence: ``H [n, P]`` (0 before ``query_start``), ...,
+        with ``P`` the longest sequence's padded length."""
+        from megatron_credit.data.packing import PackedLayout, rank_indices
+
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu = [int(x) for x in cu.tolist()]
+        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        cp = _size(self.cp_group)
+        rank = dist.get_rank(self.cp_group) if cp > 1 else 0
+        layout = PackedLayout.build(lens, multiple=2 * cp if cp > 1 else 1, cp_size=cp, cp_rank=rank)
+        if cp > 1:  # every sequence's keys, in stream order
+            parts = [torch.empty_like(key) for _ in range(cp)]
+            dist.all_gather(parts, key.contiguous(), group=self.cp_group)
+            full = key.new_empty((cu[-1], *key.shape[1:]))
+            for idx, part in zip(rank_indices(cu, cp_size=cp), parts):
+                full[idx.to(key.device)] = part
+            key = full
+        width = max(lens)
+        if width <= self.query_start:
+            raise ValueError(f"query_start={self.query_start} must be below the longest sequence's length {width}")
+        out: dict[str, torch.Tensor] = {}
+
+        def put(name: str, k: int, cols: torch.Tensor, values: torch.Tensor) -> None:
+            if name not in out:
+                out[name] = values.new_zeros((len(lens), width, *values.shape[2:]))
+            out[name][k, cols] = values[0]
+
+        local0 = 0
+        for k, (start, length) in enumerate(zip(cu[:-1], lens)):
+            n_local = length // cp
+            pos = layout.positions[local0:local0 + n_local].to(query.device)
+            mine = torch.nonzero(pos >= self.query_start).flatten()
+            if len(mine):  # the same on every TP rank (one CP rank's positions): the TP collectives match
+                q = query[local0 + mine].permute(1, 0, 2)[None]  # [1, np, m, d]
+                keys = key[start:start + length].permute(1, 0, 2)[None]  # [1, ng, P_k, d]
+                kw = dict(scale=scale, chunk_size=self.chunk_size, tp_group=self.tp_group, q_positions=pos[mine])
+                h, n = attention_concentration(q, keys, sink_keys=self.sink_keys, **kw)
+                put("H", k, pos[mine], h)
+                put("n", k, pos[mine], n)
+                if self.top_k:
+                    idx, w = attention_topk(q, keys, self.top_k, **kw)
+                    put("topk_idx", k, pos[mine], idx)
+                    put("topk_w", k, pos[mine], w)
+            local0 += n_local
+        templates = {"H": (torch.float32, ()), "n": (torch.long, ())}
+        if self.top_k:
+            templates.update({"topk_idx": (torch.long, (self.top_k,)), "topk_w": (torch.float32, (self.top_k,))})
+        for name, (dtype, tail) in templates.items():  # a rank without any query of one: zeros
+            out.setdefault(name, torch.zeros((len(lens), width, *tail), dtype=dtype, device=query.device))
+            if cp > 1:
+                dist.all_reduce(out[name], group=self.cp_group)  # each position written by one rank
+        self.result = out
+
+
 def capturing_core_attention(base: type, capture: FinalAttentionCapture) -> type:
     """A subclass of the core-attention class ``base`` whose forward also feeds ``capture`` when armed.
 
@@ -158,10 +220,7 @@ def capturing_core_attention(base: type, capture: FinalAttentionCapture) -> type
 
     def forward(self, query, key, value, *args, **kwargs):
         if capture.armed:  # before the parent's forward: it sees q/k exactly as the parent does
-            if kwargs.get("packed_seq_params") is not None:
-                raise ValueError("final-layer attention capture supports unpacked (sbhd) batches only; "
-                                 "packed_seq_params was given")
-            capture.record(query, key, scale=self.capture_scale)
+            capture.record(query, key, scale=self.capture_scale, packed_seq_params=kwargs.get("packed_seq_params"))
         return base.forward(self, query, key, value, *args, **kwargs)
 
     return type(f"Capturing{base.__name__}", (base,), {"__init__": __init__, "forward": forward,

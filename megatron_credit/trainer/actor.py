@@ -117,8 +117,6 @@ class Actor(OptimizerStep):
         self.config = actor_transformer_config(hf_config, parallel=parallel, params_dtype=model.torch_dtype(),
                                                recompute=recompute, from_checkpoint=self.from_checkpoint)
         te = model.use_transformer_engine()
-        if packed_sequences and capture_top_k is not None:
-            raise ValueError("train.packing: the final layer's attention capture reads whole rows; set train.packing=false")
         self.packed_sequences = packed_sequences
         if packed_sequences and parallel.pipeline_model_parallel_size > 1:
             self.config.variable_seq_lengths = True  # packed micro-batches differ in length
@@ -333,6 +331,9 @@ class Actor(OptimizerStep):
         kappa = self.gate_fn(h, n).float()
 
         def whole(x, fill=0):
+            if mb.packed:  # the capture returns each sequence's whole row already
+                before = torch.arange(x.shape[1], device=x.device) < q0
+                return x.masked_fill(before.view(1, -1, *([1] * (x.dim() - 2))), fill)
             full = x.new_full((b, s, *x.shape[2:]), fill)
             full[:, q0:] = x
             return full
@@ -353,13 +354,19 @@ class Actor(OptimizerStep):
 
         cp = self.cp_group if self.cp_size > 1 else None
         if aux:
-            local = {k: split_for_cp(aux[k], cp_size=self.cp_size, cp_rank=self.cp_rank)
-                     for k in ("kappa", "topk_idx", "topk_w") if k in aux}
+            cut = (lambda x: mb.layout.pack(x)) if mb.packed else \
+                (lambda x: split_for_cp(x, cp_size=self.cp_size, cp_rank=self.cp_rank))
+            local = {k: cut(aux[k]) for k in ("kappa", "topk_idx", "topk_w") if k in aux}
         elif "kappa" in mb.tensors:
             local = {k: mb.tensors[k] for k in ("kappa", "topk_idx", "topk_w") if k in mb.tensors}
         else:  # no behaviour pass behind this micro-batch (the supervised warm-up): no values
             return None
         layers = [x.transpose(0, 1) for x in self._layer_outputs] + [h.detach()]
+        if mb.packed:  # one sequence per row (its top-K keys are positions in its own sequence)
+            rows = mb.layout
+            values = head([mb.rows_view(x) for x in layers], rows.whole_rows(h.detach(), cp_group=cp),
+                          *(mb.rows_view(local.get(k)) for k in ("topk_idx", "topk_w", "kappa")))
+            return rows.from_rows(values).float()
         history = gather_from_cp(h.detach(), cp_group=cp) if cp is not None else h.detach()
         return head(layers, history, local.get("topk_idx"), local.get("topk_w"), local["kappa"]).float()
 

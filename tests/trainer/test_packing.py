@@ -3,7 +3,8 @@
 The same two optimizer steps (``tests/support/fixed_batch.py``: behaviour pass, advantages, two
 mini-batches, the second one off-policy so FIPO's weights and PPO's value clip act) run once with padded
 rows and once packed, at world size 1 and at TP 2 (+SP), PP 2, CP 2 and DP 2. Every metric (losses,
-gradient norms, entropies, KL, FIPO's weights, the critic's loss) and the advantages must agree to 1e-5
+gradient norms, entropies, KL, FIPO's weights, the critic's loss), the advantages and returns, and
+CompPO's gates, dynamic gates, top-K keys and weights, and critic values must agree to 1e-5
 relative in fp32 (1e-7 absolute for values near 0, such as a GRPO loss whose advantages cancel, as in
 ``tests/trainer/test_step.py``); the packed run must compute no padding rows (only the CP / SP alignment).
 """
@@ -32,8 +33,13 @@ def _advantages(batch, plan):
     m = batch.loss_mask
     out = {"adv/abs_sum": float(torch.where(m, batch.advantages, 0.0).abs().sum()),
            "adv/sq_sum": float(torch.where(m, batch.advantages, 0.0).pow(2).sum())}
-    if batch.returns is not None:
-        out["adv/returns_sum"] = float(torch.where(m, batch.returns, 0.0).sum())
+    for name in ("returns", "values", "kappa", "gates"):  # critic values, CompPO's gates
+        t = getattr(batch, name)
+        if t is not None:
+            out[f"adv/{name}_sum"] = float(torch.where(m, t, 0.0).sum())
+    if batch.topk_w is not None:  # CompPO: the keys its critic reads, and their weights
+        out["adv/topk_w_sum"] = float(torch.where(m[..., None], batch.topk_w, 0.0).sum())
+        out["adv/topk_idx_sum"] = float(torch.where(m[..., None], batch.topk_idx, 0).sum())
     return out
 
 
@@ -52,10 +58,13 @@ def max_rel_diff(padded: list[dict], packed: list[dict]) -> tuple[float, str]:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("algorithm", ["grpo", "dapo", "fipo", "ppo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo", "fipo", "ppo", "comppo"])
 def test_a_packed_update_equals_the_padded_one(pool1, pool2, algorithm, layout):
     pool = pool1 if layout == "world 1" else pool2
-    runs = {p: pool.run(_run_fixed, LAYOUTS[layout], algorithm, overrides=[f"train.packing={p}"],
+    # CompPO: the final layer's statistics per sequence (keys of its own sequence only), the TAC critic
+    # reading each sequence's own history (one fused layer: a PP=2 stage holds one of the two)
+    extra = ["algorithm.params.critic_layers=1"] if algorithm == "comppo" else []
+    runs = {p: pool.run(_run_fixed, LAYOUTS[layout], algorithm, overrides=[f"train.packing={p}", *extra],
                         prepare=_advantages)[0] for p in ("false", "true")}
     padded, packed = runs["false"], runs["true"]
     assert set(padded[0]) - {"throughput/padding_fraction"} <= set(packed[0])
@@ -64,6 +73,8 @@ def test_a_packed_update_equals_the_padded_one(pool1, pool2, algorithm, layout):
     assert worst <= 1.0, f"{algorithm} {layout}: {where}"
     if layout != "PP=2":  # rank 0 is the first stage there, which computes no advantages
         assert packed[0]["adv/abs_sum"] > 0
+        if algorithm == "comppo":
+            assert packed[0]["adv/kappa_sum"] > 0 and packed[0]["adv/topk_w_sum"] > 0
     if layout in ("world 1", "PP=2", "DP=2"):  # no alignment: not one token of padding
         assert all(r["throughput/padding_fraction"] == 0.0 for r in packed)
     assert all(r["throughput/padding_fraction"] < p["throughput/padding_fraction"] for r, p in zip(packed, padded))
