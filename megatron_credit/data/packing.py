@@ -178,5 +178,6 @@ def rank_indices(cu_seqlens: Sequence[int], *, cp_size: int) -> list[torch.Tenso
     [[0, 3, 4, 7], [1, 2, 5, 6]]
     """
     lens = [int(b) - int(a) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
-    return [PackedLayout.build(lens, multiple=2 * cp_size, cp_size=cp_size, cp_rank=r).local_index
+    multiple = 2 * cp_size if cp_size > 1 else 1
+    return [PackedLayout.build(lens, multiple=multiple, cp_size=cp_size, cp_rank=r).local_index
             for r in range(cp_size)]

@@ -20,6 +20,7 @@ CP > 1 or when the trainer packs sequences.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -137,29 +138,78 @@ class CpuContextParallelAttention(MegatronModule):
 
     def _packed(self, query, key, value, params):
         """THD: ``query [t, np, hn]``, ``key, value [t, ng, hn]`` (this CP rank's chunks of every sequence at
-        ``cu_seqlens``) -> ``[t, np * hn]``."""
+        ``cu_seqlens``) -> ``[t, np * hn]``. Sequences of similar lengths are attended as one padded batch
+        (:func:`length_groups`), each query against its own sequence's keys only."""
         if params.qkv_format != "thd":
             raise ValueError(f"CPU attention: packed sequences in format {params.qkv_format!r}; expected 'thd'")
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu = [int(x) for x in cu.tolist()]
         cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
         rank = dist.get_rank(self.cp_group) if cp > 1 else 0
-        lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-        layout = PackedLayout.build(lens, multiple=2 * cp if cp > 1 else 1, cp_size=cp, cp_rank=rank)
         if cp > 1:  # every sequence's keys and values whole, in stream order
-            indices = rank_indices(cu, cp_size=cp)
+            indices = _rank_indices(tuple(cu), cp)
             key = _GatherPacked.apply(key, self.cp_group, indices)
             value = _GatherPacked.apply(value, self.cp_group, indices)
         t, n_heads, hn = query.shape
         rep = n_heads // key.shape[1]  # GQA: query head h uses KV group h // (np / ng)
-        out, start_local = [], 0
-        for k, (start, length) in enumerate(zip(cu[:-1], lens)):
-            n_local = length // cp
-            q = query[start_local:start_local + n_local].permute(1, 0, 2)[None]  # [1, np, sq, hn]
-            keys = key[start:start + length].repeat_interleave(rep, dim=1).permute(1, 0, 2)[None]
-            vals = value[start:start + length].repeat_interleave(rep, dim=1).permute(1, 0, 2)[None]
-            q_pos = layout.positions[start_local:start_local + n_local].to(query.device)
-            out.append(_causal(q, keys, vals, q_pos, self.softmax_scale)[0].permute(1, 0, 2))
-            start_local += n_local
-        assert start_local == t, (start_local, t)
-        return torch.cat(out, dim=0).reshape(t, n_heads * hn)
+        out = query.new_zeros((t, n_heads * hn))
+        for q_idx, valid, k_idx, q_pos in _group_indices(tuple(cu), cp, rank, query.device):
+            g, mq = q_idx.shape
+            q = query[q_idx].permute(0, 2, 1, 3)  # [g, np, mq, hn]
+            k = key[k_idx].repeat_interleave(rep, dim=2).permute(0, 2, 1, 3)  # [g, np, mk, hn]
+            v = value[k_idx].repeat_interleave(rep, dim=2).permute(0, 2, 1, 3)
+            scores = torch.matmul(q.float(), k.transpose(-1, -2).float()) * self.softmax_scale
+            hidden = torch.arange(k_idx.shape[1], device=q.device)[None, None, :] > q_pos[:, :, None]  # [g, mq, mk]
+            probs = torch.softmax(scores.masked_fill(hidden[:, None], float("-inf")), dim=-1).to(value.dtype)
+            o = torch.matmul(probs, v).permute(0, 2, 1, 3).reshape(g, mq, n_heads * hn)
+            out = out.index_put((q_idx[valid],), o[valid])
+        return out
+
+
+@functools.lru_cache(maxsize=8)  # every layer of a micro-batch's forward and backward reads the same
+def _rank_indices(cu: tuple[int, ...], cp: int) -> list[torch.Tensor]:
+    return rank_indices(list(cu), cp_size=cp)
+
+
+@functools.lru_cache(maxsize=8)
+def _group_indices(cu: tuple[int, ...], cp: int, rank: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    """Per :func:`length_groups` group of the sequences at ``cu`` (this CP rank's queries): ``q_idx [g, mq]``
+    local stream indices of the queries (padding slots repeat the sequence's last one), ``valid [g, mq]``,
+    ``k_idx [g, mk]`` whole-stream indices of the keys (past a sequence's end its last key, never visible:
+    causal) and ``q_pos [g, mq]`` the queries' positions in their sequence (0 in padding slots)."""
+    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    layout = PackedLayout.build(lens, multiple=2 * cp if cp > 1 else 1, cp_size=cp, cp_rank=rank)
+    local_start = [0]
+    for n in lens:
+        local_start.append(local_start[-1] + n // cp)
+    out = []
+    for group in length_groups(lens):
+        mq, mk = max(lens[k] // cp for k in group), max(lens[k] for k in group)
+        q_idx = torch.stack([torch.arange(local_start[k], local_start[k] + mq).clamp(max=local_start[k + 1] - 1)
+                             for k in group])
+        valid = torch.stack([torch.arange(mq) < lens[k] // cp for k in group])
+        k_idx = torch.stack([torch.arange(cu[k], cu[k] + mk).clamp(max=cu[k + 1] - 1) for k in group])
+        q_pos = torch.where(valid, layout.positions[q_idx], 0)
+        out.append(tuple(x.to(device) for x in (q_idx, valid, k_idx, q_pos)))
+    return out
+
+
+def length_groups(lens: list[int], *, slack: float = 1.25) -> list[list[int]]:
+    """Sequences (indices into ``lens``) to attend as one padded batch each: longest first, a sequence joins
+    the current group while the group's padded score matrix (``count x longest**2``) stays within ``slack``
+    of its sequences' own (``sum len**2``).
+
+    >>> length_groups([10, 12, 3, 11, 2])
+    [[1, 3, 0], [2], [4]]
+    """
+    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    groups: list[list[int]] = []
+    own = 0
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lens[groups[-1][0]] ** 2 <= slack * (own + lens[i] ** 2):
+            groups[-1].append(i)
+            own += lens[i] ** 2
+        else:
+            groups.append([i])
+            own = lens[i] ** 2
+    return groups

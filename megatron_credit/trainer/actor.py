@@ -292,21 +292,11 @@ class Actor(OptimizerStep):
             self._layer_outputs = []
             try:
                 with final_hidden_states(model_chunk) if self.last_stage else contextlib.nullcontext():
-                    out = model_chunk(mb.tensors["input_ids"], mb.position_ids, None, **packed_inputs(mb))
+                    packed = {"packed_seq_params": mb.packed_seq_params} if mb.packed else {}
+                    out = model_chunk(mb.tensors["input_ids"], mb.position_ids, None, **packed)
             finally:
                 self._collect = False
             return out, functools.partial(loss_func, mb)  # megatron calls it right after, on the last stage
-
-        def packed_inputs(mb: MicroBatch) -> dict:
-            if not mb.packed:
-                return {}
-            from megatron.core.packed_seq_params import PackedSeqParams
-
-            cu = mb.layout.cu_seqlens.to(self.device)  # padded = real lengths: see data/packing.py
-            longest = max(mb.layout.padded_lens)
-            return {"packed_seq_params": PackedSeqParams(
-                qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)}
 
         first = microbatches[0]
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()

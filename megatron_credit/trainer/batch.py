@@ -169,6 +169,19 @@ class MicroBatch:
         return self.layout is not None
 
     @property
+    def packed_seq_params(self):
+        """megatron's ``PackedSeqParams`` of a packed micro-batch (THD; the padded lengths are the sequence
+        lengths, ``data/packing.py``), on the micro-batch's device; None for padded rows."""
+        if not self.packed:
+            return None
+        from megatron.core.packed_seq_params import PackedSeqParams  # only the actor asks, megatron's side
+
+        cu = self.layout.cu_seqlens.to(self.position_ids.device)
+        longest = max(self.layout.padded_lens)
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                               cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+
+    @property
     def computed_tokens(self) -> int:
         """Tokens the forward pass computes (all CP ranks): the padded block, or the packed stream."""
         return self.layout.total_tokens if self.packed else self.num_rows * self.seq_len

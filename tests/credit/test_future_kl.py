@@ -369,3 +369,24 @@ def test_future_kl_reads_any_0_1_mask_like_a_bool_mask(dtype):
 def test_summary_of_an_empty_tensor_has_every_key():
     out = masked_summary(torch.zeros(2, 0), torch.zeros(2, 0, dtype=torch.bool))
     assert list(out) == ["mean", "min", "max", "p10", "p50", "p90"] and all(math.isnan(float(v)) for v in out.values())
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_empty_row_slots_pass_the_transport_on_unchanged(packed):
+    # A packed micro-batch's row view under CP (data/packing.py): each half of a row ends with empty slots.
+    # With them marked, the Future-KL of the tokens equals the loop reference on the row without them.
+    logp, old, mask = make_batch(4, 24, seed=5, packed=packed)
+    g = torch.Generator().manual_seed(9)
+    slots = torch.ones(4, 40, dtype=torch.bool)
+    spread = []
+    for i in range(4):  # 16 empty slots at random places of each row; the tokens keep their order
+        empty = torch.randperm(40, generator=g)[:16]
+        slots[i, empty] = False
+        spread.append(slots[i].nonzero().flatten())
+    wide = lambda x, fill: torch.stack([torch.full((40,), fill, dtype=x.dtype).index_put((spread[i],), x[i])  # noqa: E731
+                                        for i in range(4)])
+    got = future_kl(wide(logp, 0.0), wide(old, 0.0), wide(mask, False), tau=8.0, dual_clip_c=3.0, chunk_size=4,
+                    packed=packed, row_slots=slots)
+    ref = future_kl_reference(logp, old, mask, tau=8.0, c=3.0, packed=packed)
+    torch.testing.assert_close(torch.stack([got[i, spread[i]] for i in range(4)]), ref, rtol=1e-12, atol=1e-12)
+    assert torch.equal(got[~slots], torch.zeros(int((~slots).sum()), dtype=got.dtype))

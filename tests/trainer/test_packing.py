@@ -58,12 +58,13 @@ def max_rel_diff(padded: list[dict], packed: list[dict]) -> tuple[float, str]:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("algorithm", ["grpo", "dapo", "fipo", "ppo", "comppo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "dapo", "fipo", "ppo", "comppo", "comppo_fipo", "gspo", "dr_grpo",
+                                       "rloo"])
 def test_a_packed_update_equals_the_padded_one(pool1, pool2, algorithm, layout):
     pool = pool1 if layout == "world 1" else pool2
     # CompPO: the final layer's statistics per sequence (keys of its own sequence only), the TAC critic
     # reading each sequence's own history (one fused layer: a PP=2 stage holds one of the two)
-    extra = ["algorithm.params.critic_layers=1"] if algorithm == "comppo" else []
+    extra = ["algorithm.params.critic_layers=1"] if algorithm.startswith("comppo") else []
     runs = {p: pool.run(_run_fixed, LAYOUTS[layout], algorithm, overrides=[f"train.packing={p}", *extra],
                         prepare=_advantages)[0] for p in ("false", "true")}
     padded, packed = runs["false"], runs["true"]
@@ -73,7 +74,7 @@ def test_a_packed_update_equals_the_padded_one(pool1, pool2, algorithm, layout):
     assert worst <= 1.0, f"{algorithm} {layout}: {where}"
     if layout != "PP=2":  # rank 0 is the first stage there, which computes no advantages
         assert packed[0]["adv/abs_sum"] > 0
-        if algorithm == "comppo":
+        if algorithm.startswith("comppo"):
             assert packed[0]["adv/kappa_sum"] > 0 and packed[0]["adv/topk_w_sum"] > 0
     if layout in ("world 1", "PP=2", "DP=2"):  # no alignment: not one token of padding
         assert all(r["throughput/padding_fraction"] == 0.0 for r in packed)
