@@ -113,20 +113,9 @@ def _worker(rank: int, world: int, port: int, packing: bool, args, results) -> N
 
 
 def measure(world: int, packing: bool, args) -> dict:
-    import torch.multiprocessing as mp
+    from benchmarks.step_time import spawn_world
 
-    from megatron_credit.distributed import _free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, packing, args, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = results.get(timeout=3600)
-    for p in procs:
-        p.join()
-    return out
+    return spawn_world(_worker, world, packing, args, timeout=3600)
 
 
 def main() -> None:

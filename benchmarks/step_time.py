@@ -62,7 +62,9 @@ def _worker(rank: int, world: int, port: int, tp: int, args, results) -> None:
     distributed.destroy(process_group=True)
 
 
-def _step_time(tp: int, args) -> float:
+def spawn_world(worker, world: int, *args, timeout: float = 600):
+    """Run ``worker(rank, world, port, *args, results)`` in ``world`` spawned processes; what the first
+    of them puts in ``results`` (rank 0's measurement)."""
     import torch.multiprocessing as mp
 
     from megatron_credit.distributed import _free_port
@@ -70,13 +72,17 @@ def _step_time(tp: int, args) -> float:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, tp, port, tp, args, results)) for r in range(tp)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, *args, results)) for r in range(world)]
     for p in procs:
         p.start()
-    value = results.get(timeout=600)
+    value = results.get(timeout=timeout)
     for p in procs:
         p.join()
     return value
+
+
+def _step_time(tp: int, args) -> float:
+    return spawn_world(_worker, tp, tp, args)
 
 
 def main() -> None:

@@ -31,7 +31,8 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
         clipped = old_values + (values - old_values).clamp(-value_clip, value_clip)
         err = torch.maximum(err, (clipped - returns) ** 2)
     loss = 0.5 * aggregate_loss(err, mask, mode="token-mean", global_num_tokens=global_num_tokens)
-    r = torch.where(mask, returns, 0.0)
-    resid = torch.where(mask, returns - old_values, 0.0)
+    # float64 sums: the variances are E[x^2] - E[x]^2, which cancel when the returns are nearly constant
+    r = torch.where(mask, returns, 0.0).detach().double()
+    resid = torch.where(mask, returns - old_values, 0.0).detach().double()
     return loss, {"value_loss": loss.detach(), "ret": r.sum(), "ret2": (r * r).sum(),
                   "resid": resid.sum(), "resid2": (resid * resid).sum()}

@@ -173,43 +173,55 @@ def _rank_indices(cu: tuple[int, ...], cp: int) -> list[torch.Tensor]:
 
 @functools.lru_cache(maxsize=8)
 def _group_indices(cu: tuple[int, ...], cp: int, rank: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
-    """Per :func:`length_groups` group of the sequences at ``cu`` (this CP rank's queries): ``q_idx [g, mq]``
-    local stream indices of the queries (padding slots repeat the sequence's last one), ``valid [g, mq]``,
-    ``k_idx [g, mk]`` whole-stream indices of the keys (past a sequence's end its last key, never visible:
-    causal) and ``q_pos [g, mq]`` the queries' positions in their sequence (0 in padding slots)."""
+    """Per :func:`length_groups` group of the sequences at ``cu`` (this CP rank's queries), all of one bucket
+    length ``L``: ``q_idx [g, L / cp]`` local stream indices of the queries (padding slots repeat the
+    sequence's last one), ``valid [g, L / cp]``, ``k_idx [g, L]`` whole-stream indices of the keys (past a
+    sequence's end its last key, never visible: causal) and ``q_pos [g, L / cp]`` the queries' positions in
+    their sequence (0 in padding slots)."""
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     layout = PackedLayout.build(lens, multiple=2 * cp if cp > 1 else 1, cp_size=cp, cp_rank=rank)
     local_start = [0]
     for n in lens:
         local_start.append(local_start[-1] + n // cp)
     out = []
-    for group in length_groups(lens):
-        mq, mk = max(lens[k] // cp for k in group), max(lens[k] for k in group)
+    for bucket, group in length_groups(lens, multiple=2 * cp if cp > 1 else 1):
+        mq = bucket // cp
         q_idx = torch.stack([torch.arange(local_start[k], local_start[k] + mq).clamp(max=local_start[k + 1] - 1)
                              for k in group])
         valid = torch.stack([torch.arange(mq) < lens[k] // cp for k in group])
-        k_idx = torch.stack([torch.arange(cu[k], cu[k] + mk).clamp(max=cu[k + 1] - 1) for k in group])
+        k_idx = torch.stack([torch.arange(cu[k], cu[k] + bucket).clamp(max=cu[k + 1] - 1) for k in group])
         q_pos = torch.where(valid, layout.positions[q_idx], 0)
         out.append(tuple(x.to(device) for x in (q_idx, valid, k_idx, q_pos)))
     return out
 
 
-def length_groups(lens: list[int], *, slack: float = 1.25) -> list[list[int]]:
-    """Sequences (indices into ``lens``) to attend as one padded batch each: longest first, a sequence joins
-    the current group while the group's padded score matrix (``count x longest**2``) stays within ``slack``
-    of its sequences' own (``sum len**2``).
+def bucket_length(n: int, *, multiple: int = 1) -> int:
+    """``n`` rounded up to one of four steps per octave (less than a quarter more: 17 -> 20, 1025 -> 1280), and to
+    a multiple of ``multiple``; at least 16.
 
-    >>> length_groups([10, 12, 3, 11, 2])
-    [[1, 3, 0], [2], [4]]
+    >>> [bucket_length(n) for n in (3, 16, 17, 100, 1000, 1025)], bucket_length(17, multiple=8)
+    ([16, 16, 20, 112, 1024, 1280], 24)
     """
-    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    groups: list[list[int]] = []
-    own = 0
-    for i in order:
-        if groups and (len(groups[-1]) + 1) * lens[groups[-1][0]] ** 2 <= slack * (own + lens[i] ** 2):
-            groups[-1].append(i)
-            own += lens[i] ** 2
-        else:
-            groups.append([i])
-            own = lens[i] ** 2
-    return groups
+    n = max(n, 16)
+    step = 1 << max(n.bit_length() - 3, 0)
+    n = -(-n // step) * step
+    return -(-n // multiple) * multiple
+
+
+def length_groups(lens: list[int], *, multiple: int = 1, max_scores: int = 1 << 23) -> list[tuple[int, list[int]]]:
+    """Sequences (indices into ``lens``) to attend as one padded batch each, ``(bucket length, indices)``,
+    longest first: those of one :func:`bucket_length`, as many at a time as keep ``count x bucket**2`` (the
+    score matrix of one head) within ``max_scores``. Each sequence's padded length depends on its own
+    length only, so its attention is computed the same way whatever other sequences share its micro-batch.
+
+    >>> length_groups([10, 40, 3, 37, 200])
+    [(224, [4]), (40, [1, 3]), (16, [0, 2])]
+    """
+    buckets: dict[int, list[int]] = {}
+    for i, n in enumerate(lens):
+        buckets.setdefault(bucket_length(n, multiple=multiple), []).append(i)
+    out = []
+    for b in sorted(buckets, reverse=True):
+        per = max(max_scores // (b * b), 1)
+        out += [(b, buckets[b][s:s + per]) for s in range(0, len(buckets[b]), per)]
+    return out

@@ -206,9 +206,8 @@ PPO_EQUIV = ["algorithm.name=comppo", "algorithm.params.gate_control=fixed", "al
 @pytest.mark.dist
 def test_a_constant_gate_equal_to_gamma_reproduces_ppo_bit_for_bit(pool1, tmp_path):
     """The papers' sanity check through the whole trainer: CompPO with kappa = gamma = 1 and PPO's critic
-    and settings gives PPO's run exactly (the attention capture changes no number). PPO runs padded rows,
-    as CompPO does (its capture reads whole rows): packed PPO equals it to float rounding, not bit for bit."""
-    ppo = pool1.run(train_tiny, str(tmp_path / "ppo"), "none", ["algorithm.name=ppo", "train.packing=false"])[0]
+    and settings gives PPO's run exactly (the attention capture changes no number)."""
+    ppo = pool1.run(train_tiny, str(tmp_path / "ppo"), "none", ["algorithm.name=ppo"])[0]
     comp = pool1.run(train_tiny, str(tmp_path / "comppo"), "none", PPO_EQUIV)[0]
     assert len(ppo) == len(comp) == 2
     for a, b in zip(ppo, comp):
