@@ -1,6 +1,6 @@
 """What one RL iteration reads (``trainer/step.py`` takes a :class:`Context`): the recipe sections it
 reads, the algorithm, the models, the rollout manager, the knobs in force, the algorithm's controls (gate
-control, phase controller), and the few collectives the iteration needs (CP gather, DP whitening, the
+control, phase controller), and the few collectives the iteration needs (DP whitening, the
 finite-loss vote, the metric reduction). ``trainer/loop.py`` builds it once per launch. No megatron import:
 the process groups and ranks come from the actor.
 """
@@ -107,11 +107,6 @@ class Context:
         from megatron_credit.models import check_sequence_length
 
         check_sequence_length(self.actor.hf_config, length, what="a prompt + response")
-
-    def gather_cp(self, t: torch.Tensor) -> torch.Tensor:
-        from megatron_credit.data.context_parallel import gather_from_cp
-
-        return gather_from_cp(t, cp_group=self.actor.cp_group if self.actor.cp_size > 1 else None)
 
     def whiten(self, adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``(A - mean) / std`` over the valid tokens of the whole global batch (summed over DP)."""
