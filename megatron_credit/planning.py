@@ -365,6 +365,7 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
                         "tensor_parallel_size)")
     resident = sum(terms[k] for k in RESIDENT)
     offload = sum(terms[k] for k in OFFLOADED)
+    layout_note = "packed" if recipe.packing else "padded" + (", under PP to the largest shape: may exceed" if pp > 1 else "")
     notes = {
         "weights": f"{params / 1e6:,.1f}M params on the largest stage x {wb} B ({dtype})",
         "gradients": "fp32 main gradients, 4 B/param",
@@ -374,11 +375,8 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
         "critic": (f"separate value model, {params / 1e6:,.1f}M params (weights, gradients, optimizer as the "
                    "actor's)") if separate_critic else f"{critic_params:,} params" if critic_params else "none",
         "reference": "frozen copy (algorithm.kl_coef > 0)" if terms["reference"] else "none (no KL term)",
-        "activations": f"{local_tokens:,} tokens/GPU (micro-batch {micro_tokens:,} / CP {cp}, "
-                       + ("packed: at most the token budget" if recipe.packing else
-                          "padded rows" + (": under PP every micro-batch is padded to the mini-batch's largest row "
-                                           "count and length, which can exceed this" if pp > 1 else ""))
-                       + f"), recompute {t.recompute or 'none'}{', fp32 scores (local attention)' if local_attn else ''}",
+        "activations": f"{local_tokens:,} tokens/GPU (micro-batch {micro_tokens:,} / CP {cp}, {layout_note}), "
+                       f"recompute {t.recompute or 'none'}{', fp32 scores (local attention)' if local_attn else ''}",
         "logprob_chunk": f"{chunk:,} tokens x V/TP={a.vocab_size // tp:,} fp32 x 3",
         "reserve": "NCCL buffers, allocator slack",
         "cuda_contexts": f"{contexts} x {CUDA_CONTEXT_BYTES / GIB:.1f} GiB: {contexts_note}",
@@ -414,8 +412,7 @@ def _cuda_contexts(recipe) -> tuple[int, str]:
 
 def _micro_batch_tokens(recipe, *, seq: int) -> int:
     """Tokens of the longest micro-batch: ``max(train.max_tokens_per_microbatch, seq)`` padded up to a
-    multiple of 2 x CP (x TP with sequence parallelism). Packed micro-batches (``train.packing``) hold at
-    most the budget, or one longer sequence alone; padded rows under PP can hold more (the plan's note)."""
+    multiple of 2 x CP (x TP with sequence parallelism); padded rows under PP can hold more (the note)."""
     from megatron_credit.data.context_parallel import required_multiple
 
     p = recipe.parallel

@@ -181,3 +181,13 @@ def rank_indices(cu_seqlens: Sequence[int], *, cp_size: int) -> list[torch.Tenso
     multiple = 2 * cp_size if cp_size > 1 else 1
     return [PackedLayout.build(lens, multiple=multiple, cp_size=cp_size, cp_rank=r).local_index
             for r in range(cp_size)]
+
+
+def host_cu_seqlens(params) -> list[int]:
+    """The (padded) ``cu_seqlens`` of megatron's ``PackedSeqParams`` as host ints: the copy the trainer's
+    micro-batch attaches (``cu_seqlens_host``), else read from the tensor (a device sync on GPU)."""
+    host = getattr(params, "cu_seqlens_host", None)
+    if host is not None:
+        return list(host)
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    return [int(x) for x in cu.tolist()]

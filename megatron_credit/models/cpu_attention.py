@@ -29,7 +29,7 @@ import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_credit.cp_layout import load_balanced_positions, merge_cp_shards, split_for_cp  # noqa: F401
-from megatron_credit.data.packing import PackedLayout, rank_indices
+from megatron_credit.data.packing import PackedLayout, host_cu_seqlens, rank_indices
 
 
 class _GatherLoadBalanced(torch.autograd.Function):
@@ -142,8 +142,7 @@ class CpuContextParallelAttention(MegatronModule):
         (:func:`length_groups`), each query against its own sequence's keys only."""
         if params.qkv_format != "thd":
             raise ValueError(f"CPU attention: packed sequences in format {params.qkv_format!r}; expected 'thd'")
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        cu = [int(x) for x in cu.tolist()]
+        cu = host_cu_seqlens(params)
         cp = dist.get_world_size(self.cp_group) if self.cp_group is not None else 1
         rank = dist.get_rank(self.cp_group) if cp > 1 else 0
         if cp > 1:  # every sequence's keys and values whole, in stream order

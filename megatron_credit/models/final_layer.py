@@ -152,10 +152,9 @@ class FinalAttentionCapture:
         that sequence on, against that sequence's keys only (gathered over CP into stream order). ``result``
         holds whole rows from position 0, one per sequence: ``H [n, P]`` (0 before ``query_start``), ...,
         with ``P`` the longest sequence's padded length."""
-        from megatron_credit.data.packing import PackedLayout, rank_indices
+        from megatron_credit.data.packing import PackedLayout, host_cu_seqlens, rank_indices
 
-        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        cu = [int(x) for x in cu.tolist()]
+        cu = host_cu_seqlens(params)
         lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         cp = _size(self.cp_group)
         rank = dist.get_rank(self.cp_group) if cp > 1 else 0

@@ -178,8 +178,10 @@ class MicroBatch:
 
         cu = self.layout.cu_seqlens.to(self.position_ids.device)
         longest = max(self.layout.padded_lens)
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                               cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                                 cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+        params.cu_seqlens_host = tuple(self.layout.cu_seqlens.tolist())  # for host-side readers: no device sync
+        return params
 
     @property
     def computed_tokens(self) -> int:

@@ -74,3 +74,15 @@ def test_the_row_view_is_differentiable_both_ways():
 def test_an_alignment_that_cannot_split_for_cp_is_refused():
     with pytest.raises(ValueError, match="multiple of 2 x CP"):
         PackedLayout.build([5], multiple=2, cp_size=2, cp_rank=0)
+
+
+def test_host_cu_seqlens_reads_the_attached_host_copy_first():
+    from types import SimpleNamespace
+
+    from megatron_credit.data.packing import host_cu_seqlens
+
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    assert host_cu_seqlens(SimpleNamespace(cu_seqlens_q_padded=cu, cu_seqlens_q=None)) == [0, 4, 10]
+    assert host_cu_seqlens(SimpleNamespace(cu_seqlens_q_padded=None, cu_seqlens_q=cu)) == [0, 4, 10]
+    attached = SimpleNamespace(cu_seqlens_q_padded=cu, cu_seqlens_q=cu, cu_seqlens_host=(0, 3, 7))
+    assert host_cu_seqlens(attached) == [0, 3, 7]  # never reads the (device) tensor when the copy is there
