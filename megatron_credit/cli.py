@@ -24,7 +24,12 @@ import sys
 import warnings
 from typing import Callable, Sequence
 
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, FileExistsError,
+
+class RunStopped(RuntimeError):
+    """A run that stops for a reason one line states (a helper process that died, a wait past its timeout)."""
+
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, RunStopped, FileNotFoundError, FileExistsError,
                                                  NotADirectoryError, IsADirectoryError, PermissionError)
 """Exceptions reported as one line (``ValueError`` includes its subclasses, e.g. ``UnicodeDecodeError``)."""
 

@@ -28,7 +28,8 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, empty_cache, resolve_group_ids
+from megatron_credit.rollout.engine import (ROLLOUT_ENGINES, GenerationAborted, WeightBuckets, empty_cache,
+                                           resolve_group_ids)
 from megatron_credit.rollout.sampling import ExponentialNoise, noise_block_steps, row_seed, sample_step
 from megatron_credit.rollout.types import FinishStatus, RolloutBatch, RolloutSample, SamplingParams, SampleTimings
 from megatron_credit.rollout.weight_sync import load_named_tensor_buckets
@@ -68,6 +69,9 @@ class HFRolloutEngine:
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.compact_finished = compact_finished
+        self.should_abort = None
+        """A callable checked between decode steps; when it returns True, ``generate`` raises
+        :class:`~megatron_credit.rollout.engine.GenerationAborted` (None: never)."""
         if model is None:
             model = _build_model(hf_config, model_path, dtype, attn_implementation, init_seed)
         self._model = model.to(device=self.device).eval()
@@ -222,6 +226,8 @@ class HFRolloutEngine:
             keep = (~done[live]).nonzero().squeeze(-1)
             if len(keep) == 0:
                 break
+            if self.should_abort is not None and self.should_abort():
+                raise GenerationAborted(f"aborted after {step + 1} decode steps")
             if self.compact_finished and len(keep) <= 0.75 * len(live):
                 # Drop finished rows from the batch (and the KV cache) once a quarter of it is dead weight.
                 live, tok, next_pos, logits = live[keep], tok[keep], next_pos[keep], None

@@ -98,9 +98,9 @@ class TrainBatch:
 
 
 def train_batch_from_rollout(padded, *, rewards: torch.Tensor, correct: torch.Tensor,
-                             pad_id: int, policy_version: Optional[int] = None) -> TrainBatch:
+                             pad_id: int, policy_version: "int | torch.Tensor | None" = None) -> TrainBatch:
     """A :class:`TrainBatch` from a ``rollout.PaddedRollout`` (which is aligned with the tokens);
-    ``policy_version``: the version of the weights that generated every row."""
+    ``policy_version``: the version of the weights that generated every row, or ``[B]`` one per row."""
     ids = padded.input_ids
     shift = lambda x, fill: torch.cat([x[:, 1:], torch.full_like(x[:, :1], fill)], dim=1)  # noqa: E731
     return TrainBatch(
@@ -108,7 +108,8 @@ def train_batch_from_rollout(padded, *, rewards: torch.Tensor, correct: torch.Te
         rollout_logp=shift(padded.rollout_logprobs, 0.0),
         seq_lens=padded.prompt_lens + padded.response_lens, group_ids=padded.group_ids,
         rewards=rewards.float(), correct=correct.bool(),
-        policy_version=None if policy_version is None else torch.full((ids.shape[0],), policy_version))
+        policy_version=None if policy_version is None else torch.as_tensor(policy_version, dtype=torch.int64).expand(
+            ids.shape[0]).clone())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

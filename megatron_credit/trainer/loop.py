@@ -84,10 +84,24 @@ def actor_settings(recipe) -> dict:
             "logprob_chunk_size": recipe.train.logprob_chunk_size, "packed_sequences": recipe.packing}
 
 
+def off_policy_algorithm(recipe):
+    """The recipe's ``algorithm`` section as the update reads it: with samples that may be stale
+    (``rollout.staleness_bound`` > 0) and ``tis_cap`` unset, the decoupled objective's importance weights
+    are truncated at ``OFF_POLICY_TIS_CAP``."""
+    from megatron_credit.training_config import OFF_POLICY_TIS_CAP
+
+    alg = recipe.algorithm
+    if recipe.rollout.staleness_bound > 0 and alg.tis_cap is None:
+        return dataclasses.replace(alg, tis_cap=OFF_POLICY_TIS_CAP)
+    return alg
+
+
 def context_settings(recipe, params) -> dict:
     """The recipe's sections and values a :class:`Context` reads besides the models and the algorithm:
-    ``train``, ``algorithm``, Dr.GRPO's length, the seed, and the recipe's own knobs."""
-    return {"train": recipe.train, "algorithm": recipe.algorithm, "norm_length": recipe.rollout.max_response_len,
+    ``train``, ``algorithm`` (:func:`off_policy_algorithm`), Dr.GRPO's length, the seed, and the recipe's
+    own knobs."""
+    return {"train": recipe.train, "algorithm": off_policy_algorithm(recipe),
+            "norm_length": recipe.rollout.max_response_len,
             "seed": recipe.seed,
             "base_knobs": controls.base_knobs(params, kl_coef=recipe.algorithm.kl_coef,
                                               clip_grad=recipe.optim.clip_grad, epochs=recipe.train.epochs)}
@@ -129,16 +143,35 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
                                            pp_size=recipe.parallel.pipeline_model_parallel_size))
     critic = build_separate_critic(hf_config, spec, params, device=device, **settings)
     dp_of_rank, local_rank, node_ranks = _ranks_layout(data_parallel_rank())
-    engines = EngineLayout(world_size=dist.get_world_size(), local_world_size=node_ranks,
-                           rollout_tp=recipe.rollout.tensor_parallel_size)
-    engine = functools.partial(build_trainer_engine, recipe.rollout, recipe.model, seed=recipe.seed,
-                               hf_config=hf_config, device=actor.device)
-    rollouts = RolloutManager(rollout=recipe.rollout, reward=recipe.reward, engine_factory=engine, seed=recipe.seed,
-                              max_draws=recipe.algorithm.max_draws, dynamic_sampling=recipe.algorithm.dynamic_sampling,
-                              val_samples=t.val_samples, tokenizer=tokenizer, prompts=prompts,
-                              val_prompts=val_prompts, actor=actor, layout=engines, local_rank=local_rank,
-                              dp_of_rank=dp_of_rank, offload=GenerationOffload([actor, critic]),
-                              group_timeout_s=recipe.distributed.timeout_s, log=log)
+    r = recipe.rollout
+    if r.mode != "sync":
+        from megatron_credit.trainer.async_rollout import AsyncRollouts
+
+        if set(r.gpus) & set(range(node_ranks)):
+            raise ValueError(f"rollout.gpus={list(r.gpus)} overlaps the trainer's devices 0..{node_ranks - 1} of "
+                             "rank 0's node: the rollout process needs GPUs of its own")
+        rollouts = AsyncRollouts(rollout=r, reward=recipe.reward, model=recipe.model, data=recipe.data,
+                                 hf_config=hf_config, seed=recipe.seed, max_draws=recipe.algorithm.max_draws,
+                                 dynamic_sampling=recipe.algorithm.dynamic_sampling, val_every=t.val_every,
+                                 val_prompts=t.val_prompts, val_samples=t.val_samples, tokenizer=tokenizer,
+                                 prompts=prompts, has_val=val_prompts is not None, actor=actor,
+                                 dp_of_rank=dp_of_rank, log=log)
+        if rank0 and r.staleness_bound > 0 and recipe.algorithm.tis_cap is None:
+            log(f"rollout.mode={r.mode}: samples up to {r.staleness_bound} versions old; the update is the "
+                f"decoupled objective, importance weights capped at {off_policy_algorithm(recipe).tis_cap:g} "
+                "(algorithm.tis_cap)")
+    else:
+        engines = EngineLayout(world_size=dist.get_world_size(), local_world_size=node_ranks,
+                               rollout_tp=r.tensor_parallel_size)
+        engine = functools.partial(build_trainer_engine, r, recipe.model, seed=recipe.seed,
+                                   hf_config=hf_config, device=actor.device)
+        rollouts = RolloutManager(rollout=r, reward=recipe.reward, engine_factory=engine, seed=recipe.seed,
+                                  max_draws=recipe.algorithm.max_draws,
+                                  dynamic_sampling=recipe.algorithm.dynamic_sampling, val_samples=t.val_samples,
+                                  tokenizer=tokenizer, prompts=prompts, val_prompts=val_prompts, actor=actor,
+                                  layout=engines, local_rank=local_rank, dp_of_rank=dp_of_rank,
+                                  offload=GenerationOffload([actor, critic]),
+                                  group_timeout_s=recipe.distributed.timeout_s, log=log)
     ctx = Context(spec=spec, params=params, actor=actor, rollouts=rollouts, critic=critic,
                   pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(recipe.parallel),
                   **context_settings(recipe, params))

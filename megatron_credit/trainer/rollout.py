@@ -40,6 +40,41 @@ POOL_COUNTS = ("reward_pool/items", "reward_pool/timeouts", "reward_pool/errors"
 """The reward pools' counts logged per iteration (``ScoredBatch.metrics`` of every draw, summed)."""
 
 
+def sampling_params(rollout: RolloutConfig, stop_ids: tuple[int, ...], *, n: int, seed: int) -> SamplingParams:
+    """The engine's sampling parameters of one draw: the recipe's ``rollout`` section, ``n`` per prompt."""
+    return SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                          max_new_tokens=rollout.max_response_len, stop_token_ids=stop_ids, n=n, seed=seed)
+
+
+def group_varies(correct: torch.Tensor) -> bool:
+    """Whether a group's verdicts differ (DAPO's dynamic sampling keeps only those)."""
+    return bool(correct.any() & ~correct.all())
+
+
+def generate_and_score(engine, pool, tokenizer, records, params: SamplingParams, *, rollout: RolloutConfig,
+                       reward: RewardConfig, first_group: int):
+    """Sample ``params.n`` responses to each prompt record and score them: ``(RolloutBatch, shaped rewards,
+    verdicts, the pool's counts)``; prompt ``i`` of ``records`` is prompt ``first_group + i`` of the draw
+    (its samples' seeds)."""
+    from megatron_credit.rewards.compute import score_responses
+    from megatron_credit.rewards.shaping import ShapingConfig
+
+    n = params.n
+    batch = engine.generate([list(rec.prompt_ids) for rec in records], params,
+                            group_ids=range(first_group, first_group + len(records)))
+    texts = [tokenizer.decode(s.response_ids) for s in batch.samples]
+    rec_of = [records[i // n] for i in range(len(batch.samples))]
+    scored = score_responses(
+        pool, responses=texts, ground_truths=[r.ground_truth for r in rec_of],
+        data_sources=[r.data_source for r in rec_of],
+        response_lens=torch.tensor([len(s.response_ids) for s in batch.samples]),
+        shaping=ShapingConfig(max_response_len=rollout.max_response_len,
+                              overlong_buffer_len=reward.overlong_buffer_len,
+                              overlong_penalty_factor=reward.overlong_penalty_factor))
+    counts = {k: float(v) for k, v in scored.metrics.items() if k in POOL_COUNTS}
+    return batch, scored.rewards, scored.correct, counts
+
+
 class RolloutSource(Protocol):
     """Where the trainer's batches come from: ``next(step)`` returns this rank's :class:`TrainBatch` of
     iteration ``step`` (each row tagged with the ``policy_version`` that generated it) and the rollout's
@@ -55,9 +90,128 @@ class RolloutSource(Protocol):
         """Release the engines and worker processes."""
 
 
-class RolloutManager:
+class SampleRouter:
+    """What every rollout source does with scored groups: route them to the ranks that train them, make
+    this rank's :class:`TrainBatch` and the rollout's metrics (``rank`` / ``dp_of_rank`` / ``actor`` /
+    ``tokenizer`` / ``reward`` / ``log`` set by the subclass)."""
+
+    def _assemble(self, rows: list, versions: list[int], iteration: int, *, draws: int, kept: int, wall: float,
+                  engines: int, pool_sums: dict[str, float], aborted: int = 0) -> tuple[TrainBatch, dict[str, float]]:
+        """This rank's :class:`TrainBatch` from its groups ``rows`` (samples, rewards, correct) and each
+        group's policy version, with the rollout's metrics: staleness against the ``iteration - 1``
+        versions of the weights that train it, the draws of the batch and its generation wall time."""
+        samples, row_versions = [], []
+        for g, ((ss, _, _), v) in enumerate(zip(rows, versions)):
+            for s in ss:
+                s.group_id = g
+                samples.append(s)
+                row_versions.append(v)
+        padded = RolloutBatch(samples=samples).to_padded(pad_token_id=self.tokenizer.pad_token_id)
+        batch = train_batch_from_rollout(padded, rewards=torch.cat([k[1] for k in rows]),
+                                         correct=torch.cat([k[2] for k in rows]),
+                                         pad_id=self.tokenizer.pad_token_id,
+                                         policy_version=torch.tensor(row_versions, dtype=torch.int64))
+        status = padded.status
+        staleness = (iteration - 1) - batch.policy_version
+        metrics = self._dp_mean({
+            "reward/mean": batch.rewards.mean(), "accuracy/mean": batch.correct.float().mean(),
+            "response_length/mean": padded.response_lens.float().mean(),
+            "response/truncated_frac": (status == int(FinishStatus.TRUNCATED)).float().mean(),
+            "rollout/staleness_mean": staleness.double().mean(), "time/rollout_engine_s": torch.tensor(wall)})
+        bound = self.staleness_bound
+        counts = torch.stack([(staleness == s).sum() for s in range(bound + 1)] + [staleness.max()]).double()
+        counts = counts.to(self.actor.device)
+        if self.dp_size > 1:  # counts sum over DP; the max is taken below from every rank's
+            maxes = [None] * self.dp_size
+            dist.all_gather_object(maxes, float(counts[-1]), group=self.actor.dp_group)
+            dist.all_reduce(counts, group=self.actor.dp_group)
+            counts[-1] = max(maxes)
+        metrics.update({f"rollout/staleness_hist/{s}": float(counts[s]) for s in range(bound + 1)})
+        metrics["rollout/staleness_max"] = float(counts[-1])
+        metrics.update({"rollout/draws": float(draws), "rollout/kept_group_frac": kept / (draws * self.rollout.prompts_per_step),
+                        "rollout/engines": float(engines), "rollout/aborted_draws": float(aborted), **self.last_sync})
+        metrics["rollout/tokens"] = self._dp_sum(batch.seq_lens.sum().float())
+        metrics.update(self._pool_metrics(pool_sums, iteration, engines=engines))
+        return batch, metrics
+
+    def _route(self, kept: list[tuple[int, int]], held: dict) -> list[Any]:
+        """The kept groups to the ranks that train them: group ``k`` to every rank of data-parallel rank
+        ``dp_rank_of_group(k)``, from the engine leader that holds it. Returns this rank's groups in order."""
+        world = len(self.dp_of_rank)
+        send: list[list[Any]] = [[] for _ in range(world)]
+        for k, key in enumerate(kept):
+            if key in held:
+                dp = dp_rank_of_group(k, groups=len(kept), dp_size=self.dp_size)
+                for q in range(world):
+                    if self.dp_of_rank[q] == dp:
+                        send[q].append((k, held[key]))
+        got = sorted((item for part in self._exchange(send) for item in part), key=lambda item: item[0])
+        assert len(got) == len(kept) // self.dp_size, "each data-parallel rank gets prompts_per_step / DP groups"
+        return [group for _, group in got]
+
+    def _pool_metrics(self, sums: dict[str, float], iteration: int, *, engines: int) -> dict[str, float]:
+        """``reward_pool/*`` of the iteration, summed over its draws and the engines' pools (``seconds``: the
+        mean over the pools); a warning line when more than a tenth of the items timed out."""
+        if self.reward.num_workers == 0:
+            return {}
+        keys = POOL_COUNTS
+        vec = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64).to(self.actor.device)
+        dist.all_reduce(vec)  # only engine leaders hold a pool
+        out = dict(zip(keys, vec.tolist()))
+        out["reward_pool/seconds"] /= engines
+        if out["reward_pool/timeouts"] > 0.1 * max(out["reward_pool/items"], 1.0):
+            self.log(f"warning: iteration {iteration}: {out['reward_pool/timeouts']:.0f} of "
+                     f"{out['reward_pool/items']:.0f} responses timed out in the reward pool (scored as incorrect; "
+                     "reward.timeout_s / reward.batch_timeout_s)")
+        return out
+
+    # -- collectives ---------------------------------------------------------------------------------
+    def _all_gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank (small objects: NCCL moves them through this rank's device)."""
+        out = [None] * len(self.dp_of_rank)
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _exchange(self, send: list[Any]) -> list[Any]:
+        """All-to-all of picklable objects: ``send[q]`` goes to rank ``q``; returns what every rank sent
+        here. The pickles travel as one byte tensor on this rank's device (NCCL: a CUDA tensor)."""
+        if len(send) == 1:
+            return send
+        blobs = [pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL) for x in send]
+        device = self.actor.device
+        sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64).to(device)
+        got = torch.empty_like(sizes)
+        dist.all_to_all_single(got, sizes)
+        recv = got.tolist()
+        out = torch.empty(sum(recv), dtype=torch.uint8, device=device)
+        payload = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).to(device)
+        dist.all_to_all_single(out, payload, output_split_sizes=recv, input_split_sizes=[len(b) for b in blobs])
+        data = out.cpu().numpy().tobytes()
+        parts, at = [], 0
+        for size in recv:
+            parts.append(pickle.loads(data[at:at + size]))  # noqa: S301  (this job's own ranks)
+            at += size
+        return parts
+
+    def _dp_mean(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        keys = sorted(values)
+        vec = torch.stack([torch.as_tensor(values[k], dtype=torch.float64).to(self.actor.device) for k in keys])
+        if self.dp_size > 1:
+            dist.all_reduce(vec, group=self.actor.dp_group)
+        return {k: float(v) / self.dp_size for k, v in zip(keys, vec)}
+
+    def _dp_sum(self, value: torch.Tensor) -> float:
+        v = torch.as_tensor(value, dtype=torch.float64).reshape(1).clone().to(self.actor.device)
+        if self.dp_size > 1:
+            dist.all_reduce(v, group=self.actor.dp_group)
+        return float(v)
+
+
+class RolloutManager(SampleRouter):
     """Generates each iteration's :class:`TrainBatch` for this rank (see module docstring): a colocated,
     synchronous :class:`RolloutSource`."""
+
+    staleness_bound = 0
 
     def __init__(self, *, rollout: RolloutConfig, reward: RewardConfig, engine_factory: Callable[..., Any],
                  seed: int, max_draws: int, dynamic_sampling: bool, val_samples: int, tokenizer, prompts,
@@ -160,9 +314,7 @@ class RolloutManager:
             self.offload.restore()
 
     def _params(self, n: int, seed: int) -> SamplingParams:
-        r = self.rollout
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_response_len, stop_token_ids=self.stop_ids, n=n, seed=seed)
+        return sampling_params(self.rollout, self.stop_ids, n=n, seed=seed)
 
     def _my_prompts(self, count: int) -> range:
         """This engine's slice of ``count`` prompts (empty on ranks that lead no engine)."""
@@ -171,25 +323,8 @@ class RolloutManager:
         return split(count, self.layout.num_engines)[self.engine_index]
 
     def _generate_and_score(self, records, n: int, seed: int, *, first_group: int):
-        """On an engine leader: samples and their shaped rewards; prompt ``i`` of ``records`` is prompt
-        ``first_group + i`` of the draw (its samples' seeds)."""
-        from megatron_credit.rewards.compute import score_responses
-        from megatron_credit.rewards.shaping import ShapingConfig
-
-        rollout = self.engine.generate([list(rec.prompt_ids) for rec in records], self._params(n, seed),
-                                       group_ids=range(first_group, first_group + len(records)))
-        texts = [self.tokenizer.decode(s.response_ids) for s in rollout.samples]
-        rec_of = [records[i // n] for i in range(len(rollout.samples))]
-        rw = self.reward
-        scored = score_responses(
-            self.pool, responses=texts, ground_truths=[r.ground_truth for r in rec_of],
-            data_sources=[r.data_source for r in rec_of],
-            response_lens=torch.tensor([len(s.response_ids) for s in rollout.samples]),
-            shaping=ShapingConfig(max_response_len=self.rollout.max_response_len,
-                                  overlong_buffer_len=rw.overlong_buffer_len,
-                                  overlong_penalty_factor=rw.overlong_penalty_factor))
-        pool = {k: float(v) for k, v in scored.metrics.items() if k in POOL_COUNTS}
-        return rollout, scored.rewards, scored.correct, pool
+        return generate_and_score(self.engine, self.pool, self.tokenizer, records, self._params(n, seed),
+                                  rollout=self.rollout, reward=self.reward, first_group=first_group)
 
     def _draw(self, iteration: int, draw: int, held: dict, pool_sums: dict) -> list[bool]:
         """One draw of ``prompts_per_step`` prompts over all engines; this engine's groups go to ``held``
@@ -207,7 +342,7 @@ class RolloutManager:
             for j, p in enumerate(mine):
                 sl = slice(j * n, (j + 1) * n)
                 held[(draw, p)] = (rollout.samples[sl], rewards[sl], correct[sl])
-                varies[p] = bool(correct[sl].any() & ~correct[sl].all())
+                varies[p] = group_varies(correct[sl])
         merged: dict[int, bool] = {}
         for part in self._all_gather(varies):
             merged.update(part)
@@ -235,57 +370,8 @@ class RolloutManager:
                 f"after algorithm.max_draws={self.max_draws} draws ({len(kept)} kept); raise algorithm.max_draws, "
                 "or turn algorithm.dynamic_sampling off")
         rows = self._route(kept[:count], held)
-        samples = []
-        for g, (ss, _, _) in enumerate(rows):
-            for s in ss:
-                s.group_id = g
-                samples.append(s)
-        padded = RolloutBatch(samples=samples).to_padded(pad_token_id=self.tokenizer.pad_token_id)
-        batch = train_batch_from_rollout(padded, rewards=torch.cat([k[1] for k in rows]),
-                                         correct=torch.cat([k[2] for k in rows]),
-                                         pad_id=self.tokenizer.pad_token_id, policy_version=iteration - 1)
-        status = padded.status
-        metrics = self._dp_mean({
-            "reward/mean": batch.rewards.mean(), "accuracy/mean": batch.correct.float().mean(),
-            "response_length/mean": padded.response_lens.float().mean(),
-            "response/truncated_frac": (status == int(FinishStatus.TRUNCATED)).float().mean(),
-            "time/rollout_engine_s": torch.tensor(wall)})
-        metrics.update({"rollout/draws": float(draws), "rollout/kept_group_frac": len(kept) / (draws * count),
-                        "rollout/engines": float(self.layout.num_engines), **self.last_sync})
-        metrics["rollout/tokens"] = self._dp_sum(batch.seq_lens.sum().float())
-        metrics.update(self._pool_metrics(pool_sums, iteration))
-        return batch, metrics
-
-    def _route(self, kept: list[tuple[int, int]], held: dict) -> list[Any]:
-        """The kept groups to the ranks that train them: group ``k`` to every rank of data-parallel rank
-        ``dp_rank_of_group(k)``, from the engine leader that holds it. Returns this rank's groups in order."""
-        world = len(self.dp_of_rank)
-        send: list[list[Any]] = [[] for _ in range(world)]
-        for k, key in enumerate(kept):
-            if key in held:
-                dp = dp_rank_of_group(k, groups=len(kept), dp_size=self.dp_size)
-                for q in range(world):
-                    if self.dp_of_rank[q] == dp:
-                        send[q].append((k, held[key]))
-        got = sorted((item for part in self._exchange(send) for item in part), key=lambda item: item[0])
-        assert len(got) == len(kept) // self.dp_size, "each data-parallel rank gets prompts_per_step / DP groups"
-        return [group for _, group in got]
-
-    def _pool_metrics(self, sums: dict[str, float], iteration: int) -> dict[str, float]:
-        """``reward_pool/*`` of the iteration, summed over its draws and the engines' pools (``seconds``: the
-        mean over the pools); a warning line when more than a tenth of the items timed out."""
-        if self.reward.num_workers == 0:
-            return {}
-        keys = POOL_COUNTS
-        vec = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64).to(self.actor.device)
-        dist.all_reduce(vec)  # only engine leaders hold a pool
-        out = dict(zip(keys, vec.tolist()))
-        out["reward_pool/seconds"] /= self.layout.num_engines
-        if out["reward_pool/timeouts"] > 0.1 * max(out["reward_pool/items"], 1.0):
-            self.log(f"warning: iteration {iteration}: {out['reward_pool/timeouts']:.0f} of "
-                     f"{out['reward_pool/items']:.0f} responses timed out in the reward pool (scored as incorrect; "
-                     "reward.timeout_s / reward.batch_timeout_s)")
-        return out
+        return self._assemble(rows, [iteration - 1] * len(rows), iteration, draws=draws, kept=len(kept), wall=wall,
+                              engines=self.layout.num_engines, pool_sums=pool_sums)
 
     def validate(self, iteration: int) -> dict[str, float]:
         """Avg@k (``val/accuracy``), Cons@k and Pass@k on the held-out prompts, sampled at the rollout
@@ -310,44 +396,3 @@ class RolloutManager:
         means = means_from_sums(dict(zip(names, sums.tolist())))
         return {"val/accuracy": means[f"avg@{k}"], f"val/cons@{k}": means[f"cons@{k}"],
                 f"val/pass@{k}": means[f"pass@{k}"]}
-
-    # -- collectives ---------------------------------------------------------------------------------
-    def _all_gather(self, obj: Any) -> list[Any]:
-        """``obj`` of every rank (small objects: NCCL moves them through this rank's device)."""
-        out = [None] * len(self.dp_of_rank)
-        dist.all_gather_object(out, obj)
-        return out
-
-    def _exchange(self, send: list[Any]) -> list[Any]:
-        """All-to-all of picklable objects: ``send[q]`` goes to rank ``q``; returns what every rank sent
-        here. The pickles travel as one byte tensor on this rank's device (NCCL: a CUDA tensor)."""
-        if len(send) == 1:
-            return send
-        blobs = [pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL) for x in send]
-        device = self.actor.device
-        sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64).to(device)
-        got = torch.empty_like(sizes)
-        dist.all_to_all_single(got, sizes)
-        recv = got.tolist()
-        out = torch.empty(sum(recv), dtype=torch.uint8, device=device)
-        payload = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).to(device)
-        dist.all_to_all_single(out, payload, output_split_sizes=recv, input_split_sizes=[len(b) for b in blobs])
-        data = out.cpu().numpy().tobytes()
-        parts, at = [], 0
-        for size in recv:
-            parts.append(pickle.loads(data[at:at + size]))  # noqa: S301  (this job's own ranks)
-            at += size
-        return parts
-
-    def _dp_mean(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
-        keys = sorted(values)
-        vec = torch.stack([torch.as_tensor(values[k], dtype=torch.float64).to(self.actor.device) for k in keys])
-        if self.dp_size > 1:
-            dist.all_reduce(vec, group=self.actor.dp_group)
-        return {k: float(v) / self.dp_size for k, v in zip(keys, vec)}
-
-    def _dp_sum(self, value: torch.Tensor) -> float:
-        v = torch.as_tensor(value, dtype=torch.float64).reshape(1).clone().to(self.actor.device)
-        if self.dp_size > 1:
-            dist.all_reduce(v, group=self.actor.dp_group)
-        return float(v)

@@ -1,0 +1,192 @@
+"""Rollouts that overlap training (``rollout.mode: one_step_off | async``): a :class:`RolloutSource` whose
+samples come from a rollout process on devices of its own (``trainer/rollout_server.py``).
+
+Versions. A policy's version is the number of RL iterations its weights completed; iteration ``k``
+trains the weights of version ``k - 1``. Each sample carries the version that generated it, and its
+staleness is ``(k - 1) - version``: 0 in ``sync``, exactly 1 in ``one_step_off`` (iteration k + 1's samples
+are generated with k - 1's weights while k trains), at most ``rollout.max_staleness`` in ``async``. The
+rollout process never starts a batch without weights within the bound, and :meth:`AsyncRollouts.next`
+refuses a sample past it (``rollout/staleness_mean``, ``rollout/staleness_max`` and
+``rollout/staleness_hist/<s>`` are logged every iteration).
+
+The correction. The trainer recomputes the log-probs of every sample with the weights it is about to
+update (the proximal policy, ``old_logp``), and the update is the decoupled objective: the algorithm's
+loss with ratios against the proximal policy, times the importance weight of the proximal over the
+behaviour policy (the engine's log-probs, ``rollout_logp``), truncated at ``algorithm.tis_cap``
+(:data:`~megatron_credit.training_config.OFF_POLICY_TIS_CAP` when unset and the bound is above 0). So
+FIPO's Future-KL compares the policy being updated with the proximal one, as on-policy: its first
+mini-batch's weights are exactly 1 whatever the staleness, and staleness acts through the importance
+weights only. CompPO's gates come from the behaviour pass, which runs the trainer's current weights.
+
+Weights. Before iteration ``k`` takes its batch, every rank gathers the HF-named buckets of version
+``k - 1`` (``Actor.hf_weight_buckets``) and rank 0 puts each into the rollout process's queue as one
+shared-memory buffer (not waiting for any generation to end). Validation sends the weights of the
+iteration it validates, and the rollout process samples the held-out prompts with them.
+
+Resume. The prompt stream's cursor saved with a checkpoint is the one after the last batch trained;
+batches generated but not trained (at most ``bound + 1``) are dropped with the process and generated
+again after a resume, from the same prompts and seeds, with the checkpoint's weights.
+
+Faults. A rollout process that dies, or a batch that takes more than ``rollout.wait_timeout_s``, stops the
+run with one line (:class:`~megatron_credit.cli.RunStopped`); the rollout process exits when trainer rank
+0 does.
+"""
+from __future__ import annotations
+
+import pickle
+import queue
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_credit.cli import RunStopped
+from megatron_credit.rollout.placement import dp_rank_of_group
+from megatron_credit.trainer.batch import TrainBatch
+from megatron_credit.trainer.rollout import SampleRouter
+from megatron_credit.trainer.rollout_server import POLL_S, ServerSpec, flatten, serve
+
+
+class AsyncRollouts(SampleRouter):
+    """The trainer's side of the rollout process (module docstring); every rank makes one."""
+
+    def __init__(self, *, rollout, reward, model, data, hf_config, seed: int, max_draws: int,
+                 dynamic_sampling: bool, val_every: int, val_prompts: int, val_samples: int, tokenizer, prompts,
+                 has_val: bool, actor, dp_of_rank: list[int], log=print):
+        self.rollout, self.reward, self.model, self.data, self.hf_config = rollout, reward, model, data, hf_config
+        self.seed, self.max_draws, self.dynamic_sampling = seed, max_draws, dynamic_sampling
+        self.val_every, self.val_prompts, self.val_samples, self.has_val = val_every, val_prompts, val_samples, has_val
+        self.tokenizer, self.prompts, self.actor, self.log = tokenizer, prompts, actor, log
+        self.rank = dist.get_rank()
+        self.dp_of_rank = list(dp_of_rank)
+        self.dp_rank, self.dp_size = self.dp_of_rank[self.rank], max(self.dp_of_rank) + 1
+        self.staleness_bound = rollout.staleness_bound
+        self.proc = self.inbox = self.outbox = None
+        self.pushed: int | None = None
+        self.ready: dict[tuple[str, int], Any] = {}
+        self.last_sync: dict[str, float] = {}
+        if actor.device.type == "cuda" and not rollout.gpus:
+            raise ValueError(f"rollout.mode={rollout.mode}: the rollout process needs GPUs of its own "
+                             "(rollout.gpus: local device indices outside the trainer's ranks)")
+
+    # -- the rollout process ------------------------------------------------------------------------
+    def _start(self, step: int) -> None:
+        import os
+
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
+        spec = ServerSpec(rollout=self.rollout, reward=self.reward, model=self.model, data=self.data,
+                          hf_config=self.hf_config, seed=self.seed, start_step=step, cursor=self.prompts.state_dict(),
+                          max_draws=self.max_draws, dynamic_sampling=self.dynamic_sampling,
+                          val_every=self.val_every, val_prompts=self.val_prompts, val_samples=self.val_samples,
+                          bound=self.staleness_bound, interruptible=self.rollout.mode == "async",
+                          num_threads=torch.get_num_threads(), parent_pid=os.getpid())
+        self.proc = ctx.Process(target=serve, args=(spec, self.inbox, self.outbox), name="rollout", daemon=False)
+        self.proc.start()
+
+    def close(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.inbox.put(("stop",))
+            self.proc.join(timeout=30)
+        finally:
+            if self.proc.is_alive():
+                self.proc.terminate()
+                self.proc.join(timeout=10)
+            self.proc = None
+
+    def push(self, version: int) -> None:
+        """The actor's weights as ``version`` to the rollout process (every rank takes part in the gathers;
+        rank 0 sends). Sets ``sync/bytes`` and ``sync/seconds``."""
+        if self.pushed == version:
+            return
+        t0, nbytes = time.perf_counter(), 0
+        for bucket in self.actor.hf_weight_buckets():
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            if self.rank == 0:
+                self.inbox.put(("bucket", version, *flatten(bucket)))
+        if self.rank == 0:
+            self.inbox.put(("version", version))
+        self.pushed = version
+        self.last_sync = {"sync/bytes": float(nbytes), "sync/seconds": time.perf_counter() - t0}
+
+    def _wait(self, kind: str, step: int):
+        """Rank 0: the rollout process's ``kind`` message of ``step`` (others that come first are kept)."""
+        t0 = time.perf_counter()
+        while (kind, step) not in self.ready:
+            try:
+                msg = self.outbox.get(timeout=POLL_S)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RunStopped(f"the rollout process exited (code {self.proc.exitcode}) while iteration {step} "
+                                     "waited for it") from None
+                if time.perf_counter() - t0 > self.rollout.wait_timeout_s:
+                    raise RunStopped(f"iteration {step} waited more than rollout.wait_timeout_s="
+                                     f"{self.rollout.wait_timeout_s:g} s for the rollout process") from None
+                continue
+            if msg[0] == "error":
+                raise RunStopped(f"the rollout process failed: {msg[1]}")
+            self.ready[(msg[0], msg[1])] = msg[2]
+        return self.ready.pop((kind, step))
+
+    # -- RolloutSource ------------------------------------------------------------------------------
+    def next(self, iteration: int) -> tuple[TrainBatch, dict[str, float]]:
+        """This rank's rows of iteration ``iteration``, generated by versions within the staleness bound."""
+        if self.rank == 0 and self.proc is None:
+            self._start(iteration)
+        self.push(iteration - 1)
+        t0 = time.perf_counter()
+        box: list[Any] = [None]
+        if self.rank == 0:
+            payload = pickle.loads(self._wait("batch", iteration))  # noqa: S301  (this job's own process)
+            box = [{k: v for k, v in payload.items() if k != "groups"}]
+        wait = time.perf_counter() - t0
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0, device=self.actor.device)
+        info = box[0]
+        count = self.rollout.prompts_per_step
+        if info["kept"] < count:
+            raise ValueError(  # the recipe's to fix: one error line, not a traceback
+                f"dynamic sampling: fewer than rollout.prompts_per_step = {count} groups with mixed accuracy "
+                f"after algorithm.max_draws={self.max_draws} draws ({info['kept']} kept); raise algorithm.max_draws, "
+                "or turn algorithm.dynamic_sampling off")
+        versions = info["versions"]
+        too_old = [v for v in versions if (iteration - 1) - v > self.staleness_bound]
+        if too_old:  # the rollout process never makes these; refused rather than trained on
+            raise RunStopped(f"iteration {iteration} got samples of version {min(too_old)}, older than "
+                             f"rollout.max_staleness={self.staleness_bound}")
+        held = {(0, k): g for k, g in enumerate(payload["groups"])} if self.rank == 0 else {}
+        rows = self._route([(0, k) for k in range(count)], held)
+        mine = [v for k, v in enumerate(versions) if dp_rank_of_group(k, groups=count, dp_size=self.dp_size) == self.dp_rank]
+        self.prompts.load_state_dict(info["cursor"])  # what a checkpoint of this iteration resumes from
+        batch, metrics = self._assemble(rows, mine, iteration, draws=info["draws"], kept=info["kept"],
+                                        wall=info["gen_s"], engines=1, aborted=info["aborted"],
+                                        pool_sums=info["pool"] if self.rank == 0 else {})
+        gen = max(info["gen_s"], 1e-9)
+        metrics["time/rollout_wait_s"] = wait
+        metrics["time/rollout_hidden_frac"] = min(max(1.0 - wait / gen, 0.0), 1.0)
+        return batch, metrics
+
+    def validate(self, iteration: int) -> dict[str, float]:
+        """Avg@k, Cons@k, Pass@k of the weights of ``iteration``, sampled by the rollout process with the
+        seeds ``sync`` uses."""
+        from megatron_credit.evaluation import means_from_sums
+
+        if not self.has_val:
+            return {}
+        self.push(iteration)
+        k = self.val_samples
+        names = (f"avg@{k}", f"cons@{k}", f"pass@{k}", "num_problems")
+        sums = torch.zeros(len(names), dtype=torch.float64, device=self.actor.device)
+        if self.rank == 0:
+            self.inbox.put(("validate", iteration))
+            got = self._wait("val", iteration)
+            sums += torch.tensor([got[name] for name in names], dtype=torch.float64).to(sums.device)
+        dist.all_reduce(sums)  # only rank 0 contributes
+        means = means_from_sums(dict(zip(names, sums.tolist())))
+        return {"val/accuracy": means[f"avg@{k}"], f"val/cons@{k}": means[f"cons@{k}"],
+                f"val/pass@{k}": means[f"pass@{k}"]}
