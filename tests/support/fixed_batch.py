@@ -41,10 +41,11 @@ def _rows(batch, rows):
 
 
 def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overrides=(), poison=None,
-               prepare=None):
+               prepare=None, before=None):
     """Two optimizer steps of ``algorithm`` on the fixed batch under ``parallel``; rank 0's metrics.
     ``prepare(batch, plan)``, if given, edits the batch after the advantages and returns a dict added to
-    each step's metrics (expected values computed from the batch)."""
+    each step's metrics (expected values computed from the batch); ``before(batch)`` edits it before the
+    behaviour pass (what the rollout side hands over: the engine's log-probs, the versions)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -85,6 +86,8 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
         rows = [i * (B // 2) + dp_rank * half + k for i in range(2) for k in range(half)]
         assert len(rows) == per
         batch = _rows(_global_batch(), rows)
+        if before is not None:
+            before(batch)
         plan = step.plan_microbatches(ctx, batch)
         step.behaviour_pass(ctx, batch, plan)
         step.compute_advantages(ctx, batch)
