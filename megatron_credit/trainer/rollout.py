@@ -357,6 +357,7 @@ class RolloutManager(SampleRouter):
         kept: list[tuple[int, int]] = []
         pool_sums: dict[str, float] = {}
         draws = 0
+        t_wait = time.perf_counter()  # the trainer waits for the whole phase: nothing of it is hidden
         with self.generating():
             t0 = time.perf_counter()
             while len(kept) < count and draws < self.max_draws:
@@ -370,8 +371,10 @@ class RolloutManager(SampleRouter):
                 f"after algorithm.max_draws={self.max_draws} draws ({len(kept)} kept); raise algorithm.max_draws, "
                 "or turn algorithm.dynamic_sampling off")
         rows = self._route(kept[:count], held)
-        return self._assemble(rows, [iteration - 1] * len(rows), iteration, draws=draws, kept=len(kept), wall=wall,
-                              engines=self.layout.num_engines, pool_sums=pool_sums)
+        batch, metrics = self._assemble(rows, [iteration - 1] * len(rows), iteration, draws=draws, kept=len(kept),
+                                        wall=wall, engines=self.layout.num_engines, pool_sums=pool_sums)
+        metrics.update({"time/rollout_wait_s": time.perf_counter() - t_wait, "time/rollout_hidden_frac": 0.0})
+        return batch, metrics
 
     def validate(self, iteration: int) -> dict[str, float]:
         """Avg@k (``val/accuracy``), Cons@k and Pass@k on the held-out prompts, sampled at the rollout

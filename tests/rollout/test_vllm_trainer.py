@@ -117,3 +117,25 @@ def test_torchrun_an_engine_on_every_rank(tmp_path, layout):
     assert [r["step"] for r in rows] == [1, 2] and all(r["rollout/engines"] == 2 for r in rows)
     assert all(r["actor/grad_norm"] > 0 for r in rows)
     assert all(r["mismatch/logprob_abs_mean"] <= 1e-4 for r in rows), [r["mismatch/logprob_abs_mean"] for r in rows]
+
+
+def test_vllm_in_the_rollout_process(tmp_path):
+    # vLLM as the engine of the rollout process. At max_staleness 0 every batch is sampled with the version
+    # the trainer holds, so the engine's log-probs equal the actor's after every push of new weights; in
+    # one_step_off the first batch has the initial weights (the same check) and the later ones are one
+    # version old.
+    def run(name, *mode):
+        proc = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config", DEMO, "--output-dir", str(tmp_path / name),
+             *OVERRIDES, f"warmup.cache_dir={tmp_path / 'warmup-cache'}", "algorithm.name=grpo", "train.steps=3",
+             *mode], capture_output=True, text=True, cwd=ROOT, timeout=900,
+            env=dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        return metrics_rows(tmp_path / name)
+
+    exact = run("async0", "rollout.mode=async", "rollout.max_staleness=0")
+    assert [r["step"] for r in exact] == [1, 2, 3] and all(r["actor/grad_norm"] > 0 for r in exact)
+    assert all(r["mismatch/logprob_abs_mean"] <= 1e-4 for r in exact), [r["mismatch/logprob_abs_mean"] for r in exact]
+    off = run("one_step_off", "rollout.mode=one_step_off")
+    assert off[0]["mismatch/logprob_abs_mean"] <= 1e-4 and off[0]["rollout/staleness_max"] == 0
+    assert [r["rollout/staleness_mean"] for r in off[1:]] == [1.0, 1.0]
