@@ -1,4 +1,6 @@
 """Rollouts of the whole job: the engines, the reward pools, dynamic sampling, the samples to the trainers.
+This module is ``rollout.mode: sync`` (:class:`RolloutManager`) and what every mode shares
+(:class:`SampleRouter`, :func:`generate_and_score`); ``trainer/async_rollout.py`` is the other two.
 
 Every GPU generates (``rollout.placement``): world size / rollout TP engines, engine ``e`` built by rank
 ``e * rollout_tp`` on the GPUs of its ``rollout_tp`` ranks, whatever the trainer's TP / PP / CP / DP.
@@ -92,8 +94,9 @@ class RolloutSource(Protocol):
 
 class SampleRouter:
     """What every rollout source does with scored groups: route them to the ranks that train them, make
-    this rank's :class:`TrainBatch` and the rollout's metrics (``rank`` / ``dp_of_rank`` / ``actor`` /
-    ``tokenizer`` / ``reward`` / ``log`` set by the subclass)."""
+    this rank's :class:`TrainBatch` and the rollout's metrics. The subclass sets ``rollout``, ``reward``,
+    ``tokenizer``, ``actor``, ``dp_of_rank``, ``dp_size``, ``staleness_bound`` (the most versions a trained
+    sample may lag), ``last_sync`` and ``log``."""
 
     def _assemble(self, rows: list, versions: list[int], iteration: int, *, draws: int, kept: int, wall: float,
                   engines: int, pool_sums: dict[str, float], aborted: int = 0) -> tuple[TrainBatch, dict[str, float]]:
@@ -119,15 +122,13 @@ class SampleRouter:
             "response/truncated_frac": (status == int(FinishStatus.TRUNCATED)).float().mean(),
             "rollout/staleness_mean": staleness.double().mean(), "time/rollout_engine_s": torch.tensor(wall)})
         bound = self.staleness_bound
-        counts = torch.stack([(staleness == s).sum() for s in range(bound + 1)] + [staleness.max()]).double()
-        counts = counts.to(self.actor.device)
-        if self.dp_size > 1:  # counts sum over DP; the max is taken below from every rank's
-            maxes = [None] * self.dp_size
-            dist.all_gather_object(maxes, float(counts[-1]), group=self.actor.dp_group)
+        counts = torch.stack([(staleness == s).sum() for s in range(bound + 1)]).double().to(self.actor.device)
+        worst = staleness.max().double().reshape(1).to(self.actor.device)
+        if self.dp_size > 1:
             dist.all_reduce(counts, group=self.actor.dp_group)
-            counts[-1] = max(maxes)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.actor.dp_group)
         metrics.update({f"rollout/staleness_hist/{s}": float(counts[s]) for s in range(bound + 1)})
-        metrics["rollout/staleness_max"] = float(counts[-1])
+        metrics["rollout/staleness_max"] = float(worst)
         metrics.update({"rollout/draws": float(draws), "rollout/kept_group_frac": kept / (draws * self.rollout.prompts_per_step),
                         "rollout/engines": float(engines), "rollout/aborted_draws": float(aborted), **self.last_sync})
         metrics["rollout/tokens"] = self._dp_sum(batch.seq_lens.sum().float())
