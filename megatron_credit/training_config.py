@@ -91,7 +91,8 @@ class RolloutConfig:
     samples, bit for bit); ``one_step_off`` is 1."""
     on_update: str = "finish"
     """``async``: what a weight update does to a draw being generated: ``finish`` it under the old weights
-    (tagged with their version), or ``abort`` it and sample it again with the new ones."""
+    (tagged with their version), or go on under the new ones between two decode steps (``partial``
+    rollouts: the prefixes computed again, tagged with the oldest version; the HF engine)."""
     gpus: tuple = ()
     """``one_step_off`` / ``async``: local device indices of the rollout process on rank 0's node, outside
     the trainer's ranks (empty: the CPU)."""
@@ -121,8 +122,8 @@ class RolloutConfig:
         if self.mode == "one_step_off" and self.max_staleness != 1:
             raise ValueError(f"rollout.max_staleness={self.max_staleness}: one_step_off trains on samples exactly one "
                              "version old; use rollout.mode=async for another bound")
-        if self.on_update not in ("finish", "abort"):
-            raise ValueError(f"rollout.on_update must be 'finish' or 'abort', got {self.on_update!r}")
+        if self.on_update not in ("finish", "partial"):
+            raise ValueError(f"rollout.on_update must be 'finish' or 'partial', got {self.on_update!r}")
         if not self.wait_timeout_s > 0:
             raise ValueError(f"rollout.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
         if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in self.gpus):

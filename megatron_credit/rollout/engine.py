@@ -54,12 +54,6 @@ class RolloutEngine(Protocol):
         ...
 
 
-class GenerationAborted(Exception):
-    """Raised by an engine's ``generate`` when its ``should_abort`` callable (checked between decode steps)
-    returns True: the caller drops the draw and samples it again (an asynchronous rollout whose weights
-    changed mid-draw, ``rollout.on_update: abort``)."""
-
-
 ROLLOUT_ENGINES: Registry[Any] = Registry("rollout engine")
 """Engine name -> constructor (a class or factory taking keyword arguments)."""
 

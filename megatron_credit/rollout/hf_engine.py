@@ -28,8 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_credit.rollout.engine import (ROLLOUT_ENGINES, GenerationAborted, WeightBuckets, empty_cache,
-                                           resolve_group_ids)
+from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, empty_cache, resolve_group_ids
 from megatron_credit.rollout.sampling import ExponentialNoise, noise_block_steps, row_seed, sample_step
 from megatron_credit.rollout.types import FinishStatus, RolloutBatch, RolloutSample, SamplingParams, SampleTimings
 from megatron_credit.rollout.weight_sync import load_named_tensor_buckets
@@ -69,9 +68,11 @@ class HFRolloutEngine:
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.compact_finished = compact_finished
-        self.should_abort = None
-        """A callable checked between decode steps; when it returns True, ``generate`` raises
-        :class:`~megatron_credit.rollout.engine.GenerationAborted` (None: never)."""
+        self.between_steps = None
+        """A callable run between decode steps (None: none). It may load new weights in place and then
+        returns True: the responses in flight go on under the new weights, their prefixes (prompt and the
+        tokens sampled so far) computed again with them (a partial rollout); each token's log-prob is that
+        of the weights that sampled it."""
         if model is None:
             model = _build_model(hf_config, model_path, dtype, attn_implementation, init_seed)
         self._model = model.to(device=self.device).eval()
@@ -148,11 +149,12 @@ class HFRolloutEngine:
             ]
         return out
 
-    def _prefill(self, prompts: list[list[int]], n: int) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
+    def _prefill(self, prompts: list[list[int]], n: int
+                 ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Left-pad, run the prompts once, repeat each row n times.
 
         Returns (last logits [P*n, V] float32, KV cache with P*n rows, attention mask [P*n, L] int64,
-        next position [P*n] int64).
+        next position [P*n] int64, the left-padded prompt ids [P*n, L] int64).
         """
         longest = max(len(p) for p in prompts)
         ids = torch.zeros((len(prompts), longest), dtype=torch.long)  # pad id is irrelevant: masked out
@@ -167,7 +169,8 @@ class HFRolloutEngine:
         if n > 1:
             cache.batch_repeat_interleave(n)
         logits = logits.repeat_interleave(n, dim=0)
-        return logits, cache, mask.repeat_interleave(n, dim=0), (pos[:, -1] + 1).repeat_interleave(n, dim=0)
+        return (logits, cache, mask.repeat_interleave(n, dim=0), (pos[:, -1] + 1).repeat_interleave(n, dim=0),
+                ids.repeat_interleave(n, dim=0))
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any
                  ) -> tuple[torch.Tensor, Any]:
@@ -188,7 +191,7 @@ class HFRolloutEngine:
         the model batch holds only the ``live`` rows, which shrinks when enough rows have finished.
         """
         n, rows, steps = params.n, len(prompts) * params.n, max(budgets)
-        logits, cache, prompt_mask, next_pos = self._prefill(prompts, n)
+        logits, cache, prompt_mask, next_pos, prompt_ids = self._prefill(prompts, n)
         first_token_s = time.perf_counter() - start
         # The mask grows by one column per step: allocate it once (finished rows keep attending; ignored).
         prompt_len = prompt_mask.shape[1]
@@ -226,15 +229,18 @@ class HFRolloutEngine:
             keep = (~done[live]).nonzero().squeeze(-1)
             if len(keep) == 0:
                 break
-            if self.should_abort is not None and self.should_abort():
-                raise GenerationAborted(f"aborted after {step + 1} decode steps")
             if self.compact_finished and len(keep) <= 0.75 * len(live):
                 # Drop finished rows from the batch (and the KV cache) once a quarter of it is dead weight.
                 live, tok, next_pos, logits = live[keep], tok[keep], next_pos[keep], None
                 cache.batch_select_indices(keep)
                 noise.select(keep)
-            logits, cache = self._forward(tok.unsqueeze(-1), mask[live, : prompt_len + step + 1],
-                                          next_pos.unsqueeze(-1), cache)
+            if self.between_steps is not None and self.between_steps():  # new weights: the prefixes again
+                prefix = torch.cat([prompt_ids[live], tokens[live, : step + 1]], dim=1)
+                prefix_mask = mask[live, : prompt_len + step + 1]
+                logits, cache = self._forward(prefix, prefix_mask, (prefix_mask.cumsum(-1) - 1).clamp_min(0), None)
+            else:
+                logits, cache = self._forward(tok.unsqueeze(-1), mask[live, : prompt_len + step + 1],
+                                              next_pos.unsqueeze(-1), cache)
             next_pos = next_pos + 1
         return self._to_samples(prompts, gids, params, tokens, logps, length, status, finish_step, first_token_s,
                                 step_end_s)

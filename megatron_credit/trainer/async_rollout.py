@@ -164,7 +164,7 @@ class AsyncRollouts(SampleRouter):
         mine = [v for k, v in enumerate(versions) if dp_rank_of_group(k, groups=count, dp_size=self.dp_size) == self.dp_rank]
         self.prompts.load_state_dict(info["cursor"])  # what a checkpoint of this iteration resumes from
         batch, metrics = self._assemble(rows, mine, iteration, draws=info["draws"], kept=info["kept"],
-                                        wall=info["gen_s"], engines=1, aborted=info["aborted"],
+                                        wall=info["gen_s"], engines=1, partial=info["partial"],
                                         pool_sums=info["pool"] if self.rank == 0 else {})
         gen = max(info["gen_s"], 1e-9)
         metrics["time/rollout_wait_s"] = wait

@@ -99,7 +99,7 @@ class SampleRouter:
     sample may lag), ``last_sync`` and ``log``."""
 
     def _assemble(self, rows: list, versions: list[int], iteration: int, *, draws: int, kept: int, wall: float,
-                  engines: int, pool_sums: dict[str, float], aborted: int = 0) -> tuple[TrainBatch, dict[str, float]]:
+                  engines: int, pool_sums: dict[str, float], partial: int = 0) -> tuple[TrainBatch, dict[str, float]]:
         """This rank's :class:`TrainBatch` from its groups ``rows`` (samples, rewards, correct) and each
         group's policy version, with the rollout's metrics: staleness against the ``iteration - 1``
         versions of the weights that train it, the draws of the batch and its generation wall time."""
@@ -130,7 +130,7 @@ class SampleRouter:
         metrics.update({f"rollout/staleness_hist/{s}": float(counts[s]) for s in range(bound + 1)})
         metrics["rollout/staleness_max"] = float(worst)
         metrics.update({"rollout/draws": float(draws), "rollout/kept_group_frac": kept / (draws * self.rollout.prompts_per_step),
-                        "rollout/engines": float(engines), "rollout/aborted_draws": float(aborted), **self.last_sync})
+                        "rollout/engines": float(engines), "rollout/partial_draws": float(partial), **self.last_sync})
         metrics["rollout/tokens"] = self._dp_sum(batch.seq_lens.sum().float())
         metrics.update(self._pool_metrics(pool_sums, iteration, engines=engines))
         return batch, metrics

@@ -14,8 +14,9 @@ the draws ``sync`` makes (seeds from (run seed, ``j``, draw), the same prompts, 
 sampling), once it holds weights of version ``>= j - 1 - bound`` (the staleness bound): so no sample is
 ever older than the bound, and with bound 0 the batches are ``sync``'s, bit for bit. It loads the newest
 weights before each batch; ``async`` also between draws, where ``on_update: finish`` lets the draw in
-flight end under the weights it started with and ``abort`` drops it at the next decode step and samples
-it again under the new ones. Each group carries the version that generated it.
+flight end under the weights it started with, and ``partial`` loads them between two decode steps and
+goes on with the responses in flight under them (their prefixes computed again). Each group carries the
+oldest version that generated it.
 
 The process exits when it is told to stop, when trainer rank 0 is gone (it polls its parent), or on an
 error, which it reports as one line first.
@@ -104,10 +105,12 @@ class _Server:
         self.requests: list[int] = []  # validation steps asked for
         self.stopping = False
         self.failure: str | None = None
-        if r.on_update == "abort" and spec.interruptible:
-            if not hasattr(self.engine, "should_abort"):
-                raise ValueError(f"rollout.on_update=abort: the {r.engine} engine cannot abort a draw; use finish")
-            self.engine.should_abort = lambda: self.received > self.loaded
+        self.swaps = 0  # weight loads in the middle of a draw (partial rollouts)
+        if r.on_update == "partial" and spec.interruptible:
+            if not hasattr(self.engine, "between_steps"):
+                raise ValueError(f"rollout.on_update=partial: the {r.engine} engine cannot take new weights in the "
+                                 "middle of a draw; use finish")
+            self.engine.between_steps = self._swap_if_newer
 
     # -- the receiving thread -----------------------------------------------------------------------
     def _receive(self) -> None:
@@ -175,6 +178,14 @@ class _Server:
             self.engine.update_weights(iter(buckets))
             self.loaded = version
 
+    def _swap_if_newer(self) -> bool:
+        """Between two decode steps: load newer weights if any came (True: the draw goes on under them)."""
+        if self.received <= self.loaded:
+            return False
+        self._load_newest()
+        self.swaps += 1
+        return True
+
     def _params(self, n: int, seed: int):
         from megatron_credit.trainer.rollout import sampling_params
 
@@ -189,33 +200,28 @@ class _Server:
         count, n = r.prompts_per_step, r.n
         self._load_newest()
         groups, versions, pool_sums = [], [], {}
-        draws = aborted = 0
+        draws = partial = 0
         wall = 0.0
         while len(groups) < count and draws < spec.max_draws:
             records = self.prompts.take(count)
-            while True:
-                if spec.interruptible:
-                    self._load_newest()
-                t0 = time.perf_counter()
-                try:
-                    batch, rewards, correct, pool = generate_and_score(
-                        self.engine, self.pool, self.tokenizer, records, self._params(n, draw_seed(spec.seed, step, draws)),
-                        rollout=r, reward=spec.reward, first_group=0)
-                    wall += time.perf_counter() - t0
-                    break
-                except _aborted():
-                    wall += time.perf_counter() - t0
-                    aborted += 1
+            if spec.interruptible:
+                self._load_newest()
+            version, swaps, t0 = self.loaded, self.swaps, time.perf_counter()
+            batch, rewards, correct, pool = generate_and_score(
+                self.engine, self.pool, self.tokenizer, records, self._params(n, draw_seed(spec.seed, step, draws)),
+                rollout=r, reward=spec.reward, first_group=0)
+            wall += time.perf_counter() - t0
+            partial += self.swaps > swaps
             for k, v in pool.items():
                 pool_sums[k] = pool_sums.get(k, 0.0) + v
             for p in range(count):
                 sl = slice(p * n, (p + 1) * n)
                 if group_varies(correct[sl]) or not spec.dynamic_sampling:
                     groups.append((batch.samples[sl], rewards[sl], correct[sl]))
-                    versions.append(self.loaded)
+                    versions.append(version)  # the oldest weights that sampled the group
             draws += 1
         return {"groups": groups[:count], "versions": versions[:count], "draws": draws, "kept": len(groups),
-                "pool": pool_sums, "cursor": self.prompts.state_dict(), "gen_s": wall, "aborted": aborted}
+                "pool": pool_sums, "cursor": self.prompts.state_dict(), "gen_s": wall, "partial": partial}
 
     def _validate(self, step: int) -> None:
         """Validation of the weights of ``step`` (the trainer sent them just before asking)."""
@@ -232,12 +238,6 @@ class _Server:
                                         sampling=self._params(k, draw_seed(self.spec.seed, -1)), first_group=0)
             sums = metric_sums(problems, k=k)
         self.outbox.put(("val", step, sums))
-
-
-def _aborted():
-    from megatron_credit.rollout.engine import GenerationAborted
-
-    return GenerationAborted
 
 
 def flatten(bucket: list[tuple[str, torch.Tensor]]):

@@ -265,3 +265,33 @@ def test_compacting_finished_rows_does_not_change_results(engine):
         want = torch.log_softmax(_teacher_forced_logits(engine.model, s), -1)
         want = want.gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
         torch.testing.assert_close(s.logprobs.double(), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("swap_after", [0, 2, 5])
+def test_new_weights_between_decode_steps_continue_the_responses(swap_after):
+    # A partial rollout: after decode step `swap_after` the weights become another model's. The tokens sampled
+    # before are those of the first model (the same seeds); each later token's log-prob is the second model's
+    # on the whole prefix (prompt and response so far), computed again; responses continue, none restarts.
+    first, second = _engine(init_seed=0), _engine(init_seed=1)
+    new = [[(k, v.clone()) for k, v in second.model.state_dict().items()]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, n=2, seed=5, stop_token_ids=())
+    alone = first.generate(PROMPTS, params)
+    engine, steps = _engine(init_seed=0), []
+
+    def between_steps():
+        steps.append(1)
+        if len(steps) == swap_after + 1:
+            engine.update_weights(iter(new))
+            return True
+        return False
+
+    engine.between_steps = between_steps
+    batch = engine.generate(PROMPTS, params)
+    cut = swap_after + 1  # tokens 0..swap_after were sampled before the swap
+    for s, a in zip(batch.samples, alone.samples):
+        assert len(s.response_ids) == 8 and s.response_ids[:cut] == a.response_ids[:cut]
+        torch.testing.assert_close(s.logprobs[:cut], a.logprobs[:cut], rtol=0, atol=0)
+        want = torch.log_softmax(_teacher_forced_logits(second.model, s), -1).gather(
+            -1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        torch.testing.assert_close(s.logprobs[cut:].double(), want[cut:], rtol=0, atol=1e-5)
+    assert any(s.response_ids != a.response_ids for s, a in zip(batch.samples, alone.samples))

@@ -153,7 +153,7 @@ def test_max_staleness_0_is_sync_bit_for_bit(tmp_path):
 @pytest.mark.dist
 @pytest.mark.parametrize("mode,bound,extra", [("one_step_off", 1, []),
                                               ("async", 2, ["rollout.max_staleness=2"]),
-                                              ("async", 1, ["rollout.on_update=abort"])])
+                                              ("async", 1, ["rollout.on_update=partial"])])
 def test_staleness_never_exceeds_the_bound(tmp_path, mode, bound, extra):
     recipe = _recipe(tmp_path, train={"steps": 5})
     out = run_pretrain_rl("--config", recipe, "--output-dir", tmp_path / "run", f"rollout.mode={mode}", *extra)
