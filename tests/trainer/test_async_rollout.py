@@ -293,3 +293,34 @@ def test_every_trainer_layout_feeds_the_rollout_process(tmp_path, layout):
     rows = _rows_of(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["actor/grad_norm"] > 0 for r in rows)
     assert all(r["mismatch/logprob_abs_mean"] < 1e-4 for r in rows), [r["mismatch/logprob_abs_mean"] for r in rows]
+
+
+@pytest.mark.parametrize("overrides,line", [
+    (["rollout.mode=fast"], "rollout.mode must be one of ('sync', 'one_step_off', 'async'), got 'fast'"),
+    (["rollout.mode=async", "rollout.max_staleness=-1"], "rollout.max_staleness must be an integer >= 0, got -1"),
+    (["rollout.mode=one_step_off", "rollout.max_staleness=2"], "rollout.max_staleness=2: one_step_off trains on"),
+    (["rollout.on_update=restart"], "rollout.on_update must be 'finish' or 'partial', got 'restart'"),
+    (["rollout.gpus=[-1]"], "rollout.gpus must be local device indices (integers >= 0), got [-1]"),
+    (["rollout.wait_timeout_s=0"], "rollout.wait_timeout_s must be > 0, got 0"),
+])
+def test_bad_rollout_mode_fields_get_one_line_naming_them(overrides, line):
+    from megatron_credit.config import recipe_from_dict
+
+    with pytest.raises(ValueError) as err:
+        recipe_from_dict(TINY, overrides=overrides)
+    assert line in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,line", [
+    (["rollout.mode=async", "rollout.gpus=[4,5]"], "rollout.gpus=[4, 5] must name rollout.engine_options."
+                                                   "tensor_parallel_size=1 device(s)"),
+    (["rollout.mode=async", "rollout.on_update=partial", "rollout.engine=vllm"],
+     "rollout.on_update=partial: the vllm engine cannot take new weights in the middle of a draw"),
+])
+def test_rollout_process_recipes_that_cannot_run_are_refused(overrides, line):
+    from megatron_credit.config import recipe_from_dict
+
+    recipe = recipe_from_dict(TINY, overrides=overrides)
+    assert any(line in p for p in recipe.problems(recipe.model.hf_config(), world_size=1))
+    assert recipe_from_dict(TINY, overrides=["rollout.mode=async", "rollout.gpus=[4]"]).problems(
+        recipe.model.hf_config(), world_size=1) == []
