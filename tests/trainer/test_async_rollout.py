@@ -281,13 +281,15 @@ def test_the_demo_learns_with_two_trainer_ranks_and_a_rollout_process(tmp_path, 
 @pytest.mark.parametrize("layout", ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"])
 def test_every_trainer_layout_feeds_the_rollout_process(tmp_path, layout):
     # Two trainer ranks at TP 2 or PP 2 gather the weights for rank 0 to send: at max_staleness 0 the rollout
-    # process samples with the version the trainer holds, so its log-probs equal the actor's every iteration.
+    # process samples with the version the trainer holds, so its log-probs equal the actor's every iteration
+    # (PPO: its critic's advantages are not zero on the tiny task, so every update moves the weights).
     from tests.support.distributed_harness import _free_port
 
     recipe = _recipe(tmp_path, train={"steps": 3})
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                           str(_free_port()), os.path.join(ROOT, "pretrain_rl.py"), "--config", recipe, "--output-dir",
-                          str(tmp_path / "run"), "rollout.mode=async", "rollout.max_staleness=0", layout],
+                          str(tmp_path / "run"), "rollout.mode=async", "rollout.max_staleness=0", "algorithm.name=ppo",
+                          layout],
                          capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _rows_of(tmp_path / "run")
