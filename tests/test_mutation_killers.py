@@ -1,4 +1,4 @@
-"""Behavioural tests that a mutation run (issue 14) showed were missing: each one fails if the named
+"""Behavioural tests that a mutation run showed were missing: each one fails if the named
 rule of the code is changed, and says why that rule matters to a user.
 
 - FIPO: a token whose ratio equals ``c`` *exactly* is in ``M`` (``d <= log c``) and is not capped at

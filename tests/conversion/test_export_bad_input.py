@@ -1,4 +1,4 @@
-"""The exporters never replace a user's files, and every run round-trips (issue 24).
+"""The exporters never replace a user's files, and every run round-trips.
 
 A tiny run with an inline ``model.architecture`` is made by ``pretrain_rl.py``; one subprocess then
 exports it (``export_run_to_hf``), converts the export to megatron and back, and points both exporters

@@ -450,7 +450,7 @@ def test_export_gives_back_the_actor_s_hf_weights(run):
         assert got[k].dtype == torch.float32 and torch.equal(got[k], v), k
     written = json.loads((out / "config.json").read_text())
     assert written["dtype"] == "float32"
-    # an inline architecture gets its transformers class (issue 24: convert_megatron_to_hf needs it)
+    # an inline architecture gets its transformers class (convert_megatron_to_hf needs it)
     assert written["architectures"] == (cfg.architectures or [type(cfg).__name__.removesuffix("Config") + "ForCausalLM"])
     assert {k: v for k, v in written.items() if k not in ("dtype", "architectures")} == \
         {k: v for k, v in json.loads(cfg.to_json_string()).items() if k not in ("dtype", "architectures")}

@@ -1,4 +1,4 @@
-"""The declarative conversion rules on CPU (issue 14): family lookup, model dims and parallel refusals,
+"""The declarative conversion rules on CPU: family lookup, model dims and parallel refusals,
 the rule tables of each family, every typed transform forward and back at TP = 1, 2, 4, and the
 streaming iterators' order and exact tensors.
 

@@ -1,4 +1,4 @@
-"""Conversion parity with every weight distinct (issue 14): a rule that maps the wrong HF tensor of
+"""Conversion parity with every weight distinct: a rule that maps the wrong HF tensor of
 the same shape (``q_norm`` <-> ``k_norm``, ``input_layernorm`` <-> ``post_attention_layernorm``, k/v
 biases, gate/up biases) or the wrong TP layout of a bias (fc1's ``[gate_r; up_r]`` per rank) changes
 the logits here.

@@ -301,7 +301,7 @@ def test_fipo_weight_std_from_micro_batch_sums_is_the_std_over_every_token():
     assert out["fipo/weight_mean"] == pytest.approx(float(allw.mean()), rel=1e-12)
 
 
-# ------------------------------------------------------------------- mutation killers (issue 14)
+# ------------------------------------------------------------------- mutation killers
 def test_fipo_weights_defaults_are_the_papers():
     # DESIGN.md: tau 32, dual-clip constant 10, rows of one response each (packed False), clip [1, 1.2].
     logp, old, mask = make_batch(6, 40, seed=21, packed=True)

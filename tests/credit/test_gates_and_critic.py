@@ -424,7 +424,7 @@ def test_critic_diagnostics_against_references():
     assert all(math.isnan(float(x)) for x in empty.values())
 
 
-# ---------------------------------------------------------------- gate controls: mutation killers (issue 14)
+# ---------------------------------------------------------------- gate controls: mutation killers
 def test_gate_controls_are_float32_whatever_the_default_dtype():
     # The controls' gates enter Comp-GAE next to float32 gates from the actor: a float64 default dtype (a
     # user's set_default_dtype) must not make them float64.

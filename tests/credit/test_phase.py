@@ -205,7 +205,7 @@ def test_thresholds_override_and_validation():
             PhaseController(**kwargs)
 
 
-# ------------------------------------------------------------------- mutation killers (issue 14)
+# ------------------------------------------------------------------- mutation killers
 def test_a_fresh_controller_has_an_empty_history():
     c = PhaseController()
     assert c.last_requests == {}

@@ -285,7 +285,7 @@ def test_tp_hidden_equal_tp1(pool, tp):
         torch.testing.assert_close(gw, w1.grad[r * v_local:(r + 1) * v_local], rtol=0, atol=1e-12)
 
 
-# ------------------------------------------------------------------- mutation killers (issue 14)
+# ------------------------------------------------------------------- mutation killers
 def test_bad_arguments_are_refused_with_the_shapes_named():
     x, labels = torch.randn(2, 3, 5), torch.zeros(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match=r"^logits must be \[B, T, D\], got shape \(2, 3\)$"):

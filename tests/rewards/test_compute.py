@@ -54,7 +54,7 @@ def test_packages_import_light():
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
-# ------------------------------------------------------------------- mutation killers (issue 14)
+# ------------------------------------------------------------------- mutation killers
 def test_scored_batch_metrics_by_hand():
     # A correct, a wrong and a blank-ground-truth response, scored in-process: the trainer logs these names.
     import pytest

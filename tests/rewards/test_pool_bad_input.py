@@ -87,7 +87,7 @@ if "test_sleep_1s" not in REWARD_FNS:
 
 
 def test_a_batch_deadline_bounds_a_batch_of_slow_items_and_counts_them():
-    """Issue 24: 100 hostile items took 290 s with 2 workers (a deadline per item only)."""
+    """100 hostile items once took 290 s with 2 workers (a deadline per item only)."""
     with RewardPool(RewardPoolConfig(num_workers=2, timeout_s=30.0, batch_timeout_s=1.5,
                                      memory_limit_bytes=None)) as p:
         items = [RewardItem(response=f"r{i}", ground_truth="x", method="test_sleep_1s") for i in range(10)]

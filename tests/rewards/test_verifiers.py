@@ -315,7 +315,7 @@ def test_shaping_config_validates():
         ShapingConfig(max_response_len=10, format_penalty=-1.0)
 
 
-# ------------------------------------------------------------------- mutation killers (issue 14)
+# ------------------------------------------------------------------- mutation killers
 def test_math_verify_an_unreadable_ground_truth_is_flagged_with_the_answer_kept():
     # A ground truth math-verify cannot read ("$$", an empty box) scores every response as incorrect with
     # status bad_ground_truth (counted in reward/bad_ground_truths), keeping the response's answer for the logs.

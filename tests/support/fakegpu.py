@@ -23,7 +23,7 @@
 
 The backend name is ``fakegpu``, not ``cuda``: code that checks ``device.type == "cuda"`` sees a CUDA
 device only where it asked for one by name (``torch.device("cuda")``). FakeTensorMode was tried first
-and fails in autograd's C++ stream code (issue 23).
+and fails in autograd's C++ stream code.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """What the tests that run the trainer share: the tiny recipes, the in-process run (in a pool worker), the
-command line, and one reader of ``metrics.jsonl`` (issue 28: one home each, instead of private helpers that
+command line, and one reader of ``metrics.jsonl`` (one home each, instead of private helpers that
 test files imported from one another).
 
 - :data:`TINY` (a 2-layer Qwen2 from an inline architecture, a short cached warm-up, 2 iterations) and

@@ -1,4 +1,4 @@
-"""Every test that starts a process says so with a marker (issue 28), and this module keeps that true.
+"""Every test that starts a process says so with a marker, and this module keeps that true.
 
 The markers (registered in ``pytest.ini``; ``make test-fast`` leaves both out):
 

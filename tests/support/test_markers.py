@@ -1,4 +1,4 @@
-"""The process markers stay true (issue 28): a test that starts processes is marked ``dist`` or ``spawn``, one
+"""The process markers stay true: a test that starts processes is marked ``dist`` or ``spawn``, one
 that runs the vLLM engine ``vllm``, so that ``make test-fast`` (``-m "not dist and not spawn and not vllm and
 not slow and not gpu"``) runs only tests that start nothing.
 

@@ -1,4 +1,4 @@
-"""`make bench` (benchmarks/run_all.py): every benchmark, what runs and how long, no harmless warnings (issue 27)."""
+"""`make bench` (benchmarks/run_all.py): every benchmark, what runs and how long, no harmless warnings."""
 from __future__ import annotations
 
 import os

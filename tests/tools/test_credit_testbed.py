@@ -154,7 +154,7 @@ def test_tool_doctests():
 
 @pytest.mark.spawn
 def test_the_testbed_writes_into_the_repository_only_when_asked(tmp_path):
-    # issue 27: `--out runs/testbed` as the README shows it rewrote the committed docs/results/ (--doc was
+    # `--out runs/testbed` as the README shows it once rewrote the committed docs/results/ (--doc was
     # on by default). Now --doc is off unless given; `--doc` alone names the committed report.
     from tools.credit_testbed import DEFAULT_DOC, parse_args
 

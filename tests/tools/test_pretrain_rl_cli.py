@@ -1,4 +1,4 @@
-"""The first minutes of a user (issue 27): overrides anywhere on the command line, a final line that keeps
+"""The first minutes of a user: overrides anywhere on the command line, a final line that keeps
 the warm-up's time apart from RL's, and a second `make demo` that says in one line that the run is done."""
 from __future__ import annotations
 

@@ -296,7 +296,7 @@ def test_plots_draw_each_metric_against_its_steps_and_can_be_redrawn(tmp_path, m
     save = matplotlib.figure.Figure.savefig
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k)))
     assert plot_metrics(str(tmp_path)) == [str(tmp_path / "plots" / "reward.png")]
-    reward, accuracy = figures[0].axes  # one quantity per axis (issue 27): reward and accuracy apart
+    reward, accuracy = figures[0].axes  # one quantity per axis: reward and accuracy apart
     lines = [{ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in ax.lines} for ax in (reward, accuracy)]
     assert lines == [{"reward of the training samples": ([2, 4, 6], [1.0, 2.0, 3.0])},
                      {"sampled, training prompts": ([2, 6], [0.2, 0.6000000000000001])}]

@@ -3,7 +3,7 @@
 Every tensor the trainer makes or moves must be on the device ``distributed.initialize`` returns, and
 every collective must get device tensors (NCCL's contract): the emulated device raises, as CUDA does,
 when an op mixes a non-scalar CPU tensor with a device one, and its collectives raise on CPU tensors.
-On the commit before issue 23 every scenario here failed (the built model stayed on the CPU: ``Expected
+Before the device path was fixed every scenario here failed (the built model stayed on the CPU: ``Expected
 all tensors to be on the same device ... cpu, fakegpu:0! (in aten.mul.Tensor)`` at megatron's
 ``rope_utils.py``). Each scenario runs in processes of its own (the backend registration is
 process-wide); the numbers must equal the CPU path's (the emulated device computes on the CPU).

@@ -178,7 +178,7 @@ def test_the_demo_learns_and_changes_the_parameters(tmp_path):
     acc = [r["accuracy/mean"] for r in rows]
     first, last = sum(acc[:5]) / 5, sum(acc[-5:]) / 5
     assert last > first + 0.05 and last > majority_answer_rate(ArithConfig(min_operand=10, max_operand=99))
-    assert last > 0.7  # issue 27: the demo's promise, reached by iteration 40 on every seed measured (README)
+    assert last > 0.7  # the demo's promise, reached by iteration 40 on every seed measured (README)
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     warm = torch.load(next((tmp_path / "cache").rglob("rank_00000.pt")), weights_only=True)

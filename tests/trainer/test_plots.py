@@ -1,4 +1,4 @@
-"""Plots a person reads without the README (issue 27): a title with the run and the algorithm, labelled
+"""Plots a person reads without the README: a title with the run and the algorithm, labelled
 axes with units, one quantity per axis, legends in words."""
 from __future__ import annotations
 

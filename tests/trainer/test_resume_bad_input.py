@@ -1,4 +1,4 @@
-"""Resume and run-directory faults (issue 24): a checkpoint never runs code, a damaged one falls back, no
+"""Resume and run-directory faults: a checkpoint never runs code, a damaged one falls back, no
 user file is replaced, a diverged run stops before it saves, and each failure is one line naming its cause.
 
 Two tiny runs (GRPO and PPO, two iterations, a checkpoint after each) are made once by ``pretrain_rl.py``

@@ -1,4 +1,4 @@
-"""Faults of a running job (issue 24): a failed save names a full disk and leaves nothing that blocks
+"""Faults of a running job: a failed save names a full disk and leaves nothing that blocks
 the next one; dropped prompts are counted and warned about. In-process, no model is built."""
 from __future__ import annotations
 
