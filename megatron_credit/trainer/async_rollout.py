@@ -33,6 +33,7 @@ run with one line (:class:`~megatron_credit.cli.RunStopped`); the rollout proces
 """
 from __future__ import annotations
 
+import atexit
 import pickle
 import queue
 import time
@@ -84,10 +85,14 @@ class AsyncRollouts(SampleRouter):
                           val_every=self.val_every, val_prompts=self.val_prompts, val_samples=self.val_samples,
                           bound=self.staleness_bound, interruptible=self.rollout.mode == "async",
                           num_threads=torch.get_num_threads(), parent_pid=os.getpid())
+        # not a daemon: the rollout process may start processes of its own (the reward pool, vLLM's workers);
+        # so it is stopped at exit even where the loop's own close() did not run
         self.proc = ctx.Process(target=serve, args=(spec, self.inbox, self.outbox), name="rollout", daemon=False)
         self.proc.start()
+        atexit.register(self.close)
 
     def close(self) -> None:
+        """Stop the rollout process (asked, then terminated after 30 s); a no-op once stopped."""
         if self.proc is None:
             return
         try:
