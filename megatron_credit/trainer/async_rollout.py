@@ -179,19 +179,11 @@ class AsyncRollouts(SampleRouter):
     def validate(self, iteration: int) -> dict[str, float]:
         """Avg@k, Cons@k, Pass@k of the weights of ``iteration``, sampled by the rollout process with the
         seeds ``sync`` uses."""
-        from megatron_credit.evaluation import means_from_sums
-
         if not self.has_val:
             return {}
         self.push(iteration)
-        k = self.val_samples
-        names = (f"avg@{k}", f"cons@{k}", f"pass@{k}", "num_problems")
-        sums = torch.zeros(len(names), dtype=torch.float64, device=self.actor.device)
+        sums = None
         if self.rank == 0:
             self.inbox.put(("validate", iteration))
-            got = self._wait("val", iteration)
-            sums += torch.tensor([got[name] for name in names], dtype=torch.float64).to(sums.device)
-        dist.all_reduce(sums)  # only rank 0 contributes
-        means = means_from_sums(dict(zip(names, sums.tolist())))
-        return {"val/accuracy": means[f"avg@{k}"], f"val/cons@{k}": means[f"cons@{k}"],
-                f"val/pass@{k}": means[f"pass@{k}"]}
+            sums = self._wait("val", iteration)
+        return self._val_metrics(sums, self.val_samples)

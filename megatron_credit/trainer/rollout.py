@@ -135,6 +135,20 @@ class SampleRouter:
         metrics.update(self._pool_metrics(pool_sums, iteration, engines=engines))
         return batch, metrics
 
+    def _val_metrics(self, sums: dict[str, float] | None, k: int) -> dict[str, float]:
+        """``val/*`` from the ``evaluation.metric_sums`` of the ranks that sampled (None on the others),
+        summed over every rank."""
+        from megatron_credit.evaluation import means_from_sums
+
+        names = (f"avg@{k}", f"cons@{k}", f"pass@{k}", "num_problems")
+        vec = torch.zeros(len(names), dtype=torch.float64, device=self.actor.device)
+        if sums is not None:
+            vec += torch.tensor([sums[name] for name in names], dtype=torch.float64).to(vec.device)
+        dist.all_reduce(vec)
+        means = means_from_sums(dict(zip(names, vec.tolist())))
+        return {"val/accuracy": means[f"avg@{k}"], f"val/cons@{k}": means[f"cons@{k}"],
+                f"val/pass@{k}": means[f"pass@{k}"]}
+
     def _route(self, kept: list[tuple[int, int]], held: dict) -> list[Any]:
         """The kept groups to the ranks that train them: group ``k`` to every rank of data-parallel rank
         ``dp_rank_of_group(k)``, from the engine leader that holds it. Returns this rank's groups in order."""
@@ -381,22 +395,16 @@ class RolloutManager(SampleRouter):
         """Avg@k (``val/accuracy``), Cons@k and Pass@k on the held-out prompts, sampled at the rollout
         temperature with k = ``train.val_samples``, each engine its slice of the prompts, with the same seeds
         whatever the engine count (``megatron_credit.evaluation``, the code of ``tools/evaluate.py``)."""
-        from megatron_credit.evaluation import means_from_sums, metric_sums, sample_and_grade
+        from megatron_credit.evaluation import metric_sums, sample_and_grade
 
         if self.val_prompts is None:
             return {}
-        k = self.val_samples
-        names = (f"avg@{k}", f"cons@{k}", f"pass@{k}", "num_problems")
-        sums = torch.zeros(len(names), dtype=torch.float64, device=self.actor.device)
+        k, sums = self.val_samples, None
         with self.generating():
             mine = self._my_prompts(len(self.val_prompts))
             if len(mine):
                 problems = sample_and_grade(self.engine, self.tokenizer, [self.val_prompts[i] for i in mine], k=k,
                                             pool=self.pool, sampling=self._params(k, draw_seed(self.seed, -1)),
                                             first_group=mine.start)
-                per_engine = metric_sums(problems, k=k)
-                sums += torch.tensor([per_engine[name] for name in names], dtype=torch.float64).to(sums.device)
-        dist.all_reduce(sums)  # only engine leaders contribute
-        means = means_from_sums(dict(zip(names, sums.tolist())))
-        return {"val/accuracy": means[f"avg@{k}"], f"val/cons@{k}": means[f"cons@{k}"],
-                f"val/pass@{k}": means[f"pass@{k}"]}
+                sums = metric_sums(problems, k=k)
+        return self._val_metrics(sums, k)
