@@ -1,14 +1,34 @@
-"""Metric tables: how reduced ``sum:`` / ``min:`` / ``max:`` statistics become the documented metrics.
+"""Metric tables: how a loss's statistics are reduced, and how the reduced statistics become the
+documented metrics.
+
+A policy loss returns its statistics as rank-local values per micro-batch (``clipfrac_high``: the
+micro-batch's mean over its valid tokens; ``fipo_weight/max``: its maximum). A table declares, for each
+statistic it owns, how the trainer reduces it over micro-batches, mini-batches and ranks
+(:attr:`MetricTable.reduce`: a mean over tokens, a sum, a minimum or a maximum), and which
+metrics come out of the reduced ``sum:`` / ``min:`` / ``max:`` values. A statistic no table declares is
+refused by the trainer in one line: nothing is computed and then dropped.
 
 The trainer's own metrics (``actor/``, ``mismatch/``) are :data:`CORE`; an algorithm declares the tables
 of what it adds (``fipo/``, ``critic/``, ``comppo/``) in its registration (``AlgorithmSpec.metrics``), so
-``trainer/metrics.finalize`` names no algorithm. Standard library only.
+``trainer/metrics`` names no algorithm. Standard library only.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
+
+
+TOKEN_MEAN = "token_mean"
+"""The micro-batch's mean over its valid tokens; reduced as ``sum:x`` (value x tokens), read over ``sum:tokens``."""
+SUM = "sum"
+"""Added as it is: ``sum:x``."""
+MIN = "min"
+"""The smallest over every micro-batch and rank: ``min:x`` (also ``min:first_minibatch/x`` for the first
+mini-batch of the iteration). NaN (no valid token) never wins."""
+MAX = "max"
+"""The largest, as :data:`MIN`: ``max:x`` and ``max:first_minibatch/x``."""
+REDUCTIONS = (TOKEN_MEAN, SUM, MIN, MAX)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,6 +41,24 @@ class MetricTable:
     """metric -> a ``min:`` / ``max:`` statistic, reported where it is finite."""
     derived: tuple[Callable[[Mapping[str, Any]], dict[str, float]], ...] = ()
     """Functions of the reduced statistics (tensors by key) returning further metrics."""
+    reduce: Mapping[str, str] = field(default_factory=dict)
+    """loss statistic -> how it is reduced (one of :data:`REDUCTIONS`)."""
+
+    def __post_init__(self) -> None:
+        bad = {k: r for k, r in self.reduce.items() if r not in REDUCTIONS}
+        if bad:
+            raise ValueError(f"MetricTable.reduce: {bad} (each must be one of {REDUCTIONS})")
+
+
+def reductions(tables) -> dict[str, str]:
+    """Every statistic the ``tables`` declare -> its reduction; a statistic declared twice differently is
+    refused."""
+    out: dict[str, str] = {}
+    for table in tables:
+        for k, r in table.reduce.items():
+            if out.setdefault(k, r) != r:
+                raise ValueError(f"loss statistic {k!r} is reduced as both {out[k]!r} and {r!r}")
+    return out
 
 
 def _skipped(v: Mapping[str, Any]) -> dict[str, float]:
@@ -42,7 +80,11 @@ CORE = MetricTable(means={
     "mismatch/tis_capped_frac": ("sum:tis_capped_frac", "sum:tokens"),
     # what the update's forward passes compute beyond the sequences' own tokens (padding rows, alignment)
     "throughput/padding_fraction": ("sum:padding_tokens", "sum:computed_tokens"),
-}, derived=(_skipped,))
+}, derived=(_skipped,), reduce={
+    # the clipped surrogate's (losses.policy) and the engine-mismatch weights' (rollout.mismatch)
+    "clipfrac_low": TOKEN_MEAN, "clipfrac_high": TOKEN_MEAN, "clipfrac_dual": TOKEN_MEAN, "approx_kl": TOKEN_MEAN,
+    "tis_mean_weight": TOKEN_MEAN, "tis_capped_frac": TOKEN_MEAN,
+})
 """The trainer's own metrics, whatever the algorithm."""
 
 
@@ -61,9 +103,15 @@ def _fipo_derived(v: Mapping[str, Any]) -> dict[str, float]:
 FIPO = MetricTable(means={
     "fipo/weight_mean": ("sum:fipo_weight/mean", "sum:tokens"),
     "fipo/frac_at_high": ("sum:fipo_weight/frac_at_high", "sum:tokens"),
+    "fipo/frac_at_low": ("sum:fipo_weight/frac_at_low", "sum:tokens"),
     "fipo/frac_dual_masked": ("sum:fipo_weight/frac_dual_masked", "sum:tokens"),
+    "fipo/frac_dual_capped": ("sum:fipo_weight/frac_dual_capped", "sum:tokens"),
 }, extremes={"fipo/weight_min": "min:fipo_weight/min", "fipo/weight_max": "max:fipo_weight/max"},
-    derived=(_fipo_derived,))
+    derived=(_fipo_derived,), reduce={
+    **{f"fipo_weight/{k}": TOKEN_MEAN for k in ("mean", "dev_sq", "frac_at_low", "frac_at_high",
+                                                  "frac_dual_masked", "frac_dual_capped")},
+    "fipo_weight/min": MIN, "fipo_weight/max": MAX,
+})
 """FIPO's Future-KL weights (``losses.policy.fipo_policy_loss``)."""
 
 

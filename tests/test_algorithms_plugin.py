@@ -18,7 +18,7 @@ import torch
 from megatron_credit.algorithm_params import AlgorithmParams
 from megatron_credit.algorithms import ALGORITHMS, POLICY_LOSSES, AlgorithmSpec
 from megatron_credit.losses import policy
-from megatron_credit.metric_tables import MetricTable
+from megatron_credit.metric_tables import TOKEN_MEAN, MetricTable
 from tests.support.distributed_harness import DistributedPool
 
 NAME = "test_prob_weighted_grpo"
@@ -74,7 +74,8 @@ def register() -> None:
     ALGORITHMS.add(NAME, AlgorithmSpec(
         advantage_estimator="grpo", policy_loss="test_weighted_ppo", loss_agg_mode="token-mean",
         params_cls=ProbWeightParams, behaviour_extras=prob_weight,
-        metrics=(MetricTable(means={"weighted/token_weight_mean": ("sum:token_weight_mean", "sum:tokens")}),)))
+        metrics=(MetricTable(means={"weighted/token_weight_mean": ("sum:token_weight_mean", "sum:tokens")},
+                             reduce={"token_weight_mean": TOKEN_MEAN}),)))
 
 
 @pytest.fixture(scope="module", autouse=True)

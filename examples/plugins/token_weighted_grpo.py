@@ -21,7 +21,7 @@ import torch
 from megatron_credit.algorithm_params import AlgorithmParams
 from megatron_credit.algorithms import ALGORITHMS, POLICY_LOSSES, AlgorithmSpec
 from megatron_credit.losses import policy
-from megatron_credit.metric_tables import MetricTable
+from megatron_credit.metric_tables import TOKEN_MEAN, MetricTable
 
 NAME = "token_weighted_grpo"
 
@@ -68,4 +68,5 @@ if NAME not in ALGORITHMS:  # importing the file twice (torchrun ranks share not
     ALGORITHMS.add(NAME, AlgorithmSpec(
         advantage_estimator="grpo", policy_loss="token_weighted_ppo", loss_agg_mode="seq-mean-token-mean",
         params_cls=TokenWeightParams, behaviour_extras=token_weight,
-        metrics=(MetricTable(means={"token_weighted/weight_mean": ("sum:token_weight_mean", "sum:tokens")}),)))
+        metrics=(MetricTable(means={"token_weighted/weight_mean": ("sum:token_weight_mean", "sum:tokens")},
+                             reduce={"token_weight_mean": TOKEN_MEAN}),)))

@@ -113,7 +113,7 @@ def fipo_weights(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.T
     separate threshold (default 4.0, 10.0 in its 32B config), pass it to reproduce that.
 
     ``advantages: [B, T]``. The DAPO loss then uses ``f * advantages``. Metrics are over this rank's
-    valid tokens: ``mean/min/max/p10/p50/p90``, ``dev_sq`` (the mean of ``(f - 1)**2`` in float64: with
+    valid tokens: ``mean/min/max``, ``dev_sq`` (the mean of ``(f - 1)**2`` in float64: with
     ``mean`` it gives the weights' standard deviation summed over micro-batches and ranks, without the
     cancellation of ``E[f**2] - E[f]**2`` at ``f ~ 1``), ``frac_at_low``, ``frac_at_high`` (at each clip bound),
     ``frac_dual_masked`` (tokens excluded from the future sums by ``M``), ``frac_dual_capped`` (``A < 0``
@@ -136,7 +136,7 @@ def fipo_weights(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.T
         w = torch.where(capped, w.clamp(max=1.0), w)
         valid = response_mask.bool()
         w = torch.where(valid, w, torch.ones_like(w))
-        metrics = masked_summary(w, valid)
+        metrics = masked_summary(w, valid, quantiles=())  # what the trainer reduces (metric_tables.FIPO)
         n = valid.sum().clamp(min=1).to(w.dtype)
         metrics.update(
             dev_sq=torch.where(valid, (w.double() - 1) ** 2, 0.0).sum() / n,

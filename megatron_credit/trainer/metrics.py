@@ -15,7 +15,31 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_credit.metric_tables import BUILT_IN, CORE, MetricTable
+from megatron_credit.metric_tables import BUILT_IN, CORE, MAX, MIN, TOKEN_MEAN, MetricTable
+
+
+def loss_statistics(stats: dict[str, torch.Tensor], reduce: dict[str, str], *, tokens: torch.Tensor,
+                    first: bool = False) -> dict[str, torch.Tensor]:
+    """One micro-batch's rank-local loss statistics as the ``sum:`` / ``min:`` / ``max:`` entries the
+    trainer reduces, each as its metric table declares (``reduce``: ``metric_tables.reductions``).
+
+    ``tokens``: the micro-batch's valid tokens on this rank (a token mean becomes a token-weighted sum;
+    an extreme of no token is NaN, which never wins the reduction). ``first``: the iteration's first
+    mini-batch, whose extremes are also kept apart (``first_minibatch/``). A statistic no table declares
+    is refused: the loss would be computing what nothing reads."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in stats.items():
+        how = reduce.get(k)
+        if how is None:
+            raise ValueError(f"the policy loss returned the statistic {k!r}, which none of the algorithm's "
+                             f"metric tables declares (MetricTable.reduce)")
+        if how in (MIN, MAX):
+            out[f"{how}:{k}"] = torch.where(tokens > 0, v, torch.nan)
+            if first:
+                out[f"{how}:first_minibatch/{k}"] = out[f"{how}:{k}"]
+        else:
+            out["sum:" + k] = torch.nan_to_num(v) * tokens if how == TOKEN_MEAN else torch.nan_to_num(v)
+    return out
 
 class StatSums:
     """Accumulated ``sum:`` / ``min:`` / ``max:`` tensors; ``replicated`` keys are equal on every rank

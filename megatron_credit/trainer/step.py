@@ -16,7 +16,8 @@ from megatron_credit.data.microbatch import plan_minibatches
 from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
 from megatron_credit.trainer.batch import (TOKEN_FIELDS, TrainBatch, make_microbatch, make_packed_microbatch, round_up,
                                            step_denominators)
-from megatron_credit.trainer.metrics import StatSums
+from megatron_credit.metric_tables import CORE, reductions
+from megatron_credit.trainer.metrics import StatSums, loss_statistics
 
 if TYPE_CHECKING:  # the iteration's inputs; no megatron import here
     from megatron_credit.trainer.context import Context
@@ -216,6 +217,7 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
     params = knobs.params
     kl = KL_ESTIMATORS.get(alg.kl_estimator) if knobs.kl_coef > 0 else None
     cp_group = ctx.actor.cp_group if ctx.actor.cp_size > 1 else None
+    reduce = reductions((CORE, *ctx.spec.metrics))
 
     fresh_old = []  # (micro-batch, detached log-probs) of an old_from_update step
 
@@ -245,16 +247,8 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
         s = {"sum:tokens": n, "sum:pg_loss": pg_loss.detach(),
              "sum:entropy": torch.where(mask, ent, 0.0).sum().detach(),
              "sum:logp_diff": torch.where(mask, (logp - t["old_logp"]).abs(), 0.0).sum().detach()}
-        for k, v in m.items():  # rank-local means over valid tokens -> token-weighted sums
-            if k.endswith(("/min", "/max")):
-                prefix = "min:" if k.endswith("/min") else "max:"
-                s[prefix + k] = torch.where(n > 0, v, torch.nan)
-                if first:
-                    s[prefix + "first_minibatch/" + k] = s[prefix + k]
-            elif not k.endswith(("/p10", "/p50", "/p90")):
-                s["sum:" + k] = torch.nan_to_num(v) * n
-        for k, v in tis.items():  # token means over this micro-batch -> token-weighted sums
-            s["sum:" + k] = v * n
+        # rank-local statistics -> the sums / extremes the trainer reduces, as the metric tables declare
+        s.update(loss_statistics({**m, **tis}, reduce, tokens=n, first=first))
         if kl_tok is not None:
             s["sum:kl"] = torch.where(mask, kl_tok, 0.0).sum().detach()
         if values is not None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_credit.credit.future_kl import fipo_weights, future_kl, masked_summary, multi_dual_clip_keep
+from megatron_credit.metric_tables import FIPO
 from tests.references import fipo_weights_reference, future_kl_reference
 from tests.support.distributed_harness import block_subgroup, load_balanced_shard
 from tests.support.threaded_harness import gloo_and_threads_pool
@@ -165,7 +166,6 @@ def test_fipo_weights_match_loop_and_metrics(clip, c):
     over = (d > math.log(c)) & mask
     expect = {
         "mean": vals.mean(), "min": vals.min(), "max": vals.max(), "dev_sq": ((vals - 1) ** 2).mean(),
-        "p10": torch.quantile(vals, 0.1), "p50": torch.quantile(vals, 0.5), "p90": torch.quantile(vals, 0.9),
         "frac_at_low": (vals <= clip[0]).double().mean(), "frac_at_high": (vals >= clip[1]).double().mean(),
         "frac_dual_masked": over.sum().double() / mask.sum(),
         "frac_dual_capped": (over & (adv < 0)).sum().double() / mask.sum(),
@@ -175,6 +175,10 @@ def test_fipo_weights_match_loop_and_metrics(clip, c):
         torch.testing.assert_close(metrics[name], value.to(torch.float64), rtol=1e-12, atol=1e-12,
                                    msg=name)
     assert expect["frac_dual_masked"] > 0 and expect["frac_at_high"] > 0  # the cases were exercised
+    # the quantiles are masked_summary's, asked for where they are read (fipo_weights computes none)
+    q = masked_summary(ref, mask, quantiles=(0.1, 0.5, 0.9))
+    for name, p in (("p10", 0.1), ("p50", 0.5), ("p90", 0.9)):
+        torch.testing.assert_close(q[name], torch.quantile(vals, p), rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_fipo_weights_are_one_on_policy():
@@ -312,7 +316,10 @@ def test_fipo_weights_defaults_are_the_papers():
     assert torch.equal(w, explicit)
     for other in ({"tau": 33.0}, {"dual_clip_c": 11.0}, {"packed": True}):
         assert not torch.equal(w, fipo_weights(logp, old, adv, mask, **other)[0]), other
-    assert {"mean", "min", "max", "p10", "p50", "p90"} <= set(m)  # the trainer reads .../min and .../max
+    # every statistic is one the trainer reduces (metric_tables.FIPO), none computed to be dropped
+    assert set(m) == {"mean", "min", "max", "dev_sq", "frac_at_low", "frac_at_high", "frac_dual_masked",
+                      "frac_dual_capped"}
+    assert {f"fipo_weight/{k}" for k in m} <= set(FIPO.reduce)
 
 
 def test_fipo_weights_settings_are_checked_at_their_bounds():

@@ -426,3 +426,27 @@ def test_step_token_count_is_summed_over_dp_before_rounding_to_float32():
 
     out = ThreadedPool(world_size=3).run(_token_count_past_float32)
     assert out == [float(3 * 2**24 + 4)] * 3
+
+
+def test_loss_statistics_are_reduced_as_their_tables_declare():
+    from megatron_credit.metric_tables import CORE, FIPO, MAX, MIN, SUM, TOKEN_MEAN, MetricTable, reductions
+    from megatron_credit.trainer.metrics import loss_statistics
+
+    reduce = {**reductions((CORE, FIPO)), "count": SUM}
+    stats = {"clipfrac_high": torch.tensor(0.25), "fipo_weight/min": torch.tensor(1.0),
+             "fipo_weight/max": torch.tensor(1.2), "count": torch.tensor(3.0)}
+    out = loss_statistics(stats, reduce, tokens=torch.tensor(8.0), first=True)
+    assert {k: float(v) for k, v in out.items()} == {
+        "sum:clipfrac_high": 2.0, "min:fipo_weight/min": 1.0, "min:first_minibatch/fipo_weight/min": 1.0,
+        "max:fipo_weight/max": pytest.approx(1.2), "max:first_minibatch/fipo_weight/max": pytest.approx(1.2),
+        "sum:count": 3.0}
+    empty = loss_statistics({"fipo_weight/max": torch.tensor(float("nan")), "clipfrac_high": torch.tensor(float("nan"))},
+                            reduce, tokens=torch.tensor(0.0))
+    assert math.isnan(float(empty["max:fipo_weight/max"])) and float(empty["sum:clipfrac_high"]) == 0.0
+    with pytest.raises(ValueError, match="'fipo_weight/p50', which none of the algorithm's metric tables declares"):
+        loss_statistics({"fipo_weight/p50": torch.tensor(1.0)}, reductions((CORE,)), tokens=torch.tensor(1.0))
+    with pytest.raises(ValueError, match="reduced as both 'token_mean' and 'max'"):
+        reductions((CORE, MetricTable(reduce={"clipfrac_high": MAX})))
+    with pytest.raises(ValueError, match="MetricTable.reduce"):
+        MetricTable(reduce={"x": "median"})
+    assert (reduce["approx_kl"], reduce["fipo_weight/min"]) == (TOKEN_MEAN, MIN)
