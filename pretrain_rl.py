@@ -105,9 +105,9 @@ def _main(args) -> int:
     import torch
 
     from megatron_credit import distributed
-    from megatron_credit.config import load_recipe
+    from megatron_credit.recipe.config import load_recipe
 
-    from megatron_credit.plugins import load_plugins
+    from megatron_credit.algorithm.plugins import load_plugins
 
     load_plugins(args.plugin)  # before the recipe: its algorithm.name may be a plugin's
     config = args.config or DEFAULT_RECIPE
@@ -139,7 +139,7 @@ def _main(args) -> int:
                   "dry run: the layout is valid for this world size but its memory plan does not fit (exit 1); "
                   "nothing was built")
         return 0 if result.fits else 1
-    from megatron_credit.device_fields import check_device_fields
+    from megatron_credit.recipe.device_fields import check_device_fields
 
     check_device_fields(recipe)  # TE, bf16, CUDA fields this machine cannot honour: one line naming the field
     run_dir = args.output_dir or os.path.join("runs", os.path.splitext(os.path.basename(config))[0])

@@ -58,7 +58,7 @@ def run(mode: list[str], *, engine: str, steps: int, out_dir: str) -> dict[str, 
     import json
 
     from megatron_credit import distributed
-    from megatron_credit.config import load_recipe
+    from megatron_credit.recipe.config import load_recipe
     from megatron_credit.trainer.loop import train
 
     recipe = load_recipe(os.path.join(ROOT, "examples", "demo_cpu.yaml"), overrides=[

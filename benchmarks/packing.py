@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, port: int, packing: bool, args, results) -> N
 
     torch.set_num_threads(1)
     from megatron_credit import distributed
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.controls import actor_options

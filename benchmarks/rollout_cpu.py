@@ -23,7 +23,7 @@ def model_config(size: str):
     from transformers import Qwen2Config
 
     if size == "tiny":
-        from megatron_credit.config import TINY_QWEN2
+        from megatron_credit.recipe.config import TINY_QWEN2
 
         return Qwen2Config(**{k: v for k, v in TINY_QWEN2.items() if k != "model_type"})
     return Qwen2Config(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,

@@ -35,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from megatron_credit import distributed
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.batch import TrainBatch

@@ -33,7 +33,7 @@ def _worker(rank: int, world: int, port: int, tp: int, args, results) -> None:
 
     torch.set_num_threads(1)
     from megatron_credit import distributed
-    from megatron_credit.config import TINY_QWEN2, ModelConfig, ParallelConfig
+    from megatron_credit.recipe.config import TINY_QWEN2, ModelConfig, ParallelConfig
     from megatron_credit.losses.logprob import logprobs_and_entropy
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron_credit.algorithms import (ADVANTAGE_ESTIMATORS, ALGORITHMS, POLICY_LOSSES, AdvantageInputs,
+from megatron_credit.algorithm.spec import (ADVANTAGE_ESTIMATORS, ALGORITHMS, POLICY_LOSSES, AdvantageInputs,
                                         AlgorithmSpec)
 from megatron_credit.credit.gae import comp_gae, gae
 from megatron_credit.credit.group import grpo_advantages, rloo_advantages

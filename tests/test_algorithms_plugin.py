@@ -15,10 +15,10 @@ import os
 import pytest
 import torch
 
-from megatron_credit.algorithm_params import AlgorithmParams
-from megatron_credit.algorithms import ALGORITHMS, POLICY_LOSSES, AlgorithmSpec
+from megatron_credit.algorithm.params import AlgorithmParams
+from megatron_credit.algorithm.spec import ALGORITHMS, POLICY_LOSSES, AlgorithmSpec
 from megatron_credit.losses import policy
-from megatron_credit.metric_tables import TOKEN_MEAN, MetricTable
+from megatron_credit.algorithm.metric_tables import TOKEN_MEAN, MetricTable
 from tests.support.distributed_harness import DistributedPool
 
 NAME = "test_prob_weighted_grpo"
@@ -105,7 +105,7 @@ RECIPE = {
 
 def _train(run_dir: str):
     from megatron_credit import distributed
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer.loop import train
 
     register()  # in the spawned worker, which imported this module to find this function
@@ -120,7 +120,7 @@ def _train(run_dir: str):
 
 
 def test_the_registration_is_checked_like_a_built_in_one():
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
 
     spec, params = recipe_from_dict(RECIPE).algorithm.spec_and_params()
     assert spec is ALGORITHMS.get(NAME) and params == ProbWeightParams(clip_eps=0.2, floor=0.25)

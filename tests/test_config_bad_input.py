@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_credit.config import TINY_QWEN2, ModelConfig, recipe_from_dict
+from megatron_credit.recipe.config import TINY_QWEN2, ModelConfig, recipe_from_dict
 
 ARCH_TYPOS = {
     "qwen2 hidden_sizee": ({**TINY_QWEN2, "hidden_sizee": 32},
@@ -14,7 +14,7 @@ ARCH_TYPOS = {
                         r"'num_hidden_layers'\?\), 'rms_eps' \(did you mean 'rms_norm_eps'\?\)"),
     "qwen3 no close match": ({"model_type": "qwen3", "zzz": 1}, r"unknown key for model_type 'qwen3': 'zzz'$"),
     "unsupported family": ({"model_type": "gpt2", "n_embd": 8},
-                           r"model.architecture.model_type 'gpt2' is not supported; valid: \['qwen2', 'qwen3', 'llama'\]"),
+                           r"model.architecture.model_type 'gpt2' is not supported; valid: \['qwen2', 'qwen3', 'llama', 'mistral'\]"),
 }
 
 
@@ -99,7 +99,7 @@ def test_norm_by_std_is_refused_where_it_means_nothing(name):
 
 
 def test_an_in_process_vllm_engine_under_a_split_trainer_is_refused_in_one_line():
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
 
     recipe = recipe_from_dict({}, overrides=[
         "rollout.engine=vllm", "parallel.tensor_model_parallel_size=2",

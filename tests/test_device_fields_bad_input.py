@@ -1,5 +1,5 @@
 """Bad input at the hardware surface: a recipe that asks for CUDA, Transformer Engine or bf16 where the
-machine has none is one line naming the field (``megatron_credit/device_fields.py``), before any
+machine has none is one line naming the field (``megatron_credit/recipe/device_fields.py``), before any
 process group or model exists; bf16 on a CPU with bf16 instructions, and anything on a GPU that has
 it, is accepted. The process group's backend is no recipe field: ``distributed.initialize`` refuses
 nccl without CUDA."""
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_credit.config import TINY_QWEN2, recipe_from_dict
-from megatron_credit.device_fields import cpu_bf16_supported, device_refusal
+from megatron_credit.recipe.config import TINY_QWEN2, recipe_from_dict
+from megatron_credit.recipe.device_fields import cpu_bf16_supported, device_refusal
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,7 +108,7 @@ def test_trainer_cli_prints_one_line_before_building_anything(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only path")
 def test_nccl_without_cuda_is_refused():
     from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
 
     if torch.distributed.is_initialized():
         pytest.skip("a process group exists already")

@@ -24,7 +24,7 @@ import math
 import pytest
 import torch
 
-from megatron_credit.algorithms import ALGORITHMS
+from megatron_credit.algorithm.spec import ALGORITHMS
 from megatron_credit.credit.future_kl import fipo_weights, future_kl, multi_dual_clip_keep
 from megatron_credit.credit.gates import comppo_gate
 from megatron_credit.credit.group import broadcast_to_tokens, dr_grpo_advantages, grpo_advantages, rloo_advantages

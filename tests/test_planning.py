@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from megatron_credit.config import load_recipe, recipe_from_dict
+from megatron_credit.recipe.config import load_recipe, recipe_from_dict
 from megatron_credit.planning import (CUDA_CONTEXT_BYTES, GIB, GPUS, RESERVED_BYTES, Architecture, format_plan,
                                       known_architecture, plan, resolve_hf_config, stage_param_counts,
                                       total_param_count)
@@ -247,7 +247,7 @@ def _megatron_numel(arch: dict, tp: int, pp: int):
     import torch.distributed as dist
 
     from megatron_credit import distributed
-    from megatron_credit.config import ModelConfig, ParallelConfig
+    from megatron_credit.recipe.config import ModelConfig, ParallelConfig
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -266,7 +266,7 @@ QWEN3_TIED = dict(TINY_ARCH, model_type="qwen3", head_dim=24, tie_word_embedding
 
 @pytest.mark.parametrize("arch", [TINY_ARCH, QWEN3_TIED], ids=["qwen2_untied", "qwen3_tied_head_dim"])
 def test_param_count_equals_megatron_tp1(arch):
-    from megatron_credit.config import ModelConfig
+    from megatron_credit.recipe.config import ModelConfig
 
     a = Architecture.from_hf(ModelConfig(architecture=arch).hf_config())
     assert _megatron_numel(arch, 1, 1) == stage_param_counts(a)[0] == total_param_count(a)
@@ -282,7 +282,7 @@ def pool2():
 
 @pytest.mark.dist
 def test_param_count_equals_megatron_per_rank_tp2_and_pp2(pool2):
-    from megatron_credit.config import ModelConfig
+    from megatron_credit.recipe.config import ModelConfig
 
     for arch in (TINY_ARCH, QWEN3_TIED):
         a = Architecture.from_hf(ModelConfig(architecture=arch).hf_config())

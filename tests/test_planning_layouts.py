@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from megatron_credit.config import load_recipe
+from megatron_credit.recipe.config import load_recipe
 from megatron_credit.planning import GIB, GPUS, plan, resolve_hf_config
 from megatron_credit.planning_layouts import layout_refusal
 
@@ -110,7 +110,7 @@ def test_dry_run_of_a_layout_error_is_one_refusal_not_a_verdict_then_valid():
 
 
 def test_the_trainer_and_the_planner_share_one_list_of_layout_checks():
-    from megatron_credit.config import load_recipe
+    from megatron_credit.recipe.config import load_recipe
     from megatron_credit.trainer.loop import check_recipe
 
     recipe = load_recipe(os.path.join(ROOT, "examples", "smollm2_135m_cpu.yaml"),

@@ -1,4 +1,4 @@
-"""Avg@k, Cons@k and Pass@k of a model on a prompt dataset (``megatron_credit.evaluation``).
+"""Avg@k, Cons@k and Pass@k of a model on a prompt dataset (``megatron_credit.rewards.evaluation``).
 
     python tools/evaluate.py --hf-dir hf/qwen25-7b-rl --data aime-2024.parquet --k 32 --out report.json
     python tools/evaluate.py --run-dir runs/fipo_qwen25_math_7b --data aime-2024.parquet --k 32 \\
@@ -97,13 +97,13 @@ def _main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from megatron_credit.data.dataset import load_prompt_dataset
-    from megatron_credit.evaluation import problem_table, sample_and_grade, summarize
+    from megatron_credit.rewards.evaluation import problem_table, sample_and_grade, summarize
     from megatron_credit.rollout.engine import build_rollout_engine
     from megatron_credit.rollout.types import SamplingParams
 
     recipe = None
     if args.config:
-        from megatron_credit.config import load_recipe
+        from megatron_credit.recipe.config import load_recipe
 
         recipe = load_recipe(args.config)
     r = recipe.rollout if recipe else None

@@ -82,7 +82,7 @@ def _tiny_hf(family: str = "qwen2"):
 
 
 def _build_loaded(cfg, hf_state, *, te: bool, dtype, init: bool = False):
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
     from megatron_credit.conversion import family_for_config, load_hf_into_local_state
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
 
@@ -120,7 +120,7 @@ def te_vs_local() -> int:
     """The TE spec against the local spec, same weights, on the invariance batch: logits and gradients."""
     torch = _need_cuda()
     from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
     from megatron_credit.models import transformer_engine_available
 
     if not transformer_engine_available():

@@ -133,7 +133,7 @@ def run(name: str, out_dir: str) -> int:
     if not torch.cuda.is_available():
         print("skipped: CUDA is not available to torch")
         return SKIP
-    from megatron_credit.device_fields import transformer_engine_importable
+    from megatron_credit.recipe.device_fields import transformer_engine_importable
 
     te = transformer_engine_importable()
     if name.endswith("_vllm"):
@@ -148,7 +148,7 @@ def run(name: str, out_dir: str) -> int:
     print(f"- recipe {recipe_path} ({spec} spec{'' if te else ' (Transformer Engine does not import)'}, bf16, "
           f"written in {time.perf_counter() - t0:.0f} s)", flush=True)
     import pretrain_rl
-    from megatron_credit.config import load_recipe
+    from megatron_credit.recipe.config import load_recipe
     from megatron_credit.planning import plan
 
     run_dir = Path(out_dir) / "run"

@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _main(argv: list[str]) -> int:
     args = parse_args(argv)
-    from megatron_credit.config import load_recipe
+    from megatron_credit.recipe.config import load_recipe
     from megatron_credit.planning import GPUS, format_plan, plan, resolve_hf_config
     from megatron_credit.planning_layouts import layout_refusal
 

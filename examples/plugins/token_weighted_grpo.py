@@ -18,10 +18,10 @@ import dataclasses
 
 import torch
 
-from megatron_credit.algorithm_params import AlgorithmParams
-from megatron_credit.algorithms import ALGORITHMS, POLICY_LOSSES, AlgorithmSpec
+from megatron_credit.algorithm.params import AlgorithmParams
+from megatron_credit.algorithm.spec import ALGORITHMS, POLICY_LOSSES, AlgorithmSpec
 from megatron_credit.losses import policy
-from megatron_credit.metric_tables import TOKEN_MEAN, MetricTable
+from megatron_credit.algorithm.metric_tables import TOKEN_MEAN, MetricTable
 
 NAME = "token_weighted_grpo"
 

@@ -60,7 +60,7 @@ def single_stage_parallel_state(*, seed: int = 0) -> Iterator[None]:
     """
     import torch.distributed as dist
 
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
     from megatron_credit.distributed import destroy, initialize
 
     owns_group = not dist.is_initialized()
@@ -81,7 +81,7 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype, tp: int = 1, pp: i
     (``linear_qkv.layer_norm_weight``) to the local ones (``input_layernorm.weight``). Only TE's
     ``_extra_state`` entries (FP8 metadata, no weights) differ; :func:`load_dist_checkpoint` tolerates them.
     """
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
 
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

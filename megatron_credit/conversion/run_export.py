@@ -35,7 +35,7 @@ def export_run_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathL
     Files of ``out_dir`` that no earlier export wrote are never replaced unless ``overwrite``."""
     from megatron.core import dist_checkpointing
 
-    from megatron_credit.config import load_recipe
+    from megatron_credit.recipe.config import load_recipe
     from megatron_credit.conversion.base import family_for_config
     from megatron_credit.conversion.hf_io import ShardedSafetensorsWriter, copy_tokenizer_files
     from megatron_credit.conversion.mcore_save import _whole_gated_fc1

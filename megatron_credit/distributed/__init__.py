@@ -88,14 +88,14 @@ def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
                backend: Optional[str] = None, timeout_s: Optional[float] = None) -> torch.device:
     """Join the process group, build megatron's parallel groups, seed; return this rank's device.
 
-    ``parallel``: a ``megatron_credit.config.ParallelConfig``. If ``torch.distributed`` is already
+    ``parallel``: a ``megatron_credit.recipe.config.ParallelConfig``. If ``torch.distributed`` is already
     initialised (tests, an embedding application) its group and backend are used as they are; else a
     group is created from ``launch`` (default: one process). ``timeout_s`` (the recipe's
     ``distributed.timeout_s``; None: its default) is the timeout of the default group (set on it also
     when it already exists) and of every megatron group: ranks wait in them while the engines generate.
     Raises ``ValueError`` before creating any megatron group if the sizes do not fit the world size.
     """
-    from megatron_credit.config import DistributedConfig
+    from megatron_credit.recipe.config import DistributedConfig
 
     timeout_s = DistributedConfig().timeout_s if timeout_s is None else float(timeout_s)
     timeout = datetime.timedelta(seconds=timeout_s)

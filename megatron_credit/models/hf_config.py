@@ -144,7 +144,7 @@ def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype
                                **overrides):
     """A megatron ``TransformerConfig`` equal in architecture to ``hf_config``.
 
-    ``parallel`` is a ``megatron_credit.config.ParallelConfig``. ``overrides`` are passed to
+    ``parallel`` is a ``megatron_credit.recipe.config.ParallelConfig``. ``overrides`` are passed to
     ``TransformerConfig`` last (e.g. ``recompute_granularity="full"``). Weights are initialised on
     the CPU (``use_cpu_initialization``) so that TP shards are slices of the TP=1 weights for the
     same seed, and fused kernels that need apex / TE / CUDA are off unless overridden.

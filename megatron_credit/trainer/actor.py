@@ -47,8 +47,8 @@ from megatron_credit.trainer.optimizer import MasterWeightsAdamW
 from megatron_credit.trainer.batch import MicroBatch
 
 if TYPE_CHECKING:
-    from megatron_credit.config import ModelConfig, ParallelConfig
-    from megatron_credit.training_config import OptimConfig
+    from megatron_credit.recipe.config import ModelConfig, ParallelConfig
+    from megatron_credit.recipe.sections import OptimConfig
 
 LossFn = Callable[[MicroBatch, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], dict],
                   tuple[torch.Tensor, dict[str, torch.Tensor]]]

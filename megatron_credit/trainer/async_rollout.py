@@ -13,7 +13,7 @@ The correction. The trainer recomputes the log-probs of every sample with the we
 update (the proximal policy, ``old_logp``), and the update is the decoupled objective: the algorithm's
 loss with ratios against the proximal policy, times the importance weight of the proximal over the
 behaviour policy (the engine's log-probs, ``rollout_logp``), truncated at ``algorithm.tis_cap``
-(:data:`~megatron_credit.training_config.OFF_POLICY_TIS_CAP` when unset and the bound is above 0). So
+(:data:`~megatron_credit.recipe.sections.OFF_POLICY_TIS_CAP` when unset and the bound is above 0). So
 FIPO's Future-KL compares the policy being updated with the proximal one, as on-policy: its first
 mini-batch's weights are exactly 1 whatever the staleness, and staleness acts through the importance
 weights only. CompPO's gates come from the behaviour pass, which runs the trainer's current weights.

@@ -19,9 +19,9 @@ from megatron_credit.trainer import controls
 from megatron_credit.trainer.metrics import StatSums, finalize
 
 if TYPE_CHECKING:  # annotations only: nothing of these is imported at run time here
-    from megatron_credit.algorithm_params import AlgorithmParams
-    from megatron_credit.algorithms import AlgorithmSpec
-    from megatron_credit.training_config import AlgorithmConfig, TrainConfig
+    from megatron_credit.algorithm.params import AlgorithmParams
+    from megatron_credit.algorithm.spec import AlgorithmSpec
+    from megatron_credit.recipe.sections import AlgorithmConfig, TrainConfig
     from megatron_credit.credit.phase import PhaseController
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.rollout import RolloutSource

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_credit.gate_controls import GateControl  # noqa: F401  (re-exported: the trainer's type of ctx.gate_control)
+from megatron_credit.algorithm.gate_controls import GateControl  # noqa: F401  (re-exported: the trainer's type of ctx.gate_control)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -88,7 +88,7 @@ def off_policy_algorithm(recipe):
     """The recipe's ``algorithm`` section as the update reads it: with samples that may be stale
     (``rollout.staleness_bound`` > 0) and ``tis_cap`` unset, the decoupled objective's importance weights
     are truncated at ``OFF_POLICY_TIS_CAP``."""
-    from megatron_credit.training_config import OFF_POLICY_TIS_CAP
+    from megatron_credit.recipe.sections import OFF_POLICY_TIS_CAP
 
     alg = recipe.algorithm
     if recipe.rollout.staleness_bound > 0 and alg.tis_cap is None:
@@ -245,7 +245,7 @@ def open_metrics(recipe, *, run_dir: str, start: int, resumed: bool, recipe_file
         return None
     import yaml
 
-    from megatron_credit.config import recipe_to_dict
+    from megatron_credit.recipe.config import recipe_to_dict
 
     # The resolved recipe of this launch, written once the checkpoint (if any) was accepted: a refused
     # resume leaves the previous launch's config.yaml as it was. The user's own recipe file is never

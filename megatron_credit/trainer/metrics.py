@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_credit.metric_tables import BUILT_IN, CORE, MAX, MIN, TOKEN_MEAN, MetricTable
+from megatron_credit.algorithm.metric_tables import BUILT_IN, CORE, MAX, MIN, TOKEN_MEAN, MetricTable
 
 
 def loss_statistics(stats: dict[str, torch.Tensor], reduce: dict[str, str], *, tokens: torch.Tensor,

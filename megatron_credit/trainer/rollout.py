@@ -34,7 +34,7 @@ from megatron_credit.trainer.batch import TrainBatch, train_batch_from_rollout
 
 if TYPE_CHECKING:
     from megatron_credit.trainer.offload import GenerationOffload
-    from megatron_credit.training_config import RewardConfig, RolloutConfig
+    from megatron_credit.recipe.sections import RewardConfig, RolloutConfig
 
 
 POOL_COUNTS = ("reward_pool/items", "reward_pool/timeouts", "reward_pool/errors", "reward_pool/restarts",
@@ -138,7 +138,7 @@ class SampleRouter:
     def _val_metrics(self, sums: dict[str, float] | None, k: int) -> dict[str, float]:
         """``val/*`` from the ``evaluation.metric_sums`` of the ranks that sampled (None on the others),
         summed over every rank."""
-        from megatron_credit.evaluation import means_from_sums
+        from megatron_credit.rewards.evaluation import means_from_sums
 
         names = (f"avg@{k}", f"cons@{k}", f"pass@{k}", "num_problems")
         vec = torch.zeros(len(names), dtype=torch.float64, device=self.actor.device)
@@ -394,8 +394,8 @@ class RolloutManager(SampleRouter):
     def validate(self, iteration: int) -> dict[str, float]:
         """Avg@k (``val/accuracy``), Cons@k and Pass@k on the held-out prompts, sampled at the rollout
         temperature with k = ``train.val_samples``, each engine its slice of the prompts, with the same seeds
-        whatever the engine count (``megatron_credit.evaluation``, the code of ``tools/evaluate.py``)."""
-        from megatron_credit.evaluation import metric_sums, sample_and_grade
+        whatever the engine count (``megatron_credit.rewards.evaluation``, the code of ``tools/evaluate.py``)."""
+        from megatron_credit.rewards.evaluation import metric_sums, sample_and_grade
 
         if self.val_prompts is None:
             return {}

@@ -225,7 +225,7 @@ class _Server:
 
     def _validate(self, step: int) -> None:
         """Validation of the weights of ``step`` (the trainer sent them just before asking)."""
-        from megatron_credit.evaluation import metric_sums, sample_and_grade
+        from megatron_credit.rewards.evaluation import metric_sums, sample_and_grade
         from megatron_credit.rollout.placement import draw_seed
 
         with self.cond:

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_credit.algorithms import KL_ESTIMATORS, AdvantageInputs
+from megatron_credit.algorithm.spec import KL_ESTIMATORS, AdvantageInputs
 from megatron_credit.data.microbatch import plan_minibatches
 from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
 from megatron_credit.trainer.batch import (TOKEN_FIELDS, TrainBatch, make_microbatch, make_packed_microbatch, round_up,
                                            step_denominators)
-from megatron_credit.metric_tables import CORE, reductions
+from megatron_credit.algorithm.metric_tables import CORE, reductions
 from megatron_credit.trainer.metrics import StatSums, loss_statistics
 
 if TYPE_CHECKING:  # the iteration's inputs; no megatron import here

@@ -331,7 +331,7 @@ RUN_ARCH = dict(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_
 def _write_config_yaml(run_dir, model: dict) -> None:
     import yaml
 
-    from megatron_credit.config import recipe_from_dict, recipe_to_dict
+    from megatron_credit.recipe.config import recipe_from_dict, recipe_to_dict
 
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "config.yaml", "w", encoding="utf-8") as f:
@@ -343,7 +343,7 @@ def _hand_checkpoint(run_dir, edit) -> tuple[str, dict[str, torch.Tensor]]:
     ``edit(sharded_state_dict)`` applied before the save (to write what the trainer never would)."""
     from megatron.core import dist_checkpointing
 
-    from megatron_credit.config import ModelConfig
+    from megatron_credit.recipe.config import ModelConfig
     from megatron_credit.conversion import family_for_config, load_hf_into_local_state
     from megatron_credit.conversion.mcore_save import _save_strategy, _whole_gated_fc1
     from megatron_credit.conversion.model_io import build_model, single_stage_parallel_state
@@ -373,7 +373,7 @@ def run(tmp_path_factory):
 
 def _trainer_run(root, params_dtype: str):
     from megatron_credit import distributed
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.conversion import family_for_config, load_hf_into_local_state
     from megatron_credit.trainer import checkpoint as trainer_ckpt
     from megatron_credit.trainer.actor import Actor

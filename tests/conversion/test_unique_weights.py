@@ -104,7 +104,7 @@ def _megatron_logits(hf_dir: str, tp: int, pp: int):
     from megatron.core import parallel_state as ps
 
     from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
     from megatron_credit.conversion import family_for_config, load_hf_into_local_state
     from megatron_credit.conversion.model_io import load_hf_config
     from megatron_credit.conversion.hf_io import SafetensorsReader

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_credit.credit.future_kl import fipo_weights, future_kl, masked_summary, multi_dual_clip_keep
-from megatron_credit.metric_tables import FIPO
+from megatron_credit.algorithm.metric_tables import FIPO
 from tests.references import fipo_weights_reference, future_kl_reference
 from tests.support.distributed_harness import block_subgroup, load_balanced_shard
 from tests.support.threaded_harness import gloo_and_threads_pool

@@ -7,7 +7,7 @@ import torch
 
 from megatron_credit.data.chain import ChainConfig, ChainTask, first_wrong_step
 from megatron_credit.rewards.math import compute_score_for_source
-from megatron_credit.training_config import DataConfig, TrainConfig, WarmupConfig
+from megatron_credit.recipe.sections import DataConfig, TrainConfig, WarmupConfig
 
 
 def _sums_loop(question):

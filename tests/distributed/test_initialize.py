@@ -50,7 +50,7 @@ def _groups_and_seeds(tp, cp):
     from megatron.core import tensor_parallel
 
     from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
 
     distributed.initialize(ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp),
                            seed=7)
@@ -68,7 +68,7 @@ def _refuse_bad_world():
     from megatron.core import parallel_state as ps
 
     from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
 
     try:
         distributed.initialize(ParallelConfig(pipeline_model_parallel_size=4), seed=0)
@@ -98,7 +98,7 @@ def _finalize_with_a_param_unused_on_rank_1():
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
     from megatron_credit import distributed
     from megatron_credit.distributed.grads import finalize, grad_of, wrap_ddp
 
@@ -148,7 +148,7 @@ def _threads_after_init_destroy_cycles(n):
     import torch.distributed as dist
 
     from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
 
     counts = []
     for _ in range(n):

@@ -210,7 +210,7 @@ def _build_pair(arch, parallel, weights=None):
     tensors, sliced to this rank's TP shard with the parallel-invariance helpers)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_credit.config import ModelConfig
+    from megatron_credit.recipe.config import ModelConfig
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
     from tests.support.sharding import reference_name, shard
 
@@ -247,7 +247,7 @@ def _fused_case(arch, tp, pp, cp, query_start):
     from megatron.core import parallel_state as ps
 
     from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
     from megatron_credit.models.concentration import attention_concentration, attention_topk
     from megatron_credit.models.cpu_attention import load_balanced_positions
     from tests.support.sharding import VOCAB_SHARDED, unshard

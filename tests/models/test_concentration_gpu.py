@@ -48,7 +48,7 @@ def test_cuda_kernels_match_dense_float64():
 def world1():
     pytest.importorskip("transformer_engine")
     from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
 
     distributed.initialize(ParallelConfig(), seed=0)
     yield
@@ -56,7 +56,7 @@ def world1():
 
 
 def test_te_final_layer_capture(world1):
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
     from megatron_credit.models.concentration import attention_concentration, attention_topk
     from tools.gpu_check import _tiny_hf

@@ -70,7 +70,7 @@ def test_capture_passes_sink_keys_to_H_and_not_to_topk():
 
 
 def test_recipe_option_reaches_the_actor_options():
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer.controls import actor_options
 
     arch = dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

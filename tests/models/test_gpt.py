@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from megatron_credit.config import ModelConfig, ParallelConfig
+from megatron_credit.recipe.config import ModelConfig, ParallelConfig
 from megatron_credit.models import (check_parallel_fits_model, rope_settings,
                                     transformer_config_from_hf)
 
@@ -201,7 +201,7 @@ def test_sliding_window_attention_is_refused_with_the_field():
 
 
 def test_recipe_scalars_are_checked_against_the_dataclass_types():
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
 
     # PyYAML reads 1e-6 (no dot) as a string: float fields convert numeric strings.
     r = recipe_from_dict({}, overrides=["optim.lr=1e-6"])
@@ -271,7 +271,7 @@ def test_params_dtype_auto_is_the_checkpoints_on_gpu_and_fp32_on_cpu(tmp_path):
 
 
 def test_max_position_and_rope_theta_overrides_reach_the_model(tmp_path):
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.models import check_sequence_length
 
     transformers.Qwen2Config(**{**TINY, "max_position_embeddings": 4096}, rope_theta=1e4).save_pretrained(tmp_path)

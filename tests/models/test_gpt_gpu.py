@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 def world1():
     pytest.importorskip("transformer_engine")
     from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
 
     distributed.initialize(ParallelConfig(), seed=0)
     yield

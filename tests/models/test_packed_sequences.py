@@ -24,7 +24,7 @@ def _ids():
 
 
 def _build(parallel, *, packed: bool):
-    from megatron_credit.config import ModelConfig
+    from megatron_credit.recipe.config import ModelConfig
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
 
     hf = ModelConfig(architecture=QWEN2).hf_config()
@@ -34,7 +34,7 @@ def _build(parallel, *, packed: bool):
 
 def _weights_from_reference():
     torch.manual_seed(SEED)
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
 
     return {k: v.detach().clone() for k, v in _build(ParallelConfig(), packed=False).state_dict().items()
             if v is not None and torch.is_tensor(v)}
@@ -43,7 +43,7 @@ def _weights_from_reference():
 def _alone(seqs):
     """Log-probs and parameter gradients of each sequence alone (batch 1, megatron's local attention)."""
     from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
     from megatron_credit.losses.logprob import logprobs_and_entropy
 
     distributed.initialize(ParallelConfig(), seed=SEED)
@@ -69,7 +69,7 @@ def _packed(seqs, cp: int):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
     from megatron_credit.data.packing import PackedLayout
     from megatron_credit.losses.logprob import logprobs_and_entropy
 

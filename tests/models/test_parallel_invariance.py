@@ -39,7 +39,7 @@ def _batch():
 
 
 def _build(arch, parallel):
-    from megatron_credit.config import ModelConfig
+    from megatron_credit.recipe.config import ModelConfig
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
 
     hf = ModelConfig(architecture=arch).hf_config()
@@ -52,7 +52,7 @@ def _build(arch, parallel):
 def _reference(arch):
     """World-size-1 outputs and gradients, on every rank (no communication at TP = PP = CP = 1)."""
     from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
     from megatron_credit.losses.logprob import logprobs_and_entropy
 
     distributed.initialize(ParallelConfig(), seed=SEED)
@@ -76,7 +76,7 @@ def _run_sharded(arch, tp, pp, cp, ref):
 
     from megatron_credit import distributed
     from megatron_credit.distributed.grads import finalize, grad_of, wrap_ddp
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
     from megatron_credit.losses.logprob import logprobs_and_entropy
     from megatron_credit.models.cpu_attention import load_balanced_positions
 

@@ -148,7 +148,7 @@ def _megatron_logits(folder: str, ids: torch.Tensor, tp: int, pp: int):
     from megatron.core import parallel_state as ps
 
     from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
     from megatron_credit.conversion import family_for_config, load_hf_into_local_state
     from megatron_credit.conversion.model_io import build_model, load_hf_config
     from megatron_credit.conversion.hf_io import SafetensorsReader
@@ -186,7 +186,7 @@ def _behaviour_logp(folder: str, ids: torch.Tensor, prompt_len: int, tp: int):
     import torch.distributed as dist
 
     from megatron_credit import distributed
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.batch import TrainBatch

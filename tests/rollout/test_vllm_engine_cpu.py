@@ -174,7 +174,7 @@ def test_smollm2_135m_shape_and_rope_override(tmp_path):
 
 
 def test_from_recipe_then_close():
-    from megatron_credit.config import load_recipe
+    from megatron_credit.recipe.config import load_recipe
     from megatron_credit.rollout.vllm_engine import VLLMRolloutEngine
 
     recipe = load_recipe(os.path.join(ROOT, "examples",

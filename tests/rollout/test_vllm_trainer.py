@@ -41,7 +41,7 @@ OVERRIDES = ["rollout.engine=vllm", "rollout.engine_options.engine_kwargs.kv_cac
 
 def _train(run_dir: str, overrides, skip_later_syncs: bool = False):
     from megatron_credit import distributed
-    from megatron_credit.config import load_recipe
+    from megatron_credit.recipe.config import load_recipe
     from megatron_credit.trainer import rollout as trainer_rollout
     from megatron_credit.trainer.loop import train
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_credit.config import ModelConfig, ParallelConfig
+from megatron_credit.recipe.config import ModelConfig, ParallelConfig
 from megatron_credit.rollout import HFRolloutEngine, SamplingParams, logprob_mismatch
 
 ARCH = dict(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,

@@ -50,7 +50,7 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
     from megatron.core import parallel_state as ps
 
     from megatron_credit import distributed
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple

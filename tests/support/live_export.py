@@ -31,7 +31,7 @@ def _export_real_model(family: str, tp: int, pp: int):
     from megatron.core import parallel_state as ps
 
     from megatron_credit import distributed
-    from megatron_credit.config import ParallelConfig
+    from megatron_credit.recipe.config import ParallelConfig
     from megatron_credit.conversion import family_for_config, iter_hf_weight_buckets, load_hf_into_local_state
     from megatron_credit.conversion.model_io import build_model
 

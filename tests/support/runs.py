@@ -44,7 +44,7 @@ def train_tiny(run_dir: str, resume: str = "auto", overrides=()):
     """Train :data:`TINY` (with ``overrides``) into ``run_dir`` in this process; the rows it logged. The warm-up
     is cached next to ``run_dir``."""
     from megatron_credit import distributed
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer.loop import train
 
     cache = os.path.join(os.path.dirname(run_dir), "warmup-cache")

@@ -18,8 +18,8 @@ def test_the_committed_reference_is_current():
 
 
 def test_every_field_of_every_section_is_documented_with_its_docstring():
-    from megatron_credit.config import Recipe
-    from megatron_credit.training_config import OptimConfig
+    from megatron_credit.recipe.config import Recipe
+    from megatron_credit.recipe.sections import OptimConfig
 
     text = config_reference.reference()
     for section in dataclasses.fields(Recipe):

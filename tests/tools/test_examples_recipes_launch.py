@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from megatron_credit.config import load_recipe
+from megatron_credit.recipe.config import load_recipe
 
 from tests.support.paths import ROOT
 from tests.support.runs import metrics_rows

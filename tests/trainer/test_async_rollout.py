@@ -306,7 +306,7 @@ def test_every_trainer_layout_feeds_the_rollout_process(tmp_path, layout):
     (["rollout.wait_timeout_s=0"], "rollout.wait_timeout_s must be > 0, got 0"),
 ])
 def test_bad_rollout_mode_fields_get_one_line_naming_them(overrides, line):
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
 
     with pytest.raises(ValueError) as err:
         recipe_from_dict(TINY, overrides=overrides)
@@ -320,7 +320,7 @@ def test_bad_rollout_mode_fields_get_one_line_naming_them(overrides, line):
      "rollout.on_update=partial: the vllm engine cannot take new weights in the middle of a draw"),
 ])
 def test_rollout_process_recipes_that_cannot_run_are_refused(overrides, line):
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
 
     recipe = recipe_from_dict(TINY, overrides=overrides)
     assert any(line in p for p in recipe.problems(recipe.model.hf_config(), world_size=1))

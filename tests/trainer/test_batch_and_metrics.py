@@ -429,7 +429,7 @@ def test_step_token_count_is_summed_over_dp_before_rounding_to_float32():
 
 
 def test_loss_statistics_are_reduced_as_their_tables_declare():
-    from megatron_credit.metric_tables import CORE, FIPO, MAX, MIN, SUM, TOKEN_MEAN, MetricTable, reductions
+    from megatron_credit.algorithm.metric_tables import CORE, FIPO, MAX, MIN, SUM, TOKEN_MEAN, MetricTable, reductions
     from megatron_credit.trainer.metrics import loss_statistics
 
     reduce = {**reductions((CORE, FIPO)), "count": SUM}

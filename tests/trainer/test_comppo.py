@@ -66,7 +66,7 @@ def test_comppo_trains_two_iterations_with_the_same_numbers_in_every_layout(pool
 
 
 def _fake_ctx(algorithm: str, overrides: dict, *, feature_critic: bool = False):
-    from megatron_credit.algorithms import ALGORITHMS
+    from megatron_credit.algorithm.spec import ALGORITHMS
     from megatron_credit.trainer.controls import GateControl, StepKnobs
 
     spec = ALGORITHMS.get(algorithm)
@@ -134,7 +134,7 @@ def test_advantage_clip_and_gate_controls_reach_the_estimator():
 
 def test_position_control_collects_then_freezes_and_survives_a_checkpoint():
     from megatron_credit.trainer.controls import GateControl
-    from megatron_credit.algorithms import ALGORITHMS
+    from megatron_credit.algorithm.spec import ALGORITHMS
 
     params = ALGORITHMS.get("comppo").make_params({"gate_control": "position", "position_steps": 2,
                                                    "position_bins": 4})
@@ -152,8 +152,8 @@ def test_position_control_collects_then_freezes_and_survives_a_checkpoint():
 
 
 def test_phase_knobs_follow_the_papers_table():
-    from megatron_credit.algorithms import ALGORITHMS
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.algorithm.spec import ALGORITHMS
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer.controls import phase_knobs
     from megatron_credit.trainer.loop import context_settings
 

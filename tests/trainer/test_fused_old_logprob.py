@@ -16,7 +16,7 @@ pytestmark = pytest.mark.dist
 
 def _run(run_dir: str, overrides):
     from megatron_credit import distributed
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer.loop import train
 
     recipe = recipe_from_dict(TINY, overrides=[f"warmup.cache_dir={run_dir}-warmup-cache", "train.val_every=0",

@@ -96,7 +96,7 @@ def _groups(o):
 @pytest.mark.parametrize("warmup", [0, 3])
 def test_lr_schedule_is_megatrons_scheduler_at_the_documented_steps(style, warmup):
     from megatron_credit.trainer.schedule import build_scheduler
-    from megatron_credit.training_config import OptimConfig
+    from megatron_credit.recipe.sections import OptimConfig
 
     o = OptimConfig(lr=1e-3, min_lr=1e-4, critic_lr=4e-3, weight_decay=0.1, warmup_steps=warmup, schedule=style,
                     decay_steps=0 if style == "constant" else 5)
@@ -131,7 +131,7 @@ def test_a_resumed_schedule_that_differs_is_refused_naming_the_fields():
 
     from megatron_credit.trainer.schedule import build_scheduler
     from megatron_credit.trainer.checkpoint import _check_schedule
-    from megatron_credit.training_config import OptimConfig
+    from megatron_credit.recipe.sections import OptimConfig
 
     def actor(with_critic=False, **kw):
         o = OptimConfig(**{"lr": 1e-3, "warmup_steps": 2, **kw})

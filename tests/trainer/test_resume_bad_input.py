@@ -194,7 +194,7 @@ def _train(run_dir: str, resume: str, overrides=(), patch=None):
     """``train`` in the worker; returns ``(rows or None, the error line or None, extra)``."""
     from megatron_credit import distributed
     from megatron_credit.cli import error_line
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer.loop import train
 
     recipe = recipe_from_dict(TINY_CHECKPOINTED, overrides=list(overrides))
@@ -321,7 +321,7 @@ def test_divergence_guard_counts_only_fully_skipped_iterations_and_collapse():
     ("reward.batch_timeout_s=0", r"reward.batch_timeout_s must be > 0"),
 ])
 def test_overflowing_or_impossible_limits_are_refused_at_validation(override, message):
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
 
     with pytest.raises(ValueError, match=message):
         recipe_from_dict(TINY_CHECKPOINTED, overrides=[override])
@@ -340,7 +340,7 @@ def test_bad_sampling_limit_is_refused_before_anything_is_written(tmp_path):
     (b"\x89PNG\r\n\x1a\n\xff\xfe\x00binary", "not a UTF-8 YAML text file"),
 ])
 def test_empty_or_binary_recipe_file_is_named(tmp_path, content, message):
-    from megatron_credit.config import load_recipe
+    from megatron_credit.recipe.config import load_recipe
 
     path = tmp_path / "recipe.yaml"
     path.write_bytes(content)
@@ -355,7 +355,7 @@ def test_empty_or_binary_recipe_file_is_named(tmp_path, content, message):
     ("model.architecture.num_key_value_heads=3", r"num_key_value_heads=3 must divide num_attention_heads=4"),
 ])
 def test_a_head_layout_the_model_cannot_have_names_its_fields(override, message):
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer.loop import check_recipe
 
     recipe = recipe_from_dict(TINY_CHECKPOINTED, overrides=[override])
@@ -364,7 +364,7 @@ def test_a_head_layout_the_model_cannot_have_names_its_fields(override, message)
 
 
 def test_hidden_size_not_divisible_by_heads_names_the_fields():
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer.loop import check_recipe
 
     recipe = recipe_from_dict(TINY_CHECKPOINTED, overrides=["model.architecture.num_attention_heads=6",
@@ -374,7 +374,7 @@ def test_hidden_size_not_divisible_by_heads_names_the_fields():
 
 
 def test_a_group_of_one_sample_is_refused_for_group_relative_algorithms():
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer.loop import check_recipe
 
     recipe = recipe_from_dict(TINY_CHECKPOINTED, overrides=["rollout.n=1"])

@@ -90,7 +90,7 @@ def _timeouts_after_build(run_dir: str):
     import torch.distributed as dist
 
     from megatron_credit import distributed
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer.loop import build
     from tests.support.runs import TINY
 

@@ -181,7 +181,7 @@ def _overlap_is_real(parallel: dict):
     parameters of the shard the other DP rank owns are still the old ones until ``gather_params`` (or the
     next forward); the gradient buckets were reduced through asynchronous handles."""
     from megatron_credit import distributed
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.controls import actor_options
@@ -238,7 +238,7 @@ def test_overlap_flags_turn_the_overlapped_mechanisms_on(pool2):
 
 
 def test_overlapped_parameter_gather_needs_the_distributed_optimizer():
-    from megatron_credit.config import recipe_from_dict
+    from megatron_credit.recipe.config import recipe_from_dict
 
     with pytest.raises(ValueError, match="optim.overlap_param_gather: true needs optim.distributed_optimizer"):
         recipe_from_dict({}, overrides=["optim.backend=megatron", "optim.overlap_param_gather=true"])

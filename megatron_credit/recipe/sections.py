@@ -1,5 +1,5 @@
 """The training sections of a recipe: data, rollout, reward, algorithm, optim, train, warmup, checkpoint,
-logging (``megatron_credit.config`` holds the model / parallel sections, ``Recipe`` and the loading).
+logging (``megatron_credit.recipe.config`` holds the model / parallel sections, ``Recipe`` and the loading).
 
 Each section is a keyword-only dataclass with a one-line docstring per field that validates itself in
 ``__post_init__`` (``ValueError`` naming the field).
@@ -168,7 +168,7 @@ class RewardConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
-    """Which algorithm, with its typed parameters (``megatron_credit.algorithms``)."""
+    """Which algorithm, with its typed parameters (``megatron_credit.algorithm.spec``)."""
 
     name: str = "grpo"
     """Name in ``ALGORITHMS``: grpo, dapo, dr_grpo, rloo, gspo, ppo, fipo, comppo, comppo_fipo, or one that a
@@ -188,7 +188,7 @@ class AlgorithmConfig:
     ``OFF_POLICY_TIS_CAP`` when ``rollout.mode`` trains on stale samples: the decoupled objective)."""
 
     def __post_init__(self) -> None:
-        from megatron_credit.algorithms import ALGORITHMS, KL_ESTIMATORS
+        from megatron_credit.algorithm.spec import ALGORITHMS, KL_ESTIMATORS
 
         if self.name not in ALGORITHMS:
             raise ValueError(f"algorithm.name: unknown algorithm {self.name!r}; valid names: {ALGORITHMS.names()} "
@@ -201,7 +201,7 @@ class AlgorithmConfig:
 
     def spec_and_params(self):
         """``(AlgorithmSpec, its parameter dataclass)``."""
-        from megatron_credit.algorithms import ALGORITHMS
+        from megatron_credit.algorithm.spec import ALGORITHMS
 
         spec = ALGORITHMS.get(self.name)
         return spec, spec.make_params(self.params, where="algorithm.params")

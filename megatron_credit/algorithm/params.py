@@ -13,8 +13,8 @@ from typing import Optional
 
 from megatron_credit.credit.future_kl import FIPO_DUAL_CLIP_C, FIPO_TAU, FIPO_WEIGHT_CLIP
 from megatron_credit.credit.phase import PhaseThresholds
-from megatron_credit.critic_kinds import check_critic
-from megatron_credit.gate_controls import GATE_CONTROLS
+from megatron_credit.algorithm.critic_kinds import check_critic
+from megatron_credit.algorithm.gate_controls import GATE_CONTROLS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from megatron_credit.gpu_kinds import GPUS
-from megatron_credit.training_config import (AlgorithmConfig, CheckpointConfig, DataConfig, LoggingConfig,
+from megatron_credit.recipe.sections import (AlgorithmConfig, CheckpointConfig, DataConfig, LoggingConfig,
                                              OptimConfig, RewardConfig, RolloutConfig, TrainConfig,
                                              WarmupConfig)
 from megatron_credit.typed_build import build_dataclass as _build
@@ -271,7 +271,7 @@ class Recipe:
         The one set of layout checks: :meth:`validate` (the trainer, ``pretrain_rl.py``) refuses the first,
         the memory planner (``planning.plan``, ``--dry-run``) lists them all."""
         from megatron_credit.models.hf_config import check_parallel_fits_model, check_sequence_length
-        from megatron_credit.training_config import SYNTHETIC_SOURCES
+        from megatron_credit.recipe.sections import SYNTHETIC_SOURCES
 
         out: list[str] = []
         try:

@@ -21,19 +21,19 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from megatron_credit.algorithm_params import (CRITICS, PPO_CRITICS, AdvantagePost,  # noqa: F401
+from megatron_credit.algorithm.params import (CRITICS, PPO_CRITICS, AdvantagePost,  # noqa: F401
                                               AlgorithmParams, ClipParams, CompFIPOParams, CompPOFields,
                                               CompPPOParams, DAPOParams, FIPOParams, GRPOParams, GSPOParams,
                                               PPOParams)
 from megatron_credit.credit import group
-from megatron_credit.critic_kinds import CRITIC_KINDS, CriticKind
-from megatron_credit.gate_controls import GateControl
+from megatron_credit.algorithm.critic_kinds import CRITIC_KINDS, CriticKind
+from megatron_credit.algorithm.gate_controls import GateControl
 from megatron_credit.credit.future_kl import FIPO_DUAL_CLIP_C
 from megatron_credit.credit.gae import comp_gae, gae
 from megatron_credit.credit.phase import PhaseController
 from megatron_credit.losses import policy, value
 from megatron_credit.losses.kl import KL_ESTIMATORS, kl_k1, kl_k3, kl_low_var  # noqa: F401  (re-exported)
-from megatron_credit.metric_tables import CRITIC, FIPO, GATES, MetricTable
+from megatron_credit.algorithm.metric_tables import CRITIC, FIPO, GATES, MetricTable
 from megatron_credit.registry import Registry
 from megatron_credit.typed_build import build_dataclass
 
