@@ -13,7 +13,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megatron_credit", "megatron_credit.*", "tools"]),  # tools: console scripts
+    packages=find_packages(include=["megatron_credit", "megatron_credit.*"]),
     py_modules=["pretrain_rl"],
     install_requires=[
         "torch>=2.4",
@@ -45,7 +45,7 @@ setup(
         # an NGC PyTorch container, which ships it.
         "gpu": ["transformer-engine[pytorch]>=2.0", "vllm==0.33.0"],
         "vllm": ["vllm==0.33.0"],
-        # gguf + accelerate: transformers' GGUF loading (tools/import_gguf.py, the real model of the tests).
+        # gguf + accelerate: transformers' GGUF loading (megatron_credit/commands/import_gguf.py, the real model of the tests).
         "test": ["pytest>=8", "pytest-timeout>=2.3", "gguf>=0.10", "accelerate>=0.26"],
         # `make mutation`; mutmut 3's config and result layout (setup.cfg, mutants/*.meta).
         "mutation": ["mutmut>=3.8,<4"],
@@ -53,12 +53,12 @@ setup(
     entry_points={
         "console_scripts": [
             "megatron-credit-train=pretrain_rl:main",
-            "mc-convert-hf-to-megatron=tools.convert_hf_to_megatron:main",
-            "mc-convert-megatron-to-hf=tools.convert_megatron_to_hf:main",
-            "mc-export-run-to-hf=tools.export_run_to_hf:main",
-            "mc-plan=tools.plan:main",
-            "mc-import-gguf=tools.import_gguf:main",
-            "mc-evaluate=tools.evaluate:main",
+            "mc-convert-hf-to-megatron=megatron_credit.commands.convert_hf_to_megatron:main",
+            "mc-convert-megatron-to-hf=megatron_credit.commands.convert_megatron_to_hf:main",
+            "mc-export-run-to-hf=megatron_credit.commands.export_run_to_hf:main",
+            "mc-plan=megatron_credit.commands.plan:main",
+            "mc-import-gguf=megatron_credit.commands.import_gguf:main",
+            "mc-evaluate=megatron_credit.commands.evaluate:main",
         ],
     },
 )

@@ -100,7 +100,7 @@ def _tiny_hf_model(out_dir: str) -> None:
 
 def test_evaluate_cli_hf_dir_and_megatron_checkpoint_agree(tmp_path, capsys):
     from megatron_credit.conversion.converters import convert_hf_to_megatron
-    from tools.evaluate import main
+    from megatron_credit.commands.evaluate import main
 
     hf = str(tmp_path / "hf")
     _tiny_hf_model(hf)

@@ -1,55 +1,14 @@
 """HF safetensors folder -> megatron-core distributed checkpoint (torch_dist), loadable at any TP / PP.
 
-    python tools/convert_hf_to_megatron.py --hf-dir Qwen2.5-7B --out ckpt/qwen25_7b [--tp 4 --pp 2]
-
-``--tp`` / ``--pp`` check that the planned parallel sizes divide the model (the checkpoint itself is
-topology-free: megatron reshards on load). ``--dtype`` casts the weights; a cast that loses precision
-needs ``--allow-lossy-dtype``. See ``megatron_credit/conversion/converters.py`` for the layout.
+Runs :func:`megatron_credit.commands.convert_hf_to_megatron.main` from a checkout (installed: ``mc-convert-hf-to-megatron``); see that module
+for the options.
 """
-from __future__ import annotations
-
-import argparse
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, importable without installing
 
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hf-dir", required=True, help="folder with config.json and *.safetensors")
-    p.add_argument("--out", required=True, help="output folder: new or empty, not inside --hf-dir")
-    p.add_argument("--overwrite", action="store_true",
-                   help="write into a non-empty --out, replacing model/, config.json, conversion_meta.json "
-                        "and tokenizer files there (other files stay)")
-    p.add_argument("--tp", type=int, default=1, help="planned tensor-parallel size (validated)")
-    p.add_argument("--pp", type=int, default=1, help="planned pipeline-parallel size (validated)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="weights dtype (default: the checkpoint's)")
-    p.add_argument("--allow-lossy-dtype", action="store_true", help="allow a cast that loses precision")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--debug", action="store_true", help="show the traceback of user errors")
-    return p.parse_args(argv)
-
-
-def _main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    from megatron_credit.conversion.converters import convert_hf_to_megatron
-
-    meta = convert_hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
-                                  allow_lossy_dtype=args.allow_lossy_dtype, overwrite=args.overwrite,
-                                  progress=not args.no_progress)
-    print(f"wrote {args.out} ({meta['family']}, {meta['dtype']})")
-    return 0
-
-
-def main(argv=None) -> int:
-    """User errors: one ``error: ...`` line, exit code 2 (``--debug``: the traceback)."""
-    from megatron_credit.cli import run_main
-
-    return run_main(_main, argv)
-
+from megatron_credit.commands.convert_hf_to_megatron import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

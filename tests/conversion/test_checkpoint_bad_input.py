@@ -178,7 +178,7 @@ def _produce(root: str) -> None:
 
     from megatron_credit.conversion import converters as C
     from megatron_credit.conversion.testing import tiny_hf_config
-    from tools import convert_hf_to_megatron as to_mc
+    from megatron_credit.commands import convert_hf_to_megatron as to_mc
 
     root = Path(root)
     results: dict = {}
@@ -426,7 +426,7 @@ def test_failed_import_leaves_nothing(produced):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.spawn
 def test_converter_cli_prints_one_line_and_exits_2(ckpt, tmp_path, capsys, layout):
-    from tools import convert_megatron_to_hf as to_hf
+    from megatron_credit.commands import convert_megatron_to_hf as to_hf
 
     _drop_common_state(_layout(ckpt, layout) / "model")
     assert to_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
@@ -444,7 +444,7 @@ def test_crafted_common_state_pickle_is_one_line_and_runs_nothing(ckpt, tmp_path
     load planner would unpickle it with weights_only=False): the converter prints one line naming the
     file and the item, and exits 2; nothing ran, nothing was written."""
     from megatron_credit.conversion.safe_load import COMMON_STATE_KEY, read_dist_metadata
-    from tools import convert_megatron_to_hf as to_hf
+    from megatron_credit.commands import convert_megatron_to_hf as to_hf
 
     model = _layout(ckpt, "0.19") / "model"
     md = read_dist_metadata(model)

@@ -80,7 +80,7 @@ def _produce(root: str) -> None:
     from megatron.core import dist_checkpointing
 
     from megatron_credit.conversion import converters as C, mcore_save, model_io
-    from tools import convert_hf_to_megatron as to_mc, convert_megatron_to_hf as to_hf
+    from megatron_credit.commands import convert_hf_to_megatron as to_mc, convert_megatron_to_hf as to_hf
 
     root = Path(root)
     results: dict = {}

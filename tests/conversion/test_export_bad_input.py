@@ -54,8 +54,8 @@ def _roundtrip(root: str) -> None:
 
     from megatron_credit.conversion.converters import convert_hf_to_megatron, convert_megatron_to_hf
     from megatron_credit.conversion.run_export import export_run_checkpoint
-    from tools import convert_megatron_to_hf as to_hf
-    from tools import export_run_to_hf as export
+    from megatron_credit.commands import convert_megatron_to_hf as to_hf
+    from megatron_credit.commands import export_run_to_hf as export
 
     root = Path(root)
     ckpt = root / "run" / "checkpoints" / "iter_0000002"

@@ -40,7 +40,7 @@ def hf_dirs(tmp_path_factory):
 def converted(hf_dirs, tmp_path_factory):
     """HF -> megatron -> HF through the two command-line tools, one subprocess for all families."""
     root = tmp_path_factory.mktemp("converted")
-    script = ["import sys", "from tools import convert_hf_to_megatron as a, convert_megatron_to_hf as b"]
+    script = ["import sys", "from megatron_credit.commands import convert_hf_to_megatron as a, convert_megatron_to_hf as b"]
     sources = {**{f: hf_dirs[(f, False)] for f in FAMILIES}, "qwen3-tied": hf_dirs[("qwen3-tied", True)]}
     for f, src in sources.items():
         ck, back = root / f"{f}_mc", root / f"{f}_hf"

@@ -91,7 +91,7 @@ def test_import_equals_an_independent_dequantization(smollm2_dir):
     from gguf.quants import dequantize
 
     from megatron_credit.conversion.hf_io import SafetensorsReader
-    from tools.import_gguf import default_smollm2_gguf
+    from megatron_credit.commands.import_gguf import default_smollm2_gguf
 
     names = {"token_embd.weight": "model.embed_tokens.weight", "blk.7.ffn_down.weight": "model.layers.7.mlp.down_proj.weight",
              "blk.29.ffn_gate.weight": "model.layers.29.mlp.gate_proj.weight",
@@ -122,7 +122,7 @@ def test_round_trip_through_tools_is_bit_identical(smollm2_dir, tmp_path):
     from megatron_credit.conversion.hf_io import SafetensorsReader
 
     ck, back = tmp_path / "mc", tmp_path / "hf"
-    script = ("from tools import convert_hf_to_megatron as a, convert_megatron_to_hf as b\n"
+    script = ("from megatron_credit.commands import convert_hf_to_megatron as a, convert_megatron_to_hf as b\n"
               f"assert a.main(['--hf-dir', {str(smollm2_dir)!r}, '--out', {str(ck)!r}, '--tp', '3', '--pp', '3',"
               " '--no-progress']) == 0\n"
               f"assert b.main(['--ckpt', {str(ck)!r}, '--out', {str(back)!r}, '--no-progress']) == 0\n")

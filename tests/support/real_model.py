@@ -34,7 +34,7 @@ def provide(tmp_path_factory) -> Path:
         if os.environ.get(REQUIRE_ENV) == "1":
             pytest.fail(f"{REQUIRE_ENV}=1 but {reason}")
         pytest.skip(reason)
-    from tools.import_gguf import default_smollm2_gguf, import_gguf
+    from megatron_credit.commands.import_gguf import default_smollm2_gguf, import_gguf
 
     cache = os.environ.get(CACHE_ENV)
     out = Path(cache) / "smollm2-135m-instruct" if cache else tmp_path_factory.mktemp("real") / "smollm2"

@@ -136,7 +136,7 @@ def test_two_nodes_on_localhost_train_and_export(tmp_path):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from tools.export_run_to_hf import main as export
+    from megatron_credit.commands.export_run_to_hf import main as export
 
     assert export(["--run-dir", str(run), "--out", str(tmp_path / "hf")]) == 0
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))

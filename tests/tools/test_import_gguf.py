@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import import_gguf
+from megatron_credit.commands import import_gguf
 
 from tests.support.paths import REPO
 

@@ -1,0 +1,41 @@
+"""A training run's newest (or a given) checkpoint -> a Hugging Face folder (``conversion/run_export.py``).
+
+    python tools/export_run_to_hf.py --run-dir runs/fipo_qwen25_32b --out runs/fipo_qwen25_32b/hf
+    python tools/export_run_to_hf.py --checkpoint runs/x/checkpoints/iter_0000100 --out hf/x-100
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run-dir", help="a run directory: its newest complete checkpoint is exported")
+    src.add_argument("--checkpoint", help="one checkpoint folder <run>/checkpoints/iter_N")
+    p.add_argument("--out", required=True, help="output HF folder (not inside the checkpoint)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace HF files in --out that no earlier export wrote (default: refuse)")
+    return p.parse_args(argv)
+
+
+def _main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    from megatron_credit.conversion.run_export import export_run_checkpoint, newest_checkpoint
+
+    ckpt = args.checkpoint or newest_checkpoint(args.run_dir)
+    files = export_run_checkpoint(ckpt, args.out, run_dir=args.run_dir, overwrite=args.overwrite)
+    print(f"wrote {len(files)} shard(s) of {ckpt} to {args.out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    """User errors: one ``error: ...`` line, exit code 2 (``--debug``: the traceback)."""
+    from megatron_credit.cli import run_main
+
+    return run_main(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

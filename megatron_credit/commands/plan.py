@@ -1,0 +1,66 @@
+"""Memory plan of a recipe on a cluster, before any GPU hour is spent (``megatron_credit.planning``).
+
+    python tools/plan.py --config examples/fipo_qwen25_32b.yaml [--nodes 4 --gpus-per-node 8 --gpu h100-80gb]
+                         [--distributed-optimizer on|off] [key.sub=value ...]
+
+Without ``--nodes`` / ``--gpus-per-node`` / ``--gpu`` the recipe's ``cluster`` section is used. The model's
+numbers come from ``model.name_or_path``'s ``config.json`` when it is a local folder, else from the
+planner's table of known architectures. Prints the layout, the rollout engines (world / rollout TP: every
+GPU generates), one row per memory term, the KV cache per engine and per GPU, the host memory the
+optimizer and gradient offload takes (per GPU and per node), the training and rollout peaks and a
+verdict; exits 0 when it fits, 1 when it does not, 2 on a user error. A layout the GPUs cannot hold
+(TP x PP x CP not dividing them) is a user error, refused before any table with the arithmetic and a
+layout that would fit (``megatron_credit.planning_layouts``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="YAML recipe")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default: cluster.nodes)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: cluster.gpus_per_node)")
+    p.add_argument("--gpu", default=None, help="GPU kind, e.g. h100-80gb (default: cluster.gpu)")
+    p.add_argument("--distributed-optimizer", choices=["on", "off"], default=None,
+                   help="plan with / without the distributed optimizer (default: cluster.distributed_optimizer)")
+    p.add_argument("overrides", nargs="*", help="dotted recipe overrides")
+    return p.parse_args(argv)
+
+
+def _main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    from megatron_credit.recipe.config import load_recipe
+    from megatron_credit.planning import GPUS, format_plan, plan, resolve_hf_config
+    from megatron_credit.planning_layouts import layout_refusal
+
+    recipe = load_recipe(args.config, overrides=args.overrides)
+    c = recipe.cluster
+    nodes, gpn, gpu = args.nodes or c.nodes, args.gpus_per_node or c.gpus_per_node, args.gpu or c.gpu
+    for name, value in (("--nodes", nodes), ("--gpus-per-node", gpn)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    dist_opt = None if args.distributed_optimizer is None else args.distributed_optimizer == "on"
+    hf_config = resolve_hf_config(recipe.model)
+    if gpu not in GPUS:
+        raise ValueError(f"--gpu {gpu!r} is not one of {sorted(GPUS)}")
+    refusal = layout_refusal(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu,
+                             distributed_optimizer=dist_opt)
+    if refusal is not None:  # no table for a layout that cannot exist
+        raise ValueError(refusal)
+    result = plan(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu, distributed_optimizer=dist_opt)
+    print(format_plan(result, title=f"{args.config}: {recipe.algorithm.name}, {nodes} node(s) x {gpn} {gpu}"))
+    return 0 if result.fits else 1
+
+
+def main(argv=None) -> int:
+    """User errors: one ``error: ...`` line, exit code 2 (``--debug``: the traceback)."""
+    from megatron_credit.cli import run_main
+
+    return run_main(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
