@@ -262,9 +262,11 @@ def _megatron_numel(arch: dict, tp: int, pp: int):
 
 
 QWEN3_TIED = dict(TINY_ARCH, model_type="qwen3", head_dim=24, tie_word_embeddings=True)
+MISTRAL = dict(TINY_ARCH, model_type="mistral", head_dim=24, sliding_window=None)
 
 
-@pytest.mark.parametrize("arch", [TINY_ARCH, QWEN3_TIED], ids=["qwen2_untied", "qwen3_tied_head_dim"])
+@pytest.mark.parametrize("arch", [TINY_ARCH, QWEN3_TIED, MISTRAL],
+                         ids=["qwen2_untied", "qwen3_tied_head_dim", "mistral_head_dim"])
 def test_param_count_equals_megatron_tp1(arch):
     from megatron_credit.recipe.config import ModelConfig
 

@@ -1,10 +1,13 @@
 """The declarative description of a model family: model dimensions, name rules, and the registry.
 
-A family is a list of :class:`Rule`: one megatron parameter <- one or more HF tensors, a
-:class:`Kind` of transform and the parameter's TP layout. Rules whose megatron name contains ``{i}``
-are repeated for every decoder layer (global layer numbering, the numbering of a TP=PP=1 model and of
-the distributed checkpoint). Optional parameters (biases, q/k norms, the untied output layer) carry a
-``when`` predicate on the HF config, so one file per family stays a table.
+A family is one file, ``<family>.py``, registering one :class:`Family`: its HF architecture, its
+architecture facts (:class:`~megatron_credit.models.family_facts.ArchFacts`: what the family means for
+megatron's ``TransformerConfig`` and for the planner's parameter count; declared in the models layer,
+which reads them), the fields of its tiny test config, and its list of :class:`Rule`: one megatron
+parameter <- one or more HF tensors, a :class:`Kind` of transform and the parameter's TP layout. Rules
+whose megatron name contains ``{i}`` are repeated for every decoder layer (global layer numbering, the
+numbering of a TP=PP=1 model and of the distributed checkpoint). Optional parameters (biases, q/k norms,
+the untied output layer) carry a ``when`` predicate on the HF config, so one file per family stays a table.
 
 >>> FAMILIES.get("gpt2")
 Traceback (most recent call last):
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from megatron_credit.conversion.transforms import TPLayout
+from megatron_credit.models.family_facts import REFUSED_MODEL_TYPES, ArchFacts, arch_facts
 from megatron_credit.registry import Registry
 
 
@@ -112,17 +116,27 @@ class Rule:
 
 @dataclass(frozen=True, kw_only=True)
 class Family:
-    """A model family: the HF architectures it accepts and its rules."""
+    """A model family: the HF architectures it accepts, its architecture facts, tiny config and rules."""
 
     name: str
-    """Registry key."""
+    """Registry key (the HF ``model_type``)."""
     architectures: tuple[str, ...]
     """HF ``config.architectures`` entries handled by this family."""
     rules: tuple[Rule, ...]
     """The name map (see the module docstring)."""
+    arch: ArchFacts | None = None
+    """The family's ``TransformerConfig`` and parameter-count facts (None: a test-only family)."""
+    tiny_config: dict[str, Any] = field(default_factory=dict, hash=False)
+    """Fields of :func:`~megatron_credit.conversion.testing.tiny_hf_config` that differ from its defaults."""
 
     def active_rules(self, cfg: Any) -> list[Rule]:
         return [r for r in self.rules if r.when(cfg)]
+
+    def check_config(self, cfg: Any) -> None:
+        """Refuse (``ValueError``, one line naming the field) a setting the megatron model cannot reproduce."""
+        refused = self.arch.refuse(cfg) if self.arch is not None else None
+        if refused:
+            raise ValueError(refused)
 
 
 FAMILIES: Registry[Family] = Registry("model family")
@@ -140,16 +154,21 @@ def supported_architectures() -> list[str]:
 
 
 def family_for_config(cfg: Any) -> Family:
-    """The family whose architectures include the config's; a clear error listing the supported ones."""
+    """The family whose architectures include the config's, its settings checked (``Family.check_config``);
+    a clear error listing the supported ones, or saying why a known family (Gemma) is refused."""
     import megatron_credit.conversion  # noqa: F401 - importing the package registers the families
 
     archs = list(getattr(cfg, "architectures", None) or [])
     model_type = getattr(cfg, "model_type", None)
+    if isinstance(model_type, str) and model_type in REFUSED_MODEL_TYPES:
+        arch_facts(model_type)  # raises the reason
     if not archs and model_type in FAMILIES:  # an inline config (recipe architecture) names no class
+        FAMILIES.get(model_type).check_config(cfg)
         return FAMILIES.get(model_type)
     for name in FAMILIES:
         fam = FAMILIES.get(name)
         if any(a in fam.architectures for a in archs):
+            fam.check_config(cfg)
             return fam
     raise ValueError(f"unsupported architecture {archs or None} (model_type="
                      f"{getattr(cfg, 'model_type', None)!r}); supported: {supported_architectures()}")

@@ -1,12 +1,15 @@
 """Llama 3 / 3.1 / 3.2: the plain layout; ``attention_bias`` adds q/k/v/o biases, ``mlp_bias`` MLP biases.
 
 Llama-3 checkpoints set neither, but both flags exist in the HF config and are honoured here. The
-Llama-3 RoPE frequency scaling lives in the model config, not in the weights.
+Llama-3 RoPE frequency scaling lives in the model config, not in the weights; the tiny config uses it,
+with max_position_embeddings above its original_max_position_embeddings. Architecture facts:
+``models/family_facts.LLAMA`` (the shared layout, nothing added).
 """
 from megatron_credit.conversion.base import (EMBEDDING, FC1_WEIGHT, FC2_WEIGHT, FINAL_NORM, INPUT_NORM, OUTPUT,
                                              PRE_MLP_NORM, PROJ_WEIGHT, QKV_WEIGHT, Family, proj_bias, Kind, L, M, Rule,
                                              qkv_bias, register_family)
 from megatron_credit.conversion.transforms import TPLayout
+from megatron_credit.models.family_facts import LLAMA as ARCH
 
 
 def _attn_bias(cfg) -> bool:
@@ -24,7 +27,12 @@ FC2_BIAS = Rule(megatron=M + "mlp.linear_fc2.bias", hf=(L + "mlp.down_proj.bias"
 
 LLAMA = register_family(Family(
     name="llama",
-    architectures=("LlamaForCausalLM",),
+    architectures=(ARCH.architecture,),
+    arch=ARCH,
+    tiny_config=dict(max_position_embeddings=16384,
+                     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}),
     rules=(EMBEDDING, INPUT_NORM, QKV_WEIGHT, qkv_bias(when=_attn_bias), PROJ_WEIGHT, proj_bias(when=_attn_bias), PRE_MLP_NORM,
            FC1_WEIGHT, FC1_BIAS, FC2_WEIGHT, FC2_BIAS, FINAL_NORM, OUTPUT),
 ))

@@ -91,17 +91,12 @@ def export_run_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathL
         if field in cfg.to_dict():
             setattr(cfg, field, str(dtype).removeprefix("torch."))
     if not getattr(cfg, "architectures", None):  # an inline model.architecture: convert_megatron_to_hf needs it
-        default = f"{type(cfg).__name__.removesuffix('Config')}ForCausalLM"
-        cfg.architectures = [_ARCHITECTURES.get(cfg.model_type, default)]
+        cfg.architectures = [family.architectures[0]]  # the family's transformers class
     cfg.to_json_file(str(out / "config.json"))
     source = recipe.model.name_or_path
     tokenizer = copy_tokenizer_files(Path(source), out) if source and os.path.isdir(source) else []
     write_export_manifest(out, files, ["config.json", *tokenizer])
     return files
-
-
-_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
-"""``config.json``'s ``architectures`` of an inline model (one transformers class per supported family)."""
 
 
 _EMBEDDING = "embedding.word_embeddings.weight"

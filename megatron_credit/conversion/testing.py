@@ -15,30 +15,23 @@ import torch
 
 from megatron_credit.conversion.hf_io import ShardedSafetensorsWriter
 
-_ARCH = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
-
-
 def tiny_hf_config(family: str, **overrides: Any):
-    """A small random-init config of ``family`` (qwen2 / qwen3 / llama); GQA with 2 groups.
+    """A small random-init config of ``family`` (a registered family name); GQA with 2 groups.
 
-    Qwen3 decouples head_dim from hidden / heads as the real models do (hidden 64, 4 heads of 32).
+    The family's ``Family.tiny_config`` (in its ``<family>.py``) adds what differs from the shared fields
+    here (Qwen3's and Mistral's decoupled head_dim, Llama's llama3 RoPE scaling).
     """
     from transformers import AutoConfig
 
-    if family not in _ARCH:
-        raise ValueError(f"unknown family {family!r}; valid: {sorted(_ARCH)}")
+    from megatron_credit.conversion import FAMILIES
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; valid: {FAMILIES.names()}")
+    fam = FAMILIES.get(family)
     kw: dict[str, Any] = dict(vocab_size=131, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                              rms_norm_eps=1e-6, tie_word_embeddings=False, architectures=[_ARCH[family]])
-    if family == "qwen3":
-        kw["head_dim"] = 32
-    if family == "llama":
-        kw["max_position_embeddings"] = 16384  # above the llama3 original_max_position_embeddings
-        kw["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                 "original_max_position_embeddings": 8192}
-    else:
-        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+                              rms_norm_eps=1e-6, tie_word_embeddings=False, architectures=[fam.architectures[0]])
+    kw.update(fam.tiny_config)
     kw.update(overrides)
     return AutoConfig.for_model(family, **kw)
 

@@ -2,8 +2,10 @@
 
 Supported ``model_type``: ``qwen2`` (Qwen2 and Qwen2.5: QKV bias, no output-projection bias),
 ``qwen3`` (per-head RMSNorm on q and k, optional ``attention_bias``), ``llama`` (Llama 3 / 3.1 / 3.2,
-including the ``llama3`` RoPE scaling when it uses megatron's fixed low/high frequency factors).
-All are pre-norm RMSNorm decoders with SwiGLU MLPs, GQA and RoPE on the whole head.
+including the ``llama3`` RoPE scaling when it uses megatron's fixed low/high frequency factors),
+``mistral`` (Llama-shaped, explicit ``head_dim``, ``sliding_window`` off). All are pre-norm RMSNorm
+decoders with SwiGLU MLPs, GQA and RoPE on the whole head; where they differ is each family's
+:class:`~megatron_credit.models.family_facts.ArchFacts`.
 
 transformers 4.x keeps RoPE settings in ``rope_theta`` / ``rope_scaling``; 5.x in one dict
 ``rope_parameters`` (``rope_theta``, ``rope_type``, scaling fields). ``rope_settings`` reads both.
@@ -15,7 +17,9 @@ from typing import Any, Optional
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+from megatron_credit.models.family_facts import arch_facts, supported_model_types
+
+SUPPORTED_MODEL_TYPES = supported_model_types()
 
 # megatron's RotaryEmbedding._apply_scaling (models/common/embeddings/rotary_pos_embedding.py) takes
 # only the factor from GPTModel; the other llama3 fields are fixed at these defaults.
@@ -71,8 +75,8 @@ def head_dim(hf_config) -> int:
 def _biases(hf_config) -> tuple[bool, bool]:
     """(add_qkv_bias, add_bias_linear) for the family; refuses biases megatron cannot place."""
     model_type = hf_config.model_type
-    if model_type == "qwen2":
-        return True, False  # Qwen2 hard-codes bias on q/k/v and none on o_proj / MLP.
+    if arch_facts(model_type).qkv_bias:
+        return True, False  # Qwen2 hard-codes bias on q/k/v and none on o_proj / MLP
     if bool(_get(hf_config, "attention_bias", False)) or bool(_get(hf_config, "mlp_bias", False)):
         # Llama's and Qwen3's attention_bias also biases o_proj (and Llama's mlp_bias the MLP):
         # megatron's single add_bias_linear flag would bias every linear, a different model.
@@ -97,9 +101,9 @@ def check_parallel_fits_model(hf_config, parallel, *, world_size: Optional[int] 
     (megatron-core then gives each rank's queries the KV head of their group), layers by PP, and
     (when ``world_size`` is given) TP x PP x CP must divide the world size.
     """
-    if hf_config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"hf_config.model_type={hf_config.model_type!r} is not supported; "
-                         f"supported: {list(SUPPORTED_MODEL_TYPES)}")
+    refused = arch_facts(hf_config.model_type).refuse(hf_config)
+    if refused:
+        raise ValueError(refused)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     heads = hf_config.num_attention_heads
     kv_heads = _get(hf_config, "num_key_value_heads", heads)
@@ -170,7 +174,7 @@ def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype
         kv_channels=head_dim(hf_config),
         normalization="RMSNorm",
         layernorm_epsilon=float(_get(hf_config, "rms_norm_eps", 1e-6)),
-        qk_layernorm=hf_config.model_type == "qwen3",
+        qk_layernorm=arch_facts(hf_config.model_type).qk_layernorm,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=add_bias_linear,

@@ -12,7 +12,7 @@ from megatron_credit.conversion.transforms import (TPLayout, fuse_gate_up, fuse_
                                                    tp_gather, tp_shard)
 from tests.references import qkv_reference
 
-FAMILY_NAMES = ["qwen2", "qwen3", "llama"]
+FAMILY_NAMES = ["qwen2", "qwen3", "llama", "mistral"]
 
 
 @pytest.mark.parametrize("heads,groups,d,bias", [(8, 2, 3, False), (4, 4, 2, True), (6, 1, 4, False)])

@@ -28,8 +28,9 @@ from megatron_credit.conversion.streaming import (expand_rules, iter_hf_from_meg
 from megatron_credit.conversion.transforms import (TPLayout, fuse_gate_up, fuse_qkv, pad_rows, split_gate_up,
                                                    split_qkv, tp_gather, tp_shard)
 
-ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-SUPPORTED = ["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
 ABSENT = object()
 
 
@@ -145,9 +146,9 @@ def _expected_megatron(family, c, hf, *, fused=False):
 
 
 # --- family lookup ---------------------------------------------------------------------------------
-def test_supported_architectures_are_the_three_families():
+def test_supported_architectures_are_the_four_families():
     assert supported_architectures() == SUPPORTED
-    assert list(FAMILIES) == ["llama", "qwen2", "qwen3"]
+    assert list(FAMILIES) == ["llama", "mistral", "qwen2", "qwen3"]
 
 
 @pytest.mark.parametrize("family", sorted(ARCH))
@@ -292,6 +293,8 @@ CASES = {  # family, config overrides
     "qwen3": ("qwen3", {}),
     "qwen3-attn-bias": ("qwen3", {"attention_bias": True}),
     "qwen3-tied-no-tie-flag": ("qwen3", {"attention_bias": False, "tie_word_embeddings": ABSENT}),
+    "mistral": ("mistral", {}),
+    "mistral-tied": ("mistral", {"tie_word_embeddings": True}),
 }
 
 

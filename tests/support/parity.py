@@ -10,7 +10,7 @@ import torch
 from tests.support.distributed_harness import pipeline_forward
 
 
-FAMILIES = ["qwen2", "qwen3", "llama"]
+FAMILIES = ["qwen2", "qwen3", "llama", "mistral"]
 TOL = 1e-4  # max |megatron - hf| / max |hf| over valid positions, fp32
 TIED = ["llama-tied", "qwen3-tied"]  # always built with peaked attention
 LENGTHS = [12, 7, 4]  # left-padded batch of 3 sequences, 12 positions
