@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, port: int, packing: bool, args, results) -> N
     from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
-    from megatron_credit.trainer.controls import actor_options
+    from megatron_credit.algorithm.spec import actor_options
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
     from megatron_credit.trainer.metrics import StatSums
 

@@ -39,7 +39,7 @@ def main() -> None:
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.batch import TrainBatch
-    from megatron_credit.trainer.controls import actor_options
+    from megatron_credit.algorithm.spec import actor_options
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
     from megatron_credit.trainer.metrics import StatSums
 

@@ -1,5 +1,5 @@
-"""What may change between iterations: the step's knobs (moved by CompPO's phase controller) and the
-transport gates of Comp-GAE (the dynamic gate or one of its controls). No megatron import.
+"""What may change between iterations: the step's knobs (moved by CompPO's phase controller,
+``algorithm/state.py``). No megatron import.
 
 The recipe and the algorithm's parameters are never mutated: each iteration reads a :class:`StepKnobs`,
 rebuilt from them (and from the phase, when the controller runs) with ``dataclasses.replace``.
@@ -13,9 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-import torch
-
-from megatron_credit.algorithm.gate_controls import GateControl  # noqa: F401  (re-exported: the trainer's type of ctx.gate_control)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,33 +56,3 @@ def phase_knobs(base: StepKnobs, phase: str) -> StepKnobs:
                      lr_scale=ratio("actor_lr"), critic_lr_scale=s.critic_lr_mult / stable.critic_lr_mult,
                      clip_grad=base.clip_grad * ratio("grad_clip"), critic_clip_grad=base.clip_grad * ratio("grad_clip"),
                      epochs=max(1, round(base.epochs * ratio("epochs"))), phase=phase)
-
-
-def gate_stats(kappa: torch.Tensor, mask: torch.Tensor, transport=None) -> dict[str, torch.Tensor]:
-    """Sums for ``comppo/gate_mean`` and the mean dynamic gate in the first / middle / last third of each
-    response (by relative position; the paper reports 0.61 and 0.52 / 0.63 / 0.68 on math), and for
-    ``comppo/transport_mean``, the mean of the gates the advantages used (``transport``)."""
-    m = mask.bool()
-    pos = torch.cumsum(m.long(), dim=1) - 1  # index of the token within its response
-    length = m.sum(dim=1, keepdim=True).clamp(min=1)
-    third = torch.div(3 * pos, length, rounding_mode="floor").clamp(max=2)
-    out = {"sum:gate": torch.where(m, kappa, 0.0).sum(), "sum:gate_tokens": m.sum().float()}
-    if transport is not None:  # the gate Comp-GAE actually used (a control's, or kappa itself)
-        out["sum:transport"] = torch.where(m, transport, 0.0).sum()
-    for i, name in enumerate(("first", "mid", "last")):
-        sel = m & (third == i)
-        out[f"sum:gate_{name}"] = torch.where(sel, kappa, 0.0).sum()
-        out[f"sum:gate_{name}_tokens"] = sel.sum().float()
-    return out
-
-
-def actor_options(spec, params, hf_config, *, dtype, pp_size: int = 1) -> dict:
-    """The :class:`~megatron_credit.trainer.actor.Actor` keywords an algorithm needs: ``with_critic`` (a
-    value head on the actor: critic algorithms, unless the critic is a separate model,
-    ``trainer.critic_model``), the behaviour pass's capture and gate map (``spec.gate_options``) and the
-    critic kind's own keywords (``critic_kinds``: a critic on the actor's detached features)."""
-    kind = spec.critic_kind(params)
-    out = {"with_critic": kind is not None and not kind.separate_model, **spec.gate_options(params)}
-    if kind is not None and kind.actor_options is not None:
-        out.update(kind.actor_options(params, hf_config, dtype=dtype, pp_size=pp_size))
-    return out

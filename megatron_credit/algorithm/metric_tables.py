@@ -141,7 +141,7 @@ GATES = MetricTable(means={
     "comppo/gate_mid_third": ("sum:gate_mid", "sum:gate_mid_tokens"),
     "comppo/gate_last_third": ("sum:gate_last", "sum:gate_last_tokens"),
 })
-"""CompPO's transport gates (``trainer/controls.gate_stats``)."""
+"""CompPO's transport gates (``algorithm/state.gate_stats``)."""
 
 BUILT_IN = (FIPO, CRITIC, GATES)
 """The built-in algorithms' tables: what ``finalize`` computes when it is not told an algorithm's."""

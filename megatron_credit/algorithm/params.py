@@ -59,7 +59,7 @@ class AlgorithmParams:
     def scaled_for_phase(self, *, clip: float, value_clip: float, adv_clip: float):
         """These parameters with the clip ranges (``clip_eps``, ``clip_low``, ``clip_high``), ``value_clip``
         and ``adv_clip``, where this algorithm has them (and they are set), multiplied by the ratios of a
-        phase of CompPO's controller (``trainer/controls.phase_knobs``)."""
+        phase of CompPO's controller (``algorithm/knobs.phase_knobs``)."""
         names = {f.name for f in dataclasses.fields(self)}
         changes = {f: getattr(self, f) * clip for f in _CLIP_FIELDS if f in names}
         for name, ratio in (("value_clip", value_clip), ("adv_clip", adv_clip)):

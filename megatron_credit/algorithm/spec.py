@@ -25,6 +25,7 @@ from megatron_credit.algorithm.params import (CRITICS, PPO_CRITICS, AdvantagePos
                                               AlgorithmParams, ClipParams, CompFIPOParams, CompPOFields,
                                               CompPPOParams, DAPOParams, FIPOParams, GRPOParams, GSPOParams,
                                               PPOParams)
+from megatron_credit.algorithm.capture import Capture, GateCapture
 from megatron_credit.credit import group
 from megatron_credit.algorithm.critic_kinds import CRITIC_KINDS, CriticKind
 from megatron_credit.algorithm.gate_controls import GateControl
@@ -34,6 +35,7 @@ from megatron_credit.credit.phase import PhaseController
 from megatron_credit.losses import policy, value
 from megatron_credit.losses.kl import KL_ESTIMATORS, kl_k1, kl_k3, kl_low_var  # noqa: F401  (re-exported)
 from megatron_credit.algorithm.metric_tables import CRITIC, FIPO, GATES, MetricTable
+from megatron_credit.algorithm.state import AlgorithmState
 from megatron_credit.registry import Registry
 from megatron_credit.typed_build import build_dataclass
 
@@ -181,7 +183,8 @@ class AlgorithmSpec:
     needs_critic: bool = False
     """Whether a value model is trained (GAE estimators)."""
     needs_gates: bool = False
-    """Whether the behaviour pass must produce CompPO gates (the final layer's attention statistics)."""
+    """Whether Comp-GAE's transport gates are made (a gate control in its state, ``algorithm/state.py``, from
+    the ``kappa`` its capture reads; the planner counts the capture's memory)."""
     behaviour_extras: Optional[Callable[[Any, Any], dict]] = None
     """Side channels: ``fn(batch, params) -> {name: [B, T] tensor}``, called on the last pipeline stage after
     the behaviour pass (``batch`` is the ``trainer.batch.TrainBatch`` with ``old_logp`` and whatever else the
@@ -189,6 +192,10 @@ class AlgorithmSpec:
     device) and reaches the policy loss as the keyword of its name."""
     metrics: tuple[MetricTable, ...] = ()
     """The metrics this algorithm adds to the trainer's own (``metric_tables``)."""
+    capture_factory: Optional[Callable[..., Capture]] = None
+    """``fn(params, *, top_k) -> Capture``: what the algorithm reads inside the behaviour pass's forward
+    (``algorithm/capture.py``; ``top_k``: the keys its critic kind asks for), or None. Its outputs join the
+    side channels by name."""
 
     def __post_init__(self) -> None:
         ADVANTAGE_ESTIMATORS.get(self.advantage_estimator)  # raise ValueError listing valid names
@@ -212,29 +219,41 @@ class AlgorithmSpec:
     def loss(self, logp, old_logp, advantages, response_mask, params: Any, *, cp_group: Any = None,
              is_weights=None, side: Optional[dict] = None, row_slots=None):
         """Per-token policy loss ``[B, T]`` and detached metrics (see ``losses.policy``); ``side``: this
-        micro-batch's share of the :attr:`behaviour_extras` tensors, passed as keywords. ``row_slots``
+        micro-batch's share of the batch's side channels (a capture's outputs, the
+        :attr:`behaviour_extras` tensors), each passed as the keyword of its name when the loss has it. ``row_slots``
         (``[B, T]`` bool; packed micro-batches under CP, whose rows have empty slots inside them,
         ``data/packing.py``): handed to a loss that declares it (one that scans along the row: FIPO); a
         loss that only sums over masked tokens is not affected by the empty slots."""
         fn = POLICY_LOSSES.get(self.policy_loss)
         extra = {"row_slots": row_slots} if row_slots is not None and _takes(fn, "row_slots") else {}
+        side = {k: v for k, v in (side or {}).items() if _takes(fn, k)}  # the side channels it names
         return fn(logp, old_logp, advantages, response_mask, cp_group=cp_group, is_weights=is_weights,
-                  **(side or {}), **extra, **params.loss_kwargs())
+                  **side, **extra, **params.loss_kwargs())
 
     def critic_kind(self, params: AlgorithmParams) -> Optional[CriticKind]:
         """The critic this algorithm trains (``critic_kinds.CRITIC_KINDS``; ``trunk`` unless its parameters
         name another), or None for an algorithm without a critic."""
         return CRITIC_KINDS.get(params.critic_name() or "trunk") if self.needs_critic else None
 
-    def gate_options(self, params: Any) -> dict:
-        """The Actor keywords of a gated algorithm's behaviour pass (the final layer's attention capture and
-        the gate map, DESIGN.md "CompPO"); {} for others."""
-        if not self.needs_gates:
-            return {}
-        from megatron_credit.credit.gates import comppo_gate
+    def capture(self, params: Any, *, top_k: int = 0) -> Optional[Capture]:
+        """What this algorithm reads inside the behaviour pass's forward (:attr:`capture_factory`), or None."""
+        return None if self.capture_factory is None else self.capture_factory(params, top_k=top_k)
 
-        return {"capture_sink_keys": params.gate_sink_keys, "capture_top_k": 0,
-                "gate_fn": functools.partial(comppo_gate, k_lo=params.k_lo, k_hi=params.k_hi, tau=params.gate_tau)}
+    def actor_options(self, params: Any, hf_config, *, dtype, pp_size: int = 1) -> dict:
+        """The :class:`~megatron_credit.trainer.actor.Actor` keywords this algorithm needs: ``with_critic``
+        (a value head on the actor: critic algorithms, unless the critic is a separate model,
+        ``trainer.critic_model``), the critic kind's own keywords (``critic_kinds``: a critic on the
+        actor's detached features) and the behaviour pass's ``capture`` (:meth:`capture`)."""
+        kind = self.critic_kind(params)
+        out = {"with_critic": kind is not None and not kind.separate_model}
+        if kind is not None and kind.actor_options is not None:
+            out.update(kind.actor_options(params, hf_config, dtype=dtype, pp_size=pp_size))
+        out["capture"] = self.capture(params, top_k=out.pop("capture_top_k", 0))
+        return out
+
+    def state(self, params: Any, *, seed: int, dp_rank: int, dp_group: Any = None, device: Any = None) -> AlgorithmState:
+        """What this algorithm keeps across iterations (``algorithm/state.py``), saved with each checkpoint."""
+        return AlgorithmState(self, params, seed=seed, dp_rank=dp_rank, dp_group=dp_group, device=device)
 
     def gate_control(self, params: Any, *, seed: int, dp_rank: int, dp_group: Any = None,
                      device: Any = None) -> Optional[GateControl]:
@@ -286,6 +305,15 @@ class AlgorithmSpec:
         return policy.aggregate_loss(per_token, mask, mode=self.loss_agg_mode, **denominators)
 
 
+def comppo_capture(params: Any, *, top_k: int = 0) -> GateCapture:
+    """CompPO's capture: the dynamic gate ``kappa`` of DESIGN.md "CompPO" from the final layer's attention
+    concentration, and ``top_k`` keys for its transport-aligned critic."""
+    from megatron_credit.credit.gates import comppo_gate
+
+    return GateCapture(functools.partial(comppo_gate, k_lo=params.k_lo, k_hi=params.k_hi, tau=params.gate_tau),
+                       top_k=top_k, sink_keys=params.gate_sink_keys)
+
+
 ALGORITHMS: Registry[AlgorithmSpec] = Registry("algorithm")
 for _name, _spec in {
     "grpo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="ppo", loss_agg_mode="seq-mean-token-mean",
@@ -304,9 +332,15 @@ for _name, _spec in {
     "fipo": AlgorithmSpec(advantage_estimator="grpo", policy_loss="fipo", loss_agg_mode="token-mean",
                           params_cls=FIPOParams, metrics=(FIPO,)),
     "comppo": AlgorithmSpec(advantage_estimator="comp_gae", policy_loss="ppo", loss_agg_mode="token-mean",
-                            params_cls=CompPPOParams, needs_critic=True, needs_gates=True, metrics=(CRITIC, GATES)),
+                            params_cls=CompPPOParams, needs_critic=True, needs_gates=True, metrics=(CRITIC, GATES),
+                            capture_factory=comppo_capture),
     "comppo_fipo": AlgorithmSpec(advantage_estimator="comp_gae", policy_loss="fipo", loss_agg_mode="token-mean",
                                  params_cls=CompFIPOParams, needs_critic=True, needs_gates=True,
-                                 metrics=(FIPO, CRITIC, GATES)),
+                                 metrics=(FIPO, CRITIC, GATES), capture_factory=comppo_capture),
 }.items():
     ALGORITHMS.add(_name, _spec)
+
+
+def actor_options(spec: AlgorithmSpec, params: Any, hf_config, *, dtype, pp_size: int = 1) -> dict:
+    """``spec.actor_options(...)``: the Actor keywords of ``spec`` with ``params``."""
+    return spec.actor_options(params, hf_config, dtype=dtype, pp_size=pp_size)

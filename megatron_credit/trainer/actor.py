@@ -47,13 +47,14 @@ from megatron_credit.trainer.optimizer import MasterWeightsAdamW
 from megatron_credit.trainer.batch import MicroBatch
 
 if TYPE_CHECKING:
+    from megatron_credit.algorithm.capture import Capture
     from megatron_credit.recipe.config import ModelConfig, ParallelConfig
     from megatron_credit.recipe.sections import OptimConfig
 
 LossFn = Callable[[MicroBatch, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], dict],
                   tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``(mb, logp [b, s], entropy [b, s] or None, values [b, s] or None, aux) -> (loss, stats)``; ``aux``: the
-final layer's attention statistics when :meth:`Actor.run` captures them, else ``{}``. A separate critic
+capture's outputs when :meth:`Actor.run` captures, else ``{}``. A separate critic
 (``role="critic"``) passes ``logp = entropy = None``."""
 
 
@@ -72,21 +73,18 @@ class Actor(OptimizerStep):
     def __init__(self, *, hf_config, model: ModelConfig, parallel: ParallelConfig, optim: OptimConfig,
                  device: torch.device, with_critic: bool, with_reference: bool, seed: int,
                  temperature: float = 1.0, recompute: Optional[str] = None, logprob_chunk_size: int = 1024,
-                 critic_factory: Optional[Callable[[], torch.nn.Module]] = None, capture_top_k: Optional[int] = None,
-                 gate_fn: Optional[Callable] = None, critic_layers: int = 1, role: str = "policy",
-                 capture_sink_keys: int = 0, packed_sequences: bool = False):
+                 critic_factory: Optional[Callable[[], torch.nn.Module]] = None, critic_layers: int = 1,
+                 capture: Optional[Capture] = None, role: str = "policy", packed_sequences: bool = False):
         """The recipe's ``model``, ``parallel`` and ``optim`` sections, and the few values of others the
         actor reads (``trainer.loop.actor_settings`` unpacks them): ``seed`` (a feature critic's
         initialisation), ``temperature`` (``rollout.temperature``: the log-probs are those of the sampling
         distribution), ``recompute`` and ``logprob_chunk_size`` (``train.*``).
 
         ``critic_factory``: builds the value head of the last stage (default: a zero-initialised linear
-        head on the actor's trunk, PPO). A factory's module (CompPO's critics) reads detached actor
-        features: ``(layers, history, topk_idx, topk_w, kappa)``, the last ``critic_layers`` layers'
-        outputs among them. ``capture_top_k`` (CompPO): build the final layer with the attention capture
-        and collect ``H``, ``n`` and the top-K keys during the behaviour pass; ``gate_fn(H, n) -> kappa``
-        maps them to the dynamic gate; ``capture_sink_keys``: the first keys left out of ``H``
-        (``algorithm.params.gate_sink_keys``).
+        head on the actor's trunk, PPO). A factory's module (a feature critic) reads detached actor
+        features: ``(layers, history, **side)``, the last ``critic_layers`` layers' outputs among them and
+        the capture's outputs by name. ``capture`` (``algorithm/capture.py``): what the algorithm reads
+        inside the behaviour pass's forward; the model is built with its ``model_options``.
 
         ``device``: this rank's device (``distributed.initialize`` returns it). The built model, the value
         head and the reference copy are moved there explicitly, as megatron's ``training.get_model`` does
@@ -104,7 +102,7 @@ class Actor(OptimizerStep):
             raise ValueError(f"Actor role {role!r}: 'policy' or 'critic'")
         self.is_critic = role == "critic"
         assert not self.is_critic or (with_critic and not with_reference and critic_factory is None
-                                      and capture_top_k is None), "a separate critic is a trunk + value head"
+                                      and capture is None), "a separate critic is a trunk + value head"
         from megatron.core import parallel_state as ps
 
 
@@ -120,10 +118,10 @@ class Actor(OptimizerStep):
         self.packed_sequences = packed_sequences
         if packed_sequences and parallel.pipeline_model_parallel_size > 1:
             self.config.variable_seq_lengths = True  # packed micro-batches differ in length
-        self.capture_top_k, self.gate_fn, self.capture_sink_keys = capture_top_k, gate_fn, capture_sink_keys
+        self.capture = capture
         self.model = build_gpt_model(hf_config, self.config, use_transformer_engine=te,
-                                     capture_final_attention=capture_top_k is not None,
-                                     packed_sequences=packed_sequences).to(self.device)
+                                     packed_sequences=packed_sequences,
+                                     **(capture.model_options if capture is not None else {})).to(self.device)
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
         self.with_critic = with_critic
         self.feature_critic = critic_factory is not None  # reads detached features, clipped on its own
@@ -141,7 +139,7 @@ class Actor(OptimizerStep):
         self.megatron_optimizer = o.backend == "megatron"
         if self.megatron_optimizer and self.feature_critic:
             raise ValueError("optim.backend: megatron clips all parameters together, but this algorithm's critic "
-                             "(CompPO's) is clipped on its own: use optim.backend: local")
+                             "(on the actor's detached features) is clipped on its own: use optim.backend: local")
         # megatron DDP around the policy (and value head): fp32 gradient buffers, reduced in optimizer_step.
         self.ddp = wrap_ddp(self.model, use_distributed_optimizer=o.distributed_optimizer,
                             overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather)
@@ -170,7 +168,7 @@ class Actor(OptimizerStep):
 
     # -- building ------------------------------------------------------------------------------------
     def _value_head(self, critic_factory, *, seed: int, critic_layers: int, dtype: torch.dtype) -> torch.nn.Module:
-        """The last stage's value head on this rank's device: a factory's (CompPO's critics, reading the last
+        """The last stage's value head on this rank's device: a factory's (a feature critic, reading the last
         ``critic_layers`` layers' outputs), or a zero-initialised linear head on the trunk (PPO)."""
         if critic_factory is not None:
             # Seeded on its own: the same critic whatever RNG draws this stage's layers consumed, so
@@ -247,9 +245,9 @@ class Actor(OptimizerStep):
         Returns the stats dict of each micro-batch on the last stage, ``[]`` elsewhere.
         Padded micro-batches must have one shape when PP > 1 (megatron communicates fixed shapes);
         packed ones go with megatron's ``PackedSeqParams``.
-        ``capture`` (CompPO's behaviour pass): the final layer also computes its attention statistics;
-        ``loss_fn`` then gets them as ``aux`` (``H``, ``n``, ``kappa``, ``topk_idx``, ``topk_w``: whole
-        rows ``[b, seq_len(, K)]``, 0 before the micro-batch's first response position); else ``aux`` is {}.
+        ``capture`` (the behaviour pass): the actor's :class:`Capture` is armed before each forward and
+        collected after it; ``loss_fn`` then gets its outputs as ``aux`` (whole rows ``[b, seq_len, ...]``,
+        ``algorithm/capture.py``); else ``aux`` is {}.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -274,7 +272,7 @@ class Actor(OptimizerStep):
                 logp, ent = logprobs_from_hidden(h, self.output_weight(model), mb.tensors["labels"],
                                                  tp_group=self.tp_group if self.tp_size > 1 else None,
                                                  chunk_size=chunk, temperature=temperature)
-            aux = self._captured(mb) if capture else {}
+            aux = self.capture.collect(mb) if capture else {}
             values = None
             if self.with_critic and not reference:
                 values = self._values(model.value_head, mb, h, aux)
@@ -286,8 +284,7 @@ class Actor(OptimizerStep):
             mb = next(data_iterator)
             model_chunk = getattr(model_chunk, "module", model_chunk)  # the GPTModel inside DDP
             if capture and self.last_stage:
-                model_chunk.final_attention_capture.arm(query_start=mb.query_start, top_k=self.capture_top_k,
-                                                        sink_keys=self.capture_sink_keys)
+                self.capture.arm(model_chunk, mb)
             self._collect = self.feature_critic and self.last_stage and not reference
             self._layer_outputs = []
             try:
@@ -309,56 +306,33 @@ class Actor(OptimizerStep):
                 seq_length=first.seq_len, micro_batch_size=first.num_rows, forward_only=forward_only)
         return list(out) if self.last_stage else []
 
-    # -- CompPO: attention statistics and the feature critic ---------------------------------------------
-    def _captured(self, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        """The final layer's statistics of this micro-batch as whole rows ``[b, seq_len(, K)]`` (identical on
-        every TP / CP rank), plus the dynamic gate ``kappa`` (0 before ``query_start``)."""
-        capture = self.model.final_attention_capture
-        res = capture.result
-        capture.disarm()
-        q0, b, s = mb.query_start, mb.num_rows, mb.seq_len
-        h, n = res["H"].float(), res["n"]
-        kappa = self.gate_fn(h, n).float()
-
-        def whole(x, fill=0):
-            if mb.packed:  # the capture returns each sequence's whole row already
-                before = torch.arange(x.shape[1], device=x.device) < q0
-                return x.masked_fill(before.view(1, -1, *([1] * (x.dim() - 2))), fill)
-            full = x.new_full((b, s, *x.shape[2:]), fill)
-            full[:, q0:] = x
-            return full
-
-        out = {"H": whole(h), "n": whole(n), "kappa": whole(kappa)}
-        if "topk_idx" in res:
-            out["topk_idx"] = whole(res["topk_idx"])
-            out["topk_w"] = whole(res["topk_w"].float())
-        return out
-
+    # -- the value head ------------------------------------------------------------------------------
     def _values(self, head, mb: MicroBatch, h: torch.Tensor, aux: dict) -> torch.Tensor:
         """``[b, s]`` values of this rank's tokens: the PPO head on the trunk, or a feature critic on
-        detached features (the top-K keys and the gate from ``aux`` in the behaviour pass, from the
-        micro-batch's stored ones in the update; None without either)."""
+        detached features and the capture's outputs (from ``aux`` in the behaviour pass, from the
+        micro-batch's side channel in the update; None without either)."""
         if not self.feature_critic:
             return head(h).squeeze(-1).float()
         from megatron_credit.data.context_parallel import gather_from_cp, split_for_cp
 
         cp = self.cp_group if self.cp_size > 1 else None
+        names = tuple(self.capture.outputs) if self.capture is not None else ()
         if aux:
             cut = (lambda x: mb.layout.pack(x)) if mb.packed else \
                 (lambda x: split_for_cp(x, cp_size=self.cp_size, cp_rank=self.cp_rank))
-            local = {k: cut(aux[k]) for k in ("kappa", "topk_idx", "topk_w") if k in aux}
-        elif "kappa" in mb.tensors:
-            local = {k: mb.tensors[k] for k in ("kappa", "topk_idx", "topk_w") if k in mb.tensors}
+            local = {k: cut(aux[k]) for k in names if k in aux}
+        elif names and all(k in mb.tensors for k in names):
+            local = {k: mb.tensors[k] for k in names}
         else:  # no behaviour pass behind this micro-batch (the supervised warm-up): no values
             return None
         layers = [x.transpose(0, 1) for x in self._layer_outputs] + [h.detach()]
         if mb.packed:  # one sequence per row (its top-K keys are positions in its own sequence)
             rows = mb.layout
             values = head([mb.rows_view(x) for x in layers], rows.whole_rows(h.detach(), cp_group=cp),
-                          *(mb.rows_view(local.get(k)) for k in ("topk_idx", "topk_w", "kappa")))
+                          **{k: mb.rows_view(v) for k, v in local.items()})
             return rows.from_rows(values).float()
         history = gather_from_cp(h.detach(), cp_group=cp) if cp is not None else h.detach()
-        return head(layers, history, local.get("topk_idx"), local.get("topk_w"), local["kappa"]).float()
+        return head(layers, history, **local).float()
 
     def load_initial_weights(self, *, seed: int) -> str:
         """Fill this rank's shard from HF weights: the safetensors of ``model.name_or_path`` when it has

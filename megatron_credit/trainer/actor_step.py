@@ -57,7 +57,7 @@ class OptimizerStep:
 
         The learning rates are the schedule's (``trainer/schedule.py``) at this step, times ``lr_scale``
         (the critic's also times ``critic_lr_scale``); ``lr`` instead sets a constant one (the warm-up).
-        ``clip`` (default ``optim.clip_grad``) bounds the gradient norm; a feature critic (CompPO's,
+        ``clip`` (default ``optim.clip_grad``) bounds the gradient norm; a feature critic (on the actor's detached features,
         detached from the policy) is clipped on its own to ``critic_clip`` (default ``clip``) and its norm
         kept in ``last_critic_grad_norm``; the returned norm is then the policy's. A step whose gradient
         norm (or loss) is not finite is skipped: gradients are dropped, the parameters, the optimizer state
@@ -66,7 +66,7 @@ class OptimizerStep:
 
         finalize(self.ddp)  # DP x CP sum, TP norms, tied embeddings (no num_tokens: already global shares)
         if not isinstance(self.optimizer, MasterWeightsAdamW):
-            if critic_lr_scale != 1.0:  # the phase controller's critic knob: CompPO's, refused with this backend
+            if critic_lr_scale != 1.0:  # a critic lr knob of the algorithm's state: refused with this backend
                 raise ValueError("optim.backend: megatron has no separate critic learning rate to scale")
             policy_lr = set_lrs(self.optimizer, self.scheduler, self.optim, lr=lr, lr_scale=lr_scale,
                                 report_max_lr=self._report_max_lr)

@@ -16,7 +16,7 @@ behaviour policy (the engine's log-probs, ``rollout_logp``), truncated at ``algo
 (:data:`~megatron_credit.recipe.sections.OFF_POLICY_TIS_CAP` when unset and the bound is above 0). So
 FIPO's Future-KL compares the policy being updated with the proximal one, as on-policy: its first
 mini-batch's weights are exactly 1 whatever the staleness, and staleness acts through the importance
-weights only. CompPO's gates come from the behaviour pass, which runs the trainer's current weights.
+weights only. An algorithm's capture reads the behaviour pass, which runs the trainer's current weights.
 
 Weights. Before iteration ``k`` takes its batch, every rank gathers the HF-named buckets of version
 ``k - 1`` (``Actor.hf_weight_buckets``) and rank 0 puts each into the rollout process's queue as one

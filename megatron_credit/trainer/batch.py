@@ -33,10 +33,10 @@ import torch
 from megatron_credit.cp_layout import load_balanced_positions, split_for_cp
 from megatron_credit.data.packing import PackedLayout
 
-# Per-token fields, in label space; sliced, padded and CP-split together. All are [B, T] except CompPO's
-# top-K key indices / weights, [B, T, K]. ``gates`` (the transport of Comp-GAE) is batch-level only.
+# Per-token fields, in label space; sliced, padded and CP-split together with the side channels
+# (``TrainBatch.extras``, which may have trailing dimensions: ``[B, T, ...]``). All are [B, T].
 TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "rollout_logp", "old_logp", "ref_logp", "values",
-                "advantages", "returns", "kappa", "topk_idx", "topk_w")
+                "advantages", "returns")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -71,17 +71,10 @@ class TrainBatch:
     """``[B, T]`` detached advantages, 0 off the mask."""
     returns: Optional[torch.Tensor] = None
     """``[B, T]`` value targets (critic algorithms only)."""
-    kappa: Optional[torch.Tensor] = None
-    """``[B, T]`` CompPO: the dynamic gate from the behaviour pass's final-layer attention (the TAC's mix)."""
-    gates: Optional[torch.Tensor] = None
-    """``[B, T]`` CompPO: the transport of Comp-GAE (``kappa``, or a control: fixed, shuffled, position)."""
-    topk_idx: Optional[torch.Tensor] = None
-    """``[B, T, K]`` int64 CompPO: global positions of the K keys the final layer attends to most."""
-    topk_w: Optional[torch.Tensor] = None
-    """``[B, T, K]`` their attention weights (mean over heads; 0 in padding slots)."""
     extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    """``{name: [B, T]}`` an algorithm's side channels from the behaviour pass (``AlgorithmSpec.behaviour_extras``),
-    cut into micro-batches with the fields above and handed to its policy loss by name."""
+    """``{name: [B, T, ...]}`` the algorithm's side channels: its capture's outputs from the behaviour pass
+    (``algorithm/capture.py``), its ``behaviour_extras`` and what its state adds before the estimator. Cut
+    into micro-batches with the fields above; a policy loss gets those it names as keywords."""
 
     @property
     def size(self) -> int:
@@ -209,8 +202,8 @@ class MicroBatch:
 
     @property
     def query_start(self) -> int:
-        """The first (global) position that scores a response token in any row (CompPO computes its
-        attention statistics from there on); ``seq_len`` when no row has one."""
+        """The first (global) position that scores a response token in any row (a final-layer capture reads
+        the attention of the queries from there on); ``seq_len`` when no row has one."""
         any_row = self.whole_loss_mask.any(dim=0)
         return int(any_row.nonzero()[0]) if bool(any_row.any()) else self.seq_len
 

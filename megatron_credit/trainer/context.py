@@ -1,6 +1,6 @@
 """What one RL iteration reads (``trainer/step.py`` takes a :class:`Context`): the recipe sections it
-reads, the algorithm, the models, the rollout manager, the knobs in force, the algorithm's controls (gate
-control, phase controller), and the few collectives the iteration needs (DP whitening, the
+reads, the algorithm, the models, the rollout manager, the knobs in force, the algorithm's state across
+iterations (``algorithm/state.py``), and the few collectives the iteration needs (DP whitening, the
 finite-loss vote, the metric reduction). ``trainer/loop.py`` builds it once per launch. No megatron import:
 the process groups and ranks come from the actor.
 """
@@ -15,20 +15,20 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_credit.trainer import controls
+from megatron_credit.algorithm.knobs import StepKnobs
 from megatron_credit.trainer.metrics import StatSums, finalize
 
 if TYPE_CHECKING:  # annotations only: nothing of these is imported at run time here
     from megatron_credit.algorithm.params import AlgorithmParams
     from megatron_credit.algorithm.spec import AlgorithmSpec
+    from megatron_credit.algorithm.state import AlgorithmState
     from megatron_credit.recipe.sections import AlgorithmConfig, TrainConfig
-    from megatron_credit.credit.phase import PhaseController
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.rollout import RolloutSource
 
 
 class PhaseTimer:
-    """Wall-clock seconds per phase of the current iteration."""
+    """Wall-clock seconds per part of the current iteration (rollout, update, ...)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -64,44 +64,41 @@ class Context:
     """The recipe's ``train`` section (the micro-batch plan, ``fuse_old_logprob``; read-only)."""
     algorithm: AlgorithmConfig
     """The recipe's ``algorithm`` section (``kl_estimator``, ``tis_cap``; read-only)."""
-    base_knobs: controls.StepKnobs
-    """The recipe's own knobs (``controls.base_knobs``); a phase's are scaled from these."""
+    base_knobs: StepKnobs
+    """The recipe's own knobs (``algorithm.knobs.base_knobs``); the algorithm's state may move them."""
     norm_length: int
     """Dr.GRPO's fixed length ``L`` of the loss denominator: ``rollout.max_response_len``."""
     seed: int
-    """The run's seed (the gate controls draw from it)."""
+    """The run's seed (the algorithm's state may draw from it)."""
     critic: Optional[Actor] = None
     """The separate value model (``trainer.critic_model``), or None (no critic, or a head on the actor)."""
-    knobs: Optional[controls.StepKnobs] = None
-    """``controls.StepKnobs`` of the next iteration (``base_knobs``, or those of the phase in force)."""
-    gate_control: Optional[controls.GateControl] = None
-    """The transport-gate control of a gated algorithm (``spec.gate_control``), else None."""
-    phase: Optional[PhaseController] = None
-    """The phase controller the algorithm's parameters ask for (``spec.phase_controller``), or None."""
+    knobs: Optional[StepKnobs] = None
+    """The knobs of the next iteration (``base_knobs``, or as the algorithm's state moved them)."""
+    algorithm_state: Optional[AlgorithmState] = None
+    """What the algorithm keeps across iterations (``spec.state``), saved whole with each checkpoint."""
     timer: PhaseTimer = dataclasses.field(default_factory=PhaseTimer)
 
     def __post_init__(self) -> None:
         if self.knobs is None:
             self.knobs = self.base_knobs
         group = self.actor.dp_group
-        if self.gate_control is None:
-            self.gate_control = self.spec.gate_control(self.params, seed=self.seed, dp_rank=dist.get_rank(group),
-                                                        dp_group=group, device=self.actor.device)
-        if self.phase is None:
-            self.phase = self.spec.phase_controller(self.params)
+        if self.algorithm_state is None:
+            self.algorithm_state = self.spec.state(self.params, seed=self.seed, dp_rank=dist.get_rank(group),
+                                                   dp_group=group, device=self.actor.device)
 
-    def advance_phase(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Feed the iteration's metrics to the phase controller; the next iteration runs with the knobs
-        of the phase it returns. Returns the metrics to log (``phase/level``: 0 stable ... 3 hard-stop)."""
-        from megatron_credit.credit.phase import PHASES
+    def after_iteration(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Hand the iteration's metrics to the algorithm's state; the next iteration runs with the knobs it
+        gives. Returns what it logs ({} for most algorithms)."""
+        logged = self.algorithm_state.after_iteration(metrics)
+        if logged:
+            self.knobs = self.algorithm_state.knobs(self.base_knobs)
+        return logged
 
-        phase = self.phase.step(metrics)
-        self.knobs = controls.phase_knobs(self.base_knobs, phase)
-        return {"phase/level": float(PHASES.index(phase))}
-
-    def set_phase(self, phase: str) -> None:
-        """The knobs of ``phase`` from the next iteration on (a resumed run's phase)."""
-        self.knobs = controls.phase_knobs(self.base_knobs, phase)
+    def load_algorithm_state(self, state: Optional[dict]) -> None:
+        """A checkpoint's algorithm state; the knobs follow it (a resumed run's)."""
+        self.algorithm_state.load_state_dict(state)
+        if state:
+            self.knobs = self.algorithm_state.knobs(self.base_knobs)
 
     def check_length(self, length: int) -> None:
         from megatron_credit.models import check_sequence_length

@@ -11,7 +11,7 @@ head on the last stage. It differs from the policy in four ways:
 - it starts from the actor's weights at the start of RL (after the supervised warm-up, when there is
   one), copied rank by rank: no second read of the checkpoint;
 - every parameter is on the critic's schedule (``optim.critic_lr``, the policy's shape), with its own
-  gradient clip, and the phase controller's critic scale;
+  gradient clip, and the critic lr scale of the step's knobs;
 - it is saved next to the policy in each checkpoint (``critic_optim/``, reshardable like ``model_optim/``).
 
 The update then runs two forward-backward schedules per mini-batch: the policy's (policy loss, no value

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_credit.algorithm.knobs import base_knobs
 from megatron_credit.trainer import checkpoint as ckpt
-from megatron_credit.trainer import controls
 from megatron_credit.trainer.context import Context, PhaseTimer  # noqa: F401  (Context: re-exported)
 from megatron_credit.trainer.data_setup import build_data, hf_tokenizer  # noqa: F401  (hf_tokenizer: re-exported)
 from megatron_credit.trainer.metrics import MetricsWriter
@@ -103,8 +103,8 @@ def context_settings(recipe, params) -> dict:
     return {"train": recipe.train, "algorithm": off_policy_algorithm(recipe),
             "norm_length": recipe.rollout.max_response_len,
             "seed": recipe.seed,
-            "base_knobs": controls.base_knobs(params, kl_coef=recipe.algorithm.kl_coef,
-                                              clip_grad=recipe.optim.clip_grad, epochs=recipe.train.epochs)}
+            "base_knobs": base_knobs(params, kl_coef=recipe.algorithm.kl_coef,
+                                     clip_grad=recipe.optim.clip_grad, epochs=recipe.train.epochs)}
 
 
 def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str, log) -> Run:
@@ -139,8 +139,8 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
                          f"{hf_config.vocab_size}")
     settings = actor_settings(recipe)
     actor = Actor(hf_config=hf_config, device=device, with_reference=recipe.algorithm.kl_coef > 0, **settings,
-                  **controls.actor_options(spec, params, hf_config, dtype=recipe.model.torch_dtype(),
-                                           pp_size=recipe.parallel.pipeline_model_parallel_size))
+                  **spec.actor_options(params, hf_config, dtype=recipe.model.torch_dtype(),
+                                       pp_size=recipe.parallel.pipeline_model_parallel_size))
     critic = build_separate_critic(hf_config, spec, params, device=device, **settings)
     dp_of_rank, local_rank, node_ranks = _ranks_layout(data_parallel_rank())
     r = recipe.rollout
@@ -197,7 +197,8 @@ def restore(run: Run, recipe, *, log, timings: dict[str, float]) -> int:
         old_dp = meta["layout"]["dp"]
         prompts.load_state_dict(_job_stream_state((extras or ckpt.rank0_extras(path))["prompts"], saved_dp=old_dp))
         if extras is not None:
-            _load_controls(ctx, extras)
+            # the algorithm's state (checkpoints before it was saved whole kept its parts at the top level)
+            ctx.load_algorithm_state(extras.get("algorithm", extras))
             ckpt.set_rng_state(extras["rng"])
             if actor.reference is not None:
                 ckpt.load_reference(actor, extras["reference"], path=path)
@@ -262,7 +263,7 @@ def open_metrics(recipe, *, run_dir: str, start: int, resumed: bool, recipe_file
 
 
 def iteration_metrics(run: Run, step: int) -> dict[str, float]:
-    """One RL iteration (``step.rl_iteration``), validation when due, the phase controller, timings."""
+    """One RL iteration (``step.rl_iteration``), validation when due, the algorithm's state, timings."""
     from megatron_credit.trainer.step import rl_iteration
 
     ctx = run.ctx
@@ -276,8 +277,7 @@ def iteration_metrics(run: Run, step: int) -> dict[str, float]:
     if ctx.train.val_every and step % ctx.train.val_every == 0:
         with ctx.timer("validation"):
             metrics.update(ctx.rollouts.validate(step))
-    if ctx.phase is not None:
-        metrics.update(ctx.advance_phase(metrics))
+    metrics.update(ctx.after_iteration(metrics))
     dt = time.perf_counter() - t0
     metrics["time/step_s"] = dt
     metrics["throughput/tokens_per_s"] = metrics.pop("rollout/tokens") / dt
@@ -361,20 +361,8 @@ def _save(run_dir, step, run: Run, *, keep: int) -> None:
     extras = {"prompts": run.prompts.state_dict(), "rng": ckpt.rng_state()}
     if actor.reference is not None:
         extras["reference"] = ckpt.reference_extras(actor)
-    if ctx.gate_control is not None:
-        extras["gate_control"] = ctx.gate_control.state_dict()
-    if ctx.phase is not None:
-        extras["phase"] = ctx.phase.state_dict()
+    extras["algorithm"] = ctx.algorithm_state.state_dict()
     ckpt.save(run_dir, step, actor, extras, layout=run.layout, keep=keep, critic=ctx.critic)
-
-
-def _load_controls(ctx, extras: dict) -> None:
-    """The algorithm's gate control and phase from a checkpoint's extras (the knobs follow the phase)."""
-    if ctx.gate_control is not None and "gate_control" in extras:
-        ctx.gate_control.load_state_dict(extras["gate_control"])
-    if ctx.phase is not None and "phase" in extras:
-        ctx.phase.load_state_dict(extras["phase"])
-        ctx.set_phase(ctx.phase.phase)
 
 
 def _iterations(train, start: int, log, *, device: torch.device):

@@ -3,7 +3,7 @@ parameters go in which group, and the group keys megatron's ``OptimizerParamSche
 (``max_lr`` / ``min_lr`` / ``wd_mult``; ``trainer/schedule.py`` writes the rates each step).
 
 - No weight decay on biases and norms (1-D parameters).
-- The value head of a trunk critic (PPO's, CompPO's) in a group of its own, on the policy's schedule
+- The value head of a trunk critic (PPO's, a feature critic's) in a group of its own, on the policy's schedule
   scaled by ``optim.critic_lr / optim.lr``; a separate critic (``role="critic"``) has every group on that
   schedule.
 - Frozen parameters (a separate critic's output layer) are left out.
@@ -33,7 +33,7 @@ def build_optimizer(actor, *, weight_decay: float):
     # megatron's group keys, read by OptimizerParamScheduler: max_lr / min_lr (the value head's schedule
     # is the policy's scaled by critic_lr / lr) and wd_mult (weight_decay = the run's decay x wd_mult).
     policy, head = {"max_lr": o.lr, "min_lr": o.min_lr}, critic_schedule(o)
-    if actor.is_critic:  # a separate value model: all of it on the critic's schedule (and phase scale)
+    if actor.is_critic:  # a separate value model: all of it on the critic's schedule (and its lr scale)
         policy = {**head, "name": "critic"}
     groups = [{"params": decay, "weight_decay": wd, "wd_mult": 1.0, **policy},
               {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0, **policy},

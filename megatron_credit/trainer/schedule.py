@@ -1,6 +1,6 @@
 """The learning-rate schedule of both optimizer backends: megatron-core's ``OptimizerParamScheduler`` over
 param groups that carry megatron's ``max_lr`` / ``min_lr`` / ``wd_mult`` keys, and the per-step write of
-each group's lr and weight decay (with the phase controller's scales on top).
+each group's lr and weight decay (with the step knobs' scales on top).
 
 A megatron adapter by design: it wraps megatron's ``OptimizerParamScheduler`` (its state is what
 checkpoints save), so it imports megatron; only ``actor.py`` calls it."""

@@ -2,7 +2,7 @@
 
 :func:`rl_iteration` is the whole iteration on one screen; the functions below it are its parts. The
 algorithm enters only through ``ctx.spec`` (an ``AlgorithmSpec``: estimator, loss, aggregation) and its
-typed parameters (in ``ctx.knobs``, which CompPO's phase controller may move between iterations): nothing
+typed parameters (in ``ctx.knobs``, which the algorithm's state may move between iterations): nothing
 here looks at an algorithm's name.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ def rl_iteration(ctx: Context, iteration: int) -> dict[str, float]:
     plan = plan_microbatches(ctx, batch)
     fused = fused_old_logprob(ctx)
     with timer("old_logprob"):
-        behaviour_pass(ctx, batch, plan, skip_first=fused)  # old_logp (+ values, ref_logp, gates)
+        behaviour_pass(ctx, batch, plan, skip_first=fused)  # old_logp (+ values, ref_logp, the capture's side channels)
     stats = StatSums()
     with timer("advantages"):
         compute_advantages(ctx, batch, iteration, stats)
@@ -62,15 +62,15 @@ def fused_old_logprob(ctx: Context) -> bool:
     that the behaviour pass would run, so its old log-probs are the update forward's own log-probs,
     detached (as verl does on-policy): the same loss and gradient without that forward pass. Later
     mini-batches keep their behaviour pass. Needs one epoch (a second one reads old log-probs of the
-    first mini-batch after it was updated) and nothing else from the policy's pass (CompPO's attention
+    first mini-batch after it was updated) and nothing else from the policy's pass (an algorithm's
     capture, a value head on the trunk): those are refused naming the field."""
     if not ctx.train.fuse_old_logprob:
         return False
     why = None
     if ctx.knobs.epochs != 1:
-        why = f"{ctx.knobs.epochs} epochs (train.epochs or the phase table): needs 1"
-    elif ctx.spec.needs_gates:
-        why = "this algorithm's gates come from the behaviour pass's attention capture"
+        why = f"{ctx.knobs.epochs} epochs (train.epochs, or the algorithm's knobs): needs 1"
+    elif ctx.actor.capture is not None:
+        why = "this algorithm reads the behaviour pass's forward (its capture)"
     elif ctx.actor.with_critic:
         why = "the values of the critic head on the trunk come from the behaviour pass"
     if why is not None:
@@ -112,24 +112,22 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
     ``old_logp`` the update writes (zeros until then)."""
     actor, critic = ctx.actor, ctx.critic
     with_ref = ctx.knobs.kl_coef > 0
-    capture = ctx.spec.needs_gates  # CompPO: the final layer's attention statistics in the same pass
-    # (outputs of the pass -> TrainBatch fields, the model's forward-only run); "aux:" outputs are whole rows
-    # already (identical on every CP rank), the others this CP rank's share.
-    main = {"logp": "old_logp", "values": "values"}
-    if capture:
-        main.update({"aux:kappa": "kappa", "aux:topk_idx": "topk_idx", "aux:topk_w": "topk_w"})
-    passes = [(main, lambda mbs: actor.run(mbs, keep, forward_only=True, capture=capture))]
+    capture = actor.capture.outputs if actor.capture is not None else {}  # read in the same pass
+    # (outputs of the pass -> TrainBatch fields or side channels, the model's forward-only run); "aux:"
+    # outputs are whole rows already (identical on every CP rank), the others this CP rank's share.
+    main = {"logp": "old_logp", "values": "values", **{f"aux:{k}": k for k in capture}}
+    passes = [(main, lambda mbs: actor.run(mbs, keep, forward_only=True, capture=bool(capture)))]
     if with_ref:
         passes.append(({"logp": "ref_logp"}, lambda mbs: actor.run(mbs, keep, forward_only=True, reference=True)))
     if critic is not None:  # a separate value model (PPO's critic: separate)
         passes.append(({"values": "values"}, lambda mbs: critic.run(mbs, keep, forward_only=True)))
     shape = batch.loss_mask.shape
-    k = actor.capture_top_k or 0
-    fresh = {"topk_idx": lambda: torch.zeros((*shape, k), dtype=torch.long),
-             "topk_w": lambda: torch.zeros((*shape, k), dtype=torch.float32)}
+    batch.extras = {k: torch.zeros((*shape, *o.trailing), dtype=o.dtype) for k, o in capture.items()}
     for mapping, _ in passes:
-        for field in mapping.values():
-            setattr(batch, field, fresh.get(field, lambda: torch.zeros(shape, dtype=torch.float32))())
+        for key, field in mapping.items():
+            if not key.startswith("aux:"):
+                setattr(batch, field, torch.zeros(shape, dtype=torch.float32))
+    target = lambda key, field: batch.extras[field] if key.startswith("aux:") else getattr(batch, field)  # noqa: E731
 
     def keep(mb, logp, ent, values, aux):
         out = {f"aux:{k}": v for k, v in aux.items()}
@@ -148,16 +146,18 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
                 for key, field in mapping.items():
                     if key in out:
                         full = out[key] if key.startswith("aux:") else None
-                        write_rows(ctx, getattr(batch, field), mb, out[key], whole=full)
+                        write_rows(ctx, target(key, field), mb, out[key], whole=full)
     if not (actor.with_critic or critic is not None):
         batch.values = None
     if not actor.last_stage:  # only the last stage computes losses; others never read these
-        batch.old_logp = batch.values = batch.ref_logp = batch.kappa = batch.topk_idx = batch.topk_w = None
+        batch.old_logp = batch.values = batch.ref_logp = None
+        batch.extras = {}
     elif ctx.spec.behaviour_extras is not None:  # the algorithm's side channels (a per-token weight, ...)
-        batch.extras = ctx.spec.behaviour_extras(batch, ctx.knobs.params)
-        clash = sorted(set(batch.extras) & set(TOKEN_FIELDS))
+        extras = ctx.spec.behaviour_extras(batch, ctx.knobs.params)
+        clash = sorted(set(extras) & (set(TOKEN_FIELDS) | set(batch.extras)))
         if clash:
-            raise ValueError(f"behaviour_extras names {clash} clash with TrainBatch fields")
+            raise ValueError(f"behaviour_extras names {clash} clash with TrainBatch fields or the capture's outputs")
+        batch.extras.update(extras)
 
 
 def write_rows(ctx: Context, target: torch.Tensor, mb, local: torch.Tensor, *, whole=None) -> None:
@@ -170,8 +170,9 @@ def write_rows(ctx: Context, target: torch.Tensor, mb, local: torch.Tensor, *, w
 
 
 def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
-    """``batch.advantages`` (and ``returns``) from the algorithm's estimator. Gated algorithms: the
-    transport gates (``ctx.gate_control``). The algorithm's ``advantage_post``: the critic's warm-up (values
+    """``batch.advantages`` (and ``returns``) from the algorithm's estimator, with what the algorithm's state
+    adds to its inputs from the side channels (``AlgorithmState.advantage_inputs``, kept in ``batch.extras``
+    too). The algorithm's ``advantage_post``: the critic's warm-up (values
     enter the advantages after ``critic_warmup_steps`` iterations), PPO-style whitening over the global
     batch (masked, summed over DP) and the advantage clip. Then the critic kind's diagnostics
     (``spec.critic_stats``)."""
@@ -180,18 +181,16 @@ def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stat
     params = ctx.knobs.params
     mask = batch.loss_mask
     stats = StatSums() if stats is None else stats
-    if ctx.spec.needs_gates:
-        from megatron_credit.trainer.controls import gate_stats
-
-        batch.gates = ctx.gate_control.gates(batch.kappa, mask, iteration=iteration)
-        stats.add(gate_stats(batch.kappa, mask, batch.gates))
+    added, added_stats = ctx.algorithm_state.advantage_inputs(batch.extras, mask, iteration)
+    batch.extras.update(added)
+    stats.add(added_stats)
     post = ctx.spec.advantage_post(params)
     values = batch.values
     if values is not None and iteration <= post.critic_warmup_steps:
         values = torch.zeros_like(values)  # the critic trains on these returns but is not trusted yet
     inputs = AdvantageInputs(response_mask=mask, scores=batch.rewards, group_ids=batch.group_ids,
                              token_rewards=batch.token_rewards() if values is not None else None,
-                             values=values, gates=batch.gates)
+                             values=values, **added)
     out = ctx.spec.estimate(inputs, params)  # full sequences on every CP rank: no cp_group needed
     adv = out.advantages.float()
     if post.whiten:
@@ -200,7 +199,7 @@ def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stat
         adv = adv.clamp(-post.clip, post.clip)
     batch.advantages = adv
     batch.returns = None if out.returns is None else out.returns.float()
-    if batch.returns is not None:  # the critic kind's own diagnostics (CompPO's feature critics: critic/*)
+    if batch.returns is not None:  # the critic kind's own diagnostics (a feature critic's critic/*)
         stats.add(ctx.spec.critic_stats(batch.values, batch.returns, mask, params))
 
 

@@ -66,7 +66,7 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
     try:
         hf = recipe.model.hf_config()
         spec, params = recipe.algorithm.spec_and_params()
-        from megatron_credit.trainer.controls import actor_options
+        from megatron_credit.algorithm.spec import actor_options
 
         actor = Actor(hf_config=hf, **actor_settings(recipe), device=device, with_reference=False,
                       **actor_options(spec, params, hf, dtype=torch.float32,

@@ -102,7 +102,7 @@ def test_an_off_policy_run_trains_the_decoupled_objective_and_fipo_weights_the_p
 
 
 def _gates(batch, plan):
-    return {"kappa": float(batch.kappa.double().sum()), "gates": float(batch.gates.double().sum())}
+    return {"kappa": float(batch.extras["kappa"].double().sum()), "gates": float(batch.extras["gates"].double().sum())}
 
 
 def _behaviour_from_another_version(batch):

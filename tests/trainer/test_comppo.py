@@ -67,14 +67,13 @@ def test_comppo_trains_two_iterations_with_the_same_numbers_in_every_layout(pool
 
 def _fake_ctx(algorithm: str, overrides: dict, *, feature_critic: bool = False):
     from megatron_credit.algorithm.spec import ALGORITHMS
-    from megatron_credit.trainer.controls import GateControl, StepKnobs
+    from megatron_credit.algorithm.knobs import StepKnobs
 
     spec = ALGORITHMS.get(algorithm)
     params = spec.make_params(overrides)
     actor = types.SimpleNamespace(with_critic=True, feature_critic=feature_critic)
-    gc = GateControl(params, seed=0, dp_rank=0) if spec.needs_gates else None
     return types.SimpleNamespace(spec=spec, knobs=StepKnobs(params=params, kl_coef=0.0), actor=actor,
-                                 gate_control=gc, whiten=None)
+                                 algorithm_state=spec.state(params, seed=0, dp_rank=0), whiten=None)
 
 
 def _batch(b=4, t=10, seed=0):
@@ -87,7 +86,8 @@ def _batch(b=4, t=10, seed=0):
                       loss_mask=mask, rollout_logp=torch.zeros(b, t), seq_lens=lens,
                       group_ids=torch.arange(b) // 2, rewards=torch.randn(b, generator=g),
                       correct=torch.zeros(b, dtype=torch.bool), old_logp=torch.zeros(b, t),
-                      values=torch.rand(b, t, generator=g) * 2 - 1, kappa=torch.rand(b, t, generator=g) * 0.8 + 0.1)
+                      values=torch.rand(b, t, generator=g) * 2 - 1,
+                      extras={"kappa": torch.rand(b, t, generator=g) * 0.8 + 0.1})
 
 
 def test_a_constant_gate_equal_to_gamma_gives_ppo_gae_exactly():
@@ -112,9 +112,9 @@ def test_critic_warmup_keeps_values_out_of_the_advantages():
         batch = _batch()
         compute_advantages(ctx, batch, iteration)
         values = batch.values if trusted else torch.zeros_like(batch.values)
-        adv, ret = comp_gae(batch.token_rewards(), values, batch.gates, batch.loss_mask, lam=0.95)
+        adv, ret = comp_gae(batch.token_rewards(), values, batch.extras["gates"], batch.loss_mask, lam=0.95)
         assert torch.equal(batch.advantages, adv) and torch.equal(batch.returns, ret), iteration
-        assert torch.equal(batch.gates, torch.where(batch.loss_mask, batch.kappa, 0.0))
+        assert torch.equal(batch.extras["gates"], torch.where(batch.loss_mask, batch.extras["kappa"], 0.0))
 
 
 def test_advantage_clip_and_gate_controls_reach_the_estimator():
@@ -128,12 +128,12 @@ def test_advantage_clip_and_gate_controls_reach_the_estimator():
     batch = _batch()
     compute_advantages(shuffled, batch)
     m = batch.loss_mask
-    assert torch.equal(batch.gates[m].sort().values, batch.kappa[m].sort().values)
-    assert not torch.equal(batch.gates[m], batch.kappa[m]) and (batch.gates[~m] == 0).all()
+    assert torch.equal(batch.extras["gates"][m].sort().values, batch.extras["kappa"][m].sort().values)
+    assert not torch.equal(batch.extras["gates"][m], batch.extras["kappa"][m]) and (batch.extras["gates"][~m] == 0).all()
 
 
 def test_position_control_collects_then_freezes_and_survives_a_checkpoint():
-    from megatron_credit.trainer.controls import GateControl
+    from megatron_credit.algorithm.gate_controls import GateControl
     from megatron_credit.algorithm.spec import ALGORITHMS
 
     params = ALGORITHMS.get("comppo").make_params({"gate_control": "position", "position_steps": 2,
@@ -141,20 +141,20 @@ def test_position_control_collects_then_freezes_and_survives_a_checkpoint():
     gc = GateControl(params, seed=0, dp_rank=0)
     b1, b2, b3 = _batch(seed=1), _batch(seed=2), _batch(seed=3)
     for i, b in enumerate((b1, b2), start=1):  # collecting: the dynamic gates are used meanwhile
-        assert torch.equal(gc.gates(b.kappa, b.loss_mask, iteration=i), torch.where(b.loss_mask, b.kappa, 0.0))
+        assert torch.equal(gc.gates(b.extras["kappa"], b.loss_mask, iteration=i), torch.where(b.loss_mask, b.extras["kappa"], 0.0))
     restored = GateControl(params, seed=0, dp_rank=0)
     restored.load_state_dict(gc.state_dict())
-    g = gc.gates(b3.kappa, b3.loss_mask, iteration=3)
-    assert torch.equal(g, restored.gates(b3.kappa, b3.loss_mask, iteration=3))
+    g = gc.gates(b3.extras["kappa"], b3.loss_mask, iteration=3)
+    assert torch.equal(g, restored.gates(b3.extras["kappa"], b3.loss_mask, iteration=3))
     # Frozen: the same gate for every token in the same bin of relative position, whatever kappa is.
-    assert not torch.equal(g, torch.where(b3.loss_mask, b3.kappa, 0.0))
+    assert not torch.equal(g, torch.where(b3.loss_mask, b3.extras["kappa"], 0.0))
     assert len(torch.unique(g[b3.loss_mask])) <= 4
 
 
 def test_phase_knobs_follow_the_papers_table():
     from megatron_credit.algorithm.spec import ALGORITHMS
     from megatron_credit.recipe.config import recipe_from_dict
-    from megatron_credit.trainer.controls import phase_knobs
+    from megatron_credit.algorithm.knobs import phase_knobs
     from megatron_credit.trainer.loop import context_settings
 
     # The paper's stable settings: every phase gets exactly Table 14's numbers.
@@ -215,3 +215,22 @@ def test_a_constant_gate_equal_to_gamma_reproduces_ppo_bit_for_bit(pool1, tmp_pa
         assert len(shared) > 15
         assert {k: a[k] for k in shared} == {k: b[k] for k in shared}
         assert b["comppo/transport_mean"] == 1.0 and b["comppo/gate_mean"] < 1.0
+
+
+def test_fusing_the_old_log_probs_is_refused_for_an_algorithm_that_captures():
+    from megatron_credit.algorithm.spec import ALGORITHMS
+    from megatron_credit.trainer.step import fused_old_logprob
+
+    spec = ALGORITHMS.get("comppo")
+    params = spec.make_params({})
+    capture = spec.actor_options(params, types.SimpleNamespace(hidden_size=8, num_hidden_layers=2),
+                                 dtype=torch.float32)["capture"]
+    assert set(capture.outputs) == {"kappa", "topk_idx", "topk_w"}
+    ctx = types.SimpleNamespace(train=types.SimpleNamespace(fuse_old_logprob=True),
+                                knobs=types.SimpleNamespace(epochs=1),
+                                actor=types.SimpleNamespace(capture=capture, with_critic=False))
+    with pytest.raises(ValueError, match=r"^train\.fuse_old_logprob: this algorithm reads the behaviour pass's "
+                                         r"forward \(its capture\); set train\.fuse_old_logprob=false$"):
+        fused_old_logprob(ctx)
+    ctx.actor.capture = None
+    assert fused_old_logprob(ctx)

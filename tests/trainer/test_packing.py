@@ -34,12 +34,12 @@ def _advantages(batch, plan):
     out = {"adv/abs_sum": float(torch.where(m, batch.advantages, 0.0).abs().sum()),
            "adv/sq_sum": float(torch.where(m, batch.advantages, 0.0).pow(2).sum())}
     for name in ("returns", "values", "kappa", "gates"):  # critic values, CompPO's gates
-        t = getattr(batch, name)
+        t = batch.extras.get(name, getattr(batch, name, None))
         if t is not None:
             out[f"adv/{name}_sum"] = float(torch.where(m, t, 0.0).sum())
-    if batch.topk_w is not None:  # CompPO: the keys its critic reads, and their weights
-        out["adv/topk_w_sum"] = float(torch.where(m[..., None], batch.topk_w, 0.0).sum())
-        out["adv/topk_idx_sum"] = float(torch.where(m[..., None], batch.topk_idx, 0).sum())
+    if "topk_w" in batch.extras:  # CompPO: the keys its critic reads, and their weights
+        out["adv/topk_w_sum"] = float(torch.where(m[..., None], batch.extras["topk_w"], 0.0).sum())
+        out["adv/topk_idx_sum"] = float(torch.where(m[..., None], batch.extras["topk_idx"], 0).sum())
     return out
 
 

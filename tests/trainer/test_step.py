@@ -184,7 +184,7 @@ def _overlap_is_real(parallel: dict):
     from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
-    from megatron_credit.trainer.controls import actor_options
+    from megatron_credit.algorithm.spec import actor_options
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
     from megatron_credit.trainer.metrics import StatSums
 
