@@ -4,7 +4,7 @@
 The launcher's environment and argv are read here and nowhere else; the trainer is
 ``megatron_credit.trainer.loop.train``. Without ``--config`` the embedded default is
 ``examples/demo_cpu.yaml`` (what ``make demo`` runs). ``--dry-run`` also prints the memory planner's
-table (``megatron_credit.planning``) for the launch's world size and ``cluster.gpu``, and exits 1 when
+table (``megatron_credit.planning.plan``) for the launch's world size and ``cluster.gpu``, and exits 1 when
 it does not fit. User errors (a bad recipe, a layout that does not fit the model or the world size)
 print one ``error: ...`` line and exit 2; ``--debug`` shows the traceback.
 """
@@ -50,7 +50,7 @@ def _describe(recipe, hf_config, layout: dict[str, int]) -> str:
 
 def _param_count(c) -> int:
     """The model's parameters, counted by the planner (the one count; tested against megatron's numel)."""
-    from megatron_credit.planning import Architecture, total_param_count
+    from megatron_credit.planning.plan import Architecture, total_param_count
 
     return total_param_count(Architecture.from_hf(c))
 
@@ -114,13 +114,13 @@ def _main(args) -> int:
     recipe = load_recipe(config, overrides=args.overrides)
     launch = distributed.LaunchEnv.from_environ(os.environ)
     if args.dry_run:  # planning needs no checkpoint on disk: known architectures come from a table
-        from megatron_credit.planning import resolve_hf_config
+        from megatron_credit.planning.plan import resolve_hf_config
 
         hf_config = resolve_hf_config(recipe.model)
     else:
         hf_config = recipe.model.hf_config()
     if args.dry_run:  # the arithmetic and a layout that fits, before anything else is said
-        from megatron_credit.planning_layouts import layout_refusal
+        from megatron_credit.planning.layouts import layout_refusal
 
         refusal = layout_refusal(recipe, hf_config, nodes=1, gpus_per_node=launch.world_size, gpu=recipe.cluster.gpu)
         if refusal is not None:
@@ -129,7 +129,7 @@ def _main(args) -> int:
     layout = recipe.validate(world_size=launch.world_size, arch=hf_config)
     rank0 = launch.rank == 0
     if args.dry_run:
-        from megatron_credit.planning import format_plan, plan
+        from megatron_credit.planning.plan import format_plan, plan
 
         result = plan(recipe, hf_config, nodes=1, gpus_per_node=launch.world_size, gpu=recipe.cluster.gpu)
         if rank0:

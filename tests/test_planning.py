@@ -8,7 +8,7 @@ import os
 import pytest
 
 from megatron_credit.recipe.config import load_recipe, recipe_from_dict
-from megatron_credit.planning import (CUDA_CONTEXT_BYTES, GIB, GPUS, RESERVED_BYTES, Architecture, format_plan,
+from megatron_credit.planning.plan import (CUDA_CONTEXT_BYTES, GIB, GPUS, RESERVED_BYTES, Architecture, format_plan,
                                       known_architecture, plan, resolve_hf_config, stage_param_counts,
                                       total_param_count)
 

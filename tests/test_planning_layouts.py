@@ -6,8 +6,8 @@ import os
 import pytest
 
 from megatron_credit.recipe.config import load_recipe
-from megatron_credit.planning import GIB, GPUS, plan, resolve_hf_config
-from megatron_credit.planning_layouts import layout_refusal
+from megatron_credit.planning.plan import GIB, GPUS, plan, resolve_hf_config
+from megatron_credit.planning.layouts import layout_refusal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(ROOT, "examples", "fipo_qwen25_32b.yaml")  # TP 8 x PP 2 x CP 2 on 4 x 8 H100

@@ -22,7 +22,7 @@ planner need: ``tests/tools/test_gpu_check_recipes.py`` plans every recipe on CP
 ``run`` calls ``pretrain_rl.main`` in this process, then prints from ``metrics.jsonl`` per iteration the
 rollout tokens/s (one GPU: per GPU), the ``time/*`` phases, ``mismatch/logprob_abs_mean`` (engine vs
 trainer log-probs) and the reward; this process's peak ``torch.cuda.max_memory_allocated`` against the
-planner's estimate (``megatron_credit.planning.plan`` on one H200: its train peak, and its rollout peak
+planner's estimate (``megatron_credit.planning.plan.plan`` on one H200: its train peak, and its rollout peak
 with the HF engine; a vLLM engine's memory lives in its own processes). Exit 0 passed, 1 failed, 77
 skipped (the last line says why).
 """
@@ -149,7 +149,7 @@ def run(name: str, out_dir: str) -> int:
           f"written in {time.perf_counter() - t0:.0f} s)", flush=True)
     import pretrain_rl
     from megatron_credit.recipe.config import load_recipe
-    from megatron_credit.planning import plan
+    from megatron_credit.planning.plan import plan
 
     run_dir = Path(out_dir) / "run"
     torch.cuda.reset_peak_memory_stats()

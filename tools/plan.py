@@ -1,4 +1,4 @@
-"""Memory plan of a recipe on a cluster, before any GPU hour is spent (``megatron_credit.planning``).
+"""Memory plan of a recipe on a cluster, before any GPU hour is spent (``megatron_credit.planning.plan``).
 
 Runs :func:`megatron_credit.commands.plan.main` from a checkout (installed: ``mc-plan``); see that module
 for the options.

@@ -1,4 +1,4 @@
-"""Memory plan of a recipe on a cluster, before any GPU hour is spent (``megatron_credit.planning``).
+"""Memory plan of a recipe on a cluster, before any GPU hour is spent (``megatron_credit.planning.plan``).
 
     python tools/plan.py --config examples/fipo_qwen25_32b.yaml [--nodes 4 --gpus-per-node 8 --gpu h100-80gb]
                          [--distributed-optimizer on|off] [key.sub=value ...]
@@ -10,7 +10,7 @@ GPU generates), one row per memory term, the KV cache per engine and per GPU, th
 optimizer and gradient offload takes (per GPU and per node), the training and rollout peaks and a
 verdict; exits 0 when it fits, 1 when it does not, 2 on a user error. A layout the GPUs cannot hold
 (TP x PP x CP not dividing them) is a user error, refused before any table with the arithmetic and a
-layout that would fit (``megatron_credit.planning_layouts``).
+layout that would fit (``megatron_credit.planning.layouts``).
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _main(argv: list[str]) -> int:
     args = parse_args(argv)
     from megatron_credit.recipe.config import load_recipe
-    from megatron_credit.planning import GPUS, format_plan, plan, resolve_hf_config
-    from megatron_credit.planning_layouts import layout_refusal
+    from megatron_credit.planning.plan import GPUS, format_plan, plan, resolve_hf_config
+    from megatron_credit.planning.layouts import layout_refusal
 
     recipe = load_recipe(args.config, overrides=args.overrides)
     c = recipe.cluster

@@ -118,7 +118,7 @@ def test_gemma_is_refused_with_the_missing_megatron_feature(model_type):
 def test_planner_parameter_count_equals_the_transformers_model(family, kw):
     from transformers import AutoModelForCausalLM
 
-    from megatron_credit.planning import Architecture, total_param_count
+    from megatron_credit.planning.plan import Architecture, total_param_count
 
     cfg = tiny_hf_config(family, **kw)
     with torch.device("meta"):

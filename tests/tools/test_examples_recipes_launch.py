@@ -32,7 +32,7 @@ def test_the_issue_s_recipes_exist_with_launch_scripts():
 
 @pytest.mark.parametrize("path", RECIPES, ids=NAMES)
 def test_every_recipe_fits_its_declared_cluster(path):
-    from megatron_credit.planning import format_plan, plan, resolve_hf_config
+    from megatron_credit.planning.plan import format_plan, plan, resolve_hf_config
 
     recipe = load_recipe(path)
     c = recipe.cluster
@@ -224,7 +224,7 @@ def test_dry_run_prints_the_memory_plan():
 def test_a_recipe_script_plans_then_prints_its_commands(tmp_path):
     """``examples/grpo_qwen25_7b.sh`` with the model folder present (its config.json) and DRY_RUN=1: the plan
     passes on the declared node, then the torchrun command with the folder / data overrides and the export."""
-    from megatron_credit.planning import KNOWN_ARCHITECTURES
+    from megatron_credit.planning.plan import KNOWN_ARCHITECTURES
 
     model_dir = tmp_path / "Qwen2.5-7B"
     model_dir.mkdir()

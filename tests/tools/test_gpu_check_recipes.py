@@ -43,7 +43,7 @@ def test_recipe_is_valid_and_fits_one_h200(name, te, tmp_path, capsys):
 
 def test_qwen15b_is_qwen25_1_5b_shaped(tmp_path):
     from megatron_credit.recipe.config import load_recipe
-    from megatron_credit.planning import plan
+    from megatron_credit.planning.plan import plan
 
     for name in ("qwen15b_hf", "qwen15b_vllm"):
         recipe = load_recipe(str(G.write(name, tmp_path / name, te=False, weights=False)))

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from megatron_credit.planning import GIB, plan
+from megatron_credit.planning.plan import GIB, plan
 
 
 def _with_layout(recipe, tp: int, pp: int, cp: int):

@@ -59,7 +59,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from megatron_credit.gpu_kinds import GIB, GPUS  # noqa: F401  (re-exported: planning.GPUS)
+from megatron_credit.planning.gpu_kinds import GIB, GPUS  # noqa: F401  (re-exported: planning.GPUS)
 
 RESERVED_BYTES = 7 * GIB // 2
 """NCCL buffers (~1-2 GiB) and allocator fragmentation, per GPU (3.5 GiB: the 4 GiB this reserve was
