@@ -3,7 +3,7 @@
 Public API:
 
 - ``transformer_config_from_hf(hf_config, *, parallel, params_dtype=torch.float32, **overrides)``:
-  a megatron ``TransformerConfig`` with the architecture of a Qwen2 / Qwen2.5 / Qwen3 / Llama 3
+  a megatron ``TransformerConfig`` with the architecture of a Qwen2 / Qwen2.5 / Qwen3 / Llama 3 / Mistral
   ``transformers`` config (GQA, RoPE, SwiGLU, RMSNorm, QKV bias, q/k norm) and the TP / PP / CP /
   sequence-parallel sizes of ``parallel`` (a ``megatron_credit.recipe.config.ParallelConfig``). Refuses,
   before anything is built, a model that ``parallel`` cannot shard (``ValueError`` naming the field).

@@ -151,7 +151,9 @@ class ModelConfig:
         if (self.name_or_path is None) == (self.architecture is None):
             raise ValueError("model: give exactly one of model.name_or_path and model.architecture")
         if self.architecture is not None and "model_type" not in self.architecture:
-            raise ValueError("model.architecture must contain 'model_type' (qwen2, qwen3 or llama)")
+            from megatron_credit.models.family_facts import supported_model_types
+
+            raise ValueError(f"model.architecture must contain 'model_type' ({', '.join(supported_model_types())})")
         if self.architecture is not None:  # a typo would otherwise build the default-sized model silently
             from megatron_credit.models.arch_keys import check_architecture_keys
 
