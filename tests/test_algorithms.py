@@ -94,3 +94,15 @@ def test_specs_require_their_aggregation_arguments():
         ALGORITHMS.get("dapo").aggregate(l, mask)
     for name in ALGORITHMS:
         assert ALGORITHMS.get(name).agg_required_args  # every mode names its denominators
+
+
+def test_a_loss_gets_the_side_channels_it_names_and_no_other():
+    ppo = ALGORITHMS.get("grpo")
+    params = ppo.make_params({})
+    assert not ppo.loss_takes("kappa") and not ppo.loss_takes("token_weight") and ppo.loss_takes("is_weights")
+    g = torch.Generator().manual_seed(0)
+    logp, old = -torch.rand(2, 5, generator=g), -torch.rand(2, 5, generator=g)
+    adv, mask = torch.randn(2, 5, generator=g), torch.ones(2, 5, dtype=torch.bool)
+    plain, _ = ppo.loss(logp, old, adv, mask, params)
+    with_side, _ = ppo.loss(logp, old, adv, mask, params, side={"kappa": torch.ones(2, 5)})  # not its keyword
+    assert torch.equal(plain, with_side)

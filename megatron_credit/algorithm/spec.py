@@ -184,7 +184,7 @@ class AlgorithmSpec:
     """Whether a value model is trained (GAE estimators)."""
     needs_gates: bool = False
     """Whether Comp-GAE's transport gates are made (a gate control in its state, ``algorithm/state.py``, from
-    the ``kappa`` its capture reads; the planner counts the capture's memory)."""
+    the ``kappa`` its capture reads; the planner sizes CompPO's critic)."""
     behaviour_extras: Optional[Callable[[Any, Any], dict]] = None
     """Side channels: ``fn(batch, params) -> {name: [B, T] tensor}``, called on the last pipeline stage after
     the behaviour pass (``batch`` is the ``trainer.batch.TrainBatch`` with ``old_logp`` and whatever else the
@@ -226,9 +226,13 @@ class AlgorithmSpec:
         loss that only sums over masked tokens is not affected by the empty slots."""
         fn = POLICY_LOSSES.get(self.policy_loss)
         extra = {"row_slots": row_slots} if row_slots is not None and _takes(fn, "row_slots") else {}
-        side = {k: v for k, v in (side or {}).items() if _takes(fn, k)}  # the side channels it names
+        side = {k: v for k, v in (side or {}).items() if self.loss_takes(k)}  # the side channels it names
         return fn(logp, old_logp, advantages, response_mask, cp_group=cp_group, is_weights=is_weights,
                   **side, **extra, **params.loss_kwargs())
+
+    def loss_takes(self, name: str) -> bool:
+        """Whether the policy loss names the side channel ``name`` as a keyword (then :meth:`loss` hands it over)."""
+        return _takes(POLICY_LOSSES.get(self.policy_loss), name)
 
     def critic_kind(self, params: AlgorithmParams) -> Optional[CriticKind]:
         """The critic this algorithm trains (``critic_kinds.CRITIC_KINDS``; ``trunk`` unless its parameters

@@ -157,6 +157,10 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
         clash = sorted(set(extras) & (set(TOKEN_FIELDS) | set(batch.extras)))
         if clash:
             raise ValueError(f"behaviour_extras names {clash} clash with TrainBatch fields or the capture's outputs")
+        unread = sorted(k for k in extras if not ctx.spec.loss_takes(k))
+        if unread:  # made for the loss, which would never see them (it gets the side channels it names)
+            raise ValueError(f"behaviour_extras names {unread}, which the policy loss {ctx.spec.policy_loss!r} "
+                             f"does not take as keywords")
         batch.extras.update(extras)
 
 
