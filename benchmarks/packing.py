@@ -72,7 +72,6 @@ def _worker(rank: int, world: int, port: int, packing: bool, args, results) -> N
     from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
-    from megatron_credit.algorithm.spec import actor_options
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
     from megatron_credit.trainer.metrics import StatSums
 
@@ -85,12 +84,12 @@ def _worker(rank: int, world: int, port: int, packing: bool, args, results) -> N
     device = distributed.initialize(recipe.parallel, seed=0, launch=distributed.LaunchEnv(
         rank=rank, world_size=world, master_port=port))
     try:
-        spec, params = recipe.algorithm.spec_and_params()
+        algorithm = recipe.algorithm.build()
         hf = recipe.model.hf_config()
         actor = Actor(hf_config=hf, **actor_settings(recipe), device=device, with_reference=False,
-                      **actor_options(spec, params, hf, dtype=torch.float32, pp_size=world))
+                      **algorithm.actor_options(hf, dtype=torch.float32, pp_size=world))
         actor.load_initial_weights(seed=0)
-        ctx = Context(**context_settings(recipe, params), spec=spec, params=params, actor=actor, rollouts=None,
+        ctx = Context(**context_settings(recipe), algorithm=algorithm, actor=actor, rollouts=None,
                       pad_id=0, seq_multiple=seq_multiple(recipe.parallel))
         batch = _batch(*length_mix(args.samples, args.cap), ARCH["vocab_size"])
         plan = step.plan_microbatches(ctx, batch)

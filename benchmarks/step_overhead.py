@@ -39,7 +39,6 @@ def main() -> None:
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.batch import TrainBatch
-    from megatron_credit.algorithm.spec import actor_options
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
     from megatron_credit.trainer.metrics import StatSums
 
@@ -57,12 +56,12 @@ def main() -> None:
                                    "train": {"num_minibatches": 1, "max_tokens_per_microbatch": 1 << 30}})
         if not ctxs:
             device = distributed.initialize(recipe.parallel, seed=0)
-        spec, params = recipe.algorithm.spec_and_params()
+        algorithm = recipe.algorithm.build()
         actor = Actor(hf_config=recipe.model.hf_config(), **actor_settings(recipe), device=device,
                       with_reference=False,
-                      **actor_options(spec, params, recipe.model.hf_config(), dtype=torch.float32))
+                      **algorithm.actor_options(recipe.model.hf_config(), dtype=torch.float32))
         actor.load_initial_weights(seed=0)
-        ctxs[name] = Context(**context_settings(recipe, params), spec=spec, params=params, actor=actor, rollouts=None, pad_id=0,
+        ctxs[name] = Context(**context_settings(recipe), algorithm=algorithm, actor=actor, rollouts=None, pad_id=0,
                              seq_multiple=seq_multiple(recipe.parallel))
     g = torch.Generator().manual_seed(0)
     b, t = args.rows, args.seq

@@ -15,67 +15,58 @@ import os
 import pytest
 import torch
 
-from megatron_credit.algorithm.params import AlgorithmParams
-from megatron_credit.algorithm.spec import ALGORITHMS, POLICY_LOSSES, AlgorithmSpec
-from megatron_credit.losses import policy
+from megatron_credit.algorithm.catalog import ALGORITHMS
+from megatron_credit.algorithm.grpo import GRPO
 from megatron_credit.algorithm.metric_tables import TOKEN_MEAN, MetricTable
+from megatron_credit.losses import policy
 from tests.support.distributed_harness import DistributedPool
 
 NAME = "test_prob_weighted_grpo"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ProbWeightParams(AlgorithmParams):
-    """The new algorithm's ``algorithm.params``."""
-
-    clip_eps: float = 0.2
-    """PPO clip."""
-    floor: float = 0.25
-    """Smallest token weight."""
-
-    def estimator_kwargs(self) -> dict:
-        return {"norm_by_std": True}
-
-    def loss_kwargs(self) -> dict:
-        return {"clip_eps": self.clip_eps}
-
 
 SEEN: list = []
 """What the algorithm saw in this process: ``("pass", weights, old_logp, mask)`` per behaviour pass and
 ``("loss", weight sum, token count, max |w - expected|)`` per micro-batch loss."""
 
 
-def prob_weight(batch, params):
-    """The side channel: ``[B, T]`` weights from the behaviour pass's log-probs (0 off the response)."""
-    w = torch.where(batch.loss_mask, batch.old_logp.exp().clamp(min=params.floor), 0.0)
-    SEEN.append(("pass", w.clone(), batch.old_logp.clone(), batch.loss_mask.clone()))
-    return {"token_weight": w}
+class ProbWeightedGRPO(GRPO):
+    """GRPO's advantages and aggregation, PPO's clipped loss on ``token_weight * A``."""
 
+    loss_agg_mode = "token-mean"
+    side_channels = ("token_weight",)
+    metrics = (MetricTable(means={"weighted/token_weight_mean": ("sum:token_weight_mean", "sum:tokens")},
+                           reduce={"token_weight_mean": TOKEN_MEAN}),)
 
-def weighted_ppo(logp, old_logp, advantages, response_mask, *, token_weight, clip_eps, is_weights=None,
-                 cp_group=None):
-    """PPO's clipped loss on ``token_weight * A``; reports the weights' mean over this micro-batch."""
-    m = response_mask.bool()
-    expected = torch.where(m, old_logp.detach().exp().clamp(min=0.25), 0.0)  # the same tokens, recomputed
-    SEEN.append(("loss", float(token_weight[m].sum()), int(m.sum()), float((token_weight - expected).abs().max())))
-    loss, metrics = policy.ppo_clip_loss(logp, old_logp, advantages * token_weight, response_mask,
-                                         clip_low=clip_eps, clip_high=clip_eps, dual_clip_c=None,
-                                         is_weights=is_weights)
-    metrics["token_weight_mean"] = torch.where(m, token_weight, 0.0).sum() / m.sum().clamp(min=1)
-    return loss, metrics
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Config(GRPO.Config):
+        """The new algorithm's ``algorithm.params``."""
+
+        floor: float = 0.25
+        """Smallest token weight."""
+
+    def behaviour_extras(self, batch):
+        """The side channel: ``[B, T]`` weights from the behaviour pass's log-probs (0 off the response)."""
+        w = torch.where(batch.loss_mask, batch.old_logp.exp().clamp(min=self.config.floor), 0.0)
+        SEEN.append(("pass", w.clone(), batch.old_logp.clone(), batch.loss_mask.clone()))
+        return {"token_weight": w}
+
+    def loss(self, logp, old_logp, advantages, response_mask, *, token_weight, cp_group=None, is_weights=None,
+             row_slots=None):
+        """PPO's clipped loss on ``token_weight * A``; reports the weights' mean over this micro-batch."""
+        m = response_mask.bool()
+        expected = torch.where(m, old_logp.detach().exp().clamp(min=0.25), 0.0)  # the same tokens, recomputed
+        SEEN.append(("loss", float(token_weight[m].sum()), int(m.sum()), float((token_weight - expected).abs().max())))
+        eps = self.config.clip_eps
+        loss, metrics = policy.ppo_clip_loss(logp, old_logp, advantages * token_weight, response_mask,
+                                             clip_low=eps, clip_high=eps, dual_clip_c=None, is_weights=is_weights)
+        metrics["token_weight_mean"] = torch.where(m, token_weight, 0.0).sum() / m.sum().clamp(min=1)
+        return loss, metrics
 
 
 def register() -> None:
     """The whole registration of the new algorithm (idempotent). The test process registers it for this
     module's tests only (the fixture below), the spawned pool worker at the start of ``_train``."""
-    if NAME in ALGORITHMS:
-        return
-    POLICY_LOSSES.add("test_weighted_ppo", weighted_ppo)
-    ALGORITHMS.add(NAME, AlgorithmSpec(
-        advantage_estimator="grpo", policy_loss="test_weighted_ppo", loss_agg_mode="token-mean",
-        params_cls=ProbWeightParams, behaviour_extras=prob_weight,
-        metrics=(MetricTable(means={"weighted/token_weight_mean": ("sum:token_weight_mean", "sum:tokens")},
-                             reduce={"token_weight_mean": TOKEN_MEAN}),)))
+    if NAME not in ALGORITHMS:
+        ALGORITHMS.add(NAME, ProbWeightedGRPO.Config)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,7 +76,6 @@ def _registered_for_this_module():
     register()
     yield
     ALGORITHMS.remove(NAME)
-    POLICY_LOSSES.remove("test_weighted_ppo")
 
 
 RECIPE = {
@@ -122,9 +112,10 @@ def _train(run_dir: str):
 def test_the_registration_is_checked_like_a_built_in_one():
     from megatron_credit.recipe.config import recipe_from_dict
 
-    spec, params = recipe_from_dict(RECIPE).algorithm.spec_and_params()
-    assert spec is ALGORITHMS.get(NAME) and params == ProbWeightParams(clip_eps=0.2, floor=0.25)
-    with pytest.raises(ValueError, match=r"unknown field\(s\) \['tau'\] in algorithm.params; valid: \['clip_eps', 'floor'\]"):
+    algorithm = recipe_from_dict(RECIPE).algorithm.build()
+    assert type(algorithm) is ProbWeightedGRPO
+    assert algorithm.config == ProbWeightedGRPO.Config(clip_eps=0.2, floor=0.25)
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['tau'\] in algorithm.params; valid: \['clip_eps', 'floor', 'norm_by_std'\]"):
         recipe_from_dict({**RECIPE, "algorithm": {"name": NAME, "params": {"tau": 4}}})
 
 

@@ -95,7 +95,7 @@ def test_norm_by_std_is_refused_where_it_means_nothing(name):
                                          r"valid: \['clip_eps'\]$"):
         recipe_from_dict({"algorithm": {"name": name, "params": {"norm_by_std": False}}})
     grpo = recipe_from_dict({"algorithm": {"name": "grpo", "params": {"norm_by_std": False}}})
-    assert grpo.algorithm.spec_and_params()[1].estimator_kwargs() == {"norm_by_std": False}
+    assert grpo.algorithm.build().config.norm_by_std is False
 
 
 def test_an_in_process_vllm_engine_under_a_split_trainer_is_refused_in_one_line():

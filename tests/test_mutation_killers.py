@@ -7,8 +7,9 @@ rule of the code is changed, and says why that rule matters to a user.
   no gradient to their producer, and the policy gradient is that of the detached advantages.
 - FIPO's loss passes every one of its settings on (safety threshold, packed rows, dual clip, IS
   weights) and scales advantages by ``f`` (not ``/ f``), checked end to end against loop references.
-- Default hyperparameters are the documented ones (DESIGN.md, GSPO's paper), through the public
-  functions and through the algorithms registry's ``make_params``; log-ratios (GSPO's sequence ratio,
+- Default hyperparameters are the documented ones (DESIGN.md, GSPO's paper), on each algorithm's
+  ``Config`` (what a recipe without params gets), through its loss and through the public functions
+  given those values; log-ratios (GSPO's sequence ratio,
   truncated-IS weights) are clamped to [-20, 20] on both sides like every other ratio.
 - Group estimators on groups of exactly two (the unbiased std and RLOO's ``n / (n - 1)`` at n = 2);
   CompPO's gate at its default tau = 4 and at the edges of its envelope (a constant gate is the
@@ -24,11 +25,12 @@ import math
 import pytest
 import torch
 
-from megatron_credit.algorithm.spec import ALGORITHMS
+from megatron_credit.algorithm.catalog import ALGORITHMS
 from megatron_credit.credit.future_kl import fipo_weights, future_kl, multi_dual_clip_keep
 from megatron_credit.credit.gates import comppo_gate
 from megatron_credit.credit.group import broadcast_to_tokens, dr_grpo_advantages, grpo_advantages, rloo_advantages
-from megatron_credit.losses.policy import AGG_MODES, aggregate_loss, fipo_policy_loss, gspo_loss, ppo_clip_loss
+from megatron_credit.losses.policy import AGG_MODES, aggregate_loss
+from tests.support.loss_settings import fipo_policy_loss, gspo_loss, ppo_clip_loss
 from megatron_credit.rewards.dapo import normalize_final_answer, score_dapo
 from megatron_credit.rewards.math import compute_score
 from tests.references import (comppo_gate_reference, fipo_weights_reference, group_advantages_reference,
@@ -218,13 +220,15 @@ def _defaults_batch(seed=1):
 def test_policy_losses_default_to_the_documented_hyperparameters():
     """DESIGN.md: DAPO clips at [1 - 0.2, 1 + 0.28] with dual clip c = 3 (the 7B setting); FIPO uses
     c = 10, tau = 32, f in [1.0, 1.2] and the same asymmetric clip; GSPO-token 3e-4 / 4e-4 (its
-    paper). Called without keywords, each public loss must equal its loop reference at those values."""
+    paper). With a default config (no ``algorithm.params``), each algorithm's loss must equal its loop
+    reference at those values."""
+    default = lambda name: ALGORITHMS.get(name)().build().loss  # noqa: E731
     logp, old, adv, mask = _defaults_batch()
-    loss, _ = ppo_clip_loss(logp, old, adv, mask)
+    loss, _ = default("dapo")(logp, old, adv, mask)
     ref, _ = ppo_reference(logp, old, adv, mask, el=0.2, eh=0.28, c=3.0)
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
 
-    loss, _ = fipo_policy_loss(logp, old, adv, mask)
+    loss, _ = default("fipo")(logp, old, adv, mask)
     w = fipo_weights_reference(logp, old, adv, mask, tau=32.0, clip=(1.0, 1.2), c=10.0, safety=None,
                                packed=False)
     ref, _ = ppo_reference(logp, old, adv * w, mask, el=0.2, eh=0.28, c=10.0)
@@ -233,7 +237,7 @@ def test_policy_losses_default_to_the_documented_hyperparameters():
     assert inside.numel() > 10, "exp(F) should lie strictly inside [1, 1.2] on many tokens (tau matters)"
 
     logp_s, old_s, adv_s, mask_s = _gspo_batch()
-    loss, _ = gspo_loss(logp_s, old_s, adv_s, mask_s)
+    loss, _ = default("gspo")(logp_s, old_s, adv_s, mask_s)
     torch.testing.assert_close(loss, gspo_reference(logp_s, old_s, adv_s, mask_s, el=3e-4, eh=4e-4),
                                rtol=1e-12, atol=1e-12)
 
@@ -303,18 +307,17 @@ def test_truncated_is_weights_cap_boundary_and_extremes():
 @pytest.mark.parametrize("name,public", [("dapo", ppo_clip_loss), ("fipo", fipo_policy_loss),
                                          ("gspo", gspo_loss)])
 def test_registry_default_params_are_the_public_defaults(name, public):
-    """``ALGORITHMS.get(name).make_params()`` (what a recipe without params gets) computes the same loss
-    as the public function's documented defaults, and names the documented values."""
+    """``ALGORITHMS.get(name)()`` (what a recipe without params gets) names the documented values, and its
+    algorithm computes the same loss as the public function given them."""
     documented = {"dapo": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip_c": 3.0},
                   "fipo": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip_c": 10.0, "tau": 32.0,
                            "weight_clip": (1.0, 1.2), "safety_thresh": None},
                   "gspo": {"clip_low": 3e-4, "clip_high": 4e-4}}[name]
-    spec = ALGORITHMS.get(name)
-    params = spec.make_params()
-    assert {k: params.loss_kwargs()[k] for k in documented} == documented
+    config = ALGORITHMS.get(name)()
+    assert {k: getattr(config, k) for k in documented} == documented
     logp, old, adv, mask = _gspo_batch() if name == "gspo" else _defaults_batch()
-    via_registry, _ = spec.loss(logp, old, adv, mask, params)
-    assert torch.equal(via_registry, public(logp, old, adv, mask)[0])
+    via_registry, _ = config.build().loss(logp, old, adv, mask)
+    assert torch.equal(via_registry, public(logp, old, adv, mask, **documented)[0])
 
 
 # --- PPO clip: edges of the ratio, the advantage sign and the clip range ----------------------------

@@ -86,11 +86,10 @@ def test_the_attention_entropy_capture_matches_a_loop_over_the_attention():
     from megatron_credit.algorithm.plugins import load_plugin
     from megatron_credit.models.concentration import attention_concentration
 
-    from megatron_credit.algorithm.spec import ALGORITHMS, POLICY_LOSSES
+    from megatron_credit.algorithm.catalog import ALGORITHMS
 
     plugin = load_plugin(ENTROPY_PLUGIN)  # registers it: removed again, the built-in names stay exact
     ALGORITHMS.remove(plugin.NAME)
-    POLICY_LOSSES.remove("entropy_weighted_ppo")
     sys.modules.pop(plugin.__name__, None)
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 4, 7, 8, generator=g, dtype=torch.float64), torch.randn(2, 2, 7, 8, generator=g,

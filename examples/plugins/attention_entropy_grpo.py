@@ -10,7 +10,8 @@ layer's attention concentration ``H_t`` (the mean over heads of ``sum_i a_ti^2``
     e_t = -log H_t / log n_t    in [0, 1]:  0 when one key takes all the attention, 1 when it is uniform
 
 (0 where ``n_t < 2``). The capture below hands ``e`` over as the side channel ``attn_entropy``; it travels
-with the batch like any side channel and reaches the loss as the keyword of its name. The loss is PPO's
+with the batch like any side channel and reaches the loss as the keyword of its name (named in
+``side_channels``). The loss is PPO's
 clipped objective on ``(1 + beta * e_t) * A_t`` with GRPO's group advantages and aggregation, so
 ``beta = 0`` is GRPO exactly (tested: the same metrics as ``algorithm.name=grpo``). The metric
 ``attention_entropy/mean`` is ``e``'s token mean over the iteration's updates.
@@ -24,32 +25,12 @@ import dataclasses
 import torch
 
 from megatron_credit.algorithm.capture import CaptureOutput, FinalLayerCapture
+from megatron_credit.algorithm.catalog import ALGORITHMS
+from megatron_credit.algorithm.grpo import GRPO
 from megatron_credit.algorithm.metric_tables import TOKEN_MEAN, MetricTable
-from megatron_credit.algorithm.params import AlgorithmParams
-from megatron_credit.algorithm.spec import ALGORITHMS, POLICY_LOSSES, AlgorithmSpec
 from megatron_credit.losses import policy
 
 NAME = "attention_entropy_grpo"
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class AttentionEntropyParams(AlgorithmParams):
-    """``algorithm.params`` of ``attention_entropy_grpo``."""
-
-    clip_eps: float = 0.2
-    """PPO clip of the ratio, both sides."""
-    beta: float = 1.0
-    """Extra weight of a token produced with uniform final-layer attention: ``w = 1 + beta * e``."""
-
-    def __post_init__(self) -> None:
-        if not self.beta >= 0:
-            raise ValueError(f"algorithm.params.beta must be >= 0, got {self.beta!r}")
-
-    def estimator_kwargs(self) -> dict:
-        return {"norm_by_std": True}  # GRPO's group advantages, divided by the group's std
-
-    def loss_kwargs(self) -> dict:
-        return {"clip_eps": self.clip_eps, "beta": self.beta}
 
 
 class AttentionEntropyCapture(FinalLayerCapture):
@@ -63,22 +44,38 @@ class AttentionEntropyCapture(FinalLayerCapture):
         return {"attn_entropy": torch.where(n >= 2, e.clamp(0.0, 1.0), 0.0)}
 
 
-def entropy_weighted_ppo(logp, old_logp, advantages, response_mask, *, attn_entropy, beta, clip_eps,
-                         is_weights=None, cp_group=None):
-    """PPO's clipped loss on ``(1 + beta * attn_entropy) * advantages``; reports this micro-batch's mean
-    entropy."""
-    m = response_mask.bool()
-    loss, metrics = policy.ppo_clip_loss(logp, old_logp, advantages * (1.0 + beta * attn_entropy), response_mask,
-                                         clip_low=clip_eps, clip_high=clip_eps, dual_clip_c=None,
-                                         is_weights=is_weights)
-    metrics["attn_entropy_mean"] = torch.where(m, attn_entropy, 0.0).sum() / m.sum().clamp(min=1)
-    return loss, metrics
+class AttentionEntropyGRPO(GRPO):
+    """GRPO (its group advantages and aggregation) with PPO's clipped loss on ``(1 + beta e_t) A_t``."""
+
+    side_channels = ("attn_entropy",)
+    metrics = (MetricTable(means={"attention_entropy/mean": ("sum:attn_entropy_mean", "sum:tokens")},
+                           reduce={"attn_entropy_mean": TOKEN_MEAN}),)
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Config(GRPO.Config):
+        """``algorithm.params`` of ``attention_entropy_grpo``: GRPO's (``clip_eps``, ``norm_by_std``) and ``beta``."""
+
+        beta: float = 1.0
+        """Extra weight of a token produced with uniform final-layer attention: ``w = 1 + beta * e``."""
+
+        def __post_init__(self) -> None:
+            if not self.beta >= 0:
+                raise ValueError(f"algorithm.params.beta must be >= 0, got {self.beta!r}")
+
+    def capture(self, *, top_k: int = 0) -> AttentionEntropyCapture:
+        return AttentionEntropyCapture()
+
+    def loss(self, logp, old_logp, advantages, response_mask, *, attn_entropy, cp_group=None, is_weights=None,
+             row_slots=None):
+        """PPO's clipped loss on ``(1 + beta * attn_entropy) * advantages``; reports this micro-batch's mean
+        entropy."""
+        m = response_mask.bool()
+        eps, beta = self.config.clip_eps, self.config.beta
+        loss, metrics = policy.ppo_clip_loss(logp, old_logp, advantages * (1.0 + beta * attn_entropy), response_mask,
+                                             clip_low=eps, clip_high=eps, dual_clip_c=None, is_weights=is_weights)
+        metrics["attn_entropy_mean"] = torch.where(m, attn_entropy, 0.0).sum() / m.sum().clamp(min=1)
+        return loss, metrics
 
 
 if NAME not in ALGORITHMS:  # importing the file twice (torchrun ranks share nothing; tests may) is harmless
-    POLICY_LOSSES.add("entropy_weighted_ppo", entropy_weighted_ppo)
-    ALGORITHMS.add(NAME, AlgorithmSpec(
-        advantage_estimator="grpo", policy_loss="entropy_weighted_ppo", loss_agg_mode="seq-mean-token-mean",
-        params_cls=AttentionEntropyParams, capture_factory=lambda params, top_k=0: AttentionEntropyCapture(),
-        metrics=(MetricTable(means={"attention_entropy/mean": ("sum:attn_entropy_mean", "sum:tokens")},
-                             reduce={"attn_entropy_mean": TOKEN_MEAN}),)))
+    ALGORITHMS.add(NAME, AttentionEntropyGRPO.Config)

@@ -5,19 +5,20 @@ The trainer knows one seam and no algorithm: before the behaviour pass's forward
 ``capture.collect(microbatch) -> {name: tensor}``. Each output is whole rows ``[b, seq_len, *trailing]``,
 identical on every TP / CP rank, and goes into the batch's side channel (``TrainBatch.extras``) under its
 name. From there it travels like any side channel: cut into the update's micro-batches, read by the
-algorithm before its estimator (:meth:`~megatron_credit.algorithm.state.AlgorithmState.advantage_inputs`),
-by a feature critic (its ``forward`` keywords), and by a policy loss that names it as a keyword.
+algorithm before its estimator (:meth:`~megatron_credit.algorithm.base.Algorithm.advantage_inputs`),
+by a feature critic (its ``forward`` keywords), and by a policy loss that names it in its
+``side_channels``.
 
 :class:`FinalLayerCapture` is the common case: the final decoder layer's attention statistics
 (``models/final_layer.py``: the concentration ``H``, the key count ``n`` and the top-K keys), read during
-the pass that computes the old log-probs, at no second forward. CompPO's gate (:class:`GateCapture`) is one;
+the pass that computes the old log-probs, at no second forward. CompPO's gate (``algorithm/comppo.py``: ``GateCapture``) is one;
 a plugin reads the same statistics with a subclass of its own (``examples/plugins/attention_entropy_grpo.py``).
 No megatron import: the model chunk is what the trainer hands over.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -87,27 +88,3 @@ class FinalLayerCapture(Capture):
         result = layer.result
         layer.disarm()
         return {k: whole_rows(v, microbatch) for k, v in self.read(result).items()}
-
-
-class GateCapture(FinalLayerCapture):
-    """CompPO's behaviour-pass capture: the dynamic gate ``kappa = gate_fn(H, n)`` (``credit.gates.comppo_gate``)
-    and, for its transport-aligned critic, the ``top_k`` keys the final layer attends to most
-    (``topk_idx``, global positions, and their weights ``topk_w``; ``top_k = 0``: empty)."""
-
-    def __init__(self, gate_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *, top_k: int = 0,
-                 sink_keys: int = 0) -> None:
-        super().__init__(top_k=top_k, sink_keys=sink_keys)
-        self.gate_fn = gate_fn
-
-    @property
-    def outputs(self) -> Mapping[str, CaptureOutput]:
-        return {"kappa": CaptureOutput(torch.float32),
-                "topk_idx": CaptureOutput(torch.long, (self.top_k,)),
-                "topk_w": CaptureOutput(torch.float32, (self.top_k,))}
-
-    def read(self, result: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {"kappa": self.gate_fn(result["H"].float(), result["n"]).float()}
-        if "topk_idx" in result:
-            out["topk_idx"] = result["topk_idx"]
-            out["topk_w"] = result["topk_w"].float()
-        return out

@@ -93,7 +93,7 @@ class PositionGates(GateControlBase):
 class GateControl:
     """Comp-GAE's transport from the behaviour pass's dynamic gate ``kappa``: the gate control the
     algorithm's parameters name (``params.gate_control_settings()``: a name in :data:`GATE_CONTROLS` and
-    its keywords), whose state travels in checkpoints. ``AlgorithmSpec.gate_control`` builds it. ``device``:
+    its keywords), whose state travels in checkpoints. ``CompPO.start`` builds it (``algorithm/comppo.py``). ``device``:
     the rank's device, where a control's collectives over ``dp_group`` run (default: the gates' device)."""
 
     def __init__(self, params, *, seed: int, dp_rank: int, dp_group=None, device=None):

@@ -1,8 +1,8 @@
-"""What may change between iterations: the step's knobs (moved by CompPO's phase controller,
-``algorithm/state.py``). No megatron import.
+"""What may change between iterations: the trainer's knobs (moved by CompPO's phase controller,
+``algorithm/comppo.py``, which also scales its own clips by :func:`phase_ratio`). No megatron import.
 
-The recipe and the algorithm's parameters are never mutated: each iteration reads a :class:`StepKnobs`,
-rebuilt from them (and from the phase, when the controller runs) with ``dataclasses.replace``.
+The recipe is never mutated: each iteration reads a :class:`StepKnobs`, rebuilt from the recipe's own
+(and from the phase, when the controller runs).
 
 Phase settings are applied *relative to the stable row* of the paper's Table 14: a recipe whose stable
 settings are the paper's (clip 0.2, lr 1e-6, KL 2e-3, ...) gets the paper's numbers in every phase, and a
@@ -11,16 +11,14 @@ recipe with other base settings (the CPU demo's lr 2e-4) gets the same proportio
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
-
+import functools
+from typing import Optional
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepKnobs:
     """The settings one iteration runs with."""
 
-    params: Any
-    """The algorithm's parameter dataclass in force (clip ranges, value clip, advantage clip)."""
     kl_coef: float
     """Weight of the KL penalty to the reference policy."""
     lr_scale: float = 1.0
@@ -37,22 +35,29 @@ class StepKnobs:
     """CompPO's phase (``stable`` when the controller is off)."""
 
 
-def base_knobs(params, *, kl_coef: float, clip_grad: float, epochs: int) -> StepKnobs:
+def base_knobs(*, kl_coef: float, clip_grad: float, epochs: int) -> StepKnobs:
     """The recipe's own settings (``algorithm.kl_coef``, ``optim.clip_grad``, ``train.epochs``, given by
     ``trainer.loop.build``)."""
-    return StepKnobs(params=params, kl_coef=kl_coef, clip_grad=clip_grad, epochs=epochs)
+    return StepKnobs(kl_coef=kl_coef, clip_grad=clip_grad, epochs=epochs)
+
+
+def phase_ratio(phase: str, setting: str) -> float:
+    """A setting of the phase table (``credit.phase.PHASE_TABLE``: ``clip``, ``kl_coef``, ...) in ``phase``,
+    relative to the stable row."""
+    from megatron_credit.credit.phase import PHASE_TABLE
+
+    return getattr(PHASE_TABLE[phase], setting) / getattr(PHASE_TABLE["stable"], setting)
 
 
 def phase_knobs(base: StepKnobs, phase: str) -> StepKnobs:
-    """The knobs of ``phase``: every setting of the phase table scaled by its ratio to the stable row,
-    from ``base`` (the recipe's own: :func:`base_knobs`)."""
+    """The trainer's knobs in ``phase``: every setting of the phase table scaled by its ratio to the stable
+    row, from ``base`` (the recipe's own: :func:`base_knobs`). The algorithm's clips are its own
+    (``CompPO``)."""
     from megatron_credit.credit.phase import PHASE_TABLE
 
     s, stable = PHASE_TABLE[phase], PHASE_TABLE["stable"]
-    ratio = lambda field: getattr(s, field) / getattr(stable, field)  # noqa: E731
-    moved = base.params.scaled_for_phase(clip=ratio("clip"), value_clip=ratio("value_clip"),
-                                         adv_clip=ratio("adv_clip"))
-    return StepKnobs(params=moved, kl_coef=base.kl_coef * ratio("kl_coef"),
+    ratio = functools.partial(phase_ratio, phase)
+    return StepKnobs(kl_coef=base.kl_coef * ratio("kl_coef"),
                      lr_scale=ratio("actor_lr"), critic_lr_scale=s.critic_lr_mult / stable.critic_lr_mult,
                      clip_grad=base.clip_grad * ratio("grad_clip"), critic_clip_grad=base.clip_grad * ratio("grad_clip"),
                      epochs=max(1, round(base.epochs * ratio("epochs"))), phase=phase)

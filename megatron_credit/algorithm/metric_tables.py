@@ -9,7 +9,7 @@ metrics come out of the reduced ``sum:`` / ``min:`` / ``max:`` values. A statist
 refused by the trainer in one line: nothing is computed and then dropped.
 
 The trainer's own metrics (``actor/``, ``mismatch/``) are :data:`CORE`; an algorithm declares the tables
-of what it adds (``fipo/``, ``critic/``, ``comppo/``) in its registration (``AlgorithmSpec.metrics``), so
+of what it adds (``fipo/``, ``critic/``, ``comppo/``) as its class's ``metrics`` (``algorithm/base.py``), so
 ``trainer/metrics`` names no algorithm. Standard library only.
 """
 from __future__ import annotations
@@ -141,7 +141,7 @@ GATES = MetricTable(means={
     "comppo/gate_mid_third": ("sum:gate_mid", "sum:gate_mid_tokens"),
     "comppo/gate_last_third": ("sum:gate_last", "sum:gate_last_tokens"),
 })
-"""CompPO's transport gates (``algorithm/state.gate_stats``)."""
+"""CompPO's transport gates (``algorithm/comppo.gate_stats``)."""
 
 BUILT_IN = (FIPO, CRITIC, GATES)
 """The built-in algorithms' tables: what ``finalize`` computes when it is not told an algorithm's."""

@@ -1,7 +1,8 @@
 """Per-token policy-gradient losses: PPO clip (asymmetric, dual clip), GSPO, FIPO-weighted DAPO.
 
 Each function returns ``(per_token_loss [B, T], metrics)``; reduce the loss with :func:`aggregate_loss`
-(re-exported here) and global denominators. Metrics are detached means over this rank's valid tokens:
+(re-exported here) and global denominators. The clip settings have no defaults here: an algorithm's
+config holds them (``algorithm/``: DAPO's 0.2 / 0.28 / 3.0 on ``DAPO.Config``). Metrics are detached means over this rank's valid tokens:
 ``clipfrac_low`` (A < 0 and ratio < 1 - eps_low), ``clipfrac_high`` (A > 0 and ratio > 1 + eps_high),
 ``clipfrac_dual`` (A < 0 and ratio > c: the dual clip caps the loss), ``approx_kl`` (the k3 estimator
 ``(r - 1) - log r`` of KL(old || new)).
@@ -21,8 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_credit.credit.future_kl import (FIPO_DUAL_CLIP_C, FIPO_TAU, FIPO_WEIGHT_CLIP, LOG_RATIO_CLAMP,
-                                              fipo_weights)
+from megatron_credit.credit.future_kl import LOG_RATIO_CLAMP, fipo_weights
 from megatron_credit.losses.aggregation import AGG_MODES, AGG_REQUIRED_ARGS, aggregate_loss
 
 __all__ = ["AGG_MODES", "AGG_REQUIRED_ARGS", "aggregate_loss", "fipo_policy_loss", "gspo_loss", "ppo_clip_loss"]
@@ -31,8 +31,8 @@ Metrics = dict[str, torch.Tensor]
 
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                  response_mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.28,
-                  dual_clip_c: Optional[float] = 3.0,
+                  response_mask: torch.Tensor, *, clip_low: float, clip_high: float,
+                  dual_clip_c: Optional[float],
                   is_weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Metrics]:
     """Clipped surrogate per token, ``[B, T]`` (0 on masked tokens).
 
@@ -86,7 +86,7 @@ def _clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, respon
 
 
 def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-              response_mask: torch.Tensor, *, clip_low: float = 3e-4, clip_high: float = 4e-4,
+              response_mask: torch.Tensor, *, clip_low: float, clip_high: float,
               is_weights: Optional[torch.Tensor] = None,
               cp_group: Any = None) -> tuple[torch.Tensor, Metrics]:
     """GSPO-token per-token loss ``[B, T]`` with the sequence ratio ``s_i`` (one response per row).
@@ -113,9 +113,9 @@ def gspo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
 
 
 def fipo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                     response_mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.28,
-                     dual_clip_c: float = FIPO_DUAL_CLIP_C, tau: float = FIPO_TAU,
-                     weight_clip: tuple[float, float] = FIPO_WEIGHT_CLIP, safety_thresh: Optional[float] = None,
+                     response_mask: torch.Tensor, *, clip_low: float, clip_high: float,
+                     dual_clip_c: float, tau: float,
+                     weight_clip: tuple[float, float], safety_thresh: Optional[float] = None,
                      chunk_size: int = 128,
                      cp_group: Any = None, packed: bool = False,
                      is_weights: Optional[torch.Tensor] = None,

@@ -425,15 +425,14 @@ def _micro_batch_tokens(recipe, *, seq: int) -> int:
 def _critic_params(recipe, a: Architecture, *, actor_params: int) -> tuple[int, bool]:
     """(the critic's parameters on one GPU, whether it is a separate value model) for the recipe's
     algorithm, given the actor's parameters on its largest stage."""
-    spec, alg_params = recipe.algorithm.spec_and_params()
-    kind = spec.critic_kind(alg_params)
-    if kind is not None and kind.separate_model:
+    kind = recipe.algorithm.build().critic_kind
+    if kind is None:
+        return 0, False
+    if kind.separate_model:
         return actor_params, True  # a value model of the actor's architecture and layout
-    if spec.needs_gates:
-        return math.ceil(0.005 * actor_params), False  # CompPO's critic: < 0.5 % of the actor
-    if spec.needs_critic:
-        return a.hidden_size + 1, False  # PPO's value head on the actor trunk
-    return 0, False
+    if kind.actor_options is not None:
+        return math.ceil(0.005 * actor_params), False  # a critic on the actor's features (CompPO's): < 0.5 %
+    return a.hidden_size + 1, False  # a value head on the actor trunk
 
 
 def _dtype_name(recipe, hf_config) -> str:

@@ -288,7 +288,7 @@ class Recipe:
         if r.prompts_per_step % dp:
             out.append(f"rollout.prompts_per_step={r.prompts_per_step} must be divisible by the "
                        f"data-parallel size {dp}")
-        if r.n < 2 and not self.algorithm.spec_and_params()[0].needs_critic:  # silent zero gradients otherwise
+        if r.n < 2 and self.algorithm.build().critic_kind is None:  # silent zero gradients otherwise
             out.append(f"rollout.n={r.n}: algorithm {self.algorithm.name}'s advantages are relative to the group "
                        "of a prompt's samples, and a group of one has zero advantage (nothing trains); set "
                        "rollout.n >= 2, or use an algorithm with a critic (ppo)")

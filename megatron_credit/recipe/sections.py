@@ -168,13 +168,13 @@ class RewardConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class AlgorithmConfig:
-    """Which algorithm, with its typed parameters (``megatron_credit.algorithm.spec``)."""
+    """Which algorithm, with its typed parameters (``megatron_credit.algorithm``: ``catalog.ALGORITHMS``)."""
 
     name: str = "grpo"
     """Name in ``ALGORITHMS``: grpo, dapo, dr_grpo, rloo, gspo, ppo, fipo, comppo, comppo_fipo, or one that a
     ``--plugin`` file registers."""
     params: Mapping[str, Any] = field(default_factory=dict)
-    """Overrides of the algorithm's parameter dataclass (clip ranges, tau, ...); unknown keys fail."""
+    """Overrides of the algorithm's ``Config`` dataclass (clip ranges, tau, ...); unknown keys fail."""
     kl_coef: float = 0.0
     """Coefficient of the KL penalty to a frozen reference model (0: no reference model)."""
     kl_estimator: str = "k3"
@@ -188,23 +188,27 @@ class AlgorithmConfig:
     ``OFF_POLICY_TIS_CAP`` when ``rollout.mode`` trains on stale samples: the decoupled objective)."""
 
     def __post_init__(self) -> None:
-        from megatron_credit.algorithm.spec import ALGORITHMS, KL_ESTIMATORS
+        from megatron_credit.algorithm.catalog import ALGORITHMS
+        from megatron_credit.losses.kl import KL_ESTIMATORS
 
         if self.name not in ALGORITHMS:
             raise ValueError(f"algorithm.name: unknown algorithm {self.name!r}; valid names: {ALGORITHMS.names()} "
                              "(an algorithm that a plugin file registers needs --plugin FILE, on a resume too)")
-        ALGORITHMS.get(self.name).make_params(self.params, where="algorithm.params")
+        self.config()
         KL_ESTIMATORS.get(self.kl_estimator)
         if self.kl_coef < 0:
             raise ValueError(f"algorithm.kl_coef must be >= 0, got {self.kl_coef}")
         _positive(self, "algorithm", "max_draws")
 
-    def spec_and_params(self):
-        """``(AlgorithmSpec, its parameter dataclass)``."""
-        from megatron_credit.algorithm.spec import ALGORITHMS
+    def config(self):
+        """The algorithm's ``Config`` with :attr:`params` (``algorithm/catalog.py``)."""
+        from megatron_credit.algorithm.catalog import ALGORITHMS
 
-        spec = ALGORITHMS.get(self.name)
-        return spec, spec.make_params(self.params, where="algorithm.params")
+        return ALGORITHMS.get(self.name).from_mapping(self.params, where="algorithm.params")
+
+    def build(self):
+        """The :class:`~megatron_credit.algorithm.base.Algorithm` the recipe names."""
+        return self.config().build()
 
 
 MAX_LR = 1.0

@@ -1,6 +1,6 @@
 """What one RL iteration reads (``trainer/step.py`` takes a :class:`Context`): the recipe sections it
-reads, the algorithm, the models, the rollout manager, the knobs in force, the algorithm's state across
-iterations (``algorithm/state.py``), and the few collectives the iteration needs (DP whitening, the
+reads, the algorithm (``algorithm/base.py``: its config in force and its state across iterations), the
+models, the rollout manager, the knobs in force, and the few collectives the iteration needs (DP whitening, the
 finite-loss vote, the metric reduction). ``trainer/loop.py`` builds it once per launch. No megatron import:
 the process groups and ranks come from the actor.
 """
@@ -19,9 +19,7 @@ from megatron_credit.algorithm.knobs import StepKnobs
 from megatron_credit.trainer.metrics import StatSums, finalize
 
 if TYPE_CHECKING:  # annotations only: nothing of these is imported at run time here
-    from megatron_credit.algorithm.params import AlgorithmParams
-    from megatron_credit.algorithm.spec import AlgorithmSpec
-    from megatron_credit.algorithm.state import AlgorithmState
+    from megatron_credit.algorithm.base import Algorithm
     from megatron_credit.recipe.sections import AlgorithmConfig, TrainConfig
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.rollout import RolloutSource
@@ -47,10 +45,9 @@ class Context:
     """What one iteration needs (``step.py`` reads these; it never imports megatron). No field is the whole
     recipe: ``trainer.loop.build`` hands over the sections and values the iteration reads."""
 
-    spec: AlgorithmSpec
-    """The algorithm (``algorithms.ALGORITHMS``): estimator, loss, aggregation, its hooks."""
-    params: AlgorithmParams
-    """The algorithm's parameters as the recipe gives them (``knobs.params`` are those in force)."""
+    algorithm: Algorithm
+    """The algorithm (``algorithm/catalog.py``, built from the recipe's ``algorithm.name`` and ``params``):
+    estimator, loss, aggregation, critic, capture, and its state across iterations."""
     actor: Actor
     """The policy (``trainer/actor.py``, the one megatron-facing file)."""
     rollouts: RolloutSource
@@ -62,7 +59,7 @@ class Context:
     """Micro-batch lengths are multiples of this (:func:`seq_multiple`)."""
     train: TrainConfig
     """The recipe's ``train`` section (the micro-batch plan, ``fuse_old_logprob``; read-only)."""
-    algorithm: AlgorithmConfig
+    algorithm_section: AlgorithmConfig
     """The recipe's ``algorithm`` section (``kl_estimator``, ``tis_cap``; read-only)."""
     base_knobs: StepKnobs
     """The recipe's own knobs (``algorithm.knobs.base_knobs``); the algorithm's state may move them."""
@@ -74,31 +71,27 @@ class Context:
     """The separate value model (``trainer.critic_model``), or None (no critic, or a head on the actor)."""
     knobs: Optional[StepKnobs] = None
     """The knobs of the next iteration (``base_knobs``, or as the algorithm's state moved them)."""
-    algorithm_state: Optional[AlgorithmState] = None
-    """What the algorithm keeps across iterations (``spec.state``), saved whole with each checkpoint."""
     timer: PhaseTimer = dataclasses.field(default_factory=PhaseTimer)
 
     def __post_init__(self) -> None:
         if self.knobs is None:
             self.knobs = self.base_knobs
         group = self.actor.dp_group
-        if self.algorithm_state is None:
-            self.algorithm_state = self.spec.state(self.params, seed=self.seed, dp_rank=dist.get_rank(group),
-                                                   dp_group=group, device=self.actor.device)
+        self.algorithm.start(seed=self.seed, dp_rank=dist.get_rank(group), dp_group=group, device=self.actor.device)
 
     def after_iteration(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Hand the iteration's metrics to the algorithm's state; the next iteration runs with the knobs it
-        gives. Returns what it logs ({} for most algorithms)."""
-        logged = self.algorithm_state.after_iteration(metrics)
+        """Hand the iteration's metrics to the algorithm; the next iteration runs with the knobs it gives.
+        Returns what it logs ({} for most algorithms)."""
+        logged = self.algorithm.after_iteration(metrics)
         if logged:
-            self.knobs = self.algorithm_state.knobs(self.base_knobs)
+            self.knobs = self.algorithm.knobs(self.base_knobs)
         return logged
 
     def load_algorithm_state(self, state: Optional[dict]) -> None:
         """A checkpoint's algorithm state; the knobs follow it (a resumed run's)."""
-        self.algorithm_state.load_state_dict(state)
+        self.algorithm.load_state_dict(state)
         if state:
-            self.knobs = self.algorithm_state.knobs(self.base_knobs)
+            self.knobs = self.algorithm.knobs(self.base_knobs)
 
     def check_length(self, length: int) -> None:
         from megatron_credit.models import check_sequence_length
@@ -130,4 +123,4 @@ class Context:
             dist.broadcast_object_list(box, src=self.actor.pp_last_rank,
                                        group=self.actor.pp_group, device=self.actor.device)
             stats.values = box[0]
-        return finalize(stats, self.spec.metrics)
+        return finalize(stats, self.algorithm.metrics)

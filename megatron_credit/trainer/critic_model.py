@@ -25,17 +25,18 @@ from typing import Optional
 import torch
 
 
-def wants_separate_critic(spec, params) -> bool:
-    """Whether the algorithm trains a value model of its own (PPO with ``params.critic: separate``)."""
-    kind = spec.critic_kind(params)
+def wants_separate_critic(algorithm) -> bool:
+    """Whether the algorithm (``algorithm.base.Algorithm``) trains a value model of its own (PPO with
+    ``algorithm.params.critic: separate``)."""
+    kind = algorithm.critic_kind
     return kind is not None and kind.separate_model
 
 
-def build_separate_critic(hf_config, spec, params, *, device: torch.device, **settings):
+def build_separate_critic(hf_config, algorithm, *, device: torch.device, **settings):
     """The separate value model of this rank on ``device``, or None when the algorithm has none (call
     after ``distributed.initialize``, next to the actor). ``settings``: the actor's recipe sections and
     values (``trainer.loop.actor_settings``: ``model``, ``parallel``, ``optim``, ``seed``, ...)."""
-    if not wants_separate_critic(spec, params):
+    if not wants_separate_critic(algorithm):
         return None
     from megatron_credit.trainer.actor import Actor
 

@@ -96,14 +96,14 @@ def off_policy_algorithm(recipe):
     return alg
 
 
-def context_settings(recipe, params) -> dict:
+def context_settings(recipe) -> dict:
     """The recipe's sections and values a :class:`Context` reads besides the models and the algorithm:
-    ``train``, ``algorithm`` (:func:`off_policy_algorithm`), Dr.GRPO's length, the seed, and the recipe's
-    own knobs."""
-    return {"train": recipe.train, "algorithm": off_policy_algorithm(recipe),
+    ``train``, the ``algorithm`` section (:func:`off_policy_algorithm`), Dr.GRPO's length, the seed, and the
+    recipe's own knobs."""
+    return {"train": recipe.train, "algorithm_section": off_policy_algorithm(recipe),
             "norm_length": recipe.rollout.max_response_len,
             "seed": recipe.seed,
-            "base_knobs": base_knobs(params, kl_coef=recipe.algorithm.kl_coef,
+            "base_knobs": base_knobs(kl_coef=recipe.algorithm.kl_coef,
                                      clip_grad=recipe.optim.clip_grad, epochs=recipe.train.epochs)}
 
 
@@ -129,7 +129,7 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
     path = ckpt.resolve(run_dir, resume, log=log if rank0 else (lambda *_: None))  # every file checked
     if rank0:
         os.makedirs(run_dir, exist_ok=True)
-    spec, params = recipe.algorithm.spec_and_params()
+    algorithm = recipe.algorithm.build()
     t = recipe.train
     tokenizer, prompts, val_prompts, task = build_data(
         recipe.data, seed=recipe.seed, model_path=recipe.model.name_or_path, val_every=t.val_every,
@@ -139,9 +139,9 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
                          f"{hf_config.vocab_size}")
     settings = actor_settings(recipe)
     actor = Actor(hf_config=hf_config, device=device, with_reference=recipe.algorithm.kl_coef > 0, **settings,
-                  **spec.actor_options(params, hf_config, dtype=recipe.model.torch_dtype(),
-                                       pp_size=recipe.parallel.pipeline_model_parallel_size))
-    critic = build_separate_critic(hf_config, spec, params, device=device, **settings)
+                  **algorithm.actor_options(hf_config, dtype=recipe.model.torch_dtype(),
+                                            pp_size=recipe.parallel.pipeline_model_parallel_size))
+    critic = build_separate_critic(hf_config, algorithm, device=device, **settings)
     dp_of_rank, local_rank, node_ranks = _ranks_layout(data_parallel_rank())
     r = recipe.rollout
     if r.mode != "sync":
@@ -172,9 +172,9 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
                                   layout=engines, local_rank=local_rank, dp_of_rank=dp_of_rank,
                                   offload=GenerationOffload([actor, critic]),
                                   group_timeout_s=recipe.distributed.timeout_s, log=log)
-    ctx = Context(spec=spec, params=params, actor=actor, rollouts=rollouts, critic=critic,
+    ctx = Context(algorithm=algorithm, actor=actor, rollouts=rollouts, critic=critic,
                   pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(recipe.parallel),
-                  **context_settings(recipe, params))
+                  **context_settings(recipe))
     return Run(ctx=ctx, prompts=prompts, task=task, tokenizer=tokenizer, layout=layout, checkpoint=path)
 
 
@@ -361,7 +361,7 @@ def _save(run_dir, step, run: Run, *, keep: int) -> None:
     extras = {"prompts": run.prompts.state_dict(), "rng": ckpt.rng_state()}
     if actor.reference is not None:
         extras["reference"] = ckpt.reference_extras(actor)
-    extras["algorithm"] = ctx.algorithm_state.state_dict()
+    extras["algorithm"] = ctx.algorithm.state_dict()
     ckpt.save(run_dir, step, actor, extras, layout=run.layout, keep=keep, critic=ctx.critic)
 
 

@@ -92,7 +92,7 @@ class StatSums:
 
 def finalize(stats: StatSums, tables: Optional[Sequence[MetricTable]] = None) -> dict[str, float]:
     """The documented metric names from reduced sums (missing inputs give no metric): the trainer's own
-    (``metric_tables.CORE``), those of ``tables`` (the algorithm's, ``AlgorithmSpec.metrics``; None: every
+    (``metric_tables.CORE``), those of ``tables`` (the algorithm's, ``Algorithm.metrics``; None: every
     built-in algorithm's), and the per-rank ``sum:rank_avg/`` statistics averaged over ranks."""
     out: dict[str, float] = {}
     v = stats.values

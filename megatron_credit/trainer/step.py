@@ -1,9 +1,9 @@
 """One RL iteration (DESIGN.md "Data flow"), with no megatron import.
 
 :func:`rl_iteration` is the whole iteration on one screen; the functions below it are its parts. The
-algorithm enters only through ``ctx.spec`` (an ``AlgorithmSpec``: estimator, loss, aggregation) and its
-typed parameters (in ``ctx.knobs``, which the algorithm's state may move between iterations): nothing
-here looks at an algorithm's name.
+algorithm enters only through ``ctx.algorithm`` (an ``algorithm.base.Algorithm``: estimator, loss,
+aggregation, critic, state), built from its typed config: nothing here looks at an algorithm's name or
+reads a field of its config.
 """
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_credit.algorithm.spec import KL_ESTIMATORS, AdvantageInputs
+from megatron_credit.algorithm.base import AdvantageInputs
 from megatron_credit.data.microbatch import plan_minibatches
+from megatron_credit.losses.kl import KL_ESTIMATORS
 from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
 from megatron_credit.trainer.batch import (TOKEN_FIELDS, TrainBatch, make_microbatch, make_packed_microbatch, round_up,
                                            step_denominators)
@@ -63,7 +64,7 @@ def fused_old_logprob(ctx: Context) -> bool:
     detached (as verl does on-policy): the same loss and gradient without that forward pass. Later
     mini-batches keep their behaviour pass. Needs one epoch (a second one reads old log-probs of the
     first mini-batch after it was updated) and nothing else from the policy's pass (an algorithm's
-    capture, a value head on the trunk): those are refused naming the field."""
+    capture or side channels, a value head on the trunk): those are refused naming the field."""
     if not ctx.train.fuse_old_logprob:
         return False
     why = None
@@ -71,6 +72,8 @@ def fused_old_logprob(ctx: Context) -> bool:
         why = f"{ctx.knobs.epochs} epochs (train.epochs, or the algorithm's knobs): needs 1"
     elif ctx.actor.capture is not None:
         why = "this algorithm reads the behaviour pass's forward (its capture)"
+    elif ctx.algorithm.side_channels:
+        why = f"this algorithm's loss reads side channels made after the behaviour pass {list(ctx.algorithm.side_channels)}"
     elif ctx.actor.with_critic:
         why = "the values of the critic head on the trunk come from the behaviour pass"
     if why is not None:
@@ -152,16 +155,28 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
     if not actor.last_stage:  # only the last stage computes losses; others never read these
         batch.old_logp = batch.values = batch.ref_logp = None
         batch.extras = {}
-    elif ctx.spec.behaviour_extras is not None:  # the algorithm's side channels (a per-token weight, ...)
-        extras = ctx.spec.behaviour_extras(batch, ctx.knobs.params)
-        clash = sorted(set(extras) & (set(TOKEN_FIELDS) | set(batch.extras)))
-        if clash:
-            raise ValueError(f"behaviour_extras names {clash} clash with TrainBatch fields or the capture's outputs")
-        unread = sorted(k for k in extras if not ctx.spec.loss_takes(k))
-        if unread:  # made for the loss, which would never see them (it gets the side channels it names)
-            raise ValueError(f"behaviour_extras names {unread}, which the policy loss {ctx.spec.policy_loss!r} "
-                             f"does not take as keywords")
-        batch.extras.update(extras)
+    else:
+        add_behaviour_extras(ctx.algorithm, batch)
+
+
+def add_behaviour_extras(alg, batch: TrainBatch) -> None:
+    """The algorithm's side channels made after the behaviour pass (``Algorithm.behaviour_extras``: a
+    per-token weight, ...) into ``batch.extras``, next to its capture's outputs. Refused in one line: a
+    name that clashes, one the loss would never see (not in ``side_channels``), and a side channel the
+    loss names that nothing made."""
+    extras = alg.behaviour_extras(batch)
+    clash = sorted(set(extras) & (set(TOKEN_FIELDS) | set(batch.extras)))
+    if clash:
+        raise ValueError(f"behaviour_extras names {clash} clash with TrainBatch fields or the capture's outputs")
+    unread = sorted(k for k in extras if k not in alg.side_channels)
+    if unread:  # made for the loss, which would never see them (it gets the side channels it names)
+        raise ValueError(f"behaviour_extras names {unread}, which {type(alg).__name__}.side_channels "
+                         f"{list(alg.side_channels)} does not name")
+    batch.extras.update(extras)
+    missing = [k for k in alg.side_channels if k not in batch.extras]
+    if missing:
+        raise ValueError(f"{type(alg).__name__}.side_channels names {missing}, which neither its capture nor "
+                         "its behaviour_extras makes")
 
 
 def write_rows(ctx: Context, target: torch.Tensor, mb, local: torch.Tensor, *, whole=None) -> None:
@@ -175,27 +190,27 @@ def write_rows(ctx: Context, target: torch.Tensor, mb, local: torch.Tensor, *, w
 
 def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
     """``batch.advantages`` (and ``returns``) from the algorithm's estimator, with what the algorithm's state
-    adds to its inputs from the side channels (``AlgorithmState.advantage_inputs``, kept in ``batch.extras``
+    adds to its inputs from the side channels (``Algorithm.advantage_inputs``, kept in ``batch.extras``
     too). The algorithm's ``advantage_post``: the critic's warm-up (values
     enter the advantages after ``critic_warmup_steps`` iterations), PPO-style whitening over the global
     batch (masked, summed over DP) and the advantage clip. Then the critic kind's diagnostics
-    (``spec.critic_stats``)."""
+    (``Algorithm.critic_stats``)."""
     if batch.old_logp is None:  # not the last pipeline stage
         return
-    params = ctx.knobs.params
+    alg = ctx.algorithm
     mask = batch.loss_mask
     stats = StatSums() if stats is None else stats
-    added, added_stats = ctx.algorithm_state.advantage_inputs(batch.extras, mask, iteration)
+    added, added_stats = alg.advantage_inputs(batch.extras, mask, iteration)
     batch.extras.update(added)
     stats.add(added_stats)
-    post = ctx.spec.advantage_post(params)
+    post = alg.advantage_post
     values = batch.values
     if values is not None and iteration <= post.critic_warmup_steps:
         values = torch.zeros_like(values)  # the critic trains on these returns but is not trusted yet
     inputs = AdvantageInputs(response_mask=mask, scores=batch.rewards, group_ids=batch.group_ids,
                              token_rewards=batch.token_rewards() if values is not None else None,
-                             values=values, **added)
-    out = ctx.spec.estimate(inputs, params)  # full sequences on every CP rank: no cp_group needed
+                             values=values, extras=added)
+    out = alg.estimate(inputs)  # full sequences on every CP rank: no cp_group needed
     adv = out.advantages.float()
     if post.whiten:
         adv = ctx.whiten(adv, mask)
@@ -204,7 +219,7 @@ def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stat
     batch.advantages = adv
     batch.returns = None if out.returns is None else out.returns.float()
     if batch.returns is not None:  # the critic kind's own diagnostics (a feature critic's critic/*)
-        stats.add(ctx.spec.critic_stats(batch.values, batch.returns, mask, params))
+        stats.add(alg.critic_stats(batch.values, batch.returns, mask))
 
 
 def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], stats: "StatSums", *,
@@ -216,11 +231,10 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
     rows = [i for mb in mini for i in mb]
     den = step_denominators(batch.loss_mask[rows], norm_length=ctx.norm_length,
                             device=ctx.actor.device, dp_group=ctx.actor.dp_group)
-    alg, knobs = ctx.algorithm, ctx.knobs
-    params = knobs.params
-    kl = KL_ESTIMATORS.get(alg.kl_estimator) if knobs.kl_coef > 0 else None
+    alg, section, knobs = ctx.algorithm, ctx.algorithm_section, ctx.knobs
+    kl = KL_ESTIMATORS.get(section.kl_estimator) if knobs.kl_coef > 0 else None
     cp_group = ctx.actor.cp_group if ctx.actor.cp_size > 1 else None
-    reduce = reductions((CORE, *ctx.spec.metrics))
+    reduce = reductions((CORE, *alg.metrics))
 
     fresh_old = []  # (micro-batch, detached log-probs) of an old_from_update step
 
@@ -234,17 +248,17 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
         if old_from_update:
             t["old_logp"] = logp.detach()
         is_w, tis = None, {}
-        if alg.tis_cap is not None:  # engine vs trainer mismatch: min(pi_old / pi_engine, C)
-            is_w, tis = truncated_is_weights(t["old_logp"], t["rollout_logp"], mask, cap=alg.tis_cap)
-        per_tok, m = ctx.spec.loss(logp, t["old_logp"], t["advantages"], mask, params,
-                                   cp_group=cp_group, is_weights=is_w, side={k: t[k] for k in batch.extras},
-                                   row_slots=mb.layout.row_slots.to(mask.device) if mb.packed and cp_group else None)
+        if section.tis_cap is not None:  # engine vs trainer mismatch: min(pi_old / pi_engine, C)
+            is_w, tis = truncated_is_weights(t["old_logp"], t["rollout_logp"], mask, cap=section.tis_cap)
+        per_tok, m = alg.loss(logp, t["old_logp"], t["advantages"], mask, cp_group=cp_group, is_weights=is_w,
+                              row_slots=mb.layout.row_slots.to(mask.device) if mb.packed and cp_group else None,
+                              **{k: t[k] for k in alg.side_channels})
         kl_tok = None
         if kl is not None:
             kl_tok = kl(logp, t["ref_logp"])
             per_tok = per_tok + knobs.kl_coef * torch.where(mask, kl_tok, 0.0)
         agg = den.for_rows(mb.whole_loss_mask)
-        pg_loss = ctx.spec.aggregate(per_tok, mask, **agg)
+        pg_loss = alg.aggregate(per_tok, mask, **agg)
         loss = pg_loss
         n = mask.sum().float()
         s = {"sum:tokens": n, "sum:pg_loss": pg_loss.detach(),
@@ -255,9 +269,9 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
         if kl_tok is not None:
             s["sum:kl"] = torch.where(mask, kl_tok, 0.0).sum().detach()
         if values is not None:
-            v_loss, v_stats = ctx.spec.value_loss(values, t["values"], t["returns"], mask, params,
-                                                  global_num_tokens=den.global_num_tokens)
-            loss = loss + ctx.spec.value_weight(params) * v_loss
+            v_loss, v_stats = alg.value_loss(values, t["values"], t["returns"], mask,
+                                             global_num_tokens=den.global_num_tokens)
+            loss = loss + alg.value_weight * v_loss
             s.update(v_stats)
         return loss, s
 
@@ -284,7 +298,7 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
 
         def critic_loss_fn(mb, logp, ent, values, aux):
             t = mb.tensors  # the value loss itself (vf_coef weighs it against the policy loss on a shared trunk)
-            return ctx.spec.value_loss(values, t["values"], t["returns"], t["loss_mask"], params,
-                                       global_num_tokens=den.global_num_tokens)
+            return alg.value_loss(values, t["values"], t["returns"], t["loss_mask"],
+                                  global_num_tokens=den.global_num_tokens)
 
         critic_step(ctx, mbs, stats, critic_loss_fn)

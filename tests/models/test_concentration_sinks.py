@@ -71,15 +71,14 @@ def test_capture_passes_sink_keys_to_H_and_not_to_topk():
 
 def test_recipe_option_reaches_the_actor_options():
     from megatron_credit.recipe.config import recipe_from_dict
-    from megatron_credit.algorithm.spec import actor_options
 
     arch = dict(model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     recipe = recipe_from_dict({"model": {"architecture": arch}, "algorithm": {"name": "comppo"}},
                               overrides=["algorithm.params.gate_sink_keys=1"])
-    spec, params = recipe.algorithm.spec_and_params()
-    assert params.gate_sink_keys == 1
-    opts = actor_options(spec, params, recipe.model.hf_config(), dtype=torch.float32)
+    algorithm = recipe.algorithm.build()
+    assert algorithm.config.gate_sink_keys == 1
+    opts = algorithm.actor_options(recipe.model.hf_config(), dtype=torch.float32)
     assert opts["capture"].sink_keys == 1
     with pytest.raises(ValueError, match="gate_sink_keys must be >= 0"):
         recipe_from_dict({"model": {"architecture": arch}, "algorithm": {"name": "comppo"}},

@@ -190,7 +190,6 @@ def _behaviour_logp(folder: str, ids: torch.Tensor, prompt_len: int, tp: int):
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.batch import TrainBatch
-    from megatron_credit.algorithm.spec import actor_options
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
 
     recipe = recipe_from_dict({"model": {"name_or_path": folder, "params_dtype": "float32"},
@@ -201,11 +200,11 @@ def _behaviour_logp(folder: str, ids: torch.Tensor, prompt_len: int, tp: int):
     device = distributed.initialize(recipe.parallel, seed=0)
     try:
         hf = recipe.model.hf_config()
-        spec, params = recipe.algorithm.spec_and_params()
+        algorithm = recipe.algorithm.build()
         actor = Actor(hf_config=hf, **actor_settings(recipe), device=device, with_reference=False,
-                      **actor_options(spec, params, hf, dtype=torch.float32, pp_size=1))
+                      **algorithm.actor_options(hf, dtype=torch.float32, pp_size=1))
         assert actor.load_initial_weights(seed=0).startswith("HF weights")
-        ctx = Context(**context_settings(recipe, params), spec=spec, params=params, actor=actor, rollouts=None, pad_id=hf.pad_token_id,
+        ctx = Context(**context_settings(recipe), algorithm=algorithm, actor=actor, rollouts=None, pad_id=hf.pad_token_id,
                       seq_multiple=seq_multiple(recipe.parallel))
         b, s = ids.shape
         labels = torch.cat([ids[:, 1:], torch.full((b, 1), hf.pad_token_id)], dim=1)

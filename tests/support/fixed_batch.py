@@ -65,19 +65,17 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
     device = distributed.initialize(recipe.parallel, seed=1234)
     try:
         hf = recipe.model.hf_config()
-        spec, params = recipe.algorithm.spec_and_params()
-        from megatron_credit.algorithm.spec import actor_options
-
+        algorithm = recipe.algorithm.build()
         actor = Actor(hf_config=hf, **actor_settings(recipe), device=device, with_reference=False,
-                      **actor_options(spec, params, hf, dtype=torch.float32,
-                                      pp_size=recipe.parallel.pipeline_model_parallel_size))
+                      **algorithm.actor_options(hf, dtype=torch.float32,
+                                                pp_size=recipe.parallel.pipeline_model_parallel_size))
         from megatron_credit.trainer.critic_model import build_separate_critic, init_critic_from
 
-        critic = build_separate_critic(hf, spec, params, device=device, **actor_settings(recipe))
+        critic = build_separate_critic(hf, algorithm, device=device, **actor_settings(recipe))
         actor.load_initial_weights(seed=1234)
         if critic is not None:
             init_critic_from(critic, actor)
-        ctx = Context(**context_settings(recipe, params), spec=spec, params=params, actor=actor, rollouts=None, pad_id=0,
+        ctx = Context(**context_settings(recipe), algorithm=algorithm, actor=actor, rollouts=None, pad_id=0,
                       seq_multiple=seq_multiple(recipe.parallel), critic=critic)
         dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         # Mini-batch i of the global batch = rows [8i, 8i + 8): each DP rank takes its share of each

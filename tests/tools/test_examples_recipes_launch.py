@@ -50,7 +50,7 @@ def test_every_recipe_fits_its_declared_cluster(path):
 
 def _params(name):
     recipe = load_recipe(os.path.join(ROOT, "examples", f"{name}.yaml"))
-    return recipe, recipe.algorithm.spec_and_params()[1]
+    return recipe, recipe.algorithm.config()
 
 
 def test_published_settings():
@@ -83,7 +83,7 @@ def test_published_settings():
     assert (o.lr, o.critic_lr, o.beta1, o.beta2, o.weight_decay, o.clip_grad) == (1e-6, 1e-5, 0.9, 0.999, 0.0, 1.0)
     assert comp.algorithm.kl_coef == 2e-3 and comp.model.params_dtype == "bfloat16"
     assert (cp.clip_eps, cp.lam, cp.k_lo, cp.k_hi, cp.gate_tau, cp.value_clamp) == (0.2, 0.95, 0.1, 0.9, 4.0, 1.0)
-    assert comp.algorithm.spec_and_params()[0].needs_gates
+    assert type(comp.algorithm.build()).__name__ == "CompPO"
 
     grpo4, gp = _params("grpo_qwen3_4b")
     assert grpo4.algorithm.kl_coef == 1e-3 and gp.clip_eps == 0.2

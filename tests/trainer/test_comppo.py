@@ -66,14 +66,13 @@ def test_comppo_trains_two_iterations_with_the_same_numbers_in_every_layout(pool
 
 
 def _fake_ctx(algorithm: str, overrides: dict, *, feature_critic: bool = False):
-    from megatron_credit.algorithm.spec import ALGORITHMS
+    from megatron_credit.algorithm.catalog import ALGORITHMS
     from megatron_credit.algorithm.knobs import StepKnobs
 
-    spec = ALGORITHMS.get(algorithm)
-    params = spec.make_params(overrides)
+    alg = ALGORITHMS.get(algorithm).from_mapping(overrides).build()
+    alg.start(seed=0, dp_rank=0)
     actor = types.SimpleNamespace(with_critic=True, feature_critic=feature_critic)
-    return types.SimpleNamespace(spec=spec, knobs=StepKnobs(params=params, kl_coef=0.0), actor=actor,
-                                 algorithm_state=spec.state(params, seed=0, dp_rank=0), whiten=None)
+    return types.SimpleNamespace(algorithm=alg, knobs=StepKnobs(kl_coef=0.0), actor=actor, whiten=None)
 
 
 def _batch(b=4, t=10, seed=0):
@@ -133,11 +132,10 @@ def test_advantage_clip_and_gate_controls_reach_the_estimator():
 
 
 def test_position_control_collects_then_freezes_and_survives_a_checkpoint():
+    from megatron_credit.algorithm.comppo import CompPO
     from megatron_credit.algorithm.gate_controls import GateControl
-    from megatron_credit.algorithm.spec import ALGORITHMS
 
-    params = ALGORITHMS.get("comppo").make_params({"gate_control": "position", "position_steps": 2,
-                                                   "position_bins": 4})
+    params = CompPO.Config(gate_control="position", position_steps=2, position_bins=4)
     gc = GateControl(params, seed=0, dp_rank=0)
     b1, b2, b3 = _batch(seed=1), _batch(seed=2), _batch(seed=3)
     for i, b in enumerate((b1, b2), start=1):  # collecting: the dynamic gates are used meanwhile
@@ -151,31 +149,40 @@ def test_position_control_collects_then_freezes_and_survives_a_checkpoint():
     assert len(torch.unique(g[b3.loss_mask])) <= 4
 
 
+def _in_phase(algorithm, phase: str):
+    """``algorithm`` (phase controller on) after a checkpoint whose controller is in ``phase``."""
+    state = algorithm.phase.state_dict()
+    algorithm.load_state_dict({"phase": {**state, "phase": phase}})
+    assert algorithm.phase.phase == phase
+    return algorithm
+
+
 def test_phase_knobs_follow_the_papers_table():
-    from megatron_credit.algorithm.spec import ALGORITHMS
-    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.algorithm.knobs import phase_knobs
+    from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer.loop import context_settings
 
     # The paper's stable settings: every phase gets exactly Table 14's numbers.
-    recipe = recipe_from_dict({"algorithm": {"name": "comppo", "kl_coef": 0.002},
+    recipe = recipe_from_dict({"algorithm": {"name": "comppo", "kl_coef": 0.002, "params": {"phase_controller": True}},
                                "optim": {"lr": 1e-6, "clip_grad": 1.0}, "train": {"epochs": 2}})
-    params = ALGORITHMS.get("comppo").make_params({})
-    base = lambda p: context_settings(recipe, p)["base_knobs"]  # noqa: E731  (the recipe's own knobs)
-    assert phase_knobs(base(params), "stable") == dataclasses.replace(base(params), critic_clip_grad=1.0)
+    base = context_settings(recipe)["base_knobs"]  # the recipe's own knobs
+    assert phase_knobs(base, "stable") == dataclasses.replace(base, critic_clip_grad=1.0)
     expect = {"warning": (0.0035, 0.16, 7e-7, 0.4, 0.9, 4.0, 0.8, 2), "strong": (0.0045, 0.14, 5e-7, 0.3, 0.7, 3.5, 0.7, 2),
               "hard_stop": (0.0070, 0.09, 2e-7, 0.2, 0.5, 2.5, 0.5, 1)}
     for phase, (kl, clip, lr, vclip, cmult, aclip, gclip, epochs) in expect.items():
-        k = phase_knobs(base(params), phase)
-        assert k.phase == phase and k.epochs == epochs
-        for got, want in ((k.kl_coef, kl), (k.params.clip_eps, clip), (1e-6 * k.lr_scale, lr),
-                          (k.params.value_clip, vclip), (k.critic_lr_scale, cmult), (k.params.adv_clip, aclip),
+        alg = _in_phase(recipe.algorithm.build(), phase)
+        k, c = alg.knobs(base), alg.config
+        assert k == phase_knobs(base, phase) and k.phase == phase and k.epochs == epochs
+        for got, want in ((k.kl_coef, kl), (c.clip_eps, clip), (1e-6 * k.lr_scale, lr),
+                          (c.value_clip, vclip), (k.critic_lr_scale, cmult), (c.adv_clip, aclip),
                           (k.clip_grad, gclip), (k.critic_clip_grad, gclip)):
             assert got == pytest.approx(want, rel=1e-12), (phase, got, want)
+        assert alg.recipe_config.clip_eps == 0.2  # the recipe's config is never changed
     # comppo_fipo: both clip ranges move by the same ratio.
-    fp = ALGORITHMS.get("comppo_fipo").make_params({})
-    k = phase_knobs(base(fp), "strong")
-    assert (k.params.clip_low, k.params.clip_high) == pytest.approx((0.2 * 0.7, 0.28 * 0.7))
+    from megatron_credit.algorithm.comppo import CompFIPO
+
+    c = _in_phase(CompFIPO.Config(phase_controller=True).build(), "strong").config
+    assert (c.clip_low, c.clip_high) == pytest.approx((0.2 * 0.7, 0.28 * 0.7))
 
 
 COMPPO_CLI = ["warmup.steps=0", "train.val_every=0", "rollout.prompts_per_step=8", "logging.progress=false",
@@ -218,19 +225,43 @@ def test_a_constant_gate_equal_to_gamma_reproduces_ppo_bit_for_bit(pool1, tmp_pa
 
 
 def test_fusing_the_old_log_probs_is_refused_for_an_algorithm_that_captures():
-    from megatron_credit.algorithm.spec import ALGORITHMS
+    from megatron_credit.algorithm.comppo import CompPO
     from megatron_credit.trainer.step import fused_old_logprob
 
-    spec = ALGORITHMS.get("comppo")
-    params = spec.make_params({})
-    capture = spec.actor_options(params, types.SimpleNamespace(hidden_size=8, num_hidden_layers=2),
-                                 dtype=torch.float32)["capture"]
+    capture = CompPO.Config().build().actor_options(types.SimpleNamespace(hidden_size=8, num_hidden_layers=2),
+                                                    dtype=torch.float32)["capture"]
     assert set(capture.outputs) == {"kappa", "topk_idx", "topk_w"}
     ctx = types.SimpleNamespace(train=types.SimpleNamespace(fuse_old_logprob=True),
-                                knobs=types.SimpleNamespace(epochs=1),
+                                knobs=types.SimpleNamespace(epochs=1), algorithm=CompPO.Config().build(),
                                 actor=types.SimpleNamespace(capture=capture, with_critic=False))
     with pytest.raises(ValueError, match=r"^train\.fuse_old_logprob: this algorithm reads the behaviour pass's "
                                          r"forward \(its capture\); set train\.fuse_old_logprob=false$"):
         fused_old_logprob(ctx)
     ctx.actor.capture = None
     assert fused_old_logprob(ctx)
+
+
+def test_the_algorithm_state_round_trips_and_a_checkpoint_with_its_parts_at_the_top_level_loads():
+    """CompPO's state (its position gate control and its phase controller) saved by ``state_dict`` and
+    loaded into a fresh build gives the same gates and the same clips in force; a checkpoint written before
+    the state was saved whole (its parts next to ``prompts`` and ``rng``) loads the same way."""
+    from megatron_credit.algorithm.comppo import CompPO
+    from megatron_credit.algorithm.knobs import StepKnobs
+
+    config = CompPO.Config(gate_control="position", position_steps=1, position_bins=4, phase_controller=True)
+    saved = config.build()
+    saved.start(seed=0, dp_rank=0)
+    b1, b2 = _batch(seed=1), _batch(seed=2)
+    saved.advantage_inputs(b1.extras, b1.loss_mask, 1)  # collects, then freezes the schedule
+    for _ in range(3):  # a clip fraction past every level: the controller escalates
+        saved.after_iteration({"actor/clipfrac_high": 0.5, "actor/clipfrac_low": 0.0})
+    assert saved.phase.phase != "stable" and saved.config.clip_eps < config.clip_eps
+    for state in (saved.state_dict(), {"prompts": {}, "rng": {}, **saved.state_dict()}):
+        fresh = config.build()
+        fresh.start(seed=0, dp_rank=0)
+        fresh.load_state_dict(state)
+        assert fresh.phase.phase == saved.phase.phase and fresh.config == saved.config
+        assert fresh.knobs(StepKnobs(kl_coef=1.0)) == saved.knobs(StepKnobs(kl_coef=1.0))
+        got, _ = fresh.advantage_inputs(b2.extras, b2.loss_mask, 2)
+        want, _ = saved.advantage_inputs(b2.extras, b2.loss_mask, 2)
+        assert torch.equal(got["gates"], want["gates"])

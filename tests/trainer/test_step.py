@@ -184,7 +184,6 @@ def _overlap_is_real(parallel: dict):
     from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
-    from megatron_credit.algorithm.spec import actor_options
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
     from megatron_credit.trainer.metrics import StatSums
 
@@ -196,11 +195,11 @@ def _overlap_is_real(parallel: dict):
     device = distributed.initialize(recipe.parallel, seed=1234)
     try:
         hf = recipe.model.hf_config()
-        spec, params = recipe.algorithm.spec_and_params()
+        algorithm = recipe.algorithm.build()
         actor = Actor(hf_config=hf, **actor_settings(recipe), device=device, with_reference=False,
-                      **actor_options(spec, params, hf, dtype=torch.float32))
+                      **algorithm.actor_options(hf, dtype=torch.float32))
         actor.load_initial_weights(seed=1234)
-        ctx = Context(**context_settings(recipe, params), spec=spec, params=params, actor=actor, rollouts=None, pad_id=0,
+        ctx = Context(**context_settings(recipe), algorithm=algorithm, actor=actor, rollouts=None, pad_id=0,
                       seq_multiple=seq_multiple(recipe.parallel))
         import torch.distributed as dist
 
