@@ -46,6 +46,10 @@ def test_duplicates_unknown_names_and_bad_fields_are_refused():
         class Bad(GRPO):  # noqa: F841
             loss_agg_mode = "mean"
 
+            @dataclasses.dataclass(frozen=True, kw_only=True)
+            class Config(GRPO.Config):
+                pass
+
 
 def test_every_default_is_written_once_on_its_config():
     """The losses take their clip settings without defaults; DAPO's 0.2 / 0.28 / 3.0 are DAPO.Config's,
@@ -136,17 +140,18 @@ def test_algorithms_require_their_aggregation_arguments():
 
 
 def test_a_config_builds_the_class_that_declares_it():
-    """A subclass without a Config of its own is not what its parent's Config builds; one with a Config
-    is what that Config builds."""
-    class Quiet(GRPO):
-        pass
+    """A Config builds the class that declares it, so a subclass must declare one (else registering its
+    parent's Config would silently build the parent)."""
+    with pytest.raises(TypeError, match=r"^Quiet must declare its own nested Config"):
+        class Quiet(GRPO):  # noqa: F841
+            pass
 
     class Loud(GRPO):
         @dataclasses.dataclass(frozen=True, kw_only=True)
         class Config(GRPO.Config):
             volume: float = 2.0
 
-    assert type(GRPO.Config().build()) is GRPO and Quiet.Config is GRPO.Config
+    assert type(GRPO.Config().build()) is GRPO
     assert type(Loud.Config().build()) is Loud and Loud.Config().clip_eps == 0.2
     assert Algorithm.Config()._owner is Algorithm
 

@@ -80,10 +80,11 @@ Metrics = dict[str, torch.Tensor]
 
 
 class Algorithm:
-    """One RL algorithm, built from its :class:`Config` (module docstring). A subclass declares a nested
-    ``Config`` (a subclass of its parent's) when it has parameters of its own, and overrides
-    :meth:`estimate` and :meth:`loss`; the other methods have the defaults of an algorithm without a
-    critic, a capture or state."""
+    """One RL algorithm, built from its :class:`Config` (module docstring). Every subclass declares its own
+    nested ``Config`` (a subclass of its parent's, empty when it adds no field: a ``Config`` builds the
+    class that declares it, so one inherited would build the parent), and overrides :meth:`estimate` and
+    :meth:`loss`; the other methods have the defaults of an algorithm without a critic, a capture or
+    state."""
 
     @dataclass(frozen=True, kw_only=True)
     class Config:
@@ -109,8 +110,10 @@ class Algorithm:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "Config" in cls.__dict__:  # a Config builds the class that declares it
-            cls.Config._owner = cls
+        if "Config" not in cls.__dict__:
+            raise TypeError(f"{cls.__name__} must declare its own nested Config (a subclass of its parent's, empty "
+                            "when it adds no field): a Config builds the class that declares it")
+        cls.Config._owner = cls
         if cls.loss_agg_mode not in aggregation.AGG_MODES:
             raise ValueError(f"{cls.__name__}.loss_agg_mode={cls.loss_agg_mode!r} not in {list(aggregation.AGG_MODES)}")
 
@@ -245,8 +248,9 @@ class ActorCritic(Algorithm):
         """The fields every critic algorithm has (each subclass sets their defaults)."""
 
         vf_coef: float = 0.5
-        """Weight of the value loss against the policy loss on the shared trunk (``critic: trunk``); a
-        critic with parameters of its own minimises the value loss itself."""
+        """Weight of the value loss added to the policy loss: against the policy on the shared trunk
+        (``critic: trunk``), or the scale of the gradient of a critic on the actor's detached features
+        (``tac``, ``standard``). A ``separate`` value model minimises the value loss itself, unweighted."""
 
         def __post_init__(self) -> None:
             if getattr(super(), "__post_init__", None):
@@ -269,8 +273,8 @@ class ActorCritic(Algorithm):
 
 
 class PPOClip(Algorithm):
-    """PPO's clipped loss with a symmetric range ``[1 - eps, 1 + eps]`` and no dual clip: the policy loss of
-    GRPO, Dr.GRPO, RLOO, PPO and CompPO."""
+    """PPO's clipped loss with a symmetric range ``[1 - eps, 1 + eps]`` and no dual clip, for the
+    algorithms whose loss it is (their ``Config`` inherits ``clip_eps`` from here, written once)."""
 
     @dataclass(frozen=True, kw_only=True)
     class Config(Algorithm.Config):
