@@ -431,7 +431,7 @@ def _critic_params(recipe, a: Architecture, *, actor_params: int) -> tuple[int, 
     if kind.separate_model:
         return actor_params, True  # a value model of the actor's architecture and layout
     if kind.actor_options is not None:
-        return math.ceil(0.005 * actor_params), False  # a critic on the actor's features (CompPO's): < 0.5 %
+        return math.ceil(0.005 * actor_params), False  # a critic on the actor's detached features: < 0.5 % of it
     return a.hidden_size + 1, False  # a value head on the actor trunk
 
 
