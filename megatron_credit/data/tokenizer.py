@@ -43,6 +43,9 @@ from megatron_credit.data.synthetic import ArithConfig, ArithmeticTask
 from megatron_credit.rewards.arith import ANSWER_PREFIX
 
 ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+REQUIRED_CHARS = "0123456789+-*=?:"
+"""Every digit and operator gets a piece, whatever the task settings (an addition task still tokenizes
+``3*4``)."""
 _FORMAT_VERSION = 1  # bump when the corpus or trainer arguments change, so caches are not reused
 
 
@@ -127,13 +130,20 @@ class ArithTokenizer:
 
 
 def _training_corpus(config: ArithTokenizerConfig) -> list[str]:
-    """Rendered conversations of the task (prompt + canonical answer), deterministic in the seed."""
+    """Rendered conversations of the task (prompt + canonical answer), deterministic in the seed, then
+    each of :data:`REQUIRED_CHARS` that they lack as a sentence of its own.
+
+    sentencepiece 0.2.2's BPE trainer aborts the process (``bpe_model_trainer.cc: Check failed: freq >
+    0``) on a required character that the corpus never shows; 0.2.3 adds it with frequency 0. A
+    one-character sentence has no pair to merge, so both versions then write the same model, byte for
+    byte, as 0.2.3 writes without it (tests/data/test_tokenizer.py pins that)."""
     task = ArithmeticTask(dataclasses.replace(config.task, seed=config.seed))
     lines = []
     for i in range(config.num_train_problems):
         p = task.problem(i)
         lines.append(f"{ROLE_TOKENS['user']}{p.question}{ROLE_TOKENS['assistant']}{ANSWER_PREFIX} {p.answer}")
-    return lines
+    seen = set("".join(lines))
+    return lines + [c for c in REQUIRED_CHARS if c not in seen]
 
 
 def _cache_key(config: ArithTokenizerConfig) -> str:
@@ -173,7 +183,7 @@ def _train(config: ArithTokenizerConfig) -> bytes:
         split_digits=True,
         byte_fallback=config.byte_fallback,
         character_coverage=1.0,
-        required_chars="0123456789+-*=?:",  # every digit and operator, whatever the task settings
+        required_chars=REQUIRED_CHARS,
         pad_id=0, unk_id=1, bos_id=2, eos_id=3,
         user_defined_symbols=list(ROLE_TOKENS.values()),
         add_dummy_prefix=False,
