@@ -12,7 +12,7 @@
 #   env         30  GPU, driver, torch, CUDA, megatron-core; whether TE and vLLM import
 #   scenarios  100  the emulated-accelerator suite's scenarios on CUDA + NCCL (world size 1) against the
 #                   same scenarios on this machine's CPU (tools/gpu_check_scenarios.py)
-#   demo        85  examples/demo_cpu.yaml on the GPU, bf16, local spec, HF engine, 30 iterations: the
+#   demo        85  examples/demo_cpu.yaml on the GPU, bf16, local spec, HF engine, 20 iterations: the
 #                   reward rises, the rollout-vs-trainer mismatch stays under its bound
 #   kernels     40  Future-KL, the scan, log-prob + entropy, concentration at T = 20,480
 #   qwen15b    155  a Qwen2.5-1.5B-shaped model, one RL iteration at 4K-token responses: tokens/s, phases,

@@ -29,7 +29,7 @@ def test_recipe_is_valid_and_fits_one_h200(name, te, tmp_path, capsys):
     assert r["model"]["params_dtype"] == "bfloat16"
     assert r["rollout"]["engine"] == ("vllm" if name.endswith("_vllm") else "hf")
     if name.startswith("demo"):
-        assert r["train"]["steps"] == 30 and r["model"]["transformer_impl"] == "local"
+        assert r["train"]["steps"] == G.DEMO_STEPS and r["model"]["transformer_impl"] == "local"
     else:
         assert r["train"]["steps"] == 1 and r["rollout"]["max_response_len"] == 4096
         assert r["model"]["transformer_impl"] == ("transformer_engine" if te else "local")
