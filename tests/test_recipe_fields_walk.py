@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections.abc
 import copy
 import dataclasses
-import math
 import re
 import sys
 import types
