@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 DEFAULT_RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples", "demo_cpu.yaml")
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (:func:`parse_args` parses with it; the tests walk its actions)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="YAML recipe (default: examples/demo_cpu.yaml)")
     parser.add_argument("--output-dir", default=None, help="run directory (default: runs/<recipe stem>)")
@@ -33,8 +34,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                              "an algorithm (repeatable; examples/plugins/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=20 (before or after "
                                                      "the options)")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     # intermixed: `seed=7 --output-dir D logging.progress=false` (plain parse_args refuses the last one)
-    return parser.parse_intermixed_args(argv)
+    return build_parser().parse_intermixed_args(argv)
 
 
 def _describe(recipe, hf_config, layout: dict[str, int]) -> str:

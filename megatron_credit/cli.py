@@ -19,10 +19,14 @@ that an entry point's output shows what matters; ``--debug`` shows them again.
 """
 from __future__ import annotations
 
+import argparse
 import errno
+import math
 import sys
 import warnings
 from typing import Callable, Sequence
+
+from megatron_credit.typed_build import Range
 
 
 class RunStopped(RuntimeError):
@@ -94,3 +98,40 @@ def run_main(main: Callable[[list[str]], int | None], argv: Sequence[str] | None
         print(error_line(exc), file=sys.stderr)
         return USER_ERROR_EXIT_CODE
     return 0 if code is None else int(code)
+
+
+def ranged(kind: type, rng: Range) -> Callable[[str], float]:
+    """An argparse ``type=`` reading an ``int`` or a finite ``float`` inside ``rng``; argparse turns its
+    refusal into usage plus one line naming the option, exit 2 (``argument --k: must be >= 1, got '0'``).
+    The returned function carries ``kind`` and ``range`` (the tests walk every option by them).
+
+    >>> ranged(int, Range(ge=1))("3")
+    3
+    >>> ranged(float, Range(gt=0))("inf")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be a finite number, got 'inf'
+    """
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an int' if kind is int else 'a number'}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        why = rng.refusal(value)
+        if why:
+            raise argparse.ArgumentTypeError(f"{why}, got {text!r}")
+        return value
+
+    parse.kind, parse.range = kind, rng
+    parse.__name__ = f"{kind.__name__} {rng}"
+    return parse
+
+
+positive_int = ranged(int, Range(ge=1))
+"""A size or a count given on a command line: 0 means nothing."""
+nonnegative_int = ranged(int, Range(ge=0))
+"""A count whose 0 means off (``--reward-workers 0``: in-process), or a seed."""
+positive_float = ranged(float, Range(gt=0))
+"""A temperature, a rate."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Optional
+from typing import Annotated, Any, ClassVar, Mapping, Optional
 
 import torch
 
@@ -24,7 +24,7 @@ from megatron_credit.algorithm.critic_kinds import CRITIC_KINDS, CriticKind, che
 from megatron_credit.algorithm.knobs import StepKnobs
 from megatron_credit.algorithm.metric_tables import MetricTable
 from megatron_credit.losses import aggregation, policy, value
-from megatron_credit.typed_build import build_dataclass
+from megatron_credit.typed_build import NonNegativeFloat, Range, build_dataclass
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +77,9 @@ class AdvantagePost:
 
 
 Metrics = dict[str, torch.Tensor]
+
+ClipFraction = Annotated[float, Range(ge=0, lt=1)]
+"""A clip of the ratio below 1 (``1 - eps`` must stay above 0): PPO's ``clip_eps``, DAPO's ``clip_low``."""
 
 
 class Algorithm:
@@ -247,7 +250,7 @@ class ActorCritic(Algorithm):
     class Config(Algorithm.Config):
         """The fields every critic algorithm has (each subclass sets their defaults)."""
 
-        vf_coef: float = 0.5
+        vf_coef: NonNegativeFloat = 0.5
         """Weight of the value loss added to the policy loss: against the policy on the shared trunk
         (``critic: trunk``), or the scale of the gradient of a critic on the actor's detached features
         (``tac``, ``standard``). A ``separate`` value model minimises the value loss itself, unweighted."""
@@ -280,7 +283,7 @@ class PPOClip(Algorithm):
     class Config(Algorithm.Config):
         """PPO's symmetric clip."""
 
-        clip_eps: float = 0.2
+        clip_eps: ClipFraction = 0.2
         """Clip range ``[1 - eps, 1 + eps]``."""
 
     def loss(self, logp, old_logp, advantages, response_mask, *, cp_group=None, is_weights=None, row_slots=None):

@@ -36,6 +36,7 @@ from megatron_credit.algorithm.metric_tables import CRITIC, GATES
 from megatron_credit.algorithm.metric_tables import FIPO as FIPO_METRICS
 from megatron_credit.credit.gae import comp_gae
 from megatron_credit.credit.phase import PHASES, PhaseController, PhaseThresholds
+from megatron_credit.typed_build import NonNegativeInt, PositiveFloat, PositiveInt, UnitFloat
 
 
 class GateCapture(FinalLayerCapture):
@@ -91,15 +92,15 @@ class CompPO(PPOClip, ActorCritic):
         """CompPO's own knobs (DESIGN.md "CompPO"): the gate, its controls, the critic, the phase
         controller. Shared by ``comppo`` and ``comppo_fipo``."""
 
-        lam: float = 0.95
+        lam: UnitFloat = 0.95
         """Comp-GAE lambda."""
-        k_lo: float = 0.1
+        k_lo: UnitFloat = 0.1
         """Lower end of the gate envelope."""
-        k_hi: float = 0.9
+        k_hi: UnitFloat = 0.9
         """Upper end of the gate envelope."""
-        gate_tau: float = 4.0
+        gate_tau: PositiveFloat = 4.0
         """Sharpness of the gate's sigmoid in the normalised concentration."""
-        gate_sink_keys: int = 0
+        gate_sink_keys: NonNegativeInt = 0
         """Attention-sink keys left out of the gate's concentration ``H``: the first ``gate_sink_keys``
         positions, the distribution renormalised over the rest (0: off, the paper's gate). ``tools/gate_stats.py``
         measures how much of ``H`` they supply."""
@@ -107,27 +108,27 @@ class CompPO(PPOClip, ActorCritic):
         """``dynamic`` (the gate from attention), ``fixed`` (``fixed_gate`` everywhere), ``shuffle`` (a global
         permutation of the batch's gates over valid response positions) or ``position`` (mean gate in
         ``position_bins`` bins of t/T, collected for ``position_steps`` iterations, then frozen)."""
-        fixed_gate: float = 0.61
+        fixed_gate: UnitFloat = 0.61
         """The ``fixed`` control's gate (the paper's mean gate on math)."""
-        position_bins: int = 20
+        position_bins: PositiveInt = 20
         """Bins of relative position t/T of the ``position`` control."""
-        position_steps: int = 10
+        position_steps: PositiveInt = 10
         """Iterations whose dynamic gates build the ``position`` schedule (dynamic gates are used meanwhile)."""
         critic: str = "tac"
         """``tac`` (the transport-aligned critic), ``standard`` (a linear head on the detached final hidden
         state) or ``trunk`` (PPO's head: on the final hidden state, not detached, clipped with the policy; with
         ``gate_control: fixed`` at PPO's gamma and PPO's settings it reproduces ``ppo`` bit for bit)."""
-        critic_layers: int = 4
+        critic_layers: PositiveInt = 4
         """TAC: how many of the last layers' hidden states are fused (L')."""
-        critic_top_k: int = 64
+        critic_top_k: PositiveInt = 64
         """TAC: keys of the final-layer attention pooled into the history summary."""
-        critic_warmup_steps: int = 0
+        critic_warmup_steps: NonNegativeInt = 0
         """Iterations the critic trains before its values enter the advantages (V = 0 until then)."""
-        value_clamp: float = 1.0
+        value_clamp: PositiveFloat = 1.0
         """The critic's output is clamped to ``[-value_clamp, value_clamp]``."""
-        value_clip: Optional[float] = 0.5
+        value_clip: Optional[PositiveFloat] = 0.5
         """Value-loss clip (None: unclipped)."""
-        adv_clip: Optional[float] = 5.0
+        adv_clip: Optional[PositiveFloat] = 5.0
         """Advantages are clipped to ``[-adv_clip, adv_clip]`` (None: off)."""
         whiten_advantages: bool = False
         """Whiten advantages over the global batch."""
@@ -149,13 +150,6 @@ class CompPO(PPOClip, ActorCritic):
                 raise ValueError(f"algorithm.params: need 0 <= k_lo <= k_hi <= 1, got k_lo={self.k_lo}, k_hi={self.k_hi}")
             if self.gate_control not in GATE_CONTROLS:
                 raise ValueError(f"algorithm.params.gate_control={self.gate_control!r}: valid values {list(GATE_CONTROLS)}")
-            if self.gate_sink_keys < 0:
-                raise ValueError(f"algorithm.params.gate_sink_keys must be >= 0, got {self.gate_sink_keys}")
-            for name in ("position_bins", "critic_layers", "critic_top_k"):
-                if getattr(self, name) < 1:
-                    raise ValueError(f"algorithm.params.{name} must be >= 1, got {getattr(self, name)}")
-            if not 0.0 <= self.fixed_gate <= 1.0:
-                raise ValueError(f"algorithm.params.fixed_gate must be in [0, 1], got {self.fixed_gate}")
 
         def gate_control_settings(self) -> tuple[str, dict]:
             """The gate control's name in ``gate_controls.GATE_CONTROLS`` and its keywords."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron_credit.algorithm.grpo import DAPO
+from megatron_credit.algorithm.grpo import DAPO, DualClip
 from megatron_credit.algorithm.metric_tables import FIPO as FIPO_METRICS
 from megatron_credit.credit.future_kl import FIPO_DUAL_CLIP_C, FIPO_TAU, FIPO_WEIGHT_CLIP, multi_dual_clip_keep
 from megatron_credit.losses import policy
+from megatron_credit.typed_build import PositiveFloat
 
 
 class FIPO(DAPO):
@@ -25,13 +26,13 @@ class FIPO(DAPO):
     class Config(DAPO.Config):
         """FIPO = DAPO on ``f_t * A_t`` with Future-KL weights (DESIGN.md "FIPO")."""
 
-        dual_clip_c: float = FIPO_DUAL_CLIP_C
+        dual_clip_c: DualClip = FIPO_DUAL_CLIP_C
         """Dual-clip constant ``c``; also the participation threshold of ``M_k`` (10 for 32B, 3 for 7B)."""
-        tau: float = FIPO_TAU
+        tau: PositiveFloat = FIPO_TAU
         """Half-life of the future discount: ``gamma = 2^(-1/tau)``."""
-        weight_clip: tuple = FIPO_WEIGHT_CLIP
+        weight_clip: tuple[PositiveFloat, PositiveFloat] = FIPO_WEIGHT_CLIP
         """``[lo, hi]`` clip of ``exp(F_t)``."""
-        safety_thresh: Optional[float] = None
+        safety_thresh: Optional[PositiveFloat] = None
         """Ratio above which ``f = min(f, 1)`` for A < 0 (None: ``dual_clip_c``)."""
         drop_multi_dual_clip: bool = False
         """Drop responses with more than one dual-clipped token (the published code; off by default)."""
@@ -40,8 +41,8 @@ class FIPO(DAPO):
             if getattr(super(), "__post_init__", None):
                 super().__post_init__()
             w = tuple(float(x) for x in self.weight_clip)
-            if len(w) != 2:
-                raise ValueError(f"algorithm.params.weight_clip must be [lo, hi], got {self.weight_clip!r}")
+            if len(w) != 2 or not w[0] <= w[1]:
+                raise ValueError(f"algorithm.params.weight_clip must be [lo, hi] with lo <= hi, got {self.weight_clip!r}")
             object.__setattr__(self, "weight_clip", w)
 
     def loss(self, logp, old_logp, advantages, response_mask, *, cp_group=None, is_weights=None, row_slots=None):

@@ -11,11 +11,15 @@ DAPO.Config(clip_low=0.2, clip_high=0.28, dual_clip_c=3.0)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
-from megatron_credit.algorithm.base import AdvantageInputs, AdvantageOutput, Algorithm, PPOClip
+from megatron_credit.algorithm.base import AdvantageInputs, AdvantageOutput, Algorithm, ClipFraction, PPOClip
 from megatron_credit.credit import group
 from megatron_credit.losses import policy
+from megatron_credit.typed_build import NonNegativeFloat, Range
+
+DualClip = Annotated[float, Range(gt=1)]
+"""The dual-clip constant ``c`` (``-A c`` caps the loss of a negative advantage): above 1."""
 
 
 def _per_token(advantages, inputs: AdvantageInputs) -> AdvantageOutput:
@@ -80,11 +84,11 @@ class DAPO(Algorithm):
     class Config(Algorithm.Config):
         """DAPO: clip-higher and dual clip."""
 
-        clip_low: float = 0.2
+        clip_low: ClipFraction = 0.2
         """eps_low."""
-        clip_high: float = 0.28
+        clip_high: NonNegativeFloat = 0.28
         """eps_high (clip-higher)."""
-        dual_clip_c: Optional[float] = 3.0
+        dual_clip_c: Optional[DualClip] = 3.0
         """Dual-clip constant for A < 0 (None: off)."""
 
     def estimate(self, inputs: AdvantageInputs, *, cp_group: Any = None) -> AdvantageOutput:
@@ -107,9 +111,9 @@ class GSPO(DAPO):
     class Config(Algorithm.Config):
         """GSPO: sequence-ratio clip (its ranges are ~1e-4)."""
 
-        clip_low: float = 3e-4
+        clip_low: ClipFraction = 3e-4
         """eps_low of the sequence ratio."""
-        clip_high: float = 4e-4
+        clip_high: NonNegativeFloat = 4e-4
         """eps_high of the sequence ratio."""
 
     def loss(self, logp, old_logp, advantages, response_mask, *, cp_group=None, is_weights=None, row_slots=None):

@@ -12,6 +12,7 @@ from typing import Any, Optional
 from megatron_credit.algorithm.base import ActorCritic, AdvantageInputs, AdvantageOutput, AdvantagePost, PPOClip
 from megatron_credit.algorithm.metric_tables import CRITIC
 from megatron_credit.credit.gae import gae
+from megatron_credit.typed_build import PositiveFloat, UnitFloat
 
 
 class PPO(PPOClip, ActorCritic):
@@ -24,13 +25,13 @@ class PPO(PPOClip, ActorCritic):
     class Config(PPOClip.Config, ActorCritic.Config):
         """PPO with GAE and a value head on the actor trunk."""
 
-        gamma: float = 1.0
+        gamma: UnitFloat = 1.0
         """GAE discount."""
-        lam: float = 0.95
+        lam: UnitFloat = 0.95
         """GAE lambda."""
         whiten_advantages: bool = True
         """Whiten advantages over the global batch (masked, across DP), as peers do."""
-        value_clip: Optional[float] = 0.2
+        value_clip: Optional[PositiveFloat] = 0.2
         """Clip of the new value around the old one in the value loss (None: unclipped)."""
         critic: str = "trunk"
         """``trunk``: a value head on the actor's final hidden state, trained with the policy (one model, one

@@ -12,21 +12,28 @@ import argparse
 import sys
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (``main`` parses with it; the tests walk its actions)."""
+    from megatron_credit.cli import positive_int
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hf-dir", required=True, help="folder with config.json and *.safetensors")
     p.add_argument("--out", required=True, help="output folder: new or empty, not inside --hf-dir")
     p.add_argument("--overwrite", action="store_true",
                    help="write into a non-empty --out, replacing model/, config.json, conversion_meta.json "
                         "and tokenizer files there (other files stay)")
-    p.add_argument("--tp", type=int, default=1, help="planned tensor-parallel size (validated)")
-    p.add_argument("--pp", type=int, default=1, help="planned pipeline-parallel size (validated)")
+    p.add_argument("--tp", type=positive_int, default=1, help="planned tensor-parallel size (validated)")
+    p.add_argument("--pp", type=positive_int, default=1, help="planned pipeline-parallel size (validated)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="weights dtype (default: the checkpoint's)")
     p.add_argument("--allow-lossy-dtype", action="store_true", help="allow a cast that loses precision")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show the traceback of user errors")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _main(argv: list[str]) -> int:

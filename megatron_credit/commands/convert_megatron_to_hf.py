@@ -23,10 +23,17 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
     if not m or m.group(2).upper() not in _UNITS:
         raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 5GB, 500MB, 2GiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    size = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if size < 1:  # a shard of 0 bytes holds nothing
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return size
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+parse_size.kind = "size"  # what the tests that walk every option try on it
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The options (``main`` parses with it; the tests walk its actions)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", required=True, help="folder written by convert_hf_to_megatron")
     p.add_argument("--out", required=True, help="output HF folder, not inside --ckpt (only the files of an "
@@ -39,7 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), help="e.g. 5GB")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show the traceback of user errors")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _main(argv: list[str]) -> int:

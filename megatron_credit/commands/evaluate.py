@@ -25,7 +25,11 @@ import tempfile
 from pathlib import Path
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (``main`` parses with it; the tests walk its actions)."""
+    from megatron_credit.cli import nonnegative_int, positive_float, positive_int, ranged
+    from megatron_credit.typed_build import Range
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf-dir", help="a Hugging Face model folder")
@@ -34,25 +38,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--run-checkpoint", help="one checkpoint of a run: <run>/checkpoints/iter_N")
     p.add_argument("--data", required=True, nargs="+", help="DAPO-schema jsonl / parquet file(s)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
-    p.add_argument("--k", type=int, default=1, help="samples per problem (Avg@k, Cons@k, Pass@k)")
-    p.add_argument("--pass-k", type=int, nargs="*", default=None, help="k values of Pass@k (default 1, 2, 4, .., k)")
+    p.add_argument("--k", type=positive_int, default=1, help="samples per problem (Avg@k, Cons@k, Pass@k)")
+    p.add_argument("--pass-k", type=positive_int, nargs="*", default=None, help="k values of Pass@k (default 1, 2, 4, .., k)")
     p.add_argument("--config", default=None, help="a recipe: sampling settings from its rollout section")
     p.add_argument("--engine", default=None, help="rollout engine (default: the recipe's, else hf)")
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE",
                    help="engine constructor argument (repeatable)")
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=None, help="response budget (default: the recipe's, else 1024)")
-    p.add_argument("--max-prompt-len", type=int, default=None, help="drop longer prompts (default: the recipe's, else 4096)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N problems")
-    p.add_argument("--batch-prompts", type=int, default=8, help="prompts per engine call")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--reward-workers", type=int, default=0, help="verifier processes (0: in-process)")
+    p.add_argument("--temperature", type=positive_float, default=None)
+    p.add_argument("--top-p", type=ranged(float, Range(gt=0, le=1, note="1 = off")), default=None)
+    p.add_argument("--top-k", type=ranged(int, Range(ge=0, note="0 = off")), default=None)
+    p.add_argument("--max-new-tokens", type=positive_int, default=None, help="response budget (default: the recipe's, else 1024)")
+    p.add_argument("--max-prompt-len", type=positive_int, default=None, help="drop longer prompts (default: the recipe's, else 4096)")
+    p.add_argument("--limit", type=positive_int, default=None, help="only the first N problems")
+    p.add_argument("--batch-prompts", type=positive_int, default=8, help="prompts per engine call")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="sampling seed")
+    p.add_argument("--reward-workers", type=nonnegative_int, default=0, help="verifier processes (0: in-process)")
     p.add_argument("--out", default=None, help="JSON report path")
     p.add_argument("--table", default=None, help="per-problem table path (tab-separated)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _engine_options(items: list[str]) -> dict:
@@ -89,8 +97,6 @@ def _hf_folder(args):
 
 def _main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if args.k < 1:
-        raise ValueError(f"--k must be >= 1, got {args.k}")
     from transformers import AutoTokenizer
 
     from megatron_credit.data.dataset import load_prompt_dataset

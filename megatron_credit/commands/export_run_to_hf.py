@@ -9,7 +9,8 @@ import argparse
 import sys
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (``main`` parses with it; the tests walk its actions)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run-dir", help="a run directory: its newest complete checkpoint is exported")
@@ -17,7 +18,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output HF folder (not inside the checkpoint)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace HF files in --out that no earlier export wrote (default: refuse)")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _main(argv: list[str]) -> int:

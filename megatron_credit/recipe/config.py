@@ -30,8 +30,8 @@ from megatron_credit.planning.gpu_kinds import GPUS
 from megatron_credit.recipe.sections import (AlgorithmConfig, CheckpointConfig, DataConfig, LoggingConfig,
                                              OptimConfig, RewardConfig, RolloutConfig, TrainConfig,
                                              WarmupConfig)
+from megatron_credit.typed_build import NonNegativeInt, PositiveFloat, PositiveInt
 from megatron_credit.typed_build import build_dataclass as _build
-from megatron_credit.typed_build import check_scalar as _check_scalar  # noqa: F401  (the name tests use)
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -40,21 +40,16 @@ _DTYPES = ("float32", "bfloat16", "float16")
 class ParallelConfig:
     """How the actor is sharded; the data-parallel size is what is left of the world size."""
 
-    tensor_model_parallel_size: int = 1
+    tensor_model_parallel_size: PositiveInt = 1
     """Tensor (Megatron column/row) parallel ranks; must divide attention heads and KV heads."""
-    pipeline_model_parallel_size: int = 1
+    pipeline_model_parallel_size: PositiveInt = 1
     """Pipeline stages; must divide the number of layers."""
-    context_parallel_size: int = 1
+    context_parallel_size: PositiveInt = 1
     """Ranks that split each sequence (load-balanced 2*cp chunks)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside TP regions (GPU only: the local-spec norm refuses it)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "context_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"parallel.{name} must be a positive integer, got {value!r}")
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
 
@@ -83,14 +78,10 @@ class ParallelConfig:
 class DistributedConfig:
     """The process groups of the run."""
 
-    timeout_s: float = 3 * 3600.0
+    timeout_s: PositiveFloat = 3 * 3600.0
     """Timeout of every process group the trainer makes (the default one, megatron's, the engines'):
     ranks wait in them while the engines generate, which at 20K-token responses takes far longer than
     NCCL's default of 10 minutes."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0:
-            raise ValueError(f"distributed.timeout_s must be a positive number of seconds, got {self.timeout_s!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,9 +90,9 @@ class ClusterConfig:
     ``pretrain_rl.py --dry-run``, the launchers' defaults). The trainer reads none of it (the recipe checks
     ``distributed_optimizer`` against ``optim``)."""
 
-    nodes: int = 1
+    nodes: PositiveInt = 1
     """Nodes the recipe was sized for."""
-    gpus_per_node: int = 8
+    gpus_per_node: PositiveInt = 8
     """GPUs per node."""
     gpu: str = "h100-80gb"
     """GPU kind, a key of ``megatron_credit.planning.gpu_kinds.GPUS``."""
@@ -111,10 +102,6 @@ class ClusterConfig:
     follows); true here without them is refused (the plan would assume what the run does not do)."""
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "gpus_per_node"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"cluster.{name} must be a positive integer, got {value!r}")
         if self.gpu not in GPUS:
             raise ValueError(f"cluster.gpu={self.gpu!r} is not one of {sorted(GPUS)}")
 
@@ -136,10 +123,10 @@ class ModelConfig:
     """Parameter dtype: float32, bfloat16, float16, or "auto": the checkpoint's ``torch_dtype`` on GPU
     (bfloat16 for every Qwen2.5 / Qwen3 / Llama 3 release; float32 when it records none) and float32
     on CPU. Recipes for real runs state it."""
-    max_position_embeddings: Optional[int] = None
+    max_position_embeddings: Optional[PositiveInt] = None
     """Overrides the checkpoint's context length (e.g. Qwen2.5-Math-7B has 4096 positions, too few for
     20K-token responses); the trainer refuses longer sequences. None keeps the checkpoint's."""
-    rope_theta: Optional[float] = None
+    rope_theta: Optional[PositiveFloat] = None
     """Overrides the checkpoint's RoPE base (often raised together with ``max_position_embeddings``).
     None keeps the checkpoint's. The rollout engine must get the same two overrides."""
     transformer_impl: str = "auto"
@@ -160,10 +147,6 @@ class ModelConfig:
             check_architecture_keys(self.architecture)
         if self.params_dtype not in _DTYPES + ("auto",):
             raise ValueError(f"model.params_dtype must be 'auto' or one of {_DTYPES}, got {self.params_dtype!r}")
-        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
-            raise ValueError(f"model.max_position_embeddings must be >= 1, got {self.max_position_embeddings}")
-        if self.rope_theta is not None and not self.rope_theta > 0:
-            raise ValueError(f"model.rope_theta must be > 0, got {self.rope_theta}")
         if self.transformer_impl not in ("auto", "transformer_engine", "local"):
             raise ValueError("model.transformer_impl must be one of ('auto', 'transformer_engine', 'local'), "
                              f"got {self.transformer_impl!r}")
@@ -257,7 +240,7 @@ class Recipe:
     """Checkpoints."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Logs and pictures."""
-    seed: int = 1234
+    seed: NonNegativeInt = 1234
     """Seed of every generator (model init, dropout, data, sampling)."""
 
     def __post_init__(self) -> None:

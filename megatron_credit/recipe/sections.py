@@ -1,13 +1,18 @@
 """The training sections of a recipe: data, rollout, reward, algorithm, optim, train, warmup, checkpoint,
 logging (``megatron_credit.recipe.config`` holds the model / parallel sections, ``Recipe`` and the loading).
 
-Each section is a keyword-only dataclass with a one-line docstring per field that validates itself in
-``__post_init__`` (``ValueError`` naming the field).
+Each section is a keyword-only dataclass with a one-line docstring per field. A field's hint states its
+type and, for a number, its range (``typed_build.Range``): both are checked when the recipe is loaded
+(``typed_build.build_dataclass``). What one field cannot say alone (a choice among names, a field that
+needs another) is checked in ``__post_init__``. Either way a refusal is one ``ValueError`` naming the field.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Annotated, Any, Mapping, Optional
+
+from megatron_credit.typed_build import (NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Range,
+                                       UnitFloat)
 
 SYNTHETIC_SOURCES = ("synthetic_arith", "synthetic_chain")
 ROLLOUT_MODES = ("sync", "one_step_off", "async")
@@ -31,17 +36,17 @@ class DataConfig:
     """Held-out prompts (``source: dataset``); None: validation is skipped."""
     tokenizer_path: Optional[str] = None
     """A Hugging Face tokenizer directory (``source: dataset``); None: the model directory."""
-    num_operands: int = 2
+    num_operands: Annotated[int, Range(ge=2)] = 2
     """synthetic_arith / synthetic_chain: operands per problem (the chain's written running sums)."""
-    min_operand: int = 0
+    min_operand: NonNegativeInt = 0
     """synthetic_arith / synthetic_chain: smallest operand."""
-    max_operand: int = 9
+    max_operand: NonNegativeInt = 9
     """synthetic_arith / synthetic_chain: largest operand (one digit for the chain)."""
     decisive: str = "any"
     """synthetic_chain: where the warm-up's slips go: ``any`` step, ``early`` or ``late`` half."""
-    tokenizer_vocab_size: int = 64
+    tokenizer_vocab_size: Annotated[int, Range(ge=40)] = 64
     """synthetic_arith / synthetic_chain: size of the sentencepiece tokenizer trained on the task."""
-    max_prompt_len: int = 64
+    max_prompt_len: PositiveInt = 64
     """Prompts longer than this many tokens are dropped (datasets) or refused (synthetic)."""
 
     def __post_init__(self) -> None:
@@ -54,7 +59,8 @@ class DataConfig:
                         max_operand=self.max_operand, decisive=self.decisive)  # ValueError naming the field
         if self.source == "dataset" and not self.train_path:
             raise ValueError("data.train_path is required with data.source: dataset")
-        _positive(self, "data", "num_operands", "tokenizer_vocab_size", "max_prompt_len")
+        if self.min_operand > self.max_operand:
+            raise ValueError(f"data.max_operand must be >= data.min_operand = {self.min_operand}, got {self.max_operand}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,20 +69,20 @@ class RolloutConfig:
 
     engine: str = "hf"
     """Name in ``megatron_credit.rollout.ROLLOUT_ENGINES`` (``hf`` on CPU, ``vllm`` on GPU)."""
-    prompts_per_step: int = 64
+    prompts_per_step: PositiveInt = 64
     """Prompts per iteration over the whole job (split over the engines to sample, then over the
     data-parallel ranks to train)."""
-    n: int = 8
+    n: PositiveInt = 8
     """Samples per prompt (the group of GRPO-style estimators)."""
-    temperature: float = 1.0
+    temperature: Annotated[float, Range(gt=0, note="greedy has no policy gradient")] = 1.0
     """Sampling temperature (the trainer's log-probs use the same one)."""
-    top_p: float = 1.0
+    top_p: Annotated[float, Range(gt=0, le=1, note="1 = off")] = 1.0
     """Nucleus sampling (1 = off)."""
-    top_k: int = 0
+    top_k: Annotated[int, Range(ge=0, note="0 = off")] = 0
     """Top-k sampling (0 = off)."""
-    max_response_len: int = 8
+    max_response_len: PositiveInt = 8
     """The one maximum response length: sampling budget, overlong shaping, Dr.GRPO's L."""
-    max_batch_size: Optional[int] = None
+    max_batch_size: Optional[PositiveInt] = None
     """Rows decoded together by the engine (None: all)."""
     engine_options: Mapping[str, Any] = field(default_factory=dict)
     """Extra keyword arguments of the engine's constructor (vllm: tensor_parallel_size,
@@ -86,48 +92,34 @@ class RolloutConfig:
     one rollout process on GPUs of its own generates iteration k + 1's samples with the weights of k - 1
     while iteration k trains. ``async``: the rollout process generates continuously, up to
     ``max_staleness`` policy versions ahead, taking new weights as they come (``on_update``)."""
-    max_staleness: int = 1
+    max_staleness: NonNegativeInt = 1
     """``async``: the most iterations a sample's policy may lag the one that trains on it (0: ``sync``'s
     samples, bit for bit); ``one_step_off`` is 1."""
     on_update: str = "finish"
     """``async``: what a weight update does to a draw being generated: ``finish`` it under the old weights
     (tagged with their version), or go on under the new ones between two decode steps (``partial``
     rollouts: the prefixes computed again, tagged with the oldest version; the HF engine)."""
-    gpus: tuple = ()
+    gpus: tuple[NonNegativeInt, ...] = ()
     """``one_step_off`` / ``async``: local device indices of the rollout process on rank 0's node, outside
     the trainer's ranks (empty: the CPU)."""
-    wait_timeout_s: float = 1800.0
+    wait_timeout_s: PositiveFloat = 1800.0
     """``one_step_off`` / ``async``: the trainer stops with one line when a batch takes longer than this."""
 
     def __post_init__(self) -> None:
-        _positive(self, "rollout", "prompts_per_step", "n", "max_response_len")
         from megatron_credit.rollout.engine import ROLLOUT_ENGINES
         import megatron_credit.rollout  # noqa: F401  (registers the built-in engines)
 
         ROLLOUT_ENGINES.get(self.engine)  # ValueError listing the valid names
-        if not self.temperature > 0:
-            raise ValueError(f"rollout.temperature must be > 0 for RL (greedy has no policy gradient), "
-                             f"got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1] (1 = off), got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"rollout.top_k must be >= 0 (0 = off), got {self.top_k}")
         tp = dict(self.engine_options).get("tensor_parallel_size", 1)
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"rollout.engine_options.tensor_parallel_size must be a positive integer, got {tp!r}")
         if self.mode not in ROLLOUT_MODES:
             raise ValueError(f"rollout.mode must be one of {ROLLOUT_MODES}, got {self.mode!r}")
-        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise ValueError(f"rollout.max_staleness must be an integer >= 0, got {self.max_staleness!r}")
         if self.mode == "one_step_off" and self.max_staleness != 1:
             raise ValueError(f"rollout.max_staleness={self.max_staleness}: one_step_off trains on samples exactly one "
                              "version old; use rollout.mode=async for another bound")
         if self.on_update not in ("finish", "partial"):
             raise ValueError(f"rollout.on_update must be 'finish' or 'partial', got {self.on_update!r}")
-        if not self.wait_timeout_s > 0:
-            raise ValueError(f"rollout.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
-        if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in self.gpus):
-            raise ValueError(f"rollout.gpus must be local device indices (integers >= 0), got {list(self.gpus)}")
         object.__setattr__(self, "gpus", tuple(self.gpus))
 
     @property
@@ -146,24 +138,18 @@ class RolloutConfig:
 class RewardConfig:
     """Scoring and shaping of responses."""
 
-    num_workers: int = 0
+    num_workers: NonNegativeInt = 0
     """Reward pool processes (killable, per-item timeout); 0 scores in-process (trusted verifiers)."""
-    timeout_s: float = 10.0
+    timeout_s: PositiveFloat = 10.0
     """Per-item verifier deadline in the pool."""
-    batch_timeout_s: Optional[float] = 120.0
+    batch_timeout_s: Optional[PositiveFloat] = 120.0
     """Deadline of scoring one draw's responses in the pool: items still unscored then count as
     timeouts (``reward_pool/timeouts``); None: per-item deadlines only."""
-    overlong_buffer_len: int = 0
+    overlong_buffer_len: NonNegativeInt = 0
     """DAPO's soft overlong window before ``rollout.max_response_len`` (0: off)."""
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: NonNegativeFloat = 1.0
     """Penalty at the maximum length."""
 
-    def __post_init__(self) -> None:
-        if self.num_workers < 0 or self.overlong_buffer_len < 0:
-            raise ValueError("reward.num_workers and reward.overlong_buffer_len must be >= 0")
-        if not self.timeout_s > 0 or (self.batch_timeout_s is not None and not self.batch_timeout_s > 0):
-            raise ValueError(f"reward.timeout_s and reward.batch_timeout_s must be > 0 (batch_timeout_s: or null), "
-                             f"got {self.timeout_s} and {self.batch_timeout_s}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,15 +161,15 @@ class AlgorithmConfig:
     ``--plugin`` file registers."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """Overrides of the algorithm's ``Config`` dataclass (clip ranges, tau, ...); unknown keys fail."""
-    kl_coef: float = 0.0
+    kl_coef: NonNegativeFloat = 0.0
     """Coefficient of the KL penalty to a frozen reference model (0: no reference model)."""
     kl_estimator: str = "k3"
     """k1, k3 or low_var_kl."""
     dynamic_sampling: bool = False
     """DAPO: keep only groups whose accuracy varies, drawing more prompts until the batch is full."""
-    max_draws: int = 8
+    max_draws: PositiveInt = 8
     """Dynamic sampling: at most this many draws of ``prompts_per_step`` per iteration."""
-    tis_cap: Optional[float] = None
+    tis_cap: Optional[PositiveFloat] = None
     """Truncated importance sampling of rollout vs trainer log-probs, capped at this (None: off on-policy;
     ``OFF_POLICY_TIS_CAP`` when ``rollout.mode`` trains on stale samples: the decoupled objective)."""
 
@@ -196,9 +182,6 @@ class AlgorithmConfig:
                              "(an algorithm that a plugin file registers needs --plugin FILE, on a resume too)")
         self.config()
         KL_ESTIMATORS.get(self.kl_estimator)
-        if self.kl_coef < 0:
-            raise ValueError(f"algorithm.kl_coef must be >= 0, got {self.kl_coef}")
-        _positive(self, "algorithm", "max_draws")
 
     def config(self):
         """The algorithm's ``Config`` with :attr:`params` (``algorithm/catalog.py``)."""
@@ -212,40 +195,45 @@ class AlgorithmConfig:
 
 
 MAX_LR = 1.0
-"""The largest ``optim.lr`` / ``optim.critic_lr`` accepted (1e38 overflows AdamW; 1e3 collapses a policy)."""
+"""The largest ``optim.lr`` / ``optim.critic_lr`` / ``warmup.lr`` accepted (1e38 overflows AdamW; 1e3 collapses
+a policy)."""
+LearningRate = Annotated[float, Range(gt=0, le=MAX_LR)]
+"""A learning rate: above 0 (0 trains nothing, below trains away from the objective), at most ``MAX_LR``."""
+AdamBeta = Annotated[float, Range(ge=0, lt=1)]
+"""An Adam moment's decay: 1 never forgets the first gradient, and above 1 the moments blow up."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimConfig:
     """AdamW and its learning-rate schedule."""
 
-    lr: float = 1e-4
+    lr: LearningRate = 1e-4
     """Peak learning rate."""
-    min_lr: float = 0.0
+    min_lr: NonNegativeFloat = 0.0
     """Floor of the linear / cosine decay."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegativeFloat = 0.0
     """Decoupled weight decay."""
-    beta1: float = 0.9
+    beta1: AdamBeta = 0.9
     """Adam beta1."""
-    beta2: float = 0.999
+    beta2: AdamBeta = 0.999
     """Adam beta2."""
-    eps: float = 1e-8
+    eps: PositiveFloat = 1e-8
     """Adam epsilon."""
-    clip_grad: float = 1.0
+    clip_grad: NonNegativeFloat = 1.0
     """Global gradient-norm clip (0: off)."""
-    warmup_steps: int = 0
+    warmup_steps: NonNegativeInt = 0
     """Linear warm-up, in optimizer steps: step ``k`` (0-based) uses ``lr * (k + 1) / warmup_steps``."""
     schedule: str = "constant"
     """After the warm-up: ``constant``, or ``linear`` / ``cosine`` decay to ``min_lr`` (megatron-core's
     ``OptimizerParamScheduler``, ``trainer/schedule.py``)."""
-    decay_steps: int = 0
+    decay_steps: NonNegativeInt = 0
     """Length of the linear / cosine decay in optimizer steps after the warm-up (its own length: not
     ``train.steps``); ``min_lr`` from step ``warmup_steps + decay_steps - 1`` on."""
     resume_schedule: str = "strict"
     """A resumed run whose lr schedule (``lr``, ``min_lr``, ``warmup_steps``, ``decay_steps``,
     ``schedule``, ``weight_decay``) differs from its checkpoint's: ``strict`` refuses it, naming the field;
     ``recipe`` continues with this recipe's schedule at the checkpoint's step."""
-    critic_lr: float = 1e-3
+    critic_lr: LearningRate = 1e-3
     """Peak learning rate of the critic (PPO's value head, CompPO's critics): the policy's schedule scaled by
     ``critic_lr / lr``."""
     backend: str = "local"
@@ -266,9 +254,6 @@ class OptimConfig:
     sync, checkpoints and the reference copy gather first. Needs ``distributed_optimizer``."""
 
     def __post_init__(self) -> None:
-        for name in ("lr", "critic_lr"):  # above MAX_LR Adam moves every weight by more than 1 a step
-            if not 0 < getattr(self, name) <= MAX_LR:
-                raise ValueError(f"optim.{name} must be in (0, {MAX_LR}], got {getattr(self, name)}")
         if self.schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"optim.schedule must be constant, linear or cosine, got {self.schedule!r}")
         if self.schedule != "constant" and self.decay_steps < 1:
@@ -277,11 +262,6 @@ class OptimConfig:
             raise ValueError(f"optim.min_lr must be in [0, optim.lr = {self.lr}], got {self.min_lr}")
         if self.resume_schedule not in ("strict", "recipe"):
             raise ValueError(f"optim.resume_schedule must be strict or recipe, got {self.resume_schedule!r}")
-        if self.warmup_steps < 0 or self.clip_grad < 0:
-            raise ValueError("optim.warmup_steps and optim.clip_grad must be >= 0")
-        if self.weight_decay < 0 or self.decay_steps < 0:
-            raise ValueError(f"optim.weight_decay and optim.decay_steps must be >= 0, got {self.weight_decay} "
-                             f"and {self.decay_steps}")
         if self.backend not in ("local", "megatron"):
             raise ValueError(f"optim.backend must be local or megatron, got {self.backend!r}")
         if self.distributed_optimizer and self.backend != "megatron":
@@ -296,50 +276,43 @@ class OptimConfig:
 class TrainConfig:
     """The iteration loop."""
 
-    steps: int = 10
+    steps: PositiveInt = 10
     """RL iterations to run (where the run stops; schedules have their own lengths)."""
-    num_minibatches: int = 2
+    num_minibatches: PositiveInt = 2
     """Optimizer steps per epoch over an iteration's batch."""
-    epochs: int = 1
+    epochs: PositiveInt = 1
     """Passes over the batch per iteration."""
-    max_tokens_per_microbatch: int = 4096
+    max_tokens_per_microbatch: PositiveInt = 4096
     """Token budget of one micro-batch (per rank, before the CP split)."""
     packing: Optional[bool] = None
     """Pack each micro-batch's sequences end to end (THD: no padding rows, first-fit decreasing into
     ``max_tokens_per_microbatch``; ``data/packing.py``) instead of padding every row to the longest.
     None: on (the default; ``false`` pads every micro-batch's rows to its longest, under PP to the
     mini-batch's largest row count and length)."""
-    val_every: int = 0
+    val_every: NonNegativeInt = 0
     """Validate every this many iterations (0: never)."""
-    val_prompts: int = 128
+    val_prompts: PositiveInt = 128
     """Held-out prompts per validation."""
-    val_samples: int = 1
+    val_samples: PositiveInt = 1
     """k of Avg@k."""
     recompute: Optional[str] = None
     """Activation recomputation: None, ``selective`` or ``full``."""
-    logprob_chunk_size: int = 1024
+    logprob_chunk_size: PositiveInt = 1024
     """Tokens per chunk of the vocabulary-parallel log-prob pass."""
     fuse_old_logprob: bool = False
     """Take the first mini-batch's old log-probs from its own update forward (detached; on-policy they are
     the same policy's) instead of a separate forward pass before the update: one forward of the policy
     less per iteration when ``num_minibatches`` is 1. Needs ``epochs: 1``; not with CompPO's gates or a
     value head on the trunk (``trainer/step.py``, ``fused_old_logprob``)."""
-    max_wall_s: Optional[float] = None
+    max_wall_s: Optional[PositiveFloat] = None
     """Stop after the first iteration that ends this many seconds after the first began (wall time of
     the RL iterations, validation included; build and warm-up excluded), saving as at the end; None:
     only ``steps`` stops the run. A fixed compute budget per run (``tools/credit_testbed.py``)."""
-    max_skipped_steps: int = 4
+    max_skipped_steps: NonNegativeInt = 4
     """Stop the run, before it saves, once this many consecutive optimizer steps were skipped for a
     non-finite loss or gradient norm (a diverged run; 0: never stop)."""
 
     def __post_init__(self) -> None:
-        if self.max_wall_s is not None and not self.max_wall_s > 0:
-            raise ValueError(f"train.max_wall_s must be > 0 or null, got {self.max_wall_s}")
-        _positive(self, "train", "steps", "num_minibatches", "epochs", "max_tokens_per_microbatch",
-                  "val_prompts", "val_samples", "logprob_chunk_size")
-        if self.val_every < 0 or self.max_skipped_steps < 0:
-            raise ValueError(f"train.val_every and train.max_skipped_steps must be >= 0, got {self.val_every} "
-                             f"and {self.max_skipped_steps}")
         if self.recompute not in (None, "selective", "full"):
             raise ValueError(f"train.recompute must be null, selective or full, got {self.recompute!r}")
 
@@ -348,42 +321,34 @@ class TrainConfig:
 class WarmupConfig:
     """A supervised warm-up of the actor on the synthetic task before RL (the demo starts from it)."""
 
-    steps: int = 0
+    steps: NonNegativeInt = 0
     """Supervised steps (0: none; real runs start from a pretrained checkpoint instead)."""
-    batch_size: int = 64
+    batch_size: PositiveInt = 64
     """Problems per step."""
-    lr: float = 1e-3
+    lr: LearningRate = 1e-3
     """AdamW learning rate of the warm-up."""
-    carry_drop_prob: float = 0.0
+    carry_drop_prob: UnitFloat = 0.0
     """synthetic_arith: probability that a label drops its carries (a systematic misconception RL can fix)."""
-    slip_prob: float = 0.0
+    slip_prob: UnitFloat = 0.0
     """synthetic_chain: probability that a label slips once (one running sum off by one, in the
     ``data.decisive`` window; ``data/chain.py``)."""
-    seed: Optional[int] = None
+    seed: Optional[NonNegativeInt] = None
     """Seed of the warm-up (initial weights, label noise, cache key); None: the recipe's ``seed``. Fixed,
     it gives runs with different ``seed`` the same warmed-up policy (the credit testbed's cells)."""
     cache_dir: Optional[str] = None
     """Where warmed-up weights are cached (None: ``~/.cache/megatron_credit/warmup``)."""
-
-    def __post_init__(self) -> None:
-        if self.steps < 0 or not 0.0 <= self.carry_drop_prob <= 1.0 or not 0.0 <= self.slip_prob <= 1.0:
-            raise ValueError("warmup.steps must be >= 0 and warmup.carry_drop_prob, warmup.slip_prob in [0, 1]")
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """When checkpoints are written and how many are kept."""
 
-    every: int = 0
+    every: NonNegativeInt = 0
     """Save every this many iterations (0: only at the end and on SIGTERM)."""
-    keep: int = 2
+    keep: PositiveInt = 2
     """Newest complete checkpoints kept."""
     save_at_end: bool = True
     """Save after the last iteration."""
-
-    def __post_init__(self) -> None:
-        if self.every < 0 or self.keep < 1:
-            raise ValueError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -399,8 +364,3 @@ class LoggingConfig:
     plots: bool = True
     """PNG plots in ``plots/`` at the end of the run."""
 
-
-def _positive(section, where: str, *names: str) -> None:
-    for name in names:
-        if getattr(section, name) < 1:
-            raise ValueError(f"{where}.{name} must be >= 1, got {getattr(section, name)}")

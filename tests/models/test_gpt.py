@@ -290,7 +290,7 @@ def test_max_position_and_rope_theta_overrides_reach_the_model(tmp_path):
                        (dict(rope_theta=-1.0), "rope_theta must be > 0"),
                        (dict(transformer_impl="te"), "transformer_impl must be one of")]:
         with pytest.raises(ValueError, match=match):
-            ModelConfig(name_or_path=str(tmp_path), **bad)
+            recipe_from_dict({"model": {"name_or_path": str(tmp_path), **bad}})
 
 
 def test_local_spec_on_gpu_only_when_asked(monkeypatch):

@@ -299,10 +299,11 @@ def test_every_trainer_layout_feeds_the_rollout_process(tmp_path, layout):
 
 @pytest.mark.parametrize("overrides,line", [
     (["rollout.mode=fast"], "rollout.mode must be one of ('sync', 'one_step_off', 'async'), got 'fast'"),
-    (["rollout.mode=async", "rollout.max_staleness=-1"], "rollout.max_staleness must be an integer >= 0, got -1"),
+    (["rollout.mode=async", "rollout.max_staleness=-1"], "rollout.max_staleness must be >= 0, got -1"),
     (["rollout.mode=one_step_off", "rollout.max_staleness=2"], "rollout.max_staleness=2: one_step_off trains on"),
     (["rollout.on_update=restart"], "rollout.on_update must be 'finish' or 'partial', got 'restart'"),
-    (["rollout.gpus=[-1]"], "rollout.gpus must be local device indices (integers >= 0), got [-1]"),
+    (["rollout.gpus=[-1]"], "rollout.gpus[0] must be >= 0, got -1"),
+    (["rollout.gpus=1"], "rollout.gpus must be a list, got 1 (int)"),
     (["rollout.wait_timeout_s=0"], "rollout.wait_timeout_s must be > 0, got 0"),
 ])
 def test_bad_rollout_mode_fields_get_one_line_naming_them(overrides, line):
