@@ -132,7 +132,8 @@ def check_request(model_dir: str | os.PathLike, request: dict, *, pipeline_group
     wanted = whole_model_request(mine, pipeline_group)
     where = f"--resume {model_dir}"
     hint = "(model.architecture / model.name_or_path and algorithm.name must be those of the run that saved it)"
-    missing = sorted(k for k in wanted if k not in stored)
+    # the model's own tensors first: the optimizer's state of them is named after them
+    missing = sorted((k for k in wanted if k not in stored), key=lambda k: (k.startswith("optimizer."), k))
     if missing:
         raise ValueError(f"{where}: the checkpoint lacks {len(missing)} tensor(s) this recipe's model needs, "
                          f"e.g. {missing[:3]} {hint}")
