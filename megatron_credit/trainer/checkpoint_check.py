@@ -137,8 +137,8 @@ def check_request(model_dir: str | os.PathLike, request: dict, *, pipeline_group
     if missing:
         raise ValueError(f"{where}: the checkpoint lacks {len(missing)} tensor(s) this recipe's model needs, "
                          f"e.g. {missing[:3]} {hint}")
-    shapes = [f"{k}: checkpoint {list(stored[k])}, model {list(s)}" for k, shapes in sorted(wanted.items())
-              for s in sorted(shapes) if stored[k] != s]
+    shapes = [f"{k}: checkpoint {list(stored[k])}, model {list(s)}" for k, asked in sorted(wanted.items())
+              for s in sorted(asked) if stored[k] != s]
     if shapes:
         raise ValueError(f"{where}: {len(shapes)} tensor(s) have another shape than this recipe's model, e.g. "
                          f"{'; '.join(shapes[:2])} {hint}")
