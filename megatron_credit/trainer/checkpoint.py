@@ -283,7 +283,9 @@ def _load_model_optim(path: str, sub: str, actor, meta: dict[str, Any]) -> None:
     from megatron_credit.trainer.checkpoint_check import check_request
 
     model_dir = os.path.join(path, sub)
-    check_request(model_dir, _sharded_state(actor, for_load=True))  # names a model mismatch before any read
+    # names a model mismatch before any read; every pipeline stage judges the whole model's request
+    check_request(model_dir, _sharded_state(actor, for_load=True),
+                  pipeline_group=actor.pp_group if actor.pp_size > 1 else None)
     request = _sharded_state(actor, for_load=True)
     with weights_only_byte_items(model_dir), checkpoint_errors_unwrapped():  # a second guard (safe_load)
         state = dist_checkpointing.load(request, model_dir)

@@ -17,8 +17,9 @@ then takes the newest checkpoint that passes and says which it skipped. The load
 under ``weights_only_byte_items`` (a second guard, for files changed after the check).
 
 Partly a megatron adapter by design: :func:`check_request` compares the model's tensors with the
-checkpoint's through megatron's sharded state dict (``dist_checkpointing.mapping``, imported there only);
-the rest is the standard library and torch.
+checkpoint's through megatron's sharded state dict (``dist_checkpointing.mapping``, imported there only),
+over the whole model: the union of what every pipeline stage asks for (:func:`whole_model_request`), so
+a checkpoint resumes under any layout; the rest is the standard library and torch.
 """
 from __future__ import annotations
 
@@ -104,13 +105,20 @@ def resolve(run_dir: str, resume: str, *, log: Callable[[str], None] = print) ->
     return None
 
 
-def check_request(model_dir: str | os.PathLike, request: dict) -> None:
+def check_request(model_dir: str | os.PathLike, request: dict, *, pipeline_group=None) -> None:
     """The checkpoint at ``model_dir`` stores every tensor this model and optimizer ask for, with the
     same global shape, and no model tensor this model lacks (e.g. a value head of a PPO run resumed
     by FIPO, which a load would drop silently). One ValueError naming the checkpoint, the recipe
     fields to compare and a few keys, before megatron reads any data.
 
-    ``request``: a freshly built sharded state dict (its factories are applied here, in place)."""
+    "This model" is the whole model, every pipeline stage of it: a stage holds only its part (the
+    first the embedding, the last the final norm and the output layer), so the tensors each stage asks
+    for are gathered over ``pipeline_group`` (names and shapes, once per resume) and every stage judges
+    their union. So all stages reach the same verdict, and a checkpoint saved without pipeline
+    parallelism resumes with it; a tensor no stage owns is still refused.
+
+    ``request``: a freshly built sharded state dict (its factories are applied here, in place);
+    ``pipeline_group``: this rank's pipeline-parallel group (None: one stage)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -120,15 +128,17 @@ def check_request(model_dir: str | os.PathLike, request: dict) -> None:
     stored = {k: tuple(m.size) for k, m in read_dist_metadata(model_dir).state_dict_metadata.items()
               if isinstance(m, TensorStorageMetadata)}
     apply_factories(request)
-    wanted = {v.key: tuple(v.global_shape) for v in nested_values(request) if isinstance(v, ShardedTensor)}
+    mine = {v.key: tuple(v.global_shape) for v in nested_values(request) if isinstance(v, ShardedTensor)}
+    wanted = whole_model_request(mine, pipeline_group)
     where = f"--resume {model_dir}"
     hint = "(model.architecture / model.name_or_path and algorithm.name must be those of the run that saved it)"
-    missing = sorted(k for k in wanted if k not in stored)
+    # the model's own tensors first: the optimizer's state of them is named after them
+    missing = sorted((k for k in wanted if k not in stored), key=lambda k: (k.startswith("optimizer."), k))
     if missing:
         raise ValueError(f"{where}: the checkpoint lacks {len(missing)} tensor(s) this recipe's model needs, "
                          f"e.g. {missing[:3]} {hint}")
-    shapes = [f"{k}: checkpoint {list(stored[k])}, model {list(s)}" for k, s in sorted(wanted.items())
-              if stored[k] != s]
+    shapes = [f"{k}: checkpoint {list(stored[k])}, model {list(s)}" for k, asked in sorted(wanted.items())
+              for s in sorted(asked) if stored[k] != s]
     if shapes:
         raise ValueError(f"{where}: {len(shapes)} tensor(s) have another shape than this recipe's model, e.g. "
                          f"{'; '.join(shapes[:2])} {hint}")
@@ -136,6 +146,30 @@ def check_request(model_dir: str | os.PathLike, request: dict) -> None:
     if extra:
         raise ValueError(f"{where}: the checkpoint holds {len(extra)} model tensor(s) this recipe's model does not "
                          f"have, e.g. {extra[:3]} {hint}")
+
+
+def whole_model_request(mine: dict[str, tuple], pipeline_group=None) -> dict[str, set[tuple]]:
+    """Checkpoint key -> the global shapes asked for it, over every stage of ``pipeline_group``:
+    ``mine`` (this stage's key -> shape) all-gathered (None or a group of one: ``mine`` alone). A
+    collective on the group when it has several ranks: every stage calls it at the same point. A tied
+    output layer asks for the embedding's key on the last stage too, hence a set of shapes per key.
+
+    >>> whole_model_request({"embedding.word_embeddings.weight": (64, 32)})
+    {'embedding.word_embeddings.weight': {(64, 32)}}
+    """
+    stages = [mine]
+    if pipeline_group is not None:
+        import torch.distributed as dist
+
+        size = dist.get_world_size(pipeline_group)
+        if size > 1:
+            stages = [None] * size
+            dist.all_gather_object(stages, mine, group=pipeline_group)  # bounded by the group's timeout
+    union: dict[str, set[tuple]] = {}
+    for stage in stages:
+        for key, shape in stage.items():
+            union.setdefault(key, set()).add(tuple(shape))
+    return union
 
 
 RUN_FILES = ("metrics.jsonl", "checkpoints")

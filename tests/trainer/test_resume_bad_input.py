@@ -229,6 +229,38 @@ def test_resume_of_another_model_is_one_line(pool, made, tmp_path, case):
     assert "(model.architecture / model.name_or_path and algorithm.name" in error
 
 
+pool2 = module_pool(2)
+
+# At PP 2 each stage holds part of the model (the value head only the last); the check judges the whole
+# model on every stage, so the verdict is the same on both, and a resume from one rank works (the layouts'
+# test, tests/trainer/test_resume_layouts.py).
+PP2_MISMATCHES = {
+    "FIPO resuming a PPO checkpoint": ("ppo", ["algorithm.name=fipo"],
+                                       "the checkpoint holds 2 model tensor(s) this recipe's model does not have, "
+                                       "e.g. ['value_head.bias', 'value_head.weight']"),
+    "PPO resuming a GRPO checkpoint": ("grpo", ["algorithm.name=ppo"],
+                                       "the checkpoint lacks 6 tensor(s) this recipe's model needs, e.g. "
+                                       "['value_head.bias', 'value_head.weight', "
+                                       "'optimizer.state.exp_avg.value_head.bias']"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PP2_MISMATCHES))
+@pytest.mark.dist
+def test_resume_of_another_model_at_two_stages_is_one_line_on_every_stage(pool2, made, tmp_path, case):
+    # A value head no stage of the new layout owns is refused by name on both stages, the first stage
+    # included (it never owns the head); a head the checkpoint lacks too, never a hang in the load.
+    source, overrides, message = PP2_MISMATCHES[case]
+    shutil.copytree(made / source, tmp_path / "run")
+    ckpt = tmp_path / "run" / "checkpoints" / ITER2
+    ranks = pool2.run(_train, str(tmp_path / "out"), str(ckpt),
+                      ["checkpoint.every=0", "parallel.pipeline_model_parallel_size=2", *overrides])
+    errors = [error for _, error, _ in ranks]
+    assert [rows for rows, _, _ in ranks] == [None, None] and errors[0] == errors[1], errors
+    assert errors[0].startswith(f"error: --resume {ckpt / 'model_optim'}: {message} "), errors[0]
+    assert "\n" not in errors[0]
+
+
 @pytest.mark.dist
 def test_reward_pool_counts_and_dropped_prompts_reach_metrics_jsonl(pool, tmp_path):
     rows, error, _ = pool.run(_train, str(tmp_path / "run"), "none",

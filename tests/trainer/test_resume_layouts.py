@@ -1,0 +1,182 @@
+"""A run checkpointed under any of five layouts resumes under each of the other four and trains on.
+
+The layouts: one rank (world 1), and at world 2 TP 2, PP 2, CP 2 and DP 2. Each saves one PPO
+iteration of the tiny model once (a module fixture); each of the 20 ordered pairs then resumes that
+checkpoint under the other layout and runs one more iteration, in the same two gloo pools (one rank,
+two ranks) that trained the sources: a pair costs about a second, not a ``torchrun`` launch.
+
+What a pair asserts:
+
+- right after the load, every tensor of this rank's share of the model and of its optimizer (the AdamW
+  moments, sharded like their parameters) equals its slice of the checkpoint's global tensor, bit for bit;
+- the iteration counter continues (iteration 2, the log says "resharded from"), the next checkpoint is
+  written under the new layout with the optimizer step count carried on, and the iteration's metrics are
+  finite with a gradient;
+- at DP = 1 the prompts and sampling seeds do not depend on TP / PP / CP, so every DP = 1 target of one
+  source samples the same answers and computes the same losses.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from tests.support.distributed_harness import module_pool
+from tests.support.runs import TINY_CHECKPOINTED
+
+pytestmark = pytest.mark.dist
+
+pool1 = module_pool(1)
+pool2 = module_pool(2)
+
+LAYOUTS = {
+    "1": (1, []),
+    "tp2": (2, ["parallel.tensor_model_parallel_size=2"]),
+    "pp2": (2, ["parallel.pipeline_model_parallel_size=2"]),
+    "cp2": (2, ["parallel.context_parallel_size=2"]),
+    "dp2": (2, []),
+}
+"""name -> (world size, the recipe's overrides)."""
+PAIRS = [(a, b) for a in LAYOUTS for b in LAYOUTS if a != b]
+BASE = ["algorithm.name=ppo", "checkpoint.every=1"]  # PPO: the value loss has a gradient on a random policy
+ITER1, ITER2 = "iter_0000001", "iter_0000002"
+
+
+def _train(run_dir: str, resume: str, overrides, saved: str | None = None):
+    """``train`` on every rank of the worker; returns ``(rows, log lines, the load's comparison, the
+    error line or None)``: a refused resume fails its own pair's test, not the fixture. With ``saved``
+    (the checkpoint's global tensors, :func:`_global_tensors`), this rank's model and optimizer shards
+    are compared with them right after ``checkpoint.load``."""
+    from megatron_credit import distributed
+    from megatron_credit.cli import error_line
+    from megatron_credit.recipe.config import recipe_from_dict
+    from megatron_credit.trainer import checkpoint, loop
+
+    recipe = recipe_from_dict(TINY_CHECKPOINTED, overrides=list(overrides))
+    lines: list[str] = []
+    compared: dict = {}
+    original = checkpoint.load
+
+    def load(path, actor, **kwargs):
+        out = original(path, actor, **kwargs)
+        compared.update(_compare_shards(actor, saved))
+        return out
+
+    if saved is not None:
+        checkpoint.load = load
+    device = distributed.initialize(recipe.parallel, seed=recipe.seed)
+    try:
+        rows = loop.train(recipe, recipe.model.hf_config(), run_dir=run_dir, device=device, resume=resume,
+                          log=lines.append)
+    except ValueError as exc:
+        return None, lines, compared, error_line(exc)
+    finally:
+        distributed.destroy()
+        checkpoint.load = original
+    return rows, lines, compared, None
+
+
+def _compare_shards(actor, saved: str) -> dict:
+    """This rank's share of the model and the optimizer moments (megatron's sharded state dict, as a save
+    would write it) against the checkpoint's global tensors: how many were compared, and the keys of
+    those that differ."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    from megatron_credit.trainer.checkpoint import _sharded_state
+
+    whole = torch.load(saved, weights_only=True)
+    state = _sharded_state(actor, for_load=False)
+    apply_factories(state)
+    shards = [v for v in nested_values(state) if isinstance(v, ShardedTensor)]
+    differ = sorted({v.key for v in shards
+                     if not torch.equal(v.data.detach().cpu(), whole[v.key][v.global_slice()].to(v.data.dtype))})
+    return {"tensors": len(shards), "optimizer": sum(v.key.startswith("optimizer.") for v in shards),
+            "differ": differ}
+
+
+def _global_tensors(model_dir: str, out: str) -> str:
+    """The tensors of the dist checkpoint ``model_dir`` (model and optimizer, whole) as one ``torch.save``
+    file ``out``, readable with ``weights_only=True``."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(model_dir, out + ".all")
+    everything = torch.load(out + ".all", weights_only=False)  # written just above from our own save
+    torch.save({k: v for k, v in everything.items() if isinstance(v, torch.Tensor)}, out)
+    os.remove(out + ".all")
+    return out
+
+
+def _meta(run_dir) -> dict:
+    with open(os.path.join(run_dir, "meta.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _pool(world: int, pool1, pool2):
+    return pool1 if world == 1 else pool2
+
+
+@pytest.fixture(scope="module")
+def sources(pool1, pool2, tmp_path_factory):
+    """Each layout's run of one iteration: name -> (its iteration-1 checkpoint, the global-tensor file)."""
+    root = tmp_path_factory.mktemp("layouts")
+    out = {}
+    for name, (world, overrides) in LAYOUTS.items():
+        rows, _, _, error = _pool(world, pool1, pool2).run(_train, str(root / name), "none",
+                                                           [*BASE, "train.steps=1", *overrides])[0]
+        assert error is None and [r["step"] for r in rows] == [1], error
+        ckpt = root / name / "checkpoints" / ITER1
+        out[name] = (ckpt, _global_tensors(str(ckpt / "model_optim"), str(root / f"{name}.pt")))
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(pool1, pool2, sources, tmp_path_factory):
+    """Every pair resumed, once: (source, target) -> (rank 0's rows, every rank's log, comparison and
+    error line, the resumed run's directory)."""
+    root = tmp_path_factory.mktemp("resumed")
+    out = {}
+    for source, target in PAIRS:
+        world, overrides = LAYOUTS[target]
+        ckpt, saved = sources[source]
+        run_dir = root / f"{source}-to-{target}"
+        ranks = _pool(world, pool1, pool2).run(_train, str(run_dir), str(ckpt),
+                                               [*BASE, "train.steps=2", *overrides], saved)
+        out[source, target] = (ranks[0][0], [r[1] for r in ranks], [r[2] for r in ranks], [r[3] for r in ranks],
+                               run_dir)
+    return out
+
+
+@pytest.mark.parametrize("source, target", PAIRS, ids=[f"{a}-to-{b}" for a, b in PAIRS])
+def test_a_checkpoint_resumes_under_another_layout_and_trains_on(sources, resumed, source, target):
+    rows, logs, compared, errors, run_dir = resumed[source, target]
+    assert errors == [None] * len(errors), errors
+    for rank, c in enumerate(compared):  # the resharded state is the saved one, bit for bit
+        assert c["tensors"] > 0 and c["optimizer"] > 0 and c["differ"] == [], (rank, c)
+    assert any("resharded from" in line and ITER1 in line for line in logs[0]), logs[0]
+    assert [r["step"] for r in rows] == [2]
+    row = rows[0]
+    assert all(math.isfinite(v) for v in row.values()), row
+    assert row["actor/grad_norm"] > 0 and row["actor/skipped_steps"] == 0 and row["critic/value_loss"] > 0
+    assert row["mismatch/logprob_abs_mean"] < 1e-4  # the engines sample with the loaded weights
+    before, after = _meta(sources[source][0]), _meta(run_dir / "checkpoints" / ITER2)
+    assert after["step"] == 2 and after["layout"] == _meta(sources[target][0])["layout"] != before["layout"]
+    assert after["optimizer_steps"] == before["optimizer_steps"] + TINY_CHECKPOINTED["train"]["num_minibatches"]
+
+
+DP1 = [name for name in LAYOUTS if name != "dp2"]
+
+
+@pytest.mark.parametrize("source", list(LAYOUTS))
+def test_every_dp1_target_of_one_source_computes_the_same_iteration(resumed, source):
+    assert all(resumed[source, t][0] is not None for t in DP1 if t != source), "a resume failed: see its test"
+    rows = {t: resumed[source, t][0][0] for t in DP1 if t != source}
+    first, *others = rows
+    for target in others:
+        assert rows[target]["reward/mean"] == rows[first]["reward/mean"], (first, target)
+        assert rows[target]["response_length/mean"] == rows[first]["response_length/mean"], (first, target)
+        for k in ("actor/pg_loss", "actor/grad_norm", "critic/value_loss", "actor/entropy"):
+            assert rows[target][k] == pytest.approx(rows[first][k], rel=1e-4, abs=1e-6), (first, target, k)
