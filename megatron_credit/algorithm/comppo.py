@@ -54,6 +54,10 @@ class GateCapture(FinalLayerCapture):
                 "topk_idx": CaptureOutput(torch.long, (self.top_k,)),
                 "topk_w": CaptureOutput(torch.float32, (self.top_k,))}
 
+    @property
+    def critic_inputs(self) -> tuple[str, ...]:
+        return ("kappa", "topk_idx", "topk_w")  # the concentration is for the credit maps only
+
     def read(self, result: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {"kappa": self.gate_fn(result["H"].float(), result["n"]).float(), "concentration": result["H"].float()}
         if "topk_idx" in result:
