@@ -71,14 +71,13 @@ CREDIT_DIAGNOSTICS = ("weight_gini", "effective_token_frac", "position_corr")
 
 
 def _credit(v: Mapping[str, Any]) -> dict[str, float]:
-    """``credit/*``: means over the responses with credit (none: NaN, ``null`` in ``metrics.jsonl``, rather
-    than a 0 that would read as "equal credit")."""
+    """``credit/*``: means over the responses with credit (none: no metric, as for an extreme of no token,
+    rather than a 0 that would read as "equal credit")."""
     n = v.get("sum:credit/responses")
-    if n is None:
+    if n is None or float(n) <= 0:
         return {}
     sums = ("gini", "effective_frac", "position_corr")
-    return {f"credit/{name}": float(v[f"sum:credit/{k}"] / n) if float(n) > 0 else math.nan
-            for name, k in zip(CREDIT_DIAGNOSTICS, sums)}
+    return {f"credit/{name}": float(v[f"sum:credit/{k}"] / n) for name, k in zip(CREDIT_DIAGNOSTICS, sums)}
 
 
 CORE = MetricTable(means={
