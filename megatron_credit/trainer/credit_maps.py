@@ -4,9 +4,9 @@ credit (``docs/credit_maps.md``).
 Every ``logging.credit_map_every`` iterations the trainer hands :class:`CreditMaps` the batch and its credit
 (``trainer/step.credit_view``: the applied advantage, the algorithm's own factors, the log-prob change,
 the critic's values, the TIS weights). It picks K responses (:func:`select_rows`: the best and the worst of
-a group with mixed outcomes, and at least one of each outcome), and writes ``credit_maps/iter_<N>.jsonl``
-(one response per line: the tokens and every quantity, :func:`response_records`) and the page rendered
-from it (``trainer/credit_page.py``). Only the rank that holds DP rank 0's rows whole writes (the last
+a group with mixed outcomes, the one whose credit is most uneven, and at least one of each outcome), and
+writes ``credit_maps/iter_<N>.jsonl`` (one response per line: the tokens and every quantity,
+:func:`response_records`) and the page rendered from it (``trainer/credit_page.py``). Only the rank that holds DP rank 0's rows whole writes (the last
 pipeline stage's TP rank 0, CP rank 0): the K responses are chosen among its rows, so nothing crosses a
 process boundary. Off (``credit_map_every: 0``), nothing here runs.
 """
@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from megatron_credit.credit.diagnostics import per_response
 from megatron_credit.trainer.credit_page import render_page
 
 
@@ -26,22 +27,25 @@ def map_path(run_dir: str, iteration: int, ext: str) -> str:
     return os.path.join(run_dir, "credit_maps", f"iter_{iteration:07d}.{ext}")
 
 
-def select_rows(rewards: torch.Tensor, correct: torch.Tensor, group_ids: torch.Tensor, k: int) -> list[tuple[int, str]]:
+def select_rows(rewards: torch.Tensor, correct: torch.Tensor, group_ids: torch.Tensor, k: int,
+                unevenness: "torch.Tensor | None" = None) -> list[tuple[int, str]]:
     """``k`` rows (fewer if the batch is smaller) and why each was chosen: the best and the worst response
-    of the group whose rewards spread most (a group with mixed outcomes when there is one), then rows of
-    the outcome seen less so far (at least one correct and one incorrect when the batch has both), other
-    groups first, in row order.
+    of one group (one with mixed outcomes when there is one; then the group whose credit is most uneven,
+    ``unevenness: [N]`` per row, e.g. the Gini of its applied advantage, with ``-1`` for a row without
+    credit; then the widest spread of rewards; then the first), then rows of the outcome seen less so far
+    (at least one correct and one incorrect when the batch has both): rows with credit, other groups, the
+    most uneven credit first, then in row order.
 
     >>> select_rows(torch.tensor([1., 0., 1., 0., 0., 0.]), torch.tensor([1, 0, 1, 0, 0, 0]).bool(),
     ...             torch.tensor([0, 0, 1, 1, 2, 2]), 3)
     [(0, 'best of its group'), (1, 'worst of its group'), (2, 'correct')]
     """
     r, ok, g = rewards.double().tolist(), correct.bool().tolist(), group_ids.tolist()
+    u = [0.0] * len(r) if unevenness is None else unevenness.double().tolist()
     groups: dict[int, list[int]] = {}
     for i, gid in enumerate(g):
         groups.setdefault(gid, []).append(i)
-    # the group with mixed outcomes first, then the widest spread of rewards; ties: the first group
-    best_g = max(groups, key=lambda gid: (len({ok[i] for i in groups[gid]}) > 1,
+    best_g = max(groups, key=lambda gid: (len({ok[i] for i in groups[gid]}) > 1, max(u[i] for i in groups[gid]),
                                           max(r[i] for i in groups[gid]) - min(r[i] for i in groups[gid]),
                                           -groups[gid][0]))
     rows = groups[best_g]
@@ -55,7 +59,7 @@ def select_rows(rewards: torch.Tensor, correct: torch.Tensor, group_ids: torch.T
         want_correct = seen.count(True) <= seen.count(False)  # the outcome seen less (correct on a tie)
         taken_groups = {g[j] for j in taken}
         rest = [i for i in range(len(r)) if i not in taken]
-        order = sorted(rest, key=lambda i: (ok[i] != want_correct, g[i] in taken_groups, i))
+        order = sorted(rest, key=lambda i: (ok[i] != want_correct, u[i] < 0, g[i] in taken_groups, -u[i], i))
         i = order[0]
         chosen.append((i, "correct" if ok[i] else "incorrect"))
     return chosen[:k]
@@ -123,7 +127,9 @@ class CreditMaps:
 
     def write(self, iteration: int, batch: Any, fields: Mapping[str, torch.Tensor]) -> str:
         """The iteration's ``.jsonl`` and ``.html``; returns the page's path."""
-        rows = select_rows(batch.rewards, batch.correct, batch.group_ids, self.samples)
+        d = per_response(fields["advantage"], batch.loss_mask)
+        unevenness = torch.where(d["has_credit"], d["gini"], -1.0)
+        rows = select_rows(batch.rewards, batch.correct, batch.group_ids, self.samples, unevenness)
         records = response_records(batch, fields, rows, tokenizer=self.tokenizer, iteration=iteration,
                                    algorithm=self.algorithm)
         write_records(records, map_path(self.run_dir, iteration, "jsonl"))
