@@ -399,7 +399,7 @@ class LoggingConfig:
     plots: bool = True
     """PNG plots in ``plots/`` at the end of the run."""
     credit_map_every: Optional[int] = None
-    """Write a credit map (``credit_maps/iter_<N>.html`` + ``.jsonl``) every this many iterations (None: with validation, ``train.val_every``; 0: off)."""
+    """Iterations between credit maps (``credit_maps/iter_<N>.html``, ``.jsonl``); None: ``train.val_every``, 0: off."""
     credit_map_samples: int = 4
     """Responses per credit map: the best and the worst of a group, and at least one of each outcome."""
 

@@ -147,8 +147,8 @@ def render_png(rec: dict, name: str, path: str, *, scale_from: Sequence[dict] = 
         rgb = (230, 230, 230) if obs else colour(rec["fields"][name][t], lo, hi)
         y = height - head - (line + 1) * lh + 0.1
         fig.patches.append(matplotlib.patches.FancyBboxPatch(
-            ((0.2 + x) / width_in, y / height), w / width_in, (lh * 0.75) / height, boxstyle="round,pad=0,rounding_size=0.004",
-            transform=fig.transFigure, facecolor=tuple(c / 255 for c in rgb), edgecolor="#999" if obs else "#ddd",
+            ((0.2 + x) / width_in, y / height), w / width_in, (lh * 0.75) / height,
+            boxstyle="round,pad=0,rounding_size=0.004", transform=fig.transFigure, facecolor=tuple(c / 255 for c in rgb), edgecolor="#999" if obs else "#ddd",
             linestyle="--" if obs else "-", linewidth=0.6))
         fig.text((0.2 + x + 0.03) / width_in, (y + lh * 0.37) / height, shown, fontsize=fs, family="monospace",
                  va="center", color="#555" if obs else "#111")
