@@ -6,8 +6,8 @@ colour per quantity as a CSS variable; the checked button picks which one paints
 shows all its numbers (its ``title``). Every text from the run (prompt, tokens, field names) is
 HTML-escaped, so a response that writes ``<script>`` shows it as text.
 
-Colours: a quantity that takes both signs on the page is diverging around 0 (red > 0, blue < 0, scaled
-by the largest magnitude); one of a single sign (``f_t``, ``kappa``, weights) goes from white at its
+Colours: a quantity with a negative value on the page is diverging around 0 (red > 0, blue < 0, scaled
+by the largest magnitude); one that is never negative (``f_t``, ``kappa``, weights) goes from white at its
 smallest value on the page to purple at its largest. Tokens the loss does not score (a multi-turn
 trajectory's observations) are grey and dashed, whatever the quantity.
 
@@ -41,12 +41,12 @@ def field_scale(records: Sequence[dict], name: str) -> tuple[float, float]:
 def colour(v: float, lo: float, hi: float) -> tuple[int, int, int]:
     """The RGB colour of value ``v`` on a page whose values span ``[lo, hi]`` (module docstring).
 
-    >>> colour(1.0, -2.0, 2.0), colour(-2.0, -2.0, 2.0), colour(1.1, 1.0, 1.2), colour(5.0, 5.0, 5.0)
+    >>> colour(1.0, -2.0, 2.0), colour(-2.0, -2.0, -1.0), colour(1.1, 1.0, 1.2), colour(5.0, 5.0, 5.0)
     ((234, 147, 148), (31, 119, 180), (186, 161, 212), (255, 255, 255))
     """
     if v is None or not math.isfinite(v):
         return (255, 255, 255)
-    if lo < 0 < hi:
+    if lo < 0:
         t, end = min(abs(v) / max(abs(lo), abs(hi)), 1.0), (_POS if v > 0 else _NEG)
     else:
         t, end = ((v - lo) / (hi - lo) if hi > lo else 0.0), _SEQ
@@ -102,7 +102,7 @@ def render_page(records: Sequence[dict], *, title: str) -> str:
                      f"#q{i}:checked~.legend .l{i}{{display:inline}}")
         buttons.append(f'<input type="radio" name="q" id="q{i}"{" checked" if i == 0 else ""}>'
                        f'<label for="q{i}">{html.escape(n)}</label>')
-        kind = "diverging around 0" if lo < 0 < hi else "white at the smallest, purple at the largest"
+        kind = "red > 0 > blue" if lo < 0 else "white at the smallest, purple at the largest"
         legend.append(f'<span class="l{i}">{html.escape(n)}: {_num(lo)} .. {_num(hi)} ({kind})</span>')
     body = "".join(_response(rec, names, scales) for rec in records)
     return (f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
@@ -113,44 +113,59 @@ def render_page(records: Sequence[dict], *, title: str) -> str:
             "(observations).</small></p></body></html>\n")
 
 
-def render_png(rec: dict, name: str, path: str, *, scale_from: Sequence[dict] = (), width_in: float = 9.0) -> None:
-    """Response ``rec`` with its tokens coloured by quantity ``name`` as a PNG at ``path`` (matplotlib);
-    the colour scale spans ``scale_from`` (default: this response)."""
+def _layout(tokens: Sequence[str], width_in: float, cw: float) -> tuple[list, int]:
+    """(x, line, width, shown text, index) of each token wrapped at ``width_in`` inches; the line count."""
+    x, line, placed = 0.0, 0, []
+    for t, text in enumerate(tokens):
+        shown = text.replace("\n", "\u21b5") or "\u2205"
+        w = cw * len(shown) + 0.06
+        if x + w > width_in - 0.4 and x > 0:
+            x, line = 0.0, line + 1
+        placed.append((x, line, w, shown, t))
+        x += w + 0.03
+    return placed, line + 1
+
+
+def render_png(recs: Sequence[dict], name: str, path: str, *, scale_from: Sequence[dict] = (),
+               width_in: float = 9.0) -> None:
+    """Responses ``recs`` (one for a paper's figure, or a whole map), one block each (why chosen, prompt,
+    reward, verdict, then the tokens coloured by quantity ``name``), as a PNG at ``path`` (matplotlib). The
+    colour scale spans ``scale_from`` (default: ``recs``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if name not in rec["fields"]:
-        raise ValueError(f"--field {name!r}: this response has {list(rec['fields'])}")
-    lo, hi = field_scale(list(scale_from) or [rec], name)
+    for rec in recs:
+        if name not in rec["fields"]:
+            raise ValueError(f"--field {name!r}: this response has {list(rec['fields'])}")
+    lo, hi = field_scale(list(scale_from) or list(recs), name)
     fs, cw, lh = 11.0, 11.0 * 0.62 / 72, 11.0 * 2.0 / 72  # font size (pt), a character's width and a line (in)
-    x, lines, placed = 0.0, 0, []
-    for t, text in enumerate(rec["tokens"]):
-        shown = (text.replace("\n", "\u21b5") or "\u2205")
-        w = cw * len(shown) + 0.06
-        if x + w > width_in - 0.4 and x > 0:
-            x, lines = 0.0, lines + 1
-        placed.append((x, lines, w, shown, t))
-        x += w + 0.03
-    head = 0.9
-    height = head + (lines + 1) * lh + 0.3
+    blocks = [_layout(rec["tokens"], width_in, cw) for rec in recs]
+    head, sub = 0.55, 0.32  # the title; each response's own heading line (inches)
+    height = head + sum(sub + n * lh + 0.12 for _, n in blocks) + 0.1
     fig = plt.figure(figsize=(width_in, height))
-    verdict = "correct" if rec["correct"] else "incorrect"
-    prompt = rec["prompt"].replace("\n", " ")[-90:]
-    fig.text(0.2 / width_in, 1 - 0.25 / height, f"{rec['algorithm']}, iteration {rec['iteration']}: {name}  "
-             f"(scale {_num(lo)} .. {_num(hi)})", fontsize=fs + 1, weight="bold", va="top")
-    fig.text(0.2 / width_in, 1 - 0.55 / height, f"prompt: {prompt}   reward {rec['reward']:+.3g}, {verdict}",
-             fontsize=fs - 1, va="top", family="monospace")
-    for x, line, w, shown, t in placed:
-        obs = rec["observation"][t]
-        rgb = (230, 230, 230) if obs else colour(rec["fields"][name][t], lo, hi)
-        y = height - head - (line + 1) * lh + 0.1
-        fig.patches.append(matplotlib.patches.FancyBboxPatch(
-            ((0.2 + x) / width_in, y / height), w / width_in, (lh * 0.75) / height,
-            boxstyle="round,pad=0,rounding_size=0.004", transform=fig.transFigure, facecolor=tuple(c / 255 for c in rgb), edgecolor="#999" if obs else "#ddd",
-            linestyle="--" if obs else "-", linewidth=0.6))
-        fig.text((0.2 + x + 0.03) / width_in, (y + lh * 0.37) / height, shown, fontsize=fs, family="monospace",
-                 va="center", color="#555" if obs else "#111")
+    kind = "red > 0 > blue" if lo < 0 else "white = smallest, purple = largest"
+    fig.text(0.2 / width_in, 1 - 0.2 / height, f"{recs[0]['algorithm']}, iteration {recs[0]['iteration']}: {name}  "
+             f"({_num(lo)} .. {_num(hi)}, {kind})", fontsize=fs + 1, weight="bold", va="top")
+    top = height - head
+    for rec, (placed, lines) in zip(recs, blocks):
+        verdict = "correct" if rec["correct"] else "incorrect"
+        prompt = rec["prompt"].replace("\n", " ")[-60:]
+        fig.text(0.2 / width_in, (top - 0.05) / height, f"{rec['chosen']}: {prompt}  reward {rec['reward']:+.3g}, "
+                 f"{verdict}", fontsize=fs - 2, va="top", family="monospace", color="#333")
+        top -= sub
+        for x, line, w, shown, t in placed:
+            obs = rec["observation"][t]
+            rgb = (230, 230, 230) if obs else colour(rec["fields"][name][t], lo, hi)
+            y = top - (line + 1) * lh + 0.1
+            fig.patches.append(matplotlib.patches.FancyBboxPatch(
+                ((0.2 + x) / width_in, y / height), w / width_in, (lh * 0.75) / height,
+                boxstyle="round,pad=0,rounding_size=0.004", transform=fig.transFigure,
+                facecolor=tuple(c / 255 for c in rgb), edgecolor="#999" if obs else "#ddd",
+                linestyle="--" if obs else "-", linewidth=0.6))
+            fig.text((0.2 + x + 0.03) / width_in, (y + lh * 0.37) / height, shown, fontsize=fs,
+                     family="monospace", va="center", color="#555" if obs else "#111")
+        top -= lines * lh + 0.12
     fig.savefig(path, dpi=150)
     plt.close(fig)

@@ -101,6 +101,11 @@ def test_the_tool_renders_a_page_and_a_png_of_one_response(tmp_path):
     assert out.read_text(encoding="utf-8") == open(map_path(str(tmp_path), 4, "html"), encoding="utf-8").read()
     png = tmp_path / "out.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    every = tmp_path / "all.png"
+    assert main(["--run", str(tmp_path), "--png", str(every), "--sample", "all"]) == 0
+    assert every.stat().st_size > png.stat().st_size  # both responses
+    with pytest.raises(SystemExit, match=r"--sample 2: the map of iteration 4 has 2 responses"):
+        main(["--run", str(tmp_path), "--sample", "2"])
     with pytest.raises(SystemExit, match="no credit map of iteration 3"):
         main(["--run", str(tmp_path), "--iter", "3"])
     with pytest.raises(SystemExit, match=r"--field 'kappa': .*'advantage', 'f_t', 'logp_change'"):
