@@ -38,6 +38,7 @@ BENCHMARKS: tuple[tuple[str, float], ...] = (
     ("logprob_memory.py", 186.0),
     ("packing.py", 720.0),  # 2026-12-03, defaults, 2 cores shared with a test run
     ("async_rollout.py", 215.0),  # 2026-12-03, defaults, a quiet machine
+    ("credit_maps.py", 15.0),  # 2026-12-04, defaults, 2 cores shared with test runs
 )
 """What ``make bench`` runs, in order, with the wall time each took when measured."""
 

@@ -12,7 +12,9 @@ Every test of the credit and loss math compares against these, so each formula h
 - :func:`logprob_entropy_reference` (log-probs and entropies of temperature-scaled logits);
 - :func:`dense_attention` (a materialised causal softmax), :func:`dense_concentration`, :func:`dense_topk`
   (CompPO's attention statistics from it);
-- :func:`qkv_reference` (megatron's fused QKV row layout, row by row).
+- :func:`qkv_reference` (megatron's fused QKV row layout, row by row);
+- :func:`credit_diagnostics_reference` (Gini, effective token fraction and position correlation of |A|,
+  by pairs of tokens, one response at a time).
 """
 import math
 
@@ -234,3 +236,24 @@ def qkv_reference(q, k, v, heads, groups, d):
         rows += [k[g * d + j] for j in range(d)]
         rows += [v[g * d + j] for j in range(d)]
     return torch.stack(rows)
+
+
+def credit_diagnostics_reference(adv, mask):
+    """Per response with credit (docs/credit_maps.md): the Gini coefficient of x = |A| over the valid tokens
+    from all pairs, sum |x_i - x_j| / (2 L sum x); (sum x)^2 / sum x^2 / L; Pearson's correlation of x with
+    the index 0..L-1 (0 when x or the index is constant). None for a response without credit."""
+    out = []
+    for a, m in zip(adv.double().tolist(), mask.bool().tolist()):
+        x = [abs(v) for v, keep in zip(a, m) if keep]
+        n, s = len(x), sum(x)
+        if s == 0:
+            out.append(None)
+            continue
+        gini = sum(abs(xi - xj) for xi in x for xj in x) / (2 * n * s)
+        eff = s * s / sum(v * v for v in x) / n
+        mx, mp = s / n, (n - 1) / 2
+        cov = sum((v - mx) * (i - mp) for i, v in enumerate(x))
+        vx, vp = sum((v - mx) ** 2 for v in x), sum((i - mp) ** 2 for i in range(n))
+        corr = 0.0 if vx <= 1e-20 * sum(v * v for v in x) * n or vp == 0 else cov / math.sqrt(vx * vp)
+        out.append({"gini": gini, "effective_frac": eff, "position_corr": corr})
+    return out

@@ -113,3 +113,15 @@ def test_an_in_process_vllm_engine_under_a_split_trainer_is_refused_in_one_line(
     three = recipe_from_dict({}, overrides=["rollout.engine_options.tensor_parallel_size=3"])
     assert "rollout.engine_options.tensor_parallel_size=3 must divide the world size 4" in " ".join(
         three.problems(three.model.hf_config(), world_size=4))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("logging.credit_map_every=-1", r"^logging.credit_map_every must be >= 0 \(0: off\), got -1$"),
+    ("logging.credit_map_samples=0", r"^logging.credit_map_samples must be >= 1, got 0$"),
+])
+def test_credit_map_fields_are_checked(override, message):
+    with pytest.raises(ValueError, match=message):
+        recipe_from_dict({}, overrides=[override])
+    ok = recipe_from_dict({}, overrides=["logging.credit_map_every=0", "logging.credit_map_samples=1"])
+    assert (ok.logging.credit_map_every, ok.logging.credit_map_samples) == (0, 1)
+    assert recipe_from_dict({}).logging.credit_map_every is None  # with validation

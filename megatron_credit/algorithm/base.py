@@ -159,6 +159,16 @@ class Algorithm:
         to :meth:`loss`, which must name it in :attr:`side_channels`. None by default."""
         return {}
 
+    def credit_fields(self, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                      mask: torch.Tensor, side: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This algorithm's own per-token quantities of credit ``{name: [B, T]}`` (detached, whole rows, on the
+        inputs' device), for the credit maps and diagnostics (``trainer/credit_maps.py``). ``logp``: the
+        log-probs of the update's forward (the policy that updated on each row), ``old_logp``: the
+        behaviour's, ``advantages``: the estimator's (after :attr:`advantage_post`), ``mask``: the response
+        tokens, ``side``: the batch's side channels. The name ``advantage``, when returned, is the credit
+        the loss applies to each token in place of the estimator's (FIPO's ``f_t * A_t``). {} by default."""
+        return {}
+
     @property
     def agg_required_args(self) -> tuple[str, ...]:
         """The ``aggregate_loss`` keywords the trainer computes once per step for this algorithm (Dr.GRPO's

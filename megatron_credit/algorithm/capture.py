@@ -42,6 +42,11 @@ class Capture:
         """Every name :meth:`collect` returns, with its dtype and trailing shape."""
         raise NotImplementedError
 
+    @property
+    def critic_inputs(self) -> tuple[str, ...]:
+        """The outputs a feature critic's ``forward`` takes as keywords (default: all of :attr:`outputs`)."""
+        return tuple(self.outputs)
+
     def arm(self, model_chunk: Any, microbatch: Any) -> None:
         """Before the forward of ``microbatch`` through ``model_chunk`` (this rank's last stage)."""
         raise NotImplementedError

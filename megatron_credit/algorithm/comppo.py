@@ -51,12 +51,16 @@ class GateCapture(FinalLayerCapture):
 
     @property
     def outputs(self) -> Mapping[str, CaptureOutput]:
-        return {"kappa": CaptureOutput(torch.float32),
+        return {"kappa": CaptureOutput(torch.float32), "concentration": CaptureOutput(torch.float32),
                 "topk_idx": CaptureOutput(torch.long, (self.top_k,)),
                 "topk_w": CaptureOutput(torch.float32, (self.top_k,))}
 
+    @property
+    def critic_inputs(self) -> tuple[str, ...]:
+        return ("kappa", "topk_idx", "topk_w")  # the concentration is for the credit maps only
+
     def read(self, result: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {"kappa": self.gate_fn(result["H"].float(), result["n"]).float()}
+        out = {"kappa": self.gate_fn(result["H"].float(), result["n"]).float(), "concentration": result["H"].float()}
         if "topk_idx" in result:
             out["topk_idx"] = result["topk_idx"]
             out["topk_w"] = result["topk_w"].float()
@@ -187,6 +191,14 @@ class CompPO(PPOClip, ActorCritic):
                             lam=self.config.lam, cp_group=cp_group)
         return AdvantageOutput(advantages=adv, returns=ret)
 
+    def credit_fields(self, *, logp, old_logp, advantages, mask, side):
+        """The dynamic gate ``kappa_t``, the final layer's concentration ``H_t`` it comes from, and the
+        transport Comp-GAE used (``gates``: ``kappa_t``, or a gate control's)."""
+        out = {"kappa": side["kappa"], "H": side["concentration"]}
+        if "gates" in side:
+            out["transport"] = side["gates"]
+        return out
+
     @property
     def advantage_post(self) -> AdvantagePost:
         c = self.config
@@ -244,3 +256,8 @@ class CompFIPO(CompPO):
         """``comppo_fipo``: Comp-GAE advantages inside FIPO's Future-KL weighted DAPO loss."""
 
     loss = FIPO.loss
+
+    def credit_fields(self, *, logp, old_logp, advantages, mask, side):
+        """CompPO's gate and FIPO's weights on Comp-GAE's advantages."""
+        kw = dict(logp=logp, old_logp=old_logp, advantages=advantages, mask=mask, side=side)
+        return {**CompPO.credit_fields(self, **kw), **FIPO.credit_fields(self, **kw)}

@@ -12,7 +12,8 @@ from typing import Optional
 
 from megatron_credit.algorithm.grpo import DAPO, DualClip
 from megatron_credit.algorithm.metric_tables import FIPO as FIPO_METRICS
-from megatron_credit.credit.future_kl import FIPO_DUAL_CLIP_C, FIPO_TAU, FIPO_WEIGHT_CLIP, multi_dual_clip_keep
+from megatron_credit.credit.future_kl import (FIPO_DUAL_CLIP_C, FIPO_TAU, FIPO_WEIGHT_CLIP, fipo_weights, future_kl,
+                                              multi_dual_clip_keep)
 from megatron_credit.losses import policy
 from megatron_credit.typed_build import PositiveFloat
 
@@ -58,3 +59,17 @@ class FIPO(DAPO):
                                        clip_high=c.clip_high, dual_clip_c=c.dual_clip_c, tau=c.tau,
                                        weight_clip=c.weight_clip, safety_thresh=c.safety_thresh,
                                        cp_group=cp_group, is_weights=is_weights, row_slots=row_slots)
+
+    def credit_fields(self, *, logp, old_logp, advantages, mask, side):
+        """The credit the loss applies, ``advantage = f_t * A_t`` (0 for a response the loss drops), the
+        weights ``f_t`` and the Future-KL ``F_t`` they come from (``credit.future_kl``), as the loss computed
+        them from the same log-probs."""
+        c = self.config
+        f, _ = fipo_weights(logp, old_logp, advantages, mask, tau=c.tau, clip=c.weight_clip,
+                            dual_clip_c=c.dual_clip_c, safety_thresh=c.safety_thresh)
+        applied = advantages * f
+        if c.drop_multi_dual_clip:
+            keep = multi_dual_clip_keep(logp, old_logp, advantages, mask, dual_clip_c=c.dual_clip_c)
+            applied = applied * keep[:, None]
+        return {"advantage": applied, "f_t": f,
+                "future_kl": future_kl(logp, old_logp, mask, tau=c.tau, dual_clip_c=c.dual_clip_c)}

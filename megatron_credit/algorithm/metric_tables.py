@@ -65,6 +65,21 @@ def _skipped(v: Mapping[str, Any]) -> dict[str, float]:
     return {"actor/skipped_steps": float(v["sum:skipped_steps"])} if "sum:skipped_steps" in v else {}
 
 
+CREDIT_DIAGNOSTICS = ("weight_gini", "effective_token_frac", "position_corr")
+"""The ``credit/`` metrics (``credit.diagnostics``), from the sums of the same names without ``weight_`` /
+``token_``."""
+
+
+def _credit(v: Mapping[str, Any]) -> dict[str, float]:
+    """``credit/*``: means over the responses with credit (none: no metric, as for an extreme of no token,
+    rather than a 0 that would read as "equal credit")."""
+    n = v.get("sum:credit/responses")
+    if n is None or float(n) <= 0:
+        return {}
+    sums = ("gini", "effective_frac", "position_corr")
+    return {f"credit/{name}": float(v[f"sum:credit/{k}"] / n) for name, k in zip(CREDIT_DIAGNOSTICS, sums)}
+
+
 CORE = MetricTable(means={
     "actor/pg_loss": ("sum:pg_loss", "sum:opt_steps"),
     "actor/entropy": ("sum:entropy", "sum:tokens"),
@@ -80,7 +95,7 @@ CORE = MetricTable(means={
     "mismatch/tis_capped_frac": ("sum:tis_capped_frac", "sum:tokens"),
     # what the update's forward passes compute beyond the sequences' own tokens (padding rows, alignment)
     "throughput/padding_fraction": ("sum:padding_tokens", "sum:computed_tokens"),
-}, derived=(_skipped,), reduce={
+}, derived=(_skipped, _credit), reduce={
     # the clipped surrogate's (losses.policy) and the engine-mismatch weights' (rollout.mismatch)
     "clipfrac_low": TOKEN_MEAN, "clipfrac_high": TOKEN_MEAN, "clipfrac_dual": TOKEN_MEAN, "approx_kl": TOKEN_MEAN,
     "tis_mean_weight": TOKEN_MEAN, "tis_capped_frac": TOKEN_MEAN,

@@ -316,7 +316,7 @@ class Actor(OptimizerStep):
         from megatron_credit.data.context_parallel import gather_from_cp, split_for_cp
 
         cp = self.cp_group if self.cp_size > 1 else None
-        names = tuple(self.capture.outputs) if self.capture is not None else ()
+        names = self.capture.critic_inputs if self.capture is not None else ()
         if aux:
             cut = (lambda x: mb.layout.pack(x)) if mb.packed else \
                 (lambda x: split_for_cp(x, cp_size=self.cp_size, cp_rank=self.cp_rank))

@@ -71,6 +71,10 @@ class TrainBatch:
     """``[B, T]`` detached advantages, 0 off the mask."""
     returns: Optional[torch.Tensor] = None
     """``[B, T]`` value targets (critic algorithms only)."""
+    update_logp: Optional[torch.Tensor] = None
+    """``[B, T]`` the log-probs of the update's forward of each row (the policy that updated on it; the last
+    epoch's), after the update: what FIPO's weights read, and the credit maps' log-prob change. Not cut into
+    micro-batches."""
     extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """``{name: [B, T, ...]}`` the algorithm's side channels: its capture's outputs from the behaviour pass
     (``algorithm/capture.py``), its ``behaviour_extras`` and what its state adds before the estimator. Cut

@@ -107,6 +107,18 @@ def context_settings(recipe) -> dict:
                                      clip_grad=recipe.optim.clip_grad, epochs=recipe.train.epochs)}
 
 
+def credit_maps(recipe, *, run_dir: str, tokenizer):
+    """The credit-map writer of ``logging.credit_map_every`` (None: with validation), or None when off."""
+    every = recipe.logging.credit_map_every
+    every = recipe.train.val_every if every is None else every
+    if not every:
+        return None
+    from megatron_credit.trainer.credit_maps import CreditMaps
+
+    return CreditMaps(run_dir, every=every, samples=recipe.logging.credit_map_samples, tokenizer=tokenizer,
+                      algorithm=recipe.algorithm.name)
+
+
 def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str, log) -> Run:
     """Check the recipe, the run directory and the checkpoint to resume (before anything is built or
     written), then build the data, the actor, a separate critic and the rollout manager. The one place
@@ -174,7 +186,7 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
                                   group_timeout_s=recipe.distributed.timeout_s, log=log)
     ctx = Context(algorithm=algorithm, actor=actor, rollouts=rollouts, critic=critic,
                   pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(recipe.parallel),
-                  **context_settings(recipe))
+                  credit_maps=credit_maps(recipe, run_dir=run_dir, tokenizer=tokenizer), **context_settings(recipe))
     return Run(ctx=ctx, prompts=prompts, task=task, tokenizer=tokenizer, layout=layout, checkpoint=path)
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_credit.algorithm.base import AdvantageInputs
+from megatron_credit.credit.diagnostics import credit_sums
 from megatron_credit.data.microbatch import plan_minibatches
 from megatron_credit.losses.kl import KL_ESTIMATORS
 from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
@@ -47,6 +48,7 @@ def rl_iteration(ctx: Context, iteration: int) -> dict[str, float]:
                                  old_from_update=fused and epoch == 0 and i == 0)
     if fused:  # the first mini-batch's old log-probs exist only now
         add_mismatch(batch, stats)
+    credit_diagnostics(ctx, batch, iteration, stats)
     return {**rollout_metrics, **ctx.reduce_stats(stats)}
 
 
@@ -56,6 +58,45 @@ def add_mismatch(batch: TrainBatch, stats: StatSums) -> None:
     if batch.old_logp is not None:
         mm = logprob_mismatch(batch.rollout_logp, batch.old_logp, batch.loss_mask)
         stats.add({"sum:mismatch_abs": mm["abs_diff_sum"], "sum:mismatch_tokens": batch.loss_mask.sum()})
+
+
+def credit_view(ctx: Context, batch: TrainBatch, *, full: bool = False) -> dict[str, torch.Tensor]:
+    """The per-token credit of the batch after the update, ``{name: [B, T]}`` whole rows: ``advantage``
+    (what the loss applies to each token: the estimator's, or the algorithm's own, FIPO's ``f_t * A_t``,
+    the estimator's then kept as ``estimator_advantage``) and the algorithm's quantities
+    (``Algorithm.credit_fields``). ``full`` adds the trainer's own for the credit maps: ``logp_change``
+    (the update forward's log-prob minus the behaviour's), the critic's ``value`` and ``return``, and the
+    truncated importance weights ``tis_weight`` (with ``algorithm.tis_cap``)."""
+    mask, old = batch.loss_mask, batch.old_logp
+    logp = batch.update_logp if batch.update_logp is not None else old
+    own = ctx.algorithm.credit_fields(logp=logp, old_logp=old, advantages=batch.advantages, mask=mask,
+                                      side=batch.extras)
+    fields = {"advantage": batch.advantages}
+    if "advantage" in own:
+        fields["estimator_advantage"] = batch.advantages
+    fields.update(own)
+    if full:
+        fields["logp_change"] = torch.where(mask, logp - old, 0.0)
+        fields.update({k: v for k, v in (("value", batch.values), ("return", batch.returns)) if v is not None})
+        if ctx.algorithm_section.tis_cap is not None:
+            fields["tis_weight"] = truncated_is_weights(old, batch.rollout_logp, mask,
+                                                        cap=ctx.algorithm_section.tis_cap)[0]
+    return {k: v.detach().float() for k, v in fields.items()}
+
+
+def credit_diagnostics(ctx: Context, batch: TrainBatch, iteration: int, stats: StatSums) -> None:
+    """The ``credit/`` diagnostics of the applied advantages (``credit.diagnostics``, summed over ranks with
+    the other statistics) and, when due, the iteration's credit map (``ctx.credit_maps``: written by the
+    one rank that holds DP rank 0's rows whole)."""
+    if batch.old_logp is None or batch.advantages is None:  # not the last pipeline stage
+        return
+    maps = ctx.credit_maps
+    due = maps is not None and maps.due(iteration) and maps.holds_data(ctx.actor)
+    with ctx.timer("credit"):
+        fields = credit_view(ctx, batch, full=due)
+        stats.add(credit_sums(fields["advantage"], batch.loss_mask))
+        if due:
+            maps.write(iteration, batch, fields)
 
 
 def fused_old_logprob(ctx: Context) -> bool:
@@ -236,11 +277,12 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
     cp_group = ctx.actor.cp_group if ctx.actor.cp_size > 1 else None
     reduce = reductions((CORE, *alg.metrics))
 
-    fresh_old = []  # (micro-batch, detached log-probs) of an old_from_update step
+    fresh = []  # (micro-batch, detached log-probs of this forward): batch.update_logp (and an old_from_update step's)
+    if batch.update_logp is None:
+        batch.update_logp = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
 
     def loss_fn(mb, logp, ent, values, aux):
-        if old_from_update:
-            fresh_old.append((mb, logp.detach()))
+        fresh.append((mb, logp.detach()))
         # One response per row from here on (the packed stream's row view; padded rows as they are).
         logp, ent, values = mb.rows_view(logp), mb.rows_view(ent), mb.rows_view(values)
         t = {k: mb.rows_view(v, False if v.dtype == torch.bool else 0) for k, v in mb.tensors.items()}
@@ -277,8 +319,10 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
 
     mbs = microbatches(ctx, batch, mini)
     out = ctx.actor.run(mbs, loss_fn, forward_only=False)
-    for mb, old in fresh_old:  # as the behaviour pass writes them (the last stage only computes losses)
-        write_rows(ctx, batch.old_logp, mb, old)
+    for mb, lp in fresh:  # as the behaviour pass writes them (the last stage only computes losses)
+        write_rows(ctx, batch.update_logp, mb, lp)
+        if old_from_update:
+            write_rows(ctx, batch.old_logp, mb, lp)
     local = StatSums()
     computed = sum(mb.computed_tokens for mb in mbs)  # padding: what the forward computes past the tokens
     local.add({"sum:computed_tokens": computed, "sum:padding_tokens": computed - int(batch.seq_lens[rows].sum())})

@@ -230,7 +230,7 @@ def test_fusing_the_old_log_probs_is_refused_for_an_algorithm_that_captures():
 
     capture = CompPO.Config().build().actor_options(types.SimpleNamespace(hidden_size=8, num_hidden_layers=2),
                                                     dtype=torch.float32)["capture"]
-    assert set(capture.outputs) == {"kappa", "topk_idx", "topk_w"}
+    assert set(capture.outputs) == {"kappa", "concentration", "topk_idx", "topk_w"}
     ctx = types.SimpleNamespace(train=types.SimpleNamespace(fuse_old_logprob=True),
                                 knobs=types.SimpleNamespace(epochs=1), algorithm=CompPO.Config().build(),
                                 actor=types.SimpleNamespace(capture=capture, with_critic=False))
