@@ -363,13 +363,8 @@ class LoggingConfig:
     """A tqdm progress bar on rank 0."""
     plots: bool = True
     """PNG plots in ``plots/`` at the end of the run."""
-    credit_map_every: Optional[int] = None
+    credit_map_every: Optional[NonNegativeInt] = None
     """Iterations between credit maps (``credit_maps/iter_<N>.html``, ``.jsonl``); None: ``train.val_every``, 0: off."""
-    credit_map_samples: int = 4
+    credit_map_samples: PositiveInt = 4
     """Responses per credit map: the best and the worst of a group, and at least one of each outcome."""
-
-    def __post_init__(self) -> None:
-        if self.credit_map_every is not None and self.credit_map_every < 0:
-            raise ValueError(f"logging.credit_map_every must be >= 0 (0: off), got {self.credit_map_every}")
-        _positive(self, "logging", "credit_map_samples")
 
