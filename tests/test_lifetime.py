@@ -7,7 +7,7 @@ never calls ``exec`` (vLLM's fork start method), which carries no owner mark and
 guard's record. When the stand-in is killed with SIGKILL, that child ignores SIGTERM, so the guard's
 SIGKILL after its grace period is exercised too. The stand-in then ends
 the way the case says, without closing anything, and the test looks for any process left that carries
-its marker (every process of the tree inherits it through exec or fork).
+its mark (``tests/support/leftovers.py``: every process of the tree inherits it through exec or fork).
 """
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-import uuid
 
 import pytest
 
 from megatron_credit import lifetime
+from tests.support.leftovers import left, marked_env, wait_until_none_left
 from tests.support.paths import ROOT
 
 TRAINER = r"""
@@ -49,36 +48,17 @@ time.sleep(600)  # signalled by the test
 """
 
 
-def _marked(mark: str) -> list[int]:
-    """Live (not zombie) processes whose environment holds ``LIFETIME_TEST=mark``."""
-    needle = f"LIFETIME_TEST={mark}".encode()
-    out = []
-    for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != os.getpid():
-            try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    env = f.read()
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    state = f.read().rsplit(b")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if needle in env and state != b"Z":
-                out.append(int(name))
-    return out
-
-
 @pytest.mark.spawn
 @pytest.mark.skipif(not hasattr(os, "pidfd_open") or not os.path.isdir("/proc"), reason="Linux only")
 @pytest.mark.parametrize("way", ["success", "error", "SIGTERM", "SIGUSR1", "SIGKILL"])
 def test_no_descendant_outlives_a_trainer_however_it_ends(way):
-    mark = uuid.uuid4().hex
-    env = dict(os.environ, LIFETIME_TEST=mark, PYTHONPATH=ROOT)
+    env, mark = marked_env(dict(os.environ, PYTHONPATH=ROOT))
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, way], env=env, cwd=ROOT,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert trainer.stdout.readline() == "ready\n", trainer.communicate(timeout=30)[1][-2000:]
         # the guard, the sleeper, the grandchild, the fork child (and the stand-in itself)
-        assert len(_marked(mark)) == 5, _marked(mark)
+        assert len(left(mark)) == 5, left(mark)
         trainer.stdin.write("go\n")
         trainer.stdin.flush()
         sig = getattr(signal, way, None)
@@ -86,13 +66,10 @@ def test_no_descendant_outlives_a_trainer_however_it_ends(way):
             trainer.send_signal(sig)
         trainer.communicate(timeout=30)
         assert trainer.returncode == (-int(sig) if sig is not None else {"success": 0, "error": 1}[way])
-        deadline = time.monotonic() + lifetime.GRACE_S + 20  # SIGTERM, the grace period, SIGKILL
-        while _marked(mark) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _marked(mark) == []
+        assert wait_until_none_left(mark, timeout_s=lifetime.GRACE_S + 20) == []  # SIGTERM, the grace, SIGKILL
     finally:
-        for pid in _marked(mark):
-            os.kill(pid, signal.SIGKILL)
+        for line in left(mark):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
         if trainer.poll() is None:
             trainer.kill()
 
