@@ -95,7 +95,6 @@ def _main(argv: list[str]) -> int:
 
     from megatron_credit.data.dataset import load_prompt_dataset
     from megatron_credit.rewards.evaluation import problem_table, sample_and_grade, summarize
-    from megatron_credit.lifetime import start_guard
     from megatron_credit.rollout.engine import build_rollout_engine
     from megatron_credit.rollout.types import SamplingParams
 
@@ -122,7 +121,6 @@ def _main(argv: list[str]) -> int:
         records = records[: args.limit] if args.limit else records
         stop = getattr(tokenizer, "eos_token_id", None)
         sampling = _with_stop(sampling, stop)
-        start_guard()  # the reward pool's and the engine's processes end with this one, however it ends
         pool = None
         if args.reward_workers:
             from megatron_credit.rewards.pool import RewardPool, RewardPoolConfig
