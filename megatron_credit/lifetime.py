@@ -120,7 +120,7 @@ def start_guard(*, log=None) -> subprocess.Popen | None:
     # A session of its own: torchrun's killpg of the worker's group, or Ctrl-C, must not end the guard first.
     # Run as a file, not ``-m``: it needs only the standard library, whatever the child's sys.path.
     _GUARD = subprocess.Popen([sys.executable, os.path.abspath(__file__), owner], start_new_session=True,
-                              stdin=subprocess.DEVNULL, close_fds=True)
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
     return _GUARD
 
 
