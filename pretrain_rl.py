@@ -154,6 +154,9 @@ def _main(args) -> int:
             print(finished, flush=True)
         return 0
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads()))))
+    from megatron_credit.lifetime import start_guard
+
+    start_guard(log=print if rank0 else None)  # every process this rank starts ends with it, however it ends
     device = distributed.initialize(recipe.parallel, seed=recipe.seed, launch=launch,
                                     timeout_s=recipe.distributed.timeout_s)
     try:

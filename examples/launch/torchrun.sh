@@ -31,4 +31,8 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   exit 0
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# SIGUSR1 is the trainer's (checkpoint.exit_signals): Slurm's --signal=USR1@<lead> reaches every process of
+# the step, and torchrun, which has no handler for it, would die of it and leave its workers headless. Ignored
+# here, it stays ignored in torchrun; the trainer ranks install their own handler for it.
+trap '' USR1
 exec "${cmd[@]}"

@@ -22,15 +22,23 @@ def _iterations(run: str) -> list[int]:
     return sorted(int(m.group(1)) for m in found if m)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The options (``main`` parses with it; the tests walk its actions)."""
+    from megatron_credit.cli import positive_int
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--run", required=True, help="the run directory (its credit_maps/)")
-    p.add_argument("--iter", type=int, default=None, help="the iteration (default: the newest map)")
+    p.add_argument("--iter", type=positive_int, default=None,
+                   help="the iteration (default: the newest map)")
     p.add_argument("--field", default="advantage", help="the quantity that colours the PNG")
     p.add_argument("--sample", default="0", help="which response of the map goes into the PNG (its index, or 'all')")
     p.add_argument("--out", default=None, help="the page (default: the run's credit_maps/iter_<N>.html)")
     p.add_argument("--png", default=None, help="the PNG (default: next to the page)")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = build_parser().parse_args(argv)
     from megatron_credit.trainer.credit_maps import map_path, read_records, write_page
     from megatron_credit.trainer.credit_page import field_names, render_png
 

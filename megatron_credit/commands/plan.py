@@ -1,14 +1,15 @@
 """Memory plan of a recipe on a cluster, before any GPU hour is spent (``megatron_credit.planning.plan``).
 
     python tools/plan.py --config examples/fipo_qwen25_32b.yaml [--nodes 4 --gpus-per-node 8 --gpu h100-80gb]
-                         [--distributed-optimizer on|off] [key.sub=value ...]
+                         [--distributed-optimizer on|off] [--disk-gbps 1] [key.sub=value ...]
 
 Without ``--nodes`` / ``--gpus-per-node`` / ``--gpu`` the recipe's ``cluster`` section is used. The model's
 numbers come from ``model.name_or_path``'s ``config.json`` when it is a local folder, else from the
 planner's table of known architectures. Prints the layout, the rollout engines (world / rollout TP: every
 GPU generates), one row per memory term, the KV cache per engine and per GPU, the host memory the
 optimizer and gradient offload takes (per GPU and per node), the training and rollout peaks and a
-verdict; exits 0 when it fits, 1 when it does not, 2 on a user error. A layout the GPUs cannot hold
+verdict, then the time of one iteration and one save and the Slurm warning lead they imply
+(``megatron_credit.planning.timing``); exits 0 when it fits, 1 when it does not, 2 on a user error. A layout the GPUs cannot hold
 (TP x PP x CP not dividing them) is a user error, refused before any table with the arithmetic and a
 layout that would fit (``megatron_credit.planning.layouts``).
 """
@@ -20,7 +21,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     """The options (``main`` parses with it; the tests walk its actions)."""
-    from megatron_credit.cli import positive_int
+    from megatron_credit.cli import positive_float, positive_int
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True, help="YAML recipe")
@@ -29,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default=None, help="GPU kind, e.g. h100-80gb (default: cluster.gpu)")
     p.add_argument("--distributed-optimizer", choices=["on", "off"], default=None,
                    help="plan with / without the distributed optimizer (default: cluster.distributed_optimizer)")
+    p.add_argument("--disk-gbps", type=positive_float, default=None,
+                   help="checkpoint write bandwidth of one node in GB/s, for the save time and the Slurm warning "
+                        "lead (default: 1)")
     p.add_argument("overrides", nargs="*", help="dotted recipe overrides")
     return p
 
@@ -56,6 +60,11 @@ def _main(argv: list[str]) -> int:
         raise ValueError(refusal)
     result = plan(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu, distributed_optimizer=dist_opt)
     print(format_plan(result, title=f"{args.config}: {recipe.algorithm.name}, {nodes} node(s) x {gpn} {gpu}"))
+    from megatron_credit.planning.timing import DISK_BYTES_PER_S, iteration_estimate
+
+    disk = DISK_BYTES_PER_S if args.disk_gbps is None else args.disk_gbps * 1e9
+    print("\n".join(iteration_estimate(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu,
+                                       disk_bytes_per_s=disk).lines()))
     return 0 if result.fits else 1
 
 

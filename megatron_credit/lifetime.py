@@ -1,0 +1,192 @@
+"""No process outlives its run: the one mechanism that ends every process a trainer started.
+
+A trainer rank starts processes of several kinds: the reward pool's workers, the rollout process of
+``rollout.mode: one_step_off | async``, vLLM's engine-core and worker processes (started by vLLM, some by
+``fork``), and whatever those start in turn. Each kind has its own orderly shutdown (``close()`` on every
+exit path the trainer survives). What no ``close()`` covers is a trainer that dies without running it:
+SIGKILL (Slurm's ``KillWait``, the OOM killer), a crash in native code, or a child's own shutdown that
+hangs. So each trainer process starts one **guard** (:func:`start_guard`), a small standard-library
+process in a session of its own (a signal sent to the trainer's process group does not reach it):
+
+- While the trainer lives, the guard records the trainer's descendants every :data:`POLL_S` seconds
+  (by parent id, with their start times, so a reused pid is never mistaken for one of them). A process
+  keeps its place in the record after its parent dies and it is re-parented, which walking the tree
+  at the end could no longer see.
+- The trainer puts :data:`OWNER_ENV` (``<pid>:<start time>``) into its environment, so every process
+  started later with ``exec`` carries it, including one started and re-parented between two polls.
+- When the trainer is gone, however it ended (the guard waits on a pidfd, so it learns at once), the
+  guard sends SIGTERM to every recorded process still alive and to every process carrying the owner
+  mark, and their descendants; after :data:`GRACE_S` seconds, SIGKILL to those left. Then it exits.
+
+The guard only acts after the trainer is gone, so on the ordinary paths (success, a user error, an
+exception, SIGTERM or SIGUSR1, each followed by ``close()``) it finds nothing left and exits; it kills
+only what an orderly shutdown left behind. A guard that is itself killed leaves the children's own
+watches (the reward worker's pipe, the rollout process's parent poll) as they were.
+
+Linux only (``/proc``, ``pidfd_open``); elsewhere :func:`start_guard` does nothing and says so.
+Standard library only: the guard process imports nothing else.
+"""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+OWNER_ENV = "MEGATRON_CREDIT_OWNER"
+"""``<pid>:<start time>`` of the trainer process whose guard ends this process (inherited through exec)."""
+POLL_S = 0.5
+"""How often the guard records the trainer's descendants (a process that lives shorter than this and
+carries no owner mark may escape the record; it also escapes nothing else)."""
+GRACE_S = 5.0
+"""Seconds between the guard's SIGTERM and its SIGKILL to the processes left behind."""
+_GUARD: subprocess.Popen | None = None
+"""This process's guard (held so that it is never collected, which would warn while it runs)."""
+
+
+def start_time(pid: int) -> int | None:
+    """The start time of process ``pid`` (clock ticks since boot, ``/proc/<pid>/stat`` field 22), or None
+    when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return int(fields[19])
+
+
+def _parents() -> dict[int, int]:
+    """``{pid: parent pid}`` of every process this user can see."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                out[int(name)] = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone between the listing and the read
+    return out
+
+
+def descendants(pid: int, parents: dict[int, int] | None = None) -> list[int]:
+    """Every process whose chain of parents reaches ``pid`` (not ``pid`` itself), by the table now."""
+    parents = _parents() if parents is None else parents
+    children: dict[int, list[int]] = {}
+    for child, parent in parents.items():
+        children.setdefault(parent, []).append(child)
+    out, todo = [], list(children.get(pid, ()))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, ()))
+    return out
+
+
+def marked(value: str) -> list[int]:
+    """Processes whose environment (as they were exec'd) holds ``OWNER_ENV=value``."""
+    needle = f"{OWNER_ENV}={value}".encode() + b"\0"
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if needle in f.read() + b"\0":
+                    out.append(int(name))
+        except OSError:
+            continue  # gone, or another user's
+    return out
+
+
+def start_guard(*, log=None) -> subprocess.Popen | None:
+    """Start this process's guard (module docstring) and mark the environment its later children inherit.
+    Returns the guard's process (the caller never waits for it: it exits on its own after this process),
+    or None where the platform lacks ``/proc`` or ``pidfd_open``. Call once, early, in the trainer."""
+    global _GUARD
+    if _GUARD is not None and _GUARD.poll() is None and os.environ.get(OWNER_ENV, "").startswith(f"{os.getpid()}:"):
+        return _GUARD  # this process's guard is running
+    me = os.getpid()
+    born = start_time(me)
+    if born is None or not hasattr(os, "pidfd_open"):
+        if log is not None:
+            log("note: no process guard on this platform (needs Linux /proc and pidfd_open): a trainer killed "
+                "with SIGKILL may leave its children running")
+        return None
+    owner = f"{me}:{born}"
+    os.environ[OWNER_ENV] = owner
+    # A session of its own: torchrun's killpg of the worker's group, or Ctrl-C, must not end the guard first.
+    # Run as a file, not ``-m``: it needs only the standard library, whatever the child's sys.path.
+    _GUARD = subprocess.Popen([sys.executable, os.path.abspath(__file__), owner], start_new_session=True,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
+    return _GUARD
+
+
+def _signal_all(pids, sig: int, born: dict[int, int | None]) -> list[int]:
+    """Send ``sig`` to each pid still the process recorded (same start time); the pids it reached."""
+    reached = []
+    for pid in pids:
+        if pid == os.getpid() or (born.get(pid) is not None and start_time(pid) != born[pid]):
+            continue  # this guard, or the pid now names another process
+        try:
+            os.kill(pid, sig)
+            reached.append(pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return reached
+
+
+def _left(owner: str, recorded: dict[int, int | None]) -> dict[int, int | None]:
+    """The processes to end: those recorded, those marked with ``owner``, and the descendants of both."""
+    parents = _parents()
+    found = {p: b for p, b in recorded.items() if start_time(p) == b}
+    for pid in marked(owner):
+        found.setdefault(pid, start_time(pid))
+    for pid in list(found):
+        for d in descendants(pid, parents):
+            found.setdefault(d, start_time(d))
+    found.pop(os.getpid(), None)
+    return {p: b for p, b in found.items() if b is not None}
+
+
+def _alive(pid: int, born: int | None) -> bool:
+    """Whether ``pid`` is still the recorded process and not a zombie waiting to be reaped."""
+    if start_time(pid) != born:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def guard(owner: str) -> None:
+    """The guard's main (module docstring): record the owner's descendants until it is gone, then end them."""
+    pid, born = (int(x) for x in owner.split(":"))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a scheduler's SIGTERM is for the trainer to act on
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        fd = None
+    recorded: dict[int, int | None] = {}
+    while fd is not None and start_time(pid) == born:
+        for d in descendants(pid):
+            recorded.setdefault(d, start_time(d))
+        if select.select([fd], [], [], POLL_S)[0]:
+            break  # the owner exited (the pidfd turns readable)
+    left = _left(owner, recorded)
+    if not left:
+        return
+    _signal_all(left, signal.SIGTERM, left)
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and any(_alive(p, b) for p, b in left.items()):
+        time.sleep(0.1)
+    left.update(_left(owner, {p: b for p, b in left.items() if _alive(p, b)}))  # and what they started since
+    _signal_all([p for p, b in left.items() if _alive(p, b)], signal.SIGKILL, left)
+
+
+if __name__ == "__main__":
+    guard(sys.argv[1])

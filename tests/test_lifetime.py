@@ -1,0 +1,80 @@
+"""The process guard (``megatron_credit/lifetime.py``) on a small tree, stopped each way a trainer ends.
+
+A stand-in trainer starts its guard, then the kinds of children a trainer has: a process started with
+``exec`` (the reward workers, the rollout process, a spawned vLLM engine core) that starts one of its own
+and then exits (so its child is re-parented: vLLM's engine core and its workers), and a ``fork`` child that
+never calls ``exec`` (vLLM's fork start method), which carries no owner mark and is found only through the
+guard's record. When the stand-in is killed with SIGKILL, that child ignores SIGTERM, so the guard's
+SIGKILL after its grace period is exercised too. The stand-in then ends
+the way the case says, without closing anything, and the test looks for any process left that carries
+its mark (``tests/support/leftovers.py``: every process of the tree inherits it through exec or fork).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from megatron_credit import lifetime
+from tests.support.leftovers import left, marked_env, wait_until_none_left
+from tests.support.paths import ROOT
+
+TRAINER = r"""
+import os, signal, subprocess, sys, time
+from megatron_credit.lifetime import POLL_S, start_guard
+
+start_guard()
+sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+# an exec'd child that starts a grandchild and exits: the grandchild is re-parented
+subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.Popen(sys.argv[1:])", *sleeper]).wait()
+subprocess.Popen(sleeper)
+if os.fork() == 0:  # a fork child that never execs (and, for one case, ignores SIGTERM)
+    if sys.argv[1] == "SIGKILL":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
+    os._exit(0)
+time.sleep(4 * POLL_S)  # the guard records the fork child (it polls every POLL_S)
+print("ready", flush=True)
+sys.stdin.readline()  # the test has counted the tree
+way = sys.argv[1]
+if way == "error":
+    raise ValueError("a user error mid-run")
+if way == "success":
+    os._exit(0)  # ends without joining its children (a clean exit that forgot one)
+time.sleep(600)  # signalled by the test
+"""
+
+
+@pytest.mark.spawn
+@pytest.mark.skipif(not hasattr(os, "pidfd_open") or not os.path.isdir("/proc"), reason="Linux only")
+@pytest.mark.parametrize("way", ["success", "error", "SIGTERM", "SIGUSR1", "SIGKILL"])
+def test_no_descendant_outlives_a_trainer_however_it_ends(way):
+    env, mark = marked_env(dict(os.environ, PYTHONPATH=ROOT))
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, way], env=env, cwd=ROOT,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline() == "ready\n", trainer.communicate(timeout=30)[1][-2000:]
+        # the guard, the sleeper, the grandchild, the fork child (and the stand-in itself)
+        assert len(left(mark)) == 5, left(mark)
+        trainer.stdin.write("go\n")
+        trainer.stdin.flush()
+        sig = getattr(signal, way, None)
+        if sig is not None:
+            trainer.send_signal(sig)
+        trainer.communicate(timeout=30)
+        assert trainer.returncode == (-int(sig) if sig is not None else {"success": 0, "error": 1}[way])
+        assert wait_until_none_left(mark, timeout_s=lifetime.GRACE_S + 20) == []  # SIGTERM, the grace, SIGKILL
+    finally:
+        for line in left(mark):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        if trainer.poll() is None:
+            trainer.kill()
+
+
+def test_descendants_follow_parent_links():
+    parents = {10: 1, 11: 10, 12: 11, 13: 1, 14: 10}
+    assert sorted(lifetime.descendants(10, parents)) == [11, 12, 14]
+    assert lifetime.descendants(12, parents) == []
