@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_credit.conversion.base import ModelDims, family_for_config
+from megatron_credit.conversion.base import ModelDims
+from megatron_credit.families import family_for_config
 from megatron_credit.conversion.hf_io import (DTYPES, CheckpointFormatError, SafetensorsReader,
                                               ShardedSafetensorsWriter, copy_file_atomic, copy_tokenizer_files,
                                               resolve_dtype, write_text_atomic)

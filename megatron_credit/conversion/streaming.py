@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from megatron_credit.conversion.base import Family, Kind, ModelDims, Rule
+from megatron_credit.conversion.base import ModelDims
+from megatron_credit.families.base import Family, Kind, Rule
 from megatron_credit.conversion.transforms import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 
 # HF keys that carry no weights a megatron model needs (buffers some old checkpoints saved).

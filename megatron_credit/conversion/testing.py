@@ -23,7 +23,7 @@ def tiny_hf_config(family: str, **overrides: Any):
     """
     from transformers import AutoConfig
 
-    from megatron_credit.conversion import FAMILIES
+    from megatron_credit.families import FAMILIES
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; valid: {FAMILIES.names()}")

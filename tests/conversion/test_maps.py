@@ -10,9 +10,10 @@ from megatron_credit.conversion.hf_io import SafetensorsReader, ShardedSafetenso
 from megatron_credit.conversion.testing import tiny_hf_config, write_random_hf_checkpoint
 from megatron_credit.conversion.transforms import (TPLayout, fuse_gate_up, fuse_qkv, split_gate_up, split_qkv,
                                                    tp_gather, tp_shard)
+from megatron_credit.families import supported_model_types
 from tests.references import qkv_reference
 
-FAMILY_NAMES = ["qwen2", "qwen3", "llama", "mistral"]
+FAMILY_NAMES = list(supported_model_types())  # every registered family
 
 
 @pytest.mark.parametrize("heads,groups,d,bias", [(8, 2, 3, False), (4, 4, 2, True), (6, 1, 4, False)])

@@ -10,7 +10,9 @@ import torch
 from tests.support.distributed_harness import pipeline_forward
 
 
-FAMILIES = ["qwen2", "qwen3", "llama", "mistral"]
+from megatron_credit.families import supported_model_types
+
+FAMILIES = list(supported_model_types())  # every registered family
 TOL = 1e-4  # max |megatron - hf| / max |hf| over valid positions, fp32
 TIED = ["llama-tied", "qwen3-tied"]  # always built with peaked attention
 LENGTHS = [12, 7, 4]  # left-padded batch of 3 sequences, 12 positions
@@ -28,7 +30,7 @@ def _scale_qk(model, family: str) -> None:
     with torch.no_grad():
         for layer in model.model.layers:
             attn = layer.self_attn
-            if family.removesuffix("-tied") == "qwen3":
+            if hasattr(attn, "q_norm"):  # Qwen3's per-head norms
                 attn.q_norm.weight.mul_(3.0)
                 attn.k_norm.weight.mul_(3.0)
             else:
