@@ -128,6 +128,10 @@ class Family:
         """Routed experts per MoE layer (0: a dense family); the ``{e}`` rules repeat this many times."""
         return 0
 
+    def expert_ffn_hidden_size(self, cfg: Any) -> int:
+        """Width of one routed expert's gate / up projections (0: a dense family)."""
+        return 0
+
     def extra_layer_params(self, *, qkv_rows: int, head_dim: int) -> int:
         """Parameters of one layer on one TP rank beyond the shared layout: the QKV bias (``qkv_rows``,
         this rank's rows of ``linear_qkv``) and the q/k norms (replicated, ``head_dim`` each)."""

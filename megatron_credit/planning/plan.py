@@ -160,8 +160,13 @@ class Architecture:
 
     @classmethod
     def from_hf(cls, c) -> "Architecture":
+        from megatron_credit.families import family_of
         from megatron_credit.models.hf_config import head_dim
 
+        experts = family_of(c.model_type).num_experts(c)
+        if experts:
+            raise ValueError(f"model.architecture: the planner counts dense layers only, and {c.model_type} has "
+                             f"{experts} routed experts per layer")
         heads = c.num_attention_heads
         return cls(model_type=c.model_type, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
                    num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,

@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_each_family_is_one_registry_entry_keyed_by_its_model_type():
-    assert sorted(FAMILIES) == ["llama", "mistral", "qwen2", "qwen3"]
-    assert supported_model_types() == ("qwen2", "qwen3", "llama", "mistral")
+    assert sorted(FAMILIES) == ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
+    assert supported_model_types() == ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe")
     for name in FAMILIES:
         fam = FAMILIES.get(name)
         assert family_of(name) is fam and fam.name == name and len(fam.architectures) == 1
@@ -49,7 +49,7 @@ def test_no_model_type_branch_outside_the_family_files():
 
 
 def test_tiny_config_of_an_unknown_family_lists_the_registered_ones():
-    with pytest.raises(ValueError, match=r"^unknown family 'gpt2'; valid: \['llama', 'mistral', 'qwen2', 'qwen3'\]$"):
+    with pytest.raises(ValueError, match=r"^unknown family 'gpt2'; valid: \['llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe'\]$"):
         tiny_hf_config("gpt2")
 
 

@@ -31,7 +31,7 @@ from megatron_credit.conversion.transforms import (TPLayout, fuse_gate_up, fuse_
 
 ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM"}
-SUPPORTED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+SUPPORTED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
 ABSENT = object()
 
 
@@ -149,7 +149,7 @@ def _expected_megatron(family, c, hf, *, fused=False):
 # --- family lookup ---------------------------------------------------------------------------------
 def test_supported_architectures_are_the_four_families():
     assert supported_architectures() == SUPPORTED
-    assert list(FAMILIES) == ["llama", "mistral", "qwen2", "qwen3"]
+    assert list(FAMILIES) == ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("family", sorted(ARCH))
