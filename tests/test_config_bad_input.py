@@ -14,7 +14,7 @@ ARCH_TYPOS = {
                         r"'num_hidden_layers'\?\), 'rms_eps' \(did you mean 'rms_norm_eps'\?\)"),
     "qwen3 no close match": ({"model_type": "qwen3", "zzz": 1}, r"unknown key for model_type 'qwen3': 'zzz'$"),
     "unsupported family": ({"model_type": "gpt2", "n_embd": 8},
-                           r"model.architecture.model_type 'gpt2' is not supported; valid: \['qwen2', 'qwen3', 'llama', 'mistral'\]"),
+                           r"model.architecture.model_type 'gpt2' is not supported; valid: \['qwen2', 'qwen3', 'llama', 'mistral', 'qwen3_moe'\]"),
 }
 
 

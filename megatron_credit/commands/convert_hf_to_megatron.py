@@ -2,8 +2,8 @@
 
     python tools/convert_hf_to_megatron.py --hf-dir Qwen2.5-7B --out ckpt/qwen25_7b [--tp 4 --pp 2]
 
-``--tp`` / ``--pp`` check that the planned parallel sizes divide the model (the checkpoint itself is
-topology-free: megatron reshards on load). ``--dtype`` casts the weights; a cast that loses precision
+``--tp`` / ``--pp`` / ``--ep`` check that the planned parallel sizes divide the model (the checkpoint itself
+is topology-free: megatron reshards on load; every expert is written whole, whatever ``--ep``). ``--dtype`` casts the weights; a cast that loses precision
 needs ``--allow-lossy-dtype``. See ``megatron_credit/conversion/converters.py`` for the layout.
 """
 from __future__ import annotations
@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and tokenizer files there (other files stay)")
     p.add_argument("--tp", type=positive_int, default=1, help="planned tensor-parallel size (validated)")
     p.add_argument("--pp", type=positive_int, default=1, help="planned pipeline-parallel size (validated)")
+    p.add_argument("--ep", type=positive_int, default=1,
+                   help="planned expert-parallel size (validated: it must divide the routed experts)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="weights dtype (default: the checkpoint's)")
     p.add_argument("--allow-lossy-dtype", action="store_true", help="allow a cast that loses precision")
@@ -40,7 +42,7 @@ def _main(argv: list[str]) -> int:
     args = parse_args(argv)
     from megatron_credit.conversion.converters import convert_hf_to_megatron
 
-    meta = convert_hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
+    meta = convert_hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
                                   allow_lossy_dtype=args.allow_lossy_dtype, overwrite=args.overwrite,
                                   progress=not args.no_progress)
     print(f"wrote {args.out} ({meta['family']}, {meta['dtype']})")

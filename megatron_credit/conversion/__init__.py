@@ -1,8 +1,8 @@
 """HF <-> megatron-core conversion: one declarative name map per model family (STYLE rule 11).
 
 * :mod:`.transforms` - typed tensor transforms (fused QKV per query group, gated MLP, TP layouts)
-* :mod:`.base` - model dims, rules, the family registry; one file per family: :mod:`.qwen2`, :mod:`.qwen3`,
-  :mod:`.llama`, :mod:`.mistral` (Gemma is refused: ``docs/conversion.md``)
+* :mod:`.base` - model dims and the parallel sizes they allow; the families (config facts, weight rules,
+  the registry) are :mod:`megatron_credit.families`, one file each
 * :mod:`.streaming` - full-tensor HF <-> megatron generators; :mod:`.live` - a TP/PP-sharded model
   (loading, and the bucketed HF-named weight generator used by weight sync)
 * :mod:`.hf_io` - streaming safetensors reader/writer; :mod:`.testing` - tiny configs, random checkpoints
@@ -12,8 +12,8 @@
 
 Importing this package needs torch only (megatron-core and transformers are imported where used).
 """
-from megatron_credit.conversion import llama, mistral, qwen2, qwen3  # noqa: F401 - register the families
-from megatron_credit.conversion.base import FAMILIES, Family, ModelDims, family_for_config, supported_architectures
+from megatron_credit.conversion.base import ModelDims
+from megatron_credit.families import FAMILIES, Family, family_for_config, supported_architectures
 from megatron_credit.conversion.live import iter_hf_weight_buckets, load_hf_into_local_state
 from megatron_credit.conversion.streaming import check_hf_keys, iter_hf_from_megatron, iter_megatron_from_hf
 

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_credit.conversion.base import ModelDims, family_for_config
+from megatron_credit.conversion.base import ModelDims
+from megatron_credit.families import family_for_config
 from megatron_credit.conversion.hf_io import (DTYPES, CheckpointFormatError, SafetensorsReader,
                                               ShardedSafetensorsWriter, copy_file_atomic, copy_tokenizer_files,
                                               resolve_dtype, write_text_atomic)
@@ -57,7 +58,7 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1,
-                           dtype: str | None = None, allow_lossy_dtype: bool = False, overwrite: bool = False,
+                           ep: int = 1, dtype: str | None = None, allow_lossy_dtype: bool = False, overwrite: bool = False,
                            progress: bool = True) -> dict:
     """Convert an HF safetensors folder to a megatron dist checkpoint; returns the metadata written.
 
@@ -73,7 +74,7 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
         if present:
             raise FileExistsError(f"--out {str(out)!r} is not empty (holds {present[:5]}); choose a new folder or "
                                   "pass --overwrite to replace the checkpoint files in it")
-    ModelDims.from_hf_config(cfg).check_parallel(tp=tp, pp=pp)
+    ModelDims.from_hf_config(cfg).check_parallel(tp=tp, pp=pp, ep=ep)
     reader = SafetensorsReader(hf_dir)
     check_hf_keys(reader.keys(), family, cfg)
     source = reader.dtypes(consumed_names(family, cfg))

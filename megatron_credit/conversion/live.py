@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from megatron_credit.conversion.base import Family, Kind, ModelDims
+from megatron_credit.conversion.base import ModelDims
+from megatron_credit.families.base import Family, Kind
 from megatron_credit.conversion.streaming import expand_rules, rule_to_hf, rule_to_megatron
 from megatron_credit.conversion.transforms import TPLayout, pad_rows, tp_gather, tp_shard
 from megatron_credit.rollout.weight_sync import group_buckets

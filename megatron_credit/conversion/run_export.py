@@ -36,7 +36,7 @@ def export_run_checkpoint(checkpoint: str | os.PathLike, out_dir: str | os.PathL
     from megatron.core import dist_checkpointing
 
     from megatron_credit.recipe.config import load_recipe
-    from megatron_credit.conversion.base import family_for_config
+    from megatron_credit.families import family_for_config
     from megatron_credit.conversion.hf_io import ShardedSafetensorsWriter, copy_tokenizer_files
     from megatron_credit.conversion.mcore_save import _whole_gated_fc1
     from megatron_credit.conversion.model_io import (_check_only_extra_state, build_model, check_out_dir,

@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from megatron_credit.conversion.base import Family, Kind, ModelDims, Rule
+from megatron_credit.conversion.base import ModelDims
+from megatron_credit.families.base import Family, Kind, Rule
 from megatron_credit.conversion.transforms import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv
 
 # HF keys that carry no weights a megatron model needs (buffers some old checkpoints saved).
@@ -21,7 +22,8 @@ _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def expand_rules(family: Family, cfg: Any, *, fused_norms: bool = False) -> list[tuple[str, tuple[str, ...], Rule]]:
-    """``(megatron name, hf names, rule)`` for every parameter, decoder layers expanded in order."""
+    """``(megatron name, hf names, rule)`` for every parameter, decoder layers (and each layer's routed
+    experts) expanded in order."""
     dims = ModelDims.from_hf_config(cfg)
     out = []
     rules = family.active_rules(cfg)
@@ -30,7 +32,10 @@ def expand_rules(family: Family, cfg: Any, *, fused_norms: bool = False) -> list
         out.append((r.megatron_name(fused_norms=fused_norms), r.hf, r))
     for i in range(dims.num_layers):
         for r in (r for r in rules if r.per_layer):
-            out.append((r.megatron_name(fused_norms=fused_norms).format(i=i), tuple(h.format(i=i) for h in r.hf), r))
+            # A routed expert's rule repeats per expert, in place: one expert's tensors in flight at a time.
+            for e in range(dims.num_experts) if r.per_expert else (0,):
+                out.append((r.megatron_name(fused_norms=fused_norms).format(i=i, e=e),
+                            tuple(h.format(i=i, e=e) for h in r.hf), r))
     for r in (r for r in rules if not r.per_layer and (r.megatron.startswith("output_layer")
                                                         or r.megatron.startswith("decoder.final"))):
         out.append((r.megatron_name(fused_norms=fused_norms), r.hf, r))

@@ -18,12 +18,12 @@ from megatron_credit.conversion.hf_io import ShardedSafetensorsWriter
 def tiny_hf_config(family: str, **overrides: Any):
     """A small random-init config of ``family`` (a registered family name); GQA with 2 groups.
 
-    The family's ``Family.tiny_config`` (in its ``<family>.py``) adds what differs from the shared fields
+    The family's ``Family.tiny_config`` (in its ``families/<family>.py``) adds what differs from the shared fields
     here (Qwen3's and Mistral's decoupled head_dim, Llama's llama3 RoPE scaling).
     """
     from transformers import AutoConfig
 
-    from megatron_credit.conversion import FAMILIES
+    from megatron_credit.families import FAMILIES
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; valid: {FAMILIES.names()}")
@@ -42,10 +42,39 @@ def hf_parameter_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for k, v in model.state_dict().items():
+        shapes.update(_checkpoint_expert_shapes(k, tuple(v.shape)) or {k: tuple(v.shape)})
     if getattr(cfg, "tie_word_embeddings", False):
         shapes.pop("lm_head.weight", None)
     return shapes
+
+
+def _checkpoint_expert_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]] | None:
+    """transformers 5 holds a layer's routed experts stacked (``mlp.experts.gate_up_proj`` [E, 2I, H],
+    ``mlp.experts.down_proj`` [E, H, I]) and saves them per expert (``mlp.experts.{e}.gate_proj.weight``
+    [I, H], ``up_proj``, ``down_proj`` [H, I]), the checkpoints' names; None for any other tensor."""
+    if name.endswith("mlp.experts.gate_up_proj") and len(shape) == 3:
+        n, rows, cols = shape
+        return {f"{name[:-len('gate_up_proj')]}{e}.{p}_proj.weight": (rows // 2, cols)
+                for e in range(n) for p in ("gate", "up")}
+    if name.endswith("mlp.experts.down_proj") and len(shape) == 3:
+        return {f"{name[:-len('down_proj')]}{e}.down_proj.weight": shape[1:] for e in range(shape[0])}
+    return None
+
+
+def checkpoint_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transformers model's ``state_dict()`` under its checkpoint's names: stacked experts split per
+    expert (``gate_up_proj[e]`` is ``[gate; up]``, as transformers 5 concatenates them on load)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        names = _checkpoint_expert_shapes(k, tuple(v.shape))
+        if names is None:
+            out[k] = v
+            continue
+        halves = [t for e in range(v.shape[0]) for t in (v[e].chunk(2, dim=0) if k.endswith("gate_up_proj") else (v[e],))]
+        out.update({n: t.contiguous() for n, t in zip(names, halves, strict=True)})
+    return out
 
 
 def write_random_hf_checkpoint(cfg: Any, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.bfloat16,

@@ -26,18 +26,9 @@ True
 """
 from __future__ import annotations
 
-import enum
-
 import torch
 
-
-class TPLayout(enum.Enum):
-    """How a megatron parameter is partitioned over tensor-parallel ranks."""
-
-    REPLICATED = "replicated"  # every rank holds the full tensor (norms, row-parallel biases)
-    ROWS = "rows"              # column-parallel linear / vocab-parallel embedding: dim 0 split in order
-    COLS = "cols"              # row-parallel linear: dim 1 split in order
-    GATED_ROWS = "gated_rows"  # fc1 of a gated MLP: rank r holds [gate_r; up_r]
+from megatron_credit.families.base import TPLayout  # noqa: F401 - the layouts the transforms shard by
 
 
 def _check_numel(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:

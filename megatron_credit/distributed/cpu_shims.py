@@ -24,7 +24,8 @@ patching:
    ``save_state_dict_async_finalize``, 0.16.1 lines 204 / 252); and the gradient buffer of megatron's
    DDP (``distributed/param_and_grad_buffer.py`` ``torch.zeros(..., device=torch.cuda.current_device())``,
    0.16.1 line 806; its CUDA streams are only made with ``overlap_grad_reduce``, off on CPU; checked on
-   0.16.1 only). Those modules see a ``torch`` proxy
+   0.16.1 only); and the MoE router's weight move (``transformer/moe/router.py`` ``TopKRouter.gating``).
+   Those modules see a ``torch`` proxy
    whose CUDA requests resolve to the CPU; the rest of the process is untouched.
 3. ``models/common/embeddings/rope_utils.py`` ``get_pos_emb_on_this_cp_rank`` (CP > 1) pins memory
    and calls ``.cuda()``; the rotary module gets the same function without them.
@@ -41,6 +42,9 @@ patching:
    ``clip_grad_by_total_norm_fp32`` asserts ``torch.cuda.FloatTensor`` gradients (clip_grads.py 167).
    Those callables run with ``tensor.type()`` answering the CUDA name of a CPU tensor; what they do
    with each dtype is megatron's own code. Checked on 0.16.1 only (like the optimizer modules in 2).
+
+6. ``transformer/moe/moe_utils.py`` (0.16.1) defines ``te_general_gemm`` only when Transformer Engine
+   imports, and the router's gating reads it; without TE it is set to None (megatron's own torch path).
 
 Sequence parallelism is not a shim: the local spec's norm (``models/gpt.py``) supports it.
 """
@@ -188,6 +192,9 @@ _SHIMMED_MODULES = (
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.distrib_optimizer",
+    # moe/router.py TopKRouter.gating: `self.weight.data.to(device=torch.cuda.current_device())` on a CPU
+    # weight (0.16.1 line 90, 0.19.2 line 98): the routed-expert (MoE) layers.
+    "megatron.core.transformer.moe.router",
 )
 # Shim 5: (module, qualified name) of the callables whose CUDA tensor-type checks see CUDA names.
 _TYPE_CHECKED = (
@@ -319,6 +326,11 @@ def install_cpu_shims() -> None:
     for module_name, qualname in _TYPE_CHECKED:
         owner, attr, value = _resolve(module_name, qualname)
         setattr(owner, attr, _with_cuda_type_names(value))
+    # Shim 6: moe/moe_utils.py (0.16.1) leaves `te_general_gemm` undefined when Transformer Engine is
+    # absent, and RouterGatingLinearFunction reads it (line 1192); None selects its torch.mm path.
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     _SHIMS_INSTALLED = True
 
 

@@ -87,10 +87,13 @@ def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool]
     use_transformer_engine = use_transformer_engine_spec(
         use_transformer_engine, cuda=torch.cuda.is_available(),
         te_available=transformer_engine_available() if use_transformer_engine is not False else False)
+    # The family's spec choices, as its TransformerConfig fields state them (families/<family>.py):
+    # per-head q/k norms, and routed experts (None: a dense MLP) with or without grouped GEMM.
+    choices = dict(qk_layernorm=transformer_config.qk_layernorm, num_experts=transformer_config.num_moe_experts,
+                   moe_grouped_gemm=transformer_config.moe_grouped_gemm)
     if use_transformer_engine:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=transformer_config.qk_layernorm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=transformer_config.qk_layernorm,
-                                    normalization=transformer_config.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(**choices)
+    spec = get_gpt_layer_local_spec(**choices, normalization=transformer_config.normalization)
     if transformer_config.sequence_parallel:
         spec = _with_sequence_parallel_norms(spec)
     if transformer_config.context_parallel_size > 1 or packed_sequences:

@@ -5,7 +5,7 @@ Supported ``model_type``: ``qwen2`` (Qwen2 and Qwen2.5: QKV bias, no output-proj
 including the ``llama3`` RoPE scaling when it uses megatron's fixed low/high frequency factors),
 ``mistral`` (Llama-shaped, explicit ``head_dim``, ``sliding_window`` off). All are pre-norm RMSNorm
 decoders with SwiGLU MLPs, GQA and RoPE on the whole head; where they differ is each family's
-:class:`~megatron_credit.models.family_facts.ArchFacts`.
+:class:`~megatron_credit.families.base.Family` (``megatron_credit/families/<family>.py``).
 
 transformers 4.x keeps RoPE settings in ``rope_theta`` / ``rope_scaling``; 5.x in one dict
 ``rope_parameters`` (``rope_theta``, ``rope_type``, scaling fields). ``rope_settings`` reads both.
@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_credit.models.family_facts import arch_facts, supported_model_types
+from megatron_credit.families import family_of, supported_model_types
 
 SUPPORTED_MODEL_TYPES = supported_model_types()
 
@@ -75,7 +75,7 @@ def head_dim(hf_config) -> int:
 def _biases(hf_config) -> tuple[bool, bool]:
     """(add_qkv_bias, add_bias_linear) for the family; refuses biases megatron cannot place."""
     model_type = hf_config.model_type
-    if arch_facts(model_type).qkv_bias:
+    if family_of(model_type).qkv_bias:
         return True, False  # Qwen2 hard-codes bias on q/k/v and none on o_proj / MLP
     if bool(_get(hf_config, "attention_bias", False)) or bool(_get(hf_config, "mlp_bias", False)):
         # Llama's and Qwen3's attention_bias also biases o_proj (and Llama's mlp_bias the MLP):
@@ -101,7 +101,7 @@ def check_parallel_fits_model(hf_config, parallel, *, world_size: Optional[int] 
     (megatron-core then gives each rank's queries the KV head of their group), layers by PP, and
     (when ``world_size`` is given) TP x PP x CP must divide the world size.
     """
-    refused = arch_facts(hf_config.model_type).refuse(hf_config)
+    refused = family_of(hf_config.model_type).refuse(hf_config)
     if refused:
         raise ValueError(refused)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
@@ -174,7 +174,6 @@ def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype
         kv_channels=head_dim(hf_config),
         normalization="RMSNorm",
         layernorm_epsilon=float(_get(hf_config, "rms_norm_eps", 1e-6)),
-        qk_layernorm=arch_facts(hf_config.model_type).qk_layernorm,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=add_bias_linear,
@@ -201,6 +200,7 @@ def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype
         # fp32 softmax in attention, as HF does.
         attention_softmax_in_fp32=True,
     )
+    kwargs.update(family_of(hf_config.model_type).transformer_config_kwargs(hf_config))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

@@ -138,7 +138,7 @@ class Architecture:
     """The numbers of a dense decoder the planner needs."""
 
     model_type: str
-    """HF model type (``models/family_facts.py``: what it adds to a layer's parameters)."""
+    """HF model type (``families/<family>.py``: what it adds to a layer's parameters)."""
     hidden_size: int
     """h."""
     num_layers: int
@@ -160,8 +160,13 @@ class Architecture:
 
     @classmethod
     def from_hf(cls, c) -> "Architecture":
+        from megatron_credit.families import family_of
         from megatron_credit.models.hf_config import head_dim
 
+        experts = family_of(c.model_type).num_experts(c)
+        if experts:
+            raise ValueError(f"model.architecture: the planner counts dense layers only, and {c.model_type} has "
+                             f"{experts} routed experts per layer")
         heads = c.num_attention_heads
         return cls(model_type=c.model_type, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
                    num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
@@ -175,8 +180,8 @@ def layer_param_count(a: Architecture, *, tp: int = 1) -> int:
     over TP and replicates the norms)."""
     q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     qkv_rows = (q + 2 * kv) // tp  # a column-parallel linear, also when TP > KV heads (row blocks)
-    from megatron_credit.models.family_facts import arch_facts
-    extra = arch_facts(a.model_type).extra_layer_params(qkv_rows=qkv_rows, head_dim=a.head_dim)  # bias, q/k norms
+    from megatron_credit.families import family_of
+    extra = family_of(a.model_type).extra_layer_params(qkv_rows=qkv_rows, head_dim=a.head_dim)  # bias, q/k norms
     attn = a.hidden_size * qkv_rows + (q // tp) * a.hidden_size
     mlp = 3 * a.hidden_size * a.intermediate_size // tp
     return attn + mlp + 2 * a.hidden_size + extra

@@ -138,7 +138,7 @@ class ModelConfig:
         if (self.name_or_path is None) == (self.architecture is None):
             raise ValueError("model: give exactly one of model.name_or_path and model.architecture")
         if self.architecture is not None and "model_type" not in self.architecture:
-            from megatron_credit.models.family_facts import supported_model_types
+            from megatron_credit.families import supported_model_types
 
             raise ValueError(f"model.architecture must contain 'model_type' ({', '.join(supported_model_types())})")
         if self.architecture is not None:  # a typo would otherwise build the default-sized model silently

@@ -365,7 +365,8 @@ def test_tokenizer_files_are_copied(produced, tmp_path):
 
 
 def test_qkv_shape_errors_name_the_tensor():
-    from megatron_credit.conversion.base import ModelDims, family_for_config
+    from megatron_credit.conversion.base import ModelDims
+    from megatron_credit.families import family_for_config
     from megatron_credit.conversion.streaming import iter_hf_from_megatron
     from megatron_credit.conversion.testing import tiny_hf_config
 

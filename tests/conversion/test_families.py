@@ -1,4 +1,4 @@
-"""Each model family is one ``conversion/<family>.py`` holding its facts; nothing else asks which family a
+"""Each model family is one ``families/<family>.py`` holding its facts; nothing else asks which family a
 config is. Mistral's ``sliding_window`` and the Gemma families are refused in one line naming the field;
 the planner's parameter count of every family equals the ``transformers`` model's.
 
@@ -16,24 +16,31 @@ import torch
 
 from megatron_credit.conversion import FAMILIES, family_for_config
 from megatron_credit.conversion.testing import tiny_hf_config
-from megatron_credit.models.family_facts import ARCH_FACTS, REFUSED_MODEL_TYPES, supported_model_types
+from megatron_credit.families import REFUSED_MODEL_TYPES, family_of, supported_model_types
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_each_family_holds_its_architecture_facts_one_to_one():
-    assert sorted(FAMILIES) == sorted(ARCH_FACTS) == ["llama", "mistral", "qwen2", "qwen3"]
-    assert supported_model_types() == ("qwen2", "qwen3", "llama", "mistral")
+def test_each_family_is_one_registry_entry_keyed_by_its_model_type():
+    assert sorted(FAMILIES) == ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
+    assert supported_model_types() == ("qwen2", "qwen3", "llama", "mistral", "qwen3_moe")
     for name in FAMILIES:
         fam = FAMILIES.get(name)
-        assert fam.arch is ARCH_FACTS.get(name) and fam.arch.model_type == name
-        assert fam.architectures == (fam.arch.architecture,)
+        assert family_of(name) is fam and fam.name == name and len(fam.architectures) == 1
         cfg = tiny_hf_config(name)
-        assert cfg.model_type == name and cfg.architectures == [fam.arch.architecture]
+        assert cfg.model_type == name and cfg.architectures == [fam.architectures[0]]
         assert family_for_config(cfg) is fam
 
 
-def test_no_model_type_branch_outside_the_family_facts():
+def test_each_family_is_declared_in_its_own_file():
+    import sys
+
+    for name in FAMILIES:
+        module = sys.modules[f"megatron_credit.families.{name}"]
+        assert any(v is FAMILIES.get(name) for v in vars(module).values()), name
+
+
+def test_no_model_type_branch_outside_the_family_files():
     """A family's facts live in its own file: no ``model_type == "qwen2"`` (or ``in (...)``) elsewhere."""
     branch = re.compile(r"""model_type\s*(==|!=)\s*["']|model_type\s+(not\s+)?in\s*[(\[{]\s*["']""")
     hits = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "megatron_credit").rglob("*.py"))
@@ -42,7 +49,7 @@ def test_no_model_type_branch_outside_the_family_facts():
 
 
 def test_tiny_config_of_an_unknown_family_lists_the_registered_ones():
-    with pytest.raises(ValueError, match=r"^unknown family 'gpt2'; valid: \['llama', 'mistral', 'qwen2', 'qwen3'\]$"):
+    with pytest.raises(ValueError, match=r"^unknown family 'gpt2'; valid: \['llama', 'mistral', 'qwen2', 'qwen3', 'qwen3_moe'\]$"):
         tiny_hf_config("gpt2")
 
 

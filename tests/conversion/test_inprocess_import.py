@@ -109,7 +109,7 @@ def _loaded_state(ckpt: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 def _assert_weights(ckpt: Path, src: Path, dtype: torch.dtype) -> None:
     """Every stored weight is the HF tensor (rounded to ``dtype``; layer norms stay fp32), bit for bit."""
-    from megatron_credit.conversion.base import family_for_config
+    from megatron_credit.families import family_for_config
     from megatron_credit.conversion.safe_load import read_dist_metadata, stored_weight_dtypes
     from megatron_credit.conversion.streaming import iter_megatron_from_hf
 

@@ -7,12 +7,13 @@ import torch
 from megatron_credit.conversion import (FAMILIES, ModelDims, check_hf_keys, family_for_config,
                                         iter_hf_from_megatron, iter_megatron_from_hf)
 from megatron_credit.conversion.hf_io import SafetensorsReader, ShardedSafetensorsWriter, resolve_dtype
-from megatron_credit.conversion.testing import tiny_hf_config, write_random_hf_checkpoint
+from megatron_credit.conversion.testing import checkpoint_state, tiny_hf_config, write_random_hf_checkpoint
 from megatron_credit.conversion.transforms import (TPLayout, fuse_gate_up, fuse_qkv, split_gate_up, split_qkv,
                                                    tp_gather, tp_shard)
+from megatron_credit.families import supported_model_types
 from tests.references import qkv_reference
 
-FAMILY_NAMES = ["qwen2", "qwen3", "llama", "mistral"]
+FAMILY_NAMES = list(supported_model_types())  # every registered family
 
 
 @pytest.mark.parametrize("heads,groups,d,bias", [(8, 2, 3, False), (4, 4, 2, True), (6, 1, 4, False)])
@@ -72,7 +73,7 @@ def _hf_state(cfg, seed=0):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in checkpoint_state(model.state_dict()).items()}
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

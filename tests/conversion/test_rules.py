@@ -21,8 +21,9 @@ import torch
 
 import megatron_credit.conversion.transforms as transforms_module
 from megatron_credit.conversion import FAMILIES, check_hf_keys, family_for_config, supported_architectures
-from megatron_credit.conversion.base import (EMBEDDING, INPUT_NORM, OUTPUT, Family, Kind, ModelDims, Rule,
-                                             _always, proj_bias, qkv_bias, register_family)
+from megatron_credit.conversion.base import ModelDims
+from megatron_credit.families.base import Family, Kind, Rule, _always, register_family
+from megatron_credit.families.dense_rules import EMBEDDING, INPUT_NORM, OUTPUT, proj_bias, qkv_bias
 from megatron_credit.conversion.streaming import (expand_rules, iter_hf_from_megatron, iter_megatron_from_hf,
                                                   rule_to_hf, rule_to_megatron)
 from megatron_credit.conversion.transforms import (TPLayout, fuse_gate_up, fuse_qkv, pad_rows, split_gate_up,
@@ -30,7 +31,7 @@ from megatron_credit.conversion.transforms import (TPLayout, fuse_gate_up, fuse_
 
 ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM"}
-SUPPORTED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+SUPPORTED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
 ABSENT = object()
 
 
@@ -148,7 +149,7 @@ def _expected_megatron(family, c, hf, *, fused=False):
 # --- family lookup ---------------------------------------------------------------------------------
 def test_supported_architectures_are_the_four_families():
     assert supported_architectures() == SUPPORTED
-    assert list(FAMILIES) == ["llama", "mistral", "qwen2", "qwen3"]
+    assert list(FAMILIES) == ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("family", sorted(ARCH))

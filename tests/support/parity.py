@@ -10,7 +10,8 @@ import torch
 from tests.support.distributed_harness import pipeline_forward
 
 
-FAMILIES = ["qwen2", "qwen3", "llama", "mistral"]
+from megatron_credit.families import FAMILIES as _FAMILIES, supported_model_types
+
 TOL = 1e-4  # max |megatron - hf| / max |hf| over valid positions, fp32
 TIED = ["llama-tied", "qwen3-tied"]  # always built with peaked attention
 LENGTHS = [12, 7, 4]  # left-padded batch of 3 sequences, 12 positions
@@ -23,12 +24,16 @@ def _config(family: str):
     return tiny_hf_config(family.removesuffix("-tied"), vocab_size=160, tie_word_embeddings=family.endswith("-tied"))
 
 
+# Every registered dense family (the MoE ones: tests/conversion/test_qwen3_moe.py).
+FAMILIES = [n for n in supported_model_types() if not _FAMILIES.get(n).num_experts(_config(n))]
+
+
 def _scale_qk(model, family: str) -> None:
     """Make attention peaked: q/k projections (or Qwen3's per-head norms, which undo a projection scale)."""
     with torch.no_grad():
         for layer in model.model.layers:
             attn = layer.self_attn
-            if family.removesuffix("-tied") == "qwen3":
+            if hasattr(attn, "q_norm"):  # Qwen3's per-head norms
                 attn.q_norm.weight.mul_(3.0)
                 attn.k_norm.weight.mul_(3.0)
             else:

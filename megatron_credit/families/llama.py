@@ -2,18 +2,13 @@
 
 Llama-3 checkpoints set neither, but both flags exist in the HF config and are honoured here. The
 Llama-3 RoPE frequency scaling lives in the model config, not in the weights; the tiny config uses it,
-with max_position_embeddings above its original_max_position_embeddings. Architecture facts:
-``models/family_facts.LLAMA`` (the shared layout, nothing added).
+with max_position_embeddings above its original_max_position_embeddings. Config facts: the shared
+layout, nothing added.
 """
-from megatron_credit.conversion.base import (EMBEDDING, FC1_WEIGHT, FC2_WEIGHT, FINAL_NORM, INPUT_NORM, OUTPUT,
-                                             PRE_MLP_NORM, PROJ_WEIGHT, QKV_WEIGHT, Family, proj_bias, Kind, L, M, Rule,
-                                             qkv_bias, register_family)
-from megatron_credit.conversion.transforms import TPLayout
-from megatron_credit.models.family_facts import LLAMA as ARCH
-
-
-def _attn_bias(cfg) -> bool:
-    return bool(getattr(cfg, "attention_bias", False))
+from megatron_credit.families.base import Family, Kind, Rule, TPLayout, register_family
+from megatron_credit.families.dense_rules import (EMBEDDING, FC1_WEIGHT, FC2_WEIGHT, FINAL_NORM, INPUT_NORM, OUTPUT,
+                                                  PRE_MLP_NORM, PROJ_WEIGHT, QKV_WEIGHT, L, M, attention_bias,
+                                                  proj_bias, qkv_bias)
 
 
 def _mlp_bias(cfg) -> bool:
@@ -27,12 +22,12 @@ FC2_BIAS = Rule(megatron=M + "mlp.linear_fc2.bias", hf=(L + "mlp.down_proj.bias"
 
 LLAMA = register_family(Family(
     name="llama",
-    architectures=(ARCH.architecture,),
-    arch=ARCH,
+    architectures=("LlamaForCausalLM",),
     tiny_config=dict(max_position_embeddings=16384,
                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                       "original_max_position_embeddings": 8192}),
-    rules=(EMBEDDING, INPUT_NORM, QKV_WEIGHT, qkv_bias(when=_attn_bias), PROJ_WEIGHT, proj_bias(when=_attn_bias), PRE_MLP_NORM,
-           FC1_WEIGHT, FC1_BIAS, FC2_WEIGHT, FC2_BIAS, FINAL_NORM, OUTPUT),
+    rules=(EMBEDDING, INPUT_NORM, QKV_WEIGHT, qkv_bias(when=attention_bias), PROJ_WEIGHT,
+           proj_bias(when=attention_bias), PRE_MLP_NORM, FC1_WEIGHT, FC1_BIAS, FC2_WEIGHT, FC2_BIAS, FINAL_NORM,
+           OUTPUT),
 ))
