@@ -101,10 +101,13 @@ def marked(value: str) -> list[int]:
     return out
 
 
-def start_guard(*, log=None) -> subprocess.Popen | None:
+def start_guard(*, log=None, record_path: str | None = None) -> subprocess.Popen | None:
     """Start this process's guard (module docstring) and mark the environment its later children inherit.
     Returns the guard's process (the caller never waits for it: it exits on its own after this process),
-    or None where the platform lacks ``/proc`` or ``pidfd_open``. Call once, early, in the trainer."""
+    or None where the platform lacks ``/proc`` or ``pidfd_open``. Call once, early, in the trainer.
+
+    ``record_path``: the guard rewrites this file (atomically, one pid a line) after each poll that
+    changed its record, so that one can see which processes it would end (a test waits on it)."""
     global _GUARD
     if _GUARD is not None and _GUARD.poll() is None and os.environ.get(OWNER_ENV, "").startswith(f"{os.getpid()}:"):
         return _GUARD  # this process's guard is running
@@ -119,7 +122,8 @@ def start_guard(*, log=None) -> subprocess.Popen | None:
     os.environ[OWNER_ENV] = owner
     # A session of its own: torchrun's killpg of the worker's group, or Ctrl-C, must not end the guard first.
     # Run as a file, not ``-m``: it needs only the standard library, whatever the child's sys.path.
-    _GUARD = subprocess.Popen([sys.executable, os.path.abspath(__file__), owner], start_new_session=True,
+    argv = [sys.executable, os.path.abspath(__file__), owner, *([os.path.abspath(record_path)] if record_path else [])]
+    _GUARD = subprocess.Popen(argv, start_new_session=True,
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
     return _GUARD
 
@@ -162,7 +166,15 @@ def _alive(pid: int, born: int | None) -> bool:
         return False
 
 
-def guard(owner: str) -> None:
+def _write_record(path: str, recorded: dict[int, int | None]) -> None:
+    """``path`` holds the recorded pids, one a line; written to a temporary file and renamed."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write("".join(f"{p}\n" for p in sorted(recorded)))
+    os.replace(tmp, path)
+
+
+def guard(owner: str, record_path: str | None = None) -> None:
     """The guard's main (module docstring): record the owner's descendants until it is gone, then end them."""
     pid, born = (int(x) for x in owner.split(":"))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -173,8 +185,11 @@ def guard(owner: str) -> None:
         fd = None
     recorded: dict[int, int | None] = {}
     while fd is not None and start_time(pid) == born:
+        size = len(recorded)
         for d in descendants(pid):
             recorded.setdefault(d, start_time(d))
+        if record_path is not None and len(recorded) != size:
+            _write_record(record_path, recorded)
         if select.select([fd], [], [], POLL_S)[0]:
             break  # the owner exited (the pidfd turns readable)
     left = _left(owner, recorded)
@@ -189,4 +204,4 @@ def guard(owner: str) -> None:
 
 
 if __name__ == "__main__":
-    guard(sys.argv[1])
+    guard(*sys.argv[1:3])

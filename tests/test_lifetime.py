@@ -26,17 +26,23 @@ TRAINER = r"""
 import os, signal, subprocess, sys, time
 from megatron_credit.lifetime import POLL_S, start_guard
 
-start_guard()
+record = sys.argv[2]
+start_guard(record_path=record)
 sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
 # an exec'd child that starts a grandchild and exits: the grandchild is re-parented
 subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.Popen(sys.argv[1:])", *sleeper]).wait()
 subprocess.Popen(sleeper)
-if os.fork() == 0:  # a fork child that never execs (and, for one case, ignores SIGTERM)
+child = os.fork()
+if child == 0:  # a fork child that never execs (and, for one case, ignores SIGTERM)
     if sys.argv[1] == "SIGKILL":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     time.sleep(600)
     os._exit(0)
-time.sleep(4 * POLL_S)  # the guard records the fork child (it polls every POLL_S)
+deadline = time.monotonic() + 120  # a hang guard only: the wait is for the condition
+while not (os.path.exists(record) and str(child) in open(record).read().split()):
+    if time.monotonic() > deadline:
+        sys.exit("the guard never recorded the fork child")
+    time.sleep(POLL_S / 5)  # until the guard has recorded the fork child (it polls every POLL_S)
 print("ready", flush=True)
 sys.stdin.readline()  # the test has counted the tree
 way = sys.argv[1]
@@ -51,9 +57,9 @@ time.sleep(600)  # signalled by the test
 @pytest.mark.spawn
 @pytest.mark.skipif(not hasattr(os, "pidfd_open") or not os.path.isdir("/proc"), reason="Linux only")
 @pytest.mark.parametrize("way", ["success", "error", "SIGTERM", "SIGUSR1", "SIGKILL"])
-def test_no_descendant_outlives_a_trainer_however_it_ends(way):
+def test_no_descendant_outlives_a_trainer_however_it_ends(way, tmp_path):
     env, mark = marked_env(dict(os.environ, PYTHONPATH=ROOT))
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, way], env=env, cwd=ROOT,
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, way, str(tmp_path / "record")], env=env, cwd=ROOT,
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert trainer.stdout.readline() == "ready\n", trainer.communicate(timeout=30)[1][-2000:]
