@@ -72,6 +72,16 @@ def use_transformer_engine_spec(requested: Optional[bool], *, cuda: bool, te_ava
     return bool(requested)
 
 
+def resolve_transformer_engine(requested: Optional[bool]) -> bool:
+    """:func:`use_transformer_engine_spec` on this machine: whether ``build_gpt_model`` builds the TE spec for
+    ``requested`` (the recipe's ``model.use_transformer_engine()``). The actor asks before it builds its
+    ``TransformerConfig``, whose fused kernels follow the spec (``models/fused_kernels.py``)."""
+    import torch
+
+    return use_transformer_engine_spec(requested, cuda=torch.cuda.is_available(),
+                                       te_available=transformer_engine_available() if requested is not False else False)
+
+
 def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool] = None,
                    packed_sequences: bool = False):
     """The ``ModuleSpec`` of one decoder layer for ``transformer_config``.
@@ -84,9 +94,7 @@ def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool]
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
-    use_transformer_engine = use_transformer_engine_spec(
-        use_transformer_engine, cuda=torch.cuda.is_available(),
-        te_available=transformer_engine_available() if use_transformer_engine is not False else False)
+    use_transformer_engine = resolve_transformer_engine(use_transformer_engine)
     if use_transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=transformer_config.qk_layernorm)
     spec = get_gpt_layer_local_spec(qk_layernorm=transformer_config.qk_layernorm,
