@@ -31,7 +31,7 @@ from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resol
 from megatron_credit.rollout.sampling import row_seed
 from megatron_credit.rollout.types import RolloutBatch, RolloutSample, SamplingParams
 from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env, check_bucket,  # noqa: F401
-                                                launcher_problem,
+                                                launcher_problem, launcher_store_env,
                                                 check_engine_memory, engine_hf_overrides,
                                                 engine_visible_devices, hf_param_table, pinned_device_executor,
                                                 resolve_transfer, sleep_mode_alloc_env, vllm_platform,
@@ -148,6 +148,7 @@ class VLLMRolloutEngine:
         )
         in_process = weight_transfer == "in_process"
         start_env = sleep_mode_alloc_env(os.environ, in_process=in_process) if platform.sleep_mode else {}
+        start_env.update(launcher_store_env(os.environ))  # the engine's own world hosts its own store
         engine_kwargs["hf_overrides"] = engine_hf_overrides(model_path, engine_kwargs.get("hf_overrides"),
                                                             max_position_embeddings=max_position_embeddings,
                                                             rope_theta=rope_theta)

@@ -369,6 +369,18 @@ def test_expandable_segments_refused_for_an_in_process_engine(fake_vllm, monkeyp
     assert not FakeLLM.instances
 
 
+# ------------------------------------------------------------------------------ launcher environment
+@pytest.mark.parametrize("transfer", ["cuda_ipc", "in_process"])
+def test_the_engine_starts_without_torchruns_agent_store(fake_vllm, monkeypatch, on_cuda_device, transfer):
+    # torchrun sets it for its workers; inherited, the engine's own world would wait for a store nobody hosts
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    _engine(weight_transfer=transfer)
+    env = FakeLLM.instances[0].env_at_start
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in env and env["LOCAL_RANK"] == "3"
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the trainer's own environment is restored
+
+
 def test_sleep_mode_alloc_env_cases():
     assert sleep_mode_alloc_env({}, in_process=True) == {}
     assert sleep_mode_alloc_env({"PYTORCH_ALLOC_CONF": "expandable_segments:True"}, in_process=False) == {
