@@ -98,6 +98,8 @@ class RolloutConfig:
     the trainer's ranks (empty: the CPU)."""
     wait_timeout_s: float = 1800.0
     """``one_step_off`` / ``async``: the trainer stops with one line when a batch takes longer than this."""
+    seed_mode: str = "auto"
+    """Sampling seeds: ``per_sample`` (the same samples for any engine count), ``per_call`` (vLLM's fast batched sampler), ``auto`` (the engine's: hf per_sample, vllm per_call)."""
 
     def __post_init__(self) -> None:
         _positive(self, "rollout", "prompts_per_step", "n", "max_response_len")
@@ -126,6 +128,10 @@ class RolloutConfig:
             raise ValueError(f"rollout.on_update must be 'finish' or 'partial', got {self.on_update!r}")
         if not self.wait_timeout_s > 0:
             raise ValueError(f"rollout.wait_timeout_s must be > 0, got {self.wait_timeout_s}")
+        from megatron_credit.rollout.sampling import SEED_MODES
+
+        if not isinstance(self.seed_mode, str) or self.seed_mode not in ("auto", *SEED_MODES):
+            raise ValueError(f"rollout.seed_mode must be one of {('auto', *SEED_MODES)}, got {self.seed_mode!r}")
         if any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in self.gpus):
             raise ValueError(f"rollout.gpus must be local device indices (integers >= 0), got {list(self.gpus)}")
         object.__setattr__(self, "gpus", tuple(self.gpus))
