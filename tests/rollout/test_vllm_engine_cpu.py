@@ -58,6 +58,14 @@ def _mismatch(hf_model, batch):
     return logprob_mismatch(padded.rollout_logprobs.double(), logp, padded.response_mask)
 
 
+def _off_policy(mismatch) -> bool:
+    """The engine's log-probs are not the trainer's: they differ beyond kernel noise, or cannot be compared at
+    all. A layer vLLM rebuilt from part of a fused group computes no defined function: its log-probs came out
+    finite and far off in most runs and NaN in some (seen under load), and ``nan > 1e-3`` is False."""
+    diff = mismatch["mean_abs_diff"]
+    return bool(not torch.isfinite(diff) or diff > 1e-3)
+
+
 def _layer_buckets(model):
     """One bucket per decoder layer (embedding and head apart): the trainer's bucketing (``group_buckets``)."""
     from megatron_credit.rollout.weight_sync import group_buckets
@@ -121,7 +129,7 @@ def test_a_split_fused_group_is_refused_before_it_is_sent(demo):
     _step(hf.model)
     for bucket in split:
         eng._llm.collective_rpc(eng.platform.worker_method, args=(bucket,))
-    assert _mismatch(hf.model, eng.generate(PROMPTS, params))["mean_abs_diff"] > 1e-3
+    assert _off_policy(_mismatch(hf.model, eng.generate(PROMPTS, params)))
     eng.update_weights(_layer_buckets(hf.model))
     assert _mismatch(hf.model, eng.generate(PROMPTS, params))["mean_abs_diff"] <= 1e-5
 
