@@ -169,7 +169,7 @@ def _main(args) -> int:
         t0 = time.perf_counter()
         timings: dict[str, float] = {}
         rows = train(recipe, hf_config, run_dir=run_dir, device=device, resume=args.resume, recipe_file=config,
-                     timings=timings,
+                     timings=timings, local_rank=launch.local_rank,
                      log=(lambda *a: print(*a, flush=True)) if rank0 else (lambda *_: None))
         if rank0 and rows:
             print(done_line(rows, timings, total_s=time.perf_counter() - t0, run_dir=run_dir), flush=True)

@@ -50,7 +50,10 @@ def test_tiny_tp2_fp32_hf_engine_by_hand():
     assert p.terms["rollout_engine"] == 90688 * 4 + 4 * 72 * 512 == 510208
     assert p.terms["cuda_contexts"] == CUDA_CONTEXT_BYTES  # the hf engine lives in the trainer's process
     assert p.offload_bytes == params * (4 + 8)  # fp32 gradients + Adam m, v
-    resident = params * 16 + RESERVED_BYTES + CUDA_CONTEXT_BYTES
+    # NCCL: the world and the TP group (2 ranks each, 2 peers) and the model-parallel group (TP x PP = 2):
+    # 4 MiB x 16 channels x 2 peers = 128 MiB each; DP, CP and PP are single ranks.
+    assert p.terms["nccl_buffers"] == 3 * 128 * 2 ** 20
+    resident = params * 16 + 3 * 128 * 2 ** 20 + RESERVED_BYTES + CUDA_CONTEXT_BYTES
     assert p.train_peak == resident + 313344 + 12288
     assert p.rollout_peak == resident - params * 12 + 510208
     assert p.fits and p.peak == p.train_peak
@@ -117,7 +120,10 @@ def test_qwen25_32b_tp8_pp2_cp2_sp_bf16_full_recompute_vllm_by_hand():
     assert p.kv_tokens == (share - 2 * total // 8) // (2 * 64 * 1 * 128 * 2)
     # Two CUDA contexts a GPU: the trainer rank's and its vLLM worker's.
     assert p.terms["cuda_contexts"] == 2 * CUDA_CONTEXT_BYTES == GIB
-    resident = 2 * params + 4 * params + 6 * params + 2 * params + RESERVED_BYTES + GIB
+    # NCCL: world, TP, CP, DP x CP, TP x PP at 128 MiB; PP of two stages has one peer: 64 MiB (DP = 1: none)
+    nccl = 5 * 128 * 2 ** 20 + 64 * 2 ** 20
+    assert p.terms["nccl_buffers"] == nccl and "world, tp, pp, cp, dp_cp, tp_pp group(s)" in p.notes["nccl_buffers"]
+    resident = 2 * params + 4 * params + 6 * params + 2 * params + nccl + RESERVED_BYTES + GIB
     assert p.offload_bytes == 4 * params + 6 * params  # gradients + the optimizer's DP x CP shard
     assert p.rollout_peak == resident - p.offload_bytes + share
     assert p.train_peak == resident + 1248591872 + 3 * 4 * 1024 * 152064 // 8
@@ -145,14 +151,16 @@ def test_fipo_32b_recipe_every_gpu_generates_four_engines_of_eight_by_hand():
     assert p.terms["rollout_engine"] == share and p.kv_tokens == kv == 924481
     assert p.kv_tokens_per_gpu == 4 * kv // 32 == 115560
     activations, chunk = 1248591872, 3 * 4 * 1024 * 152064 // 8  # configuration B's
-    assert p.train_peak == 18 * params + RESERVED_BYTES + GIB + activations + chunk
-    assert p.rollout_peak == 2 * params + RESERVED_BYTES + GIB + share
-    # The plan before the offload: the whole resident set (the trainer's context inside a 4 GiB reserve,
-    # no worker context) plus the engine: 74.17 GiB, now 44.16 GiB.
-    assert RESERVED_BYTES + CUDA_CONTEXT_BYTES == 4 * GIB
+    nccl = 5 * 128 * 2 ** 20 + 64 * 2 ** 20  # configuration B's groups: 0.69 GiB where a flat 1.5 GiB was
+    assert p.terms["nccl_buffers"] == nccl
+    assert p.train_peak == 18 * params + nccl + RESERVED_BYTES + GIB + activations + chunk
+    assert p.rollout_peak == 2 * params + nccl + RESERVED_BYTES + GIB + share
+    # The plan before the offload: the whole resident set (the trainer's context and NCCL inside a flat
+    # 4 GiB reserve, no worker context) plus the engine: 74.17 GiB, now 43.34 GiB.
+    assert RESERVED_BYTES + CUDA_CONTEXT_BYTES + 3 * GIB // 2 == 4 * GIB
     before = 18 * params + 4 * GIB + share
-    assert p.rollout_peak + p.offload_bytes - CUDA_CONTEXT_BYTES == before
-    assert (round(before / GIB, 2), round(p.rollout_peak / GIB, 2)) == (74.17, 44.16)
+    assert p.rollout_peak + p.offload_bytes - CUDA_CONTEXT_BYTES - nccl + 3 * GIB // 2 == before
+    assert (round(before / GIB, 2), round(p.rollout_peak / GIB, 2)) == (74.17, 43.34)
     text = format_plan(p)
     assert "rollout 4 engine(s) x 8 GPU(s) (world 32 / rollout.engine_options.tensor_parallel_size 8)" in text
     assert "KV cache          924,481  tokens per engine; 115,560 per GPU (4 engine(s) x 924,481 / 32 GPUs)" in text
@@ -210,7 +218,9 @@ def test_offload_is_the_gradients_and_the_optimizer_shard_by_hand():
         p = plan(recipe, recipe.model.hf_config(), nodes=1, gpus_per_node=2, gpu="h100-80gb")
         assert p.offload_bytes == 4 * 90688 + 12 * 90688 // 2 == 906880, name
         assert p.offload_bytes_per_node == 2 * 906880
-        kept = p.terms["weights"] + p.terms["critic"] + RESERVED_BYTES + p.terms["cuda_contexts"]
+        # NCCL: the world, DP and DP x CP groups of 2 ranks (TP, PP, CP single): 3 x 128 MiB
+        assert p.terms["nccl_buffers"] == 3 * 128 * 2 ** 20, name
+        kept = p.terms["weights"] + p.terms["critic"] + p.terms["nccl_buffers"] + RESERVED_BYTES + p.terms["cuda_contexts"]
         assert p.rollout_peak == kept + p.terms["rollout_engine"]
     assert p.terms["critic"] == (64 + 1) * (2 + 4 + 12)
 

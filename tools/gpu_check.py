@@ -86,8 +86,11 @@ def _build_loaded(cfg, hf_state, *, te: bool, dtype, init: bool = False):
     from megatron_credit.conversion import family_for_config, load_hf_into_local_state
     from megatron_credit.models import build_gpt_model, transformer_config_from_hf
 
+    # the TE model with the fused kernels the trainer's TE path turns on (models/fused_kernels.py), but the
+    # wgrad fusion: it accumulates into DDP's main_grad, and this check reads .grad
     tc = transformer_config_from_hf(cfg, parallel=ParallelConfig(), params_dtype=dtype, perform_initialization=init,
-                                    use_cpu_initialization=False)
+                                    use_cpu_initialization=False, transformer_engine=te,
+                                    gradient_accumulation_fusion=False)
     model = build_gpt_model(cfg, tc, use_transformer_engine=te).cuda()
     load_hf_into_local_state(model.state_dict(keep_vars=True), lambda n: hf_state[n].to(dtype), family_for_config(cfg),
                              cfg, tp_rank=0, tp_size=1, layer_offset=0)

@@ -49,8 +49,9 @@ class LaunchEnv:
     """Global rank."""
     world_size: int = 1
     """Number of processes."""
-    local_rank: int = 0
-    """Rank on this node (selects the GPU)."""
+    local_rank: Optional[int] = None
+    """Rank on this node as the launcher sets it (``LOCAL_RANK``; selects the GPU); None when it does not say:
+    device 0 for one process, and the trainer counts the ranks on its host (``trainer/loop.py``)."""
     master_addr: str = "127.0.0.1"
     """Rendezvous host."""
     master_port: Optional[int] = None
@@ -63,12 +64,12 @@ class LaunchEnv:
         >>> LaunchEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
         ...                         "MASTER_ADDR": "h", "MASTER_PORT": "29500"}).rank
         1
-        >>> LaunchEnv.from_environ({}).world_size
-        1
+        >>> LaunchEnv.from_environ({}).world_size, LaunchEnv.from_environ({}).local_rank
+        (1, None)
         """
-        port = environ.get("MASTER_PORT")
+        port, local = environ.get("MASTER_PORT"), environ.get("LOCAL_RANK")
         return cls(rank=int(environ.get("RANK", 0)), world_size=int(environ.get("WORLD_SIZE", 1)),
-                   local_rank=int(environ.get("LOCAL_RANK", 0)),
+                   local_rank=int(local) if local is not None else None,
                    master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
                    master_port=int(port) if port else None)
 
@@ -110,7 +111,7 @@ def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
             raise ValueError("backend='nccl' needs CUDA, and this machine has none (torch.cuda.is_available() is "
                              "False): use gloo (the default without CUDA)")
         if backend == "nccl":
-            torch.cuda.set_device(launch.local_rank)
+            torch.cuda.set_device(launch.local_rank or 0)
         port = launch.master_port or _free_port()
         dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{port}",
                                 rank=launch.rank, world_size=launch.world_size, timeout=timeout)

@@ -24,7 +24,9 @@ Public API:
   ``check_sequence_length(hf_config, length, *, what)`` (refuses sequences beyond
   ``max_position_embeddings``), ``use_transformer_engine_spec`` (TE on GPU, refused fallback),
   ``set_tensor_parallel_attributes(model)`` (what megatron's skipped init would have set; applied by
-  ``build_gpt_model`` when ``perform_initialization=False``).
+  ``build_gpt_model`` when ``perform_initialization=False``), ``resolve_transformer_engine(requested)``
+  (the spec ``build_gpt_model`` builds here; ``transformer_config_from_hf(..., transformer_engine=True)``
+  turns on the fused kernels that spec has, :mod:`megatron_credit.models.fused_kernels`).
 
 - ``TransportAlignedCritic``, ``StandardCritic``, ``build_critic``, ``critic_parameter_count``,
   ``critic_diagnostics`` (``models/critic.py``): CompPO's value heads on the actor's detached features.
@@ -36,8 +38,8 @@ from megatron_credit.models.critic import (StandardCritic, TransportAlignedCriti
 from megatron_credit.models.concentration import attention_concentration, attention_topk
 from megatron_credit.models.final_layer import FinalAttentionCapture
 from megatron_credit.models.gpt import (build_gpt_model, final_hidden_states, gpt_decoder_block_spec,
-                                        gpt_layer_spec, set_tensor_parallel_attributes, transformer_engine_available,
-                                        use_transformer_engine_spec)
+                                        gpt_layer_spec, resolve_transformer_engine, set_tensor_parallel_attributes,
+                                        transformer_engine_available, use_transformer_engine_spec)
 from megatron_credit.models.hf_config import (
     SUPPORTED_MODEL_TYPES, RopeSettings, actor_transformer_config, check_parallel_fits_model, check_sequence_length, head_dim,
     rope_settings, transformer_config_from_hf)
@@ -48,6 +50,6 @@ __all__ = [
     "StandardCritic", "TransportAlignedCritic", "build_critic", "build_gpt_model",
     "critic_diagnostics", "critic_parameter_count", "check_parallel_fits_model", "check_sequence_length",
     "final_hidden_states", "gpt_decoder_block_spec",
-    "gpt_layer_spec", "head_dim", "rope_settings", "set_tensor_parallel_attributes",
+    "gpt_layer_spec", "head_dim", "resolve_transformer_engine", "rope_settings", "set_tensor_parallel_attributes",
     "transformer_config_from_hf", "transformer_engine_available", "use_transformer_engine_spec",
 ]

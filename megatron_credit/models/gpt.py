@@ -72,6 +72,16 @@ def use_transformer_engine_spec(requested: Optional[bool], *, cuda: bool, te_ava
     return bool(requested)
 
 
+def resolve_transformer_engine(requested: Optional[bool]) -> bool:
+    """:func:`use_transformer_engine_spec` on this machine: whether ``build_gpt_model`` builds the TE spec for
+    ``requested`` (the recipe's ``model.use_transformer_engine()``). The actor asks before it builds its
+    ``TransformerConfig``, whose fused kernels follow the spec (``models/fused_kernels.py``)."""
+    import torch
+
+    return use_transformer_engine_spec(requested, cuda=torch.cuda.is_available(),
+                                       te_available=transformer_engine_available() if requested is not False else False)
+
+
 def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool] = None,
                    packed_sequences: bool = False):
     """The ``ModuleSpec`` of one decoder layer for ``transformer_config``.
@@ -80,13 +90,10 @@ def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool]
     ``packed_sequences``: the model runs packed (THD) micro-batches; TE's attention takes them as they are,
     the local spec's core attention becomes ``CpuContextParallelAttention`` (megatron's asserts they are absent).
     """
-    import torch
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
-    use_transformer_engine = use_transformer_engine_spec(
-        use_transformer_engine, cuda=torch.cuda.is_available(),
-        te_available=transformer_engine_available() if use_transformer_engine is not False else False)
+    use_transformer_engine = resolve_transformer_engine(use_transformer_engine)
     # The family's spec choices, as its TransformerConfig fields state them (families/<family>.py):
     # per-head q/k norms, and routed experts (None: a dense MLP) with or without grouped GEMM.
     choices = dict(qk_layernorm=transformer_config.qk_layernorm, num_experts=transformer_config.num_moe_experts,

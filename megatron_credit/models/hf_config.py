@@ -145,14 +145,17 @@ def check_sequence_length(hf_config, length: int, *, what: str = "sequence") -> 
 
 
 def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype = torch.float32,
-                               **overrides):
+                               transformer_engine: bool = False, **overrides):
     """A megatron ``TransformerConfig`` equal in architecture to ``hf_config``.
 
     ``parallel`` is a ``megatron_credit.recipe.config.ParallelConfig``. ``overrides`` are passed to
     ``TransformerConfig`` last (e.g. ``recompute_granularity="full"``). Weights are initialised on
     the CPU (``use_cpu_initialization``) so that TP shards are slices of the TP=1 weights for the
-    same seed, and fused kernels that need apex / TE / CUDA are off unless overridden.
+    same seed. ``transformer_engine``: the model is built with the TE spec, so the fused kernels TE and
+    apex provide are on (``models/fused_kernels.py``); the local spec keeps them off.
     """
+    from megatron_credit.models.fused_kernels import fused_kernels
+
     from megatron.core.transformer import TransformerConfig
 
     check_parallel_fits_model(hf_config, parallel)
@@ -191,23 +194,24 @@ def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype
         fp16=params_dtype == torch.float16,
         # CPU init: identical full weights on every rank for one seed, then sliced (TP invariance).
         use_cpu_initialization=True,
-        # The fused wgrad GEMM needs apex / TE CUDA kernels.
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
+        # the local spec's softmax and norms (the TE spec has its own fused ones)
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
         persist_layer_norm=False,
         # fp32 softmax in attention, as HF does.
         attention_softmax_in_fp32=True,
     )
     kwargs.update(family_of(hf_config.model_type).transformer_config_kwargs(hf_config))
+    swiglu = kwargs["gated_linear_unit"] and kwargs["activation_func"] is torch.nn.functional.silu
+    kwargs.update(fused_kernels(transformer_engine=transformer_engine, swiglu=swiglu,
+                                context_parallel_size=parallel.context_parallel_size).overrides())
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
 def actor_transformer_config(hf_config, *, parallel, params_dtype: torch.dtype, recompute: Optional[str] = None,
-                             from_checkpoint: bool = False):
-    """The trainer's ``TransformerConfig``: :func:`transformer_config_from_hf` with the per-token loss
+                             from_checkpoint: bool = False, transformer_engine: bool = False):
+    """The trainer's ``TransformerConfig`` (``transformer_engine``: built with the TE spec, its fused kernels
+    on): :func:`transformer_config_from_hf` with the per-token loss
     (``calculate_per_token_loss``: megatron divides by nothing, ``trainer/actor.py``'s loss contract), no
     random init when the weights come from a checkpoint (minutes per rank at 32B; ``build_gpt_model`` sets
     the TP attributes init would have set), and the recompute (``full``: every layer, ``selective``)."""
@@ -218,4 +222,5 @@ def actor_transformer_config(hf_config, *, parallel, params_dtype: torch.dtype, 
         overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute == "selective":
         overrides.update(recompute_granularity="selective")
-    return transformer_config_from_hf(hf_config, parallel=parallel, params_dtype=params_dtype, **overrides)
+    return transformer_config_from_hf(hf_config, parallel=parallel, params_dtype=params_dtype,
+                                      transformer_engine=transformer_engine, **overrides)

@@ -26,14 +26,14 @@ by DP) and estimates the peak memory of one GPU, term by term:
   ``gpu_memory_utilization`` x GPU memory on each of its GPUs (its weights over the rollout TP plus a KV
   cache filling the rest); the ``hf`` engine is one full model copy and the KV cache of its share of the
   batch, on the first GPU of its group;
-* a fixed **reserve** for NCCL buffers and allocator slack;
+* **NCCL buffers** of the groups the layout makes (:mod:`.nccl`) and a fixed **reserve** for allocator slack;
 * **CUDA contexts**: one per process per GPU it touches (:data:`CUDA_CONTEXT_BYTES`): the trainer
   rank's own, plus the vLLM worker's on the same GPU (a multiprocess engine; the ``hf`` engine and an
   in-process vLLM live in the trainer's process). The worker lives on while the engine sleeps, so both
   phases count it.
 
 Training and rollout alternate, so the peak is the larger of two phases, with ``resident`` the weights,
-gradients, optimizer, critic, reference, reserve and CUDA contexts:
+gradients, optimizer, critic, reference, NCCL buffers, reserve and CUDA contexts:
 
 * training peak = ``resident + activations + log-prob chunk`` (the engine sleeps at level 2: its
   weights and KV cache are released, the weights re-synced every iteration);
@@ -60,10 +60,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from megatron_credit.planning.gpu_kinds import GIB, GPUS  # noqa: F401  (re-exported: planning.GPUS)
+from megatron_credit.planning.nccl import group_buffer_bytes, nccl_buffer_bytes
 
-RESERVED_BYTES = 7 * GIB // 2
-"""NCCL buffers (~1-2 GiB) and allocator fragmentation, per GPU (3.5 GiB: the 4 GiB this reserve was
-before the CUDA context became its own term, less that context)."""
+RESERVED_BYTES = 2 * GIB
+"""Allocator fragmentation and NCCL's buffers that :mod:`.nccl` does not count (LL / LL128, NVLS), per GPU (2 GiB:
+the 3.5 GiB flat reserve less the ~1.5 GiB of NCCL buffers it held, now counted per group)."""
 
 CUDA_CONTEXT_BYTES = GIB // 2
 """One process's CUDA context on one GPU: the driver's state and the kernels torch, cuBLAS and NCCL load.
@@ -306,7 +307,7 @@ class Plan:
         return max((k for k in self.terms if k not in skip), key=self.terms.get)
 
 
-RESIDENT = ("weights", "gradients", "optimizer", "critic", "reference", "reserve", "cuda_contexts")
+RESIDENT = ("weights", "gradients", "optimizer", "critic", "reference", "nccl_buffers", "reserve", "cuda_contexts")
 """Terms on the GPU in both phases (less :data:`OFFLOADED` while the engine generates)."""
 OFFLOADED = ("gradients", "optimizer")
 """Terms the trainer moves to pinned host memory before the engine wakes."""
@@ -344,6 +345,7 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     critic_params, separate_critic = _critic_params(recipe, a, actor_params=params)
     local_tokens = math.ceil(micro_tokens / cp)
     local_attn = recipe.model.transformer_impl == "local"
+    nccl = nccl_buffer_bytes(tp=tp, pp=pp, cp=cp, dp=dp, tied_embeddings=a.tied_embeddings)
     chunk = min(t.logprob_chunk_size, local_tokens)
     terms = {
         "weights": params * wb,
@@ -355,6 +357,7 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
         "activations": activation_bytes(a, tokens=local_tokens, tp=tp, sequence_parallel=p.sequence_parallel,
                                         recompute=t.recompute, dtype_bytes=wb, score_matrix=local_attn),
         "logprob_chunk": 3 * 4 * chunk * a.vocab_size // tp,
+        "nccl_buffers": nccl[0],
         "reserve": RESERVED_BYTES,
     }
     gpu_bytes = GPUS[gpu]
@@ -383,7 +386,8 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
         "activations": f"{local_tokens:,} tokens/GPU (micro-batch {micro_tokens:,} / CP {cp}, {layout_note}), "
                        f"recompute {t.recompute or 'none'}{', fp32 scores (local attention)' if local_attn else ''}",
         "logprob_chunk": f"{chunk:,} tokens x V/TP={a.vocab_size // tp:,} fp32 x 3",
-        "reserve": "NCCL buffers, allocator slack",
+        "nccl_buffers": f"{', '.join(nccl[1]) or 'no'} group(s), {group_buffer_bytes(2, 2) >> 20} MiB or less each",
+        "reserve": "allocator slack, NCCL's LL/LL128/NVLS buffers",
         "cuda_contexts": f"{contexts} x {CUDA_CONTEXT_BYTES / GIB:.1f} GiB: {contexts_note}",
         "rollout_engine": engine_note,
     }

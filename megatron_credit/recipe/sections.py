@@ -104,6 +104,8 @@ class RolloutConfig:
     the trainer's ranks (empty: the CPU)."""
     wait_timeout_s: PositiveFloat = 1800.0
     """``one_step_off`` / ``async``: the trainer stops with one line when a batch takes longer than this."""
+    seed_mode: str = "auto"
+    """Sampling seeds: ``per_sample`` (the same samples for any engine count), ``per_call`` (vLLM's fast batched sampler), ``auto`` (the engine's: hf per_sample, vllm per_call)."""
 
     def __post_init__(self) -> None:
         from megatron_credit.rollout.engine import ROLLOUT_ENGINES
@@ -120,6 +122,10 @@ class RolloutConfig:
                              "version old; use rollout.mode=async for another bound")
         if self.on_update not in ("finish", "partial"):
             raise ValueError(f"rollout.on_update must be 'finish' or 'partial', got {self.on_update!r}")
+        from megatron_credit.rollout.sampling import SEED_MODES
+
+        if not isinstance(self.seed_mode, str) or self.seed_mode not in ("auto", *SEED_MODES):
+            raise ValueError(f"rollout.seed_mode must be one of {('auto', *SEED_MODES)}, got {self.seed_mode!r}")
         object.__setattr__(self, "gpus", tuple(self.gpus))
 
     @property

@@ -9,7 +9,8 @@ is sampled and which log-probs are returned:
 - the prompt is pre-filled once per prompt and the KV cache is then repeated n times
   (``DynamicCache.batch_repeat_interleave``) instead of pre-filling n identical rows;
 - each sample has its own ``torch.Generator`` seeded from (seed, group id, sample index), so a
-  sample is reproducible and independent of which other prompts share the batch;
+  sample is reproducible and independent of which other prompts share the batch (``seed_mode:
+  per_sample``, this engine's default); ``per_call`` draws every row's noise from one generator per call;
 - per-row stop handling: a row that sampled a stop token or ran out of budget is finished; finished
   rows are dropped from the batch and the KV cache (``batch_select_indices``) once they are a quarter
   of it, and until then are fed along with the rest and ignored;
@@ -29,7 +30,8 @@ from typing import Any, Sequence
 import torch
 
 from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, empty_cache, resolve_group_ids
-from megatron_credit.rollout.sampling import ExponentialNoise, noise_block_steps, row_seed, sample_step
+from megatron_credit.rollout.sampling import (ExponentialNoise, call_seed, noise_block_steps, resolve_seed_mode,
+                                              row_seed, sample_step)
 from megatron_credit.rollout.types import FinishStatus, RolloutBatch, RolloutSample, SamplingParams, SampleTimings
 from megatron_credit.rollout.weight_sync import load_named_tensor_buckets
 
@@ -42,7 +44,12 @@ class HFRolloutEngine:
     or its dict; weights are random until ``update_weights``) or ``model_path`` (a local HF directory).
     ``max_batch_size`` bounds the rows (prompts x n) decoded together; None decodes all at once.
     ``compact_finished`` drops finished rows from the batch and the KV cache as decoding goes on.
+    ``seed_mode`` (``rollout.seed_mode``; ``auto``: :attr:`DEFAULT_SEED_MODE`): ``per_sample`` or ``per_call``.
     """
+
+    DEFAULT_SEED_MODE = "per_sample"
+    """Each row's noise is drawn in one call per block of steps anyway: per-sample seeds cost this engine
+    nothing, and they give the same samples for any engine count."""
 
     def __init__(
         self,
@@ -57,6 +64,7 @@ class HFRolloutEngine:
         compact_finished: bool = True,
         init_seed: int = 0,
         sleep_level: int = 1,
+        seed_mode: str = "per_sample",
     ):
         if sum(x is not None for x in (model, hf_config, model_path)) != 1:
             raise ValueError("give exactly one of model, hf_config, model_path")
@@ -64,6 +72,7 @@ class HFRolloutEngine:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        self.seed_mode = resolve_seed_mode(seed_mode, engine_default=self.DEFAULT_SEED_MODE)
         self.sleep_level = sleep_level
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
@@ -111,11 +120,14 @@ class HFRolloutEngine:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         start = time.perf_counter()
         prompts_per_chunk = len(prompts) if self.max_batch_size is None else max(1, self.max_batch_size // params.n)
+        # per_call: one generator for the whole call, its chunks drawn from it in order
+        shared = torch.Generator(device=self.device).manual_seed(call_seed(seed, gids[0])) \
+            if self.seed_mode == "per_call" else None
         samples: list[RolloutSample] = []
         with torch.inference_mode():
             for lo in range(0, len(prompts), prompts_per_chunk):
                 hi = lo + prompts_per_chunk
-                samples += self._generate_chunk(prompts[lo:hi], gids[lo:hi], params, seed, start)
+                samples += self._generate_chunk(prompts[lo:hi], gids[lo:hi], params, seed, start, shared)
         return RolloutBatch(samples=samples, wall_s=time.perf_counter() - start)
 
     def _budgets(self, prompts: list[list[int]], params: SamplingParams) -> list[int]:
@@ -126,12 +138,13 @@ class HFRolloutEngine:
         return [min(params.max_new_tokens, max_pos - len(p)) for p in prompts]
 
     def _generate_chunk(
-        self, prompts: list[list[int]], gids: list[int], params: SamplingParams, seed: int, start: float
+        self, prompts: list[list[int]], gids: list[int], params: SamplingParams, seed: int, start: float,
+        shared: torch.Generator | None = None,
     ) -> list[RolloutSample]:
         budgets = self._budgets(prompts, params)
         ok = [i for i, b in enumerate(budgets) if b > 0]
         decoded = self._decode([prompts[i] for i in ok], [gids[i] for i in ok], [budgets[i] for i in ok],
-                               params, seed, start) if ok else []
+                               params, seed, start, shared) if ok else []
         by_prompt = dict(zip(ok, decoded))
         out: list[RolloutSample] = []
         for i, prompt in enumerate(prompts):
@@ -183,9 +196,10 @@ class HFRolloutEngine:
 
     def _decode(
         self, prompts: list[list[int]], gids: list[int], budgets: list[int], params: SamplingParams,
-        seed: int, start: float,
+        seed: int, start: float, shared: torch.Generator | None = None,
     ) -> list[list[RolloutSample]]:
-        """Sample all rows of one chunk to completion; returns the samples of each prompt.
+        """Sample all rows of one chunk to completion; returns the samples of each prompt. ``shared``: the
+        call's one generator (``per_call``), else each row's own from ``seed``.
 
         Per-row state (``status``, ``length``, ``done``...) is indexed by row r = prompt * n + sample;
         the model batch holds only the ``live`` rows, which shrinks when enough rows have finished.
@@ -197,10 +211,14 @@ class HFRolloutEngine:
         prompt_len = prompt_mask.shape[1]
         mask = torch.ones((rows, prompt_len + steps), dtype=torch.long, device=self.device)
         mask[:, :prompt_len] = prompt_mask
-        gens = [torch.Generator(device=self.device).manual_seed(row_seed(seed, gids[r // n], r % n))
-                for r in range(rows)]
         vocab = logits.shape[-1]
-        noise = ExponentialNoise(gens, vocab=vocab, block_steps=noise_block_steps(params, vocab), device=self.device)
+        block = noise_block_steps(params, vocab)
+        if shared is not None:
+            noise = ExponentialNoise.shared(shared, rows=rows, vocab=vocab, block_steps=block, device=self.device)
+        else:
+            gens = [torch.Generator(device=self.device).manual_seed(row_seed(seed, gids[r // n], r % n))
+                    for r in range(rows)]
+            noise = ExponentialNoise(gens, vocab=vocab, block_steps=block, device=self.device)
         dev = self.device
         budget = torch.tensor(budgets, device=dev).repeat_interleave(n)
         stop_ids = torch.tensor(params.stop_token_ids, dtype=torch.long, device=dev)
@@ -279,7 +297,7 @@ class HFRolloutEngine:
         opts = dict(rollout.engine_options or {})
         opts.pop("tensor_parallel_size", None)
         kwargs = {"hf_config": hf_config, "device": device, "dtype": model.torch_dtype(),
-                  "max_batch_size": rollout.max_batch_size, "sleep_level": 2, **opts}
+                  "max_batch_size": rollout.max_batch_size, "sleep_level": 2, "seed_mode": rollout.seed_mode, **opts}
         return cls(**kwargs)
 
     def update_weights(self, buckets: WeightBuckets, *, strict: bool = True) -> int:

@@ -45,6 +45,35 @@ def row_seed(seed: int, group_id: int, sample_index: int) -> int:
     return h >> 1
 
 
+SEED_MODES = ("per_sample", "per_call")
+"""How an engine seeds its sampling (``rollout.seed_mode``; ``docs/vllm_engine.md``, "Seeds"): ``per_sample``, each
+sample its own generator seeded by :func:`row_seed` (the same samples whatever the batch and the engine count);
+``per_call``, one generator per ``generate`` call seeded by :func:`call_seed` (vLLM's batched sampler; the
+samples then depend on the call's batch)."""
+
+
+def resolve_seed_mode(requested: str, *, engine_default: str) -> str:
+    """``requested`` (``rollout.seed_mode``), or the engine's own default for ``auto``.
+
+    >>> resolve_seed_mode("auto", engine_default="per_call"), resolve_seed_mode("per_sample", engine_default="per_call")
+    ('per_call', 'per_sample')
+    """
+    mode = engine_default if requested == "auto" else requested
+    if mode not in SEED_MODES:
+        raise ValueError(f"rollout.seed_mode must be one of {('auto', *SEED_MODES)}, got {requested!r}")
+    return mode
+
+
+def call_seed(seed: int, first_group_id: int) -> int:
+    """Seed of one ``generate`` call in ``per_call`` mode, a hash of (seed, the call's first group id) in
+    [0, 2^63): engines given different slices of the prompts draw unrelated streams.
+
+    >>> call_seed(1, 0) == call_seed(1, 0) != call_seed(1, 8) and call_seed(1, 0) != row_seed(1, 0, 0)
+    True
+    """
+    return row_seed(seed, first_group_id, -1)  # sample index -1: no sample's own seed
+
+
 def filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
     """Set logits outside the top-k, then outside the top-p nucleus, to -inf.
 
@@ -68,32 +97,49 @@ def filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Te
 
 
 class ExponentialNoise:
-    """Per-row Exp(1) noise for Gumbel-max sampling, drawn from one generator per row.
+    """Per-row Exp(1) noise for Gumbel-max sampling, drawn from one generator per row, or from one generator
+    shared by all rows (:meth:`shared`, ``seed_mode: per_call``).
 
     Each row's draws come from its own generator only, in blocks of ``block_steps`` steps (one RNG
     call per row per block instead of per step); rows are therefore reproducible whatever else shares
     the batch, as long as ``block_steps`` is the same -- derive it from the sampling parameters, never
-    from the batch. ``next()`` returns [R, V] float32 on the generators' device.
+    from the batch. A shared generator draws a block for all rows in one call: reproducible for the same
+    rows in the same order. ``next()`` returns [R, V] float32 on the generators' device.
     """
 
     def __init__(self, generators: list[torch.Generator], *, vocab: int, block_steps: int, device: torch.device):
         self.generators, self.vocab, self.block_steps, self.device = generators, vocab, block_steps, device
+        self._shared: torch.Generator | None = None
+        self._rows = len(generators)
         self._block: torch.Tensor | None = None
         self._pos = block_steps
+
+    @classmethod
+    def shared(cls, generator: torch.Generator, *, rows: int, vocab: int, block_steps: int,
+               device: torch.device) -> "ExponentialNoise":
+        """Noise for ``rows`` rows from one ``generator``."""
+        noise = cls([], vocab=vocab, block_steps=block_steps, device=device)
+        noise._shared, noise._rows = generator, rows
+        return noise
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only the given rows (indices into the current rows), e.g. when finished rows leave the batch."""
         idx = rows.tolist()
-        self.generators = [self.generators[i] for i in idx]
+        self.generators = [self.generators[i] for i in idx] if self._shared is None else []
+        self._rows = len(idx)
         if self._block is not None:
             self._block = self._block[rows]
 
     def next(self) -> torch.Tensor:
         if self._pos == self.block_steps:
-            self._block = torch.stack([
-                torch.empty(self.block_steps, self.vocab, device=self.device).exponential_(generator=g)
-                for g in self.generators
-            ])  # [R, block_steps, V]
+            if self._shared is not None:
+                self._block = torch.empty(self._rows, self.block_steps, self.vocab, device=self.device
+                                          ).exponential_(generator=self._shared)
+            else:
+                self._block = torch.stack([
+                    torch.empty(self.block_steps, self.vocab, device=self.device).exponential_(generator=g)
+                    for g in self.generators
+                ])  # [R, block_steps, V]
             self._pos = 0
         self._pos += 1
         return self._block[:, self._pos - 1]

@@ -28,10 +28,10 @@ import time
 from typing import Any, Mapping, Sequence
 
 from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resolve_group_ids
-from megatron_credit.rollout.sampling import row_seed
+from megatron_credit.rollout.sampling import call_seed, resolve_seed_mode, row_seed
 from megatron_credit.rollout.types import RolloutBatch, RolloutSample, SamplingParams
 from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env, check_bucket,  # noqa: F401
-                                                launcher_problem,
+                                                launcher_problem, launcher_store_env,
                                                 check_engine_memory, engine_hf_overrides,
                                                 engine_visible_devices, hf_param_table, pinned_device_executor,
                                                 resolve_transfer, sleep_mode_alloc_env, vllm_platform,
@@ -109,8 +109,15 @@ class VLLMRolloutEngine:
     checkpoint's RoPE to vLLM as ``hf_overrides``
     (:func:`~megatron_credit.rollout.vllm_setup.vllm_hf_overrides`). ``engine_kwargs`` pass through to
     ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``, ``distributed_executor_backend``; a dict
-    ``hf_overrides`` there wins over ours).
+    ``hf_overrides`` there wins over ours). ``seed_mode`` (``rollout.seed_mode``; ``auto``:
+    :attr:`DEFAULT_SEED_MODE`): ``per_sample`` seeds every request, ``per_call`` seeds the workers once per call.
     """
+
+    DEFAULT_SEED_MODE = "per_call"
+    """A request with its own seed puts vLLM's sampler on its request-by-request path at every decode step
+    (vLLM 0.32 ``v1/sample/ops/topk_topp_sampler.py``: ``random_sample`` loops over the per-request generators,
+    "can be slow"; ``forward_cuda`` leaves FlashInfer's sampler for the native one; ``forward_cpu`` draws each
+    request's seed apart). On a GPU, per-sample seeds give the same samples only in distribution anyway."""
 
     def __init__(
         self,
@@ -130,11 +137,13 @@ class VLLMRolloutEngine:
         rope_theta: float | None = None,
         engine_kwargs: dict[str, Any] | None = None,
         gpus: Sequence[int] | None = None,
+        seed_mode: str = "per_call",
     ):
         if logprobs_mode not in _VLLM_LOGPROBS_MODE:
             raise ValueError(f"logprobs_mode must be one of {sorted(_VLLM_LOGPROBS_MODE)}, got {logprobs_mode!r}")
         if sleep_level not in (1, 2):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        self.seed_mode = resolve_seed_mode(seed_mode, engine_default=self.DEFAULT_SEED_MODE)
         self._config_dir = None  # from_config's temporary config.json folder
         platform = vllm_platform(cuda=_cuda_available(), gpu_memory_utilization=gpu_memory_utilization)
         engine_kwargs = {**platform.llm_defaults, **(engine_kwargs or {})}
@@ -148,6 +157,7 @@ class VLLMRolloutEngine:
         )
         in_process = weight_transfer == "in_process"
         start_env = sleep_mode_alloc_env(os.environ, in_process=in_process) if platform.sleep_mode else {}
+        start_env.update(launcher_store_env(os.environ))  # the engine's own world hosts its own store
         engine_kwargs["hf_overrides"] = engine_hf_overrides(model_path, engine_kwargs.get("hf_overrides"),
                                                             max_position_embeddings=max_position_embeddings,
                                                             rope_theta=rope_theta)
@@ -176,6 +186,7 @@ class VLLMRolloutEngine:
         self.logprobs_mode = logprobs_mode
         self.sleep_level = sleep_level
         self.weight_transfer = weight_transfer
+        self._in_process = in_process
         self.platform = platform
         self._llm = _start_llm(
             vllm, start_env, model=model_path, skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
@@ -222,13 +233,15 @@ class VLLMRolloutEngine:
         plan = request_plan([i for i, err in enumerate(errors) if not err], params)
         from vllm.inputs import TokensPrompt
 
-        # One vLLM seed per request (vLLM derives its n samples from it), kept within 31 bits.
+        per_call = self.seed_mode == "per_call"
+        # per_sample: one vLLM seed per request (vLLM derives its n samples from it), kept within 31 bits;
+        # per_call: no request seed (vLLM's batched sampler), the workers' generators seeded once below.
         sampling = [self._vllm.SamplingParams(**vllm_sampling_kwargs(
-            params, seed=row_seed(seed, gids[i], offset) >> 32, n=n)) for i, offset, n in plan]
+            params, seed=None if per_call else row_seed(seed, gids[i], offset) >> 32, n=n)) for i, offset, n in plan]
         start = time.perf_counter()
-        outputs = self._call("generate", lambda: self._llm.generate(
-            [TokensPrompt(prompt_token_ids=list(prompts[i])) for i, _, _ in plan], sampling, use_tqdm=False)) \
-            if plan else []
+        outputs = self._seeded_generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i, _, _ in plan],
+                                        sampling, call_seed(seed, gids[0]) if per_call and not params.greedy else None
+                                        ) if plan else []  # greedy draws nothing: no seed
         wall = time.perf_counter() - start
         by_prompt: dict[int, list[RolloutSample]] = {}
         for (i, offset, _), out in zip(plan, outputs, strict=True):
@@ -272,7 +285,7 @@ class VLLMRolloutEngine:
                   "sleep_level": 2 if _cuda_available() else 1,
                   "dtype": str(model.torch_dtype()).removeprefix("torch."),
                   "max_position_embeddings": model.max_position_embeddings,
-                  "rope_theta": model.rope_theta, **dict(rollout.engine_options or {})}
+                  "rope_theta": model.rope_theta, "seed_mode": rollout.seed_mode, **dict(rollout.engine_options or {})}
         if gpus is not None:
             kwargs["gpus"] = tuple(gpus)
         try:
@@ -355,6 +368,17 @@ class VLLMRolloutEngine:
                                  f"tensor, e.g. {missing[:8]} (a bucket was dropped?)")
         self._weights_valid = True
         return count
+
+    def _seeded_generate(self, requests: list, sampling: list, seed: int | None) -> list:
+        """``LLM.generate``; with ``seed`` (``per_call``) the workers' default generators are seeded first. An
+        in-process worker's generators are this process's: the CPU one is put back afterwards, so the trainer's
+        host draws do not depend on the engine's (on CUDA, megatron's RNG tracker keeps its own states)."""
+        import torch
+
+        with torch.random.fork_rng(devices=[], enabled=seed is not None and self._in_process):
+            if seed is not None:
+                self._call("reseed_sampler", lambda: self._llm.collective_rpc("reseed_sampler", args=(seed,)))
+            return self._call("generate", lambda: self._llm.generate(requests, sampling, use_tqdm=False))
 
     def _check_alive(self) -> None:
         if self._dead:

@@ -25,6 +25,8 @@ reading vLLM's source (first 0.11.0; the device choice re-read in the installed 
 - :func:`check_engine_memory` -- vLLM 0.34 sizes its KV cache from the memory free at start unless
   ``gpu_memory_utilization`` is set; next to the actor and the node's other engines that is whatever
   they left, so the engine always passes it on CUDA (on CPU a KV cache size in bytes).
+- :func:`launcher_store_env` -- torchrun's ``TORCHELASTIC_USE_AGENT_STORE`` would make the rank 0 of the
+  engine processes' own ``torch.distributed`` world wait for a store nobody hosts; it is unset for them.
 - :func:`launcher_problem` -- an in-process ``external_launcher`` engine builds vLLM's groups over the
   trainer's whole ``torch.distributed`` world, so the recipe's checks refuse it under a split trainer.
 """
@@ -172,6 +174,25 @@ def sleep_mode_alloc_env(environ: Mapping[str, str], *, in_process: bool) -> dic
                 "use weight_transfer='cuda_ipc' (the engine processes then start without it)")
         changes[var] = kept or None
     return changes
+
+
+LAUNCHER_STORE_VARS = ("TORCHELASTIC_USE_AGENT_STORE",)
+"""torchrun's variables that point a new ``torch.distributed`` world at the launcher's store."""
+
+
+def launcher_store_env(environ: Mapping[str, str]) -> dict[str, Optional[str]]:
+    """The variables to unset while the engine processes start: torchrun sets ``TORCHELASTIC_USE_AGENT_STORE=True``
+    for its workers, and torch's ``rendezvous._create_c10d_store`` then makes *every* rank of a new world a client
+    of a store it assumes the agent hosts, rank 0 included. vLLM's engine processes build a world of their own on
+    a port of their own, where no agent listens: with the variable inherited, their rank 0 starts no store and
+    waits for one until the rendezvous times out.
+
+    >>> launcher_store_env({"TORCHELASTIC_USE_AGENT_STORE": "True", "LOCAL_RANK": "1"})
+    {'TORCHELASTIC_USE_AGENT_STORE': None}
+    >>> launcher_store_env({})
+    {}
+    """
+    return {var: None for var in LAUNCHER_STORE_VARS if var in environ}
 
 
 def apply_env(changes: Mapping[str, Optional[str]], environ=os.environ) -> dict[str, Optional[str]]:

@@ -12,9 +12,10 @@ _VLLM_LOGPROBS_MODE = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 _FINISH = {"stop": FinishStatus.STOPPED, "length": FinishStatus.TRUNCATED}
 
 
-def vllm_sampling_kwargs(params: SamplingParams, *, seed: int, n: int | None = None) -> dict[str, Any]:
+def vllm_sampling_kwargs(params: SamplingParams, *, seed: int | None, n: int | None = None) -> dict[str, Any]:
     """Keyword arguments of ``vllm.SamplingParams`` equivalent to ``params`` for one request of ``n``
-    samples (default ``params.n``; see :func:`request_plan`).
+    samples (default ``params.n``; see :func:`request_plan`); ``seed`` None: the request has no generator of
+    its own (``rollout.seed_mode: per_call``).
 
     >>> kw = vllm_sampling_kwargs(SamplingParams(n=4, top_k=0, stop_token_ids=[2]), seed=7)
     >>> kw["n"], kw["top_k"], kw["stop_token_ids"], kw["ignore_eos"], kw["logprobs"]

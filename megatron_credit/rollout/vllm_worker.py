@@ -211,6 +211,13 @@ class WeightSyncExtension:
             torch.cuda.synchronize(device)
         return count
 
+    def reseed_sampler(self, seed: int) -> None:
+        """``rollout.seed_mode: per_call``: seed this worker's default generators, which vLLM's sampler draws the
+        noise of seedless requests from (``v1/sample/ops/topk_topp_sampler.py``: ``random_sample``'s batched
+        ``q.exponential_()`` on CUDA, ``forward_cpu``'s ``torch.randint`` on CPU), so that a call's samples
+        follow from its seed. ``torch.manual_seed`` seeds the CPU and every CUDA device."""
+        torch.manual_seed(int(seed))
+
     def hf_weight_names(self) -> list[str]:
         """The worker model's own parameter names (vLLM naming), for diagnostics."""
         return [name for name, _ in self.model_runner.model.named_parameters()]  # type: ignore[attr-defined]

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from megatron_credit.models import actor_transformer_config, build_gpt_model, final_hidden_states
+from megatron_credit.models import actor_transformer_config, build_gpt_model, final_hidden_states, resolve_transformer_engine
 from megatron_credit.trainer.actor_step import OptimizerStep
 from megatron_credit.trainer.schedule import build_scheduler, critic_schedule
 from megatron_credit.trainer.optimizer import MasterWeightsAdamW
@@ -112,9 +112,10 @@ class Actor(OptimizerStep):
         self.ps = ps
         self.from_checkpoint = _has_safetensors(model.name_or_path)
         # per-token loss: the loss contract above; no random init for checkpoint weights
+        te = resolve_transformer_engine(model.use_transformer_engine())  # the spec, and so the fused kernels
         self.config = actor_transformer_config(hf_config, parallel=parallel, params_dtype=model.torch_dtype(),
-                                               recompute=recompute, from_checkpoint=self.from_checkpoint)
-        te = model.use_transformer_engine()
+                                               recompute=recompute, from_checkpoint=self.from_checkpoint,
+                                               transformer_engine=te)
         self.packed_sequences = packed_sequences
         if packed_sequences and parallel.pipeline_model_parallel_size > 1:
             self.config.variable_seq_lengths = True  # packed micro-batches differ in length

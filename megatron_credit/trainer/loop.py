@@ -39,10 +39,11 @@ def seq_multiple(parallel) -> int:
                              parallel.sequence_parallel)
 
 
-def _ranks_layout(dp_rank: int) -> tuple[list[int], int, int]:
+def _ranks_layout(dp_rank: int, local_rank: int | None = None) -> tuple[list[int], int, int]:
     """(the data-parallel rank of every rank, this rank's local rank, the ranks of its node): gathered once,
-    for the engine layout (``rollout.placement``) and the routing of samples. torchrun numbers ranks node by
-    node, so the local rank (the device ``distributed.initialize`` took) is the rank's place on its host."""
+    for the engine layout (``rollout.placement``) and the routing of samples. ``local_rank``: the launcher's
+    (``LOCAL_RANK``, the device ``distributed.initialize`` took), read at the entry point; without it, the
+    rank's place among the ranks of its host (torchrun numbers ranks node by node)."""
     import socket
 
     mine = (dp_rank, socket.gethostname())
@@ -50,7 +51,7 @@ def _ranks_layout(dp_rank: int) -> tuple[list[int], int, int]:
     # NCCL: the pickled tuples travel on torch.cuda.current_device(), set by distributed.initialize
     dist.all_gather_object(everyone, mine)
     node = [r for r, (_, host) in enumerate(everyone) if host == mine[1]]
-    return [d for d, _ in everyone], node.index(dist.get_rank()), len(node)
+    return [d for d, _ in everyone], node.index(dist.get_rank()) if local_rank is None else local_rank, len(node)
 
 
 def check_recipe(recipe, hf_config, *, world_size: int) -> dict[str, int]:
@@ -121,10 +122,12 @@ def credit_maps(recipe, *, run_dir: str, tokenizer):
                       algorithm=recipe.algorithm.name)
 
 
-def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str, log) -> Run:
+def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str, log,
+          local_rank: int | None = None) -> Run:
     """Check the recipe, the run directory and the checkpoint to resume (before anything is built or
     written), then build the data, the actor, a separate critic and the rollout manager. The one place
-    that unpacks the recipe: each component gets its own section (or explicit values)."""
+    that unpacks the recipe: each component gets its own section (or explicit values). ``local_rank``: the
+    launcher's (``distributed.LaunchEnv``), None where it sets none."""
     from megatron_credit.distributed import data_parallel_rank
     from megatron_credit.rollout.engine import build_trainer_engine
     from megatron_credit.rollout.placement import EngineLayout
@@ -156,7 +159,7 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
                   **algorithm.actor_options(hf_config, dtype=recipe.model.torch_dtype(),
                                             pp_size=recipe.parallel.pipeline_model_parallel_size))
     critic = build_separate_critic(hf_config, algorithm, device=device, **settings)
-    dp_of_rank, local_rank, node_ranks = _ranks_layout(data_parallel_rank())
+    dp_of_rank, local_rank, node_ranks = _ranks_layout(data_parallel_rank(), local_rank)
     r = recipe.rollout
     if r.mode != "sync":
         from megatron_credit.trainer.async_rollout import AsyncRollouts
@@ -301,17 +304,18 @@ def iteration_metrics(run: Run, step: int) -> dict[str, float]:
 
 def train(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str = "auto",
           log=print, recipe_file: str | None = None,
-          timings: dict[str, float] | None = None) -> list[dict[str, float]]:
+          timings: dict[str, float] | None = None, local_rank: int | None = None) -> list[dict[str, float]]:
     """Run the recipe's iterations (after ``distributed.initialize``, whose device is ``device``: the
     models, micro-batches and collectives' tensors are put there); returns rank 0's metric rows.
     ``recipe_file``: the launch's ``--config`` (never rewritten when it is ``run_dir/config.yaml``).
     ``timings``, when given, receives ``warmup_s`` (absent without a warm-up) and ``rl_s`` (the loop:
-    iterations, validation, checkpoints)."""
+    iterations, validation, checkpoints). ``local_rank``: the launcher's ``LOCAL_RANK`` (None: not set)."""
     timings = {} if timings is None else timings
     rank0 = dist.get_rank() == 0
     # caught from the start: a signal during the build or the warm-up stops the run after its first iteration
     with ExitSignals(recipe.checkpoint.exit_signals) as signals:
-        run = build(recipe, hf_config, run_dir=run_dir, device=device, resume=resume, log=log)
+        run = build(recipe, hf_config, run_dir=run_dir, device=device, resume=resume, log=log,
+                    local_rank=local_rank)
         try:
             start = restore(run, recipe, log=log, timings=timings)
             writer = open_metrics(recipe, run_dir=run_dir, start=start, resumed=run.checkpoint is not None,

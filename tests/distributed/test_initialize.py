@@ -184,3 +184,26 @@ def test_entry_point_refuses_a_bad_override():
         timeout=300)
     assert proc.returncode != 0
     assert "tensor_model_parallel_size=3 does not divide num_attention_heads" in proc.stderr
+
+
+def test_the_launchers_local_rank_selects_the_device(monkeypatch):
+    # LOCAL_RANK is read at the entry point (LaunchEnv) and wins over counting the ranks on this host: a
+    # launcher may place ranks round-robin over nodes, or order them on a node as it likes.
+    import socket
+
+    import torch.distributed as dist
+
+    from megatron_credit.trainer import loop
+
+    assert LaunchEnv.from_environ({"RANK": "3", "WORLD_SIZE": "4"}).local_rank is None
+    hosts = ["a", "b", "a", "b"]  # rank 3 is the second rank of host b
+    monkeypatch.setattr(socket, "gethostname", lambda: "b")
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
+
+    def gather(out, mine, group=None):
+        out[:] = [(r // 2, host) for r, host in enumerate(hosts)]
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    assert loop._ranks_layout(1) == ([0, 0, 1, 1], 1, 2)  # no LOCAL_RANK: its place on its host
+    assert loop._ranks_layout(1, local_rank=0) == ([0, 0, 1, 1], 0, 2)  # the launcher's word

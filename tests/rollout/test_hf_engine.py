@@ -295,3 +295,28 @@ def test_new_weights_between_decode_steps_continue_the_responses(swap_after):
             -1, torch.tensor(s.response_ids)[:, None])[:, 0]
         torch.testing.assert_close(s.logprobs[cut:].double(), want[cut:], rtol=0, atol=1e-5)
     assert any(s.response_ids != a.response_ids for s, a in zip(batch.samples, alone.samples))
+
+
+def test_per_call_seeds_give_valid_reproducible_samples(engine):
+    # One generator per call (rollout.seed_mode: per_call): valid samples with the engine's log-probs,
+    # reproducible for a fixed seed and layout; no longer the per-sample streams.
+    per_call = HFRolloutEngine(model=engine.model, seed_mode="per_call", max_batch_size=8)
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=10, n=3, seed=5)
+    a, b = per_call.generate(PROMPTS, params, group_ids=[4, 5, 6, 7]), \
+        per_call.generate(PROMPTS, params, group_ids=[4, 5, 6, 7])
+    assert _as_tuples(a) == _as_tuples(b) and all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(a.samples, b.samples))
+    assert [(s.group_id, s.sample_index) for s in a.samples] == [(g, j) for g in (4, 5, 6, 7) for j in range(3)]
+    for s in a.samples:
+        assert s.status != FinishStatus.FAILED and len(s.response_ids) >= 1
+        scaled = _teacher_forced_logits(engine.model, s) / 0.7
+        want = torch.log_softmax(scaled, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        assert torch.isfinite(filter_logits(scaled, top_k=20, top_p=0.9).gather(
+            -1, torch.tensor(s.response_ids)[:, None])).all()  # every token inside the top-k/top-p set
+        torch.testing.assert_close(s.logprobs.double(), want, rtol=0, atol=1e-5)
+    per_sample = HFRolloutEngine(model=engine.model, max_batch_size=8).generate(PROMPTS, params, group_ids=[4, 5, 6, 7])
+    assert engine.seed_mode == "per_sample" and _as_tuples(per_sample) != _as_tuples(a)
+    other = per_call.generate(PROMPTS, SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=10, n=3,
+                                                      seed=6), group_ids=[4, 5, 6, 7])
+    assert [s.response_ids for s in other.samples] != [s.response_ids for s in a.samples]
+    with pytest.raises(ValueError, match=r"rollout.seed_mode must be one of \('auto', 'per_sample', 'per_call'\)"):
+        HFRolloutEngine(model=engine.model, seed_mode="per_batch")

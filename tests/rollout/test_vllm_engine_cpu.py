@@ -58,6 +58,14 @@ def _mismatch(hf_model, batch):
     return logprob_mismatch(padded.rollout_logprobs.double(), logp, padded.response_mask)
 
 
+def _off_policy(mismatch) -> bool:
+    """The engine's log-probs are not the trainer's: they differ beyond kernel noise, or cannot be compared at
+    all. A layer vLLM rebuilt from part of a fused group computes no defined function: its log-probs came out
+    finite and far off in most runs and NaN in some (seen under load), and ``nan > 1e-3`` is False."""
+    diff = mismatch["mean_abs_diff"]
+    return bool(not torch.isfinite(diff) or diff > 1e-3)
+
+
 def _layer_buckets(model):
     """One bucket per decoder layer (embedding and head apart): the trainer's bucketing (``group_buckets``)."""
     from megatron_credit.rollout.weight_sync import group_buckets
@@ -121,7 +129,7 @@ def test_a_split_fused_group_is_refused_before_it_is_sent(demo):
     _step(hf.model)
     for bucket in split:
         eng._llm.collective_rpc(eng.platform.worker_method, args=(bucket,))
-    assert _mismatch(hf.model, eng.generate(PROMPTS, params))["mean_abs_diff"] > 1e-3
+    assert _off_policy(_mismatch(hf.model, eng.generate(PROMPTS, params)))
     eng.update_weights(_layer_buckets(hf.model))
     assert _mismatch(hf.model, eng.generate(PROMPTS, params))["mean_abs_diff"] <= 1e-5
 
@@ -146,6 +154,30 @@ def test_failed_prompts_greedy_n_sleep_wake(demo):
     eng.wake_up(tags=["kv_cache"])
     again = eng.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=6))
     assert again.samples[0].response_ids == batch.samples[0].response_ids
+
+
+def test_seed_modes_give_valid_reproducible_samples(demo, monkeypatch):
+    # per_call (this engine's default): no request seed, the worker's generator seeded once per call; valid
+    # samples (the engine's log-probs are the trainer's), reproducible for a fixed seed and layout, and the
+    # trainer's own generator untouched. per_sample: a seed per request, reproducible too.
+    eng, hf = demo
+    eng.update_weights(_layer_buckets(hf.model))
+    assert eng.seed_mode == "per_call"
+    params = SamplingParams(max_new_tokens=12, n=4, seed=21, stop_token_ids=[2])
+    state = torch.get_rng_state()
+    runs = [eng.generate(PROMPTS, params, group_ids=[3, 4, 5]) for _ in range(2)]
+    assert torch.equal(torch.get_rng_state(), state)
+    other = eng.generate(PROMPTS, SamplingParams(max_new_tokens=12, n=4, seed=22, stop_token_ids=[2]), group_ids=[3, 4, 5])
+    monkeypatch.setattr(eng, "seed_mode", "per_sample")
+    runs += [eng.generate(PROMPTS, params, group_ids=[3, 4, 5]) for _ in range(2)]
+    responses = [[s.response_ids for s in batch.samples] for batch in (*runs, other)]
+    assert responses[0] == responses[1] and responses[2] == responses[3]  # each mode reproduces itself
+    assert responses[0] != responses[2] and responses[0] != responses[4]  # another stream, another seed
+    for batch in runs:
+        assert [(s.group_id, s.sample_index) for s in batch.samples] == [(g, j) for g in (3, 4, 5) for j in range(4)]
+        assert all(s.status != FinishStatus.FAILED and s.response_ids for s in batch.samples)
+        assert _mismatch(hf.model, batch)["mean_abs_diff"] <= 1e-5
+    assert all(torch.equal(x.logprobs, y.logprobs) for x, y in zip(runs[0].samples, runs[1].samples))
 
 
 def test_smollm2_135m_shape_and_rope_override(tmp_path):

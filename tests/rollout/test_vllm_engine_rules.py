@@ -61,7 +61,7 @@ class FakeLLM:
         self.llm_engine = NS(model_config=NS(max_model_len=kwargs.get("max_model_len", 64), hf_config=self.hf_config))
         self.is_sleeping, self.sleeping_tags = False, set()
         self.mapped = {"weights": True, "kv_cache": True}
-        self.noops, self.loaded, self.generate_calls = [], [], []
+        self.noops, self.loaded, self.generate_calls, self.reseeds, self.seeds = [], [], [], [], []
         self.stream = lambda prompt, j: [prompt[0] + 100 + j + k for k in range(1000)]  # token script
         backend = kwargs.get("distributed_executor_backend")
         if isinstance(backend, type):
@@ -94,6 +94,9 @@ class FakeLLM:
         self.is_sleeping = bool(self.sleeping_tags)
 
     def collective_rpc(self, method, args=()):
+        if method == "reseed_sampler":  # seed_mode per_call: the workers' generators, once per call
+            self.reseeds.append(args[0])
+            return [None]
         if not self.mapped["weights"]:
             raise RuntimeError("CUDA error: illegal memory access (weights are not mapped)")
         self.loaded.append([name for name, _ in args[0]])
@@ -103,6 +106,7 @@ class FakeLLM:
         if not all(self.mapped.values()):
             raise RuntimeError("CUDA error: generate with unmapped weights or KV cache")
         self.generate_calls.append([(p["prompt_token_ids"], s.n) for p, s in zip(prompts, sampling)])
+        self.seeds.append([s.seed for s in sampling])
         outs = []
         for p, s in zip(prompts, sampling):
             comps = []
@@ -319,11 +323,11 @@ class _Model:
 
 
 def test_the_trainers_engine_sleeps_at_level_2_with_an_explicit_gpu_share(fake_vllm):
-    eng = VLLMRolloutEngine.from_config(NS(engine_options={}), _Model(), seed=0, hf_config=None, gpus=(0,))
+    eng = VLLMRolloutEngine.from_config(NS(engine_options={}, seed_mode="auto"), _Model(), seed=0, hf_config=None, gpus=(0,))
     assert eng.sleep_level == 2 and FakeLLM.instances[-1].kwargs["gpu_memory_utilization"] == 0.5
     for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION"):
         os.environ.pop(var)  # set by the engine for this process
-    eng = VLLMRolloutEngine.from_config(NS(engine_options={"gpu_memory_utilization": 0.35, "sleep_level": 1}),
+    eng = VLLMRolloutEngine.from_config(NS(engine_options={"gpu_memory_utilization": 0.35, "sleep_level": 1}, seed_mode="auto"),
                                         _Model(), seed=0, hf_config=None)
     assert eng.sleep_level == 1 and FakeLLM.instances[-1].kwargs["gpu_memory_utilization"] == 0.35
     # vLLM 0.34 sizes its KV cache from the free memory unless told: never left to it.
@@ -331,7 +335,7 @@ def test_the_trainers_engine_sleeps_at_level_2_with_an_explicit_gpu_share(fake_v
     for options in ({"gpu_memory_utilization": None}, {"engine_kwargs": {"gpu_memory_utilization": None}},
                     {"gpu_memory_utilization": 1.5}):
         with pytest.raises(ValueError, match=r"needs an explicit gpu_memory_utilization in \(0, 1\]"):
-            VLLMRolloutEngine.from_config(NS(engine_options=options), _Model(), seed=0, hf_config=None)
+            VLLMRolloutEngine.from_config(NS(engine_options=options, seed_mode="auto"), _Model(), seed=0, hf_config=None)
     assert len(FakeLLM.instances) == built
 
 
@@ -367,6 +371,57 @@ def test_expandable_segments_refused_for_an_in_process_engine(fake_vllm, monkeyp
     with pytest.raises(ValueError, match="expandable segments.*in-process"):
         _engine()
     assert not FakeLLM.instances
+
+
+# ------------------------------------------------------------------------------------------ seed modes
+def test_per_call_seeds_the_workers_once_and_no_request(fake_vllm, on_cuda_device):
+    from megatron_credit.rollout.sampling import call_seed, row_seed
+
+    eng = _engine()  # the engine's default: per_call
+    assert eng.seed_mode == VLLMRolloutEngine.DEFAULT_SEED_MODE == "per_call"
+    eng.generate([[1, 2], [5]], SamplingParams(n=3, max_new_tokens=2, seed=11), group_ids=[7, 9])
+    eng.generate([[1, 2]], SamplingParams(temperature=0, n=2, max_new_tokens=2, seed=11))  # greedy: nothing to seed
+    llm = FakeLLM.instances[0]
+    assert llm.seeds == [[None, None], [None, None]] and llm.reseeds == [call_seed(11, 7)]
+    eng = _engine(seed_mode="per_sample")
+    eng.generate([[1, 2], [5]], SamplingParams(n=3, max_new_tokens=2, seed=11), group_ids=[7, 9])
+    llm = FakeLLM.instances[1]
+    assert llm.seeds == [[row_seed(11, 7, 0) >> 32, row_seed(11, 9, 0) >> 32]] and llm.reseeds == []
+
+
+def test_the_recipe_chooses_the_seed_mode_and_auto_is_the_engines(fake_vllm, on_cuda_device):
+    from megatron_credit.recipe.config import load_recipe
+    from megatron_credit.rollout import HFRolloutEngine
+    from tests.support.paths import ROOT
+
+    demo = os.path.join(ROOT, "examples", "demo_cpu.yaml")
+    assert load_recipe(demo).rollout.seed_mode == "auto"
+    with pytest.raises(ValueError, match=r"^rollout.seed_mode must be one of \('auto', 'per_sample', 'per_call'\), "
+                                         r"got 'per_batch'$"):
+        load_recipe(demo, overrides=["rollout.seed_mode=per_batch"])
+    for value in ("[1]", "7", "null"):  # a value of the wrong kind: one line naming the field
+        with pytest.raises(ValueError, match=r"^rollout.seed_mode must be "):
+            load_recipe(demo, overrides=[f"rollout.seed_mode={value}"])
+    model = _Model()
+    modes = {}
+    for mode in ("auto", "per_sample", "per_call"):
+        rollout = NS(engine_options={}, seed_mode=mode, max_batch_size=None)
+        modes[mode] = (VLLMRolloutEngine.from_config(rollout, model, seed=0, hf_config=None).seed_mode,
+                       HFRolloutEngine.from_config(rollout, model, seed=0, hf_config=_tiny_config(), device="cpu").seed_mode)
+    assert modes == {"auto": ("per_call", "per_sample"), "per_sample": ("per_sample", "per_sample"),
+                     "per_call": ("per_call", "per_call")}
+
+
+# ------------------------------------------------------------------------------ launcher environment
+@pytest.mark.parametrize("transfer", ["cuda_ipc", "in_process"])
+def test_the_engine_starts_without_torchruns_agent_store(fake_vllm, monkeypatch, on_cuda_device, transfer):
+    # torchrun sets it for its workers; inherited, the engine's own world would wait for a store nobody hosts
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    _engine(weight_transfer=transfer)
+    env = FakeLLM.instances[0].env_at_start
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in env and env["LOCAL_RANK"] == "3"
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the trainer's own environment is restored
 
 
 def test_sleep_mode_alloc_env_cases():

@@ -148,6 +148,7 @@ def _fake_engine(monkeypatch, max_model_len):
     eng = object.__new__(VLLMRolloutEngine)  # skip __init__: no vLLM here
     eng._vllm, eng._llm, eng.max_model_len = vllm, _FakeLLM(max_model_len), max_model_len
     eng.logprobs_mode, eng._state, eng._weights_valid, eng._dead = "raw", "awake", True, ""
+    eng.seed_mode, eng._in_process = "per_sample", True
     return eng
 
 

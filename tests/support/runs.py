@@ -8,6 +8,7 @@ test files imported from one another).
 - :data:`TINY_CHECKPOINTED` (the same model, no warm-up, a checkpoint after each iteration) for runs made
   through the command line; :data:`CLI_TINY`, the overrides of the demo recipe the resume tests use;
 - :func:`run_pretrain_rl`: ``pretrain_rl.py`` in a subprocess; :func:`subprocess_env`: its environment;
+  :func:`run_until_exit`: a command to its end, failing only on a silence (a hang), never on its duration;
 - :func:`metrics_rows`: every row of a run's ``metrics.jsonl`` (each line must be JSON: a stray line fails
   the test that reads it); :func:`stable`: the rows without the wall-clock metrics (:data:`VOLATILE`);
 - :func:`char_tokenizer`: a character-level ``transformers`` tokenizer with a chat template, built offline.
@@ -91,6 +92,41 @@ def run_pretrain_rl(*args, timeout=600) -> subprocess.CompletedProcess:
     """``pretrain_rl.py *args`` in a subprocess run from the repository root; its output is captured."""
     return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), *map(str, args)],
                           capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=timeout)
+
+
+def run_until_exit(cmd, *, env: dict, cwd=ROOT, silence_s: float = 600.0) -> subprocess.CompletedProcess:
+    """``cmd`` to its end, however long it takes while it writes, with its output captured: a wait for a
+    condition (the exit), not for a time. Only a process (or its children) silent for ``silence_s`` seconds
+    is taken for hung: its whole process group is killed and the test fails naming the silence (a run on
+    two cores shared with other jobs is slow, not silent)."""
+    import signal
+    import threading
+    import time
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd, env=env,
+                            start_new_session=True)  # its own group: a hung torchrun is killed with its workers
+    chunks: dict[str, list[str]] = {"out": [], "err": []}
+    last = [time.monotonic()]
+
+    def read(stream, into):
+        for line in iter(stream.readline, ""):
+            into.append(line)
+            last[0] = time.monotonic()
+
+    readers = [threading.Thread(target=read, args=(proc.stdout, chunks["out"]), daemon=True),
+               threading.Thread(target=read, args=(proc.stderr, chunks["err"]), daemon=True)]
+    for t in readers:
+        t.start()
+    while proc.poll() is None:
+        if time.monotonic() - last[0] > silence_s:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError(f"{cmd[:4]}... wrote nothing for {silence_s:g} s: taken for hung and killed; "
+                                 f"its last output:\n{''.join((chunks['out'] + chunks['err'])[-40:])}")
+        time.sleep(0.5)
+    for t in readers:
+        t.join()
+    return subprocess.CompletedProcess(cmd, proc.returncode, "".join(chunks["out"]), "".join(chunks["err"]))
 
 
 # The lr schedule crosses warm-up (steps 0-1), decay (2-4) and its floor (5-7): 2 optimizer steps per iteration,
