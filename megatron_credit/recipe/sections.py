@@ -286,7 +286,7 @@ class TrainConfig:
     """Token budget of one micro-batch (per rank, before the CP split)."""
     packing: Optional[bool] = None
     """Pack each micro-batch's sequences end to end (THD: no padding rows, first-fit decreasing into
-    ``max_tokens_per_microbatch``; ``data/packing.py``) instead of padding every row to the longest.
+    ``max_tokens_per_microbatch``; ``batch/packing.py``) instead of padding every row to the longest.
     None: on (the default; ``false`` pads every micro-batch's rows to its longest, under PP to the
     mini-batch's largest row count and length)."""
     val_every: NonNegativeInt = 0

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from megatron_credit.cli import RunStopped
 from megatron_credit.rollout.placement import dp_rank_of_group
-from megatron_credit.trainer.batch import TrainBatch
+from megatron_credit.batch.train_batch import TrainBatch
 from megatron_credit.trainer.rollout import SampleRouter
 from megatron_credit.trainer.rollout_server import POLL_S, ServerSpec, flatten, serve
 

@@ -31,7 +31,7 @@ from megatron_credit.trainer.stop import ExitSignals
 
 def seq_multiple(parallel) -> int:
     """Micro-batch lengths are multiples of this: 2 x CP (x TP with sequence parallelism), 1 without."""
-    from megatron_credit.data.context_parallel import required_multiple
+    from megatron_credit.batch.context_parallel import required_multiple
 
     if parallel.context_parallel_size == 1 and not parallel.sequence_parallel:
         return 1

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from megatron_credit.rollout.placement import EngineLayout, dp_rank_of_group, draw_seed, split
 from megatron_credit.rollout.types import FinishStatus, RolloutBatch, SamplingParams
-from megatron_credit.trainer.batch import TrainBatch, train_batch_from_rollout
+from megatron_credit.batch.train_batch import TrainBatch, train_batch_from_rollout
 
 if TYPE_CHECKING:
     from megatron_credit.trainer.offload import GenerationOffload

@@ -13,10 +13,10 @@ import torch
 
 from megatron_credit.algorithm.base import AdvantageInputs
 from megatron_credit.credit.diagnostics import credit_sums
-from megatron_credit.data.microbatch import plan_minibatches
+from megatron_credit.batch.microbatch import plan_minibatches
 from megatron_credit.losses.kl import KL_ESTIMATORS
 from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
-from megatron_credit.trainer.batch import (TOKEN_FIELDS, TrainBatch, make_microbatch, make_packed_microbatch, round_up,
+from megatron_credit.batch.train_batch import (TOKEN_FIELDS, TrainBatch, make_microbatch, make_packed_microbatch, round_up,
                                            step_denominators)
 from megatron_credit.algorithm.metric_tables import CORE, reductions
 from megatron_credit.trainer.metrics import StatSums, loss_statistics
