@@ -26,11 +26,11 @@ if TYPE_CHECKING:  # the iteration's inputs; no megatron import here
 
 
 def rl_iteration(ctx: Context, iteration: int) -> dict[str, float]:
-    """(Sync ->) rollout -> rewards -> (dynamic sampling) -> old log-probs -> advantages -> update. The
-    engines receive the weights when they wake for the next generation (``RolloutManager.generating``)."""
+    """Weights -> rollout -> rewards -> (dynamic sampling) -> old log-probs -> advantages -> update. The
+    rollout source gets the weights of ``iteration - 1`` (each mode loads them when its engine can take them)."""
     timer = ctx.timer
-    with timer("rollout"):
-        batch, rollout_metrics = ctx.rollouts.next(iteration)  # engine + reward pool + dyn. sampling
+    with timer("rollout"):  # engine + reward pool + dyn. sampling
+        batch, rollout_metrics = ctx.rollouts.next(iteration, weights=ctx.weights(iteration - 1))
     ctx.check_length(int(batch.seq_lens.max()))
     plan = plan_microbatches(ctx, batch)
     fused = fused_old_logprob(ctx)
