@@ -47,7 +47,7 @@ def length_mix(samples: int, cap: int, *, seed: int = 0) -> tuple[list[int], lis
 def _batch(prompts, responses, vocab: int):
     import torch
 
-    from megatron_credit.trainer.batch import TrainBatch
+    from megatron_credit.batch.train_batch import TrainBatch
 
     b = len(prompts)
     lens = torch.tensor(prompts) + torch.tensor(responses)

@@ -38,7 +38,7 @@ def main() -> None:
     from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
-    from megatron_credit.trainer.batch import TrainBatch
+    from megatron_credit.batch.train_batch import TrainBatch
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
     from megatron_credit.trainer.metrics import StatSums
 

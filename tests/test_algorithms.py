@@ -157,7 +157,7 @@ def test_a_config_builds_the_class_that_declares_it():
 
 
 def _train_batch():
-    from megatron_credit.trainer.batch import TrainBatch
+    from megatron_credit.batch.train_batch import TrainBatch
 
     b, t = 2, 5
     mask = torch.ones(b, t, dtype=torch.bool)

@@ -150,12 +150,12 @@ class Algorithm:
         """Per-token policy loss ``[B, T]`` and detached rank-local statistics (``losses.policy``).
         ``cp_group``: the inputs are context-parallel shards; ``is_weights``: truncated importance weights;
         ``row_slots`` (``[B, T]`` bool): packed rows under CP, for a loss that scans along the row
-        (``data/packing.py``); ``side``: the :attr:`side_channels`."""
+        (``batch/packing.py``); ``side``: the :attr:`side_channels`."""
         raise NotImplementedError
 
     def behaviour_extras(self, batch: Any) -> dict[str, torch.Tensor]:
         """Side channels ``{name: [B, T]}`` made after the behaviour pass on the last pipeline stage
-        (``batch``: the ``trainer.batch.TrainBatch`` with ``old_logp``); each travels with the micro-batches
+        (``batch``: the ``batch.train_batch.TrainBatch`` with ``old_logp``); each travels with the micro-batches
         to :meth:`loss`, which must name it in :attr:`side_channels`. None by default."""
         return {}
 

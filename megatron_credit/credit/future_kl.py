@@ -66,7 +66,7 @@ def future_kl(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.T
         chunk_size, cp_group: see :func:`reverse_linear_scan` (CP layout: megatron load-balanced).
         packed: treat each run of the mask as its own response (see module docstring).
         row_slots: ``[B, T]`` bool, False at empty slots inside a row (a packed micro-batch's row view under
-            CP: each half of the row ends with empty slots, ``data/packing.py``); the transport passes
+            CP: each half of the row ends with empty slots, ``batch/packing.py``); the transport passes
             them unchanged (``coef = 1``, no evidence). None: every slot holds a token.
     """
     _check_c(dual_clip_c)

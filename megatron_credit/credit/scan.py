@@ -45,7 +45,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megatron_credit.cp_layout import chunk_owner, rank_chunks
+from megatron_credit.batch.cp_layout import chunk_owner, rank_chunks
 
 Coef = Union[torch.Tensor, float]
 

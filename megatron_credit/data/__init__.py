@@ -1,4 +1,5 @@
-"""Data: prompt datasets, the synthetic arithmetic task and its tokenizer, token-budget micro-batching.
+"""Data: prompt datasets, the synthetic arithmetic task and its tokenizer (what becomes a prompt; the batch
+the samples become is :mod:`megatron_credit.batch`).
 
 | module | what lives there |
 | --- | --- |
@@ -6,8 +7,7 @@
 | ``dataset.py`` | DAPO-schema parquet / jsonl: validation, de-duplication, chat template, length filter |
 | ``synthetic.py`` | ``ArithmeticTask``: arithmetic answered as ``Answer: N``, deterministic by index |
 | ``tokenizer.py`` | the sentencepiece BPE tokenizer of the synthetic task, trained at first use and cached |
-| ``microbatch.py`` | token-budget micro-batches, shared by the old-log-prob pass and the update |
-| ``context_parallel.py`` | splitting sequences for context parallelism |
+| ``prompts.py``, ``chain.py`` | the prompt stream (resumable cursor), chained sources |
 
 Importing this package imports nothing (pyarrow and sentencepiece load in the functions that use them).
 """

@@ -9,7 +9,7 @@ and attends its local queries to all keys with the causal mask written in *globa
 The backward of the gather sums the K/V gradients of all ranks' queries (an all-reduce) and keeps
 this rank's two chunks, so gradients are exact.
 
-Packed sequences (``packed_seq_params`` in THD format, ``data/packing.py``): the micro-batch is one
+Packed sequences (``packed_seq_params`` in THD format, ``batch/packing.py``): the micro-batch is one
 token stream ``[t, heads, dim]`` of sequences at ``cu_seqlens``; each sequence attends causally to its own
 tokens only, one sequence at a time (no ``[t, t]`` score matrix across sequences). Under CP each rank holds
 two chunks of every sequence (megatron's THD split); K and V are gathered into stream order as above.
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_credit.cp_layout import load_balanced_positions, merge_cp_shards, split_for_cp  # noqa: F401
-from megatron_credit.data.packing import PackedLayout, host_cu_seqlens, rank_indices
+from megatron_credit.batch.cp_layout import load_balanced_positions, merge_cp_shards, split_for_cp  # noqa: F401
+from megatron_credit.batch.packing import PackedLayout, host_cu_seqlens, rank_indices
 
 
 class _GatherLoadBalanced(torch.autograd.Function):

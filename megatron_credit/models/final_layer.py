@@ -17,7 +17,7 @@ Parallelism (the groups are captured from megatron ``parallel_state`` at build t
   K is all-gathered over the CP group into sequence order (``[S, b, ng, d]``: one layer's keys), each
   rank scores its own queries at their global positions, and the small results are summed into global
   order (each position is written by exactly one rank), so every CP rank holds the same result.
-- Packed micro-batches (THD, ``data/packing.py``): each sequence's queries against its own keys only (under
+- Packed micro-batches (THD, ``batch/packing.py``): each sequence's queries against its own keys only (under
   CP its keys gathered into stream order), and the result is whole rows, one per sequence.
 - PP: only the last stage holds the layer; ``capture.present`` is False elsewhere and ``result`` stays
   None. Sequence parallelism needs nothing: inside attention q/k cover the (CP-local) full sequence.
@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_credit.cp_layout import load_balanced_positions, merge_cp_shards
+from megatron_credit.batch.cp_layout import load_balanced_positions, merge_cp_shards
 from megatron_credit.models.concentration import attention_concentration, attention_topk
 
 __all__ = ["FinalAttentionCapture", "capturing_core_attention", "final_layer_spec", "decoder_block_spec",
@@ -148,11 +148,11 @@ class FinalAttentionCapture:
 
 
     def _record_packed(self, query: torch.Tensor, key: torch.Tensor, *, scale: float, params) -> None:
-        """A packed stream (``data/packing.py``): each sequence's queries from position ``query_start`` of
+        """A packed stream (``batch/packing.py``): each sequence's queries from position ``query_start`` of
         that sequence on, against that sequence's keys only (gathered over CP into stream order). ``result``
         holds whole rows from position 0, one per sequence: ``H [n, P]`` (0 before ``query_start``), ...,
         with ``P`` the longest sequence's padded length."""
-        from megatron_credit.data.packing import PackedLayout, host_cu_seqlens, rank_indices
+        from megatron_credit.batch.packing import PackedLayout, host_cu_seqlens, rank_indices
 
         cu = host_cu_seqlens(params)
         lens = [b - a for a, b in zip(cu[:-1], cu[1:])]

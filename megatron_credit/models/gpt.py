@@ -203,7 +203,7 @@ def build_gpt_model(hf_config, transformer_config, *, pre_process: Optional[bool
     ``model.final_attention_capture`` is None otherwise.
 
     ``packed_sequences``: the model also runs packed (THD) micro-batches, ``forward(input_ids [1, t],
-    position_ids [1, t], None, packed_seq_params=...)`` (``data/packing.py``); see :func:`gpt_layer_spec`.
+    position_ids [1, t], None, packed_seq_params=...)`` (``batch/packing.py``); see :func:`gpt_layer_spec`.
     """
     from megatron.core import parallel_state
     # megatron-core 0.19 deprecates GPTModel (it logs "GPTModel IS DEPRECATED ... use HybridModel":

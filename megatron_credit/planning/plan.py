@@ -422,7 +422,7 @@ def _cuda_contexts(recipe) -> tuple[int, str]:
 def _micro_batch_tokens(recipe, *, seq: int) -> int:
     """Tokens of the longest micro-batch: ``max(train.max_tokens_per_microbatch, seq)`` padded up to a
     multiple of 2 x CP (x TP with sequence parallelism); padded rows under PP can hold more (the note)."""
-    from megatron_credit.data.context_parallel import required_multiple
+    from megatron_credit.batch.context_parallel import required_multiple
 
     p = recipe.parallel
     # The trainer pads each micro-batch up to that multiple, so a budget that is not a multiple trains;

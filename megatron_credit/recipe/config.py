@@ -282,16 +282,7 @@ class Recipe:
                              cp=p.context_parallel_size) if layout_problem else None
         if why:
             out.append(why)
-        if r.mode != "sync":
-            if r.gpus and len(r.gpus) != r.tensor_parallel_size:
-                out.append(f"rollout.gpus={list(r.gpus)} must name rollout.engine_options.tensor_parallel_size="
-                           f"{r.tensor_parallel_size} device(s): the rollout process runs one engine on them")
-            if r.on_update == "partial" and r.engine != "hf":
-                out.append(f"rollout.on_update=partial: the {r.engine} engine cannot take new weights in the middle "
-                           "of a draw; use rollout.on_update=finish")
-        elif world_size % r.tensor_parallel_size:
-            out.append(f"rollout.engine_options.tensor_parallel_size={r.tensor_parallel_size} must divide the world "
-                       f"size {world_size} (world size / rollout TP engines, each on GPUs of its own)")
+        out.extend(r.source().recipe_problems(r, world_size=world_size))  # the mode's own rules
         per_rank = r.prompts_per_step // dp * r.n
         if not r.prompts_per_step % dp and per_rank % t.num_minibatches:
             out.append(f"train.num_minibatches={t.num_minibatches} must divide the "

@@ -15,7 +15,6 @@ from megatron_credit.typed_build import (NonNegativeFloat, NonNegativeInt, Posit
                                        UnitFloat)
 
 SYNTHETIC_SOURCES = ("synthetic_arith", "synthetic_chain")
-ROLLOUT_MODES = ("sync", "one_step_off", "async")
 OFF_POLICY_TIS_CAP = 2.0
 """``algorithm.tis_cap`` when it is unset and samples may be stale (``rollout.mode`` with a staleness bound
 above 0): the decoupled objective's importance weights are truncated here (verl's default)."""
@@ -88,7 +87,8 @@ class RolloutConfig:
     """Extra keyword arguments of the engine's constructor (vllm: tensor_parallel_size,
     gpu_memory_utilization, weight_transfer, engine_kwargs, ...)."""
     mode: str = "sync"
-    """``sync``: the engines share the trainer's GPUs; generate, then train (the default). ``one_step_off``:
+    """Name in ``megatron_credit.trainer.sources.ROLLOUT_SOURCES``. ``sync``: the engines share the trainer's
+    GPUs; generate, then train (the default). ``one_step_off``:
     one rollout process on GPUs of its own generates iteration k + 1's samples with the weights of k - 1
     while iteration k trains. ``async``: the rollout process generates continuously, up to
     ``max_staleness`` policy versions ahead, taking new weights as they come (``on_update``)."""
@@ -115,11 +115,7 @@ class RolloutConfig:
         tp = dict(self.engine_options).get("tensor_parallel_size", 1)
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"rollout.engine_options.tensor_parallel_size must be a positive integer, got {tp!r}")
-        if self.mode not in ROLLOUT_MODES:
-            raise ValueError(f"rollout.mode must be one of {ROLLOUT_MODES}, got {self.mode!r}")
-        if self.mode == "one_step_off" and self.max_staleness != 1:
-            raise ValueError(f"rollout.max_staleness={self.max_staleness}: one_step_off trains on samples exactly one "
-                             "version old; use rollout.mode=async for another bound")
+        self.source().check_section(self)  # ValueError listing the valid modes, or naming a field
         if self.on_update not in ("finish", "partial"):
             raise ValueError(f"rollout.on_update must be 'finish' or 'partial', got {self.on_update!r}")
         from megatron_credit.rollout.sampling import SEED_MODES
@@ -128,10 +124,16 @@ class RolloutConfig:
             raise ValueError(f"rollout.seed_mode must be one of {('auto', *SEED_MODES)}, got {self.seed_mode!r}")
         object.__setattr__(self, "gpus", tuple(self.gpus))
 
+    def source(self):
+        """The rollout source class of ``mode`` (``megatron_credit.trainer.sources.ROLLOUT_SOURCES``)."""
+        from megatron_credit.trainer.sources import ROLLOUT_SOURCES
+
+        return ROLLOUT_SOURCES.get(self.mode)
+
     @property
     def staleness_bound(self) -> int:
         """The most versions a trained sample may lag: 0 for ``sync``, 1 for ``one_step_off``."""
-        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
+        return self.source().staleness_bound(self)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -292,7 +294,7 @@ class TrainConfig:
     """Token budget of one micro-batch (per rank, before the CP split)."""
     packing: Optional[bool] = None
     """Pack each micro-batch's sequences end to end (THD: no padding rows, first-fit decreasing into
-    ``max_tokens_per_microbatch``; ``data/packing.py``) instead of padding every row to the longest.
+    ``max_tokens_per_microbatch``; ``batch/packing.py``) instead of padding every row to the longest.
     None: on (the default; ``false`` pads every micro-batch's rows to its longest, under PP to the
     mini-batch's largest row count and length)."""
     val_every: NonNegativeInt = 0

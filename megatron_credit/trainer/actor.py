@@ -12,7 +12,7 @@ rollout engine. :mod:`megatron_credit.trainer.step` calls it and never imports m
 The loss contract (one derivation, one place: :meth:`Actor.run`). Each micro-batch's loss function
 returns ``aggregate_loss(l, m, global_num_tokens=N, ...)``: the micro-batch's share of the loss of the
 whole mini-batch, with denominators summed over every micro-batch and DP rank beforehand
-(:mod:`megatron_credit.trainer.batch`). The TransformerConfig sets ``calculate_per_token_loss=True``,
+(:mod:`megatron_credit.batch.train_batch`). The TransformerConfig sets ``calculate_per_token_loss=True``,
 so megatron's ``forward_step_calc_loss`` neither divides by the token count the loss function returns
 nor by the number of micro-batches, and backpropagates the loss as it is: after the schedule, each
 rank's gradient buffer holds the gradient of the sum of its micro-batches' shares.
@@ -44,7 +44,7 @@ from megatron_credit.models import actor_transformer_config, build_gpt_model, fi
 from megatron_credit.trainer.actor_step import OptimizerStep
 from megatron_credit.trainer.schedule import build_scheduler, critic_schedule
 from megatron_credit.trainer.optimizer import MasterWeightsAdamW
-from megatron_credit.trainer.batch import MicroBatch
+from megatron_credit.batch.train_batch import MicroBatch
 
 if TYPE_CHECKING:
     from megatron_credit.algorithm.capture import Capture
@@ -92,7 +92,7 @@ class Actor(OptimizerStep):
         builds on the CPU, and even without it megatron 0.16's local spec leaves its norms there.
 
         ``packed_sequences`` (``train.packing``): the micro-batches are packed streams (THD, with
-        megatron's ``PackedSeqParams``; ``trainer/batch.py``), of different lengths under PP (megatron's
+        megatron's ``PackedSeqParams``; ``batch/train_batch.py``), of different lengths under PP (megatron's
         ``variable_seq_lengths``: each send is preceded by its shape).
 
         ``role="critic"``: a value model (``trainer.critic_model.build_separate_critic`` builds it): the
@@ -314,7 +314,7 @@ class Actor(OptimizerStep):
         micro-batch's side channel in the update; None without either)."""
         if not self.feature_critic:
             return head(h).squeeze(-1).float()
-        from megatron_credit.data.context_parallel import gather_from_cp, split_for_cp
+        from megatron_credit.batch.context_parallel import gather_from_cp, split_for_cp
 
         cp = self.cp_group if self.cp_size > 1 else None
         names = self.capture.critic_inputs if self.capture is not None else ()

@@ -1,6 +1,6 @@
 """What one RL iteration reads (``trainer/step.py`` takes a :class:`Context`): the recipe sections it
 reads, the algorithm (``algorithm/base.py``: its config in force and its state across iterations), the
-models, the rollout manager, the knobs in force, and the few collectives the iteration needs (DP whitening, the
+models, the rollout source, the knobs in force, and the few collectives the iteration needs (DP whitening, the
 finite-loss vote, the metric reduction). ``trainer/loop.py`` builds it once per launch. No megatron import:
 the process groups and ranks come from the actor.
 """
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # annotations only: nothing of these is imported at run time 
     from megatron_credit.recipe.sections import AlgorithmConfig, TrainConfig
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.credit_maps import CreditMaps
-    from megatron_credit.trainer.rollout import RolloutSource
+    from megatron_credit.trainer.sources import RolloutSource, Weights
 
 
 class PhaseTimer:
@@ -52,8 +52,8 @@ class Context:
     actor: Actor
     """The policy (``trainer/actor.py``, the one megatron-facing file)."""
     rollouts: RolloutSource
-    """Where batches come from: ``next(step)`` (``trainer/rollout.py``; ``RolloutManager``: engines, rewards,
-    dynamic sampling, weight sync)."""
+    """Where batches come from: ``next(step, weights=...)`` (``trainer/sources/``, the class of
+    ``rollout.mode``: engines, rewards, dynamic sampling; the weights are handed over by :meth:`weights`)."""
     pad_id: int
     """The tokenizer's pad id."""
     seq_multiple: int
@@ -95,6 +95,13 @@ class Context:
         self.algorithm.load_state_dict(state)
         if state:
             self.knobs = self.algorithm.knobs(self.base_knobs)
+
+    def weights(self, version: int) -> Weights:
+        """The actor's weights as ``version`` (the RL iterations they completed), for the rollout source:
+        their HF-named buckets, streamed when the source asks (every rank joins the gathers)."""
+        from megatron_credit.trainer.sources.base import Weights
+
+        return Weights(version=version, buckets=self.actor.hf_weight_buckets)
 
     def check_length(self, length: int) -> None:
         from megatron_credit.models import check_sequence_length

@@ -71,7 +71,7 @@ def response_records(batch: Any, fields: Mapping[str, torch.Tensor], rows: Seque
     its response tokens in order from the first scored token to the last (``tokens``: each decoded alone,
     ``token_ids``), ``observation[t]`` for a token inside the span that the loss does not score (a
     multi-turn trajectory's observation), and ``fields[name][t]``: the value of each per-token quantity
-    at that token (label space: position ``t`` of the batch scores ``labels[t]``, ``trainer/batch.py``)."""
+    at that token (label space: position ``t`` of the batch scores ``labels[t]``, ``batch/train_batch.py``)."""
     out = []
     for row, why in rows:
         m = batch.loss_mask[row].bool()

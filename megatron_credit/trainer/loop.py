@@ -11,7 +11,6 @@ warning ahead of the time limit) finishes the current iteration on every rank, s
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import time
@@ -31,7 +30,7 @@ from megatron_credit.trainer.stop import ExitSignals
 
 def seq_multiple(parallel) -> int:
     """Micro-batch lengths are multiples of this: 2 x CP (x TP with sequence parallelism), 1 without."""
-    from megatron_credit.data.context_parallel import required_multiple
+    from megatron_credit.batch.context_parallel import required_multiple
 
     if parallel.context_parallel_size == 1 and not parallel.sequence_parallel:
         return 1
@@ -125,16 +124,14 @@ def credit_maps(recipe, *, run_dir: str, tokenizer):
 def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str, log,
           local_rank: int | None = None) -> Run:
     """Check the recipe, the run directory and the checkpoint to resume (before anything is built or
-    written), then build the data, the actor, a separate critic and the rollout manager. The one place
+    written), then build the data, the actor, a separate critic and the rollout source. The one place
     that unpacks the recipe: each component gets its own section (or explicit values). ``local_rank``: the
     launcher's (``distributed.LaunchEnv``), None where it sets none."""
     from megatron_credit.distributed import data_parallel_rank
-    from megatron_credit.rollout.engine import build_trainer_engine
-    from megatron_credit.rollout.placement import EngineLayout
     from megatron_credit.trainer.offload import GenerationOffload
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.critic_model import build_separate_critic
-    from megatron_credit.trainer.rollout import RolloutManager
+    from megatron_credit.trainer.sources import SourceInputs
 
     rank0 = dist.get_rank() == 0
     layout = check_recipe(recipe, hf_config, world_size=dist.get_world_size())
@@ -161,34 +158,14 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
     critic = build_separate_critic(hf_config, algorithm, device=device, **settings)
     dp_of_rank, local_rank, node_ranks = _ranks_layout(data_parallel_rank(), local_rank)
     r = recipe.rollout
-    if r.mode != "sync":
-        from megatron_credit.trainer.async_rollout import AsyncRollouts
-
-        if set(r.gpus) & set(range(node_ranks)):
-            raise ValueError(f"rollout.gpus={list(r.gpus)} overlaps the trainer's devices 0..{node_ranks - 1} of "
-                             "rank 0's node: the rollout process needs GPUs of its own")
-        rollouts = AsyncRollouts(rollout=r, reward=recipe.reward, model=recipe.model, data=recipe.data,
-                                 hf_config=hf_config, seed=recipe.seed, max_draws=recipe.algorithm.max_draws,
-                                 dynamic_sampling=recipe.algorithm.dynamic_sampling, val_every=t.val_every,
-                                 val_prompts=t.val_prompts, val_samples=t.val_samples, tokenizer=tokenizer,
-                                 prompts=prompts, has_val=val_prompts is not None, actor=actor,
-                                 dp_of_rank=dp_of_rank, log=log)
-        if rank0 and r.staleness_bound > 0 and recipe.algorithm.tis_cap is None:
-            log(f"rollout.mode={r.mode}: samples up to {r.staleness_bound} versions old; the update is the "
-                f"decoupled objective, importance weights capped at {off_policy_algorithm(recipe).tis_cap:g} "
-                "(algorithm.tis_cap)")
-    else:
-        engines = EngineLayout(world_size=dist.get_world_size(), local_world_size=node_ranks,
-                               rollout_tp=r.tensor_parallel_size)
-        engine = functools.partial(build_trainer_engine, r, recipe.model, seed=recipe.seed,
-                                   hf_config=hf_config, device=actor.device)
-        rollouts = RolloutManager(rollout=r, reward=recipe.reward, engine_factory=engine, seed=recipe.seed,
-                                  max_draws=recipe.algorithm.max_draws,
-                                  dynamic_sampling=recipe.algorithm.dynamic_sampling, val_samples=t.val_samples,
-                                  tokenizer=tokenizer, prompts=prompts, val_prompts=val_prompts, actor=actor,
-                                  layout=engines, local_rank=local_rank, dp_of_rank=dp_of_rank,
-                                  offload=GenerationOffload([actor, critic]),
-                                  group_timeout_s=recipe.distributed.timeout_s, log=log)
+    rollouts = r.source().build(SourceInputs(
+        recipe=recipe, hf_config=hf_config, tokenizer=tokenizer, prompts=prompts, val_prompts=val_prompts,
+        device=actor.device, dp_group=actor.dp_group, dp_of_rank=dp_of_rank, local_rank=local_rank,
+        node_ranks=node_ranks, offload=GenerationOffload([actor, critic]), log=log))
+    if rank0 and r.staleness_bound > 0 and recipe.algorithm.tis_cap is None:
+        log(f"rollout.mode={r.mode}: samples up to {r.staleness_bound} versions old; the update is the "
+            f"decoupled objective, importance weights capped at {off_policy_algorithm(recipe).tis_cap:g} "
+            "(algorithm.tis_cap)")
     ctx = Context(algorithm=algorithm, actor=actor, rollouts=rollouts, critic=critic,
                   pad_id=tokenizer.pad_token_id, seq_multiple=seq_multiple(recipe.parallel),
                   credit_maps=credit_maps(recipe, run_dir=run_dir, tokenizer=tokenizer), **context_settings(recipe))
@@ -241,7 +218,7 @@ def restore(run: Run, recipe, *, log, timings: dict[str, float]) -> int:
     if critic is not None and path is None:
         init_critic_from(critic, actor)  # the value model starts from the policy RL starts from
         log("critic: a separate value model, initialised from the actor's weights")
-    return start  # the engines get these weights when they first wake (RolloutManager.generating)
+    return start  # the engines get these weights when they first wake (SyncSource.generating)
 
 
 def _job_stream_state(state: dict, *, saved_dp: int) -> dict:
@@ -293,7 +270,7 @@ def iteration_metrics(run: Run, step: int) -> dict[str, float]:
         metrics["critic/lr"] = ctx.critic.last_lr
     if ctx.train.val_every and step % ctx.train.val_every == 0:
         with ctx.timer("validation"):
-            metrics.update(ctx.rollouts.validate(step))
+            metrics.update(ctx.rollouts.validate(step, weights=ctx.weights(step)))
     metrics.update(ctx.after_iteration(metrics))
     dt = time.perf_counter() - t0
     metrics["time/step_s"] = dt

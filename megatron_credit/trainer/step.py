@@ -13,10 +13,10 @@ import torch
 
 from megatron_credit.algorithm.base import AdvantageInputs
 from megatron_credit.credit.diagnostics import credit_sums
-from megatron_credit.data.microbatch import plan_minibatches
+from megatron_credit.batch.microbatch import plan_minibatches
 from megatron_credit.losses.kl import KL_ESTIMATORS
 from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
-from megatron_credit.trainer.batch import (TOKEN_FIELDS, TrainBatch, make_microbatch, make_packed_microbatch, round_up,
+from megatron_credit.batch.train_batch import (TOKEN_FIELDS, TrainBatch, make_microbatch, make_packed_microbatch, round_up,
                                            step_denominators)
 from megatron_credit.algorithm.metric_tables import CORE, reductions
 from megatron_credit.trainer.metrics import StatSums, loss_statistics
@@ -26,11 +26,11 @@ if TYPE_CHECKING:  # the iteration's inputs; no megatron import here
 
 
 def rl_iteration(ctx: Context, iteration: int) -> dict[str, float]:
-    """(Sync ->) rollout -> rewards -> (dynamic sampling) -> old log-probs -> advantages -> update. The
-    engines receive the weights when they wake for the next generation (``RolloutManager.generating``)."""
+    """Weights -> rollout -> rewards -> (dynamic sampling) -> old log-probs -> advantages -> update. The
+    rollout source gets the weights of ``iteration - 1`` (each mode loads them when its engine can take them)."""
     timer = ctx.timer
-    with timer("rollout"):
-        batch, rollout_metrics = ctx.rollouts.next(iteration)  # engine + reward pool + dyn. sampling
+    with timer("rollout"):  # engine + reward pool + dyn. sampling
+        batch, rollout_metrics = ctx.rollouts.next(iteration, weights=ctx.weights(iteration - 1))
     ctx.check_length(int(batch.seq_lens.max()))
     plan = plan_microbatches(ctx, batch)
     fused = fused_old_logprob(ctx)

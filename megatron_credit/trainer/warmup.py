@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_credit.data.chain import ChainTask
 from megatron_credit.data.synthetic import ArithmeticTask, carry_dropped_answer
-from megatron_credit.trainer.batch import TrainBatch, make_microbatch, round_up, step_denominators
+from megatron_credit.batch.train_batch import TrainBatch, make_microbatch, round_up, step_denominators
 
 
 def warmup_seed(w, seed: int) -> int:

@@ -380,7 +380,7 @@ def test_summary_of_an_empty_tensor_has_every_key():
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_empty_row_slots_pass_the_transport_on_unchanged(packed):
-    # A packed micro-batch's row view under CP (data/packing.py): each half of a row ends with empty slots.
+    # A packed micro-batch's row view under CP (batch/packing.py): each half of a row ends with empty slots.
     # With them marked, the Future-KL of the tokens equals the loop reference on the row without them.
     logp, old, mask = make_batch(4, 24, seed=5, packed=packed)
     g = torch.Generator().manual_seed(9)

@@ -74,8 +74,8 @@ def test_the_real_probes_find_neither_te_nor_apex_here():
 
 def test_packed_micro_batches_hand_cu_seqlens_on_the_device():
     # TE's fused THD RoPE and attention read cu_seqlens on the device; the host copy serves host-side readers
-    from megatron_credit.data.packing import PackedLayout
-    from megatron_credit.trainer.batch import MicroBatch
+    from megatron_credit.batch.packing import PackedLayout
+    from megatron_credit.batch.train_batch import MicroBatch
 
     layout = PackedLayout.build([3, 5, 2], multiple=4)
     device = torch.device("meta")  # any device but the CPU's

@@ -70,7 +70,7 @@ def _packed(seqs, cp: int):
 
     from megatron_credit import distributed
     from megatron_credit.recipe.config import ParallelConfig
-    from megatron_credit.data.packing import PackedLayout
+    from megatron_credit.batch.packing import PackedLayout
     from megatron_credit.losses.logprob import logprobs_and_entropy
 
     parallel = ParallelConfig(context_parallel_size=cp)

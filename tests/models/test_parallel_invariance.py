@@ -210,7 +210,7 @@ def test_tp2_cp2_match_world_size_one(pool4):
 
 
 def test_cp_positions_match_the_data_split():
-    from megatron_credit.data.context_parallel import split_for_cp
+    from megatron_credit.batch.context_parallel import split_for_cp
     from megatron_credit.models.cpu_attention import load_balanced_positions
 
     pos = torch.arange(24).view(1, 24)

@@ -189,7 +189,7 @@ def _behaviour_logp(folder: str, ids: torch.Tensor, prompt_len: int, tp: int):
     from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
-    from megatron_credit.trainer.batch import TrainBatch
+    from megatron_credit.batch.train_batch import TrainBatch
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
 
     recipe = recipe_from_dict({"model": {"name_or_path": folder, "params_dtype": "float32"},

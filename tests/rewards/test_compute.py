@@ -44,7 +44,7 @@ def test_pool_and_in_process_agree_and_shape():
 def test_packages_import_light():
     code = (
         "import sys, megatron_credit.rewards, megatron_credit.data, megatron_credit.rewards.math, "
-        "megatron_credit.rewards.pool, megatron_credit.data.dataset, megatron_credit.data.microbatch, "
+        "megatron_credit.rewards.pool, megatron_credit.data.dataset, megatron_credit.batch.microbatch, "
         "megatron_credit.data.synthetic, megatron_credit.data.tokenizer\n"
         "heavy = [m for m in ('torch', 'math_verify', 'sympy', 'pyarrow', 'sentencepiece', 'megatron') "
         "if m in sys.modules]\n"

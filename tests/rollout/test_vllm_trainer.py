@@ -46,29 +46,29 @@ OVERRIDES = ["rollout.engine=vllm", "rollout.engine_options.engine_kwargs.kv_cac
 def _train(run_dir: str, overrides, skip_later_syncs: bool = False):
     from megatron_credit import distributed
     from megatron_credit.recipe.config import load_recipe
-    from megatron_credit.trainer import rollout as trainer_rollout
+    from megatron_credit.trainer.sources.sync import SyncSource
     from megatron_credit.trainer.loop import train
 
     cache = os.path.join(os.path.dirname(run_dir), "warmup-cache")
     recipe = load_recipe(DEMO, overrides=[*OVERRIDES, f"warmup.cache_dir={cache}", *overrides])
-    original = trainer_rollout.RolloutManager.sync_weights
+    original = SyncSource.sync_weights
     if skip_later_syncs:  # the first sync (before iteration 1) only; later ones consume the buckets, send nothing
         calls = []
 
-        def sync_once(self):
+        def sync_once(self, weights):
             calls.append(1)
             if len(calls) == 1:
-                return original(self)
-            for _ in self.actor.hf_weight_buckets():
+                return original(self, weights)
+            for _ in weights.buckets():
                 pass
 
-        trainer_rollout.RolloutManager.sync_weights = sync_once
+        SyncSource.sync_weights = sync_once
     device = distributed.initialize(recipe.parallel, seed=recipe.seed)
     try:
         return train(recipe, recipe.model.hf_config(), run_dir=run_dir, device=device, resume="none",
                      log=lambda *a: None)
     finally:
-        trainer_rollout.RolloutManager.sync_weights = original
+        SyncSource.sync_weights = original
         distributed.destroy()
 
 

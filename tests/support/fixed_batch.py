@@ -15,7 +15,7 @@ B, GROUP, T = 16, 4, 24
 
 
 def _global_batch():
-    from megatron_credit.trainer.batch import TrainBatch
+    from megatron_credit.batch.train_batch import TrainBatch
 
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(4, 9, (B,), generator=g)

@@ -1,4 +1,4 @@
-"""Rollouts that overlap training (``rollout.mode: one_step_off | async``, ``trainer/async_rollout.py``).
+"""Rollouts that overlap training (``rollout.mode: one_step_off | async``, ``trainer/sources/overlap.py``).
 
 - the correction: the decoupled objective against a float64 loop reference, FIPO's weights against the
   proximal policy (exactly 1 on the first mini-batch whatever the staleness), CompPO's gates from the
@@ -302,7 +302,7 @@ def test_every_trainer_layout_feeds_the_rollout_process(tmp_path, layout):
 
 
 @pytest.mark.parametrize("overrides,line", [
-    (["rollout.mode=fast"], "rollout.mode must be one of ('sync', 'one_step_off', 'async'), got 'fast'"),
+    (["rollout.mode=fast"], "unknown rollout.mode 'fast'; valid names: ['async', 'one_step_off', 'sync']"),
     (["rollout.mode=async", "rollout.max_staleness=-1"], "rollout.max_staleness must be >= 0, got -1"),
     (["rollout.mode=one_step_off", "rollout.max_staleness=2"], "rollout.max_staleness=2: one_step_off trains on"),
     (["rollout.on_update=restart"], "rollout.on_update must be 'finish' or 'partial', got 'restart'"),

@@ -1,4 +1,4 @@
-"""The trainer's pure modules against loops: ``trainer/batch.py`` (label space, the GAE reward position,
+"""The trainer's pure modules against loops: ``batch/train_batch.py`` (label space, the GAE reward position,
 global denominators, micro-batch cut / pad / CP split) and ``trainer/metrics.py`` (sums, minima and
 maxima across micro-batches, the documented metrics from them, ``metrics.jsonl`` and its truncation on
 resume). No process groups: these run inside ``make mutation`` too."""
@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from megatron_credit.trainer.batch import (TOKEN_FIELDS, make_microbatch, round_up, step_denominators,
+from megatron_credit.batch.train_batch import (TOKEN_FIELDS, make_microbatch, round_up, step_denominators,
                                            train_batch_from_rollout)
 from megatron_credit.trainer.metrics import MetricsWriter, StatSums, finalize, read_metrics, truncate_metrics
 
@@ -358,7 +358,7 @@ def _reductions_over_pairs():
     """Ranks {0, 1} and {2, 3} of 4 threads: each pair reduces its own stats and denominators."""
     import torch.distributed as dist
 
-    from megatron_credit.data.microbatch import max_count_across_ranks
+    from megatron_credit.batch.microbatch import max_count_across_ranks
     from tests.support.distributed_harness import block_subgroup
 
     group, _ = block_subgroup(2)

@@ -76,7 +76,7 @@ def _fake_ctx(algorithm: str, overrides: dict, *, feature_critic: bool = False):
 
 
 def _batch(b=4, t=10, seed=0):
-    from megatron_credit.trainer.batch import TrainBatch
+    from megatron_credit.batch.train_batch import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     lens = torch.tensor([10, 8, 6, 9])[:b]

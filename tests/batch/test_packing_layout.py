@@ -1,4 +1,4 @@
-"""The packed layout (``megatron_credit/data/packing.py``) against loop references: where every token goes."""
+"""The packed layout (``megatron_credit/batch/packing.py``) against loop references: where every token goes."""
 from __future__ import annotations
 
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from megatron_credit.data.packing import PackedLayout, rank_indices
+from megatron_credit.batch.packing import PackedLayout, rank_indices
 
 
 def _lens(seed: int, n: int = 7) -> list[int]:
@@ -79,7 +79,7 @@ def test_an_alignment_that_cannot_split_for_cp_is_refused():
 def test_host_cu_seqlens_reads_the_attached_host_copy_first():
     from types import SimpleNamespace
 
-    from megatron_credit.data.packing import host_cu_seqlens
+    from megatron_credit.batch.packing import host_cu_seqlens
 
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
     assert host_cu_seqlens(SimpleNamespace(cu_seqlens_q_padded=cu, cu_seqlens_q=None)) == [0, 4, 10]

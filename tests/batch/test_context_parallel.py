@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron_credit.data.context_parallel import (
+from megatron_credit.batch.context_parallel import (
     check_sequence_length, gather_from_cp, merge_cp_shards, pad_for_parallel, required_multiple,
     shift_labels, split_for_cp,
 )

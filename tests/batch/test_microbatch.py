@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from megatron_credit.data.microbatch import (
+from megatron_credit.batch.microbatch import (
     make_microbatches,
     max_count_across_ranks,
     microbatch_cost,

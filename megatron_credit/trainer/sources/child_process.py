@@ -1,7 +1,8 @@
-"""The rollout process of ``rollout.mode: one_step_off | async``: one engine on devices of its own
-(``rollout.gpus``; the CPU without), generating while the trainer trains.
+"""The rollout process of ``rollout.mode: one_step_off | async``: a child process of trainer rank 0 that
+runs one engine on devices of its own (``rollout.gpus``; the CPU without), generating while the trainer
+trains.
 
-Trainer rank 0 starts it (:class:`~megatron_credit.trainer.async_rollout.AsyncRollouts`) and talks to it
+Trainer rank 0 starts it (:class:`~megatron_credit.trainer.sources.overlap.OverlapSource`) and talks to it
 through two queues:
 
 - in: ``("bucket", version, names, dtypes, shapes, flat)`` per weight bucket (one shared-memory buffer
@@ -10,7 +11,7 @@ through two queues:
 
 A receiving thread stages each complete version as it arrives, so the trainer never waits for a
 generation to end to hand over its weights. The generating loop fills the batch of iteration ``j`` with
-the draws ``sync`` makes (seeds from (run seed, ``j``, draw), the same prompts, the same dynamic
+the draws ``sync`` makes (the same draw loop, ``sources.base.draw_until_full``) (seeds from (run seed, ``j``, draw), the same prompts, the same dynamic
 sampling), once it holds weights of version ``>= j - 1 - bound`` (the staleness bound): so no sample is
 ever older than the bound, and with bound 0 the batches are ``sync``'s, bit for bit. It loads the newest
 weights before each batch; ``async`` also between draws, where ``on_update: finish`` lets the draw in
@@ -38,7 +39,7 @@ POLL_S = 0.5
 
 
 @dataclasses.dataclass
-class ServerSpec:
+class ChildSpec:
     """What the rollout process is built from (picklable: the recipe's sections, not the recipe)."""
 
     rollout: Any
@@ -64,19 +65,20 @@ class ServerSpec:
     parent_pid: int
 
 
-def serve(spec: ServerSpec, inbox, outbox) -> None:
+def child_main(spec: ChildSpec, inbox, outbox) -> None:
     """The process's main: generate until stopped; any error goes to ``outbox`` as one line first."""
     try:
-        _Server(spec, inbox, outbox).run()
+        _RolloutChild(spec, inbox, outbox).run()
     except BaseException as exc:  # noqa: BLE001  (reported to the trainer, then the process ends)
         outbox.put(("error", f"{type(exc).__name__}: {' '.join(str(exc).split())}"))
         raise SystemExit(1) from exc
 
 
-class _Server:
-    def __init__(self, spec: ServerSpec, inbox, outbox):
+class _RolloutChild:
+    def __init__(self, spec: ChildSpec, inbox, outbox):
         from megatron_credit.rollout.engine import build_trainer_engine
         from megatron_credit.trainer.data_setup import build_data
+        from megatron_credit.trainer.sources.base import build_reward_pool
 
         torch.set_num_threads(spec.num_threads)
         self.spec, self.inbox, self.outbox = spec, inbox, outbox
@@ -90,13 +92,7 @@ class _Server:
             torch.cuda.set_device(device)
         self.engine = build_trainer_engine(r, spec.model, seed=spec.seed, hf_config=spec.hf_config, device=device,
                                            gpus=tuple(r.gpus) or (0,))
-        self.pool = None
-        if spec.reward.num_workers > 0:
-            from megatron_credit.rewards.pool import RewardPool, RewardPoolConfig
-
-            rw = spec.reward
-            self.pool = RewardPool(RewardPoolConfig(num_workers=rw.num_workers, timeout_s=rw.timeout_s,
-                                                    batch_timeout_s=rw.batch_timeout_s))
+        self.pool = build_reward_pool(spec.reward)
         self.stop_ids = tuple(i for i in (getattr(self.tokenizer, "eos_token_id", None),) if i is not None)
         self.cond = threading.Condition()
         self.staged: tuple[int, list] | None = None  # the newest complete version not loaded yet
@@ -187,41 +183,42 @@ class _Server:
         return True
 
     def _params(self, n: int, seed: int):
-        from megatron_credit.trainer.rollout import sampling_params
+        from megatron_credit.trainer.sources.base import sampling_params
 
         return sampling_params(self.spec.rollout, self.stop_ids, n=n, seed=seed)
 
     def _batch(self, step: int) -> dict:
         """Iteration ``step``'s kept groups, as ``sync`` draws them, each with its version."""
         from megatron_credit.rollout.placement import draw_seed
-        from megatron_credit.trainer.rollout import generate_and_score, group_varies
+        from megatron_credit.trainer.sources.base import draw_until_full, generate_and_score, group_counts
 
         r, spec = self.spec.rollout, self.spec
         count, n = r.prompts_per_step, r.n
         self._load_newest()
-        groups, versions, pool_sums = [], [], {}
-        draws = partial = 0
-        wall = 0.0
-        while len(groups) < count and draws < spec.max_draws:
+        pool_sums: dict[str, float] = {}
+        tally = {"partial": 0, "wall": 0.0}
+
+        def draw(d: int) -> list:
+            """Draw ``d``: its groups that count, each with the oldest weights that sampled it."""
             records = self.prompts.take(count)
             if spec.interruptible:
                 self._load_newest()
             version, swaps, t0 = self.loaded, self.swaps, time.perf_counter()
             batch, rewards, correct, pool = generate_and_score(
-                self.engine, self.pool, self.tokenizer, records, self._params(n, draw_seed(spec.seed, step, draws)),
+                self.engine, self.pool, self.tokenizer, records, self._params(n, draw_seed(spec.seed, step, d)),
                 rollout=r, reward=spec.reward, first_group=0)
-            wall += time.perf_counter() - t0
-            partial += self.swaps > swaps
+            tally["wall"] += time.perf_counter() - t0
+            tally["partial"] += self.swaps > swaps
             for k, v in pool.items():
                 pool_sums[k] = pool_sums.get(k, 0.0) + v
-            for p in range(count):
-                sl = slice(p * n, (p + 1) * n)
-                if group_varies(correct[sl]) or not spec.dynamic_sampling:
-                    groups.append((batch.samples[sl], rewards[sl], correct[sl]))
-                    versions.append(version)  # the oldest weights that sampled the group
-            draws += 1
-        return {"groups": groups[:count], "versions": versions[:count], "draws": draws, "kept": len(groups),
-                "pool": pool_sums, "cursor": self.prompts.state_dict(), "gen_s": wall, "partial": partial}
+            slices = [slice(p * n, (p + 1) * n) for p in range(count)]
+            return [((batch.samples[sl], rewards[sl], correct[sl]), version) for sl in slices
+                    if group_counts(correct[sl], dynamic_sampling=spec.dynamic_sampling)]
+
+        kept, draws = draw_until_full(draw, count=count, max_draws=spec.max_draws)
+        return {"groups": [g for g, _ in kept[:count]], "versions": [v for _, v in kept[:count]], "draws": draws,
+                "kept": len(kept), "pool": pool_sums, "cursor": self.prompts.state_dict(), "gen_s": tally["wall"],
+                "partial": tally["partial"]}
 
     def _validate(self, step: int) -> None:
         """Validation of the weights of ``step`` (the trainer sent them just before asking)."""

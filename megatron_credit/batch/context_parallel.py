@@ -1,7 +1,7 @@
 """Splitting a batch along the sequence for context parallelism (CP), and gathering it back.
 
 Megatron's load-balanced layout (rank ``r`` keeps chunks ``r`` and ``2*cp - 1 - r`` of ``2 * cp``) is
-defined once, in ``megatron_credit/cp_layout.py``; ``split_for_cp`` and ``merge_cp_shards`` come from there.
+defined once, in ``megatron_credit/batch/cp_layout.py``; ``split_for_cp`` and ``merge_cp_shards`` come from there.
 
 Labels are shifted *before* the split (``shift_labels``): the label of the last token of a chunk is the
 first token of the next chunk, which another rank holds. Per-token results (log-probs, entropies,
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_credit.cp_layout import check_sequence_length, merge_cp_shards, split_for_cp
+from megatron_credit.batch.cp_layout import check_sequence_length, merge_cp_shards, split_for_cp
 
 __all__ = [
     "shift_labels", "split_for_cp", "merge_cp_shards", "gather_from_cp", "required_multiple",

@@ -15,7 +15,7 @@ and DP x CP ranks is the loss of the whole mini-batch, whatever the split.
 
 Micro-batch layouts. A :class:`MicroBatch` is either padded rows ``[b, s]`` (:func:`make_microbatch`) or
 one packed stream ``[1, t]`` of its sequences end to end (:func:`make_packed_microbatch`, THD, megatron's
-``PackedSeqParams``; ``data/packing.py``). Per-sequence math reads the packed one through its row view
+``PackedSeqParams``; ``batch/packing.py``). Per-sequence math reads the packed one through its row view
 (:meth:`MicroBatch.rows_view`), outputs go back to the batch's rows through :meth:`MicroBatch.whole_rows`,
 so the losses, the aggregations and the scans see one response per row either way.
 
@@ -30,8 +30,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_credit.cp_layout import load_balanced_positions, split_for_cp
-from megatron_credit.data.packing import PackedLayout
+from megatron_credit.batch.cp_layout import load_balanced_positions, split_for_cp
+from megatron_credit.batch.packing import PackedLayout
 
 # Per-token fields, in label space; sliced, padded and CP-split together with the side channels
 # (``TrainBatch.extras``, which may have trailing dimensions: ``[B, T, ...]``). All are [B, T].
@@ -160,7 +160,7 @@ class MicroBatch:
     """``[b, seq_len]`` loss mask of the whole rows (for per-response denominators under CP); packed: the
     ``[n, T]`` rows of the batch's loss mask."""
     layout: Optional[PackedLayout] = None
-    """Packed: where each of this rank's tokens lives (``data/packing.py``); None for padded rows."""
+    """Packed: where each of this rank's tokens lives (``batch/packing.py``); None for padded rows."""
 
     @property
     def packed(self) -> bool:
@@ -169,7 +169,7 @@ class MicroBatch:
     @property
     def packed_seq_params(self):
         """megatron's ``PackedSeqParams`` of a packed micro-batch (THD; the padded lengths are the sequence
-        lengths, ``data/packing.py``), on the micro-batch's device; None for padded rows."""
+        lengths, ``batch/packing.py``), on the micro-batch's device; None for padded rows."""
         if not self.packed:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams  # only the actor asks, megatron's side
@@ -199,7 +199,7 @@ class MicroBatch:
         if self.packed:
             return self.layout.whole_rows(local, cp_group=cp_group)
         if cp_group is not None:
-            from megatron_credit.data.context_parallel import gather_from_cp
+            from megatron_credit.batch.context_parallel import gather_from_cp
 
             local = gather_from_cp(local, cp_group=cp_group)
         return local[: len(self.rows)]

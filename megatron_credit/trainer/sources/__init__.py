@@ -1,0 +1,18 @@
+"""Rollout sources: where the trainer's batches come from, one file per ``rollout.mode``.
+
+| module | what lives there |
+| --- | --- |
+| ``base.py`` | ``ROLLOUT_SOURCES`` (``rollout.mode`` -> source class), the ``RolloutSource`` contract, the ``Weights`` the driver hands over, the one draw loop (``draw_until_full``), ``generate_and_score`` |
+| ``routing.py`` | ``SampleRouter``: the kept groups to the ranks that train them, this rank's ``TrainBatch`` and metrics |
+| ``sync.py`` | ``sync``: the engines on the trainer's GPUs; generate, then train |
+| ``overlap.py`` | ``one_step_off`` and ``async``: the trainer's side of a rollout process that generates while the trainer trains |
+| ``child_process.py`` | that rollout process: a child of trainer rank 0, its engine, its weight queue |
+
+A mode is a class registered under its name, carrying the mode's facts (staleness bound, the recipe's
+checks) and serving a run (``next``, ``validate``, ``close``); adding one is one file here plus its import
+below. The driver passes the weights each call generates with; a source never reaches into the actor.
+"""
+from megatron_credit.trainer.sources import overlap, sync  # noqa: F401  (register the built-in modes)
+from megatron_credit.trainer.sources.base import ROLLOUT_SOURCES, RolloutSource, SourceInputs, Weights
+
+__all__ = ["ROLLOUT_SOURCES", "RolloutSource", "SourceInputs", "Weights"]

@@ -1,0 +1,199 @@
+"""What every rollout source shares: the registry of modes, the source's contract, the weights the driver
+hands it, and the one draw loop.
+
+A source is chosen by ``rollout.mode`` from :data:`ROLLOUT_SOURCES`, once, at start-up; the recipe's checks
+ask the same class for the mode's facts (its staleness bound, what it refuses). The driver hands each
+call the weights it should generate with (:class:`Weights`: a version and the HF-named buckets to stream);
+a source never reaches into the actor for them. Every mode fills a batch with the same loop,
+:func:`draw_until_full`: draw ``rollout.prompts_per_step`` prompts, keep the groups that count (DAPO's
+dynamic sampling: mixed accuracy), until the batch is full or ``algorithm.max_draws`` draws were made.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
+
+import torch
+
+from megatron_credit.registry import Registry
+from megatron_credit.rollout.types import SamplingParams
+
+if TYPE_CHECKING:
+    from megatron_credit.batch.train_batch import TrainBatch
+    from megatron_credit.recipe.sections import RewardConfig, RolloutConfig
+
+Bucket = list[tuple[str, torch.Tensor]]
+"""One HF-named weight bucket: ``(name, tensor)`` pairs of whole layers."""
+
+POOL_COUNTS = ("reward_pool/items", "reward_pool/timeouts", "reward_pool/errors", "reward_pool/restarts",
+               "reward_pool/seconds")
+"""The reward pools' counts logged per iteration (``ScoredBatch.metrics`` of every draw, summed)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Weights:
+    """The policy a source generates with, handed over by the driver.
+
+    >>> w = Weights(version=3, buckets=lambda: iter([[("a", torch.zeros(2))]]))
+    >>> w.version, [name for bucket in w.buckets() for name, _ in bucket]
+    (3, ['a'])
+    """
+
+    version: int
+    """The RL iterations these weights completed (iteration ``k`` trains version ``k - 1``)."""
+    buckets: Callable[[], Iterable[Bucket]]
+    """Streams the HF-named buckets; every trainer rank iterates it (the TP / PP gathers are collectives)."""
+
+
+class RolloutSource(Protocol):
+    """Where the trainer's batches come from. A mode is a class registered in :data:`ROLLOUT_SOURCES` under
+    its ``rollout.mode`` name; the class carries the mode's facts (the classmethods), an instance serves one
+    run (the methods)."""
+
+    @classmethod
+    def staleness_bound(cls, rollout: RolloutConfig) -> int:
+        """The most versions a trained sample may lag the weights that train it."""
+
+    @classmethod
+    def check_section(cls, rollout: RolloutConfig) -> None:
+        """Raise ``ValueError`` naming the field when the ``rollout`` section does not fit this mode."""
+
+    @classmethod
+    def recipe_problems(cls, rollout: RolloutConfig, *, world_size: int) -> list[str]:
+        """One line per problem of this mode at ``world_size`` ranks (``Recipe.validate``)."""
+
+    @classmethod
+    def build(cls, inputs: SourceInputs) -> RolloutSource:
+        """The source of a run (every rank builds one)."""
+
+    def next(self, iteration: int, *, weights: Weights) -> tuple[TrainBatch, dict[str, float]]:
+        """This rank's :class:`TrainBatch` of ``iteration`` (each row tagged with the ``policy_version``
+        that generated it) and the rollout's metrics; ``weights`` are those of ``iteration - 1``."""
+
+    def validate(self, iteration: int, *, weights: Weights) -> dict[str, float]:
+        """Validation metrics (``val/*``) of ``weights`` (those of ``iteration``)."""
+
+    def close(self) -> None:
+        """Release the engines and worker processes."""
+
+
+ROLLOUT_SOURCES: Registry[type] = Registry("rollout.mode")
+"""``rollout.mode`` -> the :class:`RolloutSource` class of that mode (one file each in this package)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SourceInputs:
+    """What the driver gives a source at start-up (``RolloutSource.build``): the recipe's sections and
+    the run's data, the trainer's device and groups, never the actor itself."""
+
+    recipe: Any
+    """The run's recipe (a source reads its ``rollout``, ``reward``, ``model``, ``data`` sections, the
+    seed, ``algorithm.max_draws`` / ``dynamic_sampling`` and ``train.val_*``)."""
+    hf_config: Any
+    """The model's HF config (the engine's architecture)."""
+    tokenizer: Any
+    prompts: Any
+    """The job's training prompt stream (``data.prompts``)."""
+    val_prompts: Any
+    """The held-out prompts, or None without validation."""
+    device: torch.device
+    """This rank's device (collectives move their tensors through it)."""
+    dp_group: Any
+    """This rank's data-parallel process group."""
+    dp_of_rank: Sequence[int]
+    """The data-parallel rank of every global rank."""
+    local_rank: int
+    """This rank's device index on its node."""
+    node_ranks: int
+    """The ranks on each node (rank 0's node holds ``0 .. node_ranks - 1``)."""
+    offload: Any
+    """What the trainer gives up while colocated engines generate (``trainer.offload.GenerationOffload``)."""
+    log: Callable[..., None] = print
+
+
+def sampling_params(rollout: RolloutConfig, stop_ids: tuple[int, ...], *, n: int, seed: int) -> SamplingParams:
+    """The engine's sampling parameters of one draw: the recipe's ``rollout`` section, ``n`` per prompt."""
+    return SamplingParams(temperature=rollout.temperature, top_p=rollout.top_p, top_k=rollout.top_k,
+                          max_new_tokens=rollout.max_response_len, stop_token_ids=stop_ids, n=n, seed=seed)
+
+
+def group_counts(correct: torch.Tensor, *, dynamic_sampling: bool) -> bool:
+    """Whether a group goes into the batch: always, or (DAPO's dynamic sampling) when its verdicts differ.
+
+    >>> group_counts(torch.tensor([True, False]), dynamic_sampling=True)
+    True
+    >>> group_counts(torch.tensor([True, True]), dynamic_sampling=True), group_counts(torch.tensor([True, True]), dynamic_sampling=False)
+    (False, True)
+    """
+    return bool(correct.any() & ~correct.all()) or not dynamic_sampling
+
+
+T = TypeVar("T")
+
+
+def draw_until_full(draw: Callable[[int], list[T]], *, count: int, max_draws: int) -> tuple[list[T], int]:
+    """The one draw loop: ``draw(d)`` for ``d = 0, 1, ...`` returns the groups of draw ``d`` that count,
+    until ``count`` are kept or ``max_draws`` draws were made. Returns every group kept (possibly more than
+    ``count``: the last draw's surplus) and the number of draws.
+
+    >>> draw_until_full(lambda d: ["x"] * d, count=3, max_draws=10)
+    (['x', 'x', 'x'], 3)
+    >>> draw_until_full(lambda d: [], count=3, max_draws=2)
+    ([], 2)
+    """
+    kept: list[T] = []
+    draws = 0
+    while len(kept) < count and draws < max_draws:
+        kept += draw(draws)
+        draws += 1
+    return kept, draws
+
+
+def check_full(kept: int, *, count: int, max_draws: int) -> None:
+    """The recipe's to fix when dynamic sampling kept fewer than ``count`` groups: one error line."""
+    if kept < count:
+        raise ValueError(
+            f"dynamic sampling: fewer than rollout.prompts_per_step = {count} groups with mixed accuracy "
+            f"after algorithm.max_draws={max_draws} draws ({kept} kept); raise algorithm.max_draws, "
+            "or turn algorithm.dynamic_sampling off")
+
+
+def counted(buckets: Iterable[Bucket], sizes: list[int]) -> Iterator[Bucket]:
+    """``buckets`` unchanged, appending each one's bytes to ``sizes`` as it passes (``sync/bytes``)."""
+    for bucket in buckets:
+        sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
+        yield bucket
+
+
+def generate_and_score(engine, pool, tokenizer, records, params: SamplingParams, *, rollout: RolloutConfig,
+                       reward: RewardConfig, first_group: int):
+    """Sample ``params.n`` responses to each prompt record and score them: ``(RolloutBatch, shaped rewards,
+    verdicts, the pool's counts)``; prompt ``i`` of ``records`` is prompt ``first_group + i`` of the draw
+    (its samples' seeds)."""
+    from megatron_credit.rewards.compute import score_responses
+    from megatron_credit.rewards.shaping import ShapingConfig
+
+    n = params.n
+    batch = engine.generate([list(rec.prompt_ids) for rec in records], params,
+                            group_ids=range(first_group, first_group + len(records)))
+    texts = [tokenizer.decode(s.response_ids) for s in batch.samples]
+    rec_of = [records[i // n] for i in range(len(batch.samples))]
+    scored = score_responses(
+        pool, responses=texts, ground_truths=[r.ground_truth for r in rec_of],
+        data_sources=[r.data_source for r in rec_of],
+        response_lens=torch.tensor([len(s.response_ids) for s in batch.samples]),
+        shaping=ShapingConfig(max_response_len=rollout.max_response_len,
+                              overlong_buffer_len=reward.overlong_buffer_len,
+                              overlong_penalty_factor=reward.overlong_penalty_factor))
+    counts = {k: float(v) for k, v in scored.metrics.items() if k in POOL_COUNTS}
+    return batch, scored.rewards, scored.correct, counts
+
+
+def build_reward_pool(reward: RewardConfig):
+    """The engine leader's reward pool (None with ``reward.num_workers: 0``: scored in process)."""
+    if reward.num_workers == 0:
+        return None
+    from megatron_credit.rewards.pool import RewardPool, RewardPoolConfig
+
+    return RewardPool(RewardPoolConfig(num_workers=reward.num_workers, timeout_s=reward.timeout_s,
+                                       batch_timeout_s=reward.batch_timeout_s))

@@ -1,0 +1,148 @@
+"""The samples to the ranks that train them, and this rank's batch and metrics from them: what every
+rollout source does once its groups are scored (:class:`SampleRouter`).
+
+The kept groups go, in order, to the data-parallel ranks that train them (``prompts_per_step / DP`` each,
+to every TP / PP / CP rank of that replica) in one all-to-all of the pickled samples.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_credit.batch.train_batch import TrainBatch, train_batch_from_rollout
+from megatron_credit.rollout.placement import dp_rank_of_group
+from megatron_credit.rollout.types import FinishStatus, RolloutBatch
+from megatron_credit.trainer.sources.base import POOL_COUNTS
+
+
+class SampleRouter:
+    """What every rollout source does with scored groups: route them to the ranks that train them, make
+    this rank's :class:`TrainBatch` and the rollout's metrics. The subclass sets ``rollout``, ``reward``,
+    ``tokenizer``, ``device``, ``dp_group``, ``dp_of_rank``, ``dp_size``, ``bound`` (the most versions a
+    trained sample may lag), ``last_sync`` and ``log``."""
+
+    def _assemble(self, rows: list, versions: list[int], iteration: int, *, draws: int, kept: int, wall: float,
+                  engines: int, pool_sums: dict[str, float], partial: int = 0) -> tuple[TrainBatch, dict[str, float]]:
+        """This rank's :class:`TrainBatch` from its groups ``rows`` (samples, rewards, correct) and each
+        group's policy version, with the rollout's metrics: staleness against the ``iteration - 1``
+        versions of the weights that train it, the draws of the batch and its generation wall time."""
+        samples, row_versions = [], []
+        for g, ((ss, _, _), v) in enumerate(zip(rows, versions)):
+            for s in ss:
+                s.group_id = g
+                samples.append(s)
+                row_versions.append(v)
+        padded = RolloutBatch(samples=samples).to_padded(pad_token_id=self.tokenizer.pad_token_id)
+        batch = train_batch_from_rollout(padded, rewards=torch.cat([k[1] for k in rows]),
+                                         correct=torch.cat([k[2] for k in rows]),
+                                         pad_id=self.tokenizer.pad_token_id,
+                                         policy_version=torch.tensor(row_versions, dtype=torch.int64))
+        status = padded.status
+        staleness = (iteration - 1) - batch.policy_version
+        metrics = self._dp_mean({
+            "reward/mean": batch.rewards.mean(), "accuracy/mean": batch.correct.float().mean(),
+            "response_length/mean": padded.response_lens.float().mean(),
+            "response/truncated_frac": (status == int(FinishStatus.TRUNCATED)).float().mean(),
+            "rollout/staleness_mean": staleness.double().mean(), "time/rollout_engine_s": torch.tensor(wall)})
+        bound = self.bound
+        counts = torch.stack([(staleness == s).sum() for s in range(bound + 1)]).double().to(self.device)
+        worst = staleness.max().double().reshape(1).to(self.device)
+        if self.dp_size > 1:
+            dist.all_reduce(counts, group=self.dp_group)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=self.dp_group)
+        metrics.update({f"rollout/staleness_hist/{s}": float(counts[s]) for s in range(bound + 1)})
+        metrics["rollout/staleness_max"] = float(worst)
+        metrics.update({"rollout/draws": float(draws), "rollout/kept_group_frac": kept / (draws * self.rollout.prompts_per_step),
+                        "rollout/engines": float(engines), "rollout/partial_draws": float(partial), **self.last_sync})
+        metrics["rollout/tokens"] = self._dp_sum(batch.seq_lens.sum().float())
+        metrics.update(self._pool_metrics(pool_sums, iteration, engines=engines))
+        return batch, metrics
+
+    def _val_metrics(self, sums: dict[str, float] | None, k: int) -> dict[str, float]:
+        """``val/*`` from the ``evaluation.metric_sums`` of the ranks that sampled (None on the others),
+        summed over every rank."""
+        from megatron_credit.rewards.evaluation import means_from_sums
+
+        names = (f"avg@{k}", f"cons@{k}", f"pass@{k}", "num_problems")
+        vec = torch.zeros(len(names), dtype=torch.float64, device=self.device)
+        if sums is not None:
+            vec += torch.tensor([sums[name] for name in names], dtype=torch.float64).to(vec.device)
+        dist.all_reduce(vec)
+        means = means_from_sums(dict(zip(names, vec.tolist())))
+        return {"val/accuracy": means[f"avg@{k}"], f"val/cons@{k}": means[f"cons@{k}"],
+                f"val/pass@{k}": means[f"pass@{k}"]}
+
+    def _route(self, kept: list[tuple[int, int]], held: dict) -> list[Any]:
+        """The kept groups to the ranks that train them: group ``k`` to every rank of data-parallel rank
+        ``dp_rank_of_group(k)``, from the engine leader that holds it. Returns this rank's groups in order."""
+        world = len(self.dp_of_rank)
+        send: list[list[Any]] = [[] for _ in range(world)]
+        for k, key in enumerate(kept):
+            if key in held:
+                dp = dp_rank_of_group(k, groups=len(kept), dp_size=self.dp_size)
+                for q in range(world):
+                    if self.dp_of_rank[q] == dp:
+                        send[q].append((k, held[key]))
+        got = sorted((item for part in self._exchange(send) for item in part), key=lambda item: item[0])
+        assert len(got) == len(kept) // self.dp_size, "each data-parallel rank gets prompts_per_step / DP groups"
+        return [group for _, group in got]
+
+    def _pool_metrics(self, sums: dict[str, float], iteration: int, *, engines: int) -> dict[str, float]:
+        """``reward_pool/*`` of the iteration, summed over its draws and the engines' pools (``seconds``: the
+        mean over the pools); a warning line when more than a tenth of the items timed out."""
+        if self.reward.num_workers == 0:
+            return {}
+        keys = POOL_COUNTS
+        vec = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64).to(self.device)
+        dist.all_reduce(vec)  # only engine leaders hold a pool
+        out = dict(zip(keys, vec.tolist()))
+        out["reward_pool/seconds"] /= engines
+        if out["reward_pool/timeouts"] > 0.1 * max(out["reward_pool/items"], 1.0):
+            self.log(f"warning: iteration {iteration}: {out['reward_pool/timeouts']:.0f} of "
+                     f"{out['reward_pool/items']:.0f} responses timed out in the reward pool (scored as incorrect; "
+                     "reward.timeout_s / reward.batch_timeout_s)")
+        return out
+
+    # -- collectives ---------------------------------------------------------------------------------
+    def _all_gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank (small objects: NCCL moves them through this rank's device)."""
+        out = [None] * len(self.dp_of_rank)
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _exchange(self, send: list[Any]) -> list[Any]:
+        """All-to-all of picklable objects: ``send[q]`` goes to rank ``q``; returns what every rank sent
+        here. The pickles travel as one byte tensor on this rank's device (NCCL: a CUDA tensor)."""
+        if len(send) == 1:
+            return send
+        blobs = [pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL) for x in send]
+        device = self.device
+        sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64).to(device)
+        got = torch.empty_like(sizes)
+        dist.all_to_all_single(got, sizes)
+        recv = got.tolist()
+        out = torch.empty(sum(recv), dtype=torch.uint8, device=device)
+        payload = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).to(device)
+        dist.all_to_all_single(out, payload, output_split_sizes=recv, input_split_sizes=[len(b) for b in blobs])
+        data = out.cpu().numpy().tobytes()
+        parts, at = [], 0
+        for size in recv:
+            parts.append(pickle.loads(data[at:at + size]))  # noqa: S301  (this job's own ranks)
+            at += size
+        return parts
+
+    def _dp_mean(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
+        keys = sorted(values)
+        vec = torch.stack([torch.as_tensor(values[k], dtype=torch.float64).to(self.device) for k in keys])
+        if self.dp_size > 1:
+            dist.all_reduce(vec, group=self.dp_group)
+        return {k: float(v) / self.dp_size for k, v in zip(keys, vec)}
+
+    def _dp_sum(self, value: torch.Tensor) -> float:
+        v = torch.as_tensor(value, dtype=torch.float64).reshape(1).clone().to(self.device)
+        if self.dp_size > 1:
+            dist.all_reduce(v, group=self.dp_group)
+        return float(v)

@@ -1,0 +1,241 @@
+"""``rollout.mode: sync``: the engines share the trainer's GPUs; generate, then train (:class:`SyncSource`).
+
+Every GPU generates (``rollout.placement``): world size / rollout TP engines, engine ``e`` built by rank
+``e * rollout_tp`` on the GPUs of its ``rollout_tp`` ranks, whatever the trainer's TP / PP / CP / DP.
+Each draw takes ``rollout.prompts_per_step`` prompts from the job's one stream; each engine samples and
+scores its contiguous slice, with seeds from (run seed, iteration, draw) and each prompt's index in the
+draw, so the samples do not depend on the number of engines or ranks. Whether each group's accuracy
+varies (DAPO's dynamic sampling) is all-gathered, every rank takes the same decisions, and the kept
+groups go to the ranks that train them (:class:`~megatron_credit.trainer.sources.routing.SampleRouter`).
+
+Around each generation phase (the iteration's rollout, validation) the trainer gives the engine its
+memory: the optimizer states go to the host and the gradient buffers are released
+(``trainer.offload``), the engine wakes its weights, receives the ones the driver hands over (HF-named
+buckets of whole layers, gathered over TP and PP on every rank), wakes its KV cache, generates and
+sleeps; then the trainer takes its memory back. A resumed run samples exactly what the uninterrupted run
+would have.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from typing import Any, Callable, TYPE_CHECKING
+
+import torch.distributed as dist
+
+from megatron_credit.batch.train_batch import TrainBatch
+from megatron_credit.rollout.placement import EngineLayout, draw_seed, split
+from megatron_credit.rollout.types import SamplingParams
+from megatron_credit.trainer.sources.base import (ROLLOUT_SOURCES, SourceInputs, Weights, build_reward_pool, check_full,
+                                                  counted, draw_until_full, generate_and_score, group_counts,
+                                                  sampling_params)
+from megatron_credit.trainer.sources.routing import SampleRouter
+
+if TYPE_CHECKING:
+    from megatron_credit.recipe.sections import RewardConfig, RolloutConfig
+    from megatron_credit.trainer.offload import GenerationOffload
+
+
+@ROLLOUT_SOURCES.register("sync")
+class SyncSource(SampleRouter):
+    """Generates each iteration's :class:`TrainBatch` for this rank on the trainer's own GPUs (module
+    docstring): samples of the weights that train them, staleness 0."""
+
+    bound = 0
+
+    # -- the mode's facts ---------------------------------------------------------------------------
+    @classmethod
+    def staleness_bound(cls, rollout: RolloutConfig) -> int:
+        return 0
+
+    @classmethod
+    def check_section(cls, rollout: RolloutConfig) -> None:
+        return None
+
+    @classmethod
+    def recipe_problems(cls, rollout: RolloutConfig, *, world_size: int) -> list[str]:
+        if world_size % rollout.tensor_parallel_size:
+            return [f"rollout.engine_options.tensor_parallel_size={rollout.tensor_parallel_size} must divide the world "
+                    f"size {world_size} (world size / rollout TP engines, each on GPUs of its own)"]
+        return []
+
+    @classmethod
+    def build(cls, inputs: SourceInputs) -> SyncSource:
+        from megatron_credit.rollout.engine import build_trainer_engine
+
+        recipe, r = inputs.recipe, inputs.recipe.rollout
+        engines = EngineLayout(world_size=dist.get_world_size(), local_world_size=inputs.node_ranks,
+                               rollout_tp=r.tensor_parallel_size)
+        engine = functools.partial(build_trainer_engine, r, recipe.model, seed=recipe.seed,
+                                   hf_config=inputs.hf_config, device=inputs.device)
+        return cls(rollout=r, reward=recipe.reward, engine_factory=engine, seed=recipe.seed,
+                   max_draws=recipe.algorithm.max_draws, dynamic_sampling=recipe.algorithm.dynamic_sampling,
+                   val_samples=recipe.train.val_samples, tokenizer=inputs.tokenizer, prompts=inputs.prompts,
+                   val_prompts=inputs.val_prompts, device=inputs.device, dp_group=inputs.dp_group, layout=engines,
+                   local_rank=inputs.local_rank, dp_of_rank=inputs.dp_of_rank, offload=inputs.offload,
+                   group_timeout_s=recipe.distributed.timeout_s, log=inputs.log)
+
+    # -- a run's source -----------------------------------------------------------------------------
+    def __init__(self, *, rollout: RolloutConfig, reward: RewardConfig, engine_factory: Callable[..., Any],
+                 seed: int, max_draws: int, dynamic_sampling: bool, val_samples: int, tokenizer, prompts,
+                 val_prompts, device, dp_group, layout: EngineLayout, local_rank: int, dp_of_rank: list[int],
+                 offload: GenerationOffload, group_timeout_s: float, log=print):
+        """The recipe's ``rollout`` and ``reward`` sections; ``engine_factory(gpus=...)`` builds the rollout
+        engine (on engine leaders only: ``rollout.engine.build_trainer_engine``); ``seed`` (the run's),
+        ``max_draws`` and ``dynamic_sampling`` (``algorithm.*``: DAPO's dynamic sampling), ``val_samples``
+        (``train.val_samples``: k of the validation's Avg@k); ``device`` and ``dp_group``: this rank's;
+        ``layout``: the engines; ``local_rank``: this rank's device index on its node; ``dp_of_rank``: the
+        data-parallel rank of every global rank; ``offload``: what the trainer gives up while engines
+        generate; ``group_timeout_s``: the timeout of the engines' own process groups
+        (``distributed.timeout_s``)."""
+        self.rollout, self.reward = rollout, reward
+        self.seed, self.max_draws, self.dynamic_sampling, self.val_samples = seed, max_draws, dynamic_sampling, val_samples
+        self.tokenizer, self.prompts, self.val_prompts = tokenizer, prompts, val_prompts
+        self.device, self.dp_group = device, dp_group
+        self.layout, self.offload, self.log = layout, offload, log
+        self.rank = dist.get_rank()
+        self.dp_of_rank = list(dp_of_rank)
+        self.dp_rank, self.dp_size = self.dp_of_rank[self.rank], max(self.dp_of_rank) + 1
+        self.engine_index = layout.engine_of(self.rank)
+        self.engine = self.pool = None
+        if layout.is_leader(self.rank):
+            self.engine = engine_factory(gpus=layout.gpus(rank=self.rank, local_rank=local_rank))
+            self.pool = build_reward_pool(reward)
+        self.stop_ids = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
+        self.last_sync: dict[str, float] = {}
+        self.peers = self._peer_buckets(group_timeout_s)
+
+    def _peer_buckets(self, timeout_s: float):
+        """The :class:`~megatron_credit.rollout.weight_sync.PeerBuckets` of this rank's engine when it takes
+        each bucket from every rank of its GPUs (vLLM's CUDA IPC at rollout TP > 1), else None. Every rank
+        makes every engine's group, in the same order, when any engine asks for it."""
+        import datetime
+
+        from megatron_credit.rollout.engine import ROLLOUT_ENGINES
+        from megatron_credit.rollout.weight_sync import PeerBuckets
+
+        wants = self._all_gather(bool(getattr(self.engine, "peer_transfer", False)))
+        if not any(wants):
+            return None
+        stage = ROLLOUT_ENGINES.get(self.rollout.engine).stage_peer_bucket
+        mine = None
+        for e in range(self.layout.num_engines):
+            leader = self.layout.leader(e)
+            group = dist.new_group(list(range(leader, leader + self.layout.rollout_tp)),
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+            if e == self.engine_index and wants[leader]:
+                mine = PeerBuckets(group, leader, stage)
+        return mine
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        if self.engine is not None:
+            self.engine.close()
+
+    # -- the generation phase ------------------------------------------------------------------------
+    def sync_weights(self, weights: Weights) -> None:
+        """``weights`` -> engine: every rank takes part in the TP / PP gathers; engine leaders load the
+        buckets into their awake engine. Sets ``sync/bytes`` (what one engine received) and ``sync/seconds``."""
+        t0, sizes = time.perf_counter(), []
+        stream = counted(weights.buckets(), sizes)
+        if self.engine is not None:
+            self.engine.update_weights(stream, **({"peers": self.peers} if self.peers is not None else {}))
+        elif self.peers is not None:  # this rank's GPU serves a worker of the engine: its copy of each bucket
+            self.peers.follow(stream, self.device)
+        else:
+            for _ in stream:
+                pass
+        self.last_sync = {"sync/bytes": float(sum(sizes)), "sync/seconds": time.perf_counter() - t0}
+
+    @contextlib.contextmanager
+    def generating(self, weights: Weights):
+        """The memory order of a generation phase: offload (optimizer states to the host, gradient buffers
+        released, the allocator's cache emptied), wake the engine's weights, load ``weights``, wake its KV
+        cache; afterwards the engine sleeps (dropping what the next sync overwrites) and the trainer restores
+        its states before it trains."""
+        self.offload.offload()
+        try:
+            if self.engine is not None:
+                self.engine.wake_up(["weights"])
+            self.sync_weights(weights)
+            if self.engine is not None:
+                self.engine.wake_up(["kv_cache"])
+            yield
+        finally:
+            if self.engine is not None:
+                self.engine.sleep()
+            self.offload.restore()
+
+    def _params(self, n: int, seed: int) -> SamplingParams:
+        return sampling_params(self.rollout, self.stop_ids, n=n, seed=seed)
+
+    def _my_prompts(self, count: int) -> range:
+        """This engine's slice of ``count`` prompts (empty on ranks that lead no engine)."""
+        if self.engine is None:
+            return range(0)
+        return split(count, self.layout.num_engines)[self.engine_index]
+
+    def _draw(self, iteration: int, draw: int, held: dict, pool_sums: dict) -> list[tuple[int, int]]:
+        """One draw of ``prompts_per_step`` prompts over all engines; this engine's groups go to ``held``
+        (keyed ``(draw, prompt)``). Returns the keys of the draw's groups that count (dynamic sampling: its
+        accuracy varies), the same list on every rank."""
+        n, count = self.rollout.n, self.rollout.prompts_per_step
+        records = self.prompts.take(count)
+        mine = self._my_prompts(count)
+        counts: dict[int, bool] = {}
+        if len(mine):
+            rollout, rewards, correct, pool = generate_and_score(
+                self.engine, self.pool, self.tokenizer, [records[i] for i in mine],
+                self._params(n, draw_seed(self.seed, iteration, draw)), rollout=self.rollout, reward=self.reward,
+                first_group=mine.start)
+            for k, v in pool.items():
+                pool_sums[k] = pool_sums.get(k, 0.0) + v
+            for j, p in enumerate(mine):
+                sl = slice(j * n, (j + 1) * n)
+                held[(draw, p)] = (rollout.samples[sl], rewards[sl], correct[sl])
+                counts[p] = group_counts(correct[sl], dynamic_sampling=self.dynamic_sampling)
+        merged: dict[int, bool] = {}
+        for part in self._all_gather(counts):
+            merged.update(part)
+        assert sorted(merged) == list(range(count)), "every prompt of a draw is sampled by exactly one engine"
+        return [(draw, p) for p in range(count) if merged[p]]
+
+    def next(self, iteration: int, *, weights: Weights) -> tuple[TrainBatch, dict[str, float]]:
+        """This rank's rows: ``prompts_per_step / DP`` groups of ``n`` (dynamic sampling: mixed groups),
+        generated by ``weights`` (those of ``iteration - 1``: the rows' ``policy_version``)."""
+        count = self.rollout.prompts_per_step
+        held: dict[tuple[int, int], Any] = {}
+        pool_sums: dict[str, float] = {}
+        t_wait = time.perf_counter()  # the trainer waits for the whole phase: nothing of it is hidden
+        with self.generating(weights):
+            t0 = time.perf_counter()
+            kept, draws = draw_until_full(lambda d: self._draw(iteration, d, held, pool_sums), count=count,
+                                          max_draws=self.max_draws)
+            wall = time.perf_counter() - t0
+        check_full(len(kept), count=count, max_draws=self.max_draws)
+        rows = self._route(kept[:count], held)
+        batch, metrics = self._assemble(rows, [weights.version] * len(rows), iteration, draws=draws, kept=len(kept),
+                                        wall=wall, engines=self.layout.num_engines, pool_sums=pool_sums)
+        metrics.update({"time/rollout_wait_s": time.perf_counter() - t_wait, "time/rollout_hidden_frac": 0.0})
+        return batch, metrics
+
+    def validate(self, iteration: int, *, weights: Weights) -> dict[str, float]:
+        """Avg@k (``val/accuracy``), Cons@k and Pass@k on the held-out prompts, sampled at the rollout
+        temperature with k = ``train.val_samples``, each engine its slice of the prompts, with the same seeds
+        whatever the engine count (``megatron_credit.rewards.evaluation``, the code of ``tools/evaluate.py``);
+        the engines generate with ``weights`` (those of ``iteration``)."""
+        from megatron_credit.rewards.evaluation import metric_sums, sample_and_grade
+
+        if self.val_prompts is None:
+            return {}
+        k, sums = self.val_samples, None
+        with self.generating(weights):
+            mine = self._my_prompts(len(self.val_prompts))
+            if len(mine):
+                problems = sample_and_grade(self.engine, self.tokenizer, [self.val_prompts[i] for i in mine], k=k,
+                                            pool=self.pool, sampling=self._params(k, draw_seed(self.seed, -1)),
+                                            first_group=mine.start)
+                sums = metric_sums(problems, k=k)
+        return self._val_metrics(sums, k)

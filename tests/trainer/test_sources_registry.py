@@ -1,0 +1,43 @@
+"""The rollout sources' registry (``trainer/sources/``): one class per ``rollout.mode``, which carries the
+mode's facts the recipe checks read, and the one draw loop every mode fills its batch with."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_credit.recipe.sections import RolloutConfig
+from megatron_credit.trainer.sources import ROLLOUT_SOURCES
+from megatron_credit.trainer.sources.base import check_full, draw_until_full
+from megatron_credit.trainer.sources.overlap import Async, OneStepOff
+from megatron_credit.trainer.sources.sync import SyncSource
+
+
+def test_each_mode_is_one_registered_class_with_its_staleness_bound():
+    assert ROLLOUT_SOURCES.names() == ["async", "one_step_off", "sync"]
+    assert [ROLLOUT_SOURCES.get(m) for m in ("sync", "one_step_off", "async")] == [SyncSource, OneStepOff, Async]
+    bounds = {m: RolloutConfig(mode=m, max_staleness=1).staleness_bound for m in ROLLOUT_SOURCES}
+    assert bounds == {"sync": 0, "one_step_off": 1, "async": 1}
+    assert RolloutConfig(mode="async", max_staleness=3).staleness_bound == 3
+    assert RolloutConfig(mode="sync", max_staleness=3).staleness_bound == 0
+    with pytest.raises(ValueError, match="rollout.max_staleness=3: one_step_off trains on samples exactly one version old"):
+        RolloutConfig(mode="one_step_off", max_staleness=3)
+    assert (Async.interruptible, OneStepOff.interruptible) == (True, False)
+    with pytest.raises(ValueError, match="rollout.mode 'sync' is already registered"):
+        ROLLOUT_SOURCES.add("sync", SyncSource)
+
+
+def test_the_draw_loop_stops_when_full_or_out_of_draws_and_keeps_the_surplus():
+    seen = []
+
+    def draw(d):
+        seen.append(d)
+        return [(d, p) for p in range(d % 3)]  # draw 0 keeps nothing, 1 keeps one, 2 keeps two
+
+    kept, draws = draw_until_full(draw, count=3, max_draws=8)
+    assert (kept, draws, seen) == ([(1, 0), (2, 0), (2, 1)], 3, [0, 1, 2])
+    kept, draws = draw_until_full(lambda d: [d, d], count=3, max_draws=8)
+    assert (kept, draws) == ([0, 0, 1, 1], 2)  # the last draw's surplus is kept; the caller takes the first 3
+    kept, draws = draw_until_full(lambda d: [], count=3, max_draws=4)
+    assert (kept, draws) == ([], 4)
+    with pytest.raises(ValueError, match=r"fewer than rollout.prompts_per_step = 3 .* algorithm.max_draws=4 draws \(0 kept\)"):
+        check_full(0, count=3, max_draws=4)
+    check_full(3, count=3, max_draws=4)
