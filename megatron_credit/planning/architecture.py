@@ -160,3 +160,19 @@ def activation_bytes(a: Architecture, *, tokens: int, tp: int, sequence_parallel
 def kv_bytes_per_token(a: Architecture, *, tp: int, dtype_bytes: int) -> int:
     """KV-cache bytes of one token on one engine GPU (K and V of every layer, KV heads over TP)."""
     return 2 * a.num_layers * max(a.num_kv_heads // tp, 1) * a.head_dim * dtype_bytes
+
+
+def active_param_count(a: Architecture) -> int:
+    """Parameters one token's forward multiplies with: :func:`total_param_count` less, in an MoE model,
+    the ``E - k`` experts per layer it is not routed to.
+
+    >>> a = Architecture(model_type="qwen3_moe", hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+    ...                  head_dim=128, intermediate_size=6144, vocab_size=151936, tied_embeddings=False,
+    ...                  max_position_embeddings=40960, num_experts=128, top_k=8, expert_ffn=768)
+    >>> round(total_param_count(a) / 1e9, 2), round(active_param_count(a) / 1e9, 2)  # 30B-A3B
+    (30.53, 3.35)
+    """
+    if a.moe is None:
+        return total_param_count(a)
+    idle = a.num_layers * (a.num_experts - a.top_k) * expert_layer_params(a.moe, ep=1, etp=1) // a.num_experts
+    return total_param_count(a) - idle
