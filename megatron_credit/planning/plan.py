@@ -6,15 +6,18 @@ lengths by ``2*CP`` (``2*CP*TP`` with sequence parallelism), the world size by T
 by DP) and estimates the peak memory of one GPU, term by term:
 
 * **weights** of the largest pipeline stage's shard (:func:`stage_param_counts`; the first stage holds
-  the embedding, the last the output layer, a tied output is a second copy on the last stage when PP > 1);
+  the embedding, the last the output layer, a tied output is a second copy on the last stage when PP > 1;
+  a mixture-of-experts layer holds the router and ``E / EP`` experts over the expert TP,
+  ``planning/experts.py``);
 * **gradients** in fp32 (megatron's main gradients, 4 bytes per parameter);
 * **optimizer states**: fp32 master weights (when the parameters are not fp32) and Adam's two moments,
-  divided over DP x CP with the distributed optimizer (``cluster.distributed_optimizer``). Both numbers
-  are printed. This is megatron's mixed-precision layout; the trainer's CPU path (``torch.optim.AdamW``
+  divided over DP x CP with the distributed optimizer (``cluster.distributed_optimizer``), the routed
+  experts' over the expert data-parallel group ``world / (ETP x EP x PP)``. Both numbers are printed. This is megatron's mixed-precision layout; the trainer's CPU path (``torch.optim.AdamW``
   on the parameters' own dtype, README "Not yet in the trainer") uses less, so the plan is conservative;
 * **activations** of the longest micro-batch (:func:`activation_bytes`): one micro-batch holds
   ``max(train.max_tokens_per_microbatch, prompt + response)`` tokens, split over CP; under 1F1B the first
-  stage keeps PP micro-batches in flight of L/PP layers each, i.e. L layers' worth;
+  stage keeps PP micro-batches in flight of L/PP layers each, i.e. L layers' worth; an MoE layer keeps
+  its all-to-all dispatched token copies and experts' outputs instead of the dense MLP's;
 * **log-prob chunk**: fp32 logits of one ``train.logprob_chunk_size`` chunk over V/TP, three copies
   (logits, softmax, gradient);
 * **reference model** weights when ``algorithm.kl_coef > 0``; the **critic** (PPO's value head, CompPO's
