@@ -116,7 +116,7 @@ class Plan:
     """The result of :func:`plan`: layout problems (empty when valid), memory terms in bytes, the verdict."""
 
     layout: Mapping[str, int]
-    """tp, pp, cp, dp, world."""
+    """tp, pp, cp, dp, world; and ep, etp, edp (expert data-parallel) for a mixture-of-experts model."""
     problems: tuple
     """Layout errors, each naming the recipe field to change."""
     terms: Mapping[str, int]
