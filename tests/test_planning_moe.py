@@ -181,9 +181,10 @@ def test_expert_parallel_on_a_dense_model_is_a_problem():
     assert "ep" not in p.layout
 
 
-def test_example_recipe_fits_with_ep8_and_at_ep1(capsys):
-    """``examples/fipo_qwen3_30b_a3b.yaml``: EP 8 (the header's layout) holds 16 experts a layer per rank,
-    EP 1 all 128; both fit its 4 x 8 H100-80GB with the distributed optimizer."""
+def test_example_recipe_plans_ep8_through_the_command_line(capsys):
+    """``examples/fipo_qwen3_30b_a3b.yaml`` at EP 8 (the header's layout: 16 experts a layer per rank) fits its
+    4 x 8 H100-80GB; an EP that does not divide the 128 experts is a layout error, exit 1. (At the recipe's
+    own EP, 1 until it carries the field, ``test_every_recipe_fits_its_declared_cluster`` plans it.)"""
     from tools.plan import main
 
     path = os.path.join(ROOT, "examples", "fipo_qwen3_30b_a3b.yaml")
