@@ -1,11 +1,12 @@
 """Memory plan of a recipe on a cluster, before any GPU hour is spent (``megatron_credit.planning.plan``).
 
     python tools/plan.py --config examples/fipo_qwen25_32b.yaml [--nodes 4 --gpus-per-node 8 --gpu h100-80gb]
-                         [--distributed-optimizer on|off] [--disk-gbps 1] [key.sub=value ...]
+                         [--distributed-optimizer on|off] [--ep 8 --etp 1] [--disk-gbps 1] [key.sub=value ...]
 
 Without ``--nodes`` / ``--gpus-per-node`` / ``--gpu`` the recipe's ``cluster`` section is used. The model's
 numbers come from ``model.name_or_path``'s ``config.json`` when it is a local folder, else from the
-planner's table of known architectures. Prints the layout, the rollout engines (world / rollout TP: every
+planner's table of known architectures. ``--ep`` / ``--etp`` plan a mixture-of-experts model's expert-parallel
+and expert-TP sizes (default: the recipe's ``parallel`` fields where it has them, else EP 1 and the TP size). Prints the layout, the rollout engines (world / rollout TP: every
 GPU generates), one row per memory term, the KV cache per engine and per GPU, the host memory the
 optimizer and gradient offload takes (per GPU and per node), the training and rollout peaks and a
 verdict, then the time of one iteration and one save and the Slurm warning lead they imply
@@ -30,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", default=None, help="GPU kind, e.g. h100-80gb (default: cluster.gpu)")
     p.add_argument("--distributed-optimizer", choices=["on", "off"], default=None,
                    help="plan with / without the distributed optimizer (default: cluster.distributed_optimizer)")
+    p.add_argument("--ep", type=positive_int, default=None,
+                   help="expert-parallel size of an MoE model (default: parallel.expert_model_parallel_size, or 1)")
+    p.add_argument("--etp", type=positive_int, default=None,
+                   help="expert tensor-parallel size (default: parallel.expert_tensor_parallel_size, or the TP size)")
     p.add_argument("--disk-gbps", type=positive_float, default=None,
                    help="checkpoint write bandwidth of one node in GB/s, for the save time and the Slurm warning "
                         "lead (default: 1)")
@@ -54,11 +59,13 @@ def _main(argv: list[str]) -> int:
     hf_config = resolve_hf_config(recipe.model)
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is not one of {sorted(GPUS)}")
+    experts = dict(ep=args.ep, etp=args.etp)
     refusal = layout_refusal(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu,
-                             distributed_optimizer=dist_opt)
+                             distributed_optimizer=dist_opt, **experts)
     if refusal is not None:  # no table for a layout that cannot exist
         raise ValueError(refusal)
-    result = plan(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu, distributed_optimizer=dist_opt)
+    result = plan(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu, distributed_optimizer=dist_opt,
+                  **experts)
     print(format_plan(result, title=f"{args.config}: {recipe.algorithm.name}, {nodes} node(s) x {gpn} {gpu}"))
     from megatron_credit.planning.timing import DISK_BYTES_PER_S, iteration_estimate
 

@@ -22,12 +22,14 @@ def _layout_text(tp: int, pp: int, cp: int) -> str:
 
 
 def layout_refusal(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
-                   distributed_optimizer: Optional[bool] = None) -> Optional[str]:
+                   distributed_optimizer: Optional[bool] = None, ep: Optional[int] = None,
+                   etp: Optional[int] = None) -> Optional[str]:
     """None when TP x PP x CP divides the ``nodes x gpus_per_node`` GPUs; else why not, in arithmetic
     (``TP x PP x CP = 8 x 2 x 2 = 32 > 8 GPUs``), and a layout that would fit: the one of these GPUs
     closest to the recipe's (fewest fields changed) whose :func:`plan` fits (with the other
     distributed-optimizer choice when only that fits), or, when none does, the number of nodes on which
-    the recipe's own layout fits. Said before any table is printed."""
+    the recipe's own layout fits (``ep`` / ``etp``: an MoE model's expert sizes, kept). Said before any
+    table is printed."""
     p, world = recipe.parallel, nodes * gpus_per_node
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     mp = tp * pp * cp
@@ -37,20 +39,20 @@ def layout_refusal(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: st
     why = (f"parallel: TP x PP x CP = {tp} x {pp} x {cp} = {mp} {rel} {world} GPUs "
            f"({nodes} node(s) x {gpus_per_node})")
     here = _fitting_layout(recipe, hf_config, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
-                           distributed_optimizer=distributed_optimizer)
+                           distributed_optimizer=distributed_optimizer, ep=ep, etp=etp)
     if here is not None:
         return f"{why}; a layout that fits: {here}"
     if distributed_optimizer is None:
         other = not (recipe.optim.distributed_optimizer or recipe.cluster.distributed_optimizer)
         here = _fitting_layout(recipe, hf_config, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
-                               distributed_optimizer=other)
+                               distributed_optimizer=other, ep=ep, etp=etp)
         if here is not None:
             return f"{why}; a layout that fits with --distributed-optimizer {'on' if other else 'off'}: {here}"
     for n in range(nodes + 1, nodes + 257):
         if (n * gpus_per_node) % mp:
             continue
         result = plan(recipe, hf_config, nodes=n, gpus_per_node=gpus_per_node, gpu=gpu,
-                      distributed_optimizer=distributed_optimizer)
+                      distributed_optimizer=distributed_optimizer, ep=ep, etp=etp)
         if result.fits:
             return (f"{why}; no layout of {world} GPUs fits this recipe in memory; this layout fits on "
                     f"{n} nodes x {gpus_per_node} GPUs ({n * gpus_per_node} GPUs, DP={result.layout['dp']}, peak "
@@ -59,7 +61,8 @@ def layout_refusal(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: st
 
 
 def _fitting_layout(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
-                    distributed_optimizer: Optional[bool]) -> Optional[str]:
+                    distributed_optimizer: Optional[bool], ep: Optional[int] = None,
+                    etp: Optional[int] = None) -> Optional[str]:
     """The TP x PP x CP of these GPUs closest to the recipe's (fewest fields changed, then the smallest
     log2 distance, then the largest DP, then the lowest peak) whose plan fits, as overrides; None when
     none fits."""
@@ -70,7 +73,7 @@ def _fitting_layout(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: s
     for t, q, c in ((t, q, c) for t in divisors for q in divisors for c in divisors if world % (t * q * c) == 0):
         try:
             result = plan(_with_layout(recipe, t, q, c), hf_config, nodes=nodes, gpus_per_node=gpus_per_node,
-                          gpu=gpu, distributed_optimizer=distributed_optimizer)
+                          gpu=gpu, distributed_optimizer=distributed_optimizer, ep=ep, etp=etp)
         except ValueError:
             continue
         if result.fits:

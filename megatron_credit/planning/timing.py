@@ -12,7 +12,7 @@ a cluster, from arithmetic on the architecture (no GPU), deliberately on the slo
   bandwidth. One draw of ``prompts_per_step x n`` (dynamic sampling's extra draws are in the margin);
 * **training**: a forward of every sequence for the old log-probs (and the reference's and a separate
   critic's), then forward and backward (3 forwards; 4 with full recompute) per epoch; a forward is
-  ``2 x params`` FLOPs per token plus causal attention, at :data:`TRAIN_MFU` of the GPUs' dense bf16 peak;
+  ``2 x params`` FLOPs per token (an MoE model's active parameters: top-k experts) plus causal attention, at :data:`TRAIN_MFU` of the GPUs' dense bf16 peak;
 * **a save** writes the weights, fp32 master weights (when the parameters are not fp32) and Adam's two
   moments (and a separate critic's) at ``disk_bytes_per_s`` per node, all nodes writing at once.
 
@@ -76,6 +76,7 @@ def iteration_estimate(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu
     """The module docstring's estimate for ``recipe`` on ``nodes x gpus_per_node`` GPUs of kind ``gpu``."""
     from megatron_credit.planning.plan import (DTYPE_BYTES, Architecture, _critic_params, _dtype_name,
                                                kv_bytes_per_token, total_param_count)
+    from megatron_credit.planning.architecture import active_param_count
 
     if gpu not in GPU_SPEEDS:
         raise ValueError(f"--gpu {gpu!r} is not one of {sorted(GPU_SPEEDS)}")
@@ -98,7 +99,7 @@ def iteration_estimate(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu
 
     seq = prompt + response
     attention = 2 * a.num_layers * seq * a.num_heads * a.head_dim  # causal QK^T and AV, per token, mean context
-    forward = (2 * params + attention) * sequences * seq
+    forward = (2 * active_param_count(a) + attention) * sequences * seq
     passes = 1 + (recipe.algorithm.kl_coef > 0) + separate  # old log-probs, reference, a separate critic's values
     per_epoch = 4 if t.recompute == "full" else 3
     training_s = forward * (passes + per_epoch * t.epochs * (1 + separate)) / (world * peak * TRAIN_MFU)

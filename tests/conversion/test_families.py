@@ -121,7 +121,7 @@ def test_gemma_is_refused_with_the_missing_megatron_feature(model_type):
 
 # --- the planner's parameter count -----------------------------------------------------------------
 @pytest.mark.parametrize("family,kw", [("qwen2", {}), ("qwen3", {}), ("llama", {"tie_word_embeddings": True}),
-                                       ("mistral", {}), ("mistral", {"tie_word_embeddings": True})])
+                                       ("mistral", {}), ("mistral", {"tie_word_embeddings": True}), ("qwen3_moe", {})])
 def test_planner_parameter_count_equals_the_transformers_model(family, kw):
     from transformers import AutoModelForCausalLM
 

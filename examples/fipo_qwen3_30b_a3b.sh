@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# fipo_qwen3_30b_a3b: examples/fipo_qwen3_30b_a3b.yaml, sized for 4 node(s) x 8 H100-80GB. Run on every node:
+#   NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=<node 0> examples/fipo_qwen3_30b_a3b.sh [key.sub=value ...]
+# or under Slurm, the whole pipeline with one task per node (NODE_RANK from SLURM_NODEID, MASTER_ADDR from
+# SLURM_JOB_NODELIST): srun --nodes 4 --ntasks-per-node 1 examples/fipo_qwen3_30b_a3b.sh
+# See examples/launch/run_recipe.sh for MODEL_DIR, DATA_DIR, RUN_DIR, EXPORT_DIR.
+set -euo pipefail
+export RECIPE=examples/fipo_qwen3_30b_a3b.yaml MODEL_ID=Qwen/Qwen3-30B-A3B
+export NNODES=${NNODES:-${SLURM_NNODES:-4}} NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+exec "$(dirname "${BASH_SOURCE[0]}")/launch/run_recipe.sh" "$@"
