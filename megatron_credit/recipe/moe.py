@@ -3,7 +3,7 @@ losses). A dense model ignores it; the facts of the checkpoint (experts, top-k, 
 model's family (``families/``), not from here.
 
 >>> MoeConfig().transformer_config_kwargs()
-{'moe_router_load_balancing_type': 'aux_loss', 'moe_aux_loss_coeff': 0.001, 'moe_z_loss_coeff': None}
+{'moe_token_dispatcher_type': 'alltoall', 'moe_router_load_balancing_type': 'aux_loss', 'moe_aux_loss_coeff': 0.001, 'moe_z_loss_coeff': None}
 >>> MoeConfig(load_balancing_type="none").transformer_config_kwargs()["moe_aux_loss_coeff"]
 0.0
 """
@@ -39,6 +39,8 @@ class MoeConfig:
     def transformer_config_kwargs(self) -> dict[str, Any]:
         """The ``TransformerConfig`` fields of an MoE actor (``models.actor_transformer_config``)."""
         off = self.load_balancing_type == "none"
-        return {"moe_router_load_balancing_type": self.load_balancing_type,
+        # alltoall: each rank sends its own token count (packed micro-batches differ in length across
+        # ranks; megatron's default allgather dispatcher needs equal counts)
+        return {"moe_token_dispatcher_type": "alltoall", "moe_router_load_balancing_type": self.load_balancing_type,
                 "moe_aux_loss_coeff": 0.0 if off else self.aux_loss_coeff,
                 "moe_z_loss_coeff": self.z_loss_coeff or None}
