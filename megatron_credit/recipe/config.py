@@ -339,13 +339,17 @@ class Recipe:
 
     def validate(self, *, world_size: int, arch) -> dict[str, int]:
         """Raise ``ValueError`` (the first of :meth:`problems`) unless the recipe runs on ``world_size``
-        ranks with the model ``arch``; returns the layout ``{"tp", "pp", "cp", "dp"}``."""
+        ranks with the model ``arch``; returns the layout ``{"tp", "pp", "cp", "dp"}`` (and ``"ep"`` when
+        the experts are split)."""
         problems = self.problems(arch, world_size=world_size)
         if problems:
             raise ValueError(problems[0])
         p = self.parallel
-        return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
-                "cp": p.context_parallel_size, "dp": p.data_parallel_size(world_size=world_size)}
+        layout = {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+                  "cp": p.context_parallel_size, "dp": p.data_parallel_size(world_size=world_size)}
+        if p.expert_model_parallel_size > 1:  # dense layouts (and their checkpoints' meta) stay as they were
+            layout["ep"] = p.expert_model_parallel_size
+        return layout
 
 
 TINY_QWEN2: Mapping[str, Any] = types.MappingProxyType(dict(
