@@ -46,3 +46,19 @@ def test_expert_parallel_two_equals_one(pool2, tmp_path, layout):
         assert a["actor/grad_norm"] > 0
         assert 0.25 <= a["moe/expert_load_max_frac"] <= 1.0  # 4 experts: uniform routing is 1/4
         assert a["moe/load_balance_loss"] > 0
+
+
+pool4 = module_pool(4)
+
+
+def test_expert_parallel_with_pipeline_parallel(pool4, tmp_path):
+    """PP = 2 (a layer per stage) x DP = 2: EP = 2 splits each stage's experts over its two ranks."""
+    base = ["parallel.pipeline_model_parallel_size=2", "warmup.steps=0"]
+    ep1 = pool4.run(train_moe, str(tmp_path / "ep1"), base)
+    ep2 = pool4.run(train_moe, str(tmp_path / "ep2"), [*base, "parallel.expert_model_parallel_size=2"])
+    rows1, rows2 = ep1[0], ep2[0]  # rank 0's rows
+    assert len(rows1) == len(rows2) == 2
+    for a, b in zip(rows1, rows2):
+        for k in KEYS:
+            assert math.isfinite(a[k]) and a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-5), (k, a[k], b[k])
+        assert a["actor/grad_norm"] > 0
