@@ -54,10 +54,18 @@ def _describe(recipe, hf_config, layout: dict[str, int]) -> str:
 
 
 def _param_count(c) -> int:
-    """The model's parameters, counted by the planner (the one count; tested against megatron's numel)."""
+    """The model's parameters, counted by the planner (the one count; tested against megatron's numel); a
+    model the planner does not count yet (routed experts) is counted from its HF module on the meta device."""
     from megatron_credit.planning.plan import Architecture, total_param_count
 
-    return total_param_count(Architecture.from_hf(c))
+    try:
+        return total_param_count(Architecture.from_hf(c))
+    except ValueError:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            return sum(p.numel() for p in AutoModelForCausalLM.from_config(c).parameters())
 
 
 def done_line(rows: list[dict], timings: dict[str, float], *, total_s: float, run_dir: str) -> str:
