@@ -25,6 +25,7 @@ from megatron_credit.conversion.transforms import TPLayout, pad_rows, tp_gather,
 from megatron_credit.rollout.weight_sync import group_buckets
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 def uses_fused_norms(local_state: Mapping[str, Any]) -> bool:
@@ -46,10 +47,29 @@ def to_local_name(global_name: str, layer_offset: int) -> str:
     return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) - layer_offset}.", global_name)
 
 
+def expert_of(name: str) -> int | None:
+    """The routed expert's index in a (local-spec) parameter name, or None."""
+    m = _EXPERT.search(name)
+    return int(m.group(1)) if m else None
+
+
+def with_expert(name: str, expert: int) -> str:
+    """``name`` with its routed expert's index replaced by ``expert``."""
+    return _EXPERT.sub(f".mlp.experts.local_experts.{expert}.", name)
+
+
+def _local_experts(dims: ModelDims, ep_size: int) -> int:
+    return dims.num_experts // ep_size if dims.num_experts else 0
+
+
 @torch.no_grad()
 def load_hf_into_local_state(local_state: Mapping[str, torch.Tensor], get_hf: Callable[[str], torch.Tensor],
-                             family: Family, cfg: Any, *, tp_rank: int, tp_size: int, layer_offset: int) -> None:
+                             family: Family, cfg: Any, *, tp_rank: int, tp_size: int, layer_offset: int,
+                             ep_rank: int = 0, ep_size: int = 1) -> None:
     """Copy HF tensors into this rank's parameters (in place), each sliced to its TP shard.
+
+    Under expert parallelism (``ep_size`` > 1) this rank holds the routed experts
+    ``ep_rank * E / ep_size ...`` as its local experts ``0 ... E / ep_size - 1``; the others are skipped.
 
     ``local_state`` maps local names to the live parameter tensors (``dict(model.named_parameters())``
     or ``model.state_dict(keep_vars=True)``). The vocabulary is zero-padded to the model's rows.
@@ -60,8 +80,15 @@ def load_hf_into_local_state(local_state: Mapping[str, torch.Tensor], get_hf: Ca
     fused = uses_fused_norms(local_state)
     local_names = set(parameter_names(local_state))
     todo = set(local_names)
+    per_rank = _local_experts(dims, ep_size)
     for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused):
-        targets = [to_local_name(name, layer_offset)]
+        local = to_local_name(name, layer_offset)
+        if rule.per_expert:
+            e = expert_of(local) - ep_rank * per_rank
+            if not 0 <= e < per_rank:
+                continue  # another EP rank's expert
+            local = with_expert(local, e)
+        targets = [local]
         if rule.megatron == "embedding.word_embeddings.weight" and dims.tie_word_embeddings:
             targets.append("output_layer.weight")  # the last stage's copy of a tied head
         targets = [t for t in targets if t in local_names]
@@ -84,12 +111,16 @@ def load_hf_into_local_state(local_state: Mapping[str, torch.Tensor], get_hf: Ca
         raise ValueError(f"parameters not filled from the HF checkpoint: {sorted(todo)[:5]}")
 
 
-def _plan(local_state: Mapping[str, torch.Tensor], layer_offset: int, pp_group) -> dict[str, tuple[int, tuple, Any]]:
+def _plan(local_state: Mapping[str, torch.Tensor], layer_offset: int, pp_group,
+          expert_offset: int = 0) -> dict[str, tuple[int, tuple, Any]]:
     """Global name -> (PP-group rank that owns it, full-ish local shape, dtype), agreed by all stages."""
     import torch.distributed as dist
 
-    mine = {to_global_name(k, layer_offset): (tuple(local_state[k].shape), local_state[k].dtype)
-            for k in parameter_names(local_state)}
+    def global_name(k: str) -> str:  # the PP group's ranks hold the same EP rank's experts
+        e = expert_of(k)
+        return to_global_name(k if e is None else with_expert(k, e + expert_offset), layer_offset)
+
+    mine = {global_name(k): (tuple(local_state[k].shape), local_state[k].dtype) for k in parameter_names(local_state)}
     size = 1 if pp_group is None else dist.get_world_size(pp_group)
     gathered: list = [mine] if size == 1 else [None] * size
     if size > 1:
@@ -121,7 +152,7 @@ def _gather_tp(t: torch.Tensor, layout, tp_group) -> torch.Tensor:
 
 @torch.no_grad()
 def iter_hf_weight_buckets(local_state: Mapping[str, torch.Tensor], family: Family, cfg: Any, *, tp_group=None,
-                           pp_group=None, layer_offset: int = 0,
+                           pp_group=None, ep_group=None, layer_offset: int = 0,
                            bucket_bytes: int = 1 << 30) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Yield lists of ``(hf_name, full tensor)`` of whole sync groups (:func:`~megatron_credit.rollout.weight_sync.sync_group`: one decoder
     layer, or one other tensor) whose total size is at most ``bucket_bytes``.
@@ -132,7 +163,8 @@ def iter_hf_weight_buckets(local_state: Mapping[str, torch.Tensor], family: Fami
     in HF order (embedding, layers, final norm, head) and the same on every rank. Any yielded tensor
     may alias a parameter's memory (no gather or copying transform is guaranteed: TP = 1, norms, a
     split of a fused tensor may be a view): consume (copy / send) a bucket before the parameters change,
-    and never write into it. One model chunk per rank (no virtual PP).
+    and never write into it. One model chunk per rank (no virtual PP). Under expert parallelism
+    (``ep_group``) a routed expert is broadcast over EP from the rank that holds it.
     """
     import torch.distributed as dist
 
@@ -140,21 +172,31 @@ def iter_hf_weight_buckets(local_state: Mapping[str, torch.Tensor], family: Fami
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     dims = ModelDims.from_hf_config(cfg)
     fused = uses_fused_norms(local_state)
-    plan = _plan(local_state, layer_offset, pp_group)
     pp_rank = 0 if pp_group is None else dist.get_rank(pp_group)
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
     names = parameter_names(local_state)
     device = local_state[names[0]].device if names else torch.device("cpu")
 
+    ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
+    ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+    per_rank = _local_experts(dims, ep_size)
+    plan = _plan(local_state, layer_offset, pp_group, expert_offset=ep_rank * per_rank)
+
     def hf_tensors():
         for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused):
-            if name not in plan:
+            ep_owner, key, local = ep_rank, name, to_local_name(name, layer_offset)
+            if rule.per_expert:  # the plan names this EP rank's experts; the EP owner holds this one
+                ep_owner, e = divmod(expert_of(name), per_rank)
+                key, local = with_expert(name, e + ep_rank * per_rank), with_expert(local, e)
+            if key not in plan:
                 raise ValueError(f"no pipeline stage holds {name!r}; is the model built for this config?")
-            owner, shape, dtype = plan[name]
-            if owner == pp_rank:
-                full = _gather_tp(local_state[to_local_name(name, layer_offset)], rule.tp, tp_group)
+            owner, shape, dtype = plan[key]
+            if owner == pp_rank and ep_owner == ep_rank:
+                full = _gather_tp(local_state[local], rule.tp, tp_group)
             else:
                 full = torch.empty(_full_shape(shape, rule.tp, tp_size), dtype=dtype, device=device)
+            if owner == pp_rank and ep_size > 1 and rule.per_expert:
+                dist.broadcast(full, src=dist.get_global_rank(ep_group, ep_owner), group=ep_group)
             if pp_group is not None and dist.get_world_size(pp_group) > 1:
                 dist.broadcast(full, src=dist.get_global_rank(pp_group, owner), group=pp_group)
             yield from zip(hf_names, rule_to_hf(rule, full, dims, name=name), strict=True)

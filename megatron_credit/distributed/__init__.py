@@ -127,6 +127,8 @@ def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=getattr(parallel, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(parallel, "expert_tensor_parallel_size", None),
         distributed_timeout_minutes=timeout_s / 60.0,
     )
     # megatron creates some groups without its timeout (EXPERT_DATA_PARALLEL_GROUP_GLOO: 30 minutes)

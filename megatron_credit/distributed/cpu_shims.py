@@ -24,7 +24,10 @@ patching:
    ``save_state_dict_async_finalize``, 0.16.1 lines 204 / 252); and the gradient buffer of megatron's
    DDP (``distributed/param_and_grad_buffer.py`` ``torch.zeros(..., device=torch.cuda.current_device())``,
    0.16.1 line 806; its CUDA streams are only made with ``overlap_grad_reduce``, off on CPU; checked on
-   0.16.1 only); and the MoE router's weight move (``transformer/moe/router.py`` ``TopKRouter.gating``).
+   0.16.1 only); and the MoE router's weight move (``transformer/moe/router.py`` ``TopKRouter.gating``), and the all-to-all
+   token dispatcher's side stream (``transformer/moe/token_dispatcher.py``, expert parallelism), whose
+   split sizes reach ``torch.distributed.all_to_all_single`` (``tensor_parallel/mappings.py``) as CPU
+   tensors, given to gloo as lists.
    Those modules see a ``torch`` proxy
    whose CUDA requests resolve to the CPU; the rest of the process is untouched.
 3. ``models/common/embeddings/rope_utils.py`` ``get_pos_emb_on_this_cp_rank`` (CP > 1) pins memory
@@ -120,7 +123,17 @@ class _CudaOnCpu(types.SimpleNamespace):
     def current_stream(device=None):
         """param_and_grad_buffer.py start_grad_sync (megatron-core 0.19): ``torch.cuda.current_stream()``
         waits on the CUDA-graph replay events of the parameters; the CPU has no graphs, so no events."""
-        return _NoStream()
+        return _NO_STREAM
+
+    @staticmethod
+    def Stream(*args, **kwargs):  # noqa: N802 (torch.cuda.Stream)
+        """moe/token_dispatcher.py MoEAlltoAllTokenDispatcher: a side stream for its device-to-host copies
+        (0.16.1 line 445); on the CPU it is the current stream, so the copies run in place."""
+        return _NO_STREAM
+
+    @staticmethod
+    def stream(stream):
+        return contextlib.nullcontext()
 
 
 class _NoStream:
@@ -135,6 +148,13 @@ class _NoStream:
     def synchronize(self) -> None:
         pass
 
+    def record_event(self, event=None) -> "_NoStream":
+        """token_dispatcher.py: the event of the device-to-host copies (synchronized on later): done."""
+        return self
+
+
+_NO_STREAM = _NoStream()
+
 
 def _cpu_device(kwargs: dict) -> dict:
     device = kwargs.get("device")
@@ -143,10 +163,30 @@ def _cpu_device(kwargs: dict) -> dict:
     return kwargs
 
 
+def _sizes(split):
+    return split.tolist() if hasattr(split, "tolist") else split
+
+
+class _DistributedOnCpu(types.SimpleNamespace):
+    """``torch.distributed`` as seen by a shimmed megatron module: ``all_to_all_single`` takes the split
+    sizes as lists. tensor_parallel/mappings.py ``_AllToAll`` (0.16.1 line 444) passes the all-to-all token
+    dispatcher's split sizes as the tensors it would have moved to the host on CUDA (already on the CPU
+    here, they stay tensors); gloo's binding accepts lists of ints only."""
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    @staticmethod
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        return dist.all_to_all_single(output, input, output_split_sizes=_sizes(output_split_sizes),
+                                      input_split_sizes=_sizes(input_split_sizes), **kwargs)
+
+
 class _TorchOnCpu(types.ModuleType):
     """``torch`` as seen by a shimmed megatron module: CUDA device requests resolve to the CPU."""
 
     cuda = _CudaOnCpu()
+    distributed = _DistributedOnCpu()
 
     def __init__(self) -> None:
         super().__init__("torch")
@@ -195,6 +235,9 @@ _SHIMMED_MODULES = (
     # moe/router.py TopKRouter.gating: `self.weight.data.to(device=torch.cuda.current_device())` on a CPU
     # weight (0.16.1 line 90, 0.19.2 line 98): the routed-expert (MoE) layers.
     "megatron.core.transformer.moe.router",
+    # moe/token_dispatcher.py MoEAlltoAllTokenDispatcher (expert parallelism): torch.cuda.Stream() and
+    # torch.cuda.stream(...) for its device-to-host copies of the split sizes (0.16.1 lines 445, 871-874).
+    "megatron.core.transformer.moe.token_dispatcher",
 )
 # Shim 5: (module, qualified name) of the callables whose CUDA tensor-type checks see CUDA names.
 _TYPE_CHECKED = (

@@ -119,8 +119,26 @@ def check_parallel_fits_model(hf_config, parallel, *, world_size: Optional[int] 
     if hf_config.num_hidden_layers % pp:
         raise ValueError(f"parallel.pipeline_model_parallel_size={pp} does not divide "
                          f"num_hidden_layers={hf_config.num_hidden_layers}")
+    _check_experts(hf_config, parallel)
     if world_size is not None:
         parallel.validate(world_size=world_size)
+
+
+def _check_experts(hf_config, parallel) -> None:
+    """EP must divide the routed experts (a dense model takes EP = 1 only); the experts' TP is the TP size
+    (the weight loading and sync shard an expert's weights over the TP ranks)."""
+    ep = getattr(parallel, "expert_model_parallel_size", 1)
+    experts = family_of(hf_config.model_type).num_experts(hf_config)
+    if ep > 1 and not experts:
+        raise ValueError(f"parallel.expert_model_parallel_size={ep} needs a mixture-of-experts model: "
+                         f"{hf_config.model_type} has no routed experts")
+    if experts and experts % ep:
+        raise ValueError(f"parallel.expert_model_parallel_size={ep} does not divide num_experts={experts}")
+    etp = getattr(parallel, "expert_tensor_parallel_size", None)
+    if etp is not None and etp != parallel.tensor_model_parallel_size:
+        raise ValueError(f"parallel.expert_tensor_parallel_size={etp} must equal tensor_model_parallel_size="
+                         f"{parallel.tensor_model_parallel_size} (or be unset): the experts' weights are loaded "
+                         "and synced over the TP ranks")
 
 
 def check_sequence_length(hf_config, length: int, *, what: str = "sequence") -> None:
@@ -187,6 +205,8 @@ def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        expert_model_parallel_size=getattr(parallel, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(parallel, "expert_tensor_parallel_size", None),
         sequence_parallel=parallel.sequence_parallel,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
@@ -209,13 +229,16 @@ def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype
 
 
 def actor_transformer_config(hf_config, *, parallel, params_dtype: torch.dtype, recompute: Optional[str] = None,
-                             from_checkpoint: bool = False, transformer_engine: bool = False):
+                             from_checkpoint: bool = False, transformer_engine: bool = False, moe=None):
     """The trainer's ``TransformerConfig`` (``transformer_engine``: built with the TE spec, its fused kernels
     on): :func:`transformer_config_from_hf` with the per-token loss
     (``calculate_per_token_loss``: megatron divides by nothing, ``trainer/actor.py``'s loss contract), no
     random init when the weights come from a checkpoint (minutes per rank at 32B; ``build_gpt_model`` sets
-    the TP attributes init would have set), and the recompute (``full``: every layer, ``selective``)."""
+    the TP attributes init would have set), the recompute (``full``: every layer, ``selective``) and, for a
+    mixture-of-experts model, the router losses of ``moe`` (the recipe's ``MoeConfig``)."""
     overrides: dict[str, Any] = dict(calculate_per_token_loss=True)
+    if moe is not None and family_of(hf_config.model_type).num_experts(hf_config):
+        overrides.update(moe.transformer_config_kwargs())  # the recipe's router losses (``recipe/moe.py``)
     if from_checkpoint:
         overrides["perform_initialization"] = False
     if recompute == "full":

@@ -177,11 +177,10 @@ TRAIN_ONLY = ("activations", "logprob_chunk")
 
 def expert_sizes(recipe, *, ep: Optional[int] = None, etp: Optional[int] = None) -> tuple[int, int]:
     """(EP, expert TP): the arguments where given, else the recipe's ``parallel.expert_model_parallel_size``
-    / ``parallel.expert_tensor_parallel_size`` where it has them, else 1 / the TP size (megatron's
-    default for the experts' TP)."""
+    / ``parallel.expert_tensor_parallel_size`` (None: the TP size, megatron's default for the experts' TP)."""
     p = recipe.parallel
-    ep = ep or getattr(p, "expert_model_parallel_size", None) or 1
-    etp = etp or getattr(p, "expert_tensor_parallel_size", None) or p.tensor_model_parallel_size
+    ep = ep or p.expert_model_parallel_size
+    etp = etp or p.expert_tensor_parallel_size or p.tensor_model_parallel_size
     return ep, etp
 
 

@@ -5,7 +5,7 @@ mutates it at run time. Each section validates its own fields in ``__post_init__
 the world size or the model's shape live in ``ParallelConfig.validate`` and
 ``megatron_credit.models.check_parallel_fits_model`` and run before any model is built.
 
-Sections: ``model``, ``parallel``, ``distributed``, ``cluster`` (planning only), ``data``, ``rollout``, ``reward``, ``algorithm`` (name + typed
+Sections: ``model``, ``parallel``, ``moe``, ``distributed``, ``cluster`` (planning only), ``data``, ``rollout``, ``reward``, ``algorithm`` (name + typed
 params), ``optim``, ``train``, ``warmup``, ``checkpoint``, ``logging``, plus ``seed``.
 
 >>> r = recipe_from_dict({"parallel": {"tensor_model_parallel_size": 2}},
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from megatron_credit.planning.gpu_kinds import GPUS
+from megatron_credit.recipe.moe import MoeConfig
 from megatron_credit.recipe.sections import (AlgorithmConfig, CheckpointConfig, DataConfig, LoggingConfig,
                                              OptimConfig, RewardConfig, RolloutConfig, TrainConfig,
                                              WarmupConfig)
@@ -48,10 +49,22 @@ class ParallelConfig:
     """Ranks that split each sequence (load-balanced 2*cp chunks)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside TP regions (GPU only: the local-spec norm refuses it)."""
+    expert_model_parallel_size: PositiveInt = 1
+    """Ranks that split a mixture-of-experts layer's routed experts (EP); must divide the experts. megatron
+    carves the EP groups out of the TP x CP x DP ranks of a pipeline stage, so EP x ETP must divide them."""
+    expert_tensor_parallel_size: Optional[PositiveInt] = None
+    """Tensor-parallel ranks of one expert (ETP); None: the TP size (megatron's default, the only value
+    the trainer's expert weight loading supports)."""
 
     def __post_init__(self) -> None:
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
             raise ValueError("parallel.sequence_parallel needs tensor_model_parallel_size > 1")
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size (``expert_tensor_parallel_size``, default the TP size)."""
+        etp = self.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if etp is None else etp
 
     @property
     def model_parallel_size(self) -> int:
@@ -67,6 +80,14 @@ class ParallelConfig:
                 f"({self.tensor_model_parallel_size}) x pipeline_model_parallel_size "
                 f"({self.pipeline_model_parallel_size}) x context_parallel_size "
                 f"({self.context_parallel_size}) = {self.model_parallel_size}")
+        stage = world_size // self.pipeline_model_parallel_size  # the TP x CP x DP ranks of one stage
+        experts = self.expert_model_parallel_size * self.expert_tp
+        if stage % experts:
+            raise ValueError(
+                f"parallel.expert_model_parallel_size={self.expert_model_parallel_size} x expert_tensor_parallel_size="
+                f"{self.expert_tp} must divide the {stage} ranks of a pipeline stage (world_size {world_size} / "
+                f"pipeline_model_parallel_size {self.pipeline_model_parallel_size}): megatron's expert groups "
+                "split them")
 
     def data_parallel_size(self, *, world_size: int) -> int:
         """Data-parallel replicas for ``world_size`` ranks (after ``validate``)."""
@@ -222,6 +243,8 @@ class Recipe:
     """Process groups (timeouts)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """The cluster the recipe was sized for (planning and launchers only)."""
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """A mixture-of-experts actor's router losses (ignored by a dense model)."""
     data: DataConfig = field(default_factory=DataConfig)
     """Prompts."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -307,13 +330,17 @@ class Recipe:
 
     def validate(self, *, world_size: int, arch) -> dict[str, int]:
         """Raise ``ValueError`` (the first of :meth:`problems`) unless the recipe runs on ``world_size``
-        ranks with the model ``arch``; returns the layout ``{"tp", "pp", "cp", "dp"}``."""
+        ranks with the model ``arch``; returns the layout ``{"tp", "pp", "cp", "dp"}`` (and ``"ep"`` when
+        the experts are split)."""
         problems = self.problems(arch, world_size=world_size)
         if problems:
             raise ValueError(problems[0])
         p = self.parallel
-        return {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
-                "cp": p.context_parallel_size, "dp": p.data_parallel_size(world_size=world_size)}
+        layout = {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size,
+                  "cp": p.context_parallel_size, "dp": p.data_parallel_size(world_size=world_size)}
+        if p.expert_model_parallel_size > 1:  # dense layouts (and their checkpoints' meta) stay as they were
+            layout["ep"] = p.expert_model_parallel_size
+        return layout
 
 
 TINY_QWEN2: Mapping[str, Any] = types.MappingProxyType(dict(

@@ -86,6 +86,9 @@ def load_named_tensor_buckets(
     by_identity: dict[int, list[str]] = {}
     for name, tensor in targets.items():
         by_identity.setdefault(id(tensor), []).append(name)
+    owner = {name: id(t) for name, t in targets.items()}
+    for name, (view, base) in _expert_views(targets).items():
+        targets[name], owner[name] = view, id(base)
     covered: set[int] = set()
     count = 0
     for bucket in buckets:
@@ -93,9 +96,8 @@ def load_named_tensor_buckets(
             _check(name, tensor, targets)
         with torch.no_grad():
             for name, tensor in bucket:
-                dst = targets[name]
-                dst.copy_(tensor)
-                covered.add(id(dst))
+                targets[name].copy_(tensor)
+                covered.add(owner[name])
                 count += 1
     if strict:
         missing = [names[0] for key, names in by_identity.items() if key not in covered]
@@ -105,6 +107,25 @@ def load_named_tensor_buckets(
                 f"e.g. {sorted(missing)[:8]}"
             )
     return count
+
+
+def _expert_views(targets: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Checkpoint name -> (view, stacked tensor) of each routed expert that transformers 5 holds stacked
+    (``mlp.experts.gate_up_proj`` [E, 2I, H] = per expert ``[gate; up]``, ``mlp.experts.down_proj``
+    [E, H, I]): the weight stream names experts one by one, as checkpoints do."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, t in targets.items():
+        if t.dim() != 3:
+            continue
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, half = name[:-len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = (t[e, :half], t)
+                out[f"{prefix}{e}.up_proj.weight"] = (t[e, half:], t)
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[:-len("down_proj")]
+            out.update({f"{prefix}{e}.down_proj.weight": (t[e], t) for e in range(t.shape[0])})
+    return out
 
 
 def _check(name: str, tensor: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:

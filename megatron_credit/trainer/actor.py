@@ -49,6 +49,7 @@ from megatron_credit.batch.train_batch import MicroBatch
 if TYPE_CHECKING:
     from megatron_credit.algorithm.capture import Capture
     from megatron_credit.recipe.config import ModelConfig, ParallelConfig
+    from megatron_credit.recipe.moe import MoeConfig
     from megatron_credit.recipe.sections import OptimConfig
 
 LossFn = Callable[[MicroBatch, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], dict],
@@ -74,11 +75,13 @@ class Actor(OptimizerStep):
                  device: torch.device, with_critic: bool, with_reference: bool, seed: int,
                  temperature: float = 1.0, recompute: Optional[str] = None, logprob_chunk_size: int = 1024,
                  critic_factory: Optional[Callable[[], torch.nn.Module]] = None, critic_layers: int = 1,
-                 capture: Optional[Capture] = None, role: str = "policy", packed_sequences: bool = False):
+                 capture: Optional[Capture] = None, role: str = "policy", packed_sequences: bool = False,
+                 moe: Optional[MoeConfig] = None):
         """The recipe's ``model``, ``parallel`` and ``optim`` sections, and the few values of others the
         actor reads (``trainer.loop.actor_settings`` unpacks them): ``seed`` (a feature critic's
         initialisation), ``temperature`` (``rollout.temperature``: the log-probs are those of the sampling
-        distribution), ``recompute`` and ``logprob_chunk_size`` (``train.*``).
+        distribution), ``recompute`` and ``logprob_chunk_size`` (``train.*``), ``moe`` (the router losses of a
+        mixture-of-experts model, ``recipe.moe``).
 
         ``critic_factory``: builds the value head of the last stage (default: a zero-initialised linear
         head on the actor's trunk, PPO). A factory's module (a feature critic) reads detached actor
@@ -115,7 +118,7 @@ class Actor(OptimizerStep):
         te = resolve_transformer_engine(model.use_transformer_engine())  # the spec, and so the fused kernels
         self.config = actor_transformer_config(hf_config, parallel=parallel, params_dtype=model.torch_dtype(),
                                                recompute=recompute, from_checkpoint=self.from_checkpoint,
-                                               transformer_engine=te)
+                                               transformer_engine=te, moe=moe)
         self.packed_sequences = packed_sequences
         if packed_sequences and parallel.pipeline_model_parallel_size > 1:
             self.config.variable_seq_lengths = True  # packed micro-batches differ in length
@@ -152,6 +155,13 @@ class Actor(OptimizerStep):
             self.reference.load_state_dict(self.model.state_dict(), strict=False)
             self.reference.requires_grad_(False).eval()
         self._read_process_groups(ps)
+        self.router_monitor = None  # a mixture-of-experts model's router statistics (``trainer/moe.py``)
+        if self.config.num_moe_experts:
+            from megatron_credit.trainer.moe import RouterMonitor
+
+            self.router_monitor = RouterMonitor(self.model, num_layers=self.config.num_layers,
+                                                num_experts=self.config.num_moe_experts,
+                                                pp_group=self.pp_group if self.pp_size > 1 else None)
         self.optimizer = self._build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, o)
         # last_lr reports the policy's lr, or a separate critic's own
@@ -196,6 +206,8 @@ class Actor(OptimizerStep):
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.pp_last_rank = ps.get_pipeline_model_parallel_last_rank()  # global rank of this pipeline's last stage
         self.dp_rank = ps.get_data_parallel_rank()
+        self.ep_size, self.ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+        self.ep_group = ps.get_expert_model_parallel_group() if self.ep_size > 1 else None
 
     def _hook_layer_outputs(self, count: int) -> None:
         """Keep the outputs ``[s, b, H]`` (detached) of this stage's last ``count`` decoder layers before the
@@ -299,13 +311,46 @@ class Actor(OptimizerStep):
         first = microbatches[0]
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         runner.train(not forward_only)
-        with grad_ctx:
+        with grad_ctx, self._aux_loss_scale(microbatches, forward_only):
             out = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(microbatches), model=[runner],
                 num_microbatches=len(microbatches),
                 # The global length: megatron's get_tensor_shapes divides it by CP (and TP with SP).
                 seq_length=first.seq_len, micro_batch_size=first.num_rows, forward_only=forward_only)
         return list(out) if self.last_stage else []
+
+    def _aux_loss_scale(self, microbatches: Sequence[MicroBatch], forward_only: bool):
+        """A training pass of a mixture-of-experts model weighs megatron's router losses by ``1 / N``, N the
+        router tokens of these micro-batches over DP x CP (``trainer/moe.aux_loss_scale``)."""
+        if forward_only or not self.config.num_moe_experts:
+            return contextlib.nullcontext()
+        import torch.distributed as dist
+
+        from megatron_credit.trainer.moe import aux_loss_scale
+
+        tokens = torch.tensor([float(sum(mb.num_rows * mb.seq_len // self.cp_size for mb in microbatches))],
+                              dtype=torch.float64, device=self.device)
+        if dist.get_world_size(self.dp_cp_group) > 1:
+            dist.all_reduce(tokens, group=self.dp_cp_group)
+        return aux_loss_scale(1.0 / float(tokens.clamp(min=1)))
+
+    # -- model statistics ------------------------------------------------------------------------------
+    @property
+    def metric_tables(self) -> tuple:
+        """The metric tables of what :meth:`model_statistics` returns (a dense model: none)."""
+        from megatron_credit.trainer.moe import MOE
+
+        return (MOE,) if self.router_monitor is not None else ()
+
+    def reset_model_statistics(self) -> None:
+        """Forget what the model's own statistics gathered so far (before an iteration's update)."""
+        if self.router_monitor is not None:
+            self.router_monitor.statistics(self.device, reduce=False)
+
+    def model_statistics(self) -> dict[str, torch.Tensor]:
+        """The model's own ``sum:`` statistics of the training forwards since the last call (a mixture of
+        experts: its routers'), equal on every pipeline stage; collective over PP. Resets them."""
+        return self.router_monitor.statistics(self.device) if self.router_monitor is not None else {}
 
     # -- the value head ------------------------------------------------------------------------------
     def _values(self, head, mb: MicroBatch, h: torch.Tensor, aux: dict) -> torch.Tensor:
@@ -353,11 +398,14 @@ class Actor(OptimizerStep):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
                 hf_model = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
-            state = hf_model.state_dict()
+            from megatron_credit.conversion.testing import checkpoint_state
+
+            state = checkpoint_state(hf_model.state_dict())  # routed experts under the checkpoint's names
             get, source = state.__getitem__, f"random initialisation (seed {seed})"
         local = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if not k.startswith("value_head.")}
         load_hf_into_local_state(local, get, family_for_config(self.hf_config), self.hf_config,
-                                 tp_rank=self.tp_rank, tp_size=self.tp_size, layer_offset=self.layer_offset)
+                                 tp_rank=self.tp_rank, tp_size=self.tp_size, layer_offset=self.layer_offset,
+                                 ep_rank=self.ep_rank, ep_size=self.ep_size)
         self.sync_optimizer_from_model()
         self.reset_reference()
         # a reference that is these HF weights is saved as their path (trainer/checkpoint.reference_extras)
@@ -388,7 +436,8 @@ class Actor(OptimizerStep):
         return iter_hf_weight_buckets(state, family_for_config(self.hf_config), self.hf_config,
                                       tp_group=self.tp_group if self.tp_size > 1 else None,
                                       pp_group=self.pp_group if self.pp_size > 1 else None,
-                                      layer_offset=self.layer_offset, bucket_bytes=bucket_bytes)
+                                      ep_group=self.ep_group, layer_offset=self.layer_offset,
+                                      bucket_bytes=bucket_bytes)
 
     def reset_reference(self) -> None:
         """The frozen reference := the current policy (after a warm-up or an initial load)."""

@@ -27,15 +27,24 @@ class OptimizerStep:
 
         Megatron's counting: TP-sharded parameters add their shard on every TP rank; parameters
         replicated over TP are counted on TP rank 0 only; the last stage's copy of a tied embedding
-        (``shared``) is not counted; stages are summed over PP."""
+        (``shared``) is not counted; routed experts (megatron's ``allreduce=False``) are summed over EP first;
+        stages are summed over PP."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert_sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.model.parameters() if params is None else params:
             g = grad_of(p)
             if g is None or getattr(p, "shared", False):
                 continue
             if not getattr(p, "tensor_model_parallel", False) and self.tp_rank != 0:
                 continue
-            sq += g.detach().double().pow(2).sum()
+            if getattr(p, "allreduce", True):
+                sq += g.detach().double().pow(2).sum()
+            else:
+                expert_sq += g.detach().double().pow(2).sum()
+        ep_size = getattr(self, "ep_size", 1)
+        if ep_size > 1:
+            dist.all_reduce(expert_sq, group=self.ep_group)
+        sq = sq + expert_sq
         for group, size in ((self.tp_group, self.tp_size), (self.pp_group, self.pp_size)):
             if size > 1:
                 dist.all_reduce(sq, group=group)

@@ -133,4 +133,4 @@ class Context:
             dist.broadcast_object_list(box, src=self.actor.pp_last_rank,
                                        group=self.actor.pp_group, device=self.actor.device)
             stats.values = box[0]
-        return finalize(stats, self.algorithm.metrics)
+        return finalize(stats, (*self.algorithm.metrics, *self.actor.metric_tables))

@@ -80,10 +80,11 @@ class Run:
 def actor_settings(recipe) -> dict:
     """The recipe's sections and values an :class:`~megatron_credit.trainer.actor.Actor` (and a separate
     critic) reads: ``model``, ``parallel``, ``optim``, the run's seed, the sampling temperature and the
-    ``train`` fields of the forward pass (``packed_sequences``: ``recipe.packing``)."""
+    ``train`` fields of the forward pass (``packed_sequences``: ``recipe.packing``) and ``moe``."""
     return {"model": recipe.model, "parallel": recipe.parallel, "optim": recipe.optim, "seed": recipe.seed,
             "temperature": recipe.rollout.temperature, "recompute": recipe.train.recompute,
-            "logprob_chunk_size": recipe.train.logprob_chunk_size, "packed_sequences": recipe.packing}
+            "logprob_chunk_size": recipe.train.logprob_chunk_size, "packed_sequences": recipe.packing,
+            "moe": recipe.moe}
 
 
 def off_policy_algorithm(recipe):

@@ -42,6 +42,7 @@ def rl_iteration(ctx: Context, iteration: int) -> dict[str, float]:
     if not fused:
         add_mismatch(batch, stats)
     with timer("update"):
+        ctx.actor.reset_model_statistics()  # the update's forwards only (not a warm-up's)
         for epoch in range(ctx.knobs.epochs):
             for i, mini in enumerate(plan):
                 update_minibatch(ctx, batch, mini, stats, first=epoch == 0 and i == 0,
@@ -49,6 +50,7 @@ def rl_iteration(ctx: Context, iteration: int) -> dict[str, float]:
     if fused:  # the first mini-batch's old log-probs exist only now
         add_mismatch(batch, stats)
     credit_diagnostics(ctx, batch, iteration, stats)
+    stats.add(ctx.actor.model_statistics())  # e.g. a mixture of experts' routing (``Actor.metric_tables``)
     return {**rollout_metrics, **ctx.reduce_stats(stats)}
 
 

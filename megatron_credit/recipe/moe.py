@@ -1,0 +1,46 @@
+"""The ``moe`` recipe section: the training choices of a mixture-of-experts actor (its router's auxiliary
+losses). A dense model ignores it; the facts of the checkpoint (experts, top-k, routing) come from the
+model's family (``families/``), not from here.
+
+>>> MoeConfig().transformer_config_kwargs()
+{'moe_token_dispatcher_type': 'alltoall', 'moe_router_load_balancing_type': 'aux_loss', 'moe_aux_loss_coeff': 0.001, 'moe_z_loss_coeff': None}
+>>> MoeConfig(load_balancing_type="none").transformer_config_kwargs()["moe_aux_loss_coeff"]
+0.0
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_credit.typed_build import NonNegativeFloat
+
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+"""megatron's ``moe_router_load_balancing_type`` values a top-k softmax router takes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoeConfig:
+    """The router's auxiliary losses (megatron's), added to the actor's loss in its backward."""
+
+    load_balancing_type: str = "aux_loss"
+    """megatron's load-balancing loss: ``aux_loss`` (Switch-style, over each micro-batch's tokens, as
+    Qwen3-MoE trains), ``seq_aux_loss`` (per sequence), ``global_aux_loss`` (over the global batch) or
+    ``none``."""
+    aux_loss_coeff: NonNegativeFloat = 1e-3
+    """Weight of the load-balancing loss (Qwen3-MoE's ``router_aux_loss_coef``: 1e-3)."""
+    z_loss_coeff: NonNegativeFloat = 0.0
+    """Weight of the router z-loss (ST-MoE; 0: off, as Qwen3-MoE)."""
+
+    def __post_init__(self) -> None:
+        if self.load_balancing_type not in LOAD_BALANCING_TYPES:
+            raise ValueError(f"moe.load_balancing_type={self.load_balancing_type!r} is not one of "
+                             f"{list(LOAD_BALANCING_TYPES)}")
+
+    def transformer_config_kwargs(self) -> dict[str, Any]:
+        """The ``TransformerConfig`` fields of an MoE actor (``models.actor_transformer_config``)."""
+        off = self.load_balancing_type == "none"
+        # alltoall: each rank sends its own token count (packed micro-batches differ in length across
+        # ranks; megatron's default allgather dispatcher needs equal counts)
+        return {"moe_token_dispatcher_type": "alltoall", "moe_router_load_balancing_type": self.load_balancing_type,
+                "moe_aux_loss_coeff": 0.0 if off else self.aux_loss_coeff,
+                "moe_z_loss_coeff": self.z_loss_coeff or None}
