@@ -16,6 +16,8 @@ is sampled and which log-probs are returned:
   of it, and until then are fed along with the rest and ignored;
 - log-probs are "raw" (full-vocabulary ``log_softmax(logits / T)``, what the trainer recomputes) or
   "processed" (after top-k/top-p renormalisation), per ``SamplingParams.logprobs_mode``.
+- a mixture-of-experts model's routing is recorded (:class:`RoutingRecorder`, forward hooks on its routers):
+  each sample carries the experts every token was sent to, for the trainer to replay (``moe.routing_replay``).
 
 Weights arrive from the megatron actor as HF-named tensor buckets and are copied in place
 (:mod:`megatron_credit.rollout.weight_sync`).
@@ -93,6 +95,7 @@ class HFRolloutEngine:
         # deprecated); older releases only know the old one.
         params = inspect.signature(self._model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._routing = RoutingRecorder.attach(self._model)  # None for a dense model
 
     @property
     def model(self) -> Any:
@@ -209,6 +212,10 @@ class HFRolloutEngine:
         first_token_s = time.perf_counter() - start
         # The mask grows by one column per step: allocate it once (finished rows keep attending; ignored).
         prompt_len = prompt_mask.shape[1]
+        routes = None  # [rows, prompt_len + steps, layers, top_k]: each position's experts (left-padded prompt)
+        if self._routing is not None:
+            routes = self._routing.buffer(rows, prompt_len + steps, device=self.device)
+            routes[:, :prompt_len] = self._routing.take(len(prompts), prompt_len).repeat_interleave(n, dim=0)
         mask = torch.ones((rows, prompt_len + steps), dtype=torch.long, device=self.device)
         mask[:, :prompt_len] = prompt_mask
         vocab = logits.shape[-1]
@@ -256,22 +263,37 @@ class HFRolloutEngine:
                 prefix = torch.cat([prompt_ids[live], tokens[live, : step + 1]], dim=1)
                 prefix_mask = mask[live, : prompt_len + step + 1]
                 logits, cache = self._forward(prefix, prefix_mask, (prefix_mask.cumsum(-1) - 1).clamp_min(0), None)
+                if routes is not None:  # the prefixes' routing under the new weights
+                    routes[live, : prompt_len + step + 1] = self._routing.take(len(live), prompt_len + step + 1)
             else:
                 logits, cache = self._forward(tok.unsqueeze(-1), mask[live, : prompt_len + step + 1],
                                               next_pos.unsqueeze(-1), cache)
+                if routes is not None:
+                    routes[live, prompt_len + step] = self._routing.take(len(live), 1)[:, 0]
             next_pos = next_pos + 1
         return self._to_samples(prompts, gids, params, tokens, logps, length, status, finish_step, first_token_s,
-                                step_end_s)
+                                step_end_s, routes)
 
     @staticmethod
-    def _to_samples(prompts, gids, params, tokens, logps, length, status, finish_step, first_token_s, step_end_s):
-        """Per-row tensors (tokens, logps [rows, steps]; length, status, finish_step [rows]) -> samples per prompt."""
+    def _to_samples(prompts, gids, params, tokens, logps, length, status, finish_step, first_token_s, step_end_s,
+                    routes=None):
+        """Per-row tensors (tokens, logps [rows, steps]; length, status, finish_step [rows]; ``routes``: each
+        left-padded position's experts ``[rows, prompt_len + steps, layers, top_k]`` or None) -> samples per
+        prompt. A sample's last token never went through the model: its routing is -1, whether or not the
+        row was still fed (which depends on the other rows of the batch)."""
         n = params.n
         tokens, logps = tokens.cpu(), logps.float().cpu()
         length, status, finish_step = length.tolist(), status.tolist(), finish_step.tolist()
+        routes = routes.cpu() if routes is not None else None
+        prompt_len = routes.shape[1] - tokens.shape[1] if routes is not None else 0
         out: list[list[RolloutSample]] = [[] for _ in prompts]
         for r in range(len(prompts) * n):
             st = FinishStatus(status[r])
+            routed = None
+            if routes is not None:
+                p = len(prompts[r // n])
+                routed = routes[r, prompt_len - p: prompt_len + length[r]].clone()
+                routed[-1] = -1
             out[r // n].append(RolloutSample(
                 prompt_ids=list(prompts[r // n]),
                 response_ids=tokens[r, : length[r]].tolist(),
@@ -279,6 +301,7 @@ class HFRolloutEngine:
                 status=st, group_id=gids[r // n], sample_index=r % n, logprobs_mode=params.logprobs_mode,
                 timings=SampleTimings(first_token_s=first_token_s, finish_s=step_end_s[finish_step[r]]),
                 error=f"non-finite logits after {length[r]} tokens" if st == FinishStatus.FAILED else "",
+                routed_experts=routed,
             ))
         return out
 
@@ -348,6 +371,53 @@ class HFRolloutEngine:
     def close(self) -> None:
         self._model = None
         empty_cache(self.device)
+
+
+class RoutingRecorder:
+    """The experts a HF mixture-of-experts model sends each token to, per MoE layer: forward hooks on its
+    routers (Qwen3-MoE's ``mlp.gate``: a ``TopKRouter`` returning ``(logits, weights, indices)`` in
+    transformers 5, a linear layer returning the logits in 4.x, whose top-k of the softmax we take as the
+    block does). :meth:`take` returns what the last forward routed."""
+
+    def __init__(self, gates: list, top_k: int) -> None:
+        self.top_k = top_k
+        self._last: list = [None] * len(gates)
+        for i, gate in enumerate(gates):
+            gate.register_forward_hook(self._hook(i))
+
+    @classmethod
+    def attach(cls, model) -> "RoutingRecorder | None":
+        """A recorder on ``model``'s routers, in layer order; None when it has none (a dense model)."""
+        top_k = getattr(model.config, "num_experts_per_tok", None)
+        gates = [m.mlp.gate for m in _decoder_layers(model) if hasattr(getattr(m, "mlp", None), "experts")]
+        return cls(gates, int(top_k)) if gates and top_k else None
+
+    def _hook(self, i: int):
+        def keep(_module, _inputs, output) -> None:
+            if isinstance(output, tuple):
+                self._last[i] = output[2]
+            else:
+                self._last[i] = torch.topk(torch.softmax(output.float(), dim=-1), self.top_k, dim=-1).indices
+        return keep
+
+    def buffer(self, rows: int, positions: int, *, device: torch.device) -> torch.Tensor:
+        """``[rows, positions, layers, top_k]`` int16 on ``device``, filled with -1 (no routing)."""
+        return torch.full((rows, positions, len(self._last), self.top_k), -1, dtype=torch.int16, device=device)
+
+    def take(self, rows: int, positions: int) -> torch.Tensor:
+        """The last forward's experts as ``[rows, positions, layers, top_k]`` int16 (its input was
+        ``[rows, positions]``: the routers see the tokens row by row)."""
+        if any(x is None for x in self._last):
+            raise RuntimeError("a router of the model did not run in the last forward")
+        out = torch.stack([x.reshape(rows, positions, self.top_k) for x in self._last], dim=2)
+        self._last = [None] * len(self._last)
+        return out.to(torch.int16)  # on the model's device: no host sync per decode step
+
+
+def _decoder_layers(model) -> list:
+    """The decoder layers of a HF causal LM (``model.model.layers``), [] when it has none there."""
+    inner = getattr(model, "model", None)
+    return list(getattr(inner, "layers", []) or [])
 
 
 def _wake_tags(tags: Sequence[str] | None) -> set[str]:

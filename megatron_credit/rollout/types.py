@@ -109,6 +109,11 @@ class RolloutSample:
     timings: SampleTimings = field(default_factory=SampleTimings)
     error: str = ""
     """Why the sample FAILED; empty otherwise."""
+    routed_experts: torch.Tensor | None = None
+    """A mixture-of-experts engine's routing: ``[num_tokens, layers, top_k]`` int16, the experts each token
+    (prompt, then response) was sent to in each MoE layer, -1 for a token the engine never ran through the
+    model (the last sampled token); None for a dense model or an engine that does not report it. The trainer
+    replays it (``moe.routing_replay``)."""
 
     def __post_init__(self):
         if self.logprobs.shape != (len(self.response_ids),):
@@ -116,6 +121,10 @@ class RolloutSample:
                 f"logprobs must have shape [{len(self.response_ids)}] (one per response token), "
                 f"got {tuple(self.logprobs.shape)}"
             )
+        r = self.routed_experts
+        if r is not None and (r.dim() != 3 or r.shape[0] != self.num_tokens):
+            raise ValueError(f"routed_experts must have shape [{self.num_tokens}, layers, top_k] (one row per "
+                             f"prompt and response token), got {tuple(r.shape)}")
 
     @property
     def num_tokens(self) -> int:
@@ -147,6 +156,9 @@ class PaddedRollout:
     """[B] int64: prompt group of each row."""
     status: torch.Tensor
     """[B] int64: FinishStatus value of each row."""
+    routed_experts: torch.Tensor | None = None
+    """[B, T, layers, top_k] int16: each token's routed experts (:attr:`RolloutSample.routed_experts`), -1 on
+    padding and where the engine reported none; None when no sample carries them."""
 
 
 @dataclass(kw_only=True)
@@ -181,12 +193,21 @@ class RolloutBatch:
         attention_mask = torch.zeros((b, t), dtype=torch.bool)
         response_mask = torch.zeros((b, t), dtype=torch.bool)
         logprobs = torch.zeros((b, t), dtype=torch.float32)
+        routes = [s.routed_experts for s in self.samples if s.routed_experts is not None]
+        routed = None
+        if routes:
+            shapes = sorted({tuple(r.shape[1:]) for r in routes})
+            if len(shapes) > 1:
+                raise ValueError(f"samples report routing of different [layers, top_k] shapes: {shapes}")
+            routed = torch.full((b, t, *routes[0].shape[1:]), -1, dtype=torch.int16)
         for i, s in enumerate(self.samples):
             p, r = len(s.prompt_ids), len(s.response_ids)
             input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
             attention_mask[i, : p + r] = True
             response_mask[i, p : p + r] = True
             logprobs[i, p : p + r] = s.logprobs.float()
+            if s.routed_experts is not None:
+                routed[i, : p + r] = s.routed_experts.to(torch.int16)
         return PaddedRollout(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -196,4 +217,5 @@ class RolloutBatch:
             response_lens=torch.tensor([len(s.response_ids) for s in self.samples], dtype=torch.long),
             group_ids=torch.tensor([s.group_id for s in self.samples], dtype=torch.long),
             status=torch.tensor([int(s.status) for s in self.samples], dtype=torch.long),
+            routed_experts=routed,
         )

@@ -288,6 +288,10 @@ class VLLMRolloutEngine:
                   "rope_theta": model.rope_theta, "seed_mode": rollout.seed_mode, **dict(rollout.engine_options or {})}
         if gpus is not None:
             kwargs["gpus"] = tuple(gpus)
+        from megatron_credit.families import family_of
+
+        if hf_config is not None and family_of(hf_config.model_type).num_experts(hf_config):  # the routing it replays
+            kwargs["engine_kwargs"] = {"enable_return_routed_experts": True, **(kwargs.get("engine_kwargs") or {})}
         try:
             engine = cls(**kwargs)
         except BaseException:

@@ -69,7 +69,36 @@ def completion_to_sample(
         sample_index=sample_offset + int(completion.index), logprobs_mode=params.logprobs_mode,
         # vLLM's offline API reports no per-sample times we trust; both fall back to the call's wall time.
         timings=SampleTimings(first_token_s=wall_s, finish_s=wall_s), error=error,
+        routed_experts=routed_experts_of(completion, len(prompt) + len(tokens)),
     )
+
+
+def routed_experts_of(completion: Any, num_tokens: int):
+    """vLLM's routed experts of a completion (``CompletionOutput.routed_experts``, ``[positions, layers,
+    top_k]`` from the first prompt token on, with ``enable_return_routed_experts``: vLLM 0.32) as
+    ``[num_tokens, layers, top_k]`` int16, -1 where vLLM reported none and on the last token (never run
+    through the model, as in the "hf" engine); None when it reported nothing.
+
+    >>> import numpy as np
+    >>> from types import SimpleNamespace as NS
+    >>> routed_experts_of(NS(routed_experts=np.array([[[0, 2]], [[1, 3]], [[3, 0]]])), 4)[:, 0].tolist()
+    [[0, 2], [1, 3], [3, 0], [-1, -1]]
+    >>> routed_experts_of(NS(routed_experts=None), 4) is None
+    True
+    """
+    import torch
+
+    routed = getattr(completion, "routed_experts", None)
+    if routed is None:
+        return None
+    got = torch.as_tensor(routed).to(torch.int16)
+    if got.dim() != 3 or got.shape[0] > num_tokens:
+        raise ValueError(f"vLLM's routed_experts has shape {tuple(got.shape)}; expected [<= {num_tokens} "
+                         "positions, layers, top_k]")
+    out = torch.full((num_tokens, *got.shape[1:]), -1, dtype=torch.int16)
+    out[: got.shape[0]] = got
+    out[-1] = -1
+    return out
 
 
 def request_plan(prompt_indices: Sequence[int], params: SamplingParams) -> list[tuple[int, int, int]]:
