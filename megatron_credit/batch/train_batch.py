@@ -37,6 +37,16 @@ from megatron_credit.batch.packing import PackedLayout
 # (``TrainBatch.extras``, which may have trailing dimensions: ``[B, T, ...]``). All are [B, T].
 TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "rollout_logp", "old_logp", "ref_logp", "values",
                 "advantages", "returns")
+# Per-position model inputs (indexed like ``input_ids``, not shifted), cut with the fields above: a mixture
+# of experts' routed experts ``[B, T, layers, top_k]``, -1 where there is none (and on padding).
+POSITION_FIELDS = ("routed_experts",)
+FILL = {"input_ids": None, "labels": None, "routed_experts": -1}
+"""The padding value of a field (None: the pad id); 0 for the others."""
+
+
+def _fill(name: str, pad_id: int):
+    value = FILL.get(name, 0)
+    return pad_id if value is None else value
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -75,6 +85,9 @@ class TrainBatch:
     """``[B, T]`` the log-probs of the update's forward of each row (the policy that updated on it; the last
     epoch's), after the update: what FIPO's weights read, and the credit maps' log-prob change. Not cut into
     micro-batches."""
+    routed_experts: Optional[torch.Tensor] = None
+    """``[B, T, layers, top_k]`` int16 the rollout engine's experts of each token (position space, like
+    ``input_ids``; -1 where the engine reported none): what the actor's routers replay (``moe.routing_replay``)."""
     extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """``{name: [B, T, ...]}`` the algorithm's side channels: its capture's outputs from the behaviour pass
     (``algorithm/capture.py``), its ``behaviour_extras`` and what its state adds before the estimator. Cut
@@ -104,7 +117,7 @@ def train_batch_from_rollout(padded, *, rewards: torch.Tensor, correct: torch.Te
         input_ids=ids, labels=shift(ids, pad_id), loss_mask=shift(padded.response_mask, False),
         rollout_logp=shift(padded.rollout_logprobs, 0.0),
         seq_lens=padded.prompt_lens + padded.response_lens, group_ids=padded.group_ids,
-        rewards=rewards.float(), correct=correct.bool(),
+        rewards=rewards.float(), correct=correct.bool(), routed_experts=getattr(padded, "routed_experts", None),
         policy_version=None if policy_version is None else torch.as_tensor(policy_version, dtype=torch.int64).expand(
             ids.shape[0]).clone())
 
@@ -155,7 +168,8 @@ class MicroBatch:
     position_ids: torch.Tensor
     """``[b, s]`` global positions of this rank's tokens."""
     tensors: dict
-    """Per-token fields of :data:`TOKEN_FIELDS` that are set, ``[b, s]`` (this CP rank's share)."""
+    """Per-token fields of :data:`TOKEN_FIELDS` and :data:`POSITION_FIELDS` that are set, and the side
+    channels, ``[b, s(, ...)]`` (this CP rank's share)."""
     whole_loss_mask: torch.Tensor
     """``[b, seq_len]`` loss mask of the whole rows (for per-response denominators under CP); packed: the
     ``[n, T]`` rows of the batch's loss mask."""
@@ -229,12 +243,12 @@ def make_microbatch(batch: TrainBatch, rows: Sequence[int], *, seq_len: int, num
     to ``device`` (the actor's)."""
     idx = torch.tensor(list(rows), dtype=torch.long)
     out = {}
-    for name in TOKEN_FIELDS + tuple(batch.extras):
+    for name in TOKEN_FIELDS + POSITION_FIELDS + tuple(batch.extras):
         t = batch.extras[name] if name in batch.extras else getattr(batch, name)
         if t is None:
             continue
         t = t[idx]
-        fill = pad_id if name in ("input_ids", "labels") else 0
+        fill = _fill(name, pad_id)
         if t.shape[1] < seq_len:
             t = torch.cat([t, t.new_full((t.shape[0], seq_len - t.shape[1], *t.shape[2:]), fill)], dim=1)
         t = t[:, :seq_len]
@@ -262,10 +276,10 @@ def make_packed_microbatch(batch: TrainBatch, rows: Sequence[int], *, multiple: 
     idx = torch.tensor(list(rows), dtype=torch.long)
     layout = PackedLayout.build(batch.seq_lens[idx].tolist(), multiple=multiple, cp_size=cp_size, cp_rank=cp_rank)
     out = {}
-    for name in TOKEN_FIELDS + tuple(batch.extras):
+    for name in TOKEN_FIELDS + POSITION_FIELDS + tuple(batch.extras):
         t = batch.extras[name] if name in batch.extras else getattr(batch, name)
         if t is not None:
-            out[name] = layout.pack(t[idx], pad_id if name in ("input_ids", "labels") else 0)
+            out[name] = layout.pack(t[idx], _fill(name, pad_id))
     return MicroBatch(rows=tuple(int(r) for r in rows), num_rows=1, seq_len=layout.total_tokens,
                       position_ids=to_device(layout.positions[None], device),
                       tensors={k: to_device(v, device) for k, v in out.items()},

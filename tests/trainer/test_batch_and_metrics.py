@@ -91,6 +91,7 @@ def _with_fields(tb, k=3):
     tb.advantages = torch.randn(b, t, generator=g)
     tb.extras = {"topk_idx": torch.randint(0, t, (b, t, k), generator=g),  # side channels of [B, T, K]
                  "topk_w": torch.rand(b, t, k, generator=g)}
+    tb.routed_experts = torch.randint(0, 4, (b, t, 2, 2), generator=g, dtype=torch.int16)  # [B, T, layers, top-k]
     return tb
 
 
@@ -101,10 +102,11 @@ def test_make_microbatch_cuts_pads_and_fills_like_a_loop(seq_len):
     rows, num_rows = [4, 0, 2], 5
     mb = make_microbatch(tb, rows, seq_len=seq_len, num_rows=num_rows, pad_id=PAD, device=CPU)
     assert mb.rows == (4, 0, 2) and mb.num_rows == num_rows and mb.seq_len == seq_len
-    assert set(mb.tensors) == {f for f in TOKEN_FIELDS if getattr(tb, f) is not None} | set(tb.extras)
+    assert set(mb.tensors) == ({f for f in TOKEN_FIELDS if getattr(tb, f) is not None} | set(tb.extras)
+                               | {"routed_experts"})
     for name, t in mb.tensors.items():
         src = tb.extras[name] if name in tb.extras else getattr(tb, name)
-        fill = PAD if name in ("input_ids", "labels") else 0
+        fill = PAD if name in ("input_ids", "labels") else -1 if name == "routed_experts" else 0
         assert t.shape[:2] == (num_rows, seq_len) and t.shape[2:] == src.shape[2:] and t.dtype == src.dtype, name
         for i in range(num_rows):
             for j in range(seq_len):
