@@ -16,6 +16,7 @@ from megatron_credit.typed_build import NonNegativeFloat
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 """megatron's ``moe_router_load_balancing_type`` values a top-k softmax router takes."""
+ROUTING_REPLAY = ("rollout", "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,11 +31,18 @@ class MoeConfig:
     """Weight of the load-balancing loss (Qwen3-MoE's ``router_aux_loss_coef``: 1e-3)."""
     z_loss_coeff: NonNegativeFloat = 0.0
     """Weight of the router z-loss (ST-MoE; 0: off, as Qwen3-MoE)."""
+    routing_replay: str = "rollout"
+    """``rollout``: the actor's routers send each token to the experts the rollout engine sent it to, in the
+    behaviour pass and the update (rollout routing replay, R3; the gate weights stay the trainer's); ``none``:
+    the routers choose. Either way ``moe/routing_agreement`` reports how often they agree
+    (``trainer/moe.py``). Tokens the engine reported no routing for keep the router's choice."""
 
     def __post_init__(self) -> None:
         if self.load_balancing_type not in LOAD_BALANCING_TYPES:
             raise ValueError(f"moe.load_balancing_type={self.load_balancing_type!r} is not one of "
                              f"{list(LOAD_BALANCING_TYPES)}")
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise ValueError(f"moe.routing_replay={self.routing_replay!r} is not one of {list(ROUTING_REPLAY)}")
 
     def transformer_config_kwargs(self) -> dict[str, Any]:
         """The ``TransformerConfig`` fields of an MoE actor (``models.actor_transformer_config``)."""

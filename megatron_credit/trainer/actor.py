@@ -162,6 +162,15 @@ class Actor(OptimizerStep):
             self.router_monitor = RouterMonitor(self.model, num_layers=self.config.num_layers,
                                                 num_experts=self.config.num_moe_experts,
                                                 pp_group=self.pp_group if self.pp_size > 1 else None)
+        self.routing_replay = None  # the rollout engine's routing in the policy's routers (``trainer/moe.py``)
+        if self.config.num_moe_experts and not self.is_critic:
+            from megatron_credit.trainer.moe import RoutingReplay
+
+            self.routing_replay = RoutingReplay(
+                self.model, replay=moe is None or moe.routing_replay == "rollout", device=self.device,
+                tp_size=self.tp_size, tp_rank=self.tp_rank, sequence_parallel=self.config.sequence_parallel,
+                recompute=self.config.recompute_granularity == "full", tp_group=self.tp_group,
+                pp_group=self.pp_group if self.pp_size > 1 else None)
         self.optimizer = self._build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, o)
         # last_lr reports the policy's lr, or a separate critic's own
@@ -250,7 +259,8 @@ class Actor(OptimizerStep):
 
     # -- schedules -----------------------------------------------------------------------------------
     def run(self, microbatches: Sequence[MicroBatch], loss_fn: LossFn, *, forward_only: bool,
-            reference: bool = False, capture: bool = False) -> list[dict[str, torch.Tensor]]:
+            reference: bool = False, capture: bool = False, count_routing: bool = False
+            ) -> list[dict[str, torch.Tensor]]:
         """Run ``microbatches`` through megatron's forward(-backward) schedule.
 
         ``loss_fn`` runs on the last stage per micro-batch (see the module docstring for the loss
@@ -261,6 +271,8 @@ class Actor(OptimizerStep):
         ``capture`` (the behaviour pass): the actor's :class:`Capture` is armed before each forward and
         collected after it; ``loss_fn`` then gets its outputs as ``aux`` (whole rows ``[b, seq_len, ...]``,
         ``algorithm/capture.py``); else ``aux`` is {}.
+        A mixture of experts' policy replays each micro-batch's ``routed_experts`` (``moe.routing_replay``);
+        ``count_routing`` (the behaviour pass) counts how often its own routers agree with them.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -271,6 +283,9 @@ class Actor(OptimizerStep):
             assert len(shapes) == 1, f"PP needs one micro-batch shape, got {shapes}"
         sp = self.config.sequence_parallel
         temperature, chunk = self.temperature, self.logprob_chunk_size
+        replay = self.routing_replay if not reference else None
+        if replay is not None:
+            replay.start(count=count_routing, training=not forward_only)
 
         def loss_func(mb: MicroBatch, hidden: torch.Tensor):
             from megatron_credit.losses.logprob import logprobs_from_hidden
@@ -300,6 +315,8 @@ class Actor(OptimizerStep):
                 self.capture.arm(model_chunk, mb)
             self._collect = self.feature_critic and self.last_stage and not reference
             self._layer_outputs = []
+            if replay is not None:
+                replay.set_microbatch(mb.tensors.get("routed_experts"))
             try:
                 with final_hidden_states(model_chunk) if self.last_stage else contextlib.nullcontext():
                     packed = {"packed_seq_params": mb.packed_seq_params} if mb.packed else {}
@@ -317,6 +334,8 @@ class Actor(OptimizerStep):
                 num_microbatches=len(microbatches),
                 # The global length: megatron's get_tensor_shapes divides it by CP (and TP with SP).
                 seq_length=first.seq_len, micro_batch_size=first.num_rows, forward_only=forward_only)
+        if replay is not None:
+            replay.start(count=False, training=False)  # nothing outlives the schedule
         return list(out) if self.last_stage else []
 
     def _aux_loss_scale(self, microbatches: Sequence[MicroBatch], forward_only: bool):
@@ -350,7 +369,10 @@ class Actor(OptimizerStep):
     def model_statistics(self) -> dict[str, torch.Tensor]:
         """The model's own ``sum:`` statistics of the training forwards since the last call (a mixture of
         experts: its routers'), equal on every pipeline stage; collective over PP. Resets them."""
-        return self.router_monitor.statistics(self.device) if self.router_monitor is not None else {}
+        out = self.router_monitor.statistics(self.device) if self.router_monitor is not None else {}
+        if self.routing_replay is not None:
+            out.update(self.routing_replay.statistics(self.device))
+        return out
 
     # -- the value head ------------------------------------------------------------------------------
     def _values(self, head, mb: MicroBatch, h: torch.Tensor, aux: dict) -> torch.Tensor:

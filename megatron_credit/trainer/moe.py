@@ -8,8 +8,14 @@ megatron's auxiliary losses in the actor's backward.
   like the loss's (layers of other pipeline stages summed in first), and :data:`MOE` turns them into
   ``moe/load_balance_loss`` (the mean over layers and micro-batches) and ``moe/expert_load_max_frac`` (the
   largest share of one layer's routed token slots that one expert got over the iteration; uniform routing
-  is ``1 / num_experts``). The router is also where routing replay plugs in: a forward hook that reads
-  the routing map here is the place that would substitute the rollout engine's.
+  is ``1 / num_experts``).
+* :class:`RoutingReplay` (``moe.routing_replay``): each router's top-k goes through megatron's replay plug
+  (``TopKRouter.router_replay``, the object ``topk_routing_with_score_function`` asks for the top-k, in
+  megatron-core 0.16 and 0.19 alike). Ours is set per micro-batch to the experts the rollout engine routed
+  each token to; the router's own scores are gathered at them, so the gate weights (and their gradient)
+  stay the trainer's. ``rollout`` replays them, ``none`` keeps the router's own choice; both count
+  ``moe/routing_agreement``, the share of (token, layer) pairs whose top-k set the trainer's router picks
+  itself, over the behaviour pass (the weights that generated the samples, under ``sync``).
 * :func:`aux_loss_scale`: megatron attaches the aux losses to the activations (``MoEAuxLossAutoScaler``)
   and, with ``calculate_per_token_loss``, multiplies each micro-batch's loss by its token count and sets the
   backward scale to 1, expecting ``finalize_model_grads`` to divide by the global token count. The trainer's
@@ -39,7 +45,15 @@ def _max_frac(v) -> dict[str, float]:
     return {"moe/expert_load_max_frac": max(fracs)} if fracs else {}
 
 
-MOE = MetricTable(means={"moe/load_balance_loss": ("sum:moe/lb_loss", "sum:moe/lb_count")}, derived=(_max_frac,))
+def _agreement(v) -> dict[str, float]:
+    n = v.get("sum:moe/routing_tokens")
+    if n is None or float(n) <= 0:  # no routing from the engine: no metric
+        return {}
+    return {"moe/routing_agreement": float(v["sum:moe/routing_agree"] / n)}
+
+
+MOE = MetricTable(means={"moe/load_balance_loss": ("sum:moe/lb_loss", "sum:moe/lb_count")},
+                  derived=(_max_frac, _agreement))
 """A mixture-of-experts actor's router metrics (:class:`RouterMonitor`)."""
 
 
@@ -108,3 +122,96 @@ def aux_loss_scale(factor: float) -> Iterator[None]:
         yield
     finally:
         MoEAuxLossAutoScaler.set_loss_scale = original
+
+
+class _LayerReplay:
+    """One router's replay plug: megatron calls ``get_replay_topk(scores, topk, num_groups, group_topk,
+    compute_topk)`` where it would take the top-k of ``scores`` (``[tokens, experts]``)."""
+
+    def __init__(self, owner: "RoutingReplay", layer: int) -> None:
+        self.owner, self.layer = owner, layer
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        values, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        target = self.owner.target(self.layer)
+        if target is None:
+            return values, own
+        if target.shape != own.shape:
+            raise RuntimeError(f"routing replay: layer {self.layer + 1} routes {tuple(own.shape)} (tokens, top-k) "
+                               f"but the rollout's routing has {tuple(target.shape)}")
+        target = target.to(own.device)
+        known = target[:, 0] >= 0
+        if self.owner.counting:
+            same = (own.sort(dim=-1).values == target.sort(dim=-1).values).all(dim=-1) & known
+            self.owner.count(same.sum(), known.sum())
+        if not self.owner.replay:
+            return values, own
+        index = torch.where(known[:, None], target, own)
+        return scores.gather(1, index), index
+
+
+class RoutingReplay:
+    """The rollout engine's routing in this stage's routers (see the module docstring).
+
+    :meth:`set_microbatch` before each forward gives every router its tokens' experts (the micro-batch's
+    ``routed_experts``, ``[b, s, layers, top_k]``, this CP rank's share) in the router's own token order:
+    ``[s, b]`` flattened, and under sequence parallelism this TP rank's slice of ``s``. With full
+    recompute the router runs again in the backward: the targets of each forward wait in a queue per
+    layer and the recomputation takes them in order (micro-batches are recomputed in the order they ran).
+    Tokens without routing (-1: the last sampled token, padding) keep the router's own choice."""
+
+    def __init__(self, model, *, replay: bool, device: torch.device, tp_size: int = 1, tp_rank: int = 0,
+                 sequence_parallel: bool = False, recompute: bool = False, tp_group=None, pp_group=None) -> None:
+        self.replay, self.recompute = replay, recompute
+        self.tp_size, self.tp_rank, self.sp = tp_size, tp_rank, sequence_parallel
+        self.tp_group, self.pp_group = tp_group, pp_group
+        self.counting = self.training = False
+        # (token, layer) pairs whose top-k agrees, and those with routing: on the device, no host sync
+        self.agreement = torch.zeros(2, dtype=torch.float64, device=device)
+        self._current: dict[int, torch.Tensor] = {}
+        self._queued: dict[int, list[torch.Tensor]] = {}
+        self.layers = []
+        for router in routers(model):
+            layer = router.layer_number - 1
+            router.router_replay = _LayerReplay(self, layer)
+            self.layers.append(layer)
+
+    def set_microbatch(self, routed: "torch.Tensor | None") -> None:
+        """The targets of the next forward: ``routed`` ``[b, s, layers, top_k]`` or None (none)."""
+        self._current = {}
+        if routed is None:
+            return
+        x = routed.transpose(0, 1)  # [s, b, layers, top_k]: the router's token order
+        if self.sp and self.tp_size > 1:
+            chunk = x.shape[0] // self.tp_size
+            x = x[self.tp_rank * chunk:(self.tp_rank + 1) * chunk]
+        for layer in self.layers:
+            self._current[layer] = x[:, :, layer].reshape(-1, x.shape[-1]).long()
+
+    def target(self, layer: int) -> "torch.Tensor | None":
+        in_backward = torch._C._current_autograd_node() is not None
+        if in_backward and self.recompute:  # full recompute: this layer's forward of the same micro-batch
+            queue = self._queued.get(layer)
+            return queue.pop(0) if queue else None
+        current = self._current.get(layer)
+        if self.recompute and self.training and not torch.is_grad_enabled() and current is not None:
+            self._queued.setdefault(layer, []).append(current)  # inside the checkpoint: recomputed later
+        return current
+
+    def start(self, *, count: bool, training: bool) -> None:
+        """Before a schedule: forget queued targets; ``count``: count the agreement in its forwards;
+        ``training``: a forward-backward pass (its layers may be recomputed)."""
+        self._queued, self._current, self.counting, self.training = {}, {}, count, training
+
+    def count(self, agree: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.agreement += torch.stack([agree, tokens]).to(self.agreement.device, torch.float64)
+
+    def statistics(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The agreement counted since the last call, summed over this pipeline's stages (and the TP ranks
+        under sequence parallelism, which route different tokens); resets it. Collective over PP (and TP)."""
+        v = self.agreement.to(device).clone()
+        for group, on in ((self.pp_group, True), (self.tp_group, self.sp)):
+            if on and group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(v, group=group)
+        self.agreement.zero_()
+        return {"sum:moe/routing_agree": v[0], "sum:moe/routing_tokens": v[1]}

@@ -16,8 +16,8 @@ from megatron_credit.credit.diagnostics import credit_sums
 from megatron_credit.batch.microbatch import plan_minibatches
 from megatron_credit.losses.kl import KL_ESTIMATORS
 from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
-from megatron_credit.batch.train_batch import (TOKEN_FIELDS, TrainBatch, make_microbatch, make_packed_microbatch, round_up,
-                                           step_denominators)
+from megatron_credit.batch.train_batch import (POSITION_FIELDS, TOKEN_FIELDS, TrainBatch, make_microbatch,
+                                               make_packed_microbatch, round_up, step_denominators)
 from megatron_credit.algorithm.metric_tables import CORE, reductions
 from megatron_credit.trainer.metrics import StatSums, loss_statistics
 
@@ -162,7 +162,7 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
     # (outputs of the pass -> TrainBatch fields or side channels, the model's forward-only run); "aux:"
     # outputs are whole rows already (identical on every CP rank), the others this CP rank's share.
     main = {"logp": "old_logp", "values": "values", **{f"aux:{k}": k for k in capture}}
-    passes = [(main, lambda mbs: actor.run(mbs, keep, forward_only=True, capture=bool(capture)))]
+    passes = [(main, lambda mbs: actor.run(mbs, keep, forward_only=True, capture=bool(capture), count_routing=True))]
     if with_ref:
         passes.append(({"logp": "ref_logp"}, lambda mbs: actor.run(mbs, keep, forward_only=True, reference=True)))
     if critic is not None:  # a separate value model (PPO's critic: separate)
@@ -208,7 +208,7 @@ def add_behaviour_extras(alg, batch: TrainBatch) -> None:
     name that clashes, one the loss would never see (not in ``side_channels``), and a side channel the
     loss names that nothing made."""
     extras = alg.behaviour_extras(batch)
-    clash = sorted(set(extras) & (set(TOKEN_FIELDS) | set(batch.extras)))
+    clash = sorted(set(extras) & (set(TOKEN_FIELDS) | set(POSITION_FIELDS) | set(batch.extras)))
     if clash:
         raise ValueError(f"behaviour_extras names {clash} clash with TrainBatch fields or the capture's outputs")
     unread = sorted(k for k in extras if k not in alg.side_channels)

@@ -45,3 +45,10 @@ def test_the_router_losses_reach_the_transformer_config():
     assert cfg.moe_token_dispatcher_type == "alltoall" and cfg.num_moe_experts == 4 and cfg.moe_router_topk == 2
     with pytest.raises(ValueError, match=r"moe.load_balancing_type='sinkhorn' is not one of"):
         recipe_from_dict({}, overrides=["moe.load_balancing_type=sinkhorn"])
+
+
+def test_routing_replay_takes_rollout_or_none():
+    assert recipe_from_dict({}).moe.routing_replay == "rollout"
+    assert recipe_from_dict({}, overrides=["moe.routing_replay=none"]).moe.routing_replay == "none"
+    with pytest.raises(ValueError, match=r"^moe.routing_replay='r2' is not one of \['rollout', 'none'\]$"):
+        recipe_from_dict({}, overrides=["moe.routing_replay=r2"])
