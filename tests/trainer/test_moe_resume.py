@@ -15,7 +15,8 @@ import pytest
 from tests.support.distributed_harness import module_pool
 from tests.support.runs import TINY_CHECKPOINTED, stable
 from tests.trainer.test_moe_expert_parallel import TINY_MOE
-from tests.trainer.test_resume_layouts import _compare_shards, _global_tensors
+from tests.support.resume import global_tensors as _global_tensors
+from tests.support.resume import train_checkpointed
 
 pytestmark = pytest.mark.dist
 
@@ -26,32 +27,9 @@ ITER1 = "iter_0000001"
 
 
 def _train(run_dir: str, resume: str, overrides, saved=None):
-    """``train`` of the tiny MoE model on every rank; ``(rows, log lines, the load's comparison)``; with
-    ``saved`` this rank's shards are compared with the checkpoint's global tensors right after the load."""
-    from megatron_credit import distributed
-    from megatron_credit.recipe.config import recipe_from_dict
-    from megatron_credit.trainer import checkpoint, loop
-
-    recipe = recipe_from_dict(dict(TINY_CHECKPOINTED, model={"architecture": TINY_MOE}), overrides=list(overrides))
-    lines: list[str] = []
-    compared: dict = {}
-    original = checkpoint.load
-
-    def load(path, actor, **kwargs):
-        out = original(path, actor, **kwargs)
-        compared.update(_compare_shards(actor, saved))
-        return out
-
-    if saved is not None:
-        checkpoint.load = load
-    device = distributed.initialize(recipe.parallel, seed=recipe.seed)
-    try:
-        rows = loop.train(recipe, recipe.model.hf_config(), run_dir=run_dir, device=device, resume=resume,
-                          log=lines.append)
-    finally:
-        distributed.destroy()
-        checkpoint.load = original
-    return rows, lines, compared
+    """:func:`train_checkpointed` of the tiny MoE model: ``(rows, log lines, the load's comparison, error)``."""
+    base = dict(TINY_CHECKPOINTED, model={"architecture": TINY_MOE})
+    return train_checkpointed(run_dir, resume, overrides, saved, base=base)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +56,7 @@ def test_the_checkpoint_reshards_across_expert_parallel_sizes(pool2, straight, s
     ckpt = root / source / "checkpoints" / ITER1
     saved = _global_tensors(str(ckpt / "model_optim"), str(root / f"{source}.pt"))
     ranks = pool2.run(_train, str(root / f"{source}-resharded"), str(ckpt), [*BASE, "train.steps=2", *target], saved)
-    for rank, (_, _, c) in enumerate(ranks):
+    for rank, (_, _, c, _) in enumerate(ranks):
         assert c["tensors"] > 0 and c["optimizer"] > 0 and c["differ"] == [], (rank, c)
     assert any("resharded from" in line for line in ranks[0][1]), ranks[0][1]
     row = ranks[0][0][0]
