@@ -61,13 +61,13 @@ COMPAT_MCORE ?= 0.19.2
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 # models, conversion, checkpoints (both common-state layouts; 0.19.2 writes its own for real), resume,
 # export, the trainer end to end, device placement, packed sequences (megatron's THD RoPE and PackedSeqParams),
-# routing replay (megatron's router plug). Measured on 2 cores: see README (Tests).
+# routing replay (megatron's router plug), the importer in parts. Measured on 2 cores: see README (Tests).
 COMPAT_TESTS ?= tests/distributed/test_megatron_compat.py tests/models/test_gpt.py \
 	tests/conversion/test_inprocess_export.py tests/conversion/test_inprocess_import.py \
 	tests/conversion/test_checkpoint_bad_input.py tests/conversion/test_export_bad_input.py \
 	tests/trainer/test_resume_bad_input.py tests/trainer/test_loop_e2e.py tests/trainer/test_device_placement.py \
 	tests/models/test_packed_sequences.py tests/trainer/test_packing.py tests/conversion/test_qwen3_moe.py \
-	tests/trainer/test_routing_replay.py --deselect tests/trainer/test_loop_e2e.py::test_the_demo_learns_and_changes_the_parameters
+	tests/trainer/test_routing_replay.py tests/conversion/test_parts.py --deselect tests/trainer/test_loop_e2e.py::test_the_demo_learns_and_changes_the_parameters
 # (deselected for time only: the demo's learning curve is the same code path as the two-iteration runs)
 
 $(COMPAT_VENV)/.installed: setup.py Makefile

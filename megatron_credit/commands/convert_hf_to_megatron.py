@@ -4,7 +4,8 @@
 
 ``--tp`` / ``--pp`` / ``--ep`` check that the planned parallel sizes divide the model (the checkpoint itself
 is topology-free: megatron reshards on load; every expert is written whole, whatever ``--ep``). ``--dtype`` casts the weights; a cast that loses precision
-needs ``--allow-lossy-dtype``. See ``megatron_credit/conversion/converters.py`` for the layout.
+needs ``--allow-lossy-dtype``. A model larger than ``--max-part-gib`` is written a part of its layers at a
+time (``conversion/parts.py``): host memory stays bounded by a part. See ``megatron_credit/conversion/converters.py`` for the layout.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     """The options (``main`` parses with it; the tests walk its actions)."""
-    from megatron_credit.cli import positive_int
+    from megatron_credit.cli import positive_float, positive_int
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hf-dir", required=True, help="folder with config.json and *.safetensors")
@@ -26,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=positive_int, default=1, help="planned pipeline-parallel size (validated)")
     p.add_argument("--ep", type=positive_int, default=1,
                    help="planned expert-parallel size (validated: it must divide the routed experts)")
+    p.add_argument("--max-part-gib", type=positive_float, default=16.0,
+                   help="host memory for decoder layers at a time: a model larger than this is converted in parts "
+                        "of as many layers as fit (at least one), the embedding and the output layer on top "
+                        "(default 16)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="weights dtype (default: the checkpoint's)")
     p.add_argument("--allow-lossy-dtype", action="store_true", help="allow a cast that loses precision")
@@ -44,8 +49,9 @@ def _main(argv: list[str]) -> int:
 
     meta = convert_hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
                                   allow_lossy_dtype=args.allow_lossy_dtype, overwrite=args.overwrite,
-                                  progress=not args.no_progress)
-    print(f"wrote {args.out} ({meta['family']}, {meta['dtype']})")
+                                  progress=not args.no_progress, max_part_bytes=args.max_part_gib * 2**30)
+    parts = f", {meta['import_parts']} parts of {meta['layers_per_part']} layers" if meta["import_parts"] > 1 else ""
+    print(f"wrote {args.out} ({meta['family']}, {meta['dtype']}{parts})")
     return 0
 
 

@@ -10,7 +10,9 @@ Layout of a converted checkpoint folder::
 
 Written from a TP = PP = 1 model: torch_dist stores each tensor with its global shape and megatron
 reshards on load, so the folder loads at any TP / PP (``--tp`` / ``--pp`` only validate that the planned
-sizes divide the model). Peak memory: one model in the target dtype plus one HF tensor (+ one shard).
+sizes divide the model). Peak memory: one model in the target dtype plus one HF tensor (+ one shard); a model
+whose decoder layers exceed ``max_part_bytes`` is written in parts of layers (:mod:`.parts`), and the peak is
+one part (plus the embedding and the output layer).
 
 The folder's files are read and the model is built by :mod:`.model_io`; megatron's save runs through
 :mod:`.mcore_save`.
@@ -59,10 +61,11 @@ def _progress(total: int, desc: str, enabled: bool):
 
 def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, tp: int = 1, pp: int = 1,
                            ep: int = 1, dtype: str | None = None, allow_lossy_dtype: bool = False, overwrite: bool = False,
-                           progress: bool = True) -> dict:
+                           progress: bool = True, max_part_bytes: float = 16 * 2**30) -> dict:
     """Convert an HF safetensors folder to a megatron dist checkpoint; returns the metadata written.
 
-    ``out_dir`` must be new or empty unless ``overwrite`` (see the module docstring)."""
+    ``out_dir`` must be new or empty unless ``overwrite`` (see the module docstring); ``max_part_bytes``: the
+    most bytes of decoder layers held at a time (:mod:`.parts`)."""
     hf_dir, out = Path(hf_dir), Path(out_dir)
     cfg = load_hf_config(hf_dir)
     family = family_for_config(cfg)
@@ -84,7 +87,8 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
     staging = out / f".tmp-convert-{os.getpid()}"
     try:
         meta = _write_megatron_checkpoint(reader, cfg, family, staging, hf_dir=hf_dir, target=target,
-                                          source=source, tp=tp, pp=pp, progress=progress)
+                                          source=source, tp=tp, pp=pp, progress=progress,
+                                          max_part_bytes=max_part_bytes)
         (out / META_NAME).unlink(missing_ok=True)  # a half-replaced folder never passes for a checkpoint
         for entry in sorted(staging.iterdir(), key=lambda p: p.name == META_NAME):  # the metadata last
             dest = out / entry.name
@@ -102,31 +106,43 @@ def convert_hf_to_megatron(hf_dir: str | os.PathLike, out_dir: str | os.PathLike
 
 def _write_megatron_checkpoint(reader: SafetensorsReader, cfg, family, out: Path, *, hf_dir: Path,
                                target: torch.dtype, source: set[torch.dtype], tp: int, pp: int,
-                               progress: bool) -> dict:
+                               progress: bool, max_part_bytes: float) -> dict:
     """The checkpoint files of :func:`convert_hf_to_megatron`, written into the new folder ``out``."""
     from megatron.core import dist_checkpointing
 
-    (out / MODEL_SUBDIR).mkdir(parents=True)
+    from megatron_credit.conversion.parts import layer_bytes, layers_per_part, write_in_parts
+
+    def save(sharded_state_dict: dict, folder: Path) -> None:
+        dist_checkpointing.save(_whole_gated_fc1(sharded_state_dict), str(folder), sharded_strategy=_save_strategy())
+
+    layers = cfg.num_hidden_layers
+    per_part = layers_per_part(layers, layer_bytes(reader, family, cfg, target), max_part_bytes)
+    parts = 1
     with single_stage_parallel_state():
-        model = build_model(cfg, params_dtype=target)
-        state = model.state_dict(keep_vars=True)
         bar = _progress(sum(len(h) for _, h, _ in expand_rules(family, cfg)), "hf -> megatron", progress)
 
         def get_hf(name: str) -> torch.Tensor:
             bar.update(1)
             return reader.get(name)
 
-        load_hf_into_local_state(state, get_hf, family, cfg, tp_rank=0, tp_size=1, layer_offset=0)
+        if per_part >= layers:
+            (out / MODEL_SUBDIR).mkdir(parents=True)
+            model = build_model(cfg, params_dtype=target)
+            load_hf_into_local_state(model.state_dict(keep_vars=True), get_hf, family, cfg, tp_rank=0, tp_size=1,
+                                     layer_offset=0)
+            save(model.sharded_state_dict(), out / MODEL_SUBDIR)
+            del model
+        else:
+            parts = write_in_parts(out / MODEL_SUBDIR, cfg, family, get_hf=get_hf, params_dtype=target,
+                                   per_part=per_part, save=save)
         bar.close()
-        dist_checkpointing.save(_whole_gated_fc1(model.sharded_state_dict()), str(out / MODEL_SUBDIR),
-                                sharded_strategy=_save_strategy())
-        del model, state
     copy_file_atomic(hf_dir / "config.json", out / "config.json")
     tokenizer = copy_tokenizer_files(hf_dir, out)
     meta = {"conversion_version": CONVERSION_VERSION, "source_architecture": list(cfg.architectures or []),
             "family": family.name, "dtype": _DTYPE_NAMES[target], "source_dtype": _source_dtype_name(source),
             "format": "torch_dist",
             "planned_tp": tp, "planned_pp": pp, "tokenizer_files": tokenizer,
+            "import_parts": parts, "layers_per_part": min(per_part, layers),
             "source_bytes": reader.total_bytes()}
     write_text_atomic(out / META_NAME, json.dumps(meta, indent=2) + "\n")
     return meta

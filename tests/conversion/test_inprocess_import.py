@@ -96,7 +96,7 @@ def _expected_meta(src: Path, *, dtype: str, source_dtype: str, tp: int = 1, pp:
     return {"conversion_version": 1, "source_architecture": ["Qwen2ForCausalLM"], "family": "qwen2",
             "dtype": dtype, "source_dtype": source_dtype, "format": "torch_dist", "planned_tp": tp,
             "planned_pp": pp, "tokenizer_files": list(TOKENIZER) if tokenizer else [],
-            "source_bytes": (src / "model.safetensors").stat().st_size}
+            "import_parts": 1, "layers_per_part": LAYERS, "source_bytes": (src / "model.safetensors").stat().st_size}
 
 
 def _loaded_state(ckpt: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
