@@ -50,7 +50,8 @@ def _main(argv: list[str]) -> int:
     meta = convert_hf_to_megatron(args.hf_dir, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
                                   allow_lossy_dtype=args.allow_lossy_dtype, overwrite=args.overwrite,
                                   progress=not args.no_progress, max_part_bytes=args.max_part_gib * 2**30)
-    parts = f", {meta['import_parts']} parts of {meta['layers_per_part']} layers" if meta["import_parts"] > 1 else ""
+    n = meta["layers_per_part"]
+    parts = f", {meta['import_parts']} parts of {n} layer{'s' if n > 1 else ''}" if meta["import_parts"] > 1 else ""
     print(f"wrote {args.out} ({meta['family']}, {meta['dtype']}{parts})")
     return 0
 
