@@ -67,8 +67,10 @@ def routers(model) -> list:
 class RouterMonitor:
     """Routed-token counts and the load-balancing loss of this stage's routers (see the module docstring)."""
 
-    def __init__(self, model, *, num_layers: int, num_experts: int, pp_group) -> None:
-        self.num_layers, self.num_experts, self.pp_group = num_layers, num_experts, pp_group
+    def __init__(self, model, *, num_layers: int, num_experts: int, pp_group, tp_group=None) -> None:
+        """``tp_group``: under sequence parallelism, the TP group (each TP rank routes its own slice of the
+        sequence, so the counts are summed over it); None otherwise (every TP rank routes every token)."""
+        self.num_layers, self.num_experts, self.pp_group, self.tp_group = num_layers, num_experts, pp_group, tp_group
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
         for router in routers(model):
             router.register_forward_hook(self._count)
@@ -90,7 +92,10 @@ class RouterMonitor:
                 lb["values"].zero_()
             return {}
         values = lb["values"].detach().to(device, torch.float64) if lb is not None else None
-        packed = torch.cat([self.counts.to(device).flatten(),
+        counts = self.counts.to(device)
+        if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
+            dist.all_reduce(counts, group=self.tp_group)  # megatron's loss is reduced over TP already
+        packed = torch.cat([counts.flatten(),
                             values if values is not None else torch.zeros(self.num_layers, device=device,
                                                                           dtype=torch.float64)])
         if self.pp_group is not None and dist.get_world_size(self.pp_group) > 1:

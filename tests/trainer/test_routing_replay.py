@@ -137,9 +137,15 @@ def update_worker(parallel: dict, overrides=(), replay: bool = True):
         step.behaviour_pass(ctx, tb, plan)
         step.compute_advantages(ctx, tb)
         stats = StatSums()
+        actor.reset_model_statistics()
         step.update_minibatch(ctx, tb, plan[0], stats)
+        model_stats = actor.model_statistics()
         m = ctx.reduce_stats(stats)
-        return {k: m[k] for k in ("actor/pg_loss", "actor/grad_norm")} if dist.get_rank() == 0 else None
+        m["slots"] = float(sum(v for k, v in model_stats.items() if k.startswith("sum:moe/tokens/")))
+        computed = sum(mb.computed_tokens for mb in step.microbatches(ctx, tb, plan[0]))
+        m["expected_slots"] = float(computed * TINY_MOE["num_experts_per_tok"] * TINY_MOE["num_hidden_layers"])
+        return {k: m[k] for k in ("actor/pg_loss", "actor/grad_norm", "slots", "expected_slots")} \
+            if dist.get_rank() == 0 else None
     finally:
         distributed.destroy()
 
@@ -186,6 +192,15 @@ def test_an_update_replays_too(pool2):
 
 
 pool1 = module_pool(1)
+
+
+def test_the_expert_loads_count_every_token_once_under_sequence_parallelism(pool2):
+    """TP 2 with sequence parallelism: each TP rank routes half of the sequence, and the update's expert
+    loads (``moe/expert_load_max_frac``'s counts) are summed over the TP ranks: every routed slot of the
+    micro-batches once (padding included), as at TP 1."""
+    for parallel in ({}, {"tensor_model_parallel_size": 2, "sequence_parallel": True}):
+        got = pool2.run(update_worker, parallel, [])[0]
+        assert got["slots"] == got["expected_slots"] > 0, parallel
 
 
 @pytest.mark.gpu
