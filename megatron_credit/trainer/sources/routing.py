@@ -1,12 +1,12 @@
 """The samples to the ranks that train them, and this rank's batch and metrics from them: what every
 rollout source does once its groups are scored (:class:`SampleRouter`).
 
-The kept groups go, in order, to the data-parallel ranks that train them (``prompts_per_step / DP`` each,
-to every TP / PP / CP rank of that replica) in one all-to-all of the pickled samples.
+The kept groups go, in order, to the data-parallel ranks that train them (``prompts_per_step / DP`` each):
+once, as bytes of tensors (``rollout/wire.py``), to the first rank of that replica, which broadcasts them to
+the replica's other TP / PP / CP ranks.
 """
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ class SampleRouter:
         metrics.update({"rollout/draws": float(draws), "rollout/kept_group_frac": kept / (draws * self.rollout.prompts_per_step),
                         "rollout/engines": float(engines), "rollout/partial_draws": float(partial), **self.last_sync})
         metrics["rollout/tokens"] = self._dp_sum(batch.seq_lens.sum().float())
+        metrics.update(self._transfer_metrics())
         metrics.update(self._pool_metrics(pool_sums, iteration, engines=engines))
         return batch, metrics
 
@@ -76,19 +77,66 @@ class SampleRouter:
                 f"val/pass@{k}": means[f"pass@{k}"]}
 
     def _route(self, kept: list[tuple[int, int]], held: dict) -> list[Any]:
-        """The kept groups to the ranks that train them: group ``k`` to every rank of data-parallel rank
-        ``dp_rank_of_group(k)``, from the engine leader that holds it. Returns this rank's groups in order."""
+        """The kept groups to the ranks that train them: group ``k`` goes once, from the engine leader that
+        holds it, to the first rank of data-parallel replica ``dp_rank_of_group(k)``, as bytes of tensors
+        (``rollout/wire.py``: one message per destination, one all-to-all); that rank broadcasts the
+        replica's groups to the replica's other ranks (TP / PP / CP) in one message. Returns this rank's
+        groups in order. The bytes go to ``transfer/*`` (:meth:`_transfer_metrics`)."""
+        from megatron_credit.rollout.wire import decode, encode, payload_bytes
+
         world = len(self.dp_of_rank)
+        if world == 1:
+            self._sent = (0, 0, 0)
+            return [held[key] for key in kept]
+        heads = self._replica_heads()
         send: list[list[Any]] = [[] for _ in range(world)]
         for k, key in enumerate(kept):
             if key in held:
-                dp = dp_rank_of_group(k, groups=len(kept), dp_size=self.dp_size)
-                for q in range(world):
-                    if self.dp_of_rank[q] == dp:
-                        send[q].append((k, held[key]))
-        got = sorted((item for part in self._exchange(send) for item in part), key=lambda item: item[0])
+                send[heads[dp_rank_of_group(k, groups=len(kept), dp_size=self.dp_size)]].append((k, held[key]))
+        messages = [encode(items) for items in send]
+        payload = sum(payload_bytes(items) for items in send)
+        got = sorted((item for buf in self._exchange(messages) for item in decode(buf)), key=lambda item: item[0])
+        group, size = self._replica_group()
+        broadcast = 0
+        if size > 1:  # the replica's head has its groups; the other ranks of the replica get them from it
+            mine = encode(got) if dist.get_rank() == heads[self.dp_of_rank[dist.get_rank()]] else None
+            length = torch.tensor([0 if mine is None else mine.numel()], dtype=torch.int64, device=self.device)
+            dist.broadcast(length, src=heads[self.dp_of_rank[dist.get_rank()]], group=group)
+            buf = mine.to(self.device) if mine is not None else torch.empty(int(length), dtype=torch.uint8,
+                                                                             device=self.device)
+            dist.broadcast(buf, src=heads[self.dp_of_rank[dist.get_rank()]], group=group)
+            if mine is None:
+                got = decode(buf)
+            else:
+                broadcast = mine.numel() * (size - 1)
+        self._sent = (sum(m.numel() for m in messages), payload, broadcast)
         assert len(got) == len(kept) // self.dp_size, "each data-parallel rank gets prompts_per_step / DP groups"
-        return [group for _, group in got]
+        return [g for _, g in got]
+
+    def _replica_heads(self) -> list[int]:
+        """The first global rank of each data-parallel replica (indexed by DP rank)."""
+        heads: dict[int, int] = {}
+        for q, dp in enumerate(self.dp_of_rank):
+            heads.setdefault(dp, q)
+        return [heads[dp] for dp in range(self.dp_size)]
+
+    def _replica_group(self) -> tuple[Any, int]:
+        """This rank's replica (the ranks of its DP rank: TP x PP x CP) as a process group, and its size; the
+        groups are made once, every rank calling ``new_group`` for every replica in the same order."""
+        if getattr(self, "_replicas", None) is None:
+            members = [[q for q, dp in enumerate(self.dp_of_rank) if dp == d] for d in range(self.dp_size)]
+            self._replicas = [(dist.new_group(m) if len(m) > 1 else None, len(m)) for m in members]
+        return self._replicas[self.dp_of_rank[dist.get_rank()]]
+
+    def _transfer_metrics(self) -> dict[str, float]:
+        """``transfer/sample_bytes`` (the messages from the engine leaders to the replicas' heads, every
+        group once), ``transfer/sample_payload_bytes`` (what they carry: ``rollout/wire.payload_bytes``) and
+        ``transfer/sample_broadcast_bytes`` (the heads' broadcasts within their replicas), summed over ranks."""
+        v = torch.tensor([float(x) for x in getattr(self, "_sent", (0, 0, 0))], dtype=torch.float64).to(self.device)
+        if len(self.dp_of_rank) > 1:
+            dist.all_reduce(v)
+        names = ("transfer/sample_bytes", "transfer/sample_payload_bytes", "transfer/sample_broadcast_bytes")
+        return dict(zip(names, v.tolist()))
 
     def _pool_metrics(self, sums: dict[str, float], iteration: int, *, engines: int) -> dict[str, float]:
         """``reward_pool/*`` of the iteration, summed over its draws and the engines' pools (``seconds``: the
@@ -113,26 +161,18 @@ class SampleRouter:
         dist.all_gather_object(out, obj)
         return out
 
-    def _exchange(self, send: list[Any]) -> list[Any]:
-        """All-to-all of picklable objects: ``send[q]`` goes to rank ``q``; returns what every rank sent
-        here. The pickles travel as one byte tensor on this rank's device (NCCL: a CUDA tensor)."""
-        if len(send) == 1:
-            return send
-        blobs = [pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL) for x in send]
+    def _exchange(self, send: list[torch.Tensor]) -> list[torch.Tensor]:
+        """All-to-all of byte tensors: ``send[q]`` goes to rank ``q``; returns what every rank sent here (on
+        this rank's device: NCCL moves CUDA tensors)."""
         device = self.device
-        sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64).to(device)
+        sizes = torch.tensor([m.numel() for m in send], dtype=torch.int64).to(device)
         got = torch.empty_like(sizes)
         dist.all_to_all_single(got, sizes)
         recv = got.tolist()
         out = torch.empty(sum(recv), dtype=torch.uint8, device=device)
-        payload = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).to(device)
-        dist.all_to_all_single(out, payload, output_split_sizes=recv, input_split_sizes=[len(b) for b in blobs])
-        data = out.cpu().numpy().tobytes()
-        parts, at = [], 0
-        for size in recv:
-            parts.append(pickle.loads(data[at:at + size]))  # noqa: S301  (this job's own ranks)
-            at += size
-        return parts
+        dist.all_to_all_single(out, torch.cat(send).to(device), output_split_sizes=recv,
+                               input_split_sizes=[m.numel() for m in send])
+        return list(out.cpu().split(recv))
 
     def _dp_mean(self, values: dict[str, torch.Tensor]) -> dict[str, float]:
         keys = sorted(values)
