@@ -103,10 +103,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     (``--debug``: the traceback); see ``megatron_credit.cli``."""
     from megatron_credit.cli import run_main
 
-    return run_main(lambda args: _main(parse_args(args)), argv)
+    return run_main(lambda args: _main(parse_args(args), list(args)), list(sys.argv[1:]) if argv is None else list(argv))
 
 
-def _main(args) -> int:
+def start_pool_ranks(argv: Sequence[str], ranks: int):
+    """Without a launcher: start the rollout pool's ``ranks`` processes (this command again, as ranks
+    ``1 .. ranks`` of a launch of ``1 + ranks`` on this machine; on a GPU, local devices ``1 .. ranks``)
+    and return this process's place in that launch (rank 0, the one trainer rank)."""
+    import subprocess
+
+    from megatron_credit import distributed
+    from megatron_credit.trainer.sources.pool import PARENT_ENV, SPAWNED
+
+    port = distributed._free_port()
+    world = 1 + ranks
+    for rank in range(1, world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), PARENT_ENV: str(os.getpid())}
+        SPAWNED.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env))
+    return distributed.LaunchEnv(rank=0, world_size=world, local_rank=0, master_port=port)
+
+
+def _main(args, argv: Sequence[str] = ()) -> int:
     import torch
 
     from megatron_credit import distributed
@@ -118,6 +136,13 @@ def _main(args) -> int:
     config = args.config or DEFAULT_RECIPE
     recipe = load_recipe(config, overrides=args.overrides)
     launch = distributed.LaunchEnv.from_environ(os.environ)
+    pool = recipe.rollout.ranks  # the last `pool` ranks of the launch are the rollout pool
+    launched = "RANK" in os.environ  # by torchrun (or a pool rank this command started)
+    trainer_world = launch.world_size - pool if launched else launch.world_size
+    if pool and launched:
+        from megatron_credit.trainer.sources.bridge import PoolLayout
+
+        PoolLayout(world=launch.world_size, pool=pool, rollout_tp=recipe.rollout.tensor_parallel_size)  # one line
     if args.dry_run:  # planning needs no checkpoint on disk: known architectures come from a table
         from megatron_credit.planning.plan import resolve_hf_config
 
@@ -127,19 +152,19 @@ def _main(args) -> int:
     if args.dry_run:  # the arithmetic and a layout that fits, before anything else is said
         from megatron_credit.planning.layouts import layout_refusal
 
-        refusal = layout_refusal(recipe, hf_config, nodes=1, gpus_per_node=launch.world_size, gpu=recipe.cluster.gpu)
+        refusal = layout_refusal(recipe, hf_config, nodes=1, gpus_per_node=trainer_world, gpu=recipe.cluster.gpu)
         if refusal is not None:
             raise ValueError(refusal)
     # Refuse impossible layouts before any process group or model exists.
-    layout = recipe.validate(world_size=launch.world_size, arch=hf_config)
+    layout = recipe.validate(world_size=trainer_world, arch=hf_config)
     rank0 = launch.rank == 0
     if args.dry_run:
         from megatron_credit.planning.plan import format_plan, plan
 
-        result = plan(recipe, hf_config, nodes=1, gpus_per_node=launch.world_size, gpu=recipe.cluster.gpu)
+        result = plan(recipe, hf_config, nodes=1, gpus_per_node=trainer_world, gpu=recipe.cluster.gpu)
         if rank0:
             print(_describe(recipe, hf_config, layout))
-            print(format_plan(result, title=f"memory plan for {launch.world_size} rank(s) on {recipe.cluster.gpu}"))
+            print(format_plan(result, title=f"memory plan for {trainer_world} trainer rank(s) on {recipe.cluster.gpu}"))
             print("dry run: the recipe is valid for this world size; nothing was built" if result.fits else
                   "dry run: the layout is valid for this world size but its memory plan does not fit (exit 1); "
                   "nothing was built")
@@ -157,7 +182,19 @@ def _main(args) -> int:
     from megatron_credit.lifetime import start_guard
 
     start_guard(log=print if rank0 else None)  # every process this rank starts ends with it, however it ends
-    device = distributed.initialize(recipe.parallel, seed=recipe.seed, launch=launch,
+    if pool and not launched:
+        launch = start_pool_ranks(argv, pool)
+    if pool and launch.rank >= launch.world_size - pool:  # a rollout pool rank: engines, not the trainer
+        import datetime
+
+        from megatron_credit.trainer.sources.pool import serve
+
+        job = distributed.join_job(launch, pool_ranks=pool,
+                                   timeout=datetime.timedelta(seconds=recipe.distributed.timeout_s))
+        local = launch.local_rank or 0
+        device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+        return serve(recipe, hf_config, job=job, device=device, local_rank=local)
+    device = distributed.initialize(recipe.parallel, seed=recipe.seed, launch=launch, pool_ranks=pool,
                                     timeout_s=recipe.distributed.timeout_s)
     try:
         if rank0:

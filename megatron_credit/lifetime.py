@@ -1,7 +1,7 @@
 """No process outlives its run: the one mechanism that ends every process a trainer started.
 
-A trainer rank starts processes of several kinds: the reward pool's workers, the rollout process of
-``rollout.mode: one_step_off | async``, vLLM's engine-core and worker processes (started by vLLM, some by
+A trainer rank starts processes of several kinds: the reward pool's workers, the rollout pool's ranks of
+``rollout.mode: one_step_off | async`` (without torchrun), vLLM's engine-core and worker processes (started by vLLM, some by
 ``fork``), and whatever those start in turn. Each kind has its own orderly shutdown (``close()`` on every
 exit path the trainer survives). What no ``close()`` covers is a trainer that dies without running it:
 SIGKILL (Slurm's ``KillWait``, the OOM killer), a crash in native code, or a child's own shutdown that
@@ -21,7 +21,7 @@ process in a session of its own (a signal sent to the trainer's process group do
 The guard only acts after the trainer is gone, so on the ordinary paths (success, a user error, an
 exception, SIGTERM or SIGUSR1, each followed by ``close()``) it finds nothing left and exits; it kills
 only what an orderly shutdown left behind. A guard that is itself killed leaves the children's own
-watches (the reward worker's pipe, the rollout process's parent poll) as they were.
+watches (the reward worker's pipe, the pool rank's parent poll) as they were.
 
 Linux only (``/proc``, ``pidfd_open``); elsewhere :func:`start_guard` does nothing and says so.
 Standard library only: the guard process imports nothing else.

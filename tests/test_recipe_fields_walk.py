@@ -5,7 +5,7 @@ down, and each built-in algorithm's ``Config`` under ``algorithm.params``), so a
 it is covered without editing this file. Each field gets the values that are wrong for its hint: a
 list, a mapping, a string, a negative number, null, inf / nan, a bool, a number just outside its
 declared ``Range``, a list element of the wrong kind; every one must be a ``ValueError`` whose one line
-names the field's dotted path (``warmup.batch_size``, ``rollout.gpus[0]``, ``algorithm.params.tau``).
+names the field's dotted path (``warmup.batch_size``, ``checkpoint.exit_signals[0]``, ``algorithm.params.tau``).
 A number field must declare its range (``typed_build.Range``), so that a new count cannot accept 0 or
 -5 silently.
 """
@@ -176,7 +176,7 @@ def test_the_walk_finds_every_section_and_the_nested_fields():
     top = {f.name for f in dataclasses.fields(Recipe)}
     assert set(SECTIONS) == top
     dotted = {leaf.dotted for leaf in LEAVES}
-    for path in ("rollout.gpus", "rollout.engine_options", "model.architecture", "algorithm.params",
+    for path in ("checkpoint.exit_signals", "rollout.ranks", "rollout.engine_options", "model.architecture", "algorithm.params",
                  "warmup.batch_size", "optim.beta1", "algorithm.params.tau",
                  "algorithm.params.phase_thresholds.clipfrac", "seed"):
         assert path in dotted
@@ -233,7 +233,7 @@ def test_the_trainer_command_prints_the_one_line_and_exits_2(tmp_path):
     """The same refusal through ``pretrain_rl.py``: one ``error:`` line on stderr, exit 2, nothing built."""
     from tests.support.runs import run_pretrain_rl
 
-    proc = run_pretrain_rl("--config", "examples/demo_cpu.yaml", "--output-dir", tmp_path / "run", "rollout.gpus=1",
+    proc = run_pretrain_rl("--config", "examples/demo_cpu.yaml", "--output-dir", tmp_path / "run", "checkpoint.exit_signals=1",
                            timeout=300)
-    assert (proc.returncode, proc.stderr) == (2, "error: rollout.gpus must be a list, got 1 (int)\n"), proc.stderr[-2000:]
+    assert (proc.returncode, proc.stderr) == (2, "error: checkpoint.exit_signals must be a list, got 1 (int)\n"), proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()

@@ -85,8 +85,46 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """The whole launch when some of its ranks are a rollout pool (``rollout.ranks``): the launcher's
+    rendezvous store (every rank of the world reaches it), this rank and the sizes. The trainer's default
+    process group (and megatron's groups in it) holds the first ``world_size - pool_ranks`` ranks only; the
+    pool's channels are built from :attr:`store` (``trainer/sources/bridge.py``)."""
+
+    store: Any
+    rank: int
+    world_size: int
+    pool_ranks: int
+
+    @property
+    def trainer_world(self) -> int:
+        return self.world_size - self.pool_ranks
+
+
+_JOB: Optional[Job] = None
+
+
+def join_job(launch: LaunchEnv, *, pool_ranks: int, timeout: datetime.timedelta) -> Job:
+    """Reach the launch's rendezvous store as rank ``launch.rank`` of ``launch.world_size`` (torchrun's agent
+    store under torchrun; else rank 0 hosts it at ``MASTER_ADDR:MASTER_PORT``); once per process."""
+    global _JOB
+    if _JOB is None:
+        if launch.master_port is None:
+            raise ValueError("a rollout pool (rollout.ranks) needs MASTER_ADDR / MASTER_PORT: launch with torchrun")
+        url = f"tcp://{launch.master_addr}:{launch.master_port}?rank={launch.rank}&world_size={launch.world_size}"
+        store, _, _ = next(dist.rendezvous(url, timeout=timeout))
+        _JOB = Job(store=store, rank=launch.rank, world_size=launch.world_size, pool_ranks=pool_ranks)
+    return _JOB
+
+
+def job() -> Optional[Job]:
+    """The launch of :func:`join_job` (None without a rollout pool)."""
+    return _JOB
+
+
 def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
-               backend: Optional[str] = None, timeout_s: Optional[float] = None) -> torch.device:
+               backend: Optional[str] = None, timeout_s: Optional[float] = None, pool_ranks: int = 0) -> torch.device:
     """Join the process group, build megatron's parallel groups, seed; return this rank's device.
 
     ``parallel``: a ``megatron_credit.recipe.config.ParallelConfig``. If ``torch.distributed`` is already
@@ -95,6 +133,8 @@ def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
     ``distributed.timeout_s``; None: its default) is the timeout of the default group (set on it also
     when it already exists) and of every megatron group: ranks wait in them while the engines generate.
     Raises ``ValueError`` before creating any megatron group if the sizes do not fit the world size.
+    ``pool_ranks`` (``rollout.ranks``): the last ranks of the launch are a rollout pool; this rank is one of
+    the first ``world_size - pool_ranks``, whose default group and megatron groups hold only them.
     """
     from megatron_credit.recipe.config import DistributedConfig
 
@@ -105,16 +145,22 @@ def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
 
     if not dist.is_initialized():
         launch = launch or LaunchEnv()
-        parallel.validate(world_size=launch.world_size)
+        world = launch.world_size - pool_ranks
+        parallel.validate(world_size=world)
         backend = backend or default_backend()
         if backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("backend='nccl' needs CUDA, and this machine has none (torch.cuda.is_available() is "
                              "False): use gloo (the default without CUDA)")
         if backend == "nccl":
             torch.cuda.set_device(launch.local_rank or 0)
-        port = launch.master_port or _free_port()
-        dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{port}",
-                                rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+        if pool_ranks:  # the trainer's world is a prefix of the launch's, in a store namespace of its own
+            store = join_job(launch, pool_ranks=pool_ranks, timeout=timeout).store
+            dist.init_process_group(backend, store=dist.PrefixStore("trainer", store), rank=launch.rank,
+                                    world_size=world, timeout=timeout)
+        else:
+            port = launch.master_port or _free_port()
+            dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{port}",
+                                    rank=launch.rank, world_size=launch.world_size, timeout=timeout)
     else:
         set_group_timeout(None, timeout)
     backend = dist.get_backend()

@@ -158,8 +158,9 @@ def test_a_killed_trainer_leaves_no_engine_process_behind(tmp_path):
 
 
 @HANG_GUARD
-def test_vllm_in_the_rollout_process(tmp_path):
-    # vLLM as the engine of the rollout process. At max_staleness 0 every batch is sampled with the version
+def test_vllm_as_a_pool_engine(tmp_path):
+    # vLLM as the engine of a rollout pool rank, receiving its weights over gloo. At max_staleness 0 every
+    # batch is sampled with the version
     # the trainer holds, so the engine's log-probs equal the actor's after every push of new weights; in
     # one_step_off the first batch has the initial weights (the same check) and the later ones are one
     # version old.
@@ -169,14 +170,14 @@ def test_vllm_in_the_rollout_process(tmp_path):
              *OVERRIDES, f"warmup.cache_dir={tmp_path / 'warmup-cache'}", "algorithm.name=grpo", "train.steps=3",
              *mode], env=env)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        assert wait_until_none_left(mark) == []  # the rollout process and its engine ended with the run
+        assert wait_until_none_left(mark) == []  # the pool rank and its engine ended with the run
         return metrics_rows(tmp_path / name)
 
     env, mark = marked_env(dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"))
 
-    exact = run("async0", "rollout.mode=async", "rollout.max_staleness=0")
+    exact = run("async0", "rollout.mode=async", "rollout.max_staleness=0", "rollout.ranks=1")
     assert [r["step"] for r in exact] == [1, 2, 3] and all(r["actor/grad_norm"] > 0 for r in exact)
     assert all(r["mismatch/logprob_abs_mean"] <= 1e-4 for r in exact), [r["mismatch/logprob_abs_mean"] for r in exact]
-    off = run("one_step_off", "rollout.mode=one_step_off")
+    off = run("one_step_off", "rollout.mode=one_step_off", "rollout.ranks=1")
     assert off[0]["mismatch/logprob_abs_mean"] <= 1e-4 and off[0]["rollout/staleness_max"] == 0
     assert [r["rollout/staleness_mean"] for r in off[1:]] == [1.0, 1.0]

@@ -41,6 +41,20 @@ TINY = {
 VOLATILE = ("time/", "throughput/", "sync/seconds")  # wall-clock metrics differ between runs
 
 
+def tiny_recipe_file(tmp_path, cache: str, **sections) -> str:
+    """:data:`TINY` with ``sections`` merged in, as ``tmp_path / "recipe.yaml"``; the warm-up cached in
+    ``tmp_path.parent / cache`` (shared by a module's tests)."""
+    import yaml
+
+    d = {k: dict(v) for k, v in TINY.items()}
+    d["warmup"]["cache_dir"] = str(tmp_path.parent / cache)
+    for k, v in sections.items():
+        d[k] = {**d.get(k, {}), **v}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(d))
+    return str(path)
+
+
 def train_tiny(run_dir: str, resume: str = "auto", overrides=()):
     """Train :data:`TINY` (with ``overrides``) into ``run_dir`` in this process; the rows it logged. The warm-up
     is cached next to ``run_dir``."""

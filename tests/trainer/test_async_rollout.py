@@ -3,10 +3,12 @@
 - the correction: the decoupled objective against a float64 loop reference, FIPO's weights against the
   proximal policy (exactly 1 on the first mini-batch whatever the staleness), CompPO's gates from the
   trainer's own weights whatever the behaviour policy;
-- through the command line (a rollout process next to the trainer): ``max_staleness: 0`` is ``sync`` bit
-  for bit, staleness per mode never above the bound, resume, a killed rollout process or trainer;
-- the demo recipe learns in ``one_step_off`` and in ``async`` with 2 trainer ranks and the rollout
-  process (a world of 3 processes).
+- through the command line (a rollout pool of ``rollout.ranks`` next to the trainer, started by
+  ``pretrain_rl.py`` itself or by torchrun): ``max_staleness: 0`` is ``sync`` bit for bit (a pool of 1 and of
+  2 engines), staleness per mode never above the bound, resume, a killed pool rank or trainer, waits that
+  end on silence and not on time;
+- the demo recipe learns in ``one_step_off`` and in ``async`` with 2 trainer ranks and a pool rank (a world
+  of 3 processes).
 """
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ import time
 
 import pytest
 import torch
-import yaml
 
 from megatron_credit.credit.future_kl import fipo_weights
 from megatron_credit.losses.policy import fipo_policy_loss
@@ -29,7 +30,7 @@ from tests.support.distributed_harness import module_pool
 from tests.support.fixed_batch import _run_fixed
 from tests.support.paths import ROOT
 from tests.support.leftovers import left, marked_env, wait_until_none_left
-from tests.support.runs import TINY, metrics_rows, run_pretrain_rl, stable, subprocess_env
+from tests.support.runs import TINY, metrics_rows, run_pretrain_rl, stable, subprocess_env, tiny_recipe_file
 
 
 # ------------------------------------------------------------------------------------ the correction
@@ -92,7 +93,7 @@ def _stale_engine(batch, plan):
 def test_an_off_policy_run_trains_the_decoupled_objective_and_fipo_weights_the_proximal_policy(pool1):
     # rollout.mode=async with a bound above 0 and no algorithm.tis_cap: the update truncates pi_prox /
     # pi_behav at OFF_POLICY_TIS_CAP (2.0), and FIPO's first mini-batch still has weights exactly 1.
-    out = pool1.run(_run_fixed, {}, "fipo", overrides=["rollout.mode=async", "rollout.max_staleness=2"],
+    out = pool1.run(_run_fixed, {}, "fipo", overrides=["rollout.mode=async", "rollout.max_staleness=2", "rollout.ranks=1"],
                     prepare=_stale_engine)[0]
     assert out[0]["actor/pg_loss"] == pytest.approx(out[0]["want/0/pg_loss"], rel=1e-5, abs=1e-7)
     assert out[0]["fipo/weight_min"] == out[0]["fipo/weight_max"] == 1.0  # the first step: weights exactly 1
@@ -117,7 +118,7 @@ def test_comppo_gates_come_from_the_trainer_weights_whatever_the_behaviour_polic
     # The gates are read from the behaviour pass, which runs the trainer's current weights: samples of an
     # older version, with other engine log-probs, get the gates and advantages on-policy samples get.
     on = pool1.run(_run_fixed, {}, "comppo")[0]
-    off = pool1.run(_run_fixed, {}, "comppo", overrides=["rollout.mode=async", "rollout.max_staleness=3"],
+    off = pool1.run(_run_fixed, {}, "comppo", overrides=["rollout.mode=async", "rollout.max_staleness=3", "rollout.ranks=1"],
                     before=_behaviour_from_another_version, prepare=_gates)[0]
     on_g = pool1.run(_run_fixed, {}, "comppo", prepare=_gates)[0]
     assert off[0]["kappa"] == on_g[0]["kappa"] and off[0]["gates"] == on_g[0]["gates"]
@@ -126,13 +127,7 @@ def test_comppo_gates_come_from_the_trainer_weights_whatever_the_behaviour_polic
 
 # ---------------------------------------------------------------------------- the command line
 def _recipe(tmp_path, **sections) -> str:
-    d = {k: dict(v) for k, v in TINY.items()}
-    d["warmup"]["cache_dir"] = str(tmp_path.parent / "async-warmup-cache")
-    for k, v in sections.items():
-        d[k] = {**d.get(k, {}), **v}
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(d))
-    return str(path)
+    return tiny_recipe_file(tmp_path, "async-warmup-cache", **sections)
 
 
 def _rows_of(run):
@@ -144,11 +139,65 @@ def test_max_staleness_0_is_sync_bit_for_bit(tmp_path):
     recipe = _recipe(tmp_path, train={"steps": 3})
     a = run_pretrain_rl("--config", recipe, "--output-dir", tmp_path / "sync")
     b = run_pretrain_rl("--config", recipe, "--output-dir", tmp_path / "async0", "rollout.mode=async",
-                        "rollout.max_staleness=0")
+                        "rollout.max_staleness=0", "rollout.ranks=1")
     assert a.returncode == 0 and b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
     sync, async0 = stable(_rows_of(tmp_path / "sync")), stable(_rows_of(tmp_path / "async0"))
-    assert len(sync) == 3 and sync == async0
+    # at world 1 sync moves no samples between processes, the pool of one rank does (each group once)
+    assert len(sync) == 3 and _without(sync, LAYOUT) == _without(async0, LAYOUT)
+    assert all(r["transfer/sample_bytes"] > r["transfer/sample_payload_bytes"] > 0 for r in async0)
     assert "val/accuracy" in sync[1] and all(r["rollout/staleness_max"] == 0 for r in sync)
+    assert all(r["transfer/weight_bytes"] == r["sync/bytes"] > 0 for r in _rows_of(tmp_path / "async0"))
+
+
+POOL_ONLY = ("transfer/weight_bytes",)
+"""What a pool run logs and ``sync`` does not (the weights the engines received)."""
+LAYOUT = ("transfer/", "rollout/engines")
+"""What depends on where the engines are, not on the samples (the bytes moved; a pool of 1 engine against
+``sync``'s world of 2)."""
+
+
+def _without(rows, drop=POOL_ONLY):
+    return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rows]
+
+
+def _torchrun(n: int, *args, timeout=600):
+    from tests.support.distributed_harness import _free_port
+
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port",
+                           str(_free_port()), os.path.join(ROOT, "pretrain_rl.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=timeout)
+
+
+@pytest.mark.dist
+def test_a_pool_of_two_engines_is_sync_at_the_same_trainer_layout(tmp_path):
+    # World 4 under torchrun: 2 trainer ranks (DP 2) + 2 pool ranks (2 HF engines, each its half of a draw's
+    # prompts), against sync at world 2 (its 2 engines on the trainer's ranks): every non-time field equal,
+    # the sample bytes too (each group once, to its replica's head).
+    recipe = _recipe(tmp_path, train={"steps": 3})
+    a = _torchrun(2, "--config", recipe, "--output-dir", tmp_path / "sync")
+    b = _torchrun(4, "--config", recipe, "--output-dir", tmp_path / "pool", "rollout.mode=async",
+                  "rollout.max_staleness=0", "rollout.ranks=2")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
+    sync, pool = stable(_rows_of(tmp_path / "sync")), stable(_rows_of(tmp_path / "pool"))
+    assert len(sync) == 3 and sync == _without(pool)
+    # both engines received every version whole
+    assert all(r["transfer/weight_bytes"] == 2 * r["sync/bytes"] > 0 for r in _rows_of(tmp_path / "pool"))
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode,bound", [(["rollout.mode=one_step_off"], 1),
+                                        (["rollout.mode=async", "rollout.max_staleness=2"], 2)])
+def test_a_pool_of_two_ranks_stays_within_the_bound(tmp_path, mode, bound):
+    recipe = _recipe(tmp_path, train={"steps": 5})
+    out = _torchrun(4, "--config", recipe, "--output-dir", tmp_path / "run", "rollout.ranks=2", *mode)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = _rows_of(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert all(r["rollout/staleness_max"] <= bound and sum(r[f"rollout/staleness_hist/{s}"] for s in range(bound + 1))
+               == 32 for r in rows)
+    assert rows[0]["rollout/staleness_max"] == 0 and rows[0]["mismatch/logprob_abs_mean"] < 1e-4
+    assert max(r["rollout/staleness_max"] for r in rows) >= 1  # the pool ran ahead
+    assert "val/accuracy" in rows[1] and all(r["rollout/engines"] == 2 for r in rows)
 
 
 @pytest.mark.dist
@@ -157,7 +206,8 @@ def test_max_staleness_0_is_sync_bit_for_bit(tmp_path):
                                               ("async", 1, ["rollout.on_update=partial"])])
 def test_staleness_never_exceeds_the_bound(tmp_path, mode, bound, extra):
     recipe = _recipe(tmp_path, train={"steps": 5})
-    out = run_pretrain_rl("--config", recipe, "--output-dir", tmp_path / "run", f"rollout.mode={mode}", *extra)
+    out = run_pretrain_rl("--config", recipe, "--output-dir", tmp_path / "run", f"rollout.mode={mode}",
+                          "rollout.ranks=1", *extra)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _rows_of(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
@@ -177,7 +227,7 @@ def test_a_resumed_async_run_neither_loses_nor_repeats_prompts(tmp_path):
 
     recipe = _recipe(tmp_path, train={"steps": 4, "val_every": 0},
                      checkpoint={"every": 2, "keep": 3, "save_at_end": True})
-    common = ["rollout.mode=one_step_off", "logging.progress=false"]
+    common = ["rollout.mode=one_step_off", "rollout.ranks=1", "logging.progress=false"]
     whole = run_pretrain_rl("--config", recipe, "--output-dir", tmp_path / "whole", *common)
     first = run_pretrain_rl("--config", recipe, "--output-dir", tmp_path / "split", *common, "train.steps=2")
     again = run_pretrain_rl("--config", recipe, "--output-dir", tmp_path / "split", *common, "--resume", "auto")
@@ -207,14 +257,14 @@ def _start(tmp_path, *args, env=None):
 
 
 def _rollout_process(trainer: subprocess.Popen, run_dir, timeout_s: float = 120) -> int:
-    """The rollout process's pid, once the trainer logged its first iteration."""
+    """The pid of the pool rank ``pretrain_rl.py`` started, once the trainer logged its first iteration."""
     t0 = time.time()
     while time.time() - t0 < timeout_s:
         path = os.path.join(run_dir, "metrics.jsonl")
         if os.path.exists(path) and os.path.getsize(path) > 0:
             for pid in _children(trainer.pid):
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"spawn_main" in f.read():
+                    if b"pretrain_rl.py" in f.read():
                         return pid
         assert trainer.poll() is None, trainer.communicate()[1][-2000:]
         time.sleep(0.5)
@@ -225,12 +275,13 @@ def _rollout_process(trainer: subprocess.Popen, run_dir, timeout_s: float = 120)
 def test_a_killed_rollout_process_stops_the_run_with_one_line(tmp_path):
     recipe = _recipe(tmp_path, train={"steps": 500, "val_every": 0})
     trainer = _start(tmp_path, "--config", recipe, "--output-dir", tmp_path / "run", "rollout.mode=async",
-                     "rollout.wait_timeout_s=60")
+                     "rollout.ranks=1")
     os.kill(_rollout_process(trainer, tmp_path / "run"), signal.SIGKILL)
+    t0 = time.time()
     _, err = trainer.communicate(timeout=90)
-    assert trainer.returncode == 2
+    assert trainer.returncode == 2 and time.time() - t0 < 60
     lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "the rollout process exited (code -9)" in lines[0], err[-2000:]
+    assert len(lines) == 1 and "rollout pool rank 1" in lines[0], err[-2000:]
 
 
 @pytest.mark.dist
@@ -240,7 +291,7 @@ def test_a_killed_trainer_leaves_no_process_behind(tmp_path):
     recipe = _recipe(tmp_path, train={"steps": 500, "val_every": 0})
     env, mark = marked_env(subprocess_env())
     trainer = _start(tmp_path, "--config", recipe, "--output-dir", tmp_path / "run", "rollout.mode=async",
-                     "reward.num_workers=1", env=env)
+                     "rollout.ranks=1", "reward.num_workers=1", env=env)
     rollout = _rollout_process(trainer, tmp_path / "run")
     assert any("pool_worker" in line for line in left(mark)), left(mark)  # the rollout process's reward worker
     trainer.kill()
@@ -261,15 +312,16 @@ def _state(pid: int) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [["rollout.mode=one_step_off"], ["rollout.mode=async", "rollout.max_staleness=2"]])
 def test_the_demo_learns_with_two_trainer_ranks_and_a_rollout_process(tmp_path, mode):
-    # 2 trainer ranks (DP 2) under torchrun and the rollout process: a world of 3 processes. Measured over
-    # the full 160 iterations: validation 0.887 / 0.957 / 0.977 at 20 / 40 / 60 (one_step_off) and
-    # 0.812 / 0.945 / 0.961 (async, max_staleness 2)
+    # 2 trainer ranks (DP 2) and a pool rank under torchrun: a world of 3 processes. Measured with the
+    # rollout process this replaced, over the full 160 iterations: validation 0.887 / 0.957 / 0.977 at 20 /
+    # 40 / 60 (one_step_off) and 0.812 / 0.945 / 0.961 (async, max_staleness 2)
     from tests.support.distributed_harness import _free_port
 
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
                           str(_free_port()), os.path.join(ROOT, "pretrain_rl.py"), "--config", "examples/demo_cpu.yaml",
                           "--output-dir", str(tmp_path / "run"), "logging.progress=false", "logging.plots=false",
-                          "checkpoint.every=0", "checkpoint.save_at_end=false", "train.steps=80", *mode],
+                          "checkpoint.every=0", "checkpoint.save_at_end=false", "train.steps=80", "rollout.ranks=1",
+                          *mode],
                          capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=1500)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _rows_of(tmp_path / "run")
@@ -284,30 +336,35 @@ def test_the_demo_learns_with_two_trainer_ranks_and_a_rollout_process(tmp_path, 
 @pytest.mark.dist
 @pytest.mark.parametrize("layout", ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"])
 def test_every_trainer_layout_feeds_the_rollout_process(tmp_path, layout):
-    # Two trainer ranks at TP 2 or PP 2 gather the weights for rank 0 to send: at max_staleness 0 the rollout
-    # process samples with the version the trainer holds, so its log-probs equal the actor's every iteration
+    # Two trainer ranks at TP 2 or PP 2 gather the weights for rank 0 to send to the pool rank: at max_staleness
+    # 0 the pool samples with the version the trainer holds, so its log-probs equal the actor's every iteration
     # (PPO: its critic's advantages are not zero on the tiny task, so every update moves the weights).
     from tests.support.distributed_harness import _free_port
 
     recipe = _recipe(tmp_path, train={"steps": 3})
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
                           str(_free_port()), os.path.join(ROOT, "pretrain_rl.py"), "--config", recipe, "--output-dir",
-                          str(tmp_path / "run"), "rollout.mode=async", "rollout.max_staleness=0", "algorithm.name=ppo",
-                          layout],
+                          str(tmp_path / "run"), "rollout.mode=async", "rollout.max_staleness=0", "rollout.ranks=1",
+                          "algorithm.name=ppo", layout],
                          capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _rows_of(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["actor/grad_norm"] > 0 for r in rows)
     assert all(r["mismatch/logprob_abs_mean"] < 1e-4 for r in rows), [r["mismatch/logprob_abs_mean"] for r in rows]
+    # DP 1: the pool's one engine sends each group once to the replica's head, which hands the same message
+    # to the replica's other rank
+    assert all(r["transfer/sample_broadcast_bytes"] == r["transfer/sample_bytes"] > r["transfer/sample_payload_bytes"]
+               > 0 for r in rows)
 
 
 @pytest.mark.parametrize("overrides,line", [
     (["rollout.mode=fast"], "unknown rollout.mode 'fast'; valid names: ['async', 'one_step_off', 'sync']"),
-    (["rollout.mode=async", "rollout.max_staleness=-1"], "rollout.max_staleness must be >= 0, got -1"),
-    (["rollout.mode=one_step_off", "rollout.max_staleness=2"], "rollout.max_staleness=2: one_step_off trains on"),
+    (["rollout.mode=async", "rollout.ranks=1", "rollout.max_staleness=-1"], "rollout.max_staleness must be >= 0, got -1"),
+    (["rollout.mode=one_step_off", "rollout.ranks=1", "rollout.max_staleness=2"], "rollout.max_staleness=2: one_step_off trains on"),
     (["rollout.on_update=restart"], "rollout.on_update must be 'finish' or 'partial', got 'restart'"),
-    (["rollout.gpus=[-1]"], "rollout.gpus[0] must be >= 0, got -1"),
-    (["rollout.gpus=1"], "rollout.gpus must be a list, got 1 (int)"),
+    (["rollout.mode=async", "rollout.ranks=-1"], "rollout.ranks must be >= 0, got -1"),
+    (["rollout.mode=async"], "rollout.mode=async generates on a rollout pool: set rollout.ranks >= 1"),
+    (["rollout.ranks=2"], "rollout.ranks=2: sync generates on the trainer's own ranks"),
     (["rollout.wait_timeout_s=0"], "rollout.wait_timeout_s must be > 0, got 0"),
 ])
 def test_bad_rollout_mode_fields_get_one_line_naming_them(overrides, line):
@@ -319,9 +376,9 @@ def test_bad_rollout_mode_fields_get_one_line_naming_them(overrides, line):
 
 
 @pytest.mark.parametrize("overrides,line", [
-    (["rollout.mode=async", "rollout.gpus=[4,5]"], "rollout.gpus=[4, 5] must name rollout.engine_options."
-                                                   "tensor_parallel_size=1 device(s)"),
-    (["rollout.mode=async", "rollout.on_update=partial", "rollout.engine=vllm"],
+    (["rollout.mode=async", "rollout.ranks=3", "rollout.engine_options.tensor_parallel_size=2"],
+     "rollout.ranks=3 must be a multiple of rollout.engine_options.tensor_parallel_size=2"),
+    (["rollout.mode=async", "rollout.ranks=1", "rollout.on_update=partial", "rollout.engine=vllm"],
      "rollout.on_update=partial: the vllm engine cannot take new weights in the middle of a draw"),
 ])
 def test_rollout_process_recipes_that_cannot_run_are_refused(overrides, line):
@@ -329,5 +386,5 @@ def test_rollout_process_recipes_that_cannot_run_are_refused(overrides, line):
 
     recipe = recipe_from_dict(TINY, overrides=overrides)
     assert any(line in p for p in recipe.problems(recipe.model.hf_config(), world_size=1))
-    assert recipe_from_dict(TINY, overrides=["rollout.mode=async", "rollout.gpus=[4]"]).problems(
+    assert recipe_from_dict(TINY, overrides=["rollout.mode=async", "rollout.ranks=2"]).problems(
         recipe.model.hf_config(), world_size=1) == []

@@ -14,12 +14,17 @@ from megatron_credit.trainer.sources.sync import SyncSource
 def test_each_mode_is_one_registered_class_with_its_staleness_bound():
     assert ROLLOUT_SOURCES.names() == ["async", "one_step_off", "sync"]
     assert [ROLLOUT_SOURCES.get(m) for m in ("sync", "one_step_off", "async")] == [SyncSource, OneStepOff, Async]
-    bounds = {m: RolloutConfig(mode=m, max_staleness=1).staleness_bound for m in ROLLOUT_SOURCES}
+    bounds = {m: RolloutConfig(mode=m, max_staleness=1, ranks=int(m != "sync")).staleness_bound for m in ROLLOUT_SOURCES}
     assert bounds == {"sync": 0, "one_step_off": 1, "async": 1}
-    assert RolloutConfig(mode="async", max_staleness=3).staleness_bound == 3
+    assert RolloutConfig(mode="async", max_staleness=3, ranks=1).staleness_bound == 3
     assert RolloutConfig(mode="sync", max_staleness=3).staleness_bound == 0
     with pytest.raises(ValueError, match="rollout.max_staleness=3: one_step_off trains on samples exactly one version old"):
-        RolloutConfig(mode="one_step_off", max_staleness=3)
+        RolloutConfig(mode="one_step_off", max_staleness=3, ranks=1)
+    for mode in ("one_step_off", "async"):  # a pool mode needs its pool, and sync has none
+        with pytest.raises(ValueError, match=f"rollout.mode={mode} generates on a rollout pool: set rollout.ranks >= 1"):
+            RolloutConfig(mode=mode)
+    with pytest.raises(ValueError, match="rollout.ranks=1: sync generates on the trainer's own ranks"):
+        RolloutConfig(mode="sync", ranks=1)
     assert (Async.interruptible, OneStepOff.interruptible) == (True, False)
     with pytest.raises(ValueError, match="rollout.mode 'sync' is already registered"):
         ROLLOUT_SOURCES.add("sync", SyncSource)

@@ -5,8 +5,9 @@
 | ``base.py`` | ``ROLLOUT_SOURCES`` (``rollout.mode`` -> source class), the ``RolloutSource`` contract, the ``Weights`` the driver hands over, the one draw loop (``draw_until_full``), ``generate_and_score`` |
 | ``routing.py`` | ``SampleRouter``: the kept groups to the ranks that train them, this rank's ``TrainBatch`` and metrics |
 | ``sync.py`` | ``sync``: the engines on the trainer's GPUs; generate, then train |
-| ``overlap.py`` | ``one_step_off`` and ``async``: the trainer's side of a rollout process that generates while the trainer trains |
-| ``child_process.py`` | that rollout process: a child of trainer rank 0, its engine, its weight queue |
+| ``overlap.py`` | ``one_step_off`` and ``async``: the trainer's side of a rollout pool that generates while the trainer trains |
+| ``pool.py`` | that pool: what its ranks (the last ``rollout.ranks`` of the launch) run, engines, staged weights, draws |
+| ``bridge.py`` | the channels between the trainer's ranks and the pool's: the store, weights groups, samples |
 
 A mode is a class registered under its name, carrying the mode's facts (staleness bound, the recipe's
 checks) and serving a run (``next``, ``validate``, ``close``); adding one is one file here plus its import

@@ -96,22 +96,29 @@ class SampleRouter:
         messages = [encode(items) for items in send]
         payload = sum(payload_bytes(items) for items in send)
         got = sorted((item for buf in self._exchange(messages) for item in decode(buf)), key=lambda item: item[0])
-        group, size = self._replica_group()
-        broadcast = 0
-        if size > 1:  # the replica's head has its groups; the other ranks of the replica get them from it
-            mine = encode(got) if dist.get_rank() == heads[self.dp_of_rank[dist.get_rank()]] else None
-            length = torch.tensor([0 if mine is None else mine.numel()], dtype=torch.int64, device=self.device)
-            dist.broadcast(length, src=heads[self.dp_of_rank[dist.get_rank()]], group=group)
-            buf = mine.to(self.device) if mine is not None else torch.empty(int(length), dtype=torch.uint8,
-                                                                             device=self.device)
-            dist.broadcast(buf, src=heads[self.dp_of_rank[dist.get_rank()]], group=group)
-            if mine is None:
-                got = decode(buf)
-            else:
-                broadcast = mine.numel() * (size - 1)
+        rank = dist.get_rank()
+        got, broadcast = self._replica_broadcast(got, head=rank == heads[self.dp_of_rank[rank]])
         self._sent = (sum(m.numel() for m in messages), payload, broadcast)
         assert len(got) == len(kept) // self.dp_size, "each data-parallel rank gets prompts_per_step / DP groups"
         return [g for _, g in got]
+
+    def _replica_broadcast(self, got: list, *, head: bool) -> tuple[list, int]:
+        """The replica's groups ``got`` (``[(k, group), ...]``, held by its head) on every rank of the replica
+        (TP / PP / CP), in one message from the head; returns them and the bytes broadcast."""
+        from megatron_credit.rollout.wire import decode, encode
+
+        group, size = self._replica_group()
+        if size == 1:
+            return got, 0
+        src = self._replica_heads()[self.dp_of_rank[dist.get_rank()]]
+        mine = encode(got) if head else None
+        length = torch.tensor([0 if mine is None else mine.numel()], dtype=torch.int64, device=self.device)
+        dist.broadcast(length, src=src, group=group)
+        buf = mine.to(self.device) if mine is not None else torch.empty(int(length), dtype=torch.uint8, device=self.device)
+        dist.broadcast(buf, src=src, group=group)
+        if mine is None:
+            return decode(buf.cpu()), 0
+        return got, mine.numel() * (size - 1)
 
     def _replica_heads(self) -> list[int]:
         """The first global rank of each data-parallel replica (indexed by DP rank)."""

@@ -51,7 +51,9 @@ class SyncSource(SampleRouter):
 
     @classmethod
     def check_section(cls, rollout: RolloutConfig) -> None:
-        return None
+        if rollout.ranks:
+            raise ValueError(f"rollout.ranks={rollout.ranks}: sync generates on the trainer's own ranks; a rollout pool "
+                             "is for rollout.mode=one_step_off or async")
 
     @classmethod
     def recipe_problems(cls, rollout: RolloutConfig, *, world_size: int) -> list[str]:

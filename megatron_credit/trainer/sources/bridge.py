@@ -1,0 +1,348 @@
+"""The channels between the trainer's ranks and the rollout pool's (``rollout.ranks: N``).
+
+A launch of ``W`` ranks with a pool: ranks ``0 .. T - 1`` (``T = W - N``) train (their default process group
+and megatron's groups hold only them), ranks ``T .. W - 1`` are the pool, ``N / rollout_tp`` engines, engine
+``e`` led by rank ``T + e * rollout_tp`` (its other ranks give the engine their devices and wait). Every
+channel is built from the launch's rendezvous store (:class:`megatron_credit.distributed.Job`):
+
+| channel | between | carries |
+| --- | --- | --- |
+| the store (keys under ``mc/``) | every rank | small facts: where a run starts, validation requests and results, each batch's facts, progress and life beats, an error line, stop |
+| ``weights``: one 2-rank group per engine | trainer rank ``e % T`` and engine ``e``'s leader | each version's HF-named buckets (nccl on GPU: device to device, no host copy; gloo on CPU) |
+| ``samples``: one gloo group of the world | engine leaders -> the trainer's replica heads | each group once, as bytes of tensors (``rollout/wire.py``) |
+| ``pool``: one gloo group of the engine leaders | engines | a draw's verdicts and versions, the validation sums |
+
+Waits on the trainer side time out on silence, not on total time: the engines beat at every draw and every
+few decode steps (``hb/<e>``), every pool rank beats while it lives (``alive/<rank>``), and a wait stops the
+run with one line when no beat came for ``rollout.wait_timeout_s`` (progress) or :data:`GONE_S` (life).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import threading
+import time
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_credit.cli import RunStopped
+
+POLL_S = 0.25
+"""How often a wait looks at the store."""
+BEAT_S = 1.0
+"""The most often an engine records progress (``hb/<e>``)."""
+ALIVE_S = 2.0
+"""How often every pool rank (and trainer rank 0) records that it lives."""
+GONE_S = 30.0
+"""A rank that recorded no life for this long is gone (killed, or its machine lost): the run stops naming it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+    """Who is who in a launch of ``world`` ranks whose last ``pool`` ranks are the rollout pool.
+
+    >>> lay = PoolLayout(world=6, pool=4, rollout_tp=2)
+    >>> lay.trainer_world, lay.engines, [lay.leader(e) for e in range(2)], [lay.sender(e) for e in range(2)]
+    (2, 2, [2, 4], [0, 1])
+    >>> lay.engine_of(5), lay.engine_of(4)
+    (1, 1)
+    """
+
+    world: int
+    pool: int
+    rollout_tp: int = 1
+
+    def __post_init__(self) -> None:
+        if self.pool < 1 or self.pool >= self.world:
+            raise ValueError(f"rollout.ranks={self.pool} must leave at least one trainer rank in a world of "
+                             f"{self.world} (torchrun --nproc-per-node / --nnodes)")
+        if self.pool % self.rollout_tp:
+            raise ValueError(f"rollout.ranks={self.pool} must be a multiple of rollout.engine_options."
+                             f"tensor_parallel_size={self.rollout_tp}: each engine takes that many ranks")
+
+    @property
+    def trainer_world(self) -> int:
+        return self.world - self.pool
+
+    @property
+    def engines(self) -> int:
+        return self.pool // self.rollout_tp
+
+    def leader(self, e: int) -> int:
+        """The global rank that runs engine ``e``."""
+        return self.trainer_world + e * self.rollout_tp
+
+    def sender(self, e: int) -> int:
+        """The trainer rank that sends engine ``e`` its weights (the buckets are whole on every trainer rank:
+        the engines' sends are spread over them)."""
+        return e % self.trainer_world
+
+    def engine_of(self, rank: int) -> int:
+        return (rank - self.trainer_world) // self.rollout_tp
+
+
+def _bcast(group, tensor: torch.Tensor, root: int) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = root, 0
+    group.broadcast([tensor], opts).wait()
+
+
+ALIGN = 16
+"""Each tensor starts at a multiple of this many bytes of a packed bucket (a view of any dtype needs it)."""
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def pack(bucket, device: torch.device) -> tuple[bytes, torch.Tensor]:
+    """One HF-named bucket as (its names, dtypes and shapes as JSON, its bytes in one ``uint8`` tensor on
+    ``device``, each tensor at a multiple of :data:`ALIGN`: on a GPU the tensors never leave it)."""
+    meta = json.dumps([[n, str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in bucket]).encode()
+    parts = []
+    for _, t in bucket:
+        b = t.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+        parts.append(b)
+        if _padded(b.numel()) > b.numel():
+            parts.append(torch.zeros(_padded(b.numel()) - b.numel(), dtype=torch.uint8, device=device))
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+    return meta, flat
+
+
+def unpack(meta: bytes, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The bucket of :func:`pack` (views of ``flat``).
+
+    >>> b = [("a", torch.arange(3.0)), ("b", torch.ones(2, 2, dtype=torch.bfloat16))]
+    >>> [(n, t.tolist()) for n, t in unpack(*pack(b, torch.device("cpu")))]
+    [('a', [0.0, 1.0, 2.0]), ('b', [[1.0, 1.0], [1.0, 1.0]])]
+    """
+    out, at = [], 0
+    for name, dtype, shape in json.loads(meta):
+        dt = getattr(torch, dtype)
+        size = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dt).element_size()
+        out.append((name, flat[at:at + size].view(dt).view(shape)))
+        at += _padded(size)
+    return out
+
+
+class Bridge:
+    """This rank's ends of the channels (module docstring). Every rank of the launch builds one, at
+    start-up (building a group waits for its other ranks)."""
+
+    def __init__(self, job, *, rollout_tp: int, device: torch.device, timeout_s: float):
+        self.job, self.rank = job, job.rank
+        self.layout = PoolLayout(world=job.world_size, pool=job.pool_ranks, rollout_tp=rollout_tp)
+        self.store = dist.PrefixStore("mc", job.store)
+        self.device = device
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        lay = self.layout
+        self.samples = dist.ProcessGroupGloo(dist.PrefixStore("samples", job.store), self.rank, lay.world,
+                                             self.timeout)
+        self.is_trainer = self.rank < lay.trainer_world
+        self.engine = None if self.is_trainer else lay.engine_of(self.rank)
+        self.is_leader = not self.is_trainer and lay.leader(self.engine) == self.rank
+        self.weights: dict[int, Any] = {}  # engine -> its 2-rank weights group (this rank: sender or leader)
+        for e in range(lay.engines):
+            if self.rank in (lay.sender(e), lay.leader(e)):
+                self.weights[e] = self._group(f"weights/{e}", 0 if self.rank == lay.sender(e) else 1, 2,
+                                              nccl=device.type == "cuda")
+        leaders = [lay.leader(e) for e in range(lay.engines)]
+        self.pool = (self._group("pool", leaders.index(self.rank), len(leaders), nccl=False)
+                     if self.is_leader and lay.engines > 1 else None)
+        self.transfers = 0  # weight versions sent (trainer) / received (engine leader): the store keys' index
+        self._pending: list = []  # sample sends in flight (and their tensors)
+        self._alive_stop = threading.Event()
+
+    def _group(self, name: str, rank: int, size: int, *, nccl: bool):
+        store = dist.PrefixStore(name, self.job.store)
+        if nccl:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout
+            return dist.ProcessGroupNCCL(store, rank, size, opts)
+        return dist.ProcessGroupGloo(store, rank, size, self.timeout)
+
+    # -- the store ----------------------------------------------------------------------------------
+    def put(self, key: str, value: Any) -> None:
+        self.store.set(key, json.dumps(value))
+
+    def get(self, key: str) -> Any:
+        """``key``'s value, or None while it is unset."""
+        if not self.store.check([key]):
+            return None
+        return json.loads(self.store.get(key))
+
+    def count(self, key: str, add: int = 0) -> int:
+        return int(self.store.add(key, add))
+
+    def stopping(self) -> bool:
+        return self.store.check(["stop"])
+
+    def stop(self) -> None:
+        """Tell the pool the run ends (every pool rank exits at its next look)."""
+        self.store.set("stop", "1")
+
+    def fail(self, line: str) -> None:
+        """A pool rank's error, for the trainer to report (the first one counts)."""
+        if not self.store.check(["error"]):
+            self.store.set("error", json.dumps(f"rank {self.rank}: {line}"))
+
+    def start_alive(self) -> None:
+        """Record this rank's life every :data:`ALIVE_S` seconds, from a thread, until :meth:`close`."""
+        def beat():
+            try:
+                while True:
+                    self.count(f"alive/{self.rank}", 1)
+                    if self._alive_stop.wait(ALIVE_S):
+                        return
+            except Exception:  # noqa: BLE001  (the store is gone: the launch is ending)
+                return
+        threading.Thread(target=beat, name="pool-alive", daemon=True).start()
+
+    # -- weights: trainer side ----------------------------------------------------------------------
+    def send_weights(self, version: int, buckets: Iterable) -> int:
+        """Every trainer rank: stream ``buckets`` (their gathers are collectives) and send each to the engines
+        this rank serves; returns the bytes this rank sent. The store announces the version first, so the
+        engine's receiving thread posts its receives."""
+        mine = sorted(self.weights)
+        seq = self.transfers
+        self.transfers += 1
+        for e in mine:
+            self.put(f"w/{e}/{seq}", version)
+        sent = 0
+        for bucket in buckets:
+            if not mine:
+                continue
+            meta, flat = pack(bucket, self.device)
+            m = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)
+            head = torch.tensor([m.numel(), flat.numel()], dtype=torch.int64, device=self.device)
+            for e in mine:
+                with self._peer(self.layout.leader(e), f"sending version {version}'s weights"):
+                    for t in (head, m, flat):
+                        _bcast(self.weights[e], t, 0)
+            sent += flat.numel() * len(mine)
+        end = torch.zeros(2, dtype=torch.int64, device=self.device)
+        for e in mine:
+            with self._peer(self.layout.leader(e), f"sending version {version}'s weights"):
+                _bcast(self.weights[e], end, 0)
+        return sent
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _peer(rank: int, what: str):
+        """A failed exchange with pool rank ``rank`` (gone: its connection closed, or timed out) stops the run
+        with one line naming it."""
+        try:
+            yield
+        except RuntimeError as exc:
+            raise RunStopped(f"rollout pool rank {rank} failed while {what}: {' '.join(str(exc).split())[:300]}") from exc
+
+    # -- weights: engine side -----------------------------------------------------------------------
+    def receive_weights(self, stop: Callable[[], bool]) -> Optional[tuple[int, list]]:
+        """Engine leader: the next version sent to this engine, ``(version, buckets)`` on this rank's device;
+        None when ``stop()`` turned true while waiting for one."""
+        key = f"w/{self.engine}/{self.transfers}"
+        while not self.store.check([key]):
+            if stop():
+                return None
+            time.sleep(POLL_S)
+        version = self.get(key)
+        self.store.delete_key(key)
+        self.transfers += 1
+        group, buckets = self.weights[self.engine], []
+        while True:
+            head = torch.empty(2, dtype=torch.int64, device=self.device)
+            _bcast(group, head, 0)
+            n_meta, n_flat = (int(x) for x in head.tolist())
+            if n_meta == 0:
+                return version, buckets
+            m = torch.empty(n_meta, dtype=torch.uint8, device=self.device)
+            flat = torch.empty(n_flat, dtype=torch.uint8, device=self.device)
+            _bcast(group, m, 0)
+            _bcast(group, flat, 0)
+            buckets.append(unpack(bytes(m.cpu().numpy()), flat))
+
+    # -- samples ------------------------------------------------------------------------------------
+    def send_groups(self, step: int, by_head: dict[int, list]) -> None:
+        """Engine leader: each trainer replica head (``by_head``: global rank -> ``[(k, group), ...]``, every
+        head named, possibly with none) its groups of batch ``step``, as one message (size, then bytes);
+        the sends complete while the engine goes on, when the trainer asks for the batch (the pool may run up
+        to the staleness bound ahead, so several batches' sends can be in flight)."""
+        from megatron_credit.rollout.wire import encode
+
+        self._pending = [(work, t) for work, t in self._pending if not work.is_completed()]
+        for head, items in sorted(by_head.items()):
+            buf = encode(items)
+            size = torch.tensor([buf.numel()], dtype=torch.int64)
+            self._pending.append((self.samples.send([size], head, 2 * step), size))
+            if buf.numel():
+                self._pending.append((self.samples.send([buf], head, 2 * step + 1), buf))
+
+    def wait_sent(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+
+    def receive_groups(self, step: int) -> tuple[list, int]:
+        """Replica head: batch ``step``'s groups from every engine leader, ``[(k, group), ...]`` in the order of
+        ``k``, and the bytes received."""
+        from megatron_credit.rollout.wire import decode
+
+        got, nbytes = [], 0
+        for e in range(self.layout.engines):
+            src = self.layout.leader(e)
+            size = torch.empty(1, dtype=torch.int64)
+            with self._peer(src, f"receiving iteration {step}'s samples"):
+                self.samples.recv([size], src, 2 * step).wait()
+                if int(size):
+                    buf = torch.empty(int(size), dtype=torch.uint8)
+                    self.samples.recv([buf], src, 2 * step + 1).wait()
+                got += decode(buf)
+                nbytes += buf.numel()
+        return sorted(got, key=lambda item: item[0]), nbytes
+
+    # -- the pool's own collectives -----------------------------------------------------------------
+    def pool_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the engines (in place; a float64 / int64 CPU tensor)."""
+        if self.pool is not None:
+            self.pool.allreduce([t]).wait()
+        return t
+
+    # -- waits --------------------------------------------------------------------------------------
+    def wait_for(self, key: str, *, what: str, silence_s: float, spawned: Optional[list] = None) -> Any:
+        """Trainer rank: ``key``'s value once set. Stops the run with one line when a pool rank reported an
+        error, a process the entry point started for the pool exited, a pool rank recorded no life for
+        :data:`GONE_S` s, or no engine recorded progress for ``silence_s`` s (``what``: what waited)."""
+        lay = self.layout
+        now = time.monotonic()
+        progress, last_progress = None, now
+        life: dict[int, tuple[int, float]] = {}
+        while True:
+            if self.store.check(["error"]):
+                raise RunStopped(f"the rollout pool failed ({what}): {self.get('error')}")
+            value = self.get(key)
+            if value is not None:
+                return value
+            now = time.monotonic()
+            for r, proc in enumerate(spawned or (), start=lay.trainer_world):
+                if proc.poll() is not None:
+                    raise RunStopped(f"rollout pool rank {r} exited (code {proc.returncode}) while {what}")
+            beats = [self.count(f"hb/{e}") for e in range(lay.engines)]
+            if beats != progress:
+                progress, last_progress = beats, now
+            for r in range(lay.trainer_world, lay.world):
+                n = self.count(f"alive/{r}")
+                if r not in life or life[r][0] != n:
+                    life[r] = (n, now)
+                elif n and now - life[r][1] > GONE_S:
+                    raise RunStopped(f"rollout pool rank {r} is gone: no sign of life for {GONE_S:g} s while {what}")
+            if now - last_progress > silence_s:
+                raise RunStopped(f"{what}: the rollout pool made no progress for {silence_s:g} s "
+                                 "(rollout.wait_timeout_s; a draw or a few decode steps count)")
+            time.sleep(POLL_S)
+
+    def close(self) -> None:
+        self._alive_stop.set()

@@ -1,0 +1,213 @@
+"""The rollout pool's channels (``trainer/sources/bridge.py``) between a trainer rank and a pool rank, on
+gloo, and a pool rank killed under torchrun.
+
+- weights: each version's HF-named buckets arrive whole and equal, in every dtype;
+- samples: the groups an engine sends its replica heads arrive once, equal, with the bytes counted;
+- waits end on silence, not on time: a wait longer than ``rollout.wait_timeout_s`` that keeps getting
+  progress beats is not stopped; one that gets none is, in one line; a pool rank that stops living is named;
+- a pool rank killed (SIGKILL) mid-run under torchrun ends the launch with a line naming it, and
+  ``--resume auto`` continues with no iteration lost or repeated.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.support.distributed_harness import _free_port, module_pool
+from tests.support.paths import ROOT
+from tests.support.runs import metrics_rows, subprocess_env, tiny_recipe_file
+
+pytestmark = pytest.mark.dist
+pool2 = module_pool(2)
+
+
+def _bridge(port: int, name: str):
+    """Rank 0 a trainer rank, rank 1 a pool rank (one engine), over a store of their own."""
+    import torch.distributed as dist
+
+    from megatron_credit.distributed import Job
+    from megatron_credit.trainer.sources.bridge import Bridge
+
+    rank = dist.get_rank()
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
+    job = Job(store=dist.PrefixStore(name, store), rank=rank, world_size=2, pool_ranks=1)
+    return Bridge(job, rollout_tp=1, device=torch.device("cpu"), timeout_s=60)
+
+
+def _weights_and_samples(port: int):
+    import torch.distributed as dist
+
+    from megatron_credit.rollout.types import FinishStatus, RolloutSample
+    from megatron_credit.rollout.wire import encode, payload_bytes
+
+    b = _bridge(port, "ws")
+    g = torch.Generator().manual_seed(0)
+    buckets = [[("model.embed_tokens.weight", torch.randn(7, 5, generator=g))],
+               [("model.layers.0.mlp.up_proj.weight", torch.randn(3, 5, generator=g).to(torch.bfloat16)),
+                ("model.norm.weight", torch.randn(5, generator=g))]]
+
+    def group(k):
+        samples = [RolloutSample(prompt_ids=[1, 2, k], response_ids=[3, 4], logprobs=torch.tensor([-0.5, -0.25 * k]),
+                                 status=FinishStatus.STOPPED, group_id=k, sample_index=i, logprobs_mode="raw")
+                   for i in range(2)]
+        return samples, torch.tensor([1.0, 0.0]), torch.tensor([True, False])
+
+    if dist.get_rank() == 0:
+        sent = [b.send_weights(v, iter(buckets)) for v in (3, 4)]
+        got, nbytes = b.receive_groups(7)
+        out = {"sent": sent, "keys": [k for k, _ in got], "nbytes": nbytes, "payload": payload_bytes(got),
+               "message": encode(got).numel(),
+               "lp": [s.logprobs.tolist() for _, (ss, _, _) in got for s in ss]}
+    else:
+        versions = [b.receive_weights(lambda: False) for _ in range(2)]
+        b.send_groups(7, {0: [(1, group(1)), (0, group(0))]})
+        b.wait_sent()
+        out = {"versions": [v for v, _ in versions],
+               "equal": all(torch.equal(x, y) and x.dtype == y.dtype and n == m for _, got in versions
+                            for gb, wb in zip(got, buckets) for (n, x), (m, y) in zip(gb, wb))}
+    dist.barrier()
+    b.close()
+    return out
+
+
+def test_weights_and_samples_cross_once_and_whole(pool2):
+    trainer, engine = pool2.run(_weights_and_samples, _free_port())
+    assert engine == {"versions": [3, 4], "equal": True}
+    nbytes = 144 + 32 + 32  # 140, 30 and 20 bytes, each tensor at a multiple of 16 bytes
+    assert trainer["sent"] == [nbytes, nbytes]  # one engine, one version each time
+    assert trainer["keys"] == [0, 1]  # in the order of the batch, whatever order they were sent in
+    assert trainer["lp"] == [[-0.5, 0.0], [-0.5, 0.0], [-0.5, -0.25], [-0.5, -0.25]]
+    # one message: the wire encoding of the two groups, nothing else (its size against the payload at real
+    # lengths: tests/rollout/test_wire.py)
+    assert trainer["nbytes"] == trainer["message"] > trainer["payload"] > 0
+
+
+def _silence(port: int, beat_for_s: float, gone: bool):
+    import torch.distributed as dist
+
+    from megatron_credit.cli import RunStopped
+    from megatron_credit.trainer.sources import bridge as br
+
+    br.GONE_S = 3.0
+    b = _bridge(port, f"s{beat_for_s}{gone}")
+    out = None
+    if dist.get_rank() == 1:
+        b.count("alive/1", 1)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < beat_for_s and not b.store.check(["done"]):  # progress every 0.5 s, and life
+            b.count("hb/0", 1)
+            if not gone:
+                b.count("alive/1", 1)
+            time.sleep(0.5)
+        if not gone:
+            b.put("batch/1", {"ok": 1})
+        b.store.wait(["done"])
+    else:
+        t0 = time.monotonic()
+        try:
+            out = ("value", b.wait_for("batch/1", what="iteration 1 waited for its batch", silence_s=2.0))
+        except RunStopped as exc:
+            out = ("stopped", str(exc))
+        out = (*out, time.monotonic() - t0)
+        b.store.set("done", "1")
+    dist.barrier()
+    return out
+
+
+def test_a_wait_longer_than_the_timeout_that_gets_progress_is_not_stopped(pool2):
+    kind, value, waited = pool2.run(_silence, _free_port(), 6.0, False)[0]
+    assert (kind, value) == ("value", {"ok": 1}) and waited > 5.0  # 3x the 2 s silence timeout
+
+
+def test_a_pool_rank_that_stops_living_is_named_in_one_line(pool2):
+    kind, line, waited = pool2.run(_silence, _free_port(), 60.0, True)[0]  # beats progress, but not life
+    assert kind == "stopped" and waited < 10
+    assert line == "rollout pool rank 1 is gone: no sign of life for 3 s while iteration 1 waited for its batch"
+
+
+def _silent(port: int):
+    import torch.distributed as dist
+
+    from megatron_credit.cli import RunStopped
+
+    b = _bridge(port, "quiet")
+    out = None
+    if dist.get_rank() == 0:
+        t0 = time.monotonic()
+        try:
+            b.wait_for("batch/1", what="iteration 1 waited for its batch", silence_s=2.0)
+        except RunStopped as exc:
+            out = (str(exc), time.monotonic() - t0)
+        b.store.set("done", "1")
+    else:
+        b.count("hb/0", 1)
+        b.store.wait(["done"])
+    dist.barrier()
+    return out
+
+
+def test_a_pool_that_makes_no_progress_stops_the_wait_in_one_line(pool2):
+    line, waited = pool2.run(_silent, _free_port())[0]
+    assert 2.0 <= waited < 6.0
+    assert line == ("iteration 1 waited for its batch: the rollout pool made no progress for 2 s "
+                    "(rollout.wait_timeout_s; a draw or a few decode steps count)")
+
+
+# ------------------------------------------------------------------------------------ under torchrun
+def _recipe(tmp_path, **sections) -> str:
+    return tiny_recipe_file(tmp_path, "pool-warmup-cache", **sections)
+
+
+def _torchrun(n: int, *args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), "--master-port",
+            str(_free_port()), os.path.join(ROOT, "pretrain_rl.py"), *map(str, args)]
+
+
+def _pool_rank_pid(launcher: subprocess.Popen, rank: int) -> int:
+    """The pid of the worker of global rank ``rank`` under ``launcher`` (torchrun's worker environment)."""
+    out = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True)
+    for pid in map(int, out.stdout.split()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except FileNotFoundError:
+            continue
+        if env.get(b"RANK") == str(rank).encode():
+            return pid
+    raise AssertionError(f"no worker of rank {rank}")
+
+
+def test_a_pool_rank_killed_under_torchrun_ends_the_launch_and_resume_is_exact(tmp_path):
+    from megatron_credit.trainer import checkpoint as ckpt
+
+    recipe = _recipe(tmp_path, train={"steps": 6, "val_every": 0}, checkpoint={"every": 1, "keep": 10})
+    common = ["rollout.mode=one_step_off", "rollout.ranks=2", "logging.progress=false"]
+    whole = subprocess.run(_torchrun(4, "--config", recipe, "--output-dir", tmp_path / "whole", *common),
+                           capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=600)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run = tmp_path / "split"
+    launcher = subprocess.Popen(_torchrun(4, "--config", recipe, "--output-dir", run, *common), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, cwd=ROOT, env=subprocess_env())
+    t0 = time.time()
+    while not (run / "metrics.jsonl").exists() or len(metrics_rows(run)) < 2:  # while the pool sends batch 3
+        assert launcher.poll() is None and time.time() - t0 < 300, launcher.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.kill(_pool_rank_pid(launcher, 3), signal.SIGKILL)  # the second engine
+    t_kill = time.time()
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode != 0 and time.time() - t_kill < 60
+    assert "rank: 3" in err and "Signal 9" in err, err[-3000:]  # torchrun's summary names the rank and the signal
+    again = subprocess.run(_torchrun(4, "--config", recipe, "--output-dir", run, *common, "--resume", "auto"),
+                           capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    steps = [r["step"] for r in metrics_rows(run)]
+    assert sorted(set(steps)) == [1, 2, 3, 4, 5, 6] and steps[-1] == 6
+    cursor = lambda d, s: ckpt.rank0_extras(os.path.join(d, "checkpoints", f"iter_{s:07d}"))["prompts"]["cursor"]  # noqa: E731
+    assert cursor(run, 6) == cursor(tmp_path / "whole", 6) == 8 * 6  # every iteration's prompts once
