@@ -37,7 +37,7 @@ BENCHMARKS: tuple[tuple[str, float], ...] = (
     ("conversion_memory.py", 153.0),
     ("logprob_memory.py", 186.0),
     ("packing.py", 720.0),  # 2026-12-03, defaults, 2 cores shared with a test run
-    ("async_rollout.py", 215.0),  # 2026-12-03, defaults, a quiet machine
+    ("async_rollout.py", 480.0),  # 2026-12-05, defaults, 6 launches of 2 ranks
     ("credit_maps.py", 15.0),  # 2026-12-04, defaults, 2 cores shared with test runs
 )
 """What ``make bench`` runs, in order, with the wall time each took when measured."""
