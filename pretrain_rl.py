@@ -164,7 +164,7 @@ def _main(args, argv: Sequence[str] = ()) -> int:
         result = plan(recipe, hf_config, nodes=1, gpus_per_node=trainer_world, gpu=recipe.cluster.gpu)
         if rank0:
             print(_describe(recipe, hf_config, layout))
-            print(format_plan(result, title=f"memory plan for {trainer_world} trainer rank(s) on {recipe.cluster.gpu}"))
+            print(format_plan(result, title=f"memory plan for {trainer_world} rank(s) on {recipe.cluster.gpu}"))
             print("dry run: the recipe is valid for this world size; nothing was built" if result.fits else
                   "dry run: the layout is valid for this world size but its memory plan does not fit (exit 1); "
                   "nothing was built")
