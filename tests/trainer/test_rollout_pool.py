@@ -211,3 +211,29 @@ def test_a_pool_rank_killed_under_torchrun_ends_the_launch_and_resume_is_exact(t
     assert sorted(set(steps)) == [1, 2, 3, 4, 5, 6] and steps[-1] == 6
     cursor = lambda d, s: ckpt.rank0_extras(os.path.join(d, "checkpoints", f"iter_{s:07d}"))["prompts"]["cursor"]  # noqa: E731
     assert cursor(run, 6) == cursor(tmp_path / "whole", 6) == 8 * 6  # every iteration's prompts once
+
+
+def test_an_exit_signal_to_the_whole_job_saves_the_iteration_and_the_pool_ends_with_it(tmp_path):
+    # SIGTERM to every process of the job (a scheduler's pre-emption): the trainer finishes the iteration in
+    # flight, saves it and exits 0; the pool rank ignores the signal and exits when the trainer says stop.
+    from megatron_credit.run_layout import complete_checkpoints
+    from tests.support.leftovers import marked_env, wait_until_none_left
+
+    run = tmp_path / "run"
+    env, mark = marked_env(subprocess_env())
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config", _recipe(tmp_path),
+                             "--output-dir", str(run), "train.steps=500", "train.val_every=0", "checkpoint.every=0",
+                             "checkpoint.save_at_end=false", "rollout.mode=one_step_off", "rollout.ranks=1"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    t0 = time.time()
+    while not (run / "metrics.jsonl").exists() or len(metrics_rows(run)) < 2:
+        assert proc.poll() is None and time.time() - t0 < 300, proc.communicate()[0][-3000:]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    saved = complete_checkpoints(str(run))
+    assert len(saved) == 1 and f"SIGTERM: saved iteration {saved[0][0]}, exiting" in out
+    assert [r["step"] for r in metrics_rows(run)] == list(range(1, saved[0][0] + 1))
+    assert wait_until_none_left(mark) == []  # the pool rank ended with the trainer

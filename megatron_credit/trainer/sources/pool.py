@@ -19,11 +19,14 @@ first engine puts the batch's facts (versions, draws, the prompt cursor, the rew
 the store. Validation requests are served between batches (``one_step_off``) or between draws (``async``).
 
 A pool rank exits when the trainer says stop, when its launch is gone (the store, or, for ranks the entry
-point started, its parent), or on an error, which it puts into the store as one line first.
+point started, its parent), or on an error, which it puts into the store as one line first. It ignores the
+run's exit signals (``checkpoint.exit_signals``: a scheduler sends them to every process of the job): the
+trainer finishes its iteration, saves it, and then says stop.
 """
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -37,6 +40,8 @@ def serve(recipe, hf_config, *, job, device: torch.device, local_rank: int) -> i
     """A pool rank's main: serve until the trainer stops; returns the exit code (1 after an error, which the
     trainer reports)."""
     r = recipe.rollout
+    for name in recipe.checkpoint.exit_signals:  # the trainer saves and then says stop; a pool rank waits for it
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     bridge = Bridge(job, rollout_tp=r.tensor_parallel_size, device=device, timeout_s=recipe.distributed.timeout_s)
     bridge.start_alive()
     parent = int(os.environ.get(PARENT_ENV, "0"))
