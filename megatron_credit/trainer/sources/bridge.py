@@ -242,8 +242,10 @@ class Bridge:
 
     # -- weights: engine side -----------------------------------------------------------------------
     def receive_weights(self, stop: Callable[[], bool]) -> Optional[tuple[int, list]]:
-        """Engine leader: the next version sent to this engine, ``(version, buckets)`` on this rank's device;
-        None when ``stop()`` turned true while waiting for one."""
+        """Engine leader: the next version sent to this engine, ``(version, buckets)``; None when ``stop()``
+        turned true while waiting for one. Each bucket arrives on this rank's device and, on a GPU, is staged
+        in pinned host memory (a whole version on the device would sit beside the engine's weights and KV
+        cache: 64 GB at 32B); the engine's ``update_weights`` puts each bucket back on the device as it loads."""
         key = f"w/{self.engine}/{self.transfers}"
         while not self.store.check([key]):
             if stop():
@@ -263,6 +265,8 @@ class Bridge:
             flat = torch.empty(n_flat, dtype=torch.uint8, device=self.device)
             _bcast(group, m, 0)
             _bcast(group, flat, 0)
+            if flat.is_cuda:  # staged in pinned host memory: the engine's device holds one bucket at a time
+                flat = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True).copy_(flat)
             buckets.append(unpack(bytes(m.cpu().numpy()), flat))
 
     # -- samples ------------------------------------------------------------------------------------
