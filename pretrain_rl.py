@@ -162,13 +162,23 @@ def _main(args, argv: Sequence[str] = ()) -> int:
         from megatron_credit.planning.plan import format_plan, plan
 
         result = plan(recipe, hf_config, nodes=1, gpus_per_node=trainer_world, gpu=recipe.cluster.gpu)
+        fits, pool_plan = result.fits, None
+        if pool:  # the pool's engines on their own GPUs: the launch's last `pool` ranks
+            from megatron_credit.planning.pool import plan_pool
+
+            pool_plan = plan_pool(recipe, hf_config, nodes=1, gpus_per_node=trainer_world + pool, gpu=recipe.cluster.gpu)
+            if pool_plan.problems:
+                raise ValueError(pool_plan.refusal())
+            fits = fits and pool_plan.fits
         if rank0:
             print(_describe(recipe, hf_config, layout))
             print(format_plan(result, title=f"memory plan for {trainer_world} rank(s) on {recipe.cluster.gpu}"))
-            print("dry run: the recipe is valid for this world size; nothing was built" if result.fits else
+            if pool_plan is not None:
+                print("\n".join(pool_plan.lines()))
+            print("dry run: the recipe is valid for this world size; nothing was built" if fits else
                   "dry run: the layout is valid for this world size but its memory plan does not fit (exit 1); "
                   "nothing was built")
-        return 0 if result.fits else 1
+        return 0 if fits else 1
     from megatron_credit.recipe.device_fields import check_device_fields
 
     check_device_fields(recipe)  # TE, bf16, CUDA fields this machine cannot honour: one line naming the field

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disk-gbps", type=positive_float, default=None,
                    help="checkpoint write bandwidth of one node in GB/s, for the save time and the Slurm warning "
                         "lead (default: 1)")
+    p.add_argument("--network-gbps", type=positive_float, default=None,
+                   help="network bandwidth per GPU in Gbit/s for a rollout pool's weight update (default 400)")
     p.add_argument("overrides", nargs="*", help="dotted recipe overrides")
     return p
 
@@ -60,19 +62,34 @@ def _main(argv: list[str]) -> int:
     if gpu not in GPUS:
         raise ValueError(f"--gpu {gpu!r} is not one of {sorted(GPUS)}")
     experts = dict(ep=args.ep, etp=args.etp)
+    pool = None
+    if recipe.rollout.ranks:  # the last rollout.ranks GPUs are the pool's: the trainer is planned on the rest
+        from megatron_credit.planning.pool import NETWORK_GBPS, plan_pool, trainer_gpus
+
+        pool = plan_pool(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu,
+                         network_gbps=args.network_gbps or NETWORK_GBPS)
+        if pool.problems:
+            raise ValueError(pool.refusal())
+        nodes, gpn = trainer_gpus(recipe, nodes=nodes, gpus_per_node=gpn)
     refusal = layout_refusal(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu,
                              distributed_optimizer=dist_opt, **experts)
     if refusal is not None:  # no table for a layout that cannot exist
         raise ValueError(refusal)
     result = plan(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu, distributed_optimizer=dist_opt,
                   **experts)
-    print(format_plan(result, title=f"{args.config}: {recipe.algorithm.name}, {nodes} node(s) x {gpn} {gpu}"))
+    print(format_plan(result, title=f"{args.config}: {recipe.algorithm.name}, {nodes} node(s) x {gpn} {gpu}"
+                                    + (" (the trainer's)" if pool else "")))
+    if pool is not None:
+        print("\n".join(pool.lines()))
     from megatron_credit.planning.timing import DISK_BYTES_PER_S, iteration_estimate
 
     disk = DISK_BYTES_PER_S if args.disk_gbps is None else args.disk_gbps * 1e9
     print("\n".join(iteration_estimate(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu,
                                        disk_bytes_per_s=disk).lines()))
-    return 0 if result.fits else 1
+    if pool is not None:
+        print("(the iteration estimate is sync's on the trainer's GPUs: the pool's generation and its overlap with "
+              "training are not modelled yet)")
+    return 0 if result.fits and (pool is None or pool.fits) else 1
 
 
 def main(argv=None) -> int:

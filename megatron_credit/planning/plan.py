@@ -143,6 +143,8 @@ class Plan:
     """Pinned host bytes one GPU's rank offloads while the engine generates (optimizer + gradients)."""
     gpus_per_node: int
     """GPUs per node, for the host memory the offload needs per node."""
+    pool_ranks: int = 0
+    """``rollout.ranks``: the engines are a rollout pool's, not on these GPUs (``planning/pool.py``)."""
 
     @property
     def peak(self) -> int:
@@ -249,8 +251,12 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     terms["cuda_contexts"] = contexts * CUDA_CONTEXT_BYTES
     engine, kv_tokens, engine_note = _rollout_share(recipe, a, gpu_bytes=gpu_bytes, dtype_bytes=wb, engines=engines,
                                                     rtp=rtp, seq=seq)
+    if r.ranks:  # the engines are the rollout pool's, on GPUs of their own (planning/pool.py)
+        contexts, contexts_note = 1, "the trainer rank's (no engine on its GPU)"
+        terms["cuda_contexts"] = CUDA_CONTEXT_BYTES
+        engine, engine_note = 0, f"none: the engines are the rollout pool's ({r.ranks} ranks of their own, planning/pool.py)"
     terms["rollout_engine"] = engine
-    if kv_tokens < seq:
+    if kv_tokens < seq and not r.ranks:
         problems.append(f"rollout engine: its KV cache holds {kv_tokens} tokens, less than one "
                         f"{seq}-token sequence (raise rollout.engine_options.gpu_memory_utilization or its "
                         "tensor_parallel_size)")
@@ -282,7 +288,8 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
                 terms=terms, notes=notes, optimizer_bytes_other=other,
                 train_peak=resident + terms["activations"] + terms["logprob_chunk"],
                 rollout_peak=resident - offload + terms["rollout_engine"], gpu_bytes=gpu_bytes, kv_tokens=kv_tokens,
-                engines=engines, gpus_per_engine=rtp, offload_bytes=offload, gpus_per_node=gpus_per_node)
+                engines=engines, gpus_per_engine=rtp, offload_bytes=offload, gpus_per_node=gpus_per_node,
+                pool_ranks=r.ranks)
 
 
 def _rollout_layout(recipe, *, nodes: int, gpus_per_node: int, problems: list) -> tuple[int, int]:
@@ -366,21 +373,26 @@ def format_plan(p: Plan, *, title: str = "") -> str:
     lines = [title] if title else []
     experts = f" EP={lay['ep']} ETP={lay['etp']} EDP={lay['edp']}" if "ep" in lay else ""
     lines.append(f"layout TP={lay['tp']} PP={lay['pp']} CP={lay['cp']} DP={lay['dp']}{experts} (world {lay['world']})")
-    lines.append(f"rollout {p.engines} engine(s) x {p.gpus_per_engine} GPU(s) (world {lay['world']} / "
-                 f"rollout.engine_options.tensor_parallel_size {p.gpus_per_engine}): every GPU hosts a share of one")
+    if p.pool_ranks:
+        lines.append(f"rollout: on a pool of {p.pool_ranks} ranks of its own (planned apart); none on these GPUs")
+    else:
+        lines.append(f"rollout {p.engines} engine(s) x {p.gpus_per_engine} GPU(s) (world {lay['world']} / "
+                     f"rollout.engine_options.tensor_parallel_size {p.gpus_per_engine}): every GPU hosts a share of one")
     lines.append(f"{'term':<16}{'GiB':>9}  note")
     for name, value in p.terms.items():
         lines.append(f"{name:<16}{value / GIB:>9.2f}  {p.notes[name]}")
     lines.append(f"{'(optimizer alt)':<16}{p.optimizer_bytes_other / GIB:>9.2f}  optimizer states with the other "
                  "distributed-optimizer choice")
-    lines.append(f"{'KV cache':<16}{p.kv_tokens:>9,}  tokens per engine; {p.kv_tokens_per_gpu:,} per GPU "
-                 f"({p.engines} engine(s) x {p.kv_tokens:,} / {lay['world']} GPUs)")
-    lines.append(f"{'host offload':<16}{p.offload_bytes / GIB:>9.2f}  pinned host GiB per GPU while generating "
-                 f"({'+'.join(OFFLOADED)}); {p.offload_bytes_per_node / GIB:.2f} GiB per node of {p.gpus_per_node}")
+    if not p.pool_ranks:
+        lines.append(f"{'KV cache':<16}{p.kv_tokens:>9,}  tokens per engine; {p.kv_tokens_per_gpu:,} per GPU "
+                     f"({p.engines} engine(s) x {p.kv_tokens:,} / {lay['world']} GPUs)")
+        lines.append(f"{'host offload':<16}{p.offload_bytes / GIB:>9.2f}  pinned host GiB per GPU while generating "
+                     f"({'+'.join(OFFLOADED)}); {p.offload_bytes_per_node / GIB:.2f} GiB per node of {p.gpus_per_node}")
     lines.append(f"{'train peak':<16}{p.train_peak / GIB:>9.2f}  {'+'.join(RESIDENT)} + {' + '.join(TRAIN_ONLY)}")
     kept = "+".join(k for k in RESIDENT if k not in OFFLOADED)
-    lines.append(f"{'rollout peak':<16}{p.rollout_peak / GIB:>9.2f}  {kept} + rollout_engine "
-                 f"({', '.join(OFFLOADED)} on the host)")
+    if not p.pool_ranks:
+        lines.append(f"{'rollout peak':<16}{p.rollout_peak / GIB:>9.2f}  {kept} + rollout_engine "
+                     f"({', '.join(OFFLOADED)} on the host)")
     lines.append(f"{'GPU':<16}{p.gpu_bytes / GIB:>9.2f}")
     for problem in p.problems:
         lines.append(f"layout error: {problem}")

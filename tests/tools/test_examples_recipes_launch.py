@@ -34,9 +34,16 @@ def test_the_issue_s_recipes_exist_with_launch_scripts():
 def test_every_recipe_fits_its_declared_cluster(path):
     from megatron_credit.planning.plan import format_plan, plan, resolve_hf_config
 
+    from megatron_credit.planning.pool import plan_pool, trainer_gpus
+
     recipe = load_recipe(path)
     c = recipe.cluster
-    result = plan(recipe, resolve_hf_config(recipe.model), nodes=c.nodes, gpus_per_node=c.gpus_per_node, gpu=c.gpu)
+    nodes, gpn = c.nodes, c.gpus_per_node
+    if recipe.rollout.ranks:  # a rollout pool: its engines fit too, and the trainer is planned on the rest
+        pool = plan_pool(recipe, resolve_hf_config(recipe.model), nodes=nodes, gpus_per_node=gpn, gpu=c.gpu)
+        assert pool.fits, "\n".join(pool.lines())
+        nodes, gpn = trainer_gpus(recipe, nodes=nodes, gpus_per_node=gpn)
+    result = plan(recipe, resolve_hf_config(recipe.model), nodes=nodes, gpus_per_node=gpn, gpu=c.gpu)
     assert result.fits, format_plan(result)
     # The header comment states the same layout and cluster as the fields.
     with open(path, encoding="utf-8") as f:
