@@ -10,7 +10,7 @@ import pytest
 
 from megatron_credit.planning.architecture import Architecture, total_param_count
 from megatron_credit.planning.plan import plan, resolve_hf_config
-from megatron_credit.planning.pool import GIB, plan_pool, trainer_gpus
+from megatron_credit.planning.pool import plan_pool, trainer_gpus
 from megatron_credit.recipe.config import load_recipe
 from tests.support.paths import ROOT
 
@@ -63,5 +63,5 @@ def test_tools_plan_prints_both_plans_and_says_fits(capsys):
     out = capsys.readouterr().out
     assert "4 node(s) x 8 h100-80gb (the trainer's)" in out and "verdict: FITS" in out
     assert "rollout pool: the last 8 of the launch's ranks, 2 engine(s) x 4 GPU(s)" in out
-    assert "pool verdict: FITS" in out and f"{_recipe().rollout.ranks}" in out
-    assert GIB == 1 << 30
+    assert "pool verdict: FITS" in out
+    assert "weight update       61.03  GiB per version to each engine; 1.3 s for all 2 at 400 Gb/s" in out

@@ -97,10 +97,6 @@ class Job:
     world_size: int
     pool_ranks: int
 
-    @property
-    def trainer_world(self) -> int:
-        return self.world_size - self.pool_ranks
-
 
 _JOB: Optional[Job] = None
 

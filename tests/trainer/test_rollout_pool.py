@@ -160,6 +160,35 @@ def test_a_pool_that_makes_no_progress_stops_the_wait_in_one_line(pool2):
                     "(rollout.wait_timeout_s; a draw or a few decode steps count)")
 
 
+def _trainer_gone(port: int):
+    import torch.distributed as dist
+
+    from megatron_credit.trainer.sources import bridge as br
+
+    br.GONE_S = 2.0
+    b = _bridge(port, "tg")
+    out = None
+    if dist.get_rank() == 0:  # trainer rank 0 lives for 3 s, then stops beating (as if killed)
+        for _ in range(6):
+            b.count("alive/0", 1)
+            time.sleep(0.5)
+        b.store.wait(["seen"])
+    else:
+        t0, states = time.monotonic(), []
+        while time.monotonic() - t0 < 12 and not (states and states[-1]):
+            states.append(b.gone(0))
+            time.sleep(0.25)
+        out = (states[-1], any(states[:8]), time.monotonic() - t0)
+        b.store.set("seen", "1")
+    dist.barrier()
+    return out
+
+
+def test_a_pool_rank_sees_trainer_rank_0_stop_living(pool2):
+    gone, early, waited = pool2.run(_trainer_gone, _free_port())[1]
+    assert gone and not early and 4.0 < waited < 8.0  # alive for 3 s, then gone 2 s after its last beat
+
+
 # ------------------------------------------------------------------------------------ under torchrun
 def _recipe(tmp_path, **sections) -> str:
     return tiny_recipe_file(tmp_path, "pool-warmup-cache", **sections)

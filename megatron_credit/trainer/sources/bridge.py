@@ -15,6 +15,9 @@ channel is built from the launch's rendezvous store (:class:`megatron_credit.dis
 Waits on the trainer side time out on silence, not on total time: the engines beat at every draw and every
 few decode steps (``hb/<e>``), every pool rank beats while it lives (``alive/<rank>``), and a wait stops the
 run with one line when no beat came for ``rollout.wait_timeout_s`` (progress) or :data:`GONE_S` (life).
+Trainer rank 0 beats its life too, and a pool rank stops when it has not for :data:`GONE_S`: a trainer that
+dies where no launcher ends the pool (a pool rank on another node, a store hosted elsewhere) never leaves
+it waiting for weights.
 """
 from __future__ import annotations
 
@@ -156,6 +159,7 @@ class Bridge:
         self.transfers = 0  # weight versions sent (trainer) / received (engine leader): the store keys' index
         self._pending: list = []  # sample sends in flight (and their tensors)
         self._alive_stop = threading.Event()
+        self._life: dict[int, tuple[int, float]] = {}  # rank -> (its life count, when it last changed)
 
     def _group(self, name: str, rank: int, size: int, *, nccl: bool):
         store = dist.PrefixStore(name, self.job.store)
@@ -189,6 +193,16 @@ class Bridge:
         """A pool rank's error, for the trainer to report (the first one counts)."""
         if not self.store.check(["error"]):
             self.store.set("error", json.dumps(f"rank {self.rank}: {line}"))
+
+    def gone(self, rank: int) -> bool:
+        """Whether ``rank`` has recorded no life for :data:`GONE_S` seconds since it first did (a rank not yet
+        living is not gone); each call reads its count once."""
+        n, now = self.count(f"alive/{rank}"), time.monotonic()
+        seen = self._life.get(rank)
+        if seen is None or seen[0] != n:
+            self._life[rank] = (n, now)
+            return False
+        return bool(n) and now - seen[1] > GONE_S
 
     def start_alive(self) -> None:
         """Record this rank's life every :data:`ALIVE_S` seconds, from a thread, until :meth:`close`."""
@@ -323,7 +337,6 @@ class Bridge:
         lay = self.layout
         now = time.monotonic()
         progress, last_progress = None, now
-        life: dict[int, tuple[int, float]] = {}
         while True:
             if self.store.check(["error"]):
                 raise RunStopped(f"the rollout pool failed ({what}): {self.get('error')}")
@@ -338,10 +351,7 @@ class Bridge:
             if beats != progress:
                 progress, last_progress = beats, now
             for r in range(lay.trainer_world, lay.world):
-                n = self.count(f"alive/{r}")
-                if r not in life or life[r][0] != n:
-                    life[r] = (n, now)
-                elif n and now - life[r][1] > GONE_S:
+                if self.gone(r):
                     raise RunStopped(f"rollout pool rank {r} is gone: no sign of life for {GONE_S:g} s while {what}")
             if now - last_progress > silence_s:
                 raise RunStopped(f"{what}: the rollout pool made no progress for {silence_s:g} s "

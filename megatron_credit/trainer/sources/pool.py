@@ -18,8 +18,8 @@ Each engine sends its kept groups straight to the trainer's replica heads (``Bri
 first engine puts the batch's facts (versions, draws, the prompt cursor, the reward pool's counts) into
 the store. Validation requests are served between batches (``one_step_off``) or between draws (``async``).
 
-A pool rank exits when the trainer says stop, when its launch is gone (the store, or, for ranks the entry
-point started, its parent), or on an error, which it puts into the store as one line first. It ignores the
+A pool rank exits when the trainer says stop, when its launch is gone (the store, trainer rank 0's life
+beat, or, for ranks the entry point started, its parent), or on an error, which it puts into the store as one line first. It ignores the
 run's exit signals (``checkpoint.exit_signals``: a scheduler sends them to every process of the job): the
 trainer finishes its iteration, saves it, and then says stop.
 """
@@ -47,7 +47,7 @@ def serve(recipe, hf_config, *, job, device: torch.device, local_rank: int) -> i
     parent = int(os.environ.get(PARENT_ENV, "0"))
     try:
         if not bridge.is_leader:  # an engine's other ranks: their devices are the engine's
-            while not bridge.stopping() and _parent_alive(parent):
+            while not bridge.stopping() and _parent_alive(parent) and not bridge.gone(0):
                 time.sleep(POLL_S * 4)
             return 0
         PoolEngine(recipe, hf_config, bridge=bridge, device=device, local_rank=local_rank, parent=parent).run()
@@ -136,7 +136,8 @@ class PoolEngine:
             self.beat_at = now
 
     def _should_stop(self) -> bool:
-        return self.stopped or self.bridge.stopping() or not _parent_alive(self.parent)
+        return (self.stopped or self.bridge.stopping() or not _parent_alive(self.parent)
+                or self.bridge.gone(0))  # trainer rank 0 stopped living
 
     def _between_steps(self) -> bool:
         """Between two decode steps: a progress beat; stop if told; load newer weights if any came and the
