@@ -333,30 +333,42 @@ class Bridge:
     def wait_for(self, key: str, *, what: str, silence_s: float, spawned: Optional[list] = None) -> Any:
         """Trainer rank: ``key``'s value once set. Stops the run with one line when a pool rank reported an
         error, a process the entry point started for the pool exited, a pool rank recorded no life for
-        :data:`GONE_S` s, or no engine recorded progress for ``silence_s`` s (``what``: what waited)."""
+        :data:`GONE_S` s, or no engine recorded progress for ``silence_s`` s (``what``: what waited). Trainer
+        rank 0 watches the beats and puts what it found under ``stopped`` for the others (so the store
+        serves a few reads per rank and poll, not every beat for every trainer rank)."""
         lay = self.layout
-        now = time.monotonic()
-        progress, last_progress = None, now
+        progress, last_progress = None, time.monotonic()
         while True:
             if self.store.check(["error"]):
                 raise RunStopped(f"the rollout pool failed ({what}): {self.get('error')}")
+            if self.store.check(["stopped"]):
+                raise RunStopped(self.get("stopped"))
             value = self.get(key)
             if value is not None:
                 return value
-            now = time.monotonic()
-            for r, proc in enumerate(spawned or (), start=lay.trainer_world):
-                if proc.poll() is not None:
-                    raise RunStopped(f"rollout pool rank {r} exited (code {proc.returncode}) while {what}")
-            beats = [self.count(f"hb/{e}") for e in range(lay.engines)]
-            if beats != progress:
-                progress, last_progress = beats, now
-            for r in range(lay.trainer_world, lay.world):
-                if self.gone(r):
-                    raise RunStopped(f"rollout pool rank {r} is gone: no sign of life for {GONE_S:g} s while {what}")
-            if now - last_progress > silence_s:
-                raise RunStopped(f"{what}: the rollout pool made no progress for {silence_s:g} s "
-                                 "(rollout.wait_timeout_s; a draw or a few decode steps count)")
+            if self.rank == 0:
+                beats = [self.count(f"hb/{e}") for e in range(lay.engines)]
+                if beats != progress:
+                    progress, last_progress = beats, time.monotonic()
+                line = self._silent(what, spawned, time.monotonic() - last_progress, silence_s)
+                if line is not None:
+                    self.put("stopped", line)
+                    raise RunStopped(line)
             time.sleep(POLL_S)
+
+    def _silent(self, what: str, spawned, quiet_s: float, silence_s: float) -> Optional[str]:
+        """Trainer rank 0: why the wait should end (one line), or None."""
+        lay = self.layout
+        for r, proc in enumerate(spawned or (), start=lay.trainer_world):
+            if proc.poll() is not None:
+                return f"rollout pool rank {r} exited (code {proc.returncode}) while {what}"
+        for r in range(lay.trainer_world, lay.world):
+            if self.gone(r):
+                return f"rollout pool rank {r} is gone: no sign of life for {GONE_S:g} s while {what}"
+        if quiet_s > silence_s:
+            return (f"{what}: the rollout pool made no progress for {silence_s:g} s "
+                    "(rollout.wait_timeout_s; a draw or a few decode steps count)")
+        return None
 
     def close(self) -> None:
         self._alive_stop.set()
