@@ -203,7 +203,14 @@ def _main(args, argv: Sequence[str] = ()) -> int:
                                    timeout=datetime.timedelta(seconds=recipe.distributed.timeout_s))
         local = launch.local_rank or 0
         device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-        return serve(recipe, hf_config, job=job, device=device, local_rank=local)
+        code = serve(recipe, hf_config, job=job, device=device, local_rank=local)
+        # Leave without the interpreter's teardown: the pool runs up to the staleness bound ahead, so sends of
+        # batches the stopped trainer never asks for can still sit in gloo's worker threads, and destroying
+        # their process groups at exit aborts the process ("terminate called without an active exception",
+        # SIGABRT), which the launcher reports as the job's failure. Nothing of a pool rank's is left to save.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     device = distributed.initialize(recipe.parallel, seed=recipe.seed, launch=launch, pool_ranks=pool,
                                     timeout_s=recipe.distributed.timeout_s)
     try:
