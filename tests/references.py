@@ -257,3 +257,27 @@ def credit_diagnostics_reference(adv, mask):
         corr = 0.0 if vx <= 1e-20 * sum(v * v for v in x) * n or vp == 0 else cov / math.sqrt(vx * vp)
         out.append({"gini": gini, "effective_frac": eff, "position_corr": corr})
     return out
+
+
+def without_observations(estimator, mask, obs, *tensors):
+    """The multi-turn definition (docs/multi_turn.md) by its plain statement: each row's trajectory with its
+    observations taken out, its action tokens side by side (the single-turn sequence they make), the
+    single-turn reference ``estimator(*row_tensors, row_mask)`` run on that, and each output put back at
+    the action tokens (0 elsewhere). ``obs`` only checks that observations are never actions; a row holds
+    one trajectory."""
+    assert not (mask.bool() & obs.bool()).any()
+    b, t = mask.shape
+    outs = None
+    for i in range(b):
+        idx = mask[i].nonzero().flatten()
+        if not len(idx):
+            continue
+        got = estimator(*[x[i:i + 1, idx] for x in tensors], torch.ones(1, len(idx), dtype=torch.bool))
+        got = got if isinstance(got, tuple) else (got,)
+        if outs is None:
+            outs = [torch.zeros(b, t, dtype=torch.float64) for _ in got]
+        for o, g in zip(outs, got):
+            o[i, idx] = g[0].double()
+    if outs is None:
+        return torch.zeros(b, t, dtype=torch.float64)
+    return tuple(outs) if len(outs) > 1 else outs[0]

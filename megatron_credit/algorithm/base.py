@@ -41,6 +41,10 @@ class AdvantageInputs:
     """``[N, T]`` per-token rewards, typically the score on the last token (GAE estimators)."""
     values: Optional[torch.Tensor] = None
     """``[N, T]`` critic values (GAE estimators)."""
+    obs_mask: Optional[torch.Tensor] = None
+    """``[N, T]`` bool, True on the environment's tokens inside a multi-turn trajectory (observations, never
+    in ``response_mask``): the per-token recurrences pass across them (docs/multi_turn.md); None:
+    single-turn."""
     extras: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """``[N, T]`` inputs of the algorithm's own, by name (what :meth:`Algorithm.advantage_inputs` adds)."""
 
@@ -149,7 +153,8 @@ class Algorithm:
              row_slots: Optional[torch.Tensor] = None, **side: torch.Tensor) -> tuple[torch.Tensor, Metrics]:
         """Per-token policy loss ``[B, T]`` and detached rank-local statistics (``losses.policy``).
         ``cp_group``: the inputs are context-parallel shards; ``is_weights``: truncated importance weights;
-        ``row_slots`` (``[B, T]`` bool): packed rows under CP, for a loss that scans along the row
+        ``row_slots`` (``[B, T]`` bool): False at slots a loss that scans along the row passes unchanged (a
+        packed row's empty slots under CP, a multi-turn trajectory's observations)
         (``batch/packing.py``); ``side``: the :attr:`side_channels`."""
         raise NotImplementedError
 

@@ -188,6 +188,7 @@ class CompPO(PPOClip, ActorCritic):
     def estimate(self, inputs: AdvantageInputs, *, cp_group: Any = None) -> AdvantageOutput:
         inputs.require("token_rewards", "values", "gates")
         adv, ret = comp_gae(inputs.token_rewards, inputs.values, inputs.extras["gates"], inputs.response_mask,
+                            obs_mask=inputs.obs_mask,
                             lam=self.config.lam, cp_group=cp_group)
         return AdvantageOutput(advantages=adv, returns=ret)
 

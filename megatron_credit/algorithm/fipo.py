@@ -65,11 +65,12 @@ class FIPO(DAPO):
         weights ``f_t`` and the Future-KL ``F_t`` they come from (``credit.future_kl``), as the loss computed
         them from the same log-probs."""
         c = self.config
+        obs = side.get("obs_mask")  # a multi-turn batch's observations: the scan passes across them
         f, _ = fipo_weights(logp, old_logp, advantages, mask, tau=c.tau, clip=c.weight_clip,
-                            dual_clip_c=c.dual_clip_c, safety_thresh=c.safety_thresh)
+                            dual_clip_c=c.dual_clip_c, safety_thresh=c.safety_thresh, obs_mask=obs)
         applied = advantages * f
         if c.drop_multi_dual_clip:
             keep = multi_dual_clip_keep(logp, old_logp, advantages, mask, dual_clip_c=c.dual_clip_c)
             applied = applied * keep[:, None]
         return {"advantage": applied, "f_t": f,
-                "future_kl": future_kl(logp, old_logp, mask, tau=c.tau, dual_clip_c=c.dual_clip_c)}
+                "future_kl": future_kl(logp, old_logp, mask, tau=c.tau, dual_clip_c=c.dual_clip_c, obs_mask=obs)}

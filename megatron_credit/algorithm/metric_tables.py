@@ -80,6 +80,20 @@ def _credit(v: Mapping[str, Any]) -> dict[str, float]:
     return {f"credit/{name}": float(v[f"sum:credit/{k}"] / n) for name, k in zip(CREDIT_DIAGNOSTICS, sums)}
 
 
+def _turns(v: Mapping[str, Any]) -> dict[str, float]:
+    """``advantage/turn_<k>_mean`` and ``_abs_mean``: the applied advantages of multi-turn trajectories' action
+    tokens per turn index (``credit.diagnostics.turn_sums``), for the turns that have tokens."""
+    out = {}
+    k = 0
+    while f"sum:turn_adv/{k}/tokens" in v:
+        n = float(v[f"sum:turn_adv/{k}/tokens"])
+        if n > 0:
+            out[f"advantage/turn_{k}_mean"] = float(v[f"sum:turn_adv/{k}/sum"]) / n
+            out[f"advantage/turn_{k}_abs_mean"] = float(v[f"sum:turn_adv/{k}/abs"]) / n
+        k += 1
+    return out
+
+
 CORE = MetricTable(means={
     "actor/pg_loss": ("sum:pg_loss", "sum:opt_steps"),
     "actor/entropy": ("sum:entropy", "sum:tokens"),
@@ -95,7 +109,7 @@ CORE = MetricTable(means={
     "mismatch/tis_capped_frac": ("sum:tis_capped_frac", "sum:tokens"),
     # what the update's forward passes compute beyond the sequences' own tokens (padding rows, alignment)
     "throughput/padding_fraction": ("sum:padding_tokens", "sum:computed_tokens"),
-}, derived=(_skipped, _credit), reduce={
+}, derived=(_skipped, _credit, _turns), reduce={
     # the clipped surrogate's (losses.policy) and the engine-mismatch weights' (rollout.mismatch)
     "clipfrac_low": TOKEN_MEAN, "clipfrac_high": TOKEN_MEAN, "clipfrac_dual": TOKEN_MEAN, "approx_kl": TOKEN_MEAN,
     "tis_mean_weight": TOKEN_MEAN, "tis_capped_frac": TOKEN_MEAN,

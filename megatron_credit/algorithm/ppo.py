@@ -42,7 +42,8 @@ class PPO(PPOClip, ActorCritic):
 
     def estimate(self, inputs: AdvantageInputs, *, cp_group: Any = None) -> AdvantageOutput:
         inputs.require("token_rewards", "values")
-        adv, ret = gae(inputs.token_rewards, inputs.values, inputs.response_mask, gamma=self.config.gamma,
+        adv, ret = gae(inputs.token_rewards, inputs.values, inputs.response_mask, obs_mask=inputs.obs_mask,
+                       gamma=self.config.gamma,
                        lam=self.config.lam, cp_group=cp_group)
         return AdvantageOutput(advantages=adv, returns=ret)
 

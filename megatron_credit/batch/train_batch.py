@@ -36,11 +36,11 @@ from megatron_credit.batch.packing import PackedLayout
 # Per-token fields, in label space; sliced, padded and CP-split together with the side channels
 # (``TrainBatch.extras``, which may have trailing dimensions: ``[B, T, ...]``). All are [B, T].
 TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "rollout_logp", "old_logp", "ref_logp", "values",
-                "advantages", "returns")
+                "advantages", "returns", "obs_mask", "turn_ids")
 # Per-position model inputs (indexed like ``input_ids``, not shifted), cut with the fields above: a mixture
 # of experts' routed experts ``[B, T, layers, top_k]``, -1 where there is none (and on padding).
 POSITION_FIELDS = ("routed_experts",)
-FILL = {"input_ids": None, "labels": None, "routed_experts": -1}
+FILL = {"input_ids": None, "labels": None, "routed_experts": -1, "turn_ids": -1}
 """The padding value of a field (None: the pad id); 0 for the others."""
 
 
@@ -58,7 +58,8 @@ class TrainBatch:
     labels: torch.Tensor
     """``[B, T]`` int64 ``input_ids`` shifted left by one (pad id at the end)."""
     loss_mask: torch.Tensor
-    """``[B, T]`` bool: ``labels[:, t]`` is a response token."""
+    """``[B, T]`` bool: ``labels[:, t]`` is a response token the policy chose (in a multi-turn trajectory an
+    action token, never an observation's: ``obs_mask``)."""
     rollout_logp: torch.Tensor
     """``[B, T]`` float32 the engine's log-prob of ``labels[:, t]`` (0 off the mask)."""
     seq_lens: torch.Tensor
@@ -88,6 +89,17 @@ class TrainBatch:
     routed_experts: Optional[torch.Tensor] = None
     """``[B, T, layers, top_k]`` int16 the rollout engine's experts of each token (position space, like
     ``input_ids``; -1 where the engine reported none): what the actor's routers replay (``moe.routing_replay``)."""
+    obs_mask: Optional[torch.Tensor] = None
+    """``[B, T]`` bool: ``labels[:, t]`` is an environment token inside a multi-turn trajectory (an
+    observation between turns): context the policy reads, out of the loss, the entropy, the KL, the mismatch
+    and the token counts (none of them is in ``loss_mask``); the credit scans pass across it
+    (``docs/multi_turn.md``). None for single-turn batches."""
+    turn_ids: Optional[torch.Tensor] = None
+    """``[B, T]`` int64: the turn of ``labels[:, t]`` (an observation's is the turn it answers), -1 off the
+    response; None for single-turn batches."""
+    turn_rewards: Optional[torch.Tensor] = None
+    """``[B, K]`` float32: the environment's reward of each turn of a row (part of ``rewards``, which is the
+    trajectory's return); None for single-turn batches."""
     extras: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     """``{name: [B, T, ...]}`` the algorithm's side channels: its capture's outputs from the behaviour pass
     (``algorithm/capture.py``), its ``behaviour_extras`` and what its state adds before the estimator. Cut
@@ -98,12 +110,25 @@ class TrainBatch:
         return self.input_ids.shape[0]
 
     def token_rewards(self) -> torch.Tensor:
-        """``[B, T]`` the response's reward on its last scored token, 0 elsewhere (GAE evidence)."""
+        """``[B, T]`` the response's reward on its last scored token, 0 elsewhere (GAE evidence). A multi-turn
+        trajectory's turn ``k`` reward goes to turn ``k``'s last action token, and the rest of its return
+        (the verifier's score) to its last action token: never to an observation."""
         out = torch.zeros(self.loss_mask.shape, dtype=torch.float32)
-        last = self.seq_lens - 2  # the position scoring the last token
         rows = torch.arange(self.size)
         has = self.loss_mask.any(dim=1)
-        out[rows[has], last[has]] = self.rewards[has].float()
+        if self.turn_ids is None:
+            last = self.seq_lens - 2  # the position scoring the last token
+            out[rows[has], last[has]] = self.rewards[has].float()
+            return out
+        positions = torch.arange(self.loss_mask.shape[1])
+        last_action = torch.where(self.loss_mask, positions, -1).max(dim=1).values
+        turn_rewards = self.turn_rewards if self.turn_rewards is not None else torch.zeros(self.size, 1)
+        final = self.rewards.float() - turn_rewards.sum(dim=1)
+        out[rows[has], last_action[has]] = final[has]
+        for k in range(turn_rewards.shape[1]):
+            at = torch.where(self.loss_mask & (self.turn_ids == k), positions, -1).max(dim=1).values
+            ok = at >= 0
+            out[rows[ok], at[ok]] += turn_rewards[ok, k]
         return out
 
 
@@ -118,6 +143,9 @@ def train_batch_from_rollout(padded, *, rewards: torch.Tensor, correct: torch.Te
         rollout_logp=shift(padded.rollout_logprobs, 0.0),
         seq_lens=padded.prompt_lens + padded.response_lens, group_ids=padded.group_ids,
         rewards=rewards.float(), correct=correct.bool(), routed_experts=getattr(padded, "routed_experts", None),
+        obs_mask=None if getattr(padded, "obs_mask", None) is None else shift(padded.obs_mask, False),
+        turn_ids=None if getattr(padded, "turn_ids", None) is None else shift(padded.turn_ids, -1),
+        turn_rewards=getattr(padded, "turn_rewards", None),
         policy_version=None if policy_version is None else torch.as_tensor(policy_version, dtype=torch.int64).expand(
             ids.shape[0]).clone())
 

@@ -73,3 +73,28 @@ def credit_sums(advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, torch
     out = {f"sum:credit/{k}": torch.where(has, v, 0.0).sum() for k, v in d.items()}
     out["sum:credit/responses"] = has.sum().double()
     return out
+
+
+TURN_STATS = 8
+"""Turns with advantage statistics of their own; later turns are counted in the last one."""
+
+
+def turn_sums(advantages: torch.Tensor, mask: torch.Tensor, turn_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``sum:`` statistics of the applied advantages per turn index of multi-turn trajectories (the action
+    tokens of turn ``k``, ``k < TURN_STATS``; the last index holds every later turn): their sum, absolute sum
+    and count; ``advantage/turn_<k>_mean`` and ``_abs_mean`` are their ratios (``metric_tables.CORE``).
+
+    >>> adv = torch.tensor([[1.0, 0.0, -2.0]]); m = torch.tensor([[True, False, True]])
+    >>> s = turn_sums(adv, m, torch.tensor([[0, 0, 1]]))
+    >>> float(s["sum:turn_adv/0/sum"]), float(s["sum:turn_adv/1/abs"]), float(s["sum:turn_adv/1/tokens"])
+    (1.0, 2.0, 1.0)
+    """
+    a = advantages.detach().double()
+    turns = turn_ids.clamp(max=TURN_STATS - 1)
+    out = {}
+    for k in range(TURN_STATS):
+        sel = mask.bool() & (turns == k)
+        out[f"sum:turn_adv/{k}/sum"] = torch.where(sel, a, 0.0).sum()
+        out[f"sum:turn_adv/{k}/abs"] = torch.where(sel, a.abs(), 0.0).sum()
+        out[f"sum:turn_adv/{k}/tokens"] = sel.sum().double()
+    return out

@@ -18,6 +18,10 @@ Departures from the published code:
   transport. ``packed=True``: each maximal run of ``response_mask == 1`` is its own response (packed rows
   where responses are separated by prompt or padding tokens); the transport is cut at every masked
   token. The two agree on rows with one contiguous response.
+- Multi-turn trajectories (``obs_mask``, docs/multi_turn.md): the future of a token runs through every
+  later turn of its trajectory, and the discount counts the policy's tokens only: an observation between
+  turns passes the sum on unchanged (``coef = 1``, no evidence), so ``gamma**(k - t)`` has ``k - t`` = the
+  action tokens between them, whatever the tool printed.
 - Results at masked positions are 0. The published code's option of dropping responses with more than
   one dual-clipped token lives with the loss (:func:`multi_dual_clip_keep`), not here.
 - Masked positions may hold anything, including NaN or -inf (e.g. padding with ``logp = old_logp =
@@ -54,7 +58,8 @@ FIPO_WEIGHT_CLIP = (1.0, 1.2)
 
 def future_kl(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.Tensor, *, tau: float,
               dual_clip_c: float, chunk_size: int = 128, cp_group: Any = None,
-              packed: bool = False, row_slots: torch.Tensor | None = None) -> torch.Tensor:
+              packed: bool = False, row_slots: torch.Tensor | None = None,
+              obs_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Discounted future sum of log-probability shifts, ``F: [B, T]`` (0 at masked tokens).
 
     Args:
@@ -68,7 +73,10 @@ def future_kl(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.T
         row_slots: ``[B, T]`` bool, False at empty slots inside a row (a packed micro-batch's row view under
             CP: each half of the row ends with empty slots, ``batch/packing.py``); the transport passes
             them unchanged (``coef = 1``, no evidence). None: every slot holds a token.
+        obs_mask: ``[B, T]`` bool, True on the environment's tokens of a multi-turn trajectory: passed like
+            empty slots (module docstring). None: single-turn.
     """
+    row_slots = pass_observations(row_slots, obs_mask)
     _check_c(dual_clip_c)
     if tau <= 0:
         raise ValueError(f"tau must be > 0, got {tau}")
@@ -100,11 +108,21 @@ def future_kl(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.T
         return y.mul_(m)  # y is finite everywhere (finite x, coef), so this product is exact
 
 
+def pass_observations(row_slots: torch.Tensor | None, obs_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """``row_slots`` with the observations of a multi-turn trajectory marked as slots the scan passes
+    unchanged (False), or ``row_slots`` as it is without observations."""
+    if obs_mask is None:
+        return row_slots
+    keep = ~obs_mask.bool()
+    return keep if row_slots is None else row_slots & keep
+
+
 def fipo_weights(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                  response_mask: torch.Tensor, *, tau: float = FIPO_TAU,
                  clip: tuple[float, float] = FIPO_WEIGHT_CLIP, dual_clip_c: float = FIPO_DUAL_CLIP_C, safety_thresh: float | None = None, chunk_size: int = 128,
                  cp_group: Any = None, packed: bool = False,
-                 row_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 row_slots: torch.Tensor | None = None,
+                 obs_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """FIPO token weights ``f: [B, T]`` (detached; 1 at masked tokens) and detached metrics.
 
     ``f = clamp(exp(F), clip[0], clip[1])`` (``clip[0]`` is the lower clamp: at the default 1.0 a
@@ -128,7 +146,8 @@ def fipo_weights(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.T
         raise ValueError(f"safety_thresh must be > 0, got {safety_thresh}")
     with torch.no_grad():
         f = future_kl(logp, old_logp, response_mask, tau=tau, dual_clip_c=dual_clip_c,
-                      chunk_size=chunk_size, cp_group=cp_group, packed=packed, row_slots=row_slots)
+                      chunk_size=chunk_size, cp_group=cp_group, packed=packed, row_slots=row_slots,
+                      obs_mask=obs_mask)
         w = torch.exp(f).clamp(lo, hi)
         d = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         over_c = d > math.log(dual_clip_c)  # ratio > c, compared in log space (no overflow)

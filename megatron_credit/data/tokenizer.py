@@ -15,7 +15,13 @@ byte pieces, so ``vocab_size`` must then be at least ~300).
 
 The chat template (``apply_chat_template``) mirrors the Hugging Face method's signature:
 ``<|user|>3+4=<|assistant|>Answer:``; the generation prompt ends with the answer prefix that the
-``synthetic_arith`` verifier re-attaches (``rewards/arith.py``).
+``synthetic_arith`` verifier re-attaches (``rewards/arith.py``), unless ``answer_prefix`` is False (the
+tool task, ``data/tool_task.py``, leaves the form of the reply to the model).
+
+``extra_symbols`` adds the tool task's four markers (``<call> </call> <result> </result>``) as single
+user-defined pieces, which decode back to their text; the corpus then also holds every problem as a
+calculator trace. Either field at its default is left out of the cache key, so the default tokenizer
+keeps its file name (and its bytes).
 
 >>> import tempfile
 >>> tok = load_arith_tokenizer(ArithTokenizerConfig(cache_dir=tempfile.mkdtemp()))
@@ -65,6 +71,11 @@ class ArithTokenizerConfig:
     """Cache directory; None means ``~/.cache/megatron_credit/tokenizers``."""
     task: ArithConfig = ArithConfig()
     """The task whose text the tokenizer is trained on."""
+    extra_symbols: tuple[str, ...] = ()
+    """() or the tool markers ``(call_open, call_close, result_open, result_close)``: one piece each, and
+    the corpus also holds every problem as a calculator trace (``data/tool_task.py``)."""
+    answer_prefix: bool = True
+    """The generation prompt ends with ``Answer:`` (False: with ``<|assistant|>``); not part of the model."""
 
     def __post_init__(self):
         floor = 300 if self.byte_fallback else 40
@@ -72,15 +83,23 @@ class ArithTokenizerConfig:
             raise ValueError(
                 f"vocab_size must be >= {floor} (byte_fallback={self.byte_fallback}), got {self.vocab_size}"
             )
+        symbols = tuple(self.extra_symbols)
+        object.__setattr__(self, "extra_symbols", symbols)
+        if symbols and (len(set(symbols)) != 4 or any(
+                not isinstance(s, str) or not s or s.split() != [s] or s in ROLE_TOKENS.values() for s in symbols)):
+            raise ValueError("extra_symbols must be () or (call_open, call_close, result_open, result_close): four "
+                             f"distinct strings without whitespace, not role markers; got {self.extra_symbols!r}")
 
 
 class ArithTokenizer:
     """sentencepiece model + the synthetic chat template; the methods the rollout/data code call."""
 
-    def __init__(self, model_path: str | os.PathLike):
+    def __init__(self, model_path: str | os.PathLike, *, answer_prefix: bool = True):
         import sentencepiece as spm
 
         self.model_path = str(model_path)
+        self.answer_prefix = answer_prefix
+        """The generation prompt ends with ``Answer:`` (``ArithTokenizerConfig.answer_prefix``)."""
         self._sp = spm.SentencePieceProcessor(model_file=self.model_path)
         self.pad_id, self.unk_id = self._sp.pad_id(), self._sp.unk_id()
         self.bos_id, self.eos_id = self._sp.bos_id(), self._sp.eos_id()
@@ -117,14 +136,15 @@ class ArithTokenizer:
         self, messages: Sequence[dict[str, str]], *, tokenize: bool = False,
         add_generation_prompt: bool = True, **_: Any,
     ) -> str | list[int]:
-        """``<|role|>content`` per message, then ``<|assistant|>Answer:`` if ``add_generation_prompt``."""
+        """``<|role|>content`` per message, then ``<|assistant|>Answer:`` if ``add_generation_prompt``
+        (``<|assistant|>`` alone without :attr:`answer_prefix`)."""
         parts = []
         for m in messages:
             if m["role"] not in ROLE_TOKENS:
                 raise ValueError(f"unknown chat role {m['role']!r}; valid: {sorted(ROLE_TOKENS)}")
             parts.append(ROLE_TOKENS[m["role"]] + m["content"])
         if add_generation_prompt:
-            parts.append(ROLE_TOKENS["assistant"] + ANSWER_PREFIX)
+            parts.append(ROLE_TOKENS["assistant"] + (ANSWER_PREFIX if self.answer_prefix else ""))
         text = "".join(parts)
         return self.encode(text) if tokenize else text
 
@@ -136,12 +156,20 @@ def _training_corpus(config: ArithTokenizerConfig) -> list[str]:
     sentencepiece 0.2.2's BPE trainer aborts the process (``bpe_model_trainer.cc: Check failed: freq >
     0``) on a required character that the corpus never shows; 0.2.3 adds it with frequency 0. A
     one-character sentence has no pair to merge, so both versions then write the same model, byte for
-    byte, as 0.2.3 writes without it (tests/data/test_tokenizer.py pins that)."""
+    byte, as 0.2.3 writes without it (tests/data/test_tokenizer.py pins that).
+
+    With ``extra_symbols``, every problem is written a second time as a calculator trace
+    (``<call>3*4</call><result>12</result>Answer:12``), after all the plain lines."""
     task = ArithmeticTask(dataclasses.replace(config.task, seed=config.seed))
-    lines = []
+    lines, prompts = [], []
     for i in range(config.num_train_problems):
         p = task.problem(i)
-        lines.append(f"{ROLE_TOKENS['user']}{p.question}{ROLE_TOKENS['assistant']}{ANSWER_PREFIX} {p.answer}")
+        prompts.append((f"{ROLE_TOKENS['user']}{p.question}{ROLE_TOKENS['assistant']}", p))
+        lines.append(f"{prompts[-1][0]}{ANSWER_PREFIX} {p.answer}")
+    if config.extra_symbols:
+        from megatron_credit.data.tool_task import tool_trace
+
+        lines += [prompt + "".join(tool_trace(p.question, p.answer, config.extra_symbols)) for prompt, p in prompts]
     seen = set("".join(lines))
     return lines + [c for c in REQUIRED_CHARS if c not in seen]
 
@@ -151,6 +179,9 @@ def _cache_key(config: ArithTokenizerConfig) -> str:
 
     fields = dataclasses.asdict(config)
     fields.pop("cache_dir")
+    fields.pop("answer_prefix")  # the template's, not the model's
+    if not config.extra_symbols:
+        fields.pop("extra_symbols")  # at its default: the default tokenizer keeps its file name
     fields["_format"], fields["_spm"] = _FORMAT_VERSION, spm.__version__
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -166,7 +197,7 @@ def load_arith_tokenizer(config: ArithTokenizerConfig = ArithTokenizerConfig()) 
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, path)  # atomic: concurrent trainers leave one complete, identical file
-    return ArithTokenizer(path)
+    return ArithTokenizer(path, answer_prefix=config.answer_prefix)
 
 
 def _train(config: ArithTokenizerConfig) -> bytes:
@@ -185,7 +216,7 @@ def _train(config: ArithTokenizerConfig) -> bytes:
         character_coverage=1.0,
         required_chars=REQUIRED_CHARS,
         pad_id=0, unk_id=1, bos_id=2, eos_id=3,
-        user_defined_symbols=list(ROLE_TOKENS.values()),
+        user_defined_symbols=list(ROLE_TOKENS.values()) + list(config.extra_symbols),
         add_dummy_prefix=False,
         normalization_rule_name="identity",
         remove_extra_whitespaces=False,

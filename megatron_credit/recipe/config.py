@@ -28,7 +28,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from megatron_credit.planning.gpu_kinds import GPUS
 from megatron_credit.recipe.moe import MoeConfig
-from megatron_credit.recipe.sections import (AlgorithmConfig, CheckpointConfig, DataConfig, LoggingConfig,
+from megatron_credit.recipe.sections import (AlgorithmConfig, CheckpointConfig, DataConfig, EnvConfig, LoggingConfig,
                                              OptimConfig, RewardConfig, RolloutConfig, TrainConfig,
                                              WarmupConfig)
 from megatron_credit.typed_build import NonNegativeInt, PositiveFloat, PositiveInt
@@ -253,6 +253,8 @@ class Recipe:
     """Scoring and shaping."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """The RL algorithm."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn rollouts in an environment (none: one response per prompt)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """The optimizer."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -316,6 +318,18 @@ class Recipe:
                                       what="data.max_prompt_len + rollout.max_response_len")
             except ValueError as exc:
                 out.append(str(exc))
+        e = self.env
+        if e.enabled and e.max_total_tokens < r.max_response_len:
+            out.append(f"env.max_total_tokens={e.max_total_tokens} must be at least rollout.max_response_len="
+                       f"{r.max_response_len} (one turn's tokens)")
+        if e.enabled:
+            try:
+                check_sequence_length(arch, e.max_total_tokens, what="env.max_total_tokens (a trajectory's response)")
+            except ValueError as exc:
+                out.append(str(exc))
+        if self.data.source == "synthetic_tool" and not e.enabled:
+            out.append("data.source=synthetic_tool leaves the answer's form to the model, which is meant to call a "
+                       "tool: set env.name (calculator)")
         if w.steps and self.data.source not in SYNTHETIC_SOURCES:
             out.append(f"warmup.steps > 0 needs data.source in {SYNTHETIC_SOURCES} (real runs start from a "
                        "pretrained checkpoint)")

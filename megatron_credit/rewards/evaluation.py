@@ -156,6 +156,7 @@ def sample_and_grade(engine, tokenizer, records, *, k: int, sampling, pool=None,
 
     from megatron_credit.rewards.compute import score_responses
     from megatron_credit.rewards.shaping import ShapingConfig
+    from megatron_credit.rollout.multi_turn import generate, scored_length, scored_text
 
     records = list(records)
     step = batch_prompts or max(len(records), 1)
@@ -163,11 +164,11 @@ def sample_and_grade(engine, tokenizer, records, *, k: int, sampling, pool=None,
     for call, start in enumerate(range(0, len(records), step)):
         chunk = records[start:start + step]
         params = dataclasses.replace(sampling, n=k, seed=None if sampling.seed is None else sampling.seed + call)
-        rollout = engine.generate([list(r.prompt_ids) for r in chunk], params,
-                                  group_ids=range(first_group, first_group + len(chunk)))
-        texts = [tokenizer.decode(s.response_ids) for s in rollout.samples]
+        rollout = generate(engine, [list(r.prompt_ids) for r in chunk], params,
+                           group_ids=range(first_group, first_group + len(chunk)), records=chunk)
+        texts = [scored_text(tokenizer, s) for s in rollout.samples]  # a trajectory: its last turn
         owner = [chunk[i // k] for i in range(len(rollout.samples))]
-        lens = [len(s.response_ids) for s in rollout.samples]
+        lens = [scored_length(s) for s in rollout.samples]
         scored = score_responses(pool, responses=texts, ground_truths=[r.ground_truth for r in owner],
                                  data_sources=[r.data_source for r in owner], response_lens=torch.tensor(lens),
                                  shaping=ShapingConfig(max_response_len=sampling.max_new_tokens))

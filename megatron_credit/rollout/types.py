@@ -88,6 +88,30 @@ class SampleTimings:
     """Time until this sample ended."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Episode:
+    """What a multi-turn episode did beyond its tokens (``rollout/multi_turn.py``)."""
+
+    turn_rewards: tuple[float, ...] = ()
+    """The environment's reward of each model turn (added to the verifier's score; the estimators that take
+    per-token rewards place turn ``k``'s at that turn's last action token)."""
+    tool_calls: int = 0
+    """Tool calls the episode made."""
+    tool_errors: int = 0
+    """Tool calls answered with the environment's error observation (malformed, failed, timed out, killed)."""
+    env_errors: int = 0
+    """Environment steps that raised or overran ``env.step_timeout_s`` (the episode ended there)."""
+
+    @property
+    def turns(self) -> int:
+        return len(self.turn_rewards)
+
+    @property
+    def aborted(self) -> bool:
+        """The environment failed: the episode is scored by the abort rule (incorrect), not the verifier."""
+        return self.env_errors > 0
+
+
 @dataclass(kw_only=True)
 class RolloutSample:
     """One response to one prompt."""
@@ -114,6 +138,15 @@ class RolloutSample:
     (prompt, then response) was sent to in each MoE layer, -1 for a token the engine never ran through the
     model (the last sampled token); None for a dense model or an engine that does not report it. The trainer
     replays it (``moe.routing_replay``)."""
+    action_mask: torch.Tensor | None = None
+    """``[len(response_ids)]`` bool of a multi-turn trajectory: True on the policy's tokens (actions), False on
+    the environment's (observations between turns: context, never trained on); None for a single-turn
+    response, every token of which is an action."""
+    turn_ids: torch.Tensor | None = None
+    """``[len(response_ids)]`` int16 of a multi-turn trajectory: the turn of each response token (an
+    observation belongs to the turn it answers); None for a single-turn response (all turn 0)."""
+    episode: Episode | None = None
+    """A multi-turn trajectory's turn rewards, tool calls and errors; None for a single-turn response."""
 
     def __post_init__(self):
         if self.logprobs.shape != (len(self.response_ids),):
@@ -125,6 +158,11 @@ class RolloutSample:
         if r is not None and (r.dim() != 3 or r.shape[0] != self.num_tokens):
             raise ValueError(f"routed_experts must have shape [{self.num_tokens}, layers, top_k] (one row per "
                              f"prompt and response token), got {tuple(r.shape)}")
+        for name in ("action_mask", "turn_ids"):
+            t = getattr(self, name)
+            if t is not None and t.shape != (len(self.response_ids),):
+                raise ValueError(f"{name} must have shape [{len(self.response_ids)}] (one per response token), "
+                                 f"got {tuple(t.shape)}")
 
     @property
     def num_tokens(self) -> int:
@@ -145,7 +183,8 @@ class PaddedRollout:
     attention_mask: torch.Tensor
     """[B, T] bool: True on prompt and response tokens."""
     response_mask: torch.Tensor
-    """[B, T] bool: True on response tokens only (the tokens the policy is trained on)."""
+    """[B, T] bool: True on response tokens only (the tokens the policy is trained on); in a multi-turn
+    trajectory the policy's tokens only, never the environment's observations (``obs_mask``)."""
     rollout_logprobs: torch.Tensor
     """[B, T] float32: engine log-probs at response positions, 0 elsewhere."""
     prompt_lens: torch.Tensor
@@ -159,6 +198,14 @@ class PaddedRollout:
     routed_experts: torch.Tensor | None = None
     """[B, T, layers, top_k] int16: each token's routed experts (:attr:`RolloutSample.routed_experts`), -1 on
     padding and where the engine reported none; None when no sample carries them."""
+    obs_mask: torch.Tensor | None = None
+    """[B, T] bool: True on the environment's tokens inside a multi-turn trajectory (observations; never in
+    ``response_mask``); None when no sample is multi-turn."""
+    turn_ids: torch.Tensor | None = None
+    """[B, T] int64: the turn of each response token, -1 elsewhere; None when no sample is multi-turn."""
+    turn_rewards: torch.Tensor | None = None
+    """[B, K] float32: each row's turn rewards (K = the most turns of a row; 0 past a row's last turn); None
+    when no sample is multi-turn."""
 
 
 @dataclass(kw_only=True)
@@ -200,11 +247,23 @@ class RolloutBatch:
             if len(shapes) > 1:
                 raise ValueError(f"samples report routing of different [layers, top_k] shapes: {shapes}")
             routed = torch.full((b, t, *routes[0].shape[1:]), -1, dtype=torch.int16)
+        multi = any(s.action_mask is not None for s in self.samples)
+        obs_mask = torch.zeros((b, t), dtype=torch.bool) if multi else None
+        turn_ids = torch.full((b, t), -1, dtype=torch.long) if multi else None
+        turn_rewards = None
+        if multi:
+            turns = max((s.episode.turns if s.episode is not None else 1) for s in self.samples)
+            turn_rewards = torch.zeros((b, max(turns, 1)), dtype=torch.float32)
         for i, s in enumerate(self.samples):
             p, r = len(s.prompt_ids), len(s.response_ids)
             input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
             attention_mask[i, : p + r] = True
-            response_mask[i, p : p + r] = True
+            response_mask[i, p : p + r] = True if s.action_mask is None else s.action_mask.bool()
+            if multi:
+                obs_mask[i, p : p + r] = False if s.action_mask is None else ~s.action_mask.bool()
+                turn_ids[i, p : p + r] = 0 if s.turn_ids is None else s.turn_ids.long()
+                if s.episode is not None and s.episode.turns:
+                    turn_rewards[i, : s.episode.turns] = torch.tensor(s.episode.turn_rewards, dtype=torch.float32)
             logprobs[i, p : p + r] = s.logprobs.float()
             if s.routed_experts is not None:
                 routed[i, : p + r] = s.routed_experts.to(torch.int16)
@@ -218,4 +277,7 @@ class RolloutBatch:
             group_ids=torch.tensor([s.group_id for s in self.samples], dtype=torch.long),
             status=torch.tensor([int(s.status) for s in self.samples], dtype=torch.long),
             routed_experts=routed,
+            obs_mask=obs_mask,
+            turn_ids=turn_ids,
+            turn_rewards=turn_rewards,
         )

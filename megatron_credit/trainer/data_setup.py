@@ -44,6 +44,8 @@ def build_data(d, *, seed: int, model_path: str | None, val_every: int, val_prom
         return tokenizer, SyntheticPrompts(task, tokenizer), val, task
     if d.source == "synthetic_chain":
         return _chain_data(d, seed=seed, val_every=val_every, val_prompts=val_prompts)
+    if d.source == "synthetic_tool":
+        return _tool_data(d, seed=seed, val_every=val_every, val_prompts=val_prompts)
     from megatron_credit.data.dataset import load_prompt_dataset
 
     tokenizer = hf_tokenizer(d.tokenizer_path or model_path,
@@ -78,4 +80,24 @@ def _chain_data(d, *, seed: int, val_every: int, val_prompts: int):
         val_task = ChainTask(dataclasses.replace(chain, seed=seed + 1))
         val = SyntheticPrompts(val_task, tokenizer).take(val_prompts)
     task = ChainTask(chain)
+    return tokenizer, SyntheticPrompts(task, tokenizer), val, task
+
+
+def _tool_data(d, *, seed: int, val_every: int, val_prompts: int):
+    """``build_data`` of the calculator task (``data/tool_task.py``): multiplications of the recipe's
+    operands; the tokenizer has the tool markers as single pieces and a generation prompt without
+    ``Answer:``, and is trained on the task's text independent of the seed."""
+    from megatron_credit.data.prompts import SyntheticPrompts
+    from megatron_credit.data.synthetic import ArithConfig
+    from megatron_credit.data.tokenizer import ArithTokenizerConfig, load_arith_tokenizer
+    from megatron_credit.data.tool_task import TOOL_MARKERS, ToolTask
+
+    text = ArithConfig(num_operands=d.num_operands, min_operand=d.min_operand, max_operand=d.max_operand,
+                       ops=("*",))
+    tokenizer = load_arith_tokenizer(ArithTokenizerConfig(vocab_size=d.tokenizer_vocab_size, task=text,
+                                                          extra_symbols=TOOL_MARKERS, answer_prefix=False))
+    val = None
+    if val_every:
+        val = SyntheticPrompts(ToolTask(dataclasses.replace(text, seed=seed + 1)), tokenizer).take(val_prompts)
+    task = ToolTask(dataclasses.replace(text, seed=seed))
     return tokenizer, SyntheticPrompts(task, tokenizer), val, task

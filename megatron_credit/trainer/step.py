@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_credit.algorithm.base import AdvantageInputs
-from megatron_credit.credit.diagnostics import credit_sums
+from megatron_credit.credit.diagnostics import credit_sums, turn_sums
+from megatron_credit.credit.future_kl import pass_observations
 from megatron_credit.batch.microbatch import plan_minibatches
 from megatron_credit.losses.kl import KL_ESTIMATORS
 from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
@@ -71,8 +72,10 @@ def credit_view(ctx: Context, batch: TrainBatch, *, full: bool = False) -> dict[
     truncated importance weights ``tis_weight`` (with ``algorithm.tis_cap``)."""
     mask, old = batch.loss_mask, batch.old_logp
     logp = batch.update_logp if batch.update_logp is not None else old
-    own = ctx.algorithm.credit_fields(logp=logp, old_logp=old, advantages=batch.advantages, mask=mask,
-                                      side=batch.extras)
+    side = dict(batch.extras)
+    if batch.obs_mask is not None:  # a multi-turn batch's observations, which the credit scans pass across
+        side["obs_mask"] = batch.obs_mask
+    own = ctx.algorithm.credit_fields(logp=logp, old_logp=old, advantages=batch.advantages, mask=mask, side=side)
     fields = {"advantage": batch.advantages}
     if "advantage" in own:
         fields["estimator_advantage"] = batch.advantages
@@ -97,6 +100,8 @@ def credit_diagnostics(ctx: Context, batch: TrainBatch, iteration: int, stats: S
     with ctx.timer("credit"):
         fields = credit_view(ctx, batch, full=due)
         stats.add(credit_sums(fields["advantage"], batch.loss_mask))
+        if batch.turn_ids is not None:  # multi-turn: the credit each turn index gets
+            stats.add(turn_sums(fields["advantage"], batch.loss_mask, batch.turn_ids))
         if due:
             maps.write(iteration, batch, fields)
 
@@ -252,7 +257,7 @@ def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stat
         values = torch.zeros_like(values)  # the critic trains on these returns but is not trusted yet
     inputs = AdvantageInputs(response_mask=mask, scores=batch.rewards, group_ids=batch.group_ids,
                              token_rewards=batch.token_rewards() if values is not None else None,
-                             values=values, extras=added)
+                             values=values, extras=added, obs_mask=batch.obs_mask)
     out = alg.estimate(inputs)  # full sequences on every CP rank: no cp_group needed
     adv = out.advantages.float()
     if post.whiten:
@@ -294,8 +299,9 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
         is_w, tis = None, {}
         if section.tis_cap is not None:  # engine vs trainer mismatch: min(pi_old / pi_engine, C)
             is_w, tis = truncated_is_weights(t["old_logp"], t["rollout_logp"], mask, cap=section.tis_cap)
+        slots = mb.layout.row_slots.to(mask.device) if mb.packed and cp_group else None
         per_tok, m = alg.loss(logp, t["old_logp"], t["advantages"], mask, cp_group=cp_group, is_weights=is_w,
-                              row_slots=mb.layout.row_slots.to(mask.device) if mb.packed and cp_group else None,
+                              row_slots=pass_observations(slots, t.get("obs_mask")),
                               **{k: t[k] for k in alg.side_channels})
         kl_tok = None
         if kl is not None:

@@ -5,9 +5,12 @@ turn into an arithmetic solver in minutes. So the demo first fits the task's ans
 *systematic misconception*: with probability ``carry_drop_prob`` a label forgets its carries
 (``47+38=`` -> ``75``). The warmed-up policy answers confidently and is wrong in a structured way that
 per-token credit can fix, which is what RL is for. On the chain task (``data/chain.py``) the labels
-instead slip once with probability ``slip_prob`` (one running sum off by one). Weights are cached per
-rank under a key of everything that determines them, so a second run starts RL at once; with
-``warmup.seed`` set, runs that differ only in ``seed`` share one warmed-up policy.
+instead slip once with probability ``slip_prob`` (one running sum off by one). On the calculator task
+(``data/tool_task.py``) a fraction ``tool_prob`` of the traces call the tool and copy its result, the
+others answer at once; a trace is tokenized piece by piece as the multi-turn rollout appends it, and the
+observation's tokens are out of the loss. Weights are cached per rank under a key of everything that
+determines them, so a second run starts RL at once; with ``warmup.seed`` set, runs that differ only in
+``seed`` share one warmed-up policy.
 """
 from __future__ import annotations
 
@@ -23,7 +26,12 @@ import torch.distributed as dist
 
 from megatron_credit.data.chain import ChainTask
 from megatron_credit.data.synthetic import ArithmeticTask, carry_dropped_answer
+from megatron_credit.data.tool_task import ToolTask
 from megatron_credit.batch.train_batch import TrainBatch, make_microbatch, round_up, step_denominators
+
+
+_NEUTRAL_FIELDS = {"tool_prob": 0.0}
+"""Fields of the ``warmup`` section left out of the cache key at these values (:func:`warmup_cache_path`)."""
 
 
 def warmup_seed(w, seed: int) -> int:
@@ -35,50 +43,69 @@ def warmup_seed(w, seed: int) -> int:
 def warmup_cache_path(w, *, model, parallel, data, seed: int, rank: int) -> Path:
     """This rank's cache file of the warm-up ``w``, under a key of everything that determines its result:
     the recipe's ``model``, ``parallel`` and ``data`` sections, ``w`` itself (but where it is cached) and
-    the warm-up's seed (:func:`warmup_seed` of the run's ``seed``)."""
+    the warm-up's seed (:func:`warmup_seed` of the run's ``seed``). A field of ``w`` at the value that
+    leaves the warm-up as it was without it (:data:`_NEUTRAL_FIELDS`) is left out, so adding one does
+    not move the cache of an existing recipe."""
     key = {"model": dataclasses.asdict(model), "parallel": dataclasses.asdict(parallel),
-           "data": dataclasses.asdict(data), "warmup": {k: v for k, v in dataclasses.asdict(w).items()
-                                                       if k not in ("cache_dir", "seed")},
+           "data": dataclasses.asdict(data),
+           "warmup": {k: v for k, v in dataclasses.asdict(w).items()
+                      if k not in ("cache_dir", "seed") and not (k in _NEUTRAL_FIELDS and v == _NEUTRAL_FIELDS[k])},
            "seed": warmup_seed(w, seed), "version": 2}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     root = Path(w.cache_dir or Path.home() / ".cache" / "megatron_credit" / "warmup")
     return root / digest / f"rank_{rank:05d}.pt"
 
 
-def supervised_batch(task: ArithmeticTask | ChainTask, tokenizer, indices, *, carry_drop_prob: float = 0.0,
-                     slip_prob: float = 0.0, seed: int) -> TrainBatch:
-    """Prompt + ``" <answer></s>"`` rows (the chain: ``" s1 s2 ... sN</s>"``); the loss covers the
-    response tokens and the stop token. ``carry_drop_prob`` applies to arithmetic, ``slip_prob`` to the
-    chain."""
+def _response_pieces(task, index: int, rng: random.Random, *, carry_drop_prob: float, slip_prob: float,
+                     tool_prob: float) -> list[tuple[str, bool]]:
+    """The warm-up response of problem ``index`` as ``(text, trained)`` pieces, each encoded on its own."""
+    if isinstance(task, ChainTask):
+        return [(task.warmup_response(index, rng, slip_prob=slip_prob), True)]
+    if isinstance(task, ToolTask):
+        return task.warmup_turns(index, rng, tool_prob=tool_prob)
+    rec = task.record(index)
+    answer = rec.ground_truth
+    if rng.random() < carry_drop_prob:
+        answer = carry_dropped_answer(rec.messages[0].content)
+    return [(" " + answer, True)]
+
+
+def supervised_batch(task: ArithmeticTask | ChainTask | ToolTask, tokenizer, indices, *,
+                     carry_drop_prob: float = 0.0, slip_prob: float = 0.0, tool_prob: float = 0.0,
+                     seed: int) -> TrainBatch:
+    """Prompt + ``" <answer></s>"`` rows (the chain: ``" s1 s2 ... sN</s>"``; the calculator task:
+    ``Answer:<answer></s>`` or, with probability ``tool_prob``, ``<call>..</call><result>..</result>
+    Answer:<answer></s>``); the loss covers the model's tokens and the stop token, not a tool's
+    observation. Each piece is encoded on its own, at the token boundaries of a multi-turn rollout.
+    ``carry_drop_prob`` applies to arithmetic, ``slip_prob`` to the chain, ``tool_prob`` to the
+    calculator task."""
     rng = random.Random(seed)
     rows = []
     for i in indices:
         rec = task.record(i)
-        if isinstance(task, ChainTask):
-            response = task.warmup_response(i, rng, slip_prob=slip_prob)
-        else:
-            answer = rec.ground_truth
-            if rng.random() < carry_drop_prob:
-                answer = carry_dropped_answer(rec.messages[0].content)
-            response = " " + answer
-        prompt = tokenizer.apply_chat_template(rec.chat(), tokenize=True, add_generation_prompt=True)
-        rows.append((list(prompt), tokenizer.encode(response) + [tokenizer.eos_token_id]))
-    t = max(len(p) + len(a) for p, a in rows)
+        prompt = list(tokenizer.apply_chat_template(rec.chat(), tokenize=True, add_generation_prompt=True))
+        row, trained = prompt, [False] * len(prompt)
+        for text, train in _response_pieces(task, i, rng, carry_drop_prob=carry_drop_prob, slip_prob=slip_prob,
+                                            tool_prob=tool_prob):
+            piece = tokenizer.encode(text)
+            row, trained = row + piece, trained + [train] * len(piece)
+        rows.append((row + [tokenizer.eos_token_id], trained + [True]))
+    t = max(len(r) for r, _ in rows)
     pad = tokenizer.pad_token_id
     ids = torch.full((len(rows), t), pad, dtype=torch.long)
     mask = torch.zeros((len(rows), t), dtype=torch.bool)
-    for b, (p, a) in enumerate(rows):
-        ids[b, : len(p) + len(a)] = torch.tensor(p + a)
-        mask[b, len(p) - 1: len(p) + len(a) - 1] = True  # label space: position t scores token t + 1
+    for b, (row, trained) in enumerate(rows):
+        ids[b, : len(row)] = torch.tensor(row)
+        mask[b, : len(row) - 1] = torch.tensor(trained[1:])  # label space: position t scores token t + 1
     labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], pad)], dim=1)
-    lens = torch.tensor([len(p) + len(a) for p, a in rows])
+    lens = torch.tensor([len(r) for r, _ in rows])
     n = len(rows)
     return TrainBatch(input_ids=ids, labels=labels, loss_mask=mask, rollout_logp=torch.zeros(n, t),
                       seq_lens=lens, group_ids=torch.arange(n), rewards=torch.zeros(n),
                       correct=torch.zeros(n, dtype=torch.bool))
 
 
-def run_warmup(actor, task: ArithmeticTask | ChainTask, tokenizer, *, w, model, parallel, data, seed: int,
+def run_warmup(actor, task: ArithmeticTask | ChainTask | ToolTask, tokenizer, *, w, model, parallel, data, seed: int,
                dp_rank: int, dp_size: int, seq_multiple: int, log=print) -> bool:
     """Warm the actor up (or load the cached result); returns whether it came from the cache. ``w``: the
     recipe's ``warmup`` section; ``seed``: the run's; ``model``, ``parallel``, ``data``: the sections the
@@ -107,7 +134,8 @@ def run_warmup(actor, task: ArithmeticTask | ChainTask, tokenizer, *, w, model, 
         for step in range(w.steps):
             idx = [10_000_000 + (step * w.batch_size) + dp_rank * per_rank + k for k in range(per_rank)]
             batch = supervised_batch(task, tokenizer, idx, carry_drop_prob=w.carry_drop_prob,
-                                     slip_prob=w.slip_prob, seed=seed * 7919 + step * dp_size + dp_rank)
+                                     slip_prob=w.slip_prob, tool_prob=w.tool_prob,
+                                     seed=seed * 7919 + step * dp_size + dp_rank)
             den = step_denominators(batch.loss_mask, norm_length=1, device=actor.device, dp_group=actor.dp_group)
             seq = round_up(int(batch.seq_lens.max()), seq_multiple)
             mb = make_microbatch(batch, range(batch.size), seq_len=seq, num_rows=batch.size,

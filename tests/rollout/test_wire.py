@@ -40,9 +40,9 @@ def test_a_message_is_its_payload_and_a_header():
     items = _items()
     buf = encode(items)
     assert buf.dtype == torch.uint8 and buf.dim() == 1
-    # 8 header bytes, 4 per word (1 + 2 per item + 9 per sample), 16 per sample's timings, the error text
+    # 8 header bytes, 4 per word (1 + 3 per item + 9 per sample), 16 per sample's timings, the error text
     error = len(items[0][1][0][0].error.encode())
-    assert buf.numel() == payload_bytes(items) + 8 + 4 * (1 + 2 * 2 + 9 * 2) + 16 * 2 + error
+    assert buf.numel() == payload_bytes(items) + 8 + 4 * (1 + 3 * 2 + 9 * 2) + 16 * 2 + error
     assert payload_bytes(items) == 5 * 2 + 4 * (4 + 0) + 4 * (3 + 2 * 2) + 2 * 5 * 2
 
 

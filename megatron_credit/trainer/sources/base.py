@@ -172,21 +172,23 @@ def generate_and_score(engine, pool, tokenizer, records, params: SamplingParams,
     (its samples' seeds)."""
     from megatron_credit.rewards.compute import score_responses
     from megatron_credit.rewards.shaping import ShapingConfig
+    from megatron_credit.rollout.multi_turn import episode_rewards, generate, scored_length, scored_text
 
     n = params.n
-    batch = engine.generate([list(rec.prompt_ids) for rec in records], params,
-                            group_ids=range(first_group, first_group + len(records)))
-    texts = [tokenizer.decode(s.response_ids) for s in batch.samples]
+    batch = generate(engine, [list(rec.prompt_ids) for rec in records], params,
+                     group_ids=range(first_group, first_group + len(records)), records=records)
+    texts = [scored_text(tokenizer, s) for s in batch.samples]
     rec_of = [records[i // n] for i in range(len(batch.samples))]
     scored = score_responses(
         pool, responses=texts, ground_truths=[r.ground_truth for r in rec_of],
         data_sources=[r.data_source for r in rec_of],
-        response_lens=torch.tensor([len(s.response_ids) for s in batch.samples]),
+        response_lens=torch.tensor([scored_length(s) for s in batch.samples]),
         shaping=ShapingConfig(max_response_len=rollout.max_response_len,
                               overlong_buffer_len=reward.overlong_buffer_len,
                               overlong_penalty_factor=reward.overlong_penalty_factor))
     counts = {k: float(v) for k, v in scored.metrics.items() if k in POOL_COUNTS}
-    return batch, scored.rewards, scored.correct, counts
+    rewards, correct = episode_rewards(batch.samples, scored.rewards, scored.correct)  # multi-turn: turn rewards
+    return batch, rewards, correct, counts
 
 
 def build_reward_pool(reward: RewardConfig):

@@ -108,8 +108,12 @@ class PoolEngine:
             val_prompts=t.val_prompts)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self.engine = build_trainer_engine(r, recipe.model, seed=recipe.seed, hf_config=hf_config, device=device,
-                                           gpus=tuple(range(local_rank, local_rank + r.tensor_parallel_size)))
+        from megatron_credit.rollout.multi_turn import build_episode_engine
+
+        self.engine = build_episode_engine(
+            build_trainer_engine(r, recipe.model, seed=recipe.seed, hf_config=hf_config, device=device,
+                                 gpus=tuple(range(local_rank, local_rank + r.tensor_parallel_size))),
+            recipe.env, self.tokenizer)
         self.pool = build_reward_pool(recipe.reward)
         self.stop_ids = tuple(i for i in (getattr(self.tokenizer, "eos_token_id", None),) if i is not None)
         self.cond = threading.Condition()

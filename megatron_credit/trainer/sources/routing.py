@@ -58,9 +58,28 @@ class SampleRouter:
         metrics.update({"rollout/draws": float(draws), "rollout/kept_group_frac": kept / (draws * self.rollout.prompts_per_step),
                         "rollout/engines": float(engines), "rollout/partial_draws": float(partial), **self.last_sync})
         metrics["rollout/tokens"] = self._dp_sum(batch.seq_lens.sum().float())
+        if padded.obs_mask is not None:
+            metrics.update(self._episode_metrics(samples, padded))
         metrics.update(self._transfer_metrics())
         metrics.update(self._pool_metrics(pool_sums, iteration, engines=engines))
         return batch, metrics
+
+    def _episode_metrics(self, samples: list, padded) -> dict[str, float]:
+        """Multi-turn: ``rollout/turns_mean`` and ``rollout/tool_calls_mean`` (per trajectory),
+        ``rollout/env_token_frac`` (the environment's share of the response tokens), ``env/errors`` (steps that
+        raised or overran: trajectories ended by the abort rule) and ``env/tool_errors`` (calls answered with
+        the error observation), over the data-parallel group."""
+        eps = [s.episode for s in samples if s.episode is not None]
+        sums = torch.tensor([len(samples), sum(e.turns for e in eps), sum(e.tool_calls for e in eps),
+                             float(padded.obs_mask.sum()), float((padded.response_mask | padded.obs_mask).sum()),
+                             sum(e.env_errors for e in eps), sum(e.tool_errors for e in eps)],
+                            dtype=torch.float64).to(self.device)
+        if self.dp_size > 1:
+            dist.all_reduce(sums, group=self.dp_group)
+        n, turns, calls, env_tokens, tokens, errors, tool_errors = sums.tolist()
+        return {"rollout/turns_mean": turns / max(n, 1), "rollout/tool_calls_mean": calls / max(n, 1),
+                "rollout/env_token_frac": env_tokens / max(tokens, 1), "env/errors": errors,
+                "env/tool_errors": tool_errors}
 
     def _val_metrics(self, sums: dict[str, float] | None, k: int) -> dict[str, float]:
         """``val/*`` from the ``evaluation.metric_sums`` of the ranks that sampled (None on the others),

