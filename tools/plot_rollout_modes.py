@@ -19,11 +19,30 @@ def _rows(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def runs_arguments(doc: str, argv=None) -> argparse.Namespace:
+    """``OUT.png RUN_DIR[=LABEL] ...``, the command line of the run-comparing plots (``doc``: the tool's)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("out", help="the PNG to write")
     ap.add_argument("runs", nargs="+", help="run directories holding metrics.jsonl, each optionally =LABEL")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def labelled_runs(specs: list[str]) -> list[tuple[str, list[dict]]]:
+    """Each ``RUN_DIR[=LABEL]`` -> its label (the folder's name by default) and its ``metrics.jsonl`` rows; a
+    run without one is one ``error:`` line and exit 2."""
+    out = []
+    for spec in specs:
+        run, _, label = spec.partition("=")
+        try:
+            out.append((label or os.path.basename(os.path.normpath(run)), _rows(run)))
+        except FileNotFoundError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+    return out
+
+
+def main(argv=None) -> int:
+    args = runs_arguments(__doc__, argv)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -31,14 +50,7 @@ def main(argv=None) -> int:
 
     fig, (acc, step, hist) = plt.subplots(1, 3, figsize=(15, 4.2))
     width = 0.8 / len(args.runs)
-    for i, spec in enumerate(args.runs):
-        run, _, label = spec.partition("=")
-        label = label or os.path.basename(os.path.normpath(run))
-        try:
-            rows = _rows(run)
-        except FileNotFoundError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+    for i, (label, rows) in enumerate(labelled_runs(args.runs)):
         steps = [r["step"] for r in rows]
         line, = acc.plot(steps, [r["accuracy/mean"] for r in rows], lw=0.8, alpha=0.6, label=f"{label} (sampled)")
         val = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]

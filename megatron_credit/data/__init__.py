@@ -6,6 +6,7 @@ the samples become is :mod:`megatron_credit.batch`).
 | ``records.py`` | ``ChatMessage``, ``PromptRecord`` |
 | ``dataset.py`` | DAPO-schema parquet / jsonl: validation, de-duplication, chat template, length filter |
 | ``synthetic.py`` | ``ArithmeticTask``: arithmetic answered as ``Answer: N``, deterministic by index |
+| ``tool_task.py`` | ``ToolTask``: multiplication whose answer the model may get from the calculator (the multi-turn demo) |
 | ``tokenizer.py`` | the sentencepiece BPE tokenizer of the synthetic task, trained at first use and cached |
 | ``prompts.py``, ``chain.py`` | the prompt stream (resumable cursor), chained sources |
 

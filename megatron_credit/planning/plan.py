@@ -202,7 +202,7 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     world = nodes * gpus_per_node
     problems = recipe.problems(hf_config, world_size=world)  # the trainer's checks (Recipe.validate)
     dp = max(world // p.model_parallel_size, 1)
-    seq = recipe.data.max_prompt_len + r.max_response_len
+    seq = recipe.data.max_prompt_len + recipe.response_budget
     micro_tokens = _micro_batch_tokens(recipe, seq=seq)
     layout = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "world": world}
     ep, etp = expert_sizes(recipe, ep=ep, etp=etp)

@@ -120,7 +120,7 @@ def plan_pool(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     engines = max(pool // rtp, 1)
     a = Architecture.from_hf(hf_config)
     wb = DTYPE_BYTES[_dtype_name(recipe, hf_config)]
-    seq = recipe.data.max_prompt_len + r.max_response_len
+    seq = recipe.data.max_prompt_len + recipe.response_budget
     gpu_bytes = GPUS[gpu]
     share, kv_tokens, note = _rollout_share(recipe, a, gpu_bytes=gpu_bytes, dtype_bytes=wb, engines=engines, rtp=rtp,
                                             seq=seq)
@@ -131,7 +131,7 @@ def plan_pool(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
                         "sequence (raise rollout.engine_options.gpu_memory_utilization or its tensor_parallel_size)")
     weight_bytes = total_param_count(a) * wb
     update_s = weight_bytes * math.ceil(engines / trainer_world) / (network_gbps * 1e9 / 8)
-    response, prompt = r.max_response_len, recipe.data.max_prompt_len
+    response, prompt = recipe.response_budget, recipe.data.max_prompt_len
     samples = r.prompts_per_step * r.n * (4 * (prompt + response) + 4 * response + SAMPLE_HEADER_BYTES)
     dp = max(trainer_world // p.model_parallel_size, 1)
     return PoolPlan(ranks=pool, engines=engines, gpus_per_engine=rtp, trainer_world=trainer_world,

@@ -88,7 +88,7 @@ def iteration_estimate(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu
     world, params = nodes * gpus_per_node, total_param_count(a)
     dtype_bytes = DTYPE_BYTES[_dtype_name(recipe, hf_config)]
     critic, separate = _critic_params(recipe, a, actor_params=params)
-    prompt, response, sequences = recipe.data.max_prompt_len, r.max_response_len, r.prompts_per_step * r.n
+    prompt, response, sequences = recipe.data.max_prompt_len, recipe.response_budget, r.prompts_per_step * r.n
 
     rtp = int(dict(r.engine_options).get("tensor_parallel_size", 1) or 1)
     engines = max(world // rtp, 1)

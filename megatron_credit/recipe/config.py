@@ -338,6 +338,12 @@ class Recipe:
         return out
 
     @property
+    def response_budget(self) -> int:
+        """The most response tokens of one sample: ``rollout.max_response_len``, or a multi-turn trajectory's
+        ``env.max_total_tokens`` (its turns and observations): what the planner sizes a sequence by."""
+        return self.env.max_total_tokens if self.env.enabled else self.rollout.max_response_len
+
+    @property
     def packing(self) -> bool:
         """Whether the trainer packs its micro-batches (``train.packing``; None: yes)."""
         return True if self.train.packing is None else self.train.packing

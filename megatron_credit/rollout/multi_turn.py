@@ -62,10 +62,12 @@ def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
 def single_token(tokenizer, text: str, *, field: str) -> int:
     """The one token id of ``text`` (an environment's stop text must be one token: the engine stops on ids)."""
     ids = tokenizer.encode(text)
-    if len(ids) != 1:
-        raise ValueError(f"{field}: the environment's stop text {text!r} is {len(ids)} tokens {ids} under this "
-                         "tokenizer; a turn can only end on a single token (add it to the tokenizer's special "
-                         "tokens, or choose a marker that is one token)")
+    back = tokenizer.decode(ids) if len(ids) == 1 else None
+    if len(ids) != 1 or back != text:  # an unknown text can come out as one <unk>: it must decode back to itself
+        what = f"{len(ids)} tokens {ids}" if len(ids) != 1 else f"the token {ids} that decodes to {back!r}"
+        raise ValueError(f"{field}: the environment's stop text {text!r} is {what} under this tokenizer; a turn "
+                         "can only end on a single token of its own (add it to the tokenizer's special tokens, or "
+                         "choose a marker that is one token)")
     return int(ids[0])
 
 

@@ -104,7 +104,7 @@ def context_settings(recipe) -> dict:
     ``train``, the ``algorithm`` section (:func:`off_policy_algorithm`), Dr.GRPO's length, the seed, and the
     recipe's own knobs."""
     return {"train": recipe.train, "algorithm_section": off_policy_algorithm(recipe),
-            "norm_length": recipe.rollout.max_response_len,
+            "norm_length": recipe.response_budget,
             "seed": recipe.seed,
             "base_knobs": base_knobs(kl_coef=recipe.algorithm.kl_coef,
                                      clip_grad=recipe.optim.clip_grad, epochs=recipe.train.epochs)}

@@ -110,6 +110,23 @@ def test_demo_logprobs_match_trainer_then_after_a_step_and_sync(demo):
     assert _mismatch(hf.model, eng.generate(PROMPTS, params))["mean_abs_diff"] <= 1e-5
 
 
+def test_multi_turn_is_token_in_token_out(demo):
+    """Multi-turn trajectories on vLLM (``rollout/multi_turn.py``): each turn continues from the trajectory's
+    token ids, and the engine's log-probs of the policy's tokens equal the trainer's forward of the whole
+    trajectory (observations in the context, out of the mask)."""
+    from megatron_credit.rollout.multi_turn import EpisodeEngine
+    from tests.rollout.test_multi_turn import RECORDS, Echo, Tok
+
+    eng, hf = demo
+    eng.update_weights(_layer_buckets(hf.model))
+    episodes = EpisodeEngine(eng, Echo(Echo.Config()), Tok(), max_turns=4, max_total_tokens=40, step_timeout_s=30.0)
+    batch = episodes.generate(PROMPTS, SamplingParams(max_new_tokens=6, n=4, seed=3, stop_token_ids=[2]),
+                              records=RECORDS[:len(PROMPTS)])
+    assert sum(s.episode.turns > 1 for s in batch.samples) >= 3, "the test needs trajectories of several turns"
+    assert all((s.logprobs[~s.action_mask] == 0).all() for s in batch.samples)
+    assert _mismatch(hf.model, batch)["mean_abs_diff"] <= 1e-5
+
+
 def test_a_split_fused_group_is_refused_before_it_is_sent(demo):
     eng, hf = demo
     params = SamplingParams(max_new_tokens=12, n=2, seed=1)
