@@ -174,3 +174,47 @@ def test_turn_rewards_enter_at_each_turns_last_action_token():
     want = torch.zeros(1, 12)
     want[0, 2], want[0, 7], want[0, 9] = 0.25, 0.5, 1.0  # the verifier's 1.0 = 1.75 - 0.25 - 0.5, at the end
     torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------------------- context parallel (gloo)
+
+from tests.support.distributed_harness import block_subgroup, load_balanced_shard  # noqa: E402
+from tests.support.threaded_harness import gloo_and_threads_pool  # noqa: E402
+
+pool = gloo_and_threads_pool(4)  # [gloo] spawned workers, [threads] ranks as threads
+
+
+def _cp_worker(cases):
+    groups = {cp: block_subgroup(cp) for cp in (2, 4)}
+    out = []
+    for r, v, kappa, lp, old, mask, obs in cases:
+        for cp, (g, rank) in groups.items():
+            sh = lambda x: load_balanced_shard(x, cp, rank)  # noqa: E731
+            adv, ret = comp_gae(sh(r), sh(v), sh(kappa), sh(mask), lam=0.9, obs_mask=sh(obs), chunk_size=4,
+                                cp_group=g)
+            f = future_kl(sh(lp), sh(old), sh(mask), tau=4.0, dual_clip_c=3.0, obs_mask=sh(obs), chunk_size=4,
+                          cp_group=g)
+            out.append((cp, rank, adv, ret, f))
+    return out
+
+
+def test_multi_turn_scans_under_cp_2_and_4_equal_unsharded(pool):
+    """An observation (and the next action's value across it) at a CP chunk boundary: the sharded scans equal
+    the whole sequence's."""
+    cases = []
+    for seed, t in enumerate([16, 48, 128]):
+        mask, obs, _ = trajectories(4, t, 40 + seed)
+        r, v = randn(4, t, seed) * mask, randn(4, t, seed + 1)
+        kappa = torch.rand(4, t, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        lp, old = randn(4, t, seed + 2) * 0.3, randn(4, t, seed + 3) * 0.3
+        cases.append((r, v, kappa, lp, old, mask, obs))
+    for rank_results in pool.run(_cp_worker, cases):
+        it = iter(rank_results)
+        for r, v, kappa, lp, old, mask, obs in cases:
+            ref_adv, ref_ret = comp_gae(r, v, kappa, mask, lam=0.9, obs_mask=obs)
+            ref_f = future_kl(lp, old, mask, tau=4.0, dual_clip_c=3.0, obs_mask=obs)
+            for _ in (2, 4):
+                cp, rank, adv, ret, f = next(it)
+                torch.testing.assert_close(adv, load_balanced_shard(ref_adv, cp, rank), rtol=1e-11, atol=1e-11)
+                torch.testing.assert_close(ret, load_balanced_shard(ref_ret, cp, rank), rtol=1e-11, atol=1e-11)
+                torch.testing.assert_close(f, load_balanced_shard(ref_f, cp, rank), rtol=1e-11, atol=1e-11)
