@@ -226,22 +226,39 @@ class EpisodeEngine:
         return going
 
     def _steps(self, active: list[_Trajectory]) -> list[tuple[bool, Any]]:
-        """``env.step`` of every trajectory's last turn, in threads; ``(True, StepResult)`` or ``(False, why)``."""
-        futures = [self._executor.submit(self.env.step, tr.state, tr.last_text) for tr in active]
-        deadline = time.monotonic() + self.step_timeout_s
-        out, overran = [], False
-        for f in futures:
-            try:
-                out.append((True, f.result(timeout=max(0.0, deadline - time.monotonic()))))
-            except concurrent.futures.TimeoutError:
-                overran = True
-                out.append((False, f"environment step timed out after {self.step_timeout_s:g} s (env.step_timeout_s)"))
-            except Exception as exc:  # noqa: BLE001  (an environment's failure ends its episode, not the run)
-                out.append((False, f"environment step raised {type(exc).__name__}: {' '.join(str(exc).split())}"))
-        if overran:  # the overrunning threads cannot be stopped: later steps get fresh ones
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=self.threads,
-                                                                   thread_name_prefix="env-step")
+        """``env.step`` of every trajectory's last turn, in threads; ``(True, StepResult)`` or ``(False, why)``.
+        Each step has ``env.step_timeout_s`` from when it starts (a queued step waits for a thread, not against
+        its deadline). A step past it is abandoned (a thread cannot be stopped): the pool is replaced, and the
+        steps that had not started yet go to the new one, so hung steps never starve the others."""
+        n = len(active)
+        starts: list[Optional[float]] = [None] * n
+
+        def run(i: int):
+            starts[i] = time.monotonic()
+            return self.env.step(active[i].state, active[i].last_text)
+
+        futures = {i: self._executor.submit(run, i) for i in range(n)}
+        out: list[Any] = [None] * n
+        while futures:
+            concurrent.futures.wait(list(futures.values()), timeout=0.05,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            now, overran = time.monotonic(), False
+            for i, f in list(futures.items()):
+                if f.done():
+                    exc = f.exception()
+                    out[i] = (True, f.result()) if exc is None else (
+                        False, f"environment step raised {type(exc).__name__}: {' '.join(str(exc).split())}")
+                    del futures[i]
+                elif starts[i] is not None and now - starts[i] > self.step_timeout_s:
+                    out[i] = (False, f"environment step timed out after {self.step_timeout_s:g} s (env.step_timeout_s)")
+                    del futures[i]
+                    overran = True
+            if overran:  # the overrunning threads keep theirs; the steps not started yet move to fresh ones
+                waiting = [i for i, f in futures.items() if f.cancel()]
+                self._executor.shutdown(wait=False)
+                self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=self.threads,
+                                                                       thread_name_prefix="env-step")
+                futures.update({i: self._executor.submit(run, i) for i in waiting})
         return out
 
     def _sample(self, tr: _Trajectory, mode: str, now: float) -> RolloutSample:

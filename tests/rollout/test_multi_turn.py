@@ -190,3 +190,54 @@ def test_trajectories_cross_the_wire(hf):
     ref = batch.to_padded(pad_token_id=0)
     assert torch.equal(padded.obs_mask, ref.obs_mask) and torch.equal(padded.turn_ids, ref.turn_ids)
     assert torch.equal(padded.turn_rewards, ref.turn_rewards)
+
+
+class SlowThenHangs(Echo):
+    """Every step takes 0.2 s; the second step of the trajectories of group 1 hangs."""
+
+    def start(self, record):
+        return {**super().start(record), "uid": record.uid}
+
+    def step(self, state, action):
+        time.sleep(0.2)
+        if state["turns"] >= 1 and state["uid"] == "p1":
+            time.sleep(60)
+        return super().step(state, action)
+
+
+def test_the_step_deadline_counts_from_each_steps_start(hf):
+    """12 steps of 0.2 s on 2 threads take 1.2 s, over the 0.5 s deadline, and none of them times out: the
+    deadline is per step. Hung steps are abandoned and do not starve the steps queued behind them."""
+    ep = _episodes(hf, SlowThenHangs, step_timeout_s=0.5)
+    ep.threads = 2
+    ep._executor.shutdown()
+    import concurrent.futures
+    ep._executor = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    t0 = time.monotonic()
+    batch = ep.generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    assert time.monotonic() - t0 < 20
+    for s, rec in zip(batch.samples, [r for r in RECORDS for _ in range(3)]):
+        hung = rec.uid == "p1" and s.episode.turns >= 2
+        assert s.episode.env_errors == (1 if hung else 0), (rec.uid, s.episode)
+    assert any(s.episode.env_errors for s in batch.samples)
+
+
+def test_the_pools_hook_runs_between_turns(hf):
+    """A pool engine's ``between_steps`` (its progress beat; in ``on_update: partial`` the newer weights) runs
+    between turns as well as between decode steps, and a setting through the wrapper reaches the engine."""
+
+    class Inner:
+        def __init__(self):
+            self.between_steps, self.calls = None, []
+
+        def generate(self, prompts, params, *, group_ids=None):
+            self.calls.append(len(prompts))
+            return hf.generate(prompts, params, group_ids=group_ids)
+
+    inner = Inner()
+    ep = EpisodeEngine(inner, Echo(Echo.Config()), Tok(), max_turns=4, max_total_tokens=40, step_timeout_s=5.0)
+    seen = []
+    ep.between_steps = lambda: seen.append(len(inner.calls))
+    assert inner.between_steps is not None  # set on the engine that decodes
+    ep.generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    assert len(inner.calls) >= 2 and seen == list(range(1, len(inner.calls)))  # before every later turn
