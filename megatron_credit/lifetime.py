@@ -205,3 +205,47 @@ def guard(owner: str, record_path: str | None = None) -> None:
 
 if __name__ == "__main__":
     guard(*sys.argv[1:3])
+
+
+def kill_and_reap(proc: subprocess.Popen, conn) -> None:
+    """SIGKILL a worker process, reap it and close its connection (idempotent): the reward pool's and the
+    tool sandbox's workers end this way."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    conn.close()
+
+
+def requests(conn):
+    """A worker's messages from its parent until ``None`` (stop) or the connection breaks (the parent is
+    gone): the serving loop of the reward pool's and the tool sandbox's workers."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        yield message
+
+
+def start_worker(module: str, *args: str):
+    """``python -m module FD *args``, ``FD`` one end of a socket pair that the child inherits (no fork of this
+    process, no multiprocessing start method), with this process's ``sys.path`` as its PYTHONPATH (what the
+    worker imports by name resolves as here); returns the process and the parent's end as a
+    ``multiprocessing.connection.Connection``: how the reward pool and the tool sandbox start their workers."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    parent, child = socket.socketpair()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", module, str(child.fileno()), *args],
+                                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env)
+    except BaseException:
+        parent.close()
+        raise
+    finally:
+        child.close()
+    return proc, Connection(parent.detach())

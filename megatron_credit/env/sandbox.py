@@ -29,13 +29,9 @@ threads share one pool.
 """
 from __future__ import annotations
 
-import os
 import queue
-import socket
 import subprocess
-import sys
 import threading
-from multiprocessing.connection import Connection
 
 READY = "ready"
 """What a worker sends once it is locked in and serving (``sandbox_worker.py``)."""
@@ -44,29 +40,14 @@ _START_TIMEOUT_S = 60.0  # an interpreter start plus stdlib imports; generous fo
 _CLOSED_POLL_S = 0.5  # how often a caller waiting for an idle worker checks that the pool is still open
 
 
-def _child_env() -> dict[str, str]:
-    """The parent's environment with its ``sys.path`` as PYTHONPATH (functions import from there)."""
-    path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-
-
 class _Worker:
     """One worker process and the parent's end of its connection."""
 
     def __init__(self, memory_limit_bytes: int, timeout_s: float):
-        parent, child = socket.socketpair()
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "megatron_credit.env.sandbox_worker", str(child.fileno()),
-                 str(memory_limit_bytes), repr(timeout_s)],
-                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=_child_env(),
-            )
-        except BaseException:
-            parent.close()
-            raise
-        finally:
-            child.close()
-        self.conn = Connection(parent.detach())
+        from megatron_credit.lifetime import start_worker
+
+        self.proc, self.conn = start_worker("megatron_credit.env.sandbox_worker", str(memory_limit_bytes),
+                                            repr(timeout_s))
         self.ready = False
         self.isolated = False
         """Whether the worker has its own (empty) network namespace."""
@@ -98,10 +79,9 @@ class _Worker:
 
     def kill(self) -> None:
         """SIGKILL the process, reap it and close the connection (idempotent)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.conn.close()
+        from megatron_credit.lifetime import kill_and_reap
+
+        kill_and_reap(self.proc, self.conn)
 
 
 class Sandbox:

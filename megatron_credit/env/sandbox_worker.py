@@ -41,6 +41,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from megatron_credit.env.sandbox import READY
+from megatron_credit.lifetime import requests
 
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
@@ -132,14 +133,7 @@ def main(fd: int, memory_limit_bytes: int, timeout_s: float) -> None:
     sys.addaudithook(refuse_outside_access)
     conn.send((READY, isolated))
     fn_cache: dict[str, Callable[[str], Any]] = {}
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        ref, arg = message
+    for ref, arg in requests(conn):
         conn.send(call(fn_cache, ref, arg, budget_s))
 
 

@@ -46,13 +46,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Callable, Sequence
 
 from megatron_credit.rewards import math as _builtin_methods  # noqa: F401  (registers the built-in methods)
@@ -108,29 +106,13 @@ class RewardPoolConfig:
                              f"that), got {self.memory_limit_bytes}")
 
 
-def _child_env() -> dict[str, str]:
-    """The parent's environment with its ``sys.path`` as PYTHONPATH (verifiers import from there)."""
-    path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-
-
 class _Worker:
     """One worker process, its pipe, the item indices it still owes, and its deadlines."""
 
     def __init__(self, memory_limit_bytes: int | None):
-        parent, child = socket.socketpair()
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "megatron_credit.rewards.pool_worker", str(child.fileno()),
-                 str(memory_limit_bytes or 0)],
-                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=_child_env(),
-            )
-        except BaseException:
-            parent.close()
-            raise
-        finally:
-            child.close()
-        self.conn = Connection(parent.detach())
+        from megatron_credit.lifetime import start_worker
+
+        self.proc, self.conn = start_worker("megatron_credit.rewards.pool_worker", str(memory_limit_bytes or 0))
         self.owed: collections.deque[int] = collections.deque()
         self.deadline = float("inf")
         """When the item ``owed[0]`` times out (inf while idle)."""
@@ -176,10 +158,9 @@ class _Worker:
 
     def kill(self) -> None:
         """SIGKILL the process, reap it and close the pipe (idempotent)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.conn.close()
+        from megatron_credit.lifetime import kill_and_reap
+
+        kill_and_reap(self.proc, self.conn)
 
 
 class RewardPool:

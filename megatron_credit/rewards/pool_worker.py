@@ -21,6 +21,8 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
+from megatron_credit.lifetime import requests
+
 READY = "ready"
 
 
@@ -62,14 +64,7 @@ def main(fd: int, memory_limit_bytes: int = 0) -> None:
     except Exception:  # noqa: BLE001  (a broken math-verify install shows up as per-item errors)
         pass
     conn.send(READY)
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        seq, chunk = message
+    for seq, chunk in requests(conn):
         for idx, module, qualname, response, ground_truth in chunk:
             try:
                 record = _lookup(module, qualname)(response, ground_truth)
