@@ -133,6 +133,10 @@ def _main(argv: list[str]) -> int:
 
             pool = RewardPool(RewardPoolConfig(num_workers=args.reward_workers))
         engine = build_rollout_engine(engine_name, model_path=hf_dir, **options)
+        if recipe is not None:  # a multi-turn recipe (env.name) is evaluated in its environment, as it trained
+            from megatron_credit.rollout.multi_turn import build_episode_engine
+
+            engine = build_episode_engine(engine, recipe.env, tokenizer)
         bar = None
         if not args.no_progress:
             from tqdm import tqdm

@@ -34,6 +34,7 @@ steps that can hang, code-running tools, run in ``env.sandbox``'s killable proce
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import time
@@ -111,6 +112,8 @@ class EpisodeEngine:
         self.max_turns, self.max_total_tokens, self.step_timeout_s = max_turns, max_total_tokens, step_timeout_s
         self.turn_stops = tuple(single_token(tokenizer, t, field="env.options") for t in env.stop_texts)
         self.threads = threads
+        self.errors: collections.Counter[str] = collections.Counter()
+        """Why environment steps failed (the one-line reasons, counted), over the engine's life."""
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env-step")
 
     # -- the wrapped engine's --------------------------------------------------------------------------
@@ -202,7 +205,7 @@ class EpisodeEngine:
         for tr, (ok, res) in zip(active, results):
             if not ok:  # the environment failed: the episode ends here (scored by the abort rule)
                 tr.env_errors += 1
-                tr.error = res
+                self.errors[res] += 1
                 tr.turn_rewards.append(0.0)
                 continue
             tr.turn_rewards.append(float(res.reward))

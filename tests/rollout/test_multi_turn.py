@@ -171,6 +171,8 @@ def test_a_failing_environment_ends_its_trajectory_and_the_run_goes_on(hf, env_c
             assert rewards[i] == -1.0 + 0.25 and not correct[i]  # the abort rule, plus turn 0's reward
         else:
             assert rewards[i] == 1.0 + sum(s.episode.turn_rewards) and correct[i]
+    assert list(ep.errors) == [next(r for r in ep.errors if why in r)]  # one reason, named
+    assert sum(ep.errors.values()) == len(failed)
 
 
 def test_trajectories_cross_the_wire(hf):
