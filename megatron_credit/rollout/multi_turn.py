@@ -29,14 +29,17 @@ observation 0, turn 1, ...; ``logprobs`` the engine's on the policy's tokens and
 Faults. An environment step that raises or overruns ``env.step_timeout_s`` is counted in the episode's
 ``env_errors`` and ends the trajectory where it stands; it is scored by the abort rule
 (:func:`episode_rewards`: incorrect, the verifier's score of a wrong answer, -1, plus the turn rewards
-earned before), and the run goes on. A thread whose step overran cannot be killed; it is abandoned (the
-steps that can hang, code-running tools, run in ``env.sandbox``'s killable processes).
+earned before), and the run goes on. A thread whose step overran cannot be killed; it is abandoned, and
+as a daemon (:class:`StepThreads`) it never keeps the process from exiting (the steps that can hang,
+code-running tools, run in ``env.sandbox``'s killable processes).
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import dataclasses
+import queue
+import threading
 import time
 from typing import Any, Optional, Sequence
 
@@ -99,6 +102,50 @@ class _Trajectory:
         self.turns += [turn] * len(ids)
 
 
+class StepThreads:
+    """``threads`` daemon threads that run environment steps (``submit`` returns a ``concurrent.futures.Future``).
+
+    Not a ``ThreadPoolExecutor``: the interpreter joins an executor's threads at exit, so one step hung for
+    good (an environment of a plugin's that never returns) would keep a finished run from ever exiting.
+    These threads are left to the process's end; ``shutdown`` ends each idle one and cancels what no thread
+    started yet, and a thread busy with a hung step ends with the process."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        for k in range(threads):
+            threading.Thread(target=self._work, name=f"env-step_{k}", daemon=True).start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():  # cancelled while queued
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001  (the step's failure is its future's)
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        while True:  # what no thread started yet is cancelled
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in range(self.threads):
+            self._queue.put(None)
+
+
 class EpisodeEngine:
     """A rollout engine that plays multi-turn episodes in an environment (module docstring); everything but
     :meth:`generate` is the wrapped engine's."""
@@ -114,7 +161,7 @@ class EpisodeEngine:
         self.threads = threads
         self.errors: collections.Counter[str] = collections.Counter()
         """Why environment steps failed (the one-line reasons, counted), over the engine's life."""
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="env-step")
+        self._executor = StepThreads(threads)
 
     # -- the wrapped engine's --------------------------------------------------------------------------
     def __getattr__(self, name: str):
@@ -136,7 +183,7 @@ class EpisodeEngine:
         self.engine.wake_up(tags)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor.shutdown()
         self.env.close()
         self.engine.close()
 
@@ -258,9 +305,8 @@ class EpisodeEngine:
                     overran = True
             if overran:  # the overrunning threads keep theirs; the steps not started yet move to fresh ones
                 waiting = [i for i, f in futures.items() if f.cancel()]
-                self._executor.shutdown(wait=False)
-                self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=self.threads,
-                                                                       thread_name_prefix="env-step")
+                self._executor.shutdown()
+                self._executor = StepThreads(self.threads)
                 futures.update({i: self._executor.submit(run, i) for i in waiting})
         return out
 

@@ -2,6 +2,7 @@
 by appending token ids, the engine's log-probs equal to a teacher-forced forward of the whole trajectory on
 the policy's tokens (token-in/token-out), observations out of ``response_mask``, the turn budget, the
 environment's faults scored by the abort rule, and the trajectory's wire bytes."""
+import threading
 import time
 
 import pytest
@@ -11,7 +12,7 @@ from transformers import Qwen2Config
 from megatron_credit.data.records import ChatMessage, PromptRecord
 from megatron_credit.env import ENVIRONMENTS, Environment, StepResult
 from megatron_credit.rollout import FinishStatus, HFRolloutEngine, SamplingParams
-from megatron_credit.rollout.multi_turn import EpisodeEngine, episode_rewards, scored_text, turn_seed
+from megatron_credit.rollout.multi_turn import EpisodeEngine, StepThreads, episode_rewards, scored_text, turn_seed
 from megatron_credit.rollout.types import RolloutBatch
 
 VOCAB, EOS = 96, 2
@@ -213,8 +214,7 @@ def test_the_step_deadline_counts_from_each_steps_start(hf):
     ep = _episodes(hf, SlowThenHangs, step_timeout_s=0.5)
     ep.threads = 2
     ep._executor.shutdown()
-    import concurrent.futures
-    ep._executor = concurrent.futures.ThreadPoolExecutor(max_workers=2)
+    ep._executor = StepThreads(2)
     t0 = time.monotonic()
     batch = ep.generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
     assert time.monotonic() - t0 < 20
@@ -222,6 +222,63 @@ def test_the_step_deadline_counts_from_each_steps_start(hf):
         hung = rec.uid == "p1" and s.episode.turns >= 2
         assert s.episode.env_errors == (1 if hung else 0), (rec.uid, s.episode)
     assert any(s.episode.env_errors for s in batch.samples)
+
+
+def test_step_threads_run_fail_and_cancel():
+    threads = StepThreads(1)
+    gate = threading.Event()
+    first = threads.submit(gate.wait, 10)
+    failing = threads.submit(int, "x")
+    queued = threads.submit(int, "3")
+    assert queued.cancel() and not first.done()
+    gate.set()
+    assert first.result(5) is True and isinstance(failing.exception(5), ValueError)
+    busy = threads.submit(gate.clear)
+    busy.result(5)
+    hung = threads.submit(threading.Event().wait)  # never returns
+    time.sleep(0.1)
+    waiting = threads.submit(int, "4")
+    threads.shutdown()  # the hung step keeps its thread; what no thread started is cancelled
+    assert waiting.cancelled() and hung.running()
+
+
+HUNG_FOR_GOOD = """
+import threading, time, sys
+sys.path.insert(0, {root!r})
+from tests.rollout.test_multi_turn import Echo, PROMPTS, RECORDS, _episodes, _params, hf
+from megatron_credit.rollout import HFRolloutEngine
+
+class Never(Echo):
+    def step(self, state, action):
+        if state["turns"] >= 1:
+            threading.Event().wait()  # a plugin's environment that never answers
+        return super().step(state, action)
+
+engine = hf.__wrapped__()
+ep = _episodes(engine, Never, step_timeout_s=0.5)
+batch = ep.generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+ep.close()
+print("errors", sum(s.episode.env_errors for s in batch.samples), flush=True)
+"""
+
+
+@pytest.mark.spawn
+def test_a_step_hung_for_good_does_not_keep_a_finished_process_from_exiting(tmp_path):
+    # An executor's threads are joined at the interpreter's exit: one step that never returns kept the run
+    # from exiting after its last iteration. The step threads are daemons, left to the process's end.
+    import subprocess
+    import sys
+
+    from tests.support.paths import ROOT
+    from tests.support.runs import subprocess_env
+
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG_FOR_GOOD.format(root=str(ROOT)))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env=subprocess_env(), cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    errors = int(out.stdout.split("errors")[-1])
+    assert errors > 0  # steps did hang (and were abandoned): the process still exited
 
 
 def test_the_pools_hook_runs_between_turns(hf):

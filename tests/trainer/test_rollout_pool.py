@@ -89,6 +89,36 @@ def test_weights_and_samples_cross_once_and_whole(pool2):
     assert trainer["nbytes"] == trainer["message"] > trainer["payload"] > 0
 
 
+def _closed(port: int):
+    import gc
+    import threading
+    import weakref
+
+    import torch.distributed as dist
+
+    b = _bridge(port, "closed")
+    b.start_alive()
+    time.sleep(0.1)
+    beats = b.count(f"alive/{dist.get_rank()}")
+    ref = weakref.ref(b)
+    b.close()
+    alive = [t.name for t in threading.enumerate() if t.name == "pool-alive"]
+    gc.disable()  # freed by its last reference, in this thread, not by a collection
+    del b
+    freed = ref() is None
+    gc.enable()
+    dist.barrier()
+    return beats, alive, freed
+
+
+def test_close_ends_the_life_beat_and_the_bridge_dies_in_the_closing_thread(pool2):
+    # A daemon thread inside a torch call that released the GIL when the interpreter finalizes aborts the
+    # process after a finished run (SIGABRT): the beat thread is joined, and it never holds the bridge, whose
+    # process groups are destroyed (GIL released) where its last reference goes.
+    for beats, alive, freed in pool2.run(_closed, _free_port()):
+        assert beats >= 1 and alive == [] and freed
+
+
 def _silence(port: int, beat_for_s: float, gone: bool):
     import torch.distributed as dist
 

@@ -159,6 +159,7 @@ class Bridge:
         self.transfers = 0  # weight versions sent (trainer) / received (engine leader): the store keys' index
         self._pending: list = []  # sample sends in flight (and their tensors)
         self._alive_stop = threading.Event()
+        self._alive: Optional[threading.Thread] = None
         self._life: dict[int, tuple[int, float]] = {}  # rank -> (its life count, when it last changed)
 
     def _group(self, name: str, rank: int, size: int, *, nccl: bool):
@@ -205,16 +206,26 @@ class Bridge:
         return bool(n) and now - seen[1] > GONE_S
 
     def start_alive(self) -> None:
-        """Record this rank's life every :data:`ALIVE_S` seconds, from a thread, until :meth:`close`."""
+        """Record this rank's life every :data:`ALIVE_S` seconds, from a thread, until :meth:`close`.
+
+        The thread holds the store and nothing else of the bridge, and :meth:`close` joins it: a daemon
+        thread still inside a torch call that released the GIL (a store read, or a process group's
+        destructor, which torch runs with the GIL released) when the interpreter finalizes is ended by
+        ``pthread_exit`` inside that C++ frame, and the process aborts ("terminate called without an active
+        exception", SIGABRT) after the run has finished. Were the bridge's last reference this thread's, its
+        process groups would be destroyed here, racing the main thread's exit."""
+        store, key, stop = self.store, f"alive/{self.rank}", self._alive_stop
+
         def beat():
             try:
                 while True:
-                    self.count(f"alive/{self.rank}", 1)
-                    if self._alive_stop.wait(ALIVE_S):
+                    store.add(key, 1)
+                    if stop.wait(ALIVE_S):
                         return
             except Exception:  # noqa: BLE001  (the store is gone: the launch is ending)
                 return
-        threading.Thread(target=beat, name="pool-alive", daemon=True).start()
+        self._alive = threading.Thread(target=beat, name="pool-alive", daemon=True)
+        self._alive.start()
 
     # -- weights: trainer side ----------------------------------------------------------------------
     def send_weights(self, version: int, buckets: Iterable) -> int:
@@ -371,4 +382,9 @@ class Bridge:
         return None
 
     def close(self) -> None:
+        """Stop the life beat and wait for its thread to end (at most ``2 * ALIVE_S`` s: a store that does not
+        answer a beat in that time is gone with its launch)."""
         self._alive_stop.set()
+        if self._alive is not None:
+            self._alive.join(timeout=2 * ALIVE_S)
+            self._alive = None
