@@ -18,9 +18,12 @@ Methods (``REWARD_FNS``):
   if the line gives nothing, the whole response.
 - ``"synthetic_arith"``, ``"synthetic_chain"``: the synthetic arithmetic tasks (``rewards/arith.py``).
 
-``math-verify`` guards itself with ``signal.alarm``, which only works in a process's main thread and
-would fire into whatever else that process runs. Its timeout is ``MATH_VERIFY_TIMEOUT_S`` (default
-5 s, for in-process calls from a main thread); the pool worker sets it to None, because there hostile
+Each math-verify parse and comparison has ``MATH_VERIFY_TIMEOUT_S`` (default 5 s, for in-process calls
+from a main thread), through our own ``SIGALRM`` timer (:func:`_deadline`), which only works in a
+process's main thread. It is not math-verify's one ``signal.alarm``: an alarm whose exception is raised
+inside a garbage-collection callback is printed and dropped by the interpreter, and the parse then runs on
+to its end, however long, and reads as an ordinary answer; ours fires again every
+:data:`REFIRE_S` s until the call ends. The pool worker sets the timeout to None, because there hostile
 input (a parse that never returns) is handled by ``rewards/pool.py``, which runs verifiers in processes
 it can kill. Outside a main thread set it to None and call ``compute_score`` only on trusted strings.
 A call that hits the timeout returns ``status="timeout"`` (math-verify itself would log a warning and
@@ -34,7 +37,10 @@ False
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
+import signal
 import threading
 
 from megatron_credit.rewards import arith as _arith  # noqa: F401  (registers "synthetic_arith", "synthetic_chain")
@@ -59,10 +65,51 @@ def compute_score_for_source(response: str, ground_truth: str, *, data_source: s
     return compute_score(response, ground_truth, method=method_for_data_source(data_source))
 
 
-MATH_VERIFY_TIMEOUT_S: int | None = 5
-"""math-verify's own parse/verify timeout in whole seconds (``signal.alarm`` takes an int); None
-disables it (the pool worker does). It only applies in a main thread: elsewhere ``signal`` cannot
-install the handler, so calls from other threads run without it."""
+MATH_VERIFY_TIMEOUT_S: float | None = 5
+"""Each math-verify parse's and comparison's timeout in seconds (:func:`_deadline`); None disables it (the
+pool worker does). It only applies in a main thread: elsewhere ``signal`` cannot install the handler, so
+calls from other threads run without it."""
+
+REFIRE_S = 0.05
+"""After the first, the timer fires again this often until the guarded call ends."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds):
+    """Raise math-verify's ``TimeoutException`` in the guarded block once it has run ``seconds`` s (None: no
+    limit), and again every :data:`REFIRE_S` s if one is swallowed (raised in a finalizer or a weakref
+    callback, where the interpreter only prints it). Main thread only, like any signal handler."""
+    if seconds is None:
+        yield
+        return
+    from math_verify.errors import TimeoutException
+
+    def on_alarm(signum, frame):
+        raise TimeoutException(f"over {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds, REFIRE_S)
+    try:
+        yield
+    finally:
+        while True:  # a firing while it disarms is dropped: the block has ended
+            try:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, old)
+                break
+            except TimeoutException:
+                continue
+
+
+class _OurTimeout(logging.Filter):
+    """math-verify warns once that its timeout is off and the caller must provide one: :func:`_deadline` is it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_OurTimeout())
 
 _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 _EMPHASIS = re.compile(r"\*\*|__")
@@ -113,7 +160,8 @@ def _score_math_verify(response: str, ground_truth: str) -> RewardRecord:
 
     def _parse(text: str) -> list:
         try:  # raise_on_error: a timeout raises instead of reading as "nothing parsed"
-            return parse(text, parsing_timeout=limit, raise_on_error=True)
+            with _deadline(limit):
+                return parse(text, parsing_timeout=None, raise_on_error=True)
         except Exception:  # noqa: BLE001  (a parse error means no answer, as without raise_on_error)
             return []
 
@@ -132,7 +180,8 @@ def _score_math_verify(response: str, ground_truth: str) -> RewardRecord:
     if not pred:
         return graded(False, None)
     try:
-        same = bool(verify(gold, pred, timeout_seconds=limit, raise_on_error=True))
+        with _deadline(limit):
+            same = bool(verify(gold, pred, timeout_seconds=None, raise_on_error=True))
     except Exception:  # noqa: BLE001  (a comparison error means "not equal", as without raise_on_error)
         same = False
     return graded(same, str(pred[-1]))

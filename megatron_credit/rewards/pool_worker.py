@@ -52,7 +52,8 @@ def main(fd: int, memory_limit_bytes: int = 0) -> None:
     from megatron_credit.rewards import math as _math
     from megatron_credit.rewards.base import RewardRecord
 
-    # The pool's per-item deadline governs here; math-verify's own signal timeout must not fire too.
+    # The pool's per-item deadline governs here; the in-process SIGALRM timeout (rewards.math._deadline)
+    # must not fire too.
     _math.MATH_VERIFY_TIMEOUT_S = None
     # ... and math-verify warns about the disabled timeout on every call; that is by design here.
     logging.getLogger("math_verify").setLevel(logging.ERROR)

@@ -3,6 +3,8 @@
 The table pins the DAPO string verifier to the published semantics *including its known false
 negatives* (rows marked "FN"), and shows that the math-verify method scores those rows correctly.
 """
+import time
+
 import pytest
 import torch
 
@@ -201,21 +203,27 @@ def test_math_verify_timeout_setting(monkeypatch):
     from megatron_credit.rewards import math as reward_math
 
     assert reward_math.MATH_VERIFY_TIMEOUT_S == 5  # on by default in-process
-    seen = []
-    real_parse = math_verify.parse
+    seen, theirs = [], []
+    real_parse, real_deadline = math_verify.parse, reward_math._deadline
 
     def spy(text, **kwargs):
-        seen.append(kwargs.get("parsing_timeout"))
+        theirs.append(kwargs.get("parsing_timeout"))
         return real_parse(text, **kwargs)
 
+    def deadline(seconds):
+        seen.append(seconds)
+        return real_deadline(seconds)
+
     monkeypatch.setattr(math_verify, "parse", spy)
+    monkeypatch.setattr(reward_math, "_deadline", deadline)
     assert compute_score("Answer: 5", "5", method="math_verify").correct
     assert seen and set(seen) == {5}
+    assert set(theirs) == {None}  # math-verify's own one-shot alarm is never used: ours fires again
     seen.clear()
     monkeypatch.setattr(reward_math, "MATH_VERIFY_TIMEOUT_S", None)  # what the pool worker does
     assert compute_score("Answer: 5", "5", method="math_verify").correct
     assert set(seen) == {None}
-    # Outside a main thread signal.alarm cannot be used: the call still works, without a timeout.
+    # Outside a main thread a signal handler cannot be installed: the call still works, without a timeout.
     monkeypatch.setattr(reward_math, "MATH_VERIFY_TIMEOUT_S", 5)
     seen.clear()
     out = []
@@ -386,7 +394,7 @@ def test_math_verify_a_ground_truth_sympy_cannot_compare_is_never_matched(monkey
         assert (rec.correct, rec.score, rec.status) == (False, -1.0, "ok"), response
 
 
-# method="thread": math-verify's own signal.alarm (set and cleared around each parse) cancels
+# method="thread": the verifier's SIGALRM timer (set and cleared around each parse) cancels
 # pytest-timeout's SIGALRM timer, so a comparison left without math-verify's limit would hang the signal
 # method; the thread method ends the process instead (a failure).
 @pytest.mark.timeout(30, method="thread")
@@ -404,3 +412,30 @@ def test_math_verify_real_timeouts_are_reported(response, ground_truth, monkeypa
     monkeypatch.setattr(reward_math, "MATH_VERIFY_TIMEOUT_S", 1)
     rec = reward_math.score_math_verify(response, ground_truth)
     assert (rec.correct, rec.score, rec.status) == (False, -1.0, "timeout")
+
+
+def test_a_timeout_swallowed_once_fires_again():
+    # An alarm's exception raised inside a garbage-collection callback is printed and dropped by the
+    # interpreter (the full suite saw one in torch._dynamo's weak dictionary during a parse, which then ran
+    # to its end and read as "ok"). The timer fires again until the guarded call ends; afterwards it is
+    # disarmed and the previous handler is back.
+    import signal
+
+    from math_verify.errors import TimeoutException
+
+    from megatron_credit.rewards import math as reward_math
+
+    before = signal.getsignal(signal.SIGALRM)
+    t0, dropped = time.monotonic(), []
+    with pytest.raises(TimeoutException):
+        with reward_math._deadline(0.2):
+            while time.monotonic() - t0 < 10:
+                try:
+                    while time.monotonic() - t0 < 10:
+                        pass
+                except TimeoutException:
+                    if dropped:
+                        raise
+                    dropped.append(time.monotonic() - t0)  # what the interpreter does in a finalizer
+    assert 0.2 <= dropped[0] < 1.0 and time.monotonic() - t0 < dropped[0] + 1.0
+    assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
