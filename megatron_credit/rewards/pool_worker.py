@@ -16,7 +16,6 @@ one failed item, not a dead worker.
 from __future__ import annotations
 
 import importlib
-import logging
 import signal
 import sys
 from multiprocessing.connection import Connection
@@ -55,8 +54,6 @@ def main(fd: int, memory_limit_bytes: int = 0) -> None:
     # The pool's per-item deadline governs here; the in-process SIGALRM timeout (rewards.math._deadline)
     # must not fire too.
     _math.MATH_VERIFY_TIMEOUT_S = None
-    # ... and math-verify warns about the disabled timeout on every call; that is by design here.
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
     conn = Connection(fd)
     # math-verify builds its grammars and regexes on first use (~0.1 s, seconds on a loaded machine);
     # pay that before reporting ready, so that it never counts against the first item's deadline.

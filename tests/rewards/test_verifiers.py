@@ -437,5 +437,6 @@ def test_a_timeout_swallowed_once_fires_again():
                     if dropped:
                         raise
                     dropped.append(time.monotonic() - t0)  # what the interpreter does in a finalizer
-    assert 0.2 <= dropped[0] < 1.0 and time.monotonic() - t0 < dropped[0] + 1.0
+    # without a second firing the loop would run its 10 s out and end without raising
+    assert dropped[0] >= 0.2 and time.monotonic() - t0 < 10
     assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)

@@ -67,12 +67,16 @@ RECORDS = [PromptRecord(uid=f"p{i}", data_source="synthetic_arith", messages=(Ch
                         ground_truth="1") for i in range(len(PROMPTS))]
 
 
-@pytest.fixture(scope="module")
-def hf():
+def tiny_engine():
     cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
                       initializer_range=0.3, tie_word_embeddings=False)
     return HFRolloutEngine(hf_config=cfg, init_seed=0)
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_engine()
 
 
 def _params(**kw):
@@ -233,10 +237,9 @@ def test_step_threads_run_fail_and_cancel():
     assert queued.cancel() and not first.done()
     gate.set()
     assert first.result(5) is True and isinstance(failing.exception(5), ValueError)
-    busy = threads.submit(gate.clear)
-    busy.result(5)
-    hung = threads.submit(threading.Event().wait)  # never returns
-    time.sleep(0.1)
+    started = threading.Event()
+    hung = threads.submit(lambda: started.set() or threading.Event().wait())  # never returns
+    assert started.wait(5)
     waiting = threads.submit(int, "4")
     threads.shutdown()  # the hung step keeps its thread; what no thread started is cancelled
     assert waiting.cancelled() and hung.running()
@@ -245,8 +248,7 @@ def test_step_threads_run_fail_and_cancel():
 HUNG_FOR_GOOD = """
 import threading, time, sys
 sys.path.insert(0, {root!r})
-from tests.rollout.test_multi_turn import Echo, PROMPTS, RECORDS, _episodes, _params, hf
-from megatron_credit.rollout import HFRolloutEngine
+from tests.rollout.test_multi_turn import Echo, PROMPTS, RECORDS, _episodes, _params, tiny_engine
 
 class Never(Echo):
     def step(self, state, action):
@@ -254,7 +256,7 @@ class Never(Echo):
             threading.Event().wait()  # a plugin's environment that never answers
         return super().step(state, action)
 
-engine = hf.__wrapped__()
+engine = tiny_engine()
 ep = _episodes(engine, Never, step_timeout_s=0.5)
 batch = ep.generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
 ep.close()
