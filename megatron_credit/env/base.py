@@ -107,7 +107,6 @@ class Environment(abc.ABC):
 
 def build_environment(name: str, options: Optional[Mapping[str, Any]] = None) -> Environment:
     """The environment registered as ``name`` (a recipe's ``env.name``), built from ``options``
-    (``env.options``). An unknown name is one ``ValueError`` listing the registered ones."""
-    from megatron_credit.env import calculator  # noqa: F401  (registers the built-in environments)
-
+    (``env.options``). An unknown name is one ``ValueError`` listing the registered ones; the built-in
+    environments are registered by the package (``env/__init__.py``), which any import of this module runs."""
     return ENVIRONMENTS.get(name).from_options(options)

@@ -281,7 +281,7 @@ class Recipe:
         The one set of layout checks: :meth:`validate` (the trainer, ``pretrain_rl.py``) refuses the first,
         the memory planner (``planning.plan``, ``--dry-run``) lists them all."""
         from megatron_credit.models.hf_config import check_parallel_fits_model, check_sequence_length
-        from megatron_credit.recipe.sections import SYNTHETIC_SOURCES
+        from megatron_credit.recipe.sections import SYNTHETIC_SOURCES, launcher_problem
 
         out: list[str] = []
         try:
@@ -300,14 +300,10 @@ class Recipe:
             out.append(f"rollout.n={r.n}: algorithm {self.algorithm.name}'s advantages are relative to the group "
                        "of a prompt's samples, and a group of one has zero advantage (nothing trains); set "
                        "rollout.n >= 2, or use an algorithm with a critic (ppo)")
-        from megatron_credit.rollout.engine import ROLLOUT_ENGINES
-
-        layout_problem = getattr(ROLLOUT_ENGINES.get(r.engine), "layout_problem", None)  # an engine's own rule
-        why = layout_problem(r.engine_options, tp=tp, pp=p.pipeline_model_parallel_size,
-                             cp=p.context_parallel_size) if layout_problem else None
-        if why:
+        why = launcher_problem(r.engine_options, tp=tp, pp=p.pipeline_model_parallel_size, cp=p.context_parallel_size)
+        if why:  # the in-process vLLM engine's rule, read off engine_options alone
             out.append(why)
-        out.extend(r.source().recipe_problems(r, world_size=world_size))  # the mode's own rules
+        out.extend(r.mode_facts().recipe_problems(r, world_size=world_size))  # the mode's own rules
         per_rank = r.prompts_per_step // dp * r.n
         if not r.prompts_per_step % dp and per_rank % t.num_minibatches:
             out.append(f"train.num_minibatches={t.num_minibatches} must divide the "

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Mapping, Optional
 
+from megatron_credit.seed_modes import SEED_MODES
 from megatron_credit.typed_build import (NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Range,
                                        UnitFloat)
 
@@ -68,7 +69,8 @@ class RolloutConfig:
     """How responses are sampled each iteration."""
 
     engine: str = "hf"
-    """Name in ``megatron_credit.rollout.ROLLOUT_ENGINES`` (``hf`` on CPU, ``vllm`` on GPU)."""
+    """Name in ``megatron_credit.rollout.ROLLOUT_ENGINES`` (``hf`` on CPU, ``vllm`` on GPU), resolved when the
+    engine is built (an engine that a ``--plugin`` file registers counts)."""
     prompts_per_step: PositiveInt = 64
     """Prompts per iteration over the whole job (split over the engines to sample, then over the
     data-parallel ranks to train)."""
@@ -88,7 +90,7 @@ class RolloutConfig:
     """Extra keyword arguments of the engine's constructor (vllm: tensor_parallel_size,
     gpu_memory_utilization, weight_transfer, engine_kwargs, ...)."""
     mode: str = "sync"
-    """Name in ``megatron_credit.trainer.sources.ROLLOUT_SOURCES``. ``sync``: the engines share the trainer's
+    """Name in ``megatron_credit.recipe.rollout_modes.ROLLOUT_MODES``. ``sync``: the engines share the trainer's
     GPUs; generate, then train (the default). ``one_step_off``: a rollout pool (``ranks``) generates
     iteration k + 1's samples with the weights of k - 1 while iteration k trains. ``async``: the pool
     generates continuously, up to ``max_staleness`` policy versions ahead, taking new weights as they come
@@ -111,37 +113,65 @@ class RolloutConfig:
     """Sampling seeds: ``per_sample`` (the same samples for any engine count), ``per_call`` (vLLM's fast batched sampler), ``auto`` (the engine's: hf per_sample, vllm per_call)."""
 
     def __post_init__(self) -> None:
-        from megatron_credit.rollout.engine import ROLLOUT_ENGINES
-        import megatron_credit.rollout  # noqa: F401  (registers the built-in engines)
-
-        ROLLOUT_ENGINES.get(self.engine)  # ValueError listing the valid names
         tp = dict(self.engine_options).get("tensor_parallel_size", 1)
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"rollout.engine_options.tensor_parallel_size must be a positive integer, got {tp!r}")
-        self.source().check_section(self)  # ValueError listing the valid modes, or naming a field
+        self.mode_facts().check_section(self)  # ValueError listing the valid modes, or naming a field
         if self.on_update not in ("finish", "partial"):
             raise ValueError(f"rollout.on_update must be 'finish' or 'partial', got {self.on_update!r}")
-        from megatron_credit.rollout.sampling import SEED_MODES
-
         if not isinstance(self.seed_mode, str) or self.seed_mode not in ("auto", *SEED_MODES):
             raise ValueError(f"rollout.seed_mode must be one of {('auto', *SEED_MODES)}, got {self.seed_mode!r}")
 
-    def source(self):
-        """The rollout source class of ``mode`` (``megatron_credit.trainer.sources.ROLLOUT_SOURCES``)."""
-        from megatron_credit.trainer.sources import ROLLOUT_SOURCES
+    def mode_facts(self):
+        """The facts of ``mode`` (``recipe.rollout_modes.ROLLOUT_MODES``; the source that serves it is the
+        trainer's to resolve, ``megatron_credit.sources.ROLLOUT_SOURCES``)."""
+        from megatron_credit.recipe.rollout_modes import ROLLOUT_MODES
 
-        return ROLLOUT_SOURCES.get(self.mode)
+        return ROLLOUT_MODES.get(self.mode)
 
     @property
     def staleness_bound(self) -> int:
         """The most versions a trained sample may lag: 0 for ``sync``, 1 for ``one_step_off``."""
-        return self.source().staleness_bound(self)
+        return self.mode_facts().staleness_bound(self)
 
     @property
     def tensor_parallel_size(self) -> int:
         """GPUs per rollout engine (``engine_options.tensor_parallel_size``, default 1): the job runs
         world size / this many engines (``rollout.placement``)."""
         return int(dict(self.engine_options).get("tensor_parallel_size", 1))
+
+
+def launcher_problem(engine_options: Mapping[str, Any], *, tp: int, pp: int, cp: int) -> str | None:
+    """Why the recipe's in-process ``external_launcher`` engine cannot run under this trainer, in one
+    line, or None (also for every other executor).
+
+    ``engine_options``: ``rollout.engine_options``; ``tp`` / ``pp`` / ``cp``: the trainer's tensor,
+    pipeline and context parallel sizes. With ``distributed_executor_backend="external_launcher"``
+    vLLM builds its process groups over ``torch.distributed``'s whole world, the trainer's: with the
+    trainer's model split (TP, PP or CP > 1) these groups are not the engine's. And every rank of such
+    an engine must build it, while the trainer builds one engine per rollout-TP group, on its first
+    rank: a rollout TP above 1 would wait for the others forever.
+
+    >>> inproc = {"engine_kwargs": {"distributed_executor_backend": "external_launcher"}}
+    >>> launcher_problem(inproc, tp=1, pp=1, cp=1), launcher_problem({"tensor_parallel_size": 4}, tp=2, pp=1, cp=1)
+    (None, None)
+    >>> launcher_problem(inproc, tp=2, pp=1, cp=1)[:89]
+    'rollout.engine_options.engine_kwargs.distributed_executor_backend=external_launcher needs'
+    """
+    kwargs = engine_options.get("engine_kwargs") or {}
+    if kwargs.get("distributed_executor_backend") != "external_launcher":
+        return None
+    field = "rollout.engine_options.engine_kwargs.distributed_executor_backend=external_launcher"
+    if (tp, pp, cp) != (1, 1, 1):
+        return (f"{field} needs parallel.tensor_model_parallel_size = pipeline_model_parallel_size = "
+                f"context_parallel_size = 1 (got {tp}, {pp}, {cp}): vLLM would build its groups over the "
+                "trainer's whole world; use the default multiprocess engine")
+    rollout_tp = engine_options.get("tensor_parallel_size", 1)
+    if rollout_tp != 1:
+        return (f"{field} needs rollout.engine_options.tensor_parallel_size = 1 (got {rollout_tp}): every rank "
+                "of such an engine must build it, and the trainer builds one per rollout-TP group; use the "
+                "default multiprocess engine")
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)

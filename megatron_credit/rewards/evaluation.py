@@ -1,5 +1,5 @@
 """Evaluation metrics over k samples per problem: Avg@k, Cons@k, Pass@k (``tools/evaluate.py`` and the
-trainer's validation, ``megatron_credit.trainer.sources.sync.SyncSource.validate``, use this module).
+trainer's validation, ``megatron_credit.sources.sync.SyncSource.validate``, use this module).
 
 For a problem with ``n`` samples of which ``c`` are correct:
 

@@ -96,3 +96,12 @@ def empty_cache(device: torch.device | str) -> None:
     module = getattr(torch, device.type, None)
     if module is not None and hasattr(module, "empty_cache"):
         module.empty_cache()
+
+
+def check_engine_name(name: str) -> None:
+    """``rollout.engine`` names a registered engine: one ``ValueError`` naming the field and the valid names
+    otherwise. The entry points call it once at start-up (the recipe, a leaf, imports no engine)."""
+    try:
+        ROLLOUT_ENGINES.get(name)
+    except ValueError as exc:
+        raise ValueError(f"rollout.engine: {exc}") from None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_credit.seed_modes import SEED_MODES
 from megatron_credit.rollout.types import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -43,13 +44,6 @@ def row_seed(seed: int, group_id: int, sample_index: int) -> int:
     h = _splitmix64(h ^ (group_id & _MASK64))
     h = _splitmix64(h ^ (sample_index & _MASK64))
     return h >> 1
-
-
-SEED_MODES = ("per_sample", "per_call")
-"""How an engine seeds its sampling (``rollout.seed_mode``; ``docs/vllm_engine.md``, "Seeds"): ``per_sample``, each
-sample its own generator seeded by :func:`row_seed` (the same samples whatever the batch and the engine count);
-``per_call``, one generator per ``generate`` call seeded by :func:`call_seed` (vLLM's batched sampler; the
-samples then depend on the call's batch)."""
 
 
 def resolve_seed_mode(requested: str, *, engine_default: str) -> str:

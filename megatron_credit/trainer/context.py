@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # annotations only: nothing of these is imported at run time 
     from megatron_credit.recipe.sections import AlgorithmConfig, TrainConfig
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.credit_maps import CreditMaps
-    from megatron_credit.trainer.sources import RolloutSource, Weights
+    from megatron_credit.sources import RolloutSource, Weights
 
 
 class PhaseTimer:
@@ -52,7 +52,7 @@ class Context:
     actor: Actor
     """The policy (``trainer/actor.py``, the one megatron-facing file)."""
     rollouts: RolloutSource
-    """Where batches come from: ``next(step, weights=...)`` (``trainer/sources/``, the class of
+    """Where batches come from: ``next(step, weights=...)`` (``sources/``, the class of
     ``rollout.mode``: engines, rewards, dynamic sampling; the weights are handed over by :meth:`weights`)."""
     pad_id: int
     """The tokenizer's pad id."""
@@ -99,7 +99,7 @@ class Context:
     def weights(self, version: int) -> Weights:
         """The actor's weights as ``version`` (the RL iterations they completed), for the rollout source:
         their HF-named buckets, streamed when the source asks (every rank joins the gathers)."""
-        from megatron_credit.trainer.sources.base import Weights
+        from megatron_credit.sources.base import Weights
 
         return Weights(version=version, buckets=self.actor.hf_weight_buckets)
 

@@ -132,7 +132,7 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
     from megatron_credit.trainer.offload import GenerationOffload
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.critic_model import build_separate_critic
-    from megatron_credit.trainer.sources import SourceInputs
+    from megatron_credit.sources import ROLLOUT_SOURCES, SourceInputs
 
     rank0 = dist.get_rank() == 0
     layout = check_recipe(recipe, hf_config, world_size=dist.get_world_size())
@@ -159,7 +159,7 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
     critic = build_separate_critic(hf_config, algorithm, device=device, **settings)
     dp_of_rank, local_rank, node_ranks = _ranks_layout(data_parallel_rank(), local_rank)
     r = recipe.rollout
-    rollouts = r.source().build(SourceInputs(
+    rollouts = ROLLOUT_SOURCES.get(r.mode).build(SourceInputs(
         recipe=recipe, hf_config=hf_config, tokenizer=tokenizer, prompts=prompts, val_prompts=val_prompts,
         device=actor.device, dp_group=actor.dp_group, dp_of_rank=dp_of_rank, local_rank=local_rank,
         node_ranks=node_ranks, offload=GenerationOffload([actor, critic]), log=log))

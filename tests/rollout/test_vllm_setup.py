@@ -4,7 +4,8 @@ in-process launcher's limits. Each guards a way in which vLLM (0.32 - 0.34) woul
 misplace, an engine the trainer builds."""
 import pytest
 
-from megatron_credit.rollout.vllm_setup import (engine_visible_devices, launcher_problem, resolve_transfer,
+from megatron_credit.recipe.sections import launcher_problem
+from megatron_credit.rollout.vllm_setup import (engine_visible_devices, resolve_transfer,
                                                 vllm_platform, weight_transfer_env)
 
 

@@ -46,7 +46,7 @@ OVERRIDES = ["rollout.engine=vllm", "rollout.engine_options.engine_kwargs.kv_cac
 def _train(run_dir: str, overrides, skip_later_syncs: bool = False):
     from megatron_credit import distributed
     from megatron_credit.recipe.config import load_recipe
-    from megatron_credit.trainer.sources.sync import SyncSource
+    from megatron_credit.sources.sync import SyncSource
     from megatron_credit.trainer.loop import train
 
     cache = os.path.join(os.path.dirname(run_dir), "warmup-cache")

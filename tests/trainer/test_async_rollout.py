@@ -1,4 +1,4 @@
-"""Rollouts that overlap training (``rollout.mode: one_step_off | async``, ``trainer/sources/overlap.py``).
+"""Rollouts that overlap training (``rollout.mode: one_step_off | async``, ``sources/overlap.py``).
 
 - the correction: the decoupled objective against a float64 loop reference, FIPO's weights against the
   proximal policy (exactly 1 on the first mini-batch whatever the staleness), CompPO's gates from the

@@ -1,4 +1,4 @@
-"""The rollout pool's channels (``trainer/sources/bridge.py``) between a trainer rank and a pool rank, on
+"""The rollout pool's channels (``sources/bridge.py``) between a trainer rank and a pool rank, on
 gloo, and a pool rank killed under torchrun.
 
 - weights: each version's HF-named buckets arrive whole and equal, in every dtype;
@@ -33,7 +33,7 @@ def _bridge(port: int, name: str):
     import torch.distributed as dist
 
     from megatron_credit.distributed import Job
-    from megatron_credit.trainer.sources.bridge import Bridge
+    from megatron_credit.sources.bridge import Bridge
 
     rank = dist.get_rank()
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
@@ -123,7 +123,7 @@ def _silence(port: int, beat_for_s: float, gone: bool):
     import torch.distributed as dist
 
     from megatron_credit.cli import RunStopped
-    from megatron_credit.trainer.sources import bridge as br
+    from megatron_credit.sources import bridge as br
 
     br.GONE_S = 3.0
     b = _bridge(port, f"s{beat_for_s}{gone}")
@@ -193,7 +193,7 @@ def test_a_pool_that_makes_no_progress_stops_the_wait_in_one_line(pool2):
 def _trainer_gone(port: int):
     import torch.distributed as dist
 
-    from megatron_credit.trainer.sources import bridge as br
+    from megatron_credit.sources import bridge as br
 
     br.GONE_S = 2.0
     b = _bridge(port, "tg")

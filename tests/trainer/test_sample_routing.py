@@ -1,4 +1,4 @@
-"""How scored groups reach the ranks that train them (``trainer/sources/routing.py`` with ``rollout/wire.py``):
+"""How scored groups reach the ranks that train them (``sources/routing.py`` with ``rollout/wire.py``):
 each group crosses a process boundary once, as bytes of tensors, to the first rank of its data-parallel
 replica, which broadcasts the replica's groups to its other ranks. Checked on gloo at world 4 in three
 layouts (DP 4; DP 2 with replicas of two ranks, as TP 2; DP 1, one replica of four ranks, as a 32B job at
@@ -41,7 +41,7 @@ def _route(dp_of_rank: list[int]):
     import torch.distributed as dist
 
     from megatron_credit.rollout.placement import dp_rank_of_group
-    from megatron_credit.trainer.sources.routing import SampleRouter
+    from megatron_credit.sources.routing import SampleRouter
 
     r = SampleRouter()
     r.dp_of_rank, r.dp_size, r.device = dp_of_rank, max(dp_of_rank) + 1, torch.device("cpu")

@@ -9,11 +9,12 @@
 | ``pool.py`` | that pool: what its ranks (the last ``rollout.ranks`` of the launch) run, engines, staged weights, draws |
 | ``bridge.py`` | the channels between the trainer's ranks and the pool's: the store, weights groups, samples |
 
-A mode is a class registered under its name, carrying the mode's facts (staleness bound, the recipe's
-checks) and serving a run (``next``, ``validate``, ``close``); adding one is one file here plus its import
-below. The driver passes the weights each call generates with; a source never reaches into the actor.
+A mode is a class registered under its name, serving a run (``next``, ``validate``, ``close``); it
+inherits the mode's facts (staleness bound, the recipe's checks) from ``recipe/rollout_modes.py``, where
+the recipe reads them without importing this package. Adding one is its facts there, one file here and its
+import below. The driver passes the weights each call generates with; a source never reaches into the actor.
 """
-from megatron_credit.trainer.sources import overlap, sync  # noqa: F401  (register the built-in modes)
-from megatron_credit.trainer.sources.base import ROLLOUT_SOURCES, RolloutSource, SourceInputs, Weights
+from megatron_credit.sources import overlap, sync  # noqa: F401  (register the built-in modes)
+from megatron_credit.sources.base import ROLLOUT_SOURCES, RolloutSource, SourceInputs, Weights
 
 __all__ = ["ROLLOUT_SOURCES", "RolloutSource", "SourceInputs", "Weights"]

@@ -1,8 +1,9 @@
 """What every rollout source shares: the registry of modes, the source's contract, the weights the driver
 hands it, and the one draw loop.
 
-A source is chosen by ``rollout.mode`` from :data:`ROLLOUT_SOURCES`, once, at start-up; the recipe's checks
-ask the same class for the mode's facts (its staleness bound, what it refuses). The driver hands each
+A source is chosen by ``rollout.mode`` from :data:`ROLLOUT_SOURCES`, once, at start-up; its class inherits the
+mode's facts (its staleness bound, what it refuses) from the recipe's ``recipe/rollout_modes.py``, which
+the recipe's checks read without this package. The driver hands each
 call the weights it should generate with (:class:`Weights`: a version and the HF-named buckets to stream);
 a source never reaches into the actor for them. Every mode fills a batch with the same loop,
 :func:`draw_until_full`: draw ``rollout.prompts_per_step`` prompts, keep the groups that count (DAPO's
@@ -47,20 +48,9 @@ class Weights:
 
 class RolloutSource(Protocol):
     """Where the trainer's batches come from. A mode is a class registered in :data:`ROLLOUT_SOURCES` under
-    its ``rollout.mode`` name; the class carries the mode's facts (the classmethods), an instance serves one
-    run (the methods)."""
-
-    @classmethod
-    def staleness_bound(cls, rollout: RolloutConfig) -> int:
-        """The most versions a trained sample may lag the weights that train it."""
-
-    @classmethod
-    def check_section(cls, rollout: RolloutConfig) -> None:
-        """Raise ``ValueError`` naming the field when the ``rollout`` section does not fit this mode."""
-
-    @classmethod
-    def recipe_problems(cls, rollout: RolloutConfig, *, world_size: int) -> list[str]:
-        """One line per problem of this mode at ``world_size`` ranks (``Recipe.validate``)."""
+    its ``rollout.mode`` name, a subclass of that mode's facts (``ROLLOUT_MODES`` of
+    ``recipe/rollout_modes.py``: the staleness bound, the recipe's checks); an instance serves one run
+    (the methods)."""
 
     @classmethod
     def build(cls, inputs: SourceInputs) -> RolloutSource:
@@ -78,7 +68,8 @@ class RolloutSource(Protocol):
 
 
 ROLLOUT_SOURCES: Registry[type] = Registry("rollout.mode")
-"""``rollout.mode`` -> the :class:`RolloutSource` class of that mode (one file each in this package)."""
+"""``rollout.mode`` -> the :class:`RolloutSource` class of that mode (one file each in this package), under
+the names of ``recipe.rollout_modes.ROLLOUT_MODES``."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron_credit.batch.train_batch import TrainBatch, train_batch_from_rollout
 from megatron_credit.rollout.placement import dp_rank_of_group
 from megatron_credit.rollout.types import FinishStatus, RolloutBatch
-from megatron_credit.trainer.sources.base import POOL_COUNTS
+from megatron_credit.sources.base import POOL_COUNTS
 
 
 class SampleRouter:

@@ -1,6 +1,6 @@
 """Rollouts that overlap training (``rollout.mode: one_step_off | async``): sources whose samples come from
-a rollout pool, the last ``rollout.ranks`` ranks of the launch (``trainer/sources/pool.py``), over the
-channels of ``trainer/sources/bridge.py``; this file is the trainer's side (:class:`OverlapSource`) and
+a rollout pool, the last ``rollout.ranks`` ranks of the launch (``sources/pool.py``), over the
+channels of ``sources/bridge.py``; this file is the trainer's side (:class:`OverlapSource`) and
 registers the two modes (:class:`OneStepOff`, :class:`Async`).
 
 Versions. A policy's version is the number of RL iterations its weights completed; iteration ``k``
@@ -52,45 +52,20 @@ import torch.distributed as dist
 
 from megatron_credit.batch.train_batch import TrainBatch
 from megatron_credit.cli import RunStopped
+from megatron_credit.recipe import rollout_modes as modes
 from megatron_credit.rollout.placement import dp_rank_of_group
-from megatron_credit.trainer.sources.base import ROLLOUT_SOURCES, SourceInputs, Weights, check_full, counted
-from megatron_credit.trainer.sources.routing import SampleRouter
+from megatron_credit.sources.base import ROLLOUT_SOURCES, SourceInputs, Weights, check_full, counted
+from megatron_credit.sources.routing import SampleRouter
 
 
 class OverlapSource(SampleRouter):
     """The trainer's side of the rollout pool (module docstring); every trainer rank makes one. A mode is a
-    subclass that sets :attr:`interruptible` and its staleness bound."""
-
-    interruptible = False
-    """New weights are taken between draws (``async``), or between batches only (``one_step_off``)."""
-
-    # -- the mode's facts ---------------------------------------------------------------------------
-    @classmethod
-    def staleness_bound(cls, rollout) -> int:
-        return rollout.max_staleness
-
-    @classmethod
-    def check_section(cls, rollout) -> None:
-        if rollout.ranks < 1:
-            raise ValueError(f"rollout.mode={rollout.mode} generates on a rollout pool: set rollout.ranks >= 1 (the "
-                             "last ranks of the launch; torchrun --nproc-per-node counts them, and pretrain_rl.py "
-                             "without torchrun starts them itself)")
-
-    @classmethod
-    def recipe_problems(cls, rollout, *, world_size: int) -> list[str]:
-        out = []
-        if rollout.ranks % rollout.tensor_parallel_size:
-            out.append(f"rollout.ranks={rollout.ranks} must be a multiple of rollout.engine_options.tensor_parallel_size="
-                       f"{rollout.tensor_parallel_size}: each engine takes that many ranks")
-        if rollout.on_update == "partial" and rollout.engine != "hf":
-            out.append(f"rollout.on_update=partial: the {rollout.engine} engine cannot take new weights in the middle "
-                       "of a draw; use rollout.on_update=finish")
-        return out
+    subclass that also inherits the mode's facts (``recipe/rollout_modes.py``)."""
 
     @classmethod
     def build(cls, inputs: SourceInputs) -> OverlapSource:
         from megatron_credit import distributed
-        from megatron_credit.trainer.sources.bridge import Bridge
+        from megatron_credit.sources.bridge import Bridge
 
         recipe, r, t = inputs.recipe, inputs.recipe.rollout, inputs.recipe.train
         job = distributed.job()
@@ -114,7 +89,7 @@ class OverlapSource(SampleRouter):
         self.rank = dist.get_rank()
         self.dp_of_rank = list(dp_of_rank)
         self.dp_rank, self.dp_size = self.dp_of_rank[self.rank], max(self.dp_of_rank) + 1
-        self.bound = self.staleness_bound(rollout)
+        self.bound = rollout.staleness_bound
         self.started = False
         self.pushed: int | None = None
         self.last_sync: dict[str, float] = {}
@@ -132,7 +107,7 @@ class OverlapSource(SampleRouter):
 
     def close(self) -> None:
         """Tell the pool to stop; rank 0 waits for the pool ranks it started (30 s, then terminates them)."""
-        from megatron_credit.trainer.sources.pool import SPAWNED
+        from megatron_credit.sources.pool import SPAWNED
 
         if self.bridge is None:
             return
@@ -165,7 +140,7 @@ class OverlapSource(SampleRouter):
                           "time/weight_sync_s": seconds}
 
     def _wait(self, key: str, what: str):
-        from megatron_credit.trainer.sources.pool import SPAWNED
+        from megatron_credit.sources.pool import SPAWNED
 
         return self.bridge.wait_for(key, what=what, silence_s=self.rollout.wait_timeout_s,
                                     spawned=SPAWNED if self.rank == 0 else None)
@@ -227,25 +202,12 @@ class OverlapSource(SampleRouter):
 
 
 @ROLLOUT_SOURCES.register("one_step_off")
-class OneStepOff(OverlapSource):
-    """Iteration k + 1's batch is generated with the weights of k - 1 while k trains: staleness exactly 1
-    (the first iteration's 0); new weights are loaded before each batch."""
-
-    @classmethod
-    def staleness_bound(cls, rollout) -> int:
-        return 1
-
-    @classmethod
-    def check_section(cls, rollout) -> None:
-        super().check_section(rollout)
-        if rollout.max_staleness != 1:
-            raise ValueError(f"rollout.max_staleness={rollout.max_staleness}: one_step_off trains on samples exactly one "
-                             "version old; use rollout.mode=async for another bound")
+class OneStepOff(OverlapSource, modes.OneStepOff):
+    """``one_step_off`` (:class:`~megatron_credit.recipe.rollout_modes.OneStepOff`): new weights are loaded
+    before each batch."""
 
 
 @ROLLOUT_SOURCES.register("async")
-class Async(OverlapSource):
-    """Generation runs continuously, up to ``rollout.max_staleness`` versions ahead; new weights are loaded
-    between draws too (``rollout.on_update``)."""
-
-    interruptible = True
+class Async(OverlapSource, modes.Async):
+    """``async`` (:class:`~megatron_credit.recipe.rollout_modes.Async`): new weights are loaded between draws
+    too (``rollout.on_update``)."""

@@ -6,7 +6,7 @@ Each draw takes ``rollout.prompts_per_step`` prompts from the job's one stream; 
 scores its contiguous slice, with seeds from (run seed, iteration, draw) and each prompt's index in the
 draw, so the samples do not depend on the number of engines or ranks. Whether each group's accuracy
 varies (DAPO's dynamic sampling) is all-gathered, every rank takes the same decisions, and the kept
-groups go to the ranks that train them (:class:`~megatron_credit.trainer.sources.routing.SampleRouter`).
+groups go to the ranks that train them (:class:`~megatron_credit.sources.routing.SampleRouter`).
 
 Around each generation phase (the iteration's rollout, validation) the trainer gives the engine its
 memory: the optimizer states go to the host and the gradient buffers are released
@@ -24,12 +24,13 @@ from typing import Any, Callable, TYPE_CHECKING
 import torch.distributed as dist
 
 from megatron_credit.batch.train_batch import TrainBatch
+from megatron_credit.recipe import rollout_modes as modes
 from megatron_credit.rollout.placement import EngineLayout, draw_seed, split
 from megatron_credit.rollout.types import SamplingParams
-from megatron_credit.trainer.sources.base import (ROLLOUT_SOURCES, SourceInputs, Weights, build_reward_pool, check_full,
+from megatron_credit.sources.base import (ROLLOUT_SOURCES, SourceInputs, Weights, build_reward_pool, check_full,
                                                   counted, draw_until_full, generate_and_score, group_counts,
                                                   sampling_params)
-from megatron_credit.trainer.sources.routing import SampleRouter
+from megatron_credit.sources.routing import SampleRouter
 
 if TYPE_CHECKING:
     from megatron_credit.recipe.sections import RewardConfig, RolloutConfig
@@ -37,29 +38,11 @@ if TYPE_CHECKING:
 
 
 @ROLLOUT_SOURCES.register("sync")
-class SyncSource(SampleRouter):
+class SyncSource(SampleRouter, modes.Sync):
     """Generates each iteration's :class:`TrainBatch` for this rank on the trainer's own GPUs (module
     docstring): samples of the weights that train them, staleness 0."""
 
     bound = 0
-
-    # -- the mode's facts ---------------------------------------------------------------------------
-    @classmethod
-    def staleness_bound(cls, rollout: RolloutConfig) -> int:
-        return 0
-
-    @classmethod
-    def check_section(cls, rollout: RolloutConfig) -> None:
-        if rollout.ranks:
-            raise ValueError(f"rollout.ranks={rollout.ranks}: sync generates on the trainer's own ranks; a rollout pool "
-                             "is for rollout.mode=one_step_off or async")
-
-    @classmethod
-    def recipe_problems(cls, rollout: RolloutConfig, *, world_size: int) -> list[str]:
-        if world_size % rollout.tensor_parallel_size:
-            return [f"rollout.engine_options.tensor_parallel_size={rollout.tensor_parallel_size} must divide the world "
-                    f"size {world_size} (world size / rollout TP engines, each on GPUs of its own)"]
-        return []
 
     @classmethod
     def build(cls, inputs: SourceInputs) -> SyncSource:
@@ -110,6 +93,12 @@ class SyncSource(SampleRouter):
         self.stop_ids = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
         self.last_sync: dict[str, float] = {}
         self.peers = self._peer_buckets(group_timeout_s)
+        import datetime
+
+        # Where the ranks wait for the engines' leaders while they generate: a gloo group, on the host. A rank
+        # that leads no engine would otherwise wait inside the draw's first NCCL collective, whose kernel spins
+        # on a GPU that an engine's other worker is generating on, for the whole draw (hours at 20K tokens).
+        self.host_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=group_timeout_s))
 
     def _peer_buckets(self, timeout_s: float):
         """The :class:`~megatron_credit.rollout.weight_sync.PeerBuckets` of this rank's engine when it takes
@@ -173,6 +162,11 @@ class SyncSource(SampleRouter):
                 self.engine.sleep()
             self.offload.restore()
 
+    def leaders_done(self) -> None:
+        """Wait on the host (:attr:`host_group`, gloo) until every rank, engine leaders included, has finished
+        its part of a generation phase; only then does the phase's device exchange (NCCL on a GPU) begin."""
+        dist.barrier(group=self.host_group)
+
     def _params(self, n: int, seed: int) -> SamplingParams:
         return sampling_params(self.rollout, self.stop_ids, n=n, seed=seed)
 
@@ -201,6 +195,7 @@ class SyncSource(SampleRouter):
                 sl = slice(j * n, (j + 1) * n)
                 held[(draw, p)] = (rollout.samples[sl], rewards[sl], correct[sl])
                 counts[p] = group_counts(correct[sl], dynamic_sampling=self.dynamic_sampling)
+        self.leaders_done()
         merged: dict[int, bool] = {}
         for part in self._all_gather(counts):
             merged.update(part)
@@ -243,4 +238,5 @@ class SyncSource(SampleRouter):
                                             pool=self.pool, sampling=self._params(k, draw_seed(self.seed, -1)),
                                             first_group=mine.start)
                 sums = metric_sums(problems, k=k)
+            self.leaders_done()
         return self._val_metrics(sums, k)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from megatron_credit.trainer.sources.bridge import BEAT_S, POLL_S, Bridge
+from megatron_credit.sources.bridge import BEAT_S, POLL_S, Bridge
 
 
 def serve(recipe, hf_config, *, job, device: torch.device, local_rank: int) -> int:
@@ -95,14 +95,14 @@ class PoolEngine:
         from megatron_credit.rollout.engine import build_trainer_engine
         from megatron_credit.rollout.placement import split
         from megatron_credit.trainer.data_setup import build_data
-        from megatron_credit.trainer.sources.base import build_reward_pool
+        from megatron_credit.sources.base import build_reward_pool
 
         r, t = recipe.rollout, recipe.train
         self.recipe, self.rollout, self.bridge, self.parent = recipe, r, bridge, parent
         self.e, self.engines = bridge.engine, bridge.layout.engines
         self.split = lambda count: split(count, self.engines)[self.e]
         self.bound = r.staleness_bound
-        self.interruptible = bool(getattr(r.source(), "interruptible", False))
+        self.interruptible = r.mode_facts().interruptible
         self.tokenizer, self.prompts, self.val, _ = build_data(
             recipe.data, seed=recipe.seed, model_path=recipe.model.name_or_path, val_every=t.val_every,
             val_prompts=t.val_prompts)
@@ -293,7 +293,7 @@ class PoolEngine:
 
     # -- a batch ------------------------------------------------------------------------------------
     def _params(self, n: int, seed: int):
-        from megatron_credit.trainer.sources.base import sampling_params
+        from megatron_credit.sources.base import sampling_params
 
         return sampling_params(self.rollout, self.stop_ids, n=n, seed=seed)
 
@@ -301,7 +301,7 @@ class PoolEngine:
         """Iteration ``step``'s kept groups, as ``sync`` draws them: this engine's go to the trainer's replica
         heads; the first engine puts the batch's facts."""
         from megatron_credit.rollout.placement import dp_rank_of_group, draw_seed
-        from megatron_credit.trainer.sources.base import POOL_COUNTS, draw_until_full, generate_and_score, group_counts
+        from megatron_credit.sources.base import POOL_COUNTS, draw_until_full, generate_and_score, group_counts
 
         r, recipe = self.rollout, self.recipe
         count, n = r.prompts_per_step, r.n
