@@ -90,7 +90,7 @@ class Job:
     """The whole launch when some of its ranks are a rollout pool (``rollout.ranks``): the launcher's
     rendezvous store (every rank of the world reaches it), this rank and the sizes. The trainer's default
     process group (and megatron's groups in it) holds the first ``world_size - pool_ranks`` ranks only; the
-    pool's channels are built from :attr:`store` (``trainer/sources/bridge.py``)."""
+    pool's channels are built from :attr:`store` (``sources/bridge.py``)."""
 
     store: Any
     rank: int
@@ -126,15 +126,14 @@ def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
     ``parallel``: a ``megatron_credit.recipe.config.ParallelConfig``. If ``torch.distributed`` is already
     initialised (tests, an embedding application) its group and backend are used as they are; else a
     group is created from ``launch`` (default: one process). ``timeout_s`` (the recipe's
-    ``distributed.timeout_s``; None: its default) is the timeout of the default group (set on it also
+    ``distributed.timeout_s``, passed by the entry point; None: ``torch.distributed``'s default of 30
+    minutes, for short programs and tests) is the timeout of the default group (set on it also
     when it already exists) and of every megatron group: ranks wait in them while the engines generate.
     Raises ``ValueError`` before creating any megatron group if the sizes do not fit the world size.
     ``pool_ranks`` (``rollout.ranks``): the last ranks of the launch are a rollout pool; this rank is one of
     the first ``world_size - pool_ranks``, whose default group and megatron groups hold only them.
     """
-    from megatron_credit.recipe.config import DistributedConfig
-
-    timeout_s = DistributedConfig().timeout_s if timeout_s is None else float(timeout_s)
+    timeout_s = dist.default_pg_timeout.total_seconds() if timeout_s is None else float(timeout_s)
     timeout = datetime.timedelta(seconds=timeout_s)
     import_megatron_core()
     from megatron.core import parallel_state
@@ -147,16 +146,20 @@ def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
         if backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("backend='nccl' needs CUDA, and this machine has none (torch.cuda.is_available() is "
                              "False): use gloo (the default without CUDA)")
+        bound = {}
         if backend == "nccl":
             torch.cuda.set_device(launch.local_rank or 0)
+            # The group's device, named: NCCL binds its communicator to it at once instead of guessing from the
+            # current device at the first collective ("Guessing device ID based on global rank").
+            bound = {"device_id": torch.device("cuda", launch.local_rank or 0)}
         if pool_ranks:  # the trainer's world is a prefix of the launch's, in a store namespace of its own
             store = join_job(launch, pool_ranks=pool_ranks, timeout=timeout).store
             dist.init_process_group(backend, store=dist.PrefixStore("trainer", store), rank=launch.rank,
-                                    world_size=world, timeout=timeout)
+                                    world_size=world, timeout=timeout, **bound)
         else:
             port = launch.master_port or _free_port()
             dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{port}",
-                                    rank=launch.rank, world_size=launch.world_size, timeout=timeout)
+                                    rank=launch.rank, world_size=launch.world_size, timeout=timeout, **bound)
     else:
         set_group_timeout(None, timeout)
     backend = dist.get_backend()

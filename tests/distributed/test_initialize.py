@@ -207,3 +207,36 @@ def test_the_launchers_local_rank_selects_the_device(monkeypatch):
     monkeypatch.setattr(dist, "all_gather_object", gather)
     assert loop._ranks_layout(1) == ([0, 0, 1, 1], 1, 2)  # no LOCAL_RANK: its place on its host
     assert loop._ranks_layout(1, local_rank=0) == ([0, 0, 1, 1], 0, 2)  # the launcher's word
+
+
+def test_an_nccl_group_is_joined_with_its_device_named(monkeypatch):
+    """On a GPU the default group is created with ``device_id`` = this rank's local GPU, so NCCL binds its
+    communicator to it instead of guessing from the global rank. The CUDA calls are stood in for (no GPU
+    here); the call stops at ``init_process_group``, whose keyword arguments are the subject."""
+    import torch.distributed as dist
+
+    from megatron_credit import distributed
+    from megatron_credit.recipe.config import ParallelConfig
+
+    class Joined(Exception):
+        pass
+
+    seen = {}
+
+    def init_process_group(backend, **kwargs):
+        seen.update(kwargs, backend=backend)
+        raise Joined
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: seen.setdefault("set_device", device))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    launch = LaunchEnv(rank=5, world_size=8, local_rank=1, master_addr="127.0.0.1", master_port=29500)
+    with pytest.raises(Joined):
+        distributed.initialize(ParallelConfig(), seed=0, launch=launch, backend="nccl")
+    assert seen["backend"] == "nccl" and seen["set_device"] == 1
+    assert seen["device_id"] == torch.device("cuda", 1) and seen["rank"] == 5
+    seen.clear()
+    with pytest.raises(Joined):
+        distributed.initialize(ParallelConfig(), seed=0, launch=launch, backend="gloo")
+    assert "device_id" not in seen  # gloo on the CPU: no device to bind
