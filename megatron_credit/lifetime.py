@@ -229,6 +229,45 @@ def requests(conn):
         yield message
 
 
+SHIELDED_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP")
+"""Signals the processes a trainer starts get blocked, when the trainer handles them itself (a Python handler:
+the run's exit signals, ``checkpoint.exit_signals``). Slurm sends its warning signal to every process of the
+job step, and a launcher may signal the whole process group: a signal meant for the trainer, which finishes
+the iteration in flight and saves it, must not end a reward worker or an engine that iteration needs. A
+blocked mask survives ``fork`` and ``exec`` (a handler does not: ``exec`` resets it to the default, which for
+SIGUSR1 is to terminate), and no handler a child installs unblocks it. SIGINT is left alone: Ctrl-C is the
+trainer's, and vLLM's engine core is asked to shut down in order with it."""
+
+
+def shielded_signals() -> set:
+    """The :data:`SHIELDED_SIGNALS` this process handles with a Python handler (neither the default nor
+    ignored); empty outside the trainer's ``checkpoint.exit_signals`` block."""
+    return {getattr(signal, n) for n in SHIELDED_SIGNALS
+            if hasattr(signal, n) and callable(signal.getsignal(getattr(signal, n)))}
+
+
+class shield_children:
+    """``with shield_children():`` processes started in the block (from this thread) inherit the
+    :func:`shielded_signals` blocked; a signal that arrives meanwhile waits and reaches this process's
+    handler when the block ends. ``bool(self.signals)``: whether anything was shielded."""
+
+    def __enter__(self) -> "shield_children":
+        self.signals = shielded_signals()
+        self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.signals) if self.signals else None
+        if self.signals:
+            # multiprocessing starts its resource tracker on a first spawn with SIGINT and SIGTERM blocked, then
+            # unblocks both in the calling thread: started here (shielded too), then the block is made again.
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()
+            signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
+
+
 def start_worker(module: str, *args: str):
     """``python -m module FD *args``, ``FD`` one end of a socket pair that the child inherits (no fork of this
     process, no multiprocessing start method), with this process's ``sys.path`` as its PYTHONPATH (what the
@@ -241,8 +280,9 @@ def start_worker(module: str, *args: str):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     parent, child = socket.socketpair()
     try:
-        proc = subprocess.Popen([sys.executable, "-m", module, str(child.fileno()), *args],
-                                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env)
+        with shield_children():  # the run's exit signals are the trainer's: the worker ends by SIGKILL
+            proc = subprocess.Popen([sys.executable, "-m", module, str(child.fileno()), *args],
+                                    pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env)
     except BaseException:
         parent.close()
         raise

@@ -84,3 +84,41 @@ def test_descendants_follow_parent_links():
     parents = {10: 1, 11: 10, 12: 11, 13: 1, 14: 10}
     assert sorted(lifetime.descendants(10, parents)) == [11, 12, 14]
     assert lifetime.descendants(12, parents) == []
+
+
+def _blocked_signals(queue):
+    import signal as sig
+
+    queue.put(sorted(int(s) for s in sig.pthread_sigmask(sig.SIG_BLOCK, [])))
+
+
+@pytest.mark.spawn
+def test_children_started_in_the_shield_inherit_the_handled_exit_signals_blocked():
+    """Inside ``checkpoint.exit_signals``' handlers, a worker (``start_worker``) and a multiprocessing child (as
+    vLLM starts its engine core) start with SIGTERM and SIGUSR1 blocked, even when multiprocessing starts its
+    resource tracker on the way (which unblocks SIGTERM in the starting thread); the block ends with it."""
+    import multiprocessing
+    import signal as sig
+
+    from megatron_credit.lifetime import shield_children, shielded_signals
+
+    before = sig.getsignal(sig.SIGTERM), sig.getsignal(sig.SIGUSR1)
+    mask = sig.pthread_sigmask(sig.SIG_BLOCK, [])
+    try:
+        assert shielded_signals() == set()
+        with shield_children() as nothing:
+            assert not nothing.signals
+        sig.signal(sig.SIGTERM, lambda *_: None)
+        sig.signal(sig.SIGUSR1, lambda *_: None)
+        with shield_children() as shield:
+            assert shield.signals == {sig.SIGTERM, sig.SIGUSR1}
+            queue = multiprocessing.get_context("spawn").Queue()
+            child = multiprocessing.get_context("spawn").Process(target=_blocked_signals, args=(queue,))
+            child.start()
+            got = queue.get(timeout=120)
+            child.join(timeout=60)
+        assert {int(sig.SIGTERM), int(sig.SIGUSR1)} <= set(got), got
+        assert sig.pthread_sigmask(sig.SIG_BLOCK, []) == mask
+    finally:
+        sig.signal(sig.SIGTERM, before[0])
+        sig.signal(sig.SIGUSR1, before[1])

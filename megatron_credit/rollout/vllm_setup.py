@@ -27,8 +27,9 @@ reading vLLM's source (first 0.11.0; the device choice re-read in the installed 
   they left, so the engine always passes it on CUDA (on CPU a KV cache size in bytes).
 - :func:`launcher_store_env` -- torchrun's ``TORCHELASTIC_USE_AGENT_STORE`` would make the rank 0 of the
   engine processes' own ``torch.distributed`` world wait for a store nobody hosts; it is unset for them.
-- :func:`launcher_problem` -- an in-process ``external_launcher`` engine builds vLLM's groups over the
-  trainer's whole ``torch.distributed`` world, so the recipe's checks refuse it under a split trainer.
+- an in-process ``external_launcher`` engine builds vLLM's groups over the trainer's whole
+  ``torch.distributed`` world, so the recipe's checks refuse it under a split trainer
+  (``megatron_credit.recipe.sections.launcher_problem``).
 """
 from __future__ import annotations
 
@@ -109,39 +110,6 @@ def weight_transfer_env(
             raise ValueError(f"the environment sets {key}={environ[key]!r}, but weight_transfer="
                              f"{weight_transfer!r} with these arguments needs {value!r}")
     return env
-
-
-def launcher_problem(engine_options: Mapping[str, Any], *, tp: int, pp: int, cp: int) -> str | None:
-    """Why the recipe's in-process ``external_launcher`` engine cannot run under this trainer, in one
-    line, or None (also for every other executor).
-
-    ``engine_options``: ``rollout.engine_options``; ``tp`` / ``pp`` / ``cp``: the trainer's tensor,
-    pipeline and context parallel sizes. With ``distributed_executor_backend="external_launcher"``
-    vLLM builds its process groups over ``torch.distributed``'s whole world, the trainer's: with the
-    trainer's model split (TP, PP or CP > 1) these groups are not the engine's. And every rank of such
-    an engine must build it, while the trainer builds one engine per rollout-TP group, on its first
-    rank: a rollout TP above 1 would wait for the others forever.
-
-    >>> inproc = {"engine_kwargs": {"distributed_executor_backend": "external_launcher"}}
-    >>> launcher_problem(inproc, tp=1, pp=1, cp=1), launcher_problem({"tensor_parallel_size": 4}, tp=2, pp=1, cp=1)
-    (None, None)
-    >>> launcher_problem(inproc, tp=2, pp=1, cp=1)[:89]
-    'rollout.engine_options.engine_kwargs.distributed_executor_backend=external_launcher needs'
-    """
-    kwargs = engine_options.get("engine_kwargs") or {}
-    if kwargs.get("distributed_executor_backend") != "external_launcher":
-        return None
-    field = "rollout.engine_options.engine_kwargs.distributed_executor_backend=external_launcher"
-    if (tp, pp, cp) != (1, 1, 1):
-        return (f"{field} needs parallel.tensor_model_parallel_size = pipeline_model_parallel_size = "
-                f"context_parallel_size = 1 (got {tp}, {pp}, {cp}): vLLM would build its groups over the "
-                "trainer's whole world; use the default multiprocess engine")
-    rollout_tp = engine_options.get("tensor_parallel_size", 1)
-    if rollout_tp != 1:
-        return (f"{field} needs rollout.engine_options.tensor_parallel_size = 1 (got {rollout_tp}): every rank "
-                "of such an engine must build it, and the trainer builds one per rollout-TP group; use the "
-                "default multiprocess engine")
-    return None
 
 
 def sleep_mode_alloc_env(environ: Mapping[str, str], *, in_process: bool) -> dict[str, Optional[str]]:
@@ -430,71 +398,3 @@ def resolve_transfer(platform: VLLMPlatform, weight_transfer: Optional[str], v1_
     if v1_multiprocessing is None:
         v1_multiprocessing = weight_transfer != "in_process"
     return weight_transfer, bool(v1_multiprocessing)
-
-
-def hf_param_table(config: Any) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """``(table, required)`` of the model ``config`` (a ``transformers`` config) describes: HF parameter
-    name -> shape (what a weight sync may send), and the names a full sync must send -- all of them but a
-    tied ``lm_head.weight`` (the embedding carries it; vLLM's loaders skip it). Built on the meta device.
-
-    >>> from transformers import Qwen2Config
-    >>> t, req = hf_param_table(Qwen2Config(vocab_size=8, hidden_size=4, intermediate_size=8, num_hidden_layers=1,
-    ...                                     num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
-    >>> t["model.layers.0.self_attn.k_proj.weight"], len(t), sorted(set(t) - req)
-    ((2, 4), 15, ['lm_head.weight'])
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    table = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    required = set(table) - ({"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set())
-    return table, required
-
-
-def check_bucket(bucket: Any, table: Mapping[str, tuple[int, ...]], *, group_of) -> list[str]:
-    """Check one weight bucket against the engine's parameters BEFORE it is sent; return its names.
-
-    Every name must be one of ``table`` (:func:`hf_param_table`), once, with that shape and a floating
-    dtype (vLLM's loaders cast it to the engine's dtype); the bucket must hold every tensor of each sync
-    group it touches (``group_of``: :func:`megatron_credit.rollout.weight_sync.sync_group`, a whole decoder
-    layer): vLLM's CPU ``reload_weights`` rebuilds a layer wrongly from part of a fused group. Raises
-    ValueError naming the tensor. A bad bucket sent would leave the engine wrong or, in a multiprocess
-    engine, dead.
-
-    >>> import torch
-    >>> table = {"model.layers.0.q.weight": (2, 2), "model.layers.0.k.weight": (2, 2), "lm_head.weight": (3, 2)}
-    >>> group = lambda n: n.rsplit(".", 2)[0] if n.startswith("model.layers.") else n
-    >>> check_bucket([("lm_head.weight", torch.zeros(3, 2))], table, group_of=group)
-    ['lm_head.weight']
-    >>> check_bucket([("model.layers.0.q.weight", torch.zeros(2, 2))], table, group_of=group)
-    Traceback (most recent call last):
-    ...
-    ValueError: weight sync: the bucket holds part of model.layers.0 (missing ['model.layers.0.k.weight']); a bucket must hold whole decoder layers
-    """
-    import torch
-
-    names = []
-    for item in bucket:
-        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
-            raise ValueError(f"weight sync: a bucket holds (name, tensor) pairs; got {type(item).__name__}")
-        name, t = item
-        if name not in table:
-            raise ValueError(f"weight sync: unknown parameter {name!r} (not in the rollout model; it has e.g. "
-                             f"{sorted(table)[:4]})")
-        if name in names:
-            raise ValueError(f"weight sync: {name!r} appears twice in one bucket")
-        if tuple(t.shape) != table[name]:
-            raise ValueError(f"weight sync: shape mismatch for {name!r}: got {tuple(t.shape)}, the engine's "
-                             f"model has {table[name]}")
-        if not t.is_floating_point():
-            raise ValueError(f"weight sync: {name!r} has dtype {t.dtype}; weights must be floating point")
-        names.append(name)
-    have = set(names)
-    for group in dict.fromkeys(group_of(n) for n in names):
-        missing = sorted(n for n in table if group_of(n) == group and n not in have)
-        if missing:
-            raise ValueError(f"weight sync: the bucket holds part of {group} (missing {missing[:4]}"
-                             f"{'...' if len(missing) > 4 else ''}); a bucket must hold whole decoder layers")
-    return names

@@ -31,7 +31,8 @@ paths (``load_hf_weights``, ``load_ipc_weights``) only on a GPU (``tools/gpu_che
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
@@ -161,6 +162,31 @@ def local_device_index(uuid: str) -> int:
                        "CUDA IPC weight sync needs the actor and the engine on the same node and devices")
 
 
+@contextmanager
+def moe_kernels_rebuilt(model: torch.nn.Module) -> Iterator[None]:
+    """Make vLLM's ``reload_weights`` repack the routed experts it reloads, as a first load does.
+
+    vLLM 0.32's unquantized MoE method (``fused_moe/unquantized_fused_moe_method.py`` ``_setup_kernel``)
+    treats a layer whose kernel exists (``quant_method.moe_kernel``) as a weight update: it copies the
+    loaded ``w13_weight`` / ``w2_weight`` into place and skips ``fused_experts.process_weights_after_loading``,
+    which on the CPU (``experts/cpu_moe.py``) is what prepacks them into the grouped GEMM's layout. Reloaded
+    experts would then be read in the wrong layout (log-probs far off). Inside this block every MoE
+    layer's kernel is unset, so a layer that ``reload_weights`` processes builds its kernel and packs its
+    weights as at start-up; a layer it does not touch gets its kernel back afterwards.
+    """
+    methods = [m.quant_method for m in model.modules() if getattr(getattr(m, "quant_method", None), "moe_kernel", None)
+               is not None]
+    kernels = [qm.moe_kernel for qm in methods]
+    for qm in methods:
+        qm.moe_kernel = None
+    try:
+        yield
+    finally:
+        for qm, kernel in zip(methods, kernels):
+            if qm.moe_kernel is None:
+                qm.moe_kernel = kernel
+
+
 class WeightSyncExtension:
     """Methods mixed into vLLM's GPU worker; ``self`` is the worker (``self.model_runner``, ``self.device``)."""
 
@@ -181,7 +207,8 @@ class WeightSyncExtension:
         fused groups (the actor's buckets are whole decoder layers: ``rollout.weight_sync.sync_group``).
         """
         named_tensors = _named_tensors(named_tensors)
-        self.reload_weights(weights_iterator=iter(named_tensors))  # type: ignore[attr-defined]
+        with moe_kernels_rebuilt(self.model_runner.model):  # type: ignore[attr-defined]
+            self.reload_weights(weights_iterator=iter(named_tensors))  # type: ignore[attr-defined]
         return len(named_tensors)
 
     def load_ipc_weights(self, packed: dict[str, Any]) -> int:

@@ -10,7 +10,7 @@ either name arrives.
 The buckets themselves are the sync protocol between the trainer and every engine: :func:`group_buckets`
 cuts an HF-ordered stream into buckets of whole :func:`sync_group` groups (a decoder layer, or one tensor
 apart from the layers), which the trainer's source (``conversion.live.iter_hf_weight_buckets``) yields
-and the vLLM engine checks (``rollout.vllm_setup.check_bucket``).
+and the vLLM engine checks (``rollout.vllm_weights.check_bucket``).
 
 >>> m = torch.nn.Linear(2, 1)
 >>> load_named_tensor_buckets(m, [[("weight", torch.ones(1, 2))], [("bias", torch.zeros(1))]])
@@ -35,7 +35,11 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 def sync_group(hf_name: str) -> str:
     """The weight-sync group of an HF tensor: its whole decoder layer, or the tensor alone (embeddings,
     final norm, head). A bucket never splits a group, because vLLM fuses q/k/v and gate/up per layer and
-    its CPU backend's ``reload_weights`` rebuilds a layer wrongly from part of a fused group.
+    its CPU backend's ``reload_weights`` rebuilds a layer wrongly from part of a fused group. In a
+    mixture-of-experts layer the fused group is every routed expert of the layer: vLLM's ``FusedMoE``
+    holds them all in two tensors (``w13_weight`` [E, 2I, H]: each expert's gate and up; ``w2_weight``
+    [E, H, I]), one module, which ``reload_weights`` processes once it has received all of its elements
+    (vLLM 0.32 ``model_loader/reload/layerwise.py``).
 
     >>> sync_group("model.layers.3.self_attn.q_proj.weight"), sync_group("lm_head.weight")
     ('model.layers.3', 'lm_head.weight')
@@ -109,23 +113,52 @@ def load_named_tensor_buckets(
     return count
 
 
+def stacked_expert_parts(name: str, shape: tuple[int, ...]) -> list[tuple[str, int, slice]]:
+    """The per-expert checkpoint names of a routed-expert tensor that transformers 5 holds stacked, each
+    with its expert and its rows of ``stacked[expert]``: ``[(hf_name, expert, rows), ...]``; ``[]`` for
+    any other tensor. The weight stream (the trainer's, and checkpoints) names experts one by one.
+
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] is per expert ``[gate; up]`` (transformers 5 concatenates them
+    on load), ``mlp.experts.down_proj`` [E, H, I] per expert ``down_proj``.
+
+    >>> parts = stacked_expert_parts("model.layers.0.mlp.experts.gate_up_proj", (1, 4, 3))
+    >>> [(n.split("experts.")[1], e, r) for n, e, r in parts]
+    [('0.gate_proj.weight', 0, slice(0, 2, None)), ('0.up_proj.weight', 0, slice(2, 4, None))]
+    >>> stacked_expert_parts("model.layers.0.mlp.gate.weight", (4, 3))
+    []
+    """
+    if len(shape) != 3:
+        return []
+    experts, rows = shape[0], shape[1]
+    if name.endswith("mlp.experts.gate_up_proj"):
+        prefix, half = name[:-len("gate_up_proj")], rows // 2
+        return [(f"{prefix}{e}.{part}_proj.weight", e, s) for e in range(experts)
+                for part, s in (("gate", slice(0, half)), ("up", slice(half, rows)))]
+    if name.endswith("mlp.experts.down_proj"):
+        prefix = name[:-len("down_proj")]
+        return [(f"{prefix}{e}.down_proj.weight", e, slice(0, rows)) for e in range(experts)]
+    return []
+
+
+def checkpoint_shapes(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The checkpoint names and shapes a weight stream uses for the state-dict tensor ``name``: each
+    expert's own tensor for one that transformers 5 stacks (:func:`stacked_expert_parts`), else the
+    tensor itself.
+
+    >>> checkpoint_shapes("model.layers.0.mlp.experts.down_proj", (2, 3, 5))
+    {'model.layers.0.mlp.experts.0.down_proj.weight': (3, 5), 'model.layers.0.mlp.experts.1.down_proj.weight': (3, 5)}
+    """
+    parts = stacked_expert_parts(name, shape)
+    if not parts:
+        return {name: tuple(shape)}
+    return {n: (rows.stop - rows.start, *shape[2:]) for n, _, rows in parts}
+
+
 def _expert_views(targets: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Checkpoint name -> (view, stacked tensor) of each routed expert that transformers 5 holds stacked
-    (``mlp.experts.gate_up_proj`` [E, 2I, H] = per expert ``[gate; up]``, ``mlp.experts.down_proj``
-    [E, H, I]): the weight stream names experts one by one, as checkpoints do."""
-    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for name, t in targets.items():
-        if t.dim() != 3:
-            continue
-        if name.endswith("mlp.experts.gate_up_proj"):
-            prefix, half = name[:-len("gate_up_proj")], t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{prefix}{e}.gate_proj.weight"] = (t[e, :half], t)
-                out[f"{prefix}{e}.up_proj.weight"] = (t[e, half:], t)
-        elif name.endswith("mlp.experts.down_proj"):
-            prefix = name[:-len("down_proj")]
-            out.update({f"{prefix}{e}.down_proj.weight": (t[e], t) for e in range(t.shape[0])})
-    return out
+    (:func:`stacked_expert_parts`)."""
+    return {hf_name: (t[e, rows], t) for name, t in targets.items()
+            for hf_name, e, rows in stacked_expert_parts(name, tuple(t.shape))}
 
 
 def _check(name: str, tensor: torch.Tensor, targets: dict[str, torch.Tensor]) -> None:
