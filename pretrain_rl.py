@@ -21,14 +21,22 @@ DEFAULT_RECIPE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examp
 
 def build_parser() -> argparse.ArgumentParser:
     """The options (:func:`parse_args` parses with it; the tests walk its actions)."""
+    from megatron_credit.cli import positive_int
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="YAML recipe (default: examples/demo_cpu.yaml)")
     parser.add_argument("--output-dir", default=None, help="run directory (default: runs/<recipe stem>)")
     parser.add_argument("--resume", default="auto",
                         help="auto (newest complete checkpoint of the run directory), none, or a path")
     parser.add_argument("--dry-run", action="store_true",
-                        help="validate the recipe against the world size and the model, print the layout and "
-                             "the memory plan (exit 1 when it does not fit)")
+                        help="validate the recipe against the world size and the model, print the layout, the "
+                             "memory and time plan and the preflight of the model, data and output folder (exit 1 "
+                             "when it does not fit, 2 when a check fails)")
+    parser.add_argument("--nodes", type=positive_int, default=None,
+                        help="with --dry-run: plan a launch of this many nodes of cluster.gpus_per_node GPUs (default: "
+                             "WORLD_SIZE, which counts the rollout pool's ranks as torchrun does)")
+    parser.add_argument("--skip-preflight", action="store_true",
+                        help="with --dry-run: do not check that the model, the data and the output folder are there")
     parser.add_argument("--plugin", action="append", default=[], metavar="FILE.py|MODULE",
                         help="import this file or module before the recipe is read, e.g. one that registers "
                              "an algorithm (repeatable; examples/plugins/)")
@@ -98,6 +106,28 @@ def finished_line(run_dir: str, recipe) -> Optional[str]:
             f"or pass --output-dir <new dir> (train.steps=N > {step} continues it)")
 
 
+def refuse_another_algorithm(run_dir: str, recipe) -> None:
+    """``--resume auto`` into a run folder whose checkpoints another algorithm saved (its ``config.yaml``
+    names it): a ``ValueError`` naming both, instead of resuming or reporting the other run as finished
+    (``make demo`` then ``algorithm.name=grpo`` without ``--output-dir`` reuses ``runs/demo_cpu``)."""
+    import yaml
+
+    from megatron_credit.run_layout import complete_checkpoints
+
+    saved = os.path.join(run_dir, "config.yaml")
+    if not complete_checkpoints(run_dir) or not os.path.isfile(saved):
+        return
+    try:
+        with open(saved, encoding="utf-8") as f:
+            name = (yaml.safe_load(f) or {}).get("algorithm", {}).get("name")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return  # a folder this check cannot read: the resume's own checks decide
+    if isinstance(name, str) and name != recipe.algorithm.name:
+        raise ValueError(f"{run_dir} holds a {name} run ({saved}); algorithm.name={recipe.algorithm.name} would "
+                         f"resume it as another algorithm: pass --output-dir <new dir> for a new run (or --resume "
+                         "PATH to resume a checkpoint on purpose)")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """User errors (a bad recipe, a layout that does not fit): one ``error: ...`` line and exit code 2
     (``--debug``: the traceback); see ``megatron_credit.cli``."""
@@ -113,7 +143,7 @@ def start_pool_ranks(argv: Sequence[str], ranks: int):
     import subprocess
 
     from megatron_credit import distributed
-    from megatron_credit.trainer.sources.pool import PARENT_ENV, SPAWNED
+    from megatron_credit.sources.pool import PARENT_ENV, SPAWNED
 
     port = distributed._free_port()
     world = 1 + ranks
@@ -122,6 +152,57 @@ def start_pool_ranks(argv: Sequence[str], ranks: int):
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), PARENT_ENV: str(os.getpid())}
         SPAWNED.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv], env=env))
     return distributed.LaunchEnv(rank=0, world_size=world, local_rank=0, master_port=port)
+
+
+def dry_run_launch(recipe, *, nodes: Optional[int], launch) -> tuple[int, int]:
+    """(nodes, GPUs per node) of the launch a dry run plans: ``--nodes`` x ``cluster.gpus_per_node``, else the
+    world size torchrun would have (``WORLD_SIZE``, the rollout pool's ranks included, as torchrun counts them;
+    without it, this process and the pool ranks it would start), in nodes of ``cluster.gpus_per_node``."""
+    gpn = recipe.cluster.gpus_per_node
+    if nodes is not None:
+        if "WORLD_SIZE" in os.environ and launch.world_size != nodes * gpn:
+            raise ValueError(f"--nodes {nodes} x cluster.gpus_per_node={gpn} = {nodes * gpn} GPUs, but "
+                             f"WORLD_SIZE={launch.world_size}: pass one of them")
+        return nodes, gpn
+    world = launch.world_size if "WORLD_SIZE" in os.environ else 1 + recipe.rollout.ranks
+    if recipe.rollout.ranks and world <= recipe.rollout.ranks:
+        raise ValueError(f"WORLD_SIZE={world} leaves no trainer rank beside rollout.ranks={recipe.rollout.ranks}: "
+                         f"WORLD_SIZE counts every rank of the launch, the pool's included (e.g. "
+                         f"{recipe.cluster.nodes * gpn} for the recipe's cluster)")
+    return (world // gpn, gpn) if world % gpn == 0 else (1, world)
+
+
+def dry_run(recipe, args, *, run_dir: str, launch) -> int:
+    """``--dry-run``: the recipe against the launch's world size, the plan and time of ``tools/plan.py``
+    (``planning.report``: one report for both), and the preflight. Exit 0 when it fits, 1 when it does not,
+    2 when a preflight check fails (each one ``error:`` line)."""
+    from megatron_credit.planning.plan import resolve_hf_config
+    from megatron_credit.planning.report import launch_report, preflight_lines
+
+    hf_config = resolve_hf_config(recipe.model)  # planning needs no checkpoint: known architectures come from a table
+    nodes, gpn = dry_run_launch(recipe, nodes=args.nodes, launch=launch)
+    gpu = recipe.cluster.gpu
+    report = launch_report(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu,
+                           title=f"plan of {nodes * gpn} rank(s)")  # refuses an impossible layout in one line
+    layout = recipe.validate(world_size=report.trainer_nodes * report.trainer_gpus_per_node, arch=hf_config)
+    if launch.rank != 0:
+        return 0 if report.fits else 1
+    print(_describe(recipe, hf_config, layout))
+    print("\n".join(report.lines))
+    errors: list[str] = []
+    if args.skip_preflight:
+        print("preflight: skipped (--skip-preflight): the model, the data and the output folder were not checked")
+    else:
+        ok, errors = preflight_lines(recipe, run_dir=run_dir, estimate=report.estimate)
+        print("\n".join(ok))
+    if errors:
+        print(f"dry run: {len(errors)} preflight check(s) failed (exit 2); nothing was built", flush=True)
+        print("\n".join(errors), file=sys.stderr, flush=True)
+        return 2
+    print("dry run: the recipe is valid for this world size; nothing was built" if report.fits else
+          "dry run: the layout is valid for this world size but its memory plan does not fit (exit 1); "
+          "nothing was built", flush=True)
+    return 0 if report.fits else 1
 
 
 def _main(args, argv: Sequence[str] = ()) -> int:
@@ -135,54 +216,39 @@ def _main(args, argv: Sequence[str] = ()) -> int:
     load_plugins(args.plugin)  # before the recipe: its algorithm.name may be a plugin's
     config = args.config or DEFAULT_RECIPE
     recipe = load_recipe(config, overrides=args.overrides)
+    from megatron_credit.rollout.engine import check_engine_name
+
+    check_engine_name(recipe.rollout.engine)  # the recipe is a leaf: the registry is checked here
     launch = distributed.LaunchEnv.from_environ(os.environ)
     pool = recipe.rollout.ranks  # the last `pool` ranks of the launch are the rollout pool
     launched = "RANK" in os.environ  # by torchrun (or a pool rank this command started)
+    run_dir = args.output_dir or os.path.join("runs", os.path.splitext(os.path.basename(config))[0])
+    if args.dry_run:
+        return dry_run(recipe, args, run_dir=run_dir, launch=launch)
+    if args.nodes is not None:
+        raise ValueError("--nodes plans a launch: it goes with --dry-run (torchrun sets the world size of a run)")
     trainer_world = launch.world_size - pool if launched else launch.world_size
     if pool and launched:
-        from megatron_credit.trainer.sources.bridge import PoolLayout
+        from megatron_credit.sources.bridge import PoolLayout
 
         PoolLayout(world=launch.world_size, pool=pool, rollout_tp=recipe.rollout.tensor_parallel_size)  # one line
-    if args.dry_run:  # planning needs no checkpoint on disk: known architectures come from a table
-        from megatron_credit.planning.plan import resolve_hf_config
+    from megatron_credit.planning.preflight import check_data, check_model, refuse
 
-        hf_config = resolve_hf_config(recipe.model)
-    else:
-        hf_config = recipe.model.hf_config()
-    if args.dry_run:  # the arithmetic and a layout that fits, before anything else is said
-        from megatron_credit.planning.layouts import layout_refusal
 
-        refusal = layout_refusal(recipe, hf_config, nodes=1, gpus_per_node=trainer_world, gpu=recipe.cluster.gpu)
-        if refusal is not None:
-            raise ValueError(refusal)
+    refuse([check_model(recipe), check_data(recipe)])  # a missing model or data file: one line, before anything
+    hf_config = recipe.model.hf_config()
+    from megatron_credit.planning.preflight import check_output
+    from megatron_credit.planning.timing import checkpoint_size
+
+    refuse([check_output(run_dir, checkpoint_bytes=checkpoint_size(recipe, hf_config), keep=recipe.checkpoint.keep)])
     # Refuse impossible layouts before any process group or model exists.
     layout = recipe.validate(world_size=trainer_world, arch=hf_config)
     rank0 = launch.rank == 0
-    if args.dry_run:
-        from megatron_credit.planning.plan import format_plan, plan
-
-        result = plan(recipe, hf_config, nodes=1, gpus_per_node=trainer_world, gpu=recipe.cluster.gpu)
-        fits, pool_plan = result.fits, None
-        if pool:  # the pool's engines on their own GPUs: the launch's last `pool` ranks
-            from megatron_credit.planning.pool import plan_pool
-
-            pool_plan = plan_pool(recipe, hf_config, nodes=1, gpus_per_node=trainer_world + pool, gpu=recipe.cluster.gpu)
-            if pool_plan.problems:
-                raise ValueError(pool_plan.refusal())
-            fits = fits and pool_plan.fits
-        if rank0:
-            print(_describe(recipe, hf_config, layout))
-            print(format_plan(result, title=f"memory plan for {trainer_world} rank(s) on {recipe.cluster.gpu}"))
-            if pool_plan is not None:
-                print("\n".join(pool_plan.lines()))
-            print("dry run: the recipe is valid for this world size; nothing was built" if fits else
-                  "dry run: the layout is valid for this world size but its memory plan does not fit (exit 1); "
-                  "nothing was built")
-        return 0 if fits else 1
     from megatron_credit.recipe.device_fields import check_device_fields
 
     check_device_fields(recipe)  # TE, bf16, CUDA fields this machine cannot honour: one line naming the field
-    run_dir = args.output_dir or os.path.join("runs", os.path.splitext(os.path.basename(config))[0])
+    if args.resume == "auto":
+        refuse_another_algorithm(run_dir, recipe)
     finished = finished_line(run_dir, recipe) if args.resume == "auto" else None
     if finished is not None:  # a second `make demo`: say so in one line, build nothing
         if rank0:
@@ -197,7 +263,7 @@ def _main(args, argv: Sequence[str] = ()) -> int:
     if pool and launch.rank >= launch.world_size - pool:  # a rollout pool rank: engines, not the trainer
         import datetime
 
-        from megatron_credit.trainer.sources.pool import serve
+        from megatron_credit.sources.pool import serve
 
         job = distributed.join_job(launch, pool_ranks=pool,
                                    timeout=datetime.timedelta(seconds=recipe.distributed.timeout_s))

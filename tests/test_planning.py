@@ -307,7 +307,7 @@ def test_layout_problems_and_cli_exit_codes(capsys):
     from tools.plan import main
 
     recipe = os.path.join(ROOT, "examples", "fipo_qwen25_32b.yaml")
-    assert main(["--config", recipe]) == 0 and "verdict: FITS" in capsys.readouterr().out
+    assert main(["--config", recipe, "--skip-preflight"]) == 0 and "verdict: FITS" in capsys.readouterr().out
     # One node: 8 GPUs cannot hold TP 8 x PP 2 x CP 2: refused before any table, one error line with the
     # arithmetic and what would fit (with the optimizer and gradients on the host while generating, the
     # training peak of TP 8 alone is the limit).
@@ -319,7 +319,7 @@ def test_layout_problems_and_cli_exit_codes(capsys):
     # One node with a layout that divides it, without full recompute: the memory does not fit, and the
     # verdict names the term.
     code = main(["--config", recipe, "--nodes", "1", "parallel.pipeline_model_parallel_size=1",
-                 "parallel.context_parallel_size=1", "train.recompute=selective"])
+                 "parallel.context_parallel_size=1", "train.recompute=selective", "--skip-preflight"])
     out = capsys.readouterr().out
     assert code == 1 and "DOES NOT FIT" in out and "largest term: optimizer" in out, out
     assert main(["--config", recipe, "--gpu", "tpu-v9"]) == 2
@@ -330,7 +330,7 @@ def test_layout_problems_and_cli_exit_codes(capsys):
     # the closest TP to 3 (log2 distance) whose plan fits: 4 (TP 2 does not fit)
     assert "a layout that fits: parallel.tensor_model_parallel_size=4 parallel.pipeline_model_parallel_size=2" in err
     # A layout that divides the GPUs but not the model still gets its table and the layout error.
-    recipe_bad = main(["--config", recipe, "--nodes", "8", "parallel.tensor_model_parallel_size=16"])
+    recipe_bad = main(["--config", recipe, "--nodes", "8", "parallel.tensor_model_parallel_size=16", "--skip-preflight"])
     assert recipe_bad == 1 and "does not divide num_attention_heads=40" in capsys.readouterr().out
 
 

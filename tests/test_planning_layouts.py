@@ -77,7 +77,7 @@ def test_dry_run_refuses_before_any_table_and_never_calls_a_failing_plan_valid()
     def dry(world: int, *extra: str):
         env = dict(os.environ, WORLD_SIZE=str(world), RANK="0", OMP_NUM_THREADS="1")
         return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config", RECIPE, "--dry-run",
-                               *extra], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+                               "--skip-preflight", *extra], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
     proc = dry(8)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

@@ -59,7 +59,7 @@ def test_engines_that_do_not_fit_are_refused_in_one_line(capsys):
 def test_tools_plan_prints_both_plans_and_says_fits(capsys):
     from megatron_credit.commands.plan import main
 
-    assert main(["--config", ASYNC_32B]) == 0
+    assert main(["--config", ASYNC_32B, "--skip-preflight"]) == 0
     out = capsys.readouterr().out
     assert "4 node(s) x 8 h100-80gb (the trainer's)" in out and "verdict: FITS" in out
     assert "rollout pool: the last 8 of the launch's ranks, 2 engine(s) x 4 GPU(s)" in out

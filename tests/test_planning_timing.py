@@ -54,3 +54,71 @@ def test_bad_disk_bandwidth_and_gpu_are_refused():
         iteration_estimate(recipe, hf, nodes=1, gpus_per_node=8, gpu="h100-80gb", disk_bytes_per_s=0)
     with pytest.raises(ValueError, match="--gpu"):
         iteration_estimate(recipe, hf, nodes=1, gpus_per_node=8, gpu="v100")
+
+
+def test_a_pool_generates_on_its_own_gpus_beside_the_trainer_and_the_slower_side_is_the_iteration():
+    """The 32B async recipe on 5 x 8 H100: generation on the pool's 2 engines of TP 4, training on the other 32
+    GPUs, the trainer's weight update (``planning.pool.update_seconds``); overlapped, the iteration is the
+    slower side; at ``max_staleness: 0`` the two take turns."""
+    from megatron_credit.planning.plan import DTYPE_BYTES, _dtype_name
+    from megatron_credit.planning.pool import plan_pool
+    from megatron_credit.planning.timing import generation_seconds
+
+    recipe, hf = _recipe("fipo_qwen25_32b_async")
+    e = iteration_estimate(recipe, hf, nodes=5, gpus_per_node=8, gpu="h100-80gb")
+    a = Architecture.from_hf(hf)
+    wb = DTYPE_BYTES[_dtype_name(recipe, hf)]
+    assert e.generation_s == generation_seconds(recipe, a, engines=2, rtp=4, gpu="h100-80gb", dtype_bytes=wb)
+    assert e.update_s == pytest.approx(plan_pool(recipe, hf, nodes=5, gpus_per_node=8, gpu="h100-80gb").update_s)
+    sync, sync_hf = _recipe("fipo_qwen25_32b")  # the same model and batch: training on the same 32 GPUs
+    s = iteration_estimate(sync, sync_hf, nodes=4, gpus_per_node=8, gpu="h100-80gb")
+    assert e.training_s == pytest.approx(s.training_s)
+    assert e.overlapped and e.iteration_s == max(e.generation_s, e.training_s + e.update_s) == e.generation_s
+    assert e.generation_s > 3.9 * s.generation_s  # 8 engine GPUs instead of 32
+    idle = 1 - (e.training_s + e.update_s) / e.generation_s
+    assert e.balance().startswith(f"balance: the trainer waits {100 * idle:.0f}% of each iteration for the pool")
+    assert e.lines()[0].startswith("one iteration (estimate): max(generation ")
+    assert e.save_s == pytest.approx(s.save_s)  # the trainer's 4 nodes write, not the pool's
+    assert e.lead_s == math.ceil((e.iteration_s + e.save_s) * MARGIN / 60) * 60
+    turns = iteration_estimate(*_recipe("fipo_qwen25_32b_async", "rollout.max_staleness=0"),
+                               nodes=5, gpus_per_node=8, gpu="h100-80gb")
+    assert not turns.overlapped and turns.balance() == ""
+    assert turns.iteration_s == pytest.approx(e.generation_s + e.training_s + e.update_s)
+    fast = iteration_estimate(*_recipe("fipo_qwen25_32b_async", "rollout.ranks=64"),
+                              nodes=12, gpus_per_node=8, gpu="h100-80gb")  # 16 engines: the pool outruns the trainer
+    assert fast.generation_s < fast.training_s and fast.balance().startswith("balance: the pool waits ")
+
+
+def test_the_run_counts_its_iterations_and_saves_and_the_disk_its_kept_checkpoints():
+    recipe, hf = _recipe("grpo_qwen25_7b", "train.steps=25", "checkpoint.every=10", "checkpoint.keep=2")
+    e = iteration_estimate(recipe, hf, nodes=1, gpus_per_node=8, gpu="h100-80gb")
+    assert (e.steps, e.saves, e.keep) == (25, 3, 2)  # at 10, 20 and the end
+    assert e.run_s == pytest.approx(25 * e.iteration_s + 3 * e.save_s)
+    assert e.disk_bytes == 3 * e.checkpoint_bytes
+    assert e.lines()[-1] == (f"the run (estimate): 25 iterations and 3 saves in {e.run_s / 3600:.1f} h; checkpoints on "
+                             f"disk: up to {3 * e.checkpoint_bytes / 2**30:,.0f} GiB (2 kept + the one being written)")
+    for overrides, saves in ((("checkpoint.every=0",), 1), (("checkpoint.every=5",), 5),
+                             (("checkpoint.every=0", "checkpoint.save_at_end=false"), 0)):
+        r, h = _recipe("grpo_qwen25_7b", "train.steps=25", *overrides)
+        assert iteration_estimate(r, h, nodes=1, gpus_per_node=8, gpu="h100-80gb").saves == saves, overrides
+
+
+def test_the_collective_timeout_must_be_twice_a_generation_phase_or_the_plan_refuses():
+    """``sync``: ranks wait out each generation phase in their groups, so ``distributed.timeout_s`` has at least
+    2x the planned generation, or the plan is refused in one line naming the value that would do; a pool's
+    trainer waits on silence instead, and is not bound by it."""
+    from megatron_credit.planning.report import collective_timeout_line
+
+    recipe, hf = _recipe("fipo_qwen25_32b", "distributed.timeout_s=10800")
+    e = iteration_estimate(recipe, hf, nodes=4, gpus_per_node=8, gpu="h100-80gb")
+    with pytest.raises(ValueError) as refused:
+        collective_timeout_line(recipe, e)
+    assert str(refused.value) == (f"distributed.timeout_s=10,800 is within 2x of one generation phase "
+                                  f"({e.generation_s:,.0f} s estimated), which ranks wait out in their groups: set "
+                                  "distributed.timeout_s=21600 or more")
+    shipped, _ = _recipe("fipo_qwen25_32b")  # the recipe carries the 6 h it needs
+    assert shipped.distributed.timeout_s == 21600
+    assert collective_timeout_line(shipped, e).startswith("collective timeout: distributed.timeout_s=21,600 s, 2.1x")
+    pool, pool_hf = _recipe("fipo_qwen25_32b_async")
+    p = iteration_estimate(pool, pool_hf, nodes=5, gpus_per_node=8, gpu="h100-80gb")
+    assert "on silence" in collective_timeout_line(pool, p)

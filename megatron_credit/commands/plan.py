@@ -9,8 +9,12 @@ planner's table of known architectures. ``--ep`` / ``--etp`` plan a mixture-of-e
 and expert-TP sizes (default: the recipe's ``parallel`` fields where it has them, else EP 1 and the TP size). Prints the layout, the rollout engines (world / rollout TP: every
 GPU generates), one row per memory term, the KV cache per engine and per GPU, the host memory the
 optimizer and gradient offload takes (per GPU and per node), the training and rollout peaks and a
-verdict, then the time of one iteration and one save and the Slurm warning lead they imply
-(``megatron_credit.planning.timing``); exits 0 when it fits, 1 when it does not, 2 on a user error. A layout the GPUs cannot hold
+verdict, then the time of one iteration (a rollout pool's generation beside the trainer's step, and which
+side waits), of one save and of the whole run, the disk its checkpoints take, and the Slurm warning lead
+(``megatron_credit.planning.timing``), then the preflight: the model, the data and the output folder are
+there (``megatron_credit.planning.preflight``; ``--skip-preflight`` plans without them). The same report as
+``pretrain_rl.py --dry-run`` (``megatron_credit.planning.report``). Exits 0 when it fits, 1 when it does
+not, 2 on a user error or a failed preflight check (each one ``error: ...`` line). A layout the GPUs cannot hold
 (TP x PP x CP not dividing them) is a user error, refused before any table with the arithmetic and a
 layout that would fit (``megatron_credit.planning.layouts``).
 """
@@ -40,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "lead (default: 1)")
     p.add_argument("--network-gbps", type=positive_float, default=None,
                    help="network bandwidth per GPU in Gbit/s for a rollout pool's weight update (default 400)")
+    p.add_argument("--output-dir", default=None,
+                   help="the run folder the preflight checks (writable, room for the kept checkpoints; default: "
+                        "runs/<recipe stem>, as pretrain_rl.py)")
+    p.add_argument("--skip-preflight", action="store_true",
+                   help="plan only: do not check that the model, the data and the output folder are there (on a "
+                        "machine that plans without them)")
     p.add_argument("overrides", nargs="*", help="dotted recipe overrides")
     return p
 
@@ -50,46 +60,36 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _main(argv: list[str]) -> int:
     args = parse_args(argv)
+    import os
+
     from megatron_credit.recipe.config import load_recipe
-    from megatron_credit.planning.plan import GPUS, format_plan, plan, resolve_hf_config
-    from megatron_credit.planning.layouts import layout_refusal
+    from megatron_credit.planning.plan import resolve_hf_config
+    from megatron_credit.planning.report import launch_report, preflight_lines
+    from megatron_credit.planning.timing import DISK_BYTES_PER_S
 
     recipe = load_recipe(args.config, overrides=args.overrides)
+    from megatron_credit.rollout.engine import check_engine_name
+
+    check_engine_name(recipe.rollout.engine)
     c = recipe.cluster
     nodes, gpn, gpu = args.nodes or c.nodes, args.gpus_per_node or c.gpus_per_node, args.gpu or c.gpu
     dist_opt = None if args.distributed_optimizer is None else args.distributed_optimizer == "on"
     hf_config = resolve_hf_config(recipe.model)
-    if gpu not in GPUS:
-        raise ValueError(f"--gpu {gpu!r} is not one of {sorted(GPUS)}")
-    experts = dict(ep=args.ep, etp=args.etp)
-    pool = None
-    if recipe.rollout.ranks:  # the last rollout.ranks GPUs are the pool's: the trainer is planned on the rest
-        from megatron_credit.planning.pool import NETWORK_GBPS, plan_pool, trainer_gpus
-
-        pool = plan_pool(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu,
-                         network_gbps=args.network_gbps or NETWORK_GBPS)
-        if pool.problems:
-            raise ValueError(pool.refusal())
-        nodes, gpn = trainer_gpus(recipe, nodes=nodes, gpus_per_node=gpn)
-    refusal = layout_refusal(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu,
-                             distributed_optimizer=dist_opt, **experts)
-    if refusal is not None:  # no table for a layout that cannot exist
-        raise ValueError(refusal)
-    result = plan(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu, distributed_optimizer=dist_opt,
-                  **experts)
-    print(format_plan(result, title=f"{args.config}: {recipe.algorithm.name}, {nodes} node(s) x {gpn} {gpu}"
-                                    + (" (the trainer's)" if pool else "")))
-    if pool is not None:
-        print("\n".join(pool.lines()))
-    from megatron_credit.planning.timing import DISK_BYTES_PER_S, iteration_estimate
-
-    disk = DISK_BYTES_PER_S if args.disk_gbps is None else args.disk_gbps * 1e9
-    print("\n".join(iteration_estimate(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu,
-                                       disk_bytes_per_s=disk).lines()))
-    if pool is not None:
-        print("(the iteration estimate is sync's on the trainer's GPUs: the pool's generation and its overlap with "
-              "training are not modelled yet)")
-    return 0 if result.fits and (pool is None or pool.fits) else 1
+    report = launch_report(recipe, hf_config, nodes=nodes, gpus_per_node=gpn, gpu=gpu, title=args.config,
+                           distributed_optimizer=dist_opt, ep=args.ep, etp=args.etp,
+                           disk_bytes_per_s=DISK_BYTES_PER_S if args.disk_gbps is None else args.disk_gbps * 1e9,
+                           network_gbps=args.network_gbps)
+    print("\n".join(report.lines))
+    if args.skip_preflight:
+        print("preflight: skipped (--skip-preflight): the model, the data and the output folder were not checked")
+    else:
+        run_dir = args.output_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
+        ok, errors = preflight_lines(recipe, run_dir=run_dir, estimate=report.estimate)
+        print("\n".join(ok), flush=True)
+        if errors:
+            print("\n".join(errors), file=sys.stderr)
+            return 2
+    return 0 if report.fits else 1
 
 
 def main(argv=None) -> int:

@@ -41,6 +41,19 @@ KNOWN_ARCHITECTURES: Mapping[str, Mapping[str, Any]] = {
                                mlp_only_layers=[], vocab_size=151936, tie_word_embeddings=False,
                                max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
                                torch_dtype="bfloat16"),
+    # https://huggingface.co/Qwen/Qwen3-30B-A3B-Base/blob/main/config.json (the pre-trained model the FIPO
+    # recipe starts from: the post-trained one's numbers, 32,768 positions)
+    "Qwen/Qwen3-30B-A3B-Base": dict(model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
+                                    num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                                    moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+                                    tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1000000.0,
+                                    rms_norm_eps=1e-6, torch_dtype="bfloat16"),
+    # https://huggingface.co/Qwen/Qwen2.5-1.5B-Instruct/blob/main/config.json (tied embeddings)
+    "Qwen/Qwen2.5-1.5B-Instruct": dict(model_type="qwen2", hidden_size=1536, num_hidden_layers=28,
+                                       num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960,
+                                       vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+                                       rope_theta=1000000.0, rms_norm_eps=1e-6, torch_dtype="bfloat16"),
     # https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json (slime's qwen3-235B-A22B.sh agrees)
     "Qwen/Qwen3-235B-A22B": dict(model_type="qwen3_moe", hidden_size=4096, num_hidden_layers=94,
                                  num_attention_heads=64, num_key_value_heads=4, head_dim=128, intermediate_size=12288,

@@ -8,7 +8,7 @@ here (:func:`plan_pool`):
 * **an engine GPU** holds the engine's share (``plan._rollout_share``: vLLM's ``gpu_memory_utilization`` x
   GPU, or the ``hf`` engine's weights and KV cache), a CUDA context per process on it (the pool rank's, and a
   multiprocess vLLM worker's), and the weight bucket in flight (received on the device, then staged in
-  pinned host memory: ``trainer/sources/bridge.py``). The engine's KV cache must hold one full sequence.
+  pinned host memory: ``sources/bridge.py``). The engine's KV cache must hold one full sequence.
 * **the weight update**: a version (every parameter, in the model's dtype) to each engine, from trainer
   rank ``e mod T``: the engines' sends run in parallel over the trainer's ranks, each rank's one after the
   other, at ``network_gbps`` per GPU (the trainer blocks while it sends). Each engine's node holds a staged
@@ -89,6 +89,13 @@ class PoolPlan:
                 "(lower rollout.engine_options.gpu_memory_utilization, or raise its tensor_parallel_size)")
 
 
+def update_seconds(weight_bytes: int, *, engines: int, trainer_world: int, network_gbps: float) -> float:
+    """How long the trainer sends one version of ``weight_bytes`` to every engine: trainer rank ``e mod T``
+    sends engine ``e``, the ranks in parallel and each rank's engines one after the other, at
+    ``network_gbps`` Gbit/s per GPU (the one model of the update, shared with ``planning.timing``)."""
+    return weight_bytes * math.ceil(engines / max(trainer_world, 1)) / (network_gbps * 1e9 / 8)
+
+
 def trainer_gpus(recipe, *, nodes: int, gpus_per_node: int) -> tuple[int, int]:
     """(nodes, GPUs per node) of the trainer in a launch whose last ``rollout.ranks`` GPUs are the pool: whole
     nodes when the pool fills nodes of its own, else one group of the trainer's GPUs."""
@@ -130,7 +137,7 @@ def plan_pool(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
         problems.append(f"rollout pool: an engine's KV cache holds {kv_tokens} tokens, less than one {seq}-token "
                         "sequence (raise rollout.engine_options.gpu_memory_utilization or its tensor_parallel_size)")
     weight_bytes = total_param_count(a) * wb
-    update_s = weight_bytes * math.ceil(engines / trainer_world) / (network_gbps * 1e9 / 8)
+    update_s = update_seconds(weight_bytes, engines=engines, trainer_world=trainer_world, network_gbps=network_gbps)
     response, prompt = recipe.response_budget, recipe.data.max_prompt_len
     samples = r.prompts_per_step * r.n * (4 * (prompt + response) + 4 * response + SAMPLE_HEADER_BYTES)
     dp = max(trainer_world // p.model_parallel_size, 1)

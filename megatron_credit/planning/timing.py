@@ -49,64 +49,167 @@ MARGIN = 1.25
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IterationEstimate:
-    """Seconds of one iteration's parts and of one save, and the warning lead they imply."""
+    """Seconds of one iteration's parts and of one save, the whole run, the disk it keeps, and the warning lead.
+
+    ``sync``: the engines share the trainer's GPUs, so an iteration is generation, then training. A rollout
+    pool (``rollout.ranks``) generates on GPUs of its own while the trainer trains on the rest: with a
+    staleness bound of at least one version the two overlap, and the iteration is the slower side (the pool's
+    generation, or the trainer's training plus the weight update it sends); at ``max_staleness: 0`` they take
+    turns, as in ``sync``."""
 
     generation_s: float
+    """One draw of ``prompts_per_step x n`` on the engines (the pool's, when there is one)."""
     training_s: float
+    """The trainer's passes over one iteration's samples."""
+    update_s: float = 0.0
+    """A rollout pool's weight update: the trainer sends a version to every engine (0 without a pool)."""
+    overlapped: bool = False
+    """Whether generation overlaps training (a pool with ``max_staleness`` >= 1)."""
     save_s: float
     checkpoint_bytes: int
+    steps: int = 1
+    """``train.steps``: the iterations of the whole run."""
+    saves: int = 0
+    """Saves over the run (every ``checkpoint.every`` iterations, and the last)."""
+    keep: int = 1
+    """``checkpoint.keep``: complete checkpoints kept on disk."""
     lead_s: int
     """Seconds before the time limit the run must be warned: ``(iteration + save) x MARGIN``, whole minutes."""
 
     @property
     def iteration_s(self) -> float:
-        return self.generation_s + self.training_s
+        if self.overlapped:
+            return max(self.generation_s, self.training_s + self.update_s)
+        return self.generation_s + self.training_s + self.update_s
+
+    @property
+    def run_s(self) -> float:
+        """``train.steps`` iterations and their saves."""
+        return self.steps * self.iteration_s + self.saves * self.save_s
+
+    @property
+    def disk_bytes(self) -> int:
+        """The checkpoint folder at its fullest: ``keep`` complete checkpoints and the one being written (the
+        oldest is removed only once the new one is complete)."""
+        return (self.keep + 1) * self.checkpoint_bytes
+
+    def balance(self) -> str:
+        """Which side of a pool waits, and for what share of the iteration ("" without a pool)."""
+        if not self.overlapped:
+            return ""
+        trainer = self.training_s + self.update_s
+        if self.generation_s >= trainer:
+            idle = 1 - trainer / self.generation_s
+            return (f"balance: the trainer waits {100 * idle:.0f}% of each iteration for the pool (generation "
+                    f"{self.generation_s:,.0f} s vs training + update {trainer:,.0f} s): more pool GPUs "
+                    "(rollout.ranks) would shorten the iteration")
+        idle = 1 - self.generation_s / trainer
+        return (f"balance: the pool waits {100 * idle:.0f}% of each iteration for the trainer (training + update "
+                f"{trainer:,.0f} s vs generation {self.generation_s:,.0f} s)")
 
     def lines(self) -> list[str]:
-        """The estimate as printed by ``tools/plan.py``."""
-        return [f"one iteration (estimate): generation {self.generation_s:,.0f} s + training {self.training_s:,.0f} s"
-                f" = {self.iteration_s:,.0f} s; one save: {self.checkpoint_bytes / GIB:,.0f} GiB in "
-                f"{self.save_s:,.0f} s",
-                f"Slurm warning lead (iteration + save, x{MARGIN:g}): sbatch --signal=USR1@{self.lead_s}"
-                + ("" if self.lead_s <= 65535 else " (over Slurm's 65535 s: save more often, checkpoint.every)")]
+        """The estimate as printed by ``tools/plan.py`` and ``pretrain_rl.py --dry-run``."""
+        if self.overlapped:
+            head = (f"one iteration (estimate): max(generation {self.generation_s:,.0f} s on the pool, training "
+                    f"{self.training_s:,.0f} s + weight update {self.update_s:,.0f} s) = {self.iteration_s:,.0f} s")
+        else:
+            head = (f"one iteration (estimate): generation {self.generation_s:,.0f} s + training "
+                    f"{self.training_s:,.0f} s" + (f" + weight update {self.update_s:,.0f} s" if self.update_s else "")
+                    + f" = {self.iteration_s:,.0f} s")
+        out = [f"{head}; one save: {self.checkpoint_bytes / GIB:,.0f} GiB in {self.save_s:,.0f} s",
+               f"Slurm warning lead (iteration + save, x{MARGIN:g}): sbatch --signal=USR1@{self.lead_s}"
+               + ("" if self.lead_s <= 65535 else " (over Slurm's 65535 s: save more often, checkpoint.every)")]
+        if self.overlapped:
+            out.append(self.balance())
+        out.append(f"the run (estimate): {self.steps:,} iterations and {self.saves:,} saves in {_duration(self.run_s)}; "
+                   f"checkpoints on disk: up to {self.disk_bytes / GIB:,.0f} GiB ({self.keep} kept + the one being "
+                   "written)")
+        return out
+
+
+def _duration(seconds: float) -> str:
+    """``3,600 s`` as ``1.0 h``, ``9 days`` as ``9.0 days``; under two minutes in seconds.
+
+    >>> _duration(90), _duration(5400), _duration(9 * 86400)
+    ('90 s', '1.5 h', '9.0 days')
+    """
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
+    return f"{seconds / 86400:.1f} days"
+
+
+def generation_seconds(recipe, a, *, engines: int, rtp: int, gpu: str, dtype_bytes: int) -> float:
+    """One draw of ``prompts_per_step x n`` responses, each at the full ``response_budget``, on ``engines``
+    engines of ``rtp`` GPUs each (the module docstring's memory-bound decoding)."""
+    from megatron_credit.planning.plan import kv_bytes_per_token, total_param_count
+
+    hbm = GPU_SPEEDS[gpu][1]
+    r = recipe.rollout
+    prompt, response, sequences = recipe.data.max_prompt_len, recipe.response_budget, r.prompts_per_step * r.n
+    kv_read = sequences / max(engines, 1) * (prompt * response + response * response / 2) * kv_bytes_per_token(
+        a, tp=rtp, dtype_bytes=dtype_bytes)  # per engine GPU, over the whole generation
+    weights_read = response * total_param_count(a) * dtype_bytes / rtp
+    return (kv_read + weights_read) / (hbm * DECODE_EFFICIENCY)
+
+
+def checkpoint_size(recipe, hf_config) -> int:
+    """Bytes of one save: the weights, fp32 master weights (when the parameters are not fp32) and Adam's two
+    moments, of the actor and a separate critic."""
+    from megatron_credit.planning.plan import DTYPE_BYTES, Architecture, _critic_params, _dtype_name, total_param_count
+
+    a = Architecture.from_hf(hf_config)
+    params = total_param_count(a)
+    dtype_bytes = DTYPE_BYTES[_dtype_name(recipe, hf_config)]
+    critic, _ = _critic_params(recipe, a, actor_params=params)
+    return int((params + critic) * (dtype_bytes + (4 if dtype_bytes < 4 else 0) + 8))
 
 
 def iteration_estimate(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
-                       disk_bytes_per_s: float = DISK_BYTES_PER_S) -> IterationEstimate:
-    """The module docstring's estimate for ``recipe`` on ``nodes x gpus_per_node`` GPUs of kind ``gpu``."""
-    from megatron_credit.planning.plan import (DTYPE_BYTES, Architecture, _critic_params, _dtype_name,
-                                               kv_bytes_per_token, total_param_count)
+                       disk_bytes_per_s: float = DISK_BYTES_PER_S, network_gbps: float | None = None) -> IterationEstimate:
+    """The module docstring's estimate for ``recipe`` on a launch of ``nodes x gpus_per_node`` GPUs of kind
+    ``gpu``: with ``rollout.ranks``, the last that-many GPUs are the pool's and the trainer's are the rest
+    (the same split as ``planning.pool``), and the pool's update is planned at ``network_gbps``."""
+    from megatron_credit.planning.plan import DTYPE_BYTES, Architecture, _critic_params, _dtype_name, total_param_count
     from megatron_credit.planning.architecture import active_param_count
+    from megatron_credit.planning.pool import NETWORK_GBPS, update_seconds
 
     if gpu not in GPU_SPEEDS:
         raise ValueError(f"--gpu {gpu!r} is not one of {sorted(GPU_SPEEDS)}")
     if not disk_bytes_per_s > 0:
         raise ValueError(f"the disk bandwidth must be > 0, got {disk_bytes_per_s}")
-    peak, hbm = GPU_SPEEDS[gpu]
+    peak = GPU_SPEEDS[gpu][0]
     a = Architecture.from_hf(hf_config)
-    r, t = recipe.rollout, recipe.train
+    r, t, ck = recipe.rollout, recipe.train, recipe.checkpoint
     world, params = nodes * gpus_per_node, total_param_count(a)
+    pool = r.ranks if 0 < r.ranks < world else 0
+    trainer_world = world - pool
     dtype_bytes = DTYPE_BYTES[_dtype_name(recipe, hf_config)]
     critic, separate = _critic_params(recipe, a, actor_params=params)
     prompt, response, sequences = recipe.data.max_prompt_len, recipe.response_budget, r.prompts_per_step * r.n
 
     rtp = int(dict(r.engine_options).get("tensor_parallel_size", 1) or 1)
-    engines = max(world // rtp, 1)
-    kv_read = sequences / engines * (prompt * response + response * response / 2) * kv_bytes_per_token(
-        a, tp=rtp, dtype_bytes=dtype_bytes)  # per engine GPU, over the whole generation
-    weights_read = response * params * dtype_bytes / rtp
-    generation_s = (kv_read + weights_read) / (hbm * DECODE_EFFICIENCY)
+    engines = max((pool or world) // rtp, 1)  # a pool's engines, or every GPU's share of one (sync)
+    generation_s = generation_seconds(recipe, a, engines=engines, rtp=rtp, gpu=gpu, dtype_bytes=dtype_bytes)
+    update_s = 0.0
+    if pool:
+        update_s = update_seconds(params * dtype_bytes, engines=engines, trainer_world=trainer_world,
+                                  network_gbps=network_gbps or NETWORK_GBPS)
 
     seq = prompt + response
     attention = 2 * a.num_layers * seq * a.num_heads * a.head_dim  # causal QK^T and AV, per token, mean context
     forward = (2 * active_param_count(a) + attention) * sequences * seq
     passes = 1 + (recipe.algorithm.kl_coef > 0) + separate  # old log-probs, reference, a separate critic's values
     per_epoch = 4 if t.recompute == "full" else 3
-    training_s = forward * (passes + per_epoch * t.epochs * (1 + separate)) / (world * peak * TRAIN_MFU)
+    training_s = forward * (passes + per_epoch * t.epochs * (1 + separate)) / (trainer_world * peak * TRAIN_MFU)
 
-    state = dtype_bytes + (4 if dtype_bytes < 4 else 0) + 8  # weights, fp32 master, Adam's two moments
-    checkpoint_bytes = (params + critic) * state
-    save_s = checkpoint_bytes / (nodes * disk_bytes_per_s)
-    lead = math.ceil((generation_s + training_s + save_s) * MARGIN / 60) * 60
-    return IterationEstimate(generation_s=generation_s, training_s=training_s, save_s=save_s,
-                             checkpoint_bytes=int(checkpoint_bytes), lead_s=max(lead, 60))
+    checkpoint_bytes = checkpoint_size(recipe, hf_config)
+    save_s = checkpoint_bytes / (math.ceil(trainer_world / gpus_per_node) * disk_bytes_per_s)  # the trainer's nodes write
+    overlapped = bool(pool) and r.max_staleness >= 1
+    saves = (t.steps // ck.every if ck.every else 0) + (1 if ck.save_at_end and (not ck.every or t.steps % ck.every) else 0)
+    estimate = IterationEstimate(generation_s=generation_s, training_s=training_s, update_s=update_s,
+                                 overlapped=overlapped, save_s=save_s, checkpoint_bytes=int(checkpoint_bytes),
+                                 steps=t.steps, saves=saves, keep=ck.keep, lead_s=0)
+    lead = math.ceil((estimate.iteration_s + save_s) * MARGIN / 60) * 60
+    return dataclasses.replace(estimate, lead_s=max(lead, 60))

@@ -1,14 +1,14 @@
-"""The rollout sources' registry (``trainer/sources/``): one class per ``rollout.mode``, which carries the
+"""The rollout sources' registry (``sources/``): one class per ``rollout.mode``, which carries the
 mode's facts the recipe checks read, and the one draw loop every mode fills its batch with."""
 from __future__ import annotations
 
 import pytest
 
 from megatron_credit.recipe.sections import RolloutConfig
-from megatron_credit.trainer.sources import ROLLOUT_SOURCES
-from megatron_credit.trainer.sources.base import check_full, draw_until_full
-from megatron_credit.trainer.sources.overlap import Async, OneStepOff
-from megatron_credit.trainer.sources.sync import SyncSource
+from megatron_credit.sources import ROLLOUT_SOURCES
+from megatron_credit.sources.base import check_full, draw_until_full
+from megatron_credit.sources.overlap import Async, OneStepOff
+from megatron_credit.sources.sync import SyncSource
 
 
 def test_each_mode_is_one_registered_class_with_its_staleness_bound():
@@ -46,3 +46,42 @@ def test_the_draw_loop_stops_when_full_or_out_of_draws_and_keeps_the_surplus():
     with pytest.raises(ValueError, match=r"fewer than rollout.prompts_per_step = 3 .* algorithm.max_draws=4 draws \(0 kept\)"):
         check_full(0, count=3, max_draws=4)
     check_full(3, count=3, max_draws=4)
+
+
+def test_a_sync_draw_waits_for_the_leaders_on_the_host_before_its_device_exchange():
+    """``SyncSource._draw`` on a rank that leads no engine: it samples nothing, waits in ``leaders_done`` (a
+    gloo barrier: on the host, not inside an NCCL kernel on a GPU an engine's worker generates on), and only
+    then enters the draw's all-gather."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    class Prompts:
+        def take(self, count):
+            calls.append("take")
+            return [None] * count
+
+    stub = SimpleNamespace(rollout=SimpleNamespace(n=2, prompts_per_step=3), prompts=Prompts(),
+                           _my_prompts=lambda count: range(0), leaders_done=lambda: calls.append("leaders_done"),
+                           _all_gather=lambda obj: calls.append("all_gather") or [{0: True, 1: False, 2: True}])
+    assert SyncSource._draw(stub, 1, 0, {}, {}) == [(0, 0), (0, 2)]
+    assert calls == ["take", "leaders_done", "all_gather"]
+
+
+@pytest.mark.dist
+def test_the_host_wait_is_a_gloo_barrier_on_every_rank():
+    from tests.support.distributed_harness import DistributedPool
+
+    with DistributedPool(world_size=2) as pool:
+        assert pool.run(_host_barrier) == [("gloo", True), ("gloo", True)]
+
+
+def _host_barrier():
+    import datetime
+
+    import torch.distributed as dist
+
+    stub = type("S", (), {"leaders_done": SyncSource.leaders_done})()
+    stub.host_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60))
+    stub.leaders_done()
+    return dist.get_backend(stub.host_group), True

@@ -1,0 +1,99 @@
+"""One report of a recipe on a launch, printed alike by ``tools/plan.py`` and ``pretrain_rl.py --dry-run``:
+the memory plan (the trainer's GPUs, and a rollout pool's apart), the time of one iteration and of the whole
+run with the disk its checkpoints take (``planning.timing``: one model of time, the pool's generation in
+it), then the preflight (``planning.preflight``).
+
+A launch is ``nodes x gpus_per_node`` GPUs as torchrun counts them: with ``rollout.ranks`` the last that-many
+are the pool's and the trainer's layout is that of the rest (``planning.pool.trainer_gpus``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+from megatron_credit.planning.timing import DISK_BYTES_PER_S, IterationEstimate
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchReport:
+    """What :func:`launch_report` found: the lines to print, the verdict and the estimate."""
+
+    lines: list[str]
+    fits: bool
+    """The trainer's plan and the pool's (when there is one) both fit."""
+    estimate: IterationEstimate
+    trainer_nodes: int
+    trainer_gpus_per_node: int
+
+
+def launch_report(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str, title: str,
+                  distributed_optimizer: Optional[bool] = None, ep: Optional[int] = None,
+                  etp: Optional[int] = None, disk_bytes_per_s: float = DISK_BYTES_PER_S,
+                  network_gbps: Optional[float] = None) -> LaunchReport:
+    """The plan and time of ``recipe`` on ``nodes x gpus_per_node`` GPUs of kind ``gpu``. A layout that
+    cannot exist, or a pool whose engines cannot hold a sequence, is refused (``ValueError``, one line)
+    before any table."""
+    from megatron_credit.planning.layouts import layout_refusal
+    from megatron_credit.planning.plan import GPUS, format_plan, plan
+    from megatron_credit.planning.pool import NETWORK_GBPS, plan_pool, trainer_gpus
+    from megatron_credit.planning.timing import iteration_estimate
+
+    if gpu not in GPUS:
+        raise ValueError(f"--gpu {gpu!r} is not one of {sorted(GPUS)}")
+    pool, t_nodes, t_gpn = None, nodes, gpus_per_node
+    if recipe.rollout.ranks:  # the last rollout.ranks GPUs are the pool's: the trainer is planned on the rest
+        pool = plan_pool(recipe, hf_config, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
+                         network_gbps=network_gbps or NETWORK_GBPS)
+        if pool.problems:
+            raise ValueError(pool.refusal())
+        t_nodes, t_gpn = trainer_gpus(recipe, nodes=nodes, gpus_per_node=gpus_per_node)
+    experts = dict(ep=ep, etp=etp)
+    refusal = layout_refusal(recipe, hf_config, nodes=t_nodes, gpus_per_node=t_gpn, gpu=gpu,
+                             distributed_optimizer=distributed_optimizer, **experts)
+    if refusal is not None:  # no table for a layout that cannot exist
+        raise ValueError(refusal)
+    result = plan(recipe, hf_config, nodes=t_nodes, gpus_per_node=t_gpn, gpu=gpu,
+                  distributed_optimizer=distributed_optimizer, **experts)
+    lines = [format_plan(result, title=f"{title}: {recipe.algorithm.name}, {t_nodes} node(s) x {t_gpn} {gpu}"
+                                       + (" (the trainer's)" if pool else ""))]
+    if pool is not None:
+        lines += pool.lines()
+    estimate = iteration_estimate(recipe, hf_config, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
+                                  disk_bytes_per_s=disk_bytes_per_s, network_gbps=network_gbps)
+    lines += estimate.lines()
+    lines.append(collective_timeout_line(recipe, estimate))
+    return LaunchReport(lines=lines, fits=result.fits and (pool is None or pool.fits), estimate=estimate,
+                        trainer_nodes=t_nodes, trainer_gpus_per_node=t_gpn)
+
+
+TIMEOUT_HEADROOM = 2.0
+"""How much longer than one generation phase the collective timeout must be: ranks of ``sync`` wait in their
+groups (on the host) for a whole draw, and the estimate is an estimate."""
+
+
+def collective_timeout_line(recipe, estimate: IterationEstimate) -> str:
+    """``distributed.timeout_s`` against one generation phase: a line when it has :data:`TIMEOUT_HEADROOM`
+    over the estimate, else a ``ValueError`` naming the field and the value that would. A rollout pool's
+    trainer waits for samples on silence (``rollout.wait_timeout_s``), not in a collective: no bound then."""
+    timeout = recipe.distributed.timeout_s
+    if recipe.rollout.ranks:
+        return (f"collective timeout: distributed.timeout_s={timeout:,.0f} s (the trainer waits for the pool on "
+                f"silence: rollout.wait_timeout_s={recipe.rollout.wait_timeout_s:,.0f} s)")
+    need = estimate.generation_s * TIMEOUT_HEADROOM
+    if timeout < need:
+        raise ValueError(f"distributed.timeout_s={timeout:,.0f} is within {TIMEOUT_HEADROOM:g}x of one generation "
+                         f"phase ({estimate.generation_s:,.0f} s estimated), which ranks wait out in their groups: "
+                         f"set distributed.timeout_s={math.ceil(need / 3600) * 3600} or more")
+    return (f"collective timeout: distributed.timeout_s={timeout:,.0f} s, {timeout / max(estimate.generation_s, 1e-9):,.1f}x "
+            "one generation phase (at least 2x)")
+
+
+def preflight_lines(recipe, *, run_dir: str, estimate: IterationEstimate) -> tuple[list[str], list[str]]:
+    """(lines of the checks that passed, ``error: ...`` lines of those that failed) for ``run_dir``, whose
+    file system must hold the checkpoints of :attr:`IterationEstimate.disk_bytes`."""
+    from megatron_credit.planning.preflight import preflight
+
+    checks = preflight(recipe, run_dir=run_dir, checkpoint_bytes=estimate.checkpoint_bytes)
+    ok = ["preflight:"] + [c.line() for c in checks if c.problem is None]
+    return ok, [c.line() for c in checks if c.problem is not None]
