@@ -59,6 +59,7 @@ setup(
             "mc-plan=megatron_credit.commands.plan:main",
             "mc-import-gguf=megatron_credit.commands.import_gguf:main",
             "mc-evaluate=megatron_credit.commands.evaluate:main",
+            "mc-prepare-data=megatron_credit.commands.prepare_data:main",
         ],
     },
 )
