@@ -9,6 +9,11 @@
 # GPUS_PER_NODE (the visible GPUs, 1 without any), PYTHON (python). DRY_RUN=1 prints the command
 # instead of running it. Node rank 0 hosts the rendezvous (torchrun's static TCP store on MASTER_ADDR).
 set -euo pipefail
+# SIGUSR1 is the trainer's (checkpoint.exit_signals): Slurm's --signal=USR1@<lead> reaches every process of
+# the step, and this shell, then torchrun, which have no handler for it, would die of it and leave the
+# workers headless. Ignored from the first line, it stays ignored through the exec into torchrun; the
+# trainer ranks install their own handler for it.
+trap '' USR1
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 if [[ -z "${GPUS_PER_NODE:-}" ]]; then
   GPUS_PER_NODE=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
@@ -31,8 +36,4 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   exit 0
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# SIGUSR1 is the trainer's (checkpoint.exit_signals): Slurm's --signal=USR1@<lead> reaches every process of
-# the step, and torchrun, which has no handler for it, would die of it and leave its workers headless. Ignored
-# here, it stays ignored in torchrun; the trainer ranks install their own handler for it.
-trap '' USR1
 exec "${cmd[@]}"

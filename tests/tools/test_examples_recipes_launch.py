@@ -215,12 +215,12 @@ def test_dry_run_prints_the_memory_plan():
     def dry(world: int, *extra: str):
         env = dict(os.environ, WORLD_SIZE=str(world), RANK="0", OMP_NUM_THREADS="1")
         return subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config",
-                               os.path.join(ROOT, "examples", "fipo_qwen25_32b.yaml"), "--dry-run", *extra],
+                               os.path.join(ROOT, "examples", "fipo_qwen25_32b.yaml"), "--dry-run", "--skip-preflight", *extra],
                               env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
 
     proc = dry(32)
     assert proc.returncode == 0, proc.stderr
-    assert "layout TP=8 PP=2 CP=2 DP=1" in proc.stdout and "memory plan for 32 rank(s) on h100-80gb" in proc.stdout
+    assert "layout TP=8 PP=2 CP=2 DP=1" in proc.stdout and "plan of 32 rank(s): fipo, 4 node(s) x 8 h100-80gb" in proc.stdout
     assert "verdict: FITS" in proc.stdout and "activations" in proc.stdout
     proc = dry(8, "parallel.pipeline_model_parallel_size=1", "parallel.context_parallel_size=1",
                "train.recompute=selective")
@@ -229,8 +229,9 @@ def test_dry_run_prints_the_memory_plan():
 
 @pytest.mark.spawn
 def test_a_recipe_script_plans_then_prints_its_commands(tmp_path):
-    """``examples/grpo_qwen25_7b.sh`` with the model folder present (its config.json) and DRY_RUN=1: the plan
-    passes on the declared node, then the torchrun command with the folder / data overrides and the export."""
+    """``examples/grpo_qwen25_7b.sh`` with the model folder's config.json (no weights: the preflight is skipped
+    through PLAN_ARGS) and DRY_RUN=1: the plan passes on the declared node, then the torchrun command with the
+    folder / data overrides, and no export of a run that has not reached train.steps."""
     from megatron_credit.planning.plan import KNOWN_ARCHITECTURES
 
     model_dir = tmp_path / "Qwen2.5-7B"
@@ -238,7 +239,7 @@ def test_a_recipe_script_plans_then_prints_its_commands(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(dict(KNOWN_ARCHITECTURES["Qwen/Qwen2.5-7B"])))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "NNODES", "NODE_RANK"))}
     env.update(MODEL_DIR=str(model_dir), DATA_DIR="/data/x", RUN_DIR="runs/g7", DRY_RUN="1", GPUS_PER_NODE="8",
-               PYTHON=sys.executable, PYTHONPATH=ROOT)
+               PYTHON=sys.executable, PYTHONPATH=ROOT, PLAN_ARGS="--skip-preflight")
     proc = subprocess.run([os.path.join(ROOT, "examples", "grpo_qwen25_7b.sh"), "train.steps=3"], env=env,
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -247,4 +248,4 @@ def test_a_recipe_script_plans_then_prints_its_commands(tmp_path):
     assert (f"node 0: {sys.executable} -m torch.distributed.run --nnodes 1 --node-rank 0 --nproc-per-node 8" in out
             and f"model.name_or_path={model_dir} data.train_path=/data/x/dapo-math-17k.parquet "
                 "data.val_path=/data/x/aime-2024.parquet train.steps=3" in out), out
-    assert "export_run_to_hf.py --run-dir runs/g7 --out runs/g7/hf" in out
+    assert "not exporting: runs/g7 is at iteration 0 of 3 (pre-empted?); resubmit to continue" in out
