@@ -189,14 +189,15 @@ def dry_run(recipe, args, *, run_dir: str, launch) -> int:
         return 0 if report.fits else 1
     print(_describe(recipe, hf_config, layout))
     print("\n".join(report.lines))
-    errors: list[str] = []
+    errors = [f"error: {p}" for p in report.problems]
     if args.skip_preflight:
         print("preflight: skipped (--skip-preflight): the model, the data and the output folder were not checked")
     else:
-        ok, errors = preflight_lines(recipe, run_dir=run_dir, estimate=report.estimate)
+        ok, failed = preflight_lines(recipe, run_dir=run_dir, estimate=report.estimate)
         print("\n".join(ok))
+        errors += failed
     if errors:
-        print(f"dry run: {len(errors)} preflight check(s) failed (exit 2); nothing was built", flush=True)
+        print(f"dry run: {len(errors)} check(s) failed (exit 2); nothing was built", flush=True)
         print("\n".join(errors), file=sys.stderr, flush=True)
         return 2
     print("dry run: the recipe is valid for this world size; nothing was built" if report.fits else

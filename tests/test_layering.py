@@ -12,8 +12,8 @@ allowed set is what the recipe's checks read, each below the recipe:
 - ``data``: the synthetic chain's own config check (``DataConfig``);
 - ``algorithm``, ``losses``: the algorithm catalogue and the KL estimators (``AlgorithmConfig``);
 - ``env``: the environments' registry (``EnvConfig``);
-- ``planning``: only ``planning.gpu_kinds``, the GPU names ``cluster.gpu`` is checked against (standard
-  library only).
+- ``gpu_kinds``: the GPU names ``cluster.gpu`` is checked against (standard library only; the planner reads
+  the same table, above the recipe).
 The rollout modes' facts are the recipe's own (``recipe/rollout_modes.py``); the sources that serve them
 (``megatron_credit.sources``), the engines (``megatron_credit.rollout``) and the trainer sit above it.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_credit"
 ALLOWED = {"recipe", "typed_build", "registry", "seed_modes", "families", "models", "data", "algorithm", "losses",
-           "env", "planning"}
-ALLOWED_MODULES = {"planning": {"megatron_credit.planning.gpu_kinds"}}
+           "env", "gpu_kinds"}
+ALLOWED_MODULES: dict[str, set[str]] = {}
 FORBIDDEN = {"trainer", "sources", "rollout"}
 
 

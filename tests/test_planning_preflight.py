@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from megatron_credit.planning.gpu_kinds import GIB
+from megatron_credit.gpu_kinds import GIB
 from megatron_credit.planning.preflight import check_data, check_model, check_output, data_file_rows, preflight
 from megatron_credit.recipe.config import load_recipe, recipe_from_dict
 from tests.support.paths import ROOT

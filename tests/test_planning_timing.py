@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from megatron_credit.planning.gpu_kinds import GPUS
+from megatron_credit.gpu_kinds import GPUS
 from megatron_credit.planning.plan import Architecture, resolve_hf_config, total_param_count
 from megatron_credit.planning.timing import GPU_SPEEDS, MARGIN, iteration_estimate
 from megatron_credit.recipe.config import load_recipe
@@ -122,3 +122,13 @@ def test_the_collective_timeout_must_be_twice_a_generation_phase_or_the_plan_ref
     pool, pool_hf = _recipe("fipo_qwen25_32b_async")
     p = iteration_estimate(pool, pool_hf, nodes=5, gpus_per_node=8, gpu="h100-80gb")
     assert "on silence" in collective_timeout_line(pool, p)
+
+
+def test_a_timeout_too_short_for_a_plan_that_fits_is_an_error_line_after_the_report(capsys):
+    from megatron_credit.commands.plan import main
+
+    path = os.path.join(ROOT, "examples", "fipo_qwen25_32b.yaml")
+    assert main(["--config", path, "--skip-preflight", "distributed.timeout_s=10800"]) == 2
+    out, err = capsys.readouterr()
+    assert "verdict: FITS" in out and err.startswith("error: distributed.timeout_s=10,800 is within 2x")
+    assert err.count("\n") == 1

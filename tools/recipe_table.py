@@ -41,7 +41,7 @@ def _duration(seconds: float) -> str:
 
 def row(name: str, model_id: str) -> str:
     """One recipe's row of the table."""
-    from megatron_credit.planning.gpu_kinds import GIB
+    from megatron_credit.gpu_kinds import GIB
     from megatron_credit.planning.plan import resolve_hf_config
     from megatron_credit.planning.report import launch_report
     from megatron_credit.recipe.config import load_recipe

@@ -80,15 +80,18 @@ def _main(argv: list[str]) -> int:
                            disk_bytes_per_s=DISK_BYTES_PER_S if args.disk_gbps is None else args.disk_gbps * 1e9,
                            network_gbps=args.network_gbps)
     print("\n".join(report.lines))
+    errors = [f"error: {p}" for p in report.problems]
     if args.skip_preflight:
         print("preflight: skipped (--skip-preflight): the model, the data and the output folder were not checked")
     else:
         run_dir = args.output_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
-        ok, errors = preflight_lines(recipe, run_dir=run_dir, estimate=report.estimate)
+        ok, failed = preflight_lines(recipe, run_dir=run_dir, estimate=report.estimate)
         print("\n".join(ok), flush=True)
-        if errors:
-            print("\n".join(errors), file=sys.stderr)
-            return 2
+        errors += failed
+    if errors:
+        sys.stdout.flush()
+        print("\n".join(errors), file=sys.stderr)
+        return 2
     return 0 if report.fits else 1
 
 

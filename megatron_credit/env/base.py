@@ -28,13 +28,10 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 from megatron_credit.registry import Registry
 from megatron_credit.typed_build import build_dataclass
-
-if TYPE_CHECKING:
-    from megatron_credit.data.records import PromptRecord
 
 ENVIRONMENTS: Registry[type["Environment"]] = Registry("env.name")
 """Environment classes by name (a recipe's ``env.name``)."""
@@ -80,9 +77,10 @@ class Environment(abc.ABC):
         wrong type is one ``ValueError`` naming the field as ``{where}.<field>``."""
         return cls(build_dataclass(cls.Config, dict(options or {}), where))
 
-    def start(self, record: "PromptRecord") -> Any:
-        """The state of a new episode on ``record`` (its ``ground_truth``, ``messages``, ``extra_info``,
-        ``uid``); passed back to every :meth:`step` of that episode. None here: no per-episode state."""
+    def start(self, record: Any) -> Any:
+        """The state of a new episode on ``record`` (a ``megatron_credit.data.records.PromptRecord``: its
+        ``ground_truth``, ``messages``, ``extra_info``, ``uid``; the environments sit below the data, so the
+        type is named here, not imported); passed back to every :meth:`step` of that episode. None here: no per-episode state."""
         return None
 
     @abc.abstractmethod

@@ -67,7 +67,7 @@ from megatron_credit.planning.architecture import (Architecture, activation_byte
                                                    layer_param_count, stage_expert_param_count,
                                                    stage_param_counts, total_param_count)
 from megatron_credit.planning.experts import expert_data_parallel_size, expert_layout_problems
-from megatron_credit.planning.gpu_kinds import GIB, GPUS  # noqa: F401  (re-exported: planning.GPUS)
+from megatron_credit.gpu_kinds import GIB, GPUS  # noqa: F401  (re-exported: planning.GPUS)
 from megatron_credit.planning.nccl import group_buffer_bytes, nccl_buffer_bytes
 
 RESERVED_BYTES = 2 * GIB

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megatron_credit.planning.gpu_kinds import GIB, GPUS
+from megatron_credit.gpu_kinds import GIB, GPUS
 
 NETWORK_GBPS = 400.0
 """The network bandwidth per GPU the update time is planned at, in Gbit/s (one 400G NIC per GPU, as on

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from typing import Optional
 
-from megatron_credit.planning.gpu_kinds import GIB
+from megatron_credit.gpu_kinds import GIB
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

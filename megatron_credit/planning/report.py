@@ -25,6 +25,9 @@ class LaunchReport:
     estimate: IterationEstimate
     trainer_nodes: int
     trainer_gpus_per_node: int
+    problems: list[str] = dataclasses.field(default_factory=list)
+    """What makes a plan that fits unrunnable as it stands (the collective timeout), one line each: printed
+    as ``error:`` lines after the report, exit 2."""
 
 
 def launch_report(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str, title: str,
@@ -62,9 +65,17 @@ def launch_report(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str
     estimate = iteration_estimate(recipe, hf_config, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
                                   disk_bytes_per_s=disk_bytes_per_s, network_gbps=network_gbps)
     lines += estimate.lines()
-    lines.append(collective_timeout_line(recipe, estimate))
-    return LaunchReport(lines=lines, fits=result.fits and (pool is None or pool.fits), estimate=estimate,
-                        trainer_nodes=t_nodes, trainer_gpus_per_node=t_gpn)
+    fits = result.fits and (pool is None or pool.fits)
+    problems = []
+    try:
+        lines.append(collective_timeout_line(recipe, estimate))
+    except ValueError as exc:
+        if fits:
+            problems.append(str(exc))
+        else:  # refused for its memory already (exit 1): the timeout is a note beside it
+            lines.append(f"collective timeout: {exc}")
+    return LaunchReport(lines=lines, fits=fits, estimate=estimate, trainer_nodes=t_nodes,
+                        trainer_gpus_per_node=t_gpn, problems=problems)
 
 
 TIMEOUT_HEADROOM = 2.0

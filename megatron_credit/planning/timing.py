@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megatron_credit.planning.gpu_kinds import GIB
+from megatron_credit.gpu_kinds import GIB
 
 GPU_SPEEDS = {
     # (dense bf16 peak FLOP/s, HBM bytes/s), SXM parts, from the vendors' data sheets

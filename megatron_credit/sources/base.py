@@ -72,6 +72,15 @@ ROLLOUT_SOURCES: Registry[type] = Registry("rollout.mode")
 the names of ``recipe.rollout_modes.ROLLOUT_MODES``."""
 
 
+
+class Offload(Protocol):
+    """The trainer's memory around a generation phase (``trainer.offload.GenerationOffload`` is the trainer's):
+    ``offload`` gives the engines the GPU, ``restore`` takes it back."""
+
+    def offload(self) -> None: ...
+
+    def restore(self) -> None: ...
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SourceInputs:
     """What the driver gives a source at start-up (``RolloutSource.build``): the recipe's sections and
@@ -97,7 +106,7 @@ class SourceInputs:
     """This rank's device index on its node."""
     node_ranks: int
     """The ranks on each node (rank 0's node holds ``0 .. node_ranks - 1``)."""
-    offload: Any
+    offload: Offload
     """What the trainer gives up while colocated engines generate (``trainer.offload.GenerationOffload``)."""
     log: Callable[..., None] = print
 

@@ -119,7 +119,11 @@ class OverlapSource(SampleRouter):
                     proc.wait(timeout=30)
                 except Exception:  # noqa: BLE001  (subprocess.TimeoutExpired)
                     proc.terminate()
-                    proc.wait(timeout=10)
+                    try:
+                        proc.wait(timeout=10)
+                    except Exception:  # noqa: BLE001  a rank that cannot act on SIGTERM (stopped, hung in C)
+                        proc.kill()
+                        proc.wait()
         finally:
             self.bridge.close()
             self.bridge = None

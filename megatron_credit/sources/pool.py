@@ -25,6 +25,7 @@ trainer finishes its iteration, saves it, and then says stop.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -92,29 +93,16 @@ class PoolEngine:
     """Engine ``e``'s leader: the generating loop and the receiving thread (module docstring)."""
 
     def __init__(self, recipe, hf_config, *, bridge: Bridge, device: torch.device, local_rank: int, parent: int):
-        from megatron_credit.rollout.engine import build_trainer_engine
         from megatron_credit.rollout.placement import split
-        from megatron_credit.trainer.data_setup import build_data
-        from megatron_credit.sources.base import build_reward_pool
 
-        r, t = recipe.rollout, recipe.train
+        r = recipe.rollout
         self.recipe, self.rollout, self.bridge, self.parent = recipe, r, bridge, parent
         self.e, self.engines = bridge.engine, bridge.layout.engines
         self.split = lambda count: split(count, self.engines)[self.e]
         self.bound = r.staleness_bound
         self.interruptible = r.mode_facts().interruptible
-        self.tokenizer, self.prompts, self.val, _ = build_data(
-            recipe.data, seed=recipe.seed, model_path=recipe.model.name_or_path, val_every=t.val_every,
-            val_prompts=t.val_prompts)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        from megatron_credit.rollout.multi_turn import build_episode_engine
-
-        self.engine = build_episode_engine(
-            build_trainer_engine(r, recipe.model, seed=recipe.seed, hf_config=hf_config, device=device,
-                                 gpus=tuple(range(local_rank, local_rank + r.tensor_parallel_size))),
-            recipe.env, self.tokenizer)
-        self.pool = build_reward_pool(recipe.reward)
+        with self._beating():  # the data, the engine (minutes for a large vLLM one) and the reward workers
+            self._build(recipe, hf_config, device=device, local_rank=local_rank)
         self.stop_ids = tuple(i for i in (getattr(self.tokenizer, "eos_token_id", None),) if i is not None)
         self.cond = threading.Condition()
         self.staged: tuple[int, list] | None = None  # the newest complete version not loaded yet
@@ -131,8 +119,47 @@ class PoolEngine:
                              "middle of a draw; use finish")
         if hasattr(self.engine, "between_steps"):
             self.engine.between_steps = self._between_steps
+        elif hasattr(self.engine, "on_progress"):  # an engine that reports its steps but takes no weights in a draw
+            self.engine.on_progress = self._progress
+
+    def _build(self, recipe, hf_config, *, device: torch.device, local_rank: int) -> None:
+        """The prompts, the engine and the reward workers of this engine's leader."""
+        from megatron_credit.rollout.engine import build_trainer_engine
+        from megatron_credit.rollout.multi_turn import build_episode_engine
+        from megatron_credit.sources.base import build_reward_pool
+        from megatron_credit.data.setup import build_data
+
+        r, t = recipe.rollout, recipe.train
+        self.tokenizer, self.prompts, self.val, _ = build_data(
+            recipe.data, seed=recipe.seed, model_path=recipe.model.name_or_path, val_every=t.val_every,
+            val_prompts=t.val_prompts)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.engine = build_episode_engine(
+            build_trainer_engine(r, recipe.model, seed=recipe.seed, hf_config=hf_config, device=device,
+                                 gpus=tuple(range(local_rank, local_rank + r.tensor_parallel_size))),
+            recipe.env, self.tokenizer)
+        self.pool = build_reward_pool(recipe.reward)
 
     # -- progress, stop ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _beating(self):
+        """Progress beats every ``BEAT_S`` from a thread while a call that cannot report its own progress runs
+        (the engine's build, a weight load): the trainer's wait ends on silence, and these take long at 32B
+        without being stuck (a build that hangs ends in vLLM's own start-up timeout)."""
+        done = threading.Event()
+
+        def beat():
+            while not done.wait(BEAT_S):
+                self.bridge.count(f"hb/{self.e}", 1)
+        thread = threading.Thread(target=beat, name="pool-busy-beat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
     def _beat(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self.beat_at >= BEAT_S:
@@ -142,6 +169,13 @@ class PoolEngine:
     def _should_stop(self) -> bool:
         return (self.stopped or self.bridge.stopping() or not _parent_alive(self.parent)
                 or self.bridge.gone(0))  # trainer rank 0 stopped living
+
+    def _progress(self) -> None:
+        """After a step of an engine's scheduler: a progress beat at most every ``BEAT_S``; stop if told."""
+        if time.monotonic() - self.beat_at >= BEAT_S:
+            self._beat(force=True)
+            if self._should_stop():
+                raise _Stopped()
 
     def _between_steps(self) -> bool:
         """Between two decode steps: a progress beat; stop if told; load newer weights if any came and the
@@ -180,7 +214,8 @@ class PoolEngine:
             staged, self.staged = self.staged, None
         if staged is not None:
             version, buckets = staged
-            self.engine.update_weights(iter(buckets))
+            with self._beating():
+                self.engine.update_weights(iter(buckets))
             self.loaded = version
 
     def _wait_version(self, version: int) -> bool:

@@ -27,14 +27,13 @@ from megatron_credit.batch.train_batch import TrainBatch
 from megatron_credit.recipe import rollout_modes as modes
 from megatron_credit.rollout.placement import EngineLayout, draw_seed, split
 from megatron_credit.rollout.types import SamplingParams
-from megatron_credit.sources.base import (ROLLOUT_SOURCES, SourceInputs, Weights, build_reward_pool, check_full,
+from megatron_credit.sources.base import (ROLLOUT_SOURCES, Offload, SourceInputs, Weights, build_reward_pool, check_full,
                                                   counted, draw_until_full, generate_and_score, group_counts,
                                                   sampling_params)
 from megatron_credit.sources.routing import SampleRouter
 
 if TYPE_CHECKING:
     from megatron_credit.recipe.sections import RewardConfig, RolloutConfig
-    from megatron_credit.trainer.offload import GenerationOffload
 
 
 @ROLLOUT_SOURCES.register("sync")
@@ -68,7 +67,7 @@ class SyncSource(SampleRouter, modes.Sync):
     def __init__(self, *, rollout: RolloutConfig, reward: RewardConfig, engine_factory: Callable[..., Any],
                  seed: int, max_draws: int, dynamic_sampling: bool, val_samples: int, tokenizer, prompts,
                  val_prompts, device, dp_group, layout: EngineLayout, local_rank: int, dp_of_rank: list[int],
-                 offload: GenerationOffload, group_timeout_s: float, log=print):
+                 offload: Offload, group_timeout_s: float, log=print):
         """The recipe's ``rollout`` and ``reward`` sections; ``engine_factory(gpus=...)`` builds the rollout
         engine (on engine leaders only: ``rollout.engine.build_trainer_engine``); ``seed`` (the run's),
         ``max_draws`` and ``dynamic_sampling`` (``algorithm.*``: DAPO's dynamic sampling), ``val_samples``

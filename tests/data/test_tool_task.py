@@ -90,7 +90,7 @@ def test_tool_task_records_are_multiplications_with_their_traces():
 
 def test_build_data_gives_multiplication_prompts(monkeypatch, tmp_path):
     from megatron_credit.recipe.sections import DataConfig
-    from megatron_credit.trainer.data_setup import build_data
+    from megatron_credit.data.setup import build_data
 
     monkeypatch.setenv("HOME", str(tmp_path))  # the tokenizer cache
     d = DataConfig(source="synthetic_tool", min_operand=10, max_operand=99, tokenizer_vocab_size=64)

@@ -151,6 +151,34 @@ def test_a_split_fused_group_is_refused_before_it_is_sent(demo):
     assert _mismatch(hf.model, eng.generate(PROMPTS, params))["mean_abs_diff"] <= 1e-5
 
 
+def test_the_engine_reports_every_scheduler_step_while_it_generates(demo):
+    """``on_progress`` runs after each step of vLLM's scheduler inside one ``generate`` (a rollout pool's beat,
+    ``sources/pool.py``): a draw of 16 decode steps reports at least 16 times, not once at its end; an exception
+    it raises (the pool told to stop) ends the draw; without a hook the engine's ``step`` is untouched."""
+    eng, hf = demo
+    eng.update_weights(_layer_buckets(hf.model))
+    calls = []
+    eng.on_progress = lambda: calls.append(1)
+    try:
+        batch = eng.generate(PROMPTS, SamplingParams(temperature=0, n=2, max_new_tokens=16, stop_token_ids=[]))
+        assert all(len(s.response_ids) == 16 for s in batch.samples)
+        assert len(calls) >= 16, len(calls)
+
+        class Stop(Exception):
+            pass
+
+        def stop():
+            raise Stop
+        eng.on_progress = stop
+        with pytest.raises(Stop):
+            eng.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=16, stop_token_ids=[]))
+    finally:
+        eng.on_progress = None
+    assert "step" not in vars(eng._llm.llm_engine)  # the hook is gone with the draw
+    again = eng.generate(PROMPTS, SamplingParams(temperature=0, n=2, max_new_tokens=16, stop_token_ids=[]))
+    assert [s.response_ids for s in again.samples] == [s.response_ids for s in batch.samples]
+
+
 def test_failed_prompts_greedy_n_sleep_wake(demo):
     eng, hf = demo
     batch = eng.generate([PROMPTS[0], [], [5] * 128], SamplingParams(temperature=0, n=3, max_new_tokens=6))

@@ -52,7 +52,7 @@ def test_the_engine_s_processes_start_with_the_handled_exit_signals_blocked():
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
 def test_a_signal_to_the_whole_group_saves_the_iteration_and_the_engine_lives_to_its_end(tmp_path, sig):
     run = tmp_path / "run"
-    env, mark = marked_env(dict(os.environ, OMP_NUM_THREADS="1"))
+    env, mark = marked_env(dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="1"))
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config", DEMO,
                              "--output-dir", str(run), *ARGS], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)  # its own group

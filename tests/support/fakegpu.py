@@ -405,7 +405,10 @@ _CUDA_RNG = {"state": torch.Generator().manual_seed(0).get_state()}
 
 def _gloo_for_nccl(original):
     def run(backend=None, *args, **kwargs):
-        return original("gloo" if backend in (None, "nccl") else backend, *args, **kwargs)
+        if backend in (None, "nccl"):  # gloo in NCCL's place: NCCL's binding to a device (device_id) has no stand-in
+            backend = "gloo"
+            kwargs.pop("device_id", None)
+        return original(backend, *args, **kwargs)
     return run
 
 
