@@ -1,4 +1,4 @@
-"""Name -> object registries: the one extension mechanism of the project (STYLE rule 3).
+"""Name -> object registries: the one extension mechanism of the project (docs/architecture.md, convention 3).
 
 Algorithms, advantage estimators, policy losses, rollout engines and rewards are registered under a
 name and resolved once at start-up. A duplicate name is refused; an unknown name lists the valid ones.

@@ -1,5 +1,5 @@
 """The float64 references of the math: loops (one position, token or response at a time) or, for attention, a
-materialised softmax, written from DESIGN.md's formulas and independently of ``megatron_credit``'s code.
+materialised softmax, written from docs/architecture.md's formulas and independently of ``megatron_credit``'s code.
 Every test of the credit and loss math compares against these, so each formula has one reference.
 
 - :func:`scan_reference`: the reverse linear recurrence ``y_t = x_t + a_t y_{t+1}``;
@@ -125,7 +125,7 @@ def future_kl_reference(logp, old, mask, *, tau, c, packed):
 
 
 def fipo_weights_reference(logp, old, adv, mask, *, tau, clip, c, safety=None, packed=False):
-    """DESIGN.md "FIPO" one token at a time: clamp(exp(F), lo, hi), then min(f, 1) where A < 0 and
+    """docs/architecture.md "FIPO" one token at a time: clamp(exp(F), lo, hi), then min(f, 1) where A < 0 and
     ratio > safety (``None``: c); 1 on masked tokens."""
     f = future_kl_reference(logp, old, mask, tau=tau, c=c, packed=packed)
     s = c if safety is None else safety

@@ -7,7 +7,7 @@ rule of the code is changed, and says why that rule matters to a user.
   no gradient to their producer, and the policy gradient is that of the detached advantages.
 - FIPO's loss passes every one of its settings on (safety threshold, packed rows, dual clip, IS
   weights) and scales advantages by ``f`` (not ``/ f``), checked end to end against loop references.
-- Default hyperparameters are the documented ones (DESIGN.md, GSPO's paper), on each algorithm's
+- Default hyperparameters are the documented ones (docs/architecture.md, GSPO's paper), on each algorithm's
   ``Config`` (what a recipe without params gets), through its loss and through the public functions
   given those values; log-ratios (GSPO's sequence ratio,
   truncated-IS weights) are clamped to [-20, 20] on both sides like every other ratio.
@@ -48,7 +48,7 @@ def _at_ratio(ratio: float, *, n: int = 4, at: int = 2):
 
 @pytest.mark.parametrize("c", [3.0, 10.0])
 def test_token_at_ratio_exactly_c_stays_in_future_sums(c):
-    """DESIGN.md: ``M_k = [d_k <= log c]``: the boundary token brings its evidence to every earlier
+    """docs/architecture.md: ``M_k = [d_k <= log c]``: the boundary token brings its evidence to every earlier
     token; one just above ``c`` brings none."""
     tau = 4.0
     gamma = 2.0 ** (-1.0 / tau)
@@ -218,7 +218,7 @@ def _defaults_batch(seed=1):
 
 
 def test_policy_losses_default_to_the_documented_hyperparameters():
-    """DESIGN.md: DAPO clips at [1 - 0.2, 1 + 0.28] with dual clip c = 3 (the 7B setting); FIPO uses
+    """docs/architecture.md: DAPO clips at [1 - 0.2, 1 + 0.28] with dual clip c = 3 (the 7B setting); FIPO uses
     c = 10, tau = 32, f in [1.0, 1.2] and the same asymmetric clip; GSPO-token 3e-4 / 4e-4 (its
     paper). With a default config (no ``algorithm.params``), each algorithm's loss must equal its loop
     reference at those values."""
@@ -450,7 +450,7 @@ def test_group_estimators_name_bad_shapes_and_keep_the_advantage_dtype():
 
 # --- CompPO gate ----------------------------------------------------------------------------------
 def test_comppo_gate_default_tau_and_envelope_edges():
-    """DESIGN.md: kappa = k_lo + (k_hi - k_lo) sigmoid(tau (c - 1/2)) with (0.1, 0.9), tau = 4. The
+    """docs/architecture.md: kappa = k_lo + (k_hi - k_lo) sigmoid(tau (c - 1/2)) with (0.1, 0.9), tau = 4. The
     envelope may reach [0, 1], and k_lo == k_hi is a constant gate (the fixed-gate control, 0.61)."""
     g = torch.Generator().manual_seed(5)
     n = torch.randint(1, 40, (64,), generator=g)

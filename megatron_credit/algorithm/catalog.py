@@ -1,4 +1,4 @@
-"""Algorithms by name: the one place where a recipe's ``algorithm.name`` means something (STYLE rule 3).
+"""Algorithms by name: the one place where a recipe's ``algorithm.name`` means something (docs/architecture.md, convention 3).
 
 ``ALGORITHMS`` maps a name to an algorithm's ``Config`` class (``algorithm/base.py``). The trainer resolves
 it once at start-up, ``ALGORITHMS.get(name).from_mapping(recipe params).build()``, and then calls the

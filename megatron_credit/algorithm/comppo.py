@@ -1,4 +1,4 @@
-"""CompPO (DESIGN.md "CompPO"): computation-conditioned credit transport.
+"""CompPO (docs/architecture.md "CompPO"): computation-conditioned credit transport.
 
 Everything CompPO is lives here, and the trainer names none of it:
 
@@ -93,7 +93,7 @@ class CompPO(PPOClip, ActorCritic):
 
     @dataclass(frozen=True, kw_only=True)
     class Fields(ActorCritic.Config):
-        """CompPO's own knobs (DESIGN.md "CompPO"): the gate, its controls, the critic, the phase
+        """CompPO's own knobs (docs/architecture.md "CompPO"): the gate, its controls, the critic, the phase
         controller. Shared by ``comppo`` and ``comppo_fipo``."""
 
         lam: UnitFloat = 0.95
@@ -171,7 +171,7 @@ class CompPO(PPOClip, ActorCritic):
 
     # --- the forward pass and the advantages ------------------------------------------------------------
     def capture(self, *, top_k: int = 0) -> GateCapture:
-        """The dynamic gate ``kappa`` of DESIGN.md "CompPO" from the final layer's attention concentration,
+        """The dynamic gate ``kappa`` of docs/architecture.md "CompPO" from the final layer's attention concentration,
         and ``top_k`` keys for the transport-aligned critic."""
         from megatron_credit.credit.gates import comppo_gate
 

@@ -1,4 +1,4 @@
-"""FIPO (DESIGN.md "FIPO"): the DAPO objective on ``f_t * A_t``, with the Future-KL weights ``f_t`` of
+"""FIPO (docs/architecture.md "FIPO"): the DAPO objective on ``f_t * A_t``, with the Future-KL weights ``f_t`` of
 ``credit.future_kl`` (``gamma = 2^(-1/tau)``, tokens past the dual-clip constant ``c`` masked out of the
 future sum).
 
@@ -25,7 +25,7 @@ class FIPO(DAPO):
 
     @dataclass(frozen=True, kw_only=True)
     class Config(DAPO.Config):
-        """FIPO = DAPO on ``f_t * A_t`` with Future-KL weights (DESIGN.md "FIPO")."""
+        """FIPO = DAPO on ``f_t * A_t`` with Future-KL weights (docs/architecture.md "FIPO")."""
 
         dual_clip_c: DualClip = FIPO_DUAL_CLIP_C
         """Dual-clip constant ``c``; also the participation threshold of ``M_k`` (10 for 32B, 3 for 7B)."""

@@ -1,4 +1,4 @@
-"""The group-relative algorithms: GRPO, Dr.GRPO, RLOO, DAPO and GSPO (DESIGN.md "Baselines").
+"""The group-relative algorithms: GRPO, Dr.GRPO, RLOO, DAPO and GSPO (docs/architecture.md "Baselines").
 
 Each scores a response against the other responses to its prompt (``credit.group``), broadcasts that one
 advantage to every token, and has no critic. They differ in the estimator (divided by the group's std or

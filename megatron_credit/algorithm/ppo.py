@@ -1,4 +1,4 @@
-"""PPO with GAE (DESIGN.md "Baselines"): a critic's values, generalised advantage estimation, whitened
+"""PPO with GAE (docs/architecture.md "Baselines"): a critic's values, generalised advantage estimation, whitened
 advantages and PPO's symmetric clip.
 
 >>> PPO.Config().critic, PPO.Config().build().critic_kind.separate_model

@@ -4,7 +4,7 @@
 ``max_tokens_per_microbatch``. It is a pure, deterministic function of the lengths, so the trainer
 computes the layout once per mini-batch (``plan_minibatches``) and runs *both* the old-log-prob forward
 and the update over exactly the same micro-batches: same padding, same kernels, same reduction order,
-hence ``logp == old_logp`` bit-for-bit on the first on-policy mini-batch (DESIGN.md).
+hence ``logp == old_logp`` bit-for-bit on the first on-policy mini-batch (docs/architecture.md).
 
 Cost of a micro-batch (``mode``):
 

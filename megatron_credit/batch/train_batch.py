@@ -7,7 +7,7 @@ here is indexed by the position that *scores* a token: ``labels[:, t] = input_id
 ``advantages``, ``values`` ... at ``t`` belong to that token. ``values[:, t]`` is the critic's value of
 the prefix ``input_ids[:, :t + 1]``, the state in which the token was chosen.
 
-Global denominators (DESIGN.md "Known traps"): a mini-batch's token and sequence counts are summed over
+Global denominators (docs/architecture.md "Known traps"): a mini-batch's token and sequence counts are summed over
 the data-parallel group once per optimizer step, before any micro-batch runs, from the *whole*
 sequences (every CP rank of a DP replica holds the same rows, so they are never summed over CP). Each
 micro-batch's loss is then ``aggregate_loss(..., global_num_tokens=N)``, and the sum over micro-batches

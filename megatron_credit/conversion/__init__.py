@@ -1,4 +1,4 @@
-"""HF <-> megatron-core conversion: one declarative name map per model family (STYLE rule 11).
+"""HF <-> megatron-core conversion: one declarative name map per model family (docs/architecture.md, convention 11).
 
 * :mod:`.transforms` - typed tensor transforms (fused QKV per query group, gated MLP, TP layouts)
 * :mod:`.base` - model dims and the parallel sizes they allow; the families (config facts, weight rules,

@@ -1,6 +1,6 @@
 """Credit assignment: the transport scan and the estimators built on it (torch only, no megatron).
 
-See DESIGN.md, "One idea at the centre". Every function here is pure: tensors in, tensors out.
+See docs/architecture.md, "One idea at the centre". Every function here is pure: tensors in, tensors out.
 """
 from megatron_credit.credit.future_kl import fipo_weights, future_kl
 from megatron_credit.credit.gae import comp_gae, gae

@@ -1,6 +1,6 @@
 """FIPO: Future-KL influenced token weights.
 
-Follows the published FIPO code (whose numbers the paper's tables match), DESIGN.md "FIPO":
+Follows the published FIPO code (whose numbers the paper's tables match), docs/architecture.md "FIPO":
 
     d_k   = clamp(logp_k - old_logp_k, -20, 20)
     M_k   = [d_k <= log c]                          (c = dual-clip constant)
@@ -49,7 +49,7 @@ LOG_RATIO_CLAMP = 20.0
 means nothing to any estimator and overflows float16 / bfloat16). The one definition: the policy losses,
 the KL estimators and the rollout mismatch read it from here."""
 FIPO_TAU = 32.0
-"""FIPO's default half-life of the future discount (``gamma = 2^(-1/tau)``, DESIGN.md "FIPO")."""
+"""FIPO's default half-life of the future discount (``gamma = 2^(-1/tau)``, docs/architecture.md "FIPO")."""
 FIPO_DUAL_CLIP_C = 10.0
 """FIPO's default dual-clip constant ``c`` (also the threshold of ``M_k``): 10 for 32B, 3 for 7B."""
 FIPO_WEIGHT_CLIP = (1.0, 1.2)

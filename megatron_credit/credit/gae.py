@@ -1,6 +1,6 @@
 """GAE (PPO) and Comp-GAE (CompPO) as one transport scan.
 
-Comp-GAE (DESIGN.md, "CompPO") replaces the discount by a per-token gate ``kappa_t``:
+Comp-GAE (docs/architecture.md, "CompPO") replaces the discount by a per-token gate ``kappa_t``:
 
     delta_t = r_t + kappa_t V_{t+1} m_{t+1} - V_t m_t
     A_t     = delta_t + lam kappa_t A_{t+1} m_{t+1}          (A_T = 0)

@@ -1,4 +1,4 @@
-"""CompPO's transport gate from final-layer attention concentration (DESIGN.md, "CompPO").
+"""CompPO's transport gate from final-layer attention concentration (docs/architecture.md, "CompPO").
 
     H_t = sum_i a_ti**2                (mean over query heads; a_t: causal attention of query t)
     c_t = (H_t - 1/n_t) / (1 - 1/n_t)  (n_t visible keys; 0 = uniform attention, 1 = one key)
@@ -41,7 +41,7 @@ def comppo_gate(h: torch.Tensor, n_visible: torch.Tensor, *, k_lo: float = 0.1, 
     return k_lo + (k_hi - k_lo) * torch.sigmoid(tau * (c - 0.5))
 
 
-# --- Gate controls for the factorial (DESIGN.md "CompPO": fixed, shuffled, position-only) -----------------
+# --- Gate controls for the factorial (docs/architecture.md "CompPO": fixed, shuffled, position-only) -----------------
 # Each control keeps one property of the dynamic gate and destroys the rest: ``fixed`` keeps only the mean,
 # ``shuffle`` keeps the batch's exact distribution of gates but not which token carries which, ``position``
 # keeps only how the gate depends on relative position t/T.

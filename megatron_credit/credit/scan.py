@@ -3,7 +3,7 @@
     y[:, t] = x[:, t] + coef[:, t] * y[:, t + 1],      y[:, T] = 0
 
 GAE, Comp-GAE and FIPO's Future-KL are all this recurrence with different evidence ``x`` and transport
-``coef`` (DESIGN.md, "One idea at the centre"). A zero coefficient cuts the recurrence, which is how
+``coef`` (docs/architecture.md, "One idea at the centre"). A zero coefficient cuts the recurrence, which is how
 packed sequences are kept apart.
 
 Algorithm (exact, no division, no ``gamma**(-t)``):
@@ -15,7 +15,7 @@ Algorithm (exact, no division, no ``gamma**(-t)``):
    *General coefficients:* the K x K transfer matrix ``W[t, u] = prod_{j=t}^{u-1} coef_j`` is applied in
    factored form by log2(K) doubling steps (each step composes pairs ``(p, y)``), which is O(B*T*log K)
    time and O(B*T) memory instead of materialising ``[B, n, K, K]`` (O(B*T*K) memory). This departs from
-   DESIGN.md's "one small matmul per chunk" only in how W is applied; the result is the same sum.
+   docs/architecture.md's "one small matmul per chunk" only in how W is applied; the result is the same sum.
    *Constant coefficient* (``coef`` a Python float, e.g. FIPO's ``2**(-1/tau)``): W is the same Toeplitz
    matrix ``gamma**(u-t)`` in every chunk, so one ``[B*n, K] @ [K, K]`` matmul does all chunks. Its cost
    is O(B*T*K) flops: on CPU K = 32 is about 2x faster than 128 (benchmarks/credit_kernels.py), so on

@@ -2,7 +2,7 @@
 
 Under gradient accumulation and data/context parallelism each micro-batch on each rank sees only part of
 the batch. If every call divided by its *local* token count, the gradient would depend on how the batch
-was split (the "token-mean per micro-batch" trap in DESIGN.md). Here the denominators are arguments:
+was split (the "token-mean per micro-batch" trap in docs/architecture.md). Here the denominators are arguments:
 the trainer computes them once per step, summed over DP x CP and all micro-batches, and the sum of
 ``aggregate_loss`` over micro-batches and ranks is then exactly the loss of the whole batch.
 
@@ -14,7 +14,7 @@ Modes (one row = one response; ``l`` per-token loss, ``m`` mask, ``N_tok``/``N_s
 - ``seq-mean-token-sum-norm``: ``sum_{i,t} l m / (N_seq * L)``, L a fixed length (Dr.GRPO: the
   maximum response length of the run); ``norm_length`` is required
 
-Arguments that cannot silently be wrong (DESIGN.md "Known traps": loss scaled by CP size or by the
+Arguments that cannot silently be wrong (docs/architecture.md "Known traps": loss scaled by CP size or by the
 micro-batch split):
 
 - ``norm_length`` has no default. The tensor's ``T`` would be this rank's CP share (``T_global / cp``)

@@ -7,7 +7,7 @@ config holds them (``algorithm/``: DAPO's 0.2 / 0.28 / 3.0 on ``DAPO.Config``). 
 ``clipfrac_dual`` (A < 0 and ratio > c: the dual clip caps the loss), ``approx_kl`` (the k3 estimator
 ``(r - 1) - log r`` of KL(old || new)).
 
-PPO/DAPO (DESIGN.md "DAPO"): ``r = exp(logp - old_logp)`` (log-ratio clamped to [-20, 20] as in the
+PPO/DAPO (docs/architecture.md "DAPO"): ``r = exp(logp - old_logp)`` (log-ratio clamped to [-20, 20] as in the
 published code), ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, and for ``A < 0`` the dual clip
 ``l = min(l, -A c)`` with ``c > 1``. GSPO (Zheng et al. 2025) uses the sequence ratio
 ``s_i = exp(mean_t (logp - old_logp))`` in its token-level form ``s_it = sg[s_i] pi_t / sg[pi_t]``, whose

@@ -4,7 +4,7 @@ Both live on the last pipeline stage and read the actor's features *detached*: t
 optimizer and its loss never reaches the actor. Outputs are zero-initialised (``V == 0`` at the start, so
 Comp-GAE starts from the Monte-Carlo return) and clamped to ``[-value_clamp, value_clamp]``.
 
-TAC (DESIGN.md "CompPO"), for a response token t of this rank:
+TAC (docs/architecture.md "CompPO"), for a response token t of this rank:
 
     z_t      = sum_l softmax(alpha)_l * x^(l)_t            the last L' layers' outputs, used as they are
                                                            (no extra norm; the last one is the final-norm

@@ -10,7 +10,7 @@ Read against megatron-core 0.16.1 (installed) and 0.19 (the GPU containers):
 
 On the local spec (CPU, or ``model.transformer_impl: local``) all three stay off: ``torch.compile`` on CPU costs
 minutes of compilation for a two-core test, the unfused THD RoPE is exact there, and nothing provides the
-wgrad kernels. The probes import Transformer Engine / apex only when called (``STYLE.md`` rule 6).
+wgrad kernels. The probes import Transformer Engine / apex only when called (docs/architecture.md, convention 6).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Typed rollout records (STYLE rule 8): what an engine returns and what it was asked to do.
+"""Typed rollout records (docs/architecture.md, convention 8): what an engine returns and what it was asked to do.
 
 A rollout is a list of :class:`RolloutSample` -- one response to one prompt, with the engine's
 per-token log-probs, how it ended and which group (prompt) it belongs to -- wrapped in a

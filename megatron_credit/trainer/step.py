@@ -1,4 +1,4 @@
-"""One RL iteration (DESIGN.md "Data flow"), with no megatron import.
+"""One RL iteration (docs/architecture.md "Data flow"), with no megatron import.
 
 :func:`rl_iteration` is the whole iteration on one screen; the functions below it are its parts. The
 algorithm enters only through ``ctx.algorithm`` (an ``algorithm.base.Algorithm``: estimator, loss,

@@ -1,4 +1,4 @@
-"""future_kl / fipo_weights against loop references from DESIGN.md's formulas; CP = 2, 4 on gloo."""
+"""future_kl / fipo_weights against loop references from docs/architecture.md's formulas; CP = 2, 4 on gloo."""
 import importlib
 import math
 
@@ -307,7 +307,7 @@ def test_fipo_weight_std_from_micro_batch_sums_is_the_std_over_every_token():
 
 # ------------------------------------------------------------------- mutation killers
 def test_fipo_weights_defaults_are_the_papers():
-    # DESIGN.md: tau 32, dual-clip constant 10, rows of one response each (packed False), clip [1, 1.2].
+    # docs/architecture.md: tau 32, dual-clip constant 10, rows of one response each (packed False), clip [1, 1.2].
     logp, old, mask = make_batch(6, 40, seed=21, packed=True)
     old[:, 5] = logp[:, 5] - math.log(10.5)  # ratio 10.5: inside M at c = 11, outside at c = 10
     adv = -torch.ones_like(logp)

@@ -1,4 +1,4 @@
-"""GAE / Comp-GAE and the CompPO gate against loop references from DESIGN.md's formulas."""
+"""GAE / Comp-GAE and the CompPO gate against loop references from docs/architecture.md's formulas."""
 import math
 
 import pytest

@@ -444,7 +444,7 @@ def test_gate_controls_are_float32_whatever_the_default_dtype():
 
 
 def test_position_schedule_defaults_and_refusals_name_what_happened():
-    assert PositionGateSchedule().bins == 20  # DESIGN.md: 20 bins of t/T
+    assert PositionGateSchedule().bins == 20  # docs/architecture.md: 20 bins of t/T
     s = PositionGateSchedule(bins=2)
     with pytest.raises(RuntimeError, match=r"^PositionGateSchedule\.gates before freeze\(\)$"):
         s.gates(torch.ones(1, 2, dtype=torch.bool))

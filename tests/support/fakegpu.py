@@ -1,4 +1,4 @@
-"""An emulated accelerator for CPU tests of device placement (DESIGN.md "Where the code runs").
+"""An emulated accelerator for CPU tests of device placement (docs/architecture.md "Where the code runs").
 
 ``with fake_cuda():`` makes this process look like a one-GPU machine whose tensors keep CPU data:
 
