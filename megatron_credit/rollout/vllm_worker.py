@@ -162,6 +162,42 @@ def local_device_index(uuid: str) -> int:
                        "CUDA IPC weight sync needs the actor and the engine on the same node and devices")
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Each parameter name of ``model`` whose tensor an earlier name already holds -> that earlier name (a
+    tied model's ``lm_head.weight`` -> ``model.embed_tokens.weight``).
+
+    >>> m = torch.nn.ModuleDict({"embed": torch.nn.Embedding(3, 2), "head": torch.nn.Linear(2, 3, bias=False)})
+    >>> m["head"].weight = m["embed"].weight
+    >>> tied_aliases(m)
+    {'head.weight': 'embed.weight'}
+    """
+    first: dict[int, str] = {}
+    return {name: first[id(p)] for name, p in model.named_parameters(remove_duplicate=False)
+            if first.setdefault(id(p), name) != name}
+
+
+def with_tied_aliases(named: list[tuple[str, torch.Tensor]], aliases: dict[str, str]) -> list[tuple[str, torch.Tensor]]:
+    """``named`` plus ``(alias, tensor)`` for every tied alias (:func:`tied_aliases`) whose first name it holds
+    and that it does not hold itself.
+
+    A sync sends a tied model's shared tensor once, under the embedding's name (a tied ``lm_head.weight``
+    is in no checkpoint and the trainer's stream leaves it out). vLLM's CPU ``reload_weights`` re-processes
+    only the modules whose names arrive, and on CPU the head's ``process_weights_after_loading`` packs its
+    own copy of the weight for its GEMM (``layers/utils.py`` ``dispatch_cpu_unquantized_gemm``, kept in
+    ``lm_head.cpu_linear``): the embedding alone updates the shared parameter, but the head's logits keep
+    being computed from the copy packed at start-up (the dummy weights of a trainer's engine).
+
+    >>> w = torch.ones(2)
+    >>> [n for n, _ in with_tied_aliases([("embed.weight", w)], {"head.weight": "embed.weight"})]
+    ['embed.weight', 'head.weight']
+    >>> [n for n, _ in with_tied_aliases([("norm.weight", w)], {"head.weight": "embed.weight"})]
+    ['norm.weight']
+    """
+    have = dict(named)
+    return list(named) + [(alias, have[first]) for alias, first in aliases.items()
+                          if first in have and alias not in have]
+
+
 @contextmanager
 def moe_kernels_rebuilt(model: torch.nn.Module) -> Iterator[None]:
     """Make vLLM's ``reload_weights`` repack the routed experts it reloads, as a first load does.
@@ -205,10 +241,18 @@ class WeightSyncExtension:
         ``model.load_weights`` fails; ``reload_weights`` restores the layers it touches, loads, and
         repacks them again. It rebuilds a layer from the tensors given, so a bucket must hold whole
         fused groups (the actor's buckets are whole decoder layers: ``rollout.weight_sync.sync_group``).
+
+        A tied model's shared tensor arrives once, as the embedding; it is loaded under the head's name too
+        (:func:`with_tied_aliases`), so that the head repacks its CPU GEMM weight from it: without that, the
+        engine's logits stay those of its start-up weights (the trainer's engine: dummy ones) after every sync.
         """
         named_tensors = _named_tensors(named_tensors)
-        with moe_kernels_rebuilt(self.model_runner.model):  # type: ignore[attr-defined]
-            self.reload_weights(weights_iterator=iter(named_tensors))  # type: ignore[attr-defined]
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        # Read the ties before reload_weights: it puts each module's parameters on the meta device apart
+        # while it loads, which unties them until it puts the originals back.
+        weights = with_tied_aliases(named_tensors, tied_aliases(model))
+        with moe_kernels_rebuilt(model):
+            self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
         return len(named_tensors)
 
     def load_ipc_weights(self, packed: dict[str, Any]) -> int:
