@@ -352,13 +352,16 @@ def generate(engine, prompts: list[list[int]], params, *, group_ids, records) ->
 
 def scored_text(tokenizer, sample: RolloutSample) -> str:
     """The text the verifier grades: the response, or a trajectory's last turn (the model's final answer;
-    the tool's output before it is not the model's answer)."""
+    the tool's output before it is not the model's answer), without special tokens: a response that stops
+    ends in the tokenizer's EOS (``<|im_end|>`` for a Qwen chat model), which a ``transformers`` tokenizer
+    decodes as text by default, and DAPO's verifier would read ``Answer: 42<|im_end|>`` as the answer
+    ``42<|im_end|>``."""
     if sample.turn_ids is None or not len(sample.response_ids):
-        return tokenizer.decode(sample.response_ids)
+        return tokenizer.decode(sample.response_ids, skip_special_tokens=True)
     last = int(sample.turn_ids[-1])
     keep = (sample.turn_ids == last) & sample.action_mask
     ids = [i for i, k in zip(sample.response_ids, keep.tolist()) if k]
-    return tokenizer.decode(ids)
+    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def scored_length(sample: RolloutSample) -> int:

@@ -27,8 +27,8 @@ class Tok:
     def encode(self, text):
         return [int(x) for x in text.split()]
 
-    def decode(self, ids):
-        return " ".join(str(int(i)) for i in ids)
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(str(int(i)) for i in ids if not (skip_special_tokens and int(i) == EOS))
 
 
 class Echo(Environment):
@@ -148,7 +148,26 @@ def test_observations_are_context_not_actions(hf):
         assert padded.obs_mask[i, p:p + len(s.response_ids)].tolist() == (~s.action_mask).tolist()
     assert scored_text(Tok(), batch.samples[0]) == Tok().decode(
         [t for t, a, k in zip(batch.samples[0].response_ids, batch.samples[0].action_mask, batch.samples[0].turn_ids)
-         if a and k == batch.samples[0].turn_ids[-1]])
+         if a and k == batch.samples[0].turn_ids[-1]], skip_special_tokens=True)
+
+
+def test_the_verifier_reads_a_stopped_response_without_its_eos(tmp_path):
+    """A response that stops ends in the tokenizer's EOS; a ``transformers`` tokenizer decodes it as text by
+    default, and DAPO's verifier then read ``Answer:1<eos>`` as the answer ``1<eos>``: every correct response
+    of a Qwen chat model (``<|im_end|>``) scored -1. The graded text leaves special tokens out."""
+    from transformers import AutoTokenizer
+
+    from megatron_credit.commands.rehearse import write_tokenizer
+    from megatron_credit.rewards.dapo import score_dapo
+    from megatron_credit.rollout.types import RolloutSample
+
+    write_tokenizer(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = tok.encode("Answer:1", add_special_tokens=False) + [tok.eos_token_id]
+    sample = RolloutSample(prompt_ids=[3], response_ids=ids, logprobs=torch.zeros(len(ids)),
+                           status=FinishStatus.STOPPED, group_id=0, sample_index=0, logprobs_mode="raw")
+    assert tok.decode(ids) == "Answer:1<eos>"  # what the verifier was given
+    assert scored_text(tok, sample) == "Answer:1" and score_dapo(scored_text(tok, sample), "1").correct
 
 
 def test_the_trajectory_budget_cuts(hf):
