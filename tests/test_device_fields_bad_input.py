@@ -44,6 +44,12 @@ NO_CUDA = [  # (recipe sections, the line on a CPU-only machine whose CPU has no
     ({"rollout": {"engine_options": {"device": "cuda:0"}}},
      "rollout.engine_options.device=cuda:0 asks for CUDA, and this machine has none: leave it unset (the engine "
      "runs on the trainer's device)"),
+    ({"train": {"recompute": "full"}},
+     "train.recompute=full: megatron's activation checkpoint saves the CUDA RNG state, and this machine has no "
+     "CUDA device: set train.recompute=null on CPU"),
+    ({"train": {"recompute": "selective"}},
+     "train.recompute=selective: megatron's activation checkpoint saves the CUDA RNG state, and this machine has "
+     "no CUDA device: set train.recompute=null on CPU"),
 ]
 
 
@@ -70,6 +76,7 @@ def test_gpu_without_bf16_or_te():
         "model.params_dtype=auto (the checkpoint's bfloat16) asks for bf16 arithmetic, which a CUDA GPU does not "
         "have (torch.cuda.is_bf16_supported() is False): set model.params_dtype=float16 or float32")
     assert device_refusal(auto, cuda=True, bf16=_yes, te=_yes) is None
+    assert device_refusal(_recipe(train={"recompute": "full"}), cuda=True, bf16=_yes, te=_yes) is None
     te = _recipe(model={"architecture": dict(TINY_QWEN2), "transformer_impl": "transformer_engine"})
     assert device_refusal(te, cuda=True, bf16=_yes, te=_no) == (
         "model.transformer_impl=transformer_engine, but Transformer Engine does not import here: install it (pip "

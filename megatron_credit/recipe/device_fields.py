@@ -9,7 +9,10 @@ no recipe field: ``distributed.default_backend`` picks nccl exactly when CUDA is
   arithmetic. A CPU with native bf16 instructions (x86 ``avx512_bf16`` / ``amx_bf16``, ARM ``bf16`` /
   ``sve_bf16``) runs it and is accepted; a GPU must report ``torch.cuda.is_bf16_supported()``;
 - ``rollout.engine_options.weight_transfer: cuda_ipc`` and ``rollout.engine_options.device: cuda...``:
-  CUDA itself.
+  CUDA itself;
+- ``train.recompute: full | selective``: megatron's activation checkpoint (of whole layers, or of the
+  core attention) saves and restores the CUDA RNG state (``tensor_parallel.random.CheckpointFunction``),
+  which needs CUDA.
 
 Where the machine lacks it, :func:`check_device_fields` raises one ValueError naming the field, what
 it asks for and what to set instead. ``--dry-run`` does not call it: it plans a recipe for its
@@ -63,6 +66,9 @@ def device_refusal(recipe, *, cuda: bool, bf16: Callable[[], bool],
         if isinstance(device, (str, torch.device)) and str(device).startswith("cuda"):
             return (f"rollout.engine_options.device={device} asks for CUDA, and this machine has none: leave it unset "
                     "(the engine runs on the trainer's device)")
+    if not cuda and recipe.train.recompute:
+        return (f"train.recompute={recipe.train.recompute}: megatron's activation checkpoint saves the CUDA RNG "
+                "state, and this machine has no CUDA device: set train.recompute=null on CPU")
     if model.params_dtype == "bfloat16" or (cuda and model.params_dtype == "auto"
                                             and model.torch_dtype(cuda=True) == torch.bfloat16):
         if not bf16():

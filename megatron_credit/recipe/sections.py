@@ -336,7 +336,8 @@ class TrainConfig:
     val_samples: PositiveInt = 1
     """k of Avg@k."""
     recompute: Optional[str] = None
-    """Activation recomputation: None, ``selective`` or ``full``."""
+    """Activation recomputation: None, ``selective`` or ``full`` (GPU only: megatron's checkpoint saves the CUDA
+    RNG state; refused on CPU)."""
     logprob_chunk_size: PositiveInt = 1024
     """Tokens per chunk of the vocabulary-parallel log-prob pass."""
     fuse_old_logprob: bool = False
