@@ -22,6 +22,7 @@ Dataset numbers are the means over problems.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import Counter
 from typing import Any, Iterable, Optional, Sequence
@@ -143,7 +144,8 @@ def summarize(problems: Sequence[ProblemResult], *, pass_ks: Optional[Sequence[i
 
 
 def sample_and_grade(engine, tokenizer, records, *, k: int, sampling, pool=None,
-                     batch_prompts: Optional[int] = None, progress=None, first_group: int = 0) -> list[ProblemResult]:
+                     batch_prompts: Optional[int] = None, progress=None, first_group: int = 0,
+                     scoring=contextlib.nullcontext) -> list[ProblemResult]:
     """``k`` samples of every prompt record from ``engine`` (``sampling``: a ``SamplingParams`` whose ``n``
     is replaced by ``k``), decoded and graded by the records' verifiers (in ``pool`` when given).
 
@@ -151,7 +153,8 @@ def sample_and_grade(engine, tokenizer, records, *, k: int, sampling, pool=None,
     each call. Sampling seeds are ``sampling.seed + call index``, so results do not depend on the
     progress bar, only on ``batch_prompts``. The ``i``-th record of a call is group ``first_group + i`` of
     the engine's seeds (the trainer's validation, one call per engine: each engine samples its slice of
-    one list as the whole list would be)."""
+    one list as the whole list would be). Each call's grading runs inside ``scoring()`` (a rollout pool beats
+    there)."""
     import torch
 
     from megatron_credit.rewards.compute import score_responses
@@ -166,12 +169,13 @@ def sample_and_grade(engine, tokenizer, records, *, k: int, sampling, pool=None,
         params = dataclasses.replace(sampling, n=k, seed=None if sampling.seed is None else sampling.seed + call)
         rollout = generate(engine, [list(r.prompt_ids) for r in chunk], params,
                            group_ids=range(first_group, first_group + len(chunk)), records=chunk)
-        texts = [scored_text(tokenizer, s) for s in rollout.samples]  # a trajectory: its last turn
-        owner = [chunk[i // k] for i in range(len(rollout.samples))]
-        lens = [scored_length(s) for s in rollout.samples]
-        scored = score_responses(pool, responses=texts, ground_truths=[r.ground_truth for r in owner],
-                                 data_sources=[r.data_source for r in owner], response_lens=torch.tensor(lens),
-                                 shaping=ShapingConfig(max_response_len=sampling.max_new_tokens))
+        with scoring():
+            texts = [scored_text(tokenizer, s) for s in rollout.samples]  # a trajectory: its last turn
+            owner = [chunk[i // k] for i in range(len(rollout.samples))]
+            lens = [scored_length(s) for s in rollout.samples]
+            scored = score_responses(pool, responses=texts, ground_truths=[r.ground_truth for r in owner],
+                                     data_sources=[r.data_source for r in owner], response_lens=torch.tensor(lens),
+                                     shaping=ShapingConfig(max_response_len=sampling.max_new_tokens))
         for g, rec in enumerate(chunk):
             sl = slice(g * k, (g + 1) * k)
             out.append(ProblemResult(uid=rec.uid, ground_truth=rec.ground_truth,

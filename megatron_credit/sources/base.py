@@ -11,6 +11,8 @@ dynamic sampling: mixed accuracy), until the batch is full or ``algorithm.max_dr
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
@@ -166,10 +168,11 @@ def counted(buckets: Iterable[Bucket], sizes: list[int]) -> Iterator[Bucket]:
 
 
 def generate_and_score(engine, pool, tokenizer, records, params: SamplingParams, *, rollout: RolloutConfig,
-                       reward: RewardConfig, first_group: int):
+                       reward: RewardConfig, first_group: int, scoring=contextlib.nullcontext):
     """Sample ``params.n`` responses to each prompt record and score them: ``(RolloutBatch, shaped rewards,
     verdicts, the pool's counts)``; prompt ``i`` of ``records`` is prompt ``first_group + i`` of the draw
-    (its samples' seeds)."""
+    (its samples' seeds). The scoring runs inside ``scoring()`` (a rollout pool beats there: the engine's
+    steps beat while it generates, and the reward pool's own timeouts bound the scoring)."""
     from megatron_credit.rewards.compute import score_responses
     from megatron_credit.rewards.shaping import ShapingConfig
     from megatron_credit.rollout.multi_turn import episode_rewards, generate, scored_length, scored_text
@@ -177,18 +180,39 @@ def generate_and_score(engine, pool, tokenizer, records, params: SamplingParams,
     n = params.n
     batch = generate(engine, [list(rec.prompt_ids) for rec in records], params,
                      group_ids=range(first_group, first_group + len(records)), records=records)
-    texts = [scored_text(tokenizer, s) for s in batch.samples]
-    rec_of = [records[i // n] for i in range(len(batch.samples))]
-    scored = score_responses(
-        pool, responses=texts, ground_truths=[r.ground_truth for r in rec_of],
-        data_sources=[r.data_source for r in rec_of],
-        response_lens=torch.tensor([scored_length(s) for s in batch.samples]),
-        shaping=ShapingConfig(max_response_len=rollout.max_response_len,
-                              overlong_buffer_len=reward.overlong_buffer_len,
-                              overlong_penalty_factor=reward.overlong_penalty_factor))
+    with scoring():
+        texts = [scored_text(tokenizer, s) for s in batch.samples]
+        rec_of = [records[i // n] for i in range(len(batch.samples))]
+        scored = score_responses(
+            pool, responses=texts, ground_truths=[r.ground_truth for r in rec_of],
+            data_sources=[r.data_source for r in rec_of],
+            response_lens=torch.tensor([scored_length(s) for s in batch.samples]),
+            shaping=ShapingConfig(max_response_len=rollout.max_response_len,
+                                  overlong_buffer_len=reward.overlong_buffer_len,
+                                  overlong_penalty_factor=reward.overlong_penalty_factor))
     counts = {k: float(v) for k, v in scored.metrics.items() if k in POOL_COUNTS}
     rewards, correct = episode_rewards(batch.samples, scored.rewards, scored.correct)  # multi-turn: turn rewards
     return batch, rewards, correct, counts
+
+
+def draw_share(engine, pool, tokenizer, records, mine: range, params: SamplingParams, *, rollout: RolloutConfig,
+               reward: RewardConfig, dynamic_sampling: bool, scoring=contextlib.nullcontext):
+    """One engine's share of a draw, as ``sync`` and the rollout pool both make it: prompts ``mine`` of the
+    draw's ``records`` sampled (``params.n`` each, seeded by their index in the draw) and scored. Returns
+    ``(groups, counts, pool counts)``: ``groups[p] = (samples, rewards, correct)`` and ``counts[p]`` (whether
+    group ``p`` counts: :func:`group_counts`) for each ``p`` in ``mine``, and the reward pool's counts of the
+    share (:data:`POOL_COUNTS`); all empty when ``mine`` is."""
+    if not len(mine):
+        return {}, {}, {}
+    batch, rewards, correct, pool_counts = generate_and_score(
+        engine, pool, tokenizer, [records[i] for i in mine], params, rollout=rollout, reward=reward,
+        first_group=mine.start, scoring=scoring)
+    n, groups, counts = params.n, {}, {}
+    for j, p in enumerate(mine):
+        sl = slice(j * n, (j + 1) * n)
+        groups[p] = (batch.samples[sl], rewards[sl], correct[sl])
+        counts[p] = group_counts(correct[sl], dynamic_sampling=dynamic_sampling)
+    return groups, counts, pool_counts
 
 
 def build_reward_pool(reward: RewardConfig):

@@ -14,7 +14,12 @@ channel is built from the launch's rendezvous store (:class:`megatron_credit.dis
 
 Waits on the trainer side time out on silence, not on total time: the engines beat at every draw and every
 few decode steps (``hb/<e>``), every pool rank beats while it lives (``alive/<rank>``), and a wait stops the
-run with one line when no beat came for ``rollout.wait_timeout_s`` (progress) or :data:`GONE_S` (life).
+run with one line when no beat came for ``rollout.wait_timeout_s`` (progress) or :attr:`Bridge.life_s`
+(life: :data:`GONE_S`, or less when ``rollout.wait_timeout_s`` is shorter). The exchanges with one pool rank
+(a version's weights, a batch's samples) are waited on the same way: a rank that stops living in the middle
+(killed, stopped with SIGSTOP, its machine lost) is named within ``life_s``, not after the process group's
+timeout (hours). Groups whose exchange was abandoned so are never destroyed (their destructor would wait for
+the stopped peer); the others are shut down at :meth:`Bridge.close`.
 Trainer rank 0 beats its life too, and a pool rank stops when it has not for :data:`GONE_S`: a trainer that
 dies where no launcher ends the pool (a pool rank on another node, a store hosted elsewhere) never leaves
 it waiting for weights.
@@ -88,10 +93,15 @@ class PoolLayout:
         return (rank - self.trainer_world) // self.rollout_tp
 
 
-def _bcast(group, tensor: torch.Tensor, root: int) -> None:
+def _bcast(group, tensor: torch.Tensor, root: int, *, wait: bool = True):
+    """Broadcast ``tensor`` from ``root`` over ``group``; waits for it, or returns its work (``wait=False``)."""
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = root, 0
-    group.broadcast([tensor], opts).wait()
+    work = group.broadcast([tensor], opts)
+    if not wait:
+        return work
+    work.wait()
+    return None
 
 
 ALIGN = 16
@@ -136,8 +146,12 @@ class Bridge:
     """This rank's ends of the channels (module docstring). Every rank of the launch builds one, at
     start-up (building a group waits for its other ranks)."""
 
-    def __init__(self, job, *, rollout_tp: int, device: torch.device, timeout_s: float):
+    def __init__(self, job, *, rollout_tp: int, device: torch.device, timeout_s: float,
+                 wait_timeout_s: Optional[float] = None):
+        """``timeout_s``: the process groups' timeout (``distributed.timeout_s``); ``wait_timeout_s``: the
+        trainer's silence timeout (``rollout.wait_timeout_s``), which shortens :attr:`life_s`."""
         self.job, self.rank = job, job.rank
+        self.wait_timeout_s = wait_timeout_s
         self.layout = PoolLayout(world=job.world_size, pool=job.pool_ranks, rollout_tp=rollout_tp)
         self.store = dist.PrefixStore("mc", job.store)
         self.device = device
@@ -161,6 +175,20 @@ class Bridge:
         self._alive_stop = threading.Event()
         self._alive: Optional[threading.Thread] = None
         self._life: dict[int, tuple[int, float]] = {}  # rank -> (its life count, when it last changed)
+        self.wedged = False  # an exchange with a stopped peer was abandoned: its work is still pending
+
+    @property
+    def life_s(self) -> float:
+        """How long a pool rank may record no life before the trainer names it: :data:`GONE_S`, or
+        ``rollout.wait_timeout_s`` when shorter (but at least three beats: the life beat is a thread's).
+
+        >>> b = Bridge.__new__(Bridge)
+        >>> [(setattr(b, "wait_timeout_s", w), b.life_s)[1] for w in (None, 1800, 10, 1)]
+        [30.0, 30.0, 10, 6.0]
+        """
+        if self.wait_timeout_s is None:
+            return GONE_S
+        return min(GONE_S, max(3 * ALIVE_S, self.wait_timeout_s))
 
     def _group(self, name: str, rank: int, size: int, *, nccl: bool):
         store = dist.PrefixStore(name, self.job.store)
@@ -195,15 +223,32 @@ class Bridge:
         if not self.store.check(["error"]):
             self.store.set("error", json.dumps(f"rank {self.rank}: {line}"))
 
-    def gone(self, rank: int) -> bool:
-        """Whether ``rank`` has recorded no life for :data:`GONE_S` seconds since it first did (a rank not yet
-        living is not gone); each call reads its count once."""
+    def gone(self, rank: int, after_s: Optional[float] = None) -> bool:
+        """Whether ``rank`` has recorded no life for ``after_s`` seconds (default :data:`GONE_S`) since it
+        first did (a rank not yet living is not gone); each call reads its count once."""
         n, now = self.count(f"alive/{rank}"), time.monotonic()
         seen = self._life.get(rank)
         if seen is None or seen[0] != n:
             self._life[rank] = (n, now)
             return False
-        return bool(n) and now - seen[1] > GONE_S
+        return bool(n) and now - seen[1] > (GONE_S if after_s is None else after_s)
+
+    def role(self, rank: int) -> str:
+        """What pool rank ``rank`` is, for a line naming it.
+
+        >>> b = Bridge.__new__(Bridge)
+        >>> b.layout = PoolLayout(world=6, pool=4, rollout_tp=2)
+        >>> b.role(4), b.role(5)
+        ("engine 1's leader", 'a worker of engine 1')
+        """
+        e = self.layout.engine_of(rank)
+        return f"engine {e}'s leader" if self.layout.leader(e) == rank else f"a worker of engine {e}"
+
+    def gone_line(self, rank: int, what: str, seconds: Optional[float] = None) -> str:
+        """The line naming pool rank ``rank``, which recorded no life for ``seconds`` (default :attr:`life_s`)."""
+        return (f"rollout pool rank {rank} ({self.role(rank)}) is gone: no sign of life for "
+                f"{self.life_s if seconds is None else round(seconds):g} s while {what} (killed, stopped by a "
+                "signal, or its machine lost)")
 
     def start_alive(self) -> None:
         """Record this rank's life every :data:`ALIVE_S` seconds, from a thread, until :meth:`close`.
@@ -245,14 +290,14 @@ class Bridge:
             m = torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)
             head = torch.tensor([m.numel(), flat.numel()], dtype=torch.int64, device=self.device)
             for e in mine:
-                with self._peer(self.layout.leader(e), f"sending version {version}'s weights"):
-                    for t in (head, m, flat):
-                        _bcast(self.weights[e], t, 0)
+                for t in (head, m, flat):
+                    self._watch(_bcast(self.weights[e], t, 0, wait=False), self.layout.leader(e),
+                                f"sending version {version}'s weights")
             sent += flat.numel() * len(mine)
         end = torch.zeros(2, dtype=torch.int64, device=self.device)
         for e in mine:
-            with self._peer(self.layout.leader(e), f"sending version {version}'s weights"):
-                _bcast(self.weights[e], end, 0)
+            self._watch(_bcast(self.weights[e], end, 0, wait=False), self.layout.leader(e),
+                        f"sending version {version}'s weights")
         return sent
 
     @staticmethod
@@ -262,8 +307,40 @@ class Bridge:
         with one line naming it."""
         try:
             yield
+        except RunStopped:
+            raise
         except RuntimeError as exc:
             raise RunStopped(f"rollout pool rank {rank} failed while {what}: {' '.join(str(exc).split())[:300]}") from exc
+
+    def _watch(self, work, peer: int, what: str) -> None:
+        """Wait for ``work``, an exchange with pool rank ``peer``, while watching the pool: the run stops with
+        one line when a pool rank reported an error or ``peer`` recorded no life for :attr:`life_s` (its own
+        failure, a closed connection, is named by :meth:`_peer`). Polls with a pause of at most an eighth of
+        the time waited so far (a bucket's transfer is not slowed by more than that), at most ``POLL_S``.
+
+        A collective's work (a broadcast) says when it completed; a gloo receive's says so only from its
+        ``wait``, which cannot be retried after a timeout: a thread waits for it."""
+        failed: list = []
+        done = work.start(failed) if isinstance(work, _Waited) else work.is_completed
+        t0 = looked = time.monotonic()
+        with self._peer(peer, what):
+            while not done():
+                now = time.monotonic()
+                if now - looked >= POLL_S:
+                    looked = now
+                    line = None
+                    if self.store.check(["error"]):
+                        line = f"the rollout pool failed ({what}): {self.get('error')}"
+                    elif self.gone(peer, self.life_s):
+                        line = self.gone_line(peer, what)
+                    if line is not None:
+                        self.wedged = True
+                        raise RunStopped(line)
+                time.sleep(min(POLL_S, 2e-4 + (now - t0) / 8))
+            if failed:
+                raise failed[0]
+            if not isinstance(work, _Waited):
+                work.wait()
 
     # -- weights: engine side -----------------------------------------------------------------------
     def receive_weights(self, stop: Callable[[], bool]) -> Optional[tuple[int, list]]:
@@ -324,13 +401,13 @@ class Bridge:
         for e in range(self.layout.engines):
             src = self.layout.leader(e)
             size = torch.empty(1, dtype=torch.int64)
-            with self._peer(src, f"receiving iteration {step}'s samples"):
-                self.samples.recv([size], src, 2 * step).wait()
-                if int(size):
-                    buf = torch.empty(int(size), dtype=torch.uint8)
-                    self.samples.recv([buf], src, 2 * step + 1).wait()
-                got += decode(buf)
-                nbytes += buf.numel()
+            what = f"receiving iteration {step}'s samples"
+            self._watch(_Waited(self.samples.recv([size], src, 2 * step)), src, what)
+            buf = torch.empty(int(size), dtype=torch.uint8)
+            if int(size):
+                self._watch(_Waited(self.samples.recv([buf], src, 2 * step + 1)), src, what)
+            got += decode(buf) if buf.numel() else []
+            nbytes += buf.numel()
         return sorted(got, key=lambda item: item[0]), nbytes
 
     # -- the pool's own collectives -----------------------------------------------------------------
@@ -374,17 +451,64 @@ class Bridge:
             if proc.poll() is not None:
                 return f"rollout pool rank {r} exited (code {proc.returncode}) while {what}"
         for r in range(lay.trainer_world, lay.world):
-            if self.gone(r):
-                return f"rollout pool rank {r} is gone: no sign of life for {GONE_S:g} s while {what}"
+            if self.gone(r, self.life_s):
+                return self.gone_line(r, what)
         if quiet_s > silence_s:
+            now = time.monotonic()  # a silent pool with a rank whose life beats stopped too: that rank is named
+            lifeless = {r: now - self._life[r][1] for r in range(lay.trainer_world, lay.world) if self._life.get(r, (0,))[0]}
+            stalled = [r for r, age in lifeless.items() if age > 2 * ALIVE_S]
+            if stalled:
+                return self.gone_line(stalled[0], what, seconds=lifeless[stalled[0]])
             return (f"{what}: the rollout pool made no progress for {silence_s:g} s "
                     "(rollout.wait_timeout_s; a draw or a few decode steps count)")
         return None
 
     def close(self) -> None:
         """Stop the life beat and wait for its thread to end (at most ``2 * ALIVE_S`` s: a store that does not
-        answer a beat in that time is gone with its launch)."""
+        answer a beat in that time is gone with its launch); then end the process groups: shut down when
+        nothing is in flight, otherwise left alive to the process's end (:func:`_abandon`)."""
         self._alive_stop.set()
         if self._alive is not None:
             self._alive.join(timeout=2 * ALIVE_S)
             self._alive = None
+        groups = [g for g in (self.samples, self.pool, *self.weights.values()) if g is not None]
+        self._pending = [(work, t) for work, t in self._pending if not work.is_completed()]
+        in_flight = self.wedged or bool(self._pending)
+        for g in groups:
+            if in_flight:
+                _abandon(g)
+            else:
+                with contextlib.suppress(Exception):  # a peer already gone: nothing left to end
+                    g.shutdown()
+        self.samples, self.pool, self.weights, self._pending = None, None, {}, []
+
+
+class _Waited:
+    """A work whose completion only its ``wait`` tells (a gloo receive), waited for by a thread of its own.
+    Abandoned (its peer stopped), the thread stays blocked in C with the GIL released until the process ends,
+    which it does not hold (it is a daemon, and never takes the GIL again)."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def start(self, failed: list) -> Callable[[], bool]:
+        finished = threading.Event()
+
+        def wait():
+            try:
+                self.work.wait()
+            except BaseException as exc:  # noqa: BLE001  (raised by the watching thread)
+                failed.append(exc)
+            finally:
+                finished.set()
+        threading.Thread(target=wait, name="pool-exchange", daemon=True).start()
+        return finished.is_set
+
+
+def _abandon(group) -> None:
+    """Keep ``group`` alive until the process ends: its destructor would wait for work in flight with a peer
+    that may never take it (stopped, or gone with its sends unread), holding the exit for the group's timeout;
+    at the process's end the system closes its connections."""
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))

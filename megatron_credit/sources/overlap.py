@@ -37,13 +37,17 @@ after a resume, from the same prompts and seeds, with the checkpoint's weights.
 
 Faults. The trainer's waits end on silence, not on total time: the run stops with one line
 (:class:`~megatron_credit.cli.RunStopped`) naming the pool rank when one reports an error, exits, or records
-no life for ``bridge.GONE_S`` s, or when no engine made progress (a draw, a few decode steps) for
-``rollout.wait_timeout_s``. Under torchrun a killed rank ends the launch (torchrun's agent stops the others
+no life for ``Bridge.life_s`` (30 s, or ``rollout.wait_timeout_s`` when shorter: a rank stopped with SIGSTOP
+in the middle of a draw, a weight send or a sample exchange), or when no engine made progress (a draw, a
+few decode steps) for ``rollout.wait_timeout_s``. Under torchrun a killed rank ends the launch (torchrun's agent stops the others
 and names it). The pool exits when the trainer says stop or is gone.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
+import os
+import signal
 import time
 from typing import Any
 
@@ -73,7 +77,7 @@ class OverlapSource(SampleRouter):
             raise ValueError(f"rollout.mode={r.mode}: this process was started without its rollout pool "
                              f"(rollout.ranks={r.ranks}); start runs with pretrain_rl.py or torchrun")
         bridge = Bridge(job, rollout_tp=r.tensor_parallel_size, device=inputs.device,
-                        timeout_s=recipe.distributed.timeout_s)
+                        timeout_s=recipe.distributed.timeout_s, wait_timeout_s=r.wait_timeout_s)
         return cls(bridge=bridge, rollout=r, reward=recipe.reward, max_draws=recipe.algorithm.max_draws,
                    val_samples=t.val_samples, tokenizer=inputs.tokenizer, prompts=inputs.prompts,
                    has_val=inputs.val_prompts is not None, device=inputs.device, dp_group=inputs.dp_group,
@@ -115,6 +119,8 @@ class OverlapSource(SampleRouter):
             if self.rank == 0:
                 self.bridge.stop()
             for proc in SPAWNED if self.rank == 0 else ():
+                with contextlib.suppress(ProcessLookupError):  # a rank stopped by a signal sees the stop once continued
+                    os.kill(proc.pid, signal.SIGCONT)
                 try:
                     proc.wait(timeout=30)
                 except Exception:  # noqa: BLE001  (subprocess.TimeoutExpired)

@@ -5,7 +5,8 @@ Engine ``e``'s leader (``bridge.PoolLayout``) builds the recipe's engine on its 
 the validation prompts and the reward pool; the engine's other ranks only wait for the end. The leader's
 receiving thread takes each version the trainer sends over the engine's weights group and stages it, so the
 trainer never waits for a generation to end to hand over its weights. The generating loop then fills the
-batch of iteration ``j`` with the draws ``sync`` makes (the same draw loop, ``sources.base.draw_until_full``;
+batch of iteration ``j`` with the draws ``sync`` makes (the same draw loop and per-engine share,
+``sources.base.draw_until_full`` and ``draw_share``;
 seeds from (run seed, ``j``, draw); every engine takes the draw's ``rollout.prompts_per_step`` prompts and
 samples its contiguous slice, with each prompt's index in the draw, so the samples do not depend on the
 number of engines), once it holds weights of version ``>= j - 1 - bound``: so no sample is ever older than
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -56,8 +58,11 @@ def serve(recipe, hf_config, *, job, device: torch.device, local_rank: int) -> i
     except BaseException as exc:  # noqa: BLE001  (reported to the trainer as one line, then the rank exits)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
+        line = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        # in the launch's log too: the trainer names it, unless the launcher ends the trainer first
+        print(f"error: rollout pool rank {job.rank}: {line}", file=sys.stderr, flush=True)
         try:
-            bridge.fail(f"{type(exc).__name__}: {' '.join(str(exc).split())}")
+            bridge.fail(line)
             t0 = time.monotonic()  # let the trainer read it before this rank's exit ends the launch
             while not bridge.stopping() and time.monotonic() - t0 < 30:
                 time.sleep(POLL_S)
@@ -318,7 +323,7 @@ class PoolEngine:
             if len(mine):
                 problems = sample_and_grade(self.engine, self.tokenizer, [prompts[i] for i in mine], k=k,
                                             pool=self.pool, sampling=self._params(k, draw_seed(self.recipe.seed, -1)),
-                                            first_group=mine.start)
+                                            first_group=mine.start, scoring=self._beating)
                 sums = metric_sums(problems, k=k)
                 vec += torch.tensor([sums[name] for name in names], dtype=torch.float64)
         self.bridge.pool_sum(vec)
@@ -336,7 +341,7 @@ class PoolEngine:
         """Iteration ``step``'s kept groups, as ``sync`` draws them: this engine's go to the trainer's replica
         heads; the first engine puts the batch's facts."""
         from megatron_credit.rollout.placement import dp_rank_of_group, draw_seed
-        from megatron_credit.sources.base import POOL_COUNTS, draw_until_full, generate_and_score, group_counts
+        from megatron_credit.sources.base import POOL_COUNTS, draw_share, draw_until_full
 
         r, recipe = self.rollout, self.recipe
         count, n = r.prompts_per_step, r.n
@@ -352,21 +357,18 @@ class PoolEngine:
                     asked = torch.tensor([self.bridge.count("val/n") if self.e == 0 else 0], dtype=torch.int64)
                     self._serve_validation(int(self.bridge.pool_sum(asked)))
                 self._load_newest()
-            mine = self.split(count)
             version, swaps, t0 = self.loaded, self.swaps, time.perf_counter()
             verdict = torch.zeros(2 * count, dtype=torch.int64)  # per prompt: counts + 1, version + 1 (0: not mine)
-            if len(mine):
-                batch, rewards, correct, counts = generate_and_score(
-                    self.engine, self.pool, self.tokenizer, [records[i] for i in mine],
-                    self._params(n, draw_seed(recipe.seed, step, d)), rollout=r, reward=recipe.reward,
-                    first_group=mine.start)
-                for j, p in enumerate(mine):
-                    sl = slice(j * n, (j + 1) * n)
-                    held[(d, p)] = (batch.samples[sl], rewards[sl], correct[sl])
-                    verdict[p] = 1 + group_counts(correct[sl], dynamic_sampling=recipe.algorithm.dynamic_sampling)
-                    verdict[count + p] = 1 + version
-                for i, key in enumerate(POOL_COUNTS):
-                    pool[i] += counts.get(key, 0.0)
+            groups, counts, pool_counts = draw_share(
+                self.engine, self.pool, self.tokenizer, records, self.split(count),
+                self._params(n, draw_seed(recipe.seed, step, d)), rollout=r, reward=recipe.reward,
+                dynamic_sampling=recipe.algorithm.dynamic_sampling, scoring=self._beating)
+            for p, group in groups.items():
+                held[(d, p)] = group
+                verdict[p] = 1 + counts[p]
+                verdict[count + p] = 1 + version
+            for i, key in enumerate(POOL_COUNTS):
+                pool[i] += pool_counts.get(key, 0.0)
             pool[-2] += self.swaps > swaps
             pool[-1] += time.perf_counter() - t0
             self.bridge.pool_sum(verdict)

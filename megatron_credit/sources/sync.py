@@ -28,8 +28,7 @@ from megatron_credit.recipe import rollout_modes as modes
 from megatron_credit.rollout.placement import EngineLayout, draw_seed, split
 from megatron_credit.rollout.types import SamplingParams
 from megatron_credit.sources.base import (ROLLOUT_SOURCES, Offload, SourceInputs, Weights, build_reward_pool, check_full,
-                                                  counted, draw_until_full, generate_and_score, group_counts,
-                                                  sampling_params)
+                                          counted, draw_share, draw_until_full, sampling_params)
 from megatron_credit.sources.routing import SampleRouter
 
 if TYPE_CHECKING:
@@ -179,21 +178,15 @@ class SyncSource(SampleRouter, modes.Sync):
         """One draw of ``prompts_per_step`` prompts over all engines; this engine's groups go to ``held``
         (keyed ``(draw, prompt)``). Returns the keys of the draw's groups that count (dynamic sampling: its
         accuracy varies), the same list on every rank."""
-        n, count = self.rollout.n, self.rollout.prompts_per_step
+        count = self.rollout.prompts_per_step
         records = self.prompts.take(count)
-        mine = self._my_prompts(count)
-        counts: dict[int, bool] = {}
-        if len(mine):
-            rollout, rewards, correct, pool = generate_and_score(
-                self.engine, self.pool, self.tokenizer, [records[i] for i in mine],
-                self._params(n, draw_seed(self.seed, iteration, draw)), rollout=self.rollout, reward=self.reward,
-                first_group=mine.start)
-            for k, v in pool.items():
-                pool_sums[k] = pool_sums.get(k, 0.0) + v
-            for j, p in enumerate(mine):
-                sl = slice(j * n, (j + 1) * n)
-                held[(draw, p)] = (rollout.samples[sl], rewards[sl], correct[sl])
-                counts[p] = group_counts(correct[sl], dynamic_sampling=self.dynamic_sampling)
+        groups, counts, pool = draw_share(
+            self.engine, self.pool, self.tokenizer, records, self._my_prompts(count),
+            self._params(self.rollout.n, draw_seed(self.seed, iteration, draw)), rollout=self.rollout,
+            reward=self.reward, dynamic_sampling=self.dynamic_sampling)
+        for k, v in pool.items():
+            pool_sums[k] = pool_sums.get(k, 0.0) + v
+        held.update({(draw, p): group for p, group in groups.items()})
         self.leaders_done()
         merged: dict[int, bool] = {}
         for part in self._all_gather(counts):

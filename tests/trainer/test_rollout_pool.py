@@ -4,7 +4,8 @@ gloo, and a pool rank killed under torchrun.
 - weights: each version's HF-named buckets arrive whole and equal, in every dtype;
 - samples: the groups an engine sends its replica heads arrive once, equal, with the bytes counted;
 - waits end on silence, not on time: a wait longer than ``rollout.wait_timeout_s`` that keeps getting
-  progress beats is not stopped; one that gets none is, in one line; a pool rank that stops living is named;
+  progress beats is not stopped; one that gets none is, in one line; a pool rank that stops living is named,
+  in a wait or in the middle of a weight send or a sample exchange (as under SIGSTOP);
 - a pool rank killed (SIGKILL) mid-run under torchrun ends the launch with a line naming it, and
   ``--resume auto`` continues with no iteration lost or repeated.
 """
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.dist
 pool2 = module_pool(2)
 
 
-def _bridge(port: int, name: str):
+def _bridge(port: int, name: str, **kwargs):
     """Rank 0 a trainer rank, rank 1 a pool rank (one engine), over a store of their own."""
     import torch.distributed as dist
 
@@ -38,7 +39,7 @@ def _bridge(port: int, name: str):
     rank = dist.get_rank()
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=datetime.timedelta(seconds=60))
     job = Job(store=dist.PrefixStore(name, store), rank=rank, world_size=2, pool_ranks=1)
-    return Bridge(job, rollout_tp=1, device=torch.device("cpu"), timeout_s=60)
+    return Bridge(job, rollout_tp=1, device=torch.device("cpu"), timeout_s=60, **kwargs)
 
 
 def _weights_and_samples(port: int):
@@ -101,22 +102,25 @@ def _closed(port: int):
     time.sleep(0.1)
     beats = b.count(f"alive/{dist.get_rank()}")
     ref = weakref.ref(b)
+    had = (b.samples is not None, sorted(b.weights))
     b.close()
+    released = (b.samples, b.pool, b.weights)  # shut down, then let go: nothing of them outlives the bridge
     alive = [t.name for t in threading.enumerate() if t.name == "pool-alive"]
     gc.disable()  # freed by its last reference, in this thread, not by a collection
     del b
     freed = ref() is None
     gc.enable()
     dist.barrier()
-    return beats, alive, freed
+    return beats, alive, freed, had, released
 
 
 def test_close_ends_the_life_beat_and_the_bridge_dies_in_the_closing_thread(pool2):
     # A daemon thread inside a torch call that released the GIL when the interpreter finalizes aborts the
     # process after a finished run (SIGABRT): the beat thread is joined, and it never holds the bridge, whose
-    # process groups are destroyed (GIL released) where its last reference goes.
-    for beats, alive, freed in pool2.run(_closed, _free_port()):
+    # process groups are shut down and released at close (an NCCL communicator is destroyed there).
+    for beats, alive, freed, had, released in pool2.run(_closed, _free_port()):
         assert beats >= 1 and alive == [] and freed
+        assert had == (True, [0]) and released == (None, None, {})  # the samples and the weights groups
 
 
 def _silence(port: int, beat_for_s: float, gone: bool):
@@ -159,7 +163,54 @@ def test_a_wait_longer_than_the_timeout_that_gets_progress_is_not_stopped(pool2)
 def test_a_pool_rank_that_stops_living_is_named_in_one_line(pool2):
     kind, line, waited = pool2.run(_silence, _free_port(), 60.0, True)[0]  # beats progress, but not life
     assert kind == "stopped" and waited < 10
-    assert line == "rollout pool rank 1 is gone: no sign of life for 3 s while iteration 1 waited for its batch"
+    assert line == ("rollout pool rank 1 (engine 0's leader) is gone: no sign of life for 3 s while iteration 1 "
+                    "waited for its batch (killed, stopped by a signal, or its machine lost)")
+
+
+def _stalled_exchange(port: int, exchange: str):
+    """Rank 1, an engine's leader, lives for 1 s, then stops beating and never takes part in ``exchange``
+    (as under SIGSTOP); rank 0 sends a version's weights (64 MiB: more than the sockets hold) or waits for a
+    batch's samples."""
+    import torch.distributed as dist
+
+    from megatron_credit.cli import RunStopped
+    from megatron_credit.sources import bridge as br
+
+    br.GONE_S = 30.0  # its default (the workers are shared with tests that shorten it)
+    b = _bridge(port, f"stalled-{exchange}", wait_timeout_s=6.0)
+    out = None
+    if dist.get_rank() == 0:
+        t0 = time.monotonic()
+        try:
+            if exchange == "weights":
+                b.send_weights(1, iter([[("model.embed_tokens.weight", torch.zeros(16 << 20))]]))
+            else:
+                b.receive_groups(1)
+            out = ("done", "")
+        except RunStopped as exc:
+            out = ("stopped", str(exc))
+        out = (*out, time.monotonic() - t0, b.wedged)
+        t1 = time.monotonic()
+        b.close()  # the exchange left in flight: its groups are kept, not destroyed (which would wait)
+        out = (*out, time.monotonic() - t1)
+        b.store.set("done", "1")
+    else:
+        for _ in range(4):
+            b.count("alive/1", 1)
+            time.sleep(0.25)
+        b.store.wait(["done"])
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("exchange,what", [("weights", "sending version 1's weights"),
+                                           ("samples", "receiving iteration 1's samples")])
+def test_an_exchange_with_a_pool_rank_that_stops_living_ends_in_one_line(pool2, exchange, what):
+    kind, line, waited, wedged, closing = pool2.run(_stalled_exchange, _free_port(), exchange)[0]
+    # rollout.wait_timeout_s = 6 s: life_s is 6 s (not the 30 s of GONE_S), counted from the trainer's first look
+    assert (kind, wedged) == ("stopped", True) and 6.0 < waited < 9.0 and closing < 1.0
+    assert line == (f"rollout pool rank 1 (engine 0's leader) is gone: no sign of life for 6 s while {what} "
+                    "(killed, stopped by a signal, or its machine lost)")
 
 
 def _silent(port: int):
