@@ -44,6 +44,11 @@ NO_CUDA = [  # (recipe sections, the line on a CPU-only machine whose CPU has no
     ({"rollout": {"engine_options": {"device": "cuda:0"}}},
      "rollout.engine_options.device=cuda:0 asks for CUDA, and this machine has none: leave it unset (the engine "
      "runs on the trainer's device)"),
+    ({"model": {"architecture": dict(TINY_QWEN2)},
+      "parallel": {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2}},
+     "parallel.expert_model_parallel_size=2 with expert tensor parallelism 2 (parallel.tensor_model_parallel_size): "
+     "megatron's expert dispatcher all-gathers uneven token counts over the expert-TP ranks, which gloo cannot, "
+     "and this machine has no CUDA device: on CPU use expert parallelism with parallel.tensor_model_parallel_size=1"),
     ({"train": {"recompute": "full"}},
      "train.recompute=full: megatron's activation checkpoint saves the CUDA RNG state, and this machine has no "
      "CUDA device: set train.recompute=null on CPU"),

@@ -10,6 +10,9 @@ no recipe field: ``distributed.default_backend`` picks nccl exactly when CUDA is
   ``sve_bf16``) runs it and is accepted; a GPU must report ``torch.cuda.is_bf16_supported()``;
 - ``rollout.engine_options.weight_transfer: cuda_ipc`` and ``rollout.engine_options.device: cuda...``:
   CUDA itself;
+- ``parallel.expert_model_parallel_size`` above 1 with expert tensor parallelism (``expert_tp``, the TP size
+  by default) above 1: megatron's all-to-all dispatcher all-gathers each rank's tokens over the expert-TP
+  ranks in uneven sizes, which NCCL does and gloo refuses ("invalid tensor size");
 - ``train.recompute: full | selective``: megatron's activation checkpoint (of whole layers, or of the
   core attention) saves and restores the CUDA RNG state (``tensor_parallel.random.CheckpointFunction``),
   which needs CUDA.
@@ -66,6 +69,12 @@ def device_refusal(recipe, *, cuda: bool, bf16: Callable[[], bool],
         if isinstance(device, (str, torch.device)) and str(device).startswith("cuda"):
             return (f"rollout.engine_options.device={device} asks for CUDA, and this machine has none: leave it unset "
                     "(the engine runs on the trainer's device)")
+    p = recipe.parallel
+    if not cuda and p.expert_model_parallel_size > 1 and p.expert_tp > 1:
+        return (f"parallel.expert_model_parallel_size={p.expert_model_parallel_size} with expert tensor parallelism "
+                f"{p.expert_tp} (parallel.tensor_model_parallel_size): megatron's expert dispatcher all-gathers "
+                "uneven token counts over the expert-TP ranks, which gloo cannot, and this machine has no CUDA "
+                "device: on CPU use expert parallelism with parallel.tensor_model_parallel_size=1")
     if not cuda and recipe.train.recompute:
         return (f"train.recompute={recipe.train.recompute}: megatron's activation checkpoint saves the CUDA RNG "
                 "state, and this machine has no CUDA device: set train.recompute=null on CPU")
