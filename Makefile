@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast venv clean bench test-compat
+.PHONY: demo test test-fast venv clean bench test-compat rehearse
 
 venv: $(VENV)/.installed
 
@@ -86,6 +86,13 @@ endif
 test-compat: $(COMPAT_VENV)/.installed
 	$(COMPAT_PY) -c "from importlib.metadata import version as v; assert v('megatron-core') == '$(COMPAT_MCORE)', v('megatron-core'); print('megatron-core', v('megatron-core'))"
 	$(COMPAT_PY) -m pytest $(COMPAT_TESTS) $(PYTEST_ARGS)
+
+# Every recipe of examples/ in miniature on the CPU (tools/rehearse.py: its algorithm, mode, engine and layout
+# with a shrunk model of its family; 2 iterations, a checkpoint, a resume; one line per recipe). `make test`
+# rehearses the GPU recipes (tests/tools/test_rehearse.py); REHEARSE='--config examples/X.yaml' picks some.
+REHEARSE ?= --all
+rehearse: venv
+	$(PY) tools/rehearse.py $(REHEARSE)
 
 # Every benchmark (benchmarks/run_all.py: what runs, how long each took when measured, the harmless
 # megatron warnings filtered); BENCH='step_overhead,concentration' runs some of them.

@@ -2,7 +2,8 @@
 
 Two iterations of GRPO and of FIPO on the demo's model shape (``examples/demo_cpu.yaml``: head_dim 32,
 which vLLM's CPU attention supports) through ``megatron_credit.trainer.loop.train`` in a one-rank gloo
-worker, and ``torchrun`` runs at DP = 2 and at trainer TP = 2 (two processes, one vLLM engine each). The engine's log-probs
+worker (an engine on every rank under ``torchrun``, at DP = 2, trainer TP = 2, CP = 2 and EP = 2, is what
+the rehearsal of every GPU recipe runs: ``tests/tools/test_rehearse.py``). The engine's log-probs
 of its own samples must equal the actor's (``mismatch/logprob_abs_mean``) at every iteration, the second
 one included: the actor's first update (its gradient is not zero) reached the engine through the sync. A
 run whose syncs after the first send nothing shows that this metric sees a missing sync. A trainer killed
@@ -33,6 +34,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.vllm]
 
 
 DEMO = os.path.join(ROOT, "examples", "demo_cpu.yaml")
+MOE_DEMO = os.path.join(ROOT, "examples", "moe_demo_cpu.yaml")
 # The demo's model and engine, sized for a test: one-digit sums and a short warm-up (cached per test module)
 # so that groups have mixed outcomes at the first iteration; the engine's KV cache bounded to 64 MiB of RAM.
 OVERRIDES = ["rollout.engine=vllm", "rollout.engine_options.engine_kwargs.kv_cache_memory_bytes=67108864",
@@ -109,30 +111,6 @@ def test_a_missing_sync_shows_in_the_mismatch(pool, runs):
 HANG_GUARD = pytest.mark.timeout(3600)
 
 
-@HANG_GUARD
-@pytest.mark.parametrize("layout", ["parallel.tensor_model_parallel_size=1", "parallel.tensor_model_parallel_size=2"])
-def test_torchrun_an_engine_on_every_rank(tmp_path, layout):
-    # DP 2 (two replicas) or trainer TP 2 (one replica over both ranks): every rank runs an engine
-    # (rollout TP 1), fed from the trainer's layout, and each engine's samples match the actor after every sync
-    run = tmp_path / "run"
-    proc = run_until_exit(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-         os.path.join(ROOT, "pretrain_rl.py"), "--config", DEMO, "--output-dir", str(run), *OVERRIDES,
-         f"warmup.cache_dir={tmp_path / 'warmup-cache'}", "algorithm.name=grpo", layout],
-        env=dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert ("DP=1" if layout.endswith("2") else "DP=2") in out
-    # vLLM logs its engine's start once per engine, tagged with the process id: one per rank. The two ranks
-    # write into one pipe and a long line can be cut by the other's: match each tag with its nearest message.
-    pids = set(re.findall(r"\(MainProcess pid=(\d+)\)[^\n]*?Initializing a V1 LLM engine", out))
-    assert len(pids) == 2, pids
-    rows = metrics_rows(run)
-    assert [r["step"] for r in rows] == [1, 2] and all(r["rollout/engines"] == 2 for r in rows)
-    assert all(r["actor/grad_norm"] > 0 for r in rows)
-    assert all(r["mismatch/logprob_abs_mean"] <= 1e-4 for r in rows), [r["mismatch/logprob_abs_mean"] for r in rows]
-
-
 def test_a_killed_trainer_leaves_no_engine_process_behind(tmp_path):
     # Without the trainer's guard, multiprocessing's resource tracker of vLLM's engine outlives the trainer.
     env, mark = marked_env(dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="1"))
@@ -158,15 +136,17 @@ def test_a_killed_trainer_leaves_no_engine_process_behind(tmp_path):
 
 
 @HANG_GUARD
-def test_vllm_as_a_pool_engine(tmp_path):
-    # vLLM as the engine of a rollout pool rank, receiving its weights over gloo. At max_staleness 0 every
-    # batch is sampled with the version
-    # the trainer holds, so the engine's log-probs equal the actor's after every push of new weights; in
-    # one_step_off the first batch has the initial weights (the same check) and the later ones are one
-    # version old.
+def test_vllm_as_a_pool_engine_of_a_mixture_of_experts(tmp_path):
+    # vLLM as the engine of a rollout pool rank, receiving its weights over gloo, on the MoE demo's model
+    # (Qwen3-MoE, 4 experts, top-2: the trainer sends each expert under its checkpoint name, vLLM stacks
+    # them). At max_staleness 0 (async) every batch is sampled with the version the trainer holds, so the
+    # engine's log-probs equal the actor's after every push of new weights; in one_step_off the first batch
+    # has the initial weights (the same check) and the later ones are one version old. (sync with MoE on
+    # vLLM: the rehearsal of examples/fipo_qwen3_30b_a3b.yaml, tests/tools/test_rehearse.py; the dense
+    # model in a pool: the rehearsal of fipo_qwen25_32b_async.yaml and the SIGSTOP test below.)
     def run(name, *mode):
         proc = run_until_exit(
-            [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config", DEMO, "--output-dir", str(tmp_path / name),
+            [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config", MOE_DEMO, "--output-dir", str(tmp_path / name),
              *OVERRIDES, f"warmup.cache_dir={tmp_path / 'warmup-cache'}", "algorithm.name=grpo", "train.steps=3",
              *mode], env=env)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -183,27 +163,70 @@ def test_vllm_as_a_pool_engine(tmp_path):
     assert [r["rollout/staleness_mean"] for r in off[1:]] == [1.0, 1.0]
 
 
+def _pool_rank_of(trainer_pid: int) -> int:
+    """The pid of the rollout pool rank the trainer process ``trainer_pid`` started (``rollout.ranks=1``)."""
+    from megatron_credit.sources.pool import PARENT_ENV
+
+    out = subprocess.run(["pgrep", "-P", str(trainer_pid)], capture_output=True, text=True)
+    for pid in map(int, out.stdout.split()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"{PARENT_ENV}={trainer_pid}".encode() in f.read():
+                    return pid
+        except FileNotFoundError:
+            continue
+    raise AssertionError(f"no pool rank under {trainer_pid}")
+
+
 @HANG_GUARD
-def test_a_vllm_pool_engine_beats_while_it_generates():
+def test_a_vllm_pool_engine_beats_while_it_generates_and_one_stopped_with_sigstop_is_named():
     """A rollout pool whose vLLM engine draws for longer than ``rollout.wait_timeout_s`` (2,048 responses of a
     random model a draw, about 9 s on 2 cores, against 6 s): the engine reports progress after every step of its
     scheduler (and the pool while it builds its engine and loads weights), so the trainer's wait on silence
     does not stop the run (before, a vLLM engine beat only between draws: "the rollout pool made no progress for
-    6 s" at iteration 1)."""
+    6 s" at iteration 1). Then the pool rank is stopped with SIGSTOP in the middle of a draw: the run stops
+    with one line naming it, within ``rollout.wait_timeout_s`` of the trainer's wait, and leaves nothing
+    behind (the stopped rank is continued, sees the stop and exits)."""
+    import signal
     import tempfile
 
     env, mark = marked_env(dict(os.environ, OMP_NUM_THREADS="1", VLLM_ENABLE_V1_MULTIPROCESSING="0"))
     with tempfile.TemporaryDirectory() as tmp:
         run = os.path.join(tmp, "run")
-        proc = run_until_exit(
+        proc = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "pretrain_rl.py"), "--config", DEMO, "--output-dir", run, *OVERRIDES,
-             "warmup.steps=0", "algorithm.name=grpo", "train.steps=2", "train.val_every=0",
+             "warmup.steps=0", "algorithm.name=grpo", "train.steps=4", "train.val_every=0",
              "model.max_position_embeddings=640", "rollout.max_response_len=512", "rollout.prompts_per_step=256",
              "rollout.n=8", "rollout.engine_options.engine_kwargs.kv_cache_memory_bytes=134217728",
              "rollout.mode=one_step_off", "rollout.ranks=1", "rollout.wait_timeout_s=6", "reward.num_workers=1"],
-            env=env)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            metrics = os.path.join(run, "metrics.jsonl")
+            while not (os.path.exists(metrics) and len(metrics_rows(run)) >= 2):  # two iterations, long draws
+                assert proc.poll() is None, proc.communicate()[1][-4000:]
+                time.sleep(0.1)
+            os.kill(_pool_rank_of(proc.pid), signal.SIGSTOP)  # the pool is drawing a later batch
+            stopped = time.monotonic()
+            _, err = proc.communicate(timeout=240)
+            ended = time.monotonic()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
         rows = metrics_rows(run)
-    assert [r["step"] for r in rows] == [1, 2]
+        last_row = os.path.getmtime(metrics)
+    steps = [r["step"] for r in rows]
+    assert steps[:2] == [1, 2] and len(steps) < 4, steps
     assert max(r["time/rollout_engine_s"] for r in rows) > 6, rows  # a draw outlasted rollout.wait_timeout_s
+    assert proc.returncode == 2, err[-4000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, err[-4000:]
+    line = errors[0]
+    assert re.fullmatch(rf"error: rollout pool rank 1 \(engine 0's leader\) is gone: no sign of life for \d+ s "
+                        rf"while (iteration {steps[-1] + 1} waited for its batch|sending version {steps[-1]}'s weights) "
+                        r"\(killed, stopped by a signal, or "
+                        r"its machine lost\)", line), err[-4000:]
+    # (stopped while its receiving thread took the weights, it is named by the weight send)
+    # the trainer waits for the batch once it wrote its last row: named within 6 s of that, plus its exit
+    waited = ended - max(stopped, time.monotonic() - (time.time() - last_row))
+    assert waited < 6 + 15, waited
     assert wait_until_none_left(mark) == []

@@ -197,17 +197,8 @@ def test_the_demo_learns_and_changes_the_parameters(tmp_path):
     assert os.path.exists(run / "plots" / "reward.png") and os.path.exists(run / "config.yaml")
 
 
-def test_torchrun_two_ranks_tensor_parallel(tmp_path):
-    args = ["--output-dir", str(tmp_path / "tp2"), "parallel.tensor_model_parallel_size=2", "train.steps=1",
-            "warmup.steps=0", "train.val_every=0", "rollout.prompts_per_step=8", "logging.progress=false",
-            "algorithm.name=ppo"]  # the value loss has a gradient even when every answer is wrong
-    proc = _torchrun(*args)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = metrics_rows(tmp_path / "tp2")
-    assert len(rows) == 1 and rows[0]["actor/grad_norm"] > 0 and rows[0]["actor/skipped_steps"] == 0
-    assert rows[0]["mismatch/logprob_abs_mean"] < 1e-4  # the engine got the TP-gathered weights
-
-
+# PPO at TP 2 under torchrun, the engine's log-probs the actor's at every iteration: the rehearsal of
+# examples/ppo_qwen25_7b.yaml (tests/tools/test_rehearse.py).
 def test_torchrun_data_parallel_with_overlapped_reduction_and_gather(tmp_path):
     # DP = 2, megatron's distributed optimizer with overlap_grad_reduce and overlap_param_gather: the
     # engines of iteration 2 sample with weights the actor gathered before the sync (the shard each rank
