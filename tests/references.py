@@ -14,7 +14,8 @@ Every test of the credit and loss math compares against these, so each formula h
   (CompPO's attention statistics from it);
 - :func:`qkv_reference` (megatron's fused QKV row layout, row by row);
 - :func:`credit_diagnostics_reference` (Gini, effective token fraction and position correlation of |A|,
-  by pairs of tokens, one response at a time).
+  by pairs of tokens, one response at a time);
+- :func:`lora_linear_reference` (a linear with a LoRA update, one output at a time).
 """
 import math
 
@@ -281,3 +282,17 @@ def without_observations(estimator, mask, obs, *tensors):
     if outs is None:
         return torch.zeros(b, t, dtype=torch.float64)
     return tuple(outs) if len(outs) > 1 else outs[0]
+
+
+def lora_linear_reference(x, w, a, b, scale, bias=None):
+    """``y[t, o] = sum_i x[t, i] w[o, i] + scale * sum_j (sum_i x[t, i] a[j, i]) b[o, j] (+ bias[o])`` over
+    the rows ``t`` of ``x`` (any leading shape), one output at a time, in float64."""
+    x2 = x.reshape(-1, x.shape[-1]).double()
+    w, a, b = w.double(), a.double(), b.double()
+    out = torch.zeros(x2.shape[0], w.shape[0], dtype=torch.float64)
+    for t in range(x2.shape[0]):
+        xa = [float((x2[t] * a[j]).sum()) for j in range(a.shape[0])]
+        for o in range(w.shape[0]):
+            low = sum(xa[j] * float(b[o, j]) for j in range(a.shape[0]))
+            out[t, o] = float((x2[t] * w[o]).sum()) + scale * low + (float(bias[o]) if bias is not None else 0.0)
+    return out.reshape(*x.shape[:-1], w.shape[0])

@@ -82,6 +82,32 @@ def test_ppo_critic_on_the_trunk_or_a_separate_value_model():
     assert "separate value model" in ps.notes["critic"]
 
 
+def test_lora_plans_a_frozen_base_its_fp32_adapters_and_no_reference_copy_by_hand():
+    """LoRA (rank 4, the four projections) at TP 2: the bf16 base's weights stay, plus fp32 adapters (per layer
+    on a rank: qkv A [4, 64] + B [128 / 2, 4], proj A [4, 64 / 2] + B [64, 4], fc1 A [4, 64] + B [256 / 2, 4],
+    fc2 A [4, 128 / 2] + B [64, 4]); gradients 4 B and Adam states 8 B per adapter parameter; the KL
+    reference is the adapters off (no copy). The save holds the adapters and their moments."""
+    from megatron_credit.planning.timing import checkpoint_size
+
+    base = {"model": {"architecture": {**TINY_ARCH, "torch_dtype": "bfloat16"}, "params_dtype": "bfloat16"},
+            "parallel": {"tensor_model_parallel_size": 2},
+            "rollout": {"prompts_per_step": 4, "n": 2, "max_response_len": 8},
+            "algorithm": {"name": "grpo", "kl_coef": 0.01},
+            "train": {"num_minibatches": 2, "max_tokens_per_microbatch": 64}}
+    full = recipe_from_dict(base)
+    lora = recipe_from_dict(base, overrides=["model.lora.rank=4"])
+    pf = plan(full, full.model.hf_config(), nodes=1, gpus_per_node=2, gpu="h100-80gb")
+    pl = plan(lora, lora.model.hf_config(), nodes=1, gpus_per_node=2, gpu="h100-80gb")
+    adapters = 2 * 4 * ((64 + 64) + (32 + 64) + (64 + 128) + (64 + 64))
+    assert pl.terms["weights"] == pf.terms["weights"] + adapters * 4
+    assert pl.terms["gradients"] == adapters * 4 and pl.terms["optimizer"] == adapters * 8
+    assert pf.terms["reference"] == pf.terms["weights"] and pl.terms["reference"] == 0
+    assert "the adapters off" in pl.notes["reference"] and "LoRA saves" in pl.notes["gradients"]
+    assert pl.train_peak < pf.train_peak
+    whole = 2 * 4 * ((64 + 128) + (64 + 64) + (64 + 256) + (128 + 64))  # the adapters at TP 1
+    assert checkpoint_size(lora, lora.model.hf_config()) == whole * 12
+
+
 def test_qwen25_32b_tp8_pp2_cp2_sp_bf16_full_recompute_vllm_by_hand():
     """Configuration B: Qwen2.5-32B (from the known-architecture table) on 4 x 8 H100-80GB, TP 8 with
     sequence parallel, PP 2, CP 2, bf16, full recompute, the distributed optimizer, vLLM at 0.45, KL on."""

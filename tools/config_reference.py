@@ -73,6 +73,8 @@ def table(cls: type, prefix: str, skip: tuple[str, ...] = ()) -> list[str]:
         if f.name.startswith("_") or f.name in skip:
             continue
         lines.append(f"| `{prefix}{f.name}` | {_cell(_default(f))} | {_cell(docs.get(f.name, ''))} |")
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory()):
+            lines += table(type(f.default_factory()), f"{prefix}{f.name}.")[2:]  # a sub-section: its fields
     return lines
 
 

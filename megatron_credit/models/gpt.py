@@ -83,12 +83,15 @@ def resolve_transformer_engine(requested: Optional[bool]) -> bool:
 
 
 def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool] = None,
-                   packed_sequences: bool = False):
+                   packed_sequences: bool = False, unfused_norms: bool = False):
     """The ``ModuleSpec`` of one decoder layer for ``transformer_config``.
 
     ``use_transformer_engine``: None chooses by :func:`use_transformer_engine_spec` ("auto").
     ``packed_sequences``: the model runs packed (THD) micro-batches; TE's attention takes them as they are,
     the local spec's core attention becomes ``CpuContextParallelAttention`` (megatron's asserts they are absent).
+    ``unfused_norms`` (LoRA, ``models/lora.py``): TE's spec with its norms apart from ``linear_qkv`` and
+    ``linear_fc1`` (``TENorm`` + ``TEColumnParallelLinear``, as its MoE layers have them), so an adapter on those
+    linears reads the normalised input; the local spec has them apart already.
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
@@ -99,7 +102,8 @@ def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool]
     choices = dict(qk_layernorm=transformer_config.qk_layernorm, num_experts=transformer_config.num_moe_experts,
                    moe_grouped_gemm=transformer_config.moe_grouped_gemm)
     if use_transformer_engine:
-        return get_gpt_layer_with_transformer_engine_spec(**choices)
+        spec = get_gpt_layer_with_transformer_engine_spec(**choices)
+        return _te_unfused_norms(spec) if unfused_norms else spec
     spec = get_gpt_layer_local_spec(**choices, normalization=transformer_config.normalization)
     if transformer_config.sequence_parallel:
         spec = _with_sequence_parallel_norms(spec)
@@ -119,9 +123,26 @@ def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool]
     return spec
 
 
+def _te_unfused_norms(spec):
+    """A copy of TE's layer spec whose norms are modules of their own before ``linear_qkv`` / ``linear_fc1``
+    (needs Transformer Engine: GPU only)."""
+    from megatron.core.extensions.transformer_engine import (TEColumnParallelLinear, TELayerNormColumnParallelLinear,
+                                                             TENorm)
+
+    spec = copy.deepcopy(spec)
+    layer = spec.submodules
+    attention = layer.self_attention.submodules
+    if attention.linear_qkv is TELayerNormColumnParallelLinear:
+        attention.linear_qkv, layer.input_layernorm = TEColumnParallelLinear, TENorm
+    mlp = getattr(getattr(layer, "mlp", None), "submodules", None)
+    if getattr(mlp, "linear_fc1", None) is TELayerNormColumnParallelLinear:
+        mlp.linear_fc1, layer.pre_mlp_layernorm = TEColumnParallelLinear, TENorm
+    return spec
+
+
 def gpt_decoder_block_spec(transformer_config, *, use_transformer_engine: Optional[bool] = None,
                            final_attention_capture=None, pp_rank: Optional[int] = None,
-                           packed_sequences: bool = False):
+                           packed_sequences: bool = False, unfused_norms: bool = False):
     """The decoder spec of pipeline rank ``pp_rank`` (default: this rank's).
 
     Without ``final_attention_capture`` it is :func:`gpt_layer_spec` (megatron repeats it per layer);
@@ -129,7 +150,7 @@ def gpt_decoder_block_spec(transformer_config, *, use_transformer_engine: Option
     GLOBAL last layer (on the last stage only) records into it; the other layers keep the plain spec.
     """
     spec = gpt_layer_spec(transformer_config, use_transformer_engine=use_transformer_engine,
-                          packed_sequences=packed_sequences)
+                          packed_sequences=packed_sequences, unfused_norms=unfused_norms)
     local_sp = getattr(spec.submodules, "input_layernorm", None) is SequenceParallelTorchNorm
     if final_attention_capture is None and not local_sp:
         return spec
@@ -189,7 +210,7 @@ def _with_sequence_parallel_norms(spec):
 def build_gpt_model(hf_config, transformer_config, *, pre_process: Optional[bool] = None,
                     post_process: Optional[bool] = None, use_transformer_engine: Optional[bool] = None,
                     capture_final_attention: bool = False, final_attention_capture=None,
-                    packed_sequences: bool = False):
+                    packed_sequences: bool = False, unfused_norms: bool = False):
     """A megatron ``GPTModel`` (this rank's pipeline stage) for ``hf_config``.
 
     ``pre_process`` / ``post_process`` default to whether this rank is the first / last pipeline
@@ -236,7 +257,8 @@ def build_gpt_model(hf_config, transformer_config, *, pre_process: Optional[bool
         transformer_layer_spec=gpt_decoder_block_spec(transformer_config,
                                                       use_transformer_engine=use_transformer_engine,
                                                       final_attention_capture=capture,
-                                                      packed_sequences=packed_sequences),
+                                                      packed_sequences=packed_sequences,
+                                                      unfused_norms=unfused_norms),
         vocab_size=hf_config.vocab_size,
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,

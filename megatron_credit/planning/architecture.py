@@ -83,6 +83,31 @@ def layer_param_count(a: Architecture, *, tp: int = 1, ep: int = 1, etp: Optiona
     return attn + mlp + 2 * a.hidden_size + extra
 
 
+def lora_layer_param_count(a: Architecture, *, rank: int, targets, tp: int = 1) -> int:
+    """LoRA adapter parameters of one decoder layer on one rank (``models/lora.py``): a column-parallel
+    linear's ``A [r, in]`` whole and ``B [out / tp, r]`` split, a row-parallel one's ``A [r, in / tp]`` split and
+    ``B [out, r]`` whole. An MoE layer's routed experts get none (their MLP targets count nothing).
+
+    >>> arch = Architecture(model_type="qwen2", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+    ...                     head_dim=16, intermediate_size=96, vocab_size=128, tied_embeddings=False,
+    ...                     max_position_embeddings=64)
+    >>> lora_layer_param_count(arch, rank=4, targets=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+    2944
+    """
+    h, q, kv, ffn = a.hidden_size, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.intermediate_size
+    dense = a.moe is None
+    shapes = {"linear_qkv": (h, (q + 2 * kv) // tp, "column"), "linear_proj": (q // tp, h, "row"),
+              "linear_fc1": (h, 2 * ffn // tp, "column") if dense else None,
+              "linear_fc2": (ffn // tp, h, "row") if dense else None}
+    total = 0
+    for t in targets:
+        if shapes.get(t) is None:
+            continue
+        n_in, n_out, _ = shapes[t]
+        total += rank * (n_in + n_out)
+    return total
+
+
 def stage_param_counts(a: Architecture, *, tp: int = 1, pp: int = 1, ep: int = 1,
                        etp: Optional[int] = None) -> list[int]:
     """Parameters per pipeline stage on one rank (TP, and EP / expert TP for the experts), first stage first.

@@ -226,19 +226,32 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
         dense, experts = (params - expert_params) * optim_per_param, expert_params * optim_per_param
         return math.ceil(dense / (dp * cp)) + math.ceil(experts / edp) if sharded else dense + experts
 
+    lora = recipe.model.lora
+    adapters = 0
+    if lora.enabled:  # the base frozen: gradients and Adam states of the fp32 adapters alone (models/lora.py)
+        from megatron_credit.planning.architecture import lora_layer_param_count
+
+        adapters = a.num_layers // pp * lora_layer_param_count(a, rank=lora.rank, targets=lora.targets, tp=tp)
+        full_training = params * 4 + optimizer_bytes(distributed_optimizer) + (params * wb if recipe.algorithm.kl_coef > 0 else 0)
+
+        def optimizer_bytes(sharded: bool) -> int:  # noqa: F811  (fp32 adapters: m and v, no master copy)
+            return math.ceil(adapters * 8 / (dp * cp)) if sharded else adapters * 8
+
     optimizer, other = optimizer_bytes(distributed_optimizer), optimizer_bytes(not distributed_optimizer)
     critic_params, separate_critic = _critic_params(recipe, a, actor_params=params)
     local_tokens = math.ceil(micro_tokens / cp)
     local_attn = recipe.model.transformer_impl == "local"
     nccl = nccl_buffer_bytes(tp=tp, pp=pp, cp=cp, dp=dp, tied_embeddings=a.tied_embeddings)
     chunk = min(t.logprob_chunk_size, local_tokens)
+    trained = adapters if lora.enabled else params
     terms = {
-        "weights": params * wb,
-        "gradients": params * 4,
+        "weights": params * wb + adapters * 4,
+        "gradients": trained * 4,
         "optimizer": optimizer,
         # a separate value model: weights, fp32 gradients and optimizer sharded like the actor's
         "critic": (params * (wb + 4) + optimizer) if separate_critic else critic_params * (wb + 4 + optim_per_param),
-        "reference": params * wb if recipe.algorithm.kl_coef > 0 else 0,
+        # LoRA: the reference is the policy with its adapters off, no copy
+        "reference": params * wb if recipe.algorithm.kl_coef > 0 and not lora.enabled else 0,
         "activations": activation_bytes(a, tokens=local_tokens, tp=tp, sequence_parallel=p.sequence_parallel,
                                         recompute=t.recompute, dtype_bytes=wb, score_matrix=local_attn, etp=etp),
         "logprob_chunk": 3 * 4 * chunk * a.vocab_size // tp,
@@ -268,13 +281,15 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
                    + (f", {expert_params / 1e6:,.1f}M of them experts ({a.num_experts // ep} of {a.num_experts} "
                       f"per layer: EP {ep}, expert TP {etp})" if a.moe else ""),
         "gradients": "fp32 main gradients, 4 B/param",
-        "optimizer": f"{optim_per_param} B/param (Adam m, v{' + fp32 master' if wb != 4 else ''})"
+        "optimizer": (f"8 B/adapter param (Adam m, v of fp32 adapters)" if lora.enabled else
+                      f"{optim_per_param} B/param (Adam m, v{' + fp32 master' if wb != 4 else ''})")
                      + (f" / DPxCP={dp * cp} (distributed optimizer)" if distributed_optimizer else
                         " (no distributed optimizer)")
                      + (f", experts / expert DP={edp}" if a.moe and distributed_optimizer else ""),
         "critic": (f"separate value model, {params / 1e6:,.1f}M params (weights, gradients, optimizer as the "
                    "actor's)") if separate_critic else f"{critic_params:,} params" if critic_params else "none",
-        "reference": "frozen copy (algorithm.kl_coef > 0)" if terms["reference"] else "none (no KL term)",
+        "reference": "frozen copy (algorithm.kl_coef > 0)" if terms["reference"] else
+                     "none: the adapters off (LoRA)" if lora.enabled and recipe.algorithm.kl_coef > 0 else "none (no KL term)",
         "activations": f"{local_tokens:,} tokens/GPU (micro-batch {micro_tokens:,} / CP {cp}, {layout_note}), "
                        f"recompute {t.recompute or 'none'}{', fp32 scores (local attention)' if local_attn else ''}"
                        + (f", MoE: top-{a.top_k} x {a.expert_ffn} per token, all-to-all dispatch" if a.moe else ""),
@@ -284,6 +299,11 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
         "cuda_contexts": f"{contexts} x {CUDA_CONTEXT_BYTES / GIB:.1f} GiB: {contexts_note}",
         "rollout_engine": engine_note,
     }
+    if lora.enabled:
+        notes["weights"] += f" + {adapters / 1e6:,.2f}M fp32 adapter params (LoRA rank {lora.rank})"
+        notes["gradients"] = (f"fp32 adapter gradients, 4 B/adapter param; the base frozen (LoRA saves "
+                              f"{(full_training - terms['gradients'] - terms['optimizer'] - terms['reference']) / GIB:,.1f} "
+                              "GiB of gradients, optimizer states and reference against full fine-tuning)")
     return Plan(layout=layout, problems=tuple(problems),
                 terms=terms, notes=notes, optimizer_bytes_other=other,
                 train_peak=resident + terms["activations"] + terms["logprob_chunk"],

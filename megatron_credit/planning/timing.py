@@ -156,13 +156,19 @@ def generation_seconds(recipe, a, *, engines: int, rtp: int, gpu: str, dtype_byt
 
 def checkpoint_size(recipe, hf_config) -> int:
     """Bytes of one save: the weights, fp32 master weights (when the parameters are not fp32) and Adam's two
-    moments, of the actor and a separate critic."""
+    moments, of the actor and a separate critic; with LoRA the adapters and their moments instead of the actor."""
     from megatron_credit.planning.plan import DTYPE_BYTES, Architecture, _critic_params, _dtype_name, total_param_count
 
     a = Architecture.from_hf(hf_config)
     params = total_param_count(a)
     dtype_bytes = DTYPE_BYTES[_dtype_name(recipe, hf_config)]
     critic, _ = _critic_params(recipe, a, actor_params=params)
+    lora = recipe.model.lora
+    if lora.enabled:  # the adapters (fp32, with their two moments) and a critic's head; the base is named only
+        from megatron_credit.planning.architecture import lora_layer_param_count
+
+        adapters = a.num_layers * lora_layer_param_count(a, rank=lora.rank, targets=lora.targets)
+        return int(adapters * (4 + 8) + critic * (dtype_bytes + (4 if dtype_bytes < 4 else 0) + 8))
     return int((params + critic) * (dtype_bytes + (4 if dtype_bytes < 4 else 0) + 8))
 
 

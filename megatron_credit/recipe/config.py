@@ -24,14 +24,14 @@ from __future__ import annotations
 import dataclasses
 import types
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Annotated, Any, Mapping, Optional, Sequence
 
 from megatron_credit.gpu_kinds import GPUS
 from megatron_credit.recipe.moe import MoeConfig
 from megatron_credit.recipe.sections import (AlgorithmConfig, CheckpointConfig, DataConfig, EnvConfig, LoggingConfig,
                                              OptimConfig, RewardConfig, RolloutConfig, TrainConfig,
                                              WarmupConfig)
-from megatron_credit.typed_build import NonNegativeInt, PositiveFloat, PositiveInt
+from megatron_credit.typed_build import NonNegativeInt, PositiveFloat, PositiveInt, Range
 from megatron_credit.typed_build import build_dataclass as _build
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -132,6 +132,45 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """Low-rank adapters on the actor's linears (``models/lora.py``): the base model frozen, only the adapters
+    (and a critic's head) trained. ``model.lora.rank=8`` alone turns it on."""
+
+    rank: Annotated[int, Range(ge=0, note="0 = off")] = 0
+    """The adapters' rank r; 0 = off (every parameter trains)."""
+    alpha: Optional[PositiveFloat] = None
+    """The update's scale is alpha / rank; None = 2 x rank."""
+    dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0
+    """Dropout on an adapter's input (PEFT's ``lora_dropout``)."""
+    targets: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    """megatron's modules that get adapters: attention's QKV and output projections, the MLP's in and out
+    (a dense MLP's and a shared expert's; routed experts stay frozen)."""
+
+    def __post_init__(self) -> None:
+        from megatron_credit.models.lora import TARGETS
+
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown:
+            raise ValueError(f"model.lora.targets: unknown {unknown}; megatron's projections are {list(TARGETS)}")
+        if not self.targets:
+            raise ValueError("model.lora.targets is empty: name at least one of " + ", ".join(TARGETS))
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"model.lora.targets names one module twice: {list(self.targets)}")
+        if self.rank == 0 and (self.alpha is not None or self.dropout):
+            raise ValueError("model.lora.rank is 0 (LoRA off), but model.lora."
+                             f"{'alpha' if self.alpha is not None else 'dropout'} is set: give model.lora.rank >= 1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale_alpha(self) -> float:
+        """alpha (2 x rank when not given)."""
+        return float(self.alpha) if self.alpha is not None else 2.0 * self.rank
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Which actor to build: a Hugging Face config (from a directory or inline), its dtype, explicit
     context-length / RoPE overrides, and the layer implementation."""
@@ -154,6 +193,8 @@ class ModelConfig:
     """Layer implementation: "auto" (Transformer Engine on GPU, where its absence is an error; megatron's
     local spec on CPU), "transformer_engine", or "local" (allowed on GPU only when asked for: its attention
     keeps full fp32 score matrices, ~10 GB per layer at 20K tokens)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (``rank: 0``, the default: off)."""
 
     def __post_init__(self) -> None:
         if (self.name_or_path is None) == (self.architecture is None):
@@ -273,6 +314,12 @@ class Recipe:
             raise ValueError("cluster.distributed_optimizer: true plans sharded optimizer states that this run would "
                              "not shard: set optim.backend: megatron and optim.distributed_optimizer: true (or "
                              "cluster.distributed_optimizer: false)")
+        if self.model.lora.enabled:
+            kind = self.algorithm.build().critic_kind
+            if kind is not None and kind.separate_model:
+                raise ValueError("model.lora.rank > 0 with algorithm.params.critic: separate: the separate value "
+                                 "model would be a second full model to train; use the trunk critic "
+                                 "(algorithm.params.critic: trunk) with LoRA, or model.lora.rank: 0")
 
     def problems(self, arch, *, world_size: int) -> list[str]:
         """Every cross-section problem of this recipe on ``world_size`` ranks with the model ``arch`` (a

@@ -116,6 +116,7 @@ class Actor(OptimizerStep):
         self.from_checkpoint = _has_safetensors(model.name_or_path)
         # per-token loss: the loss contract above; no random init for checkpoint weights
         te = resolve_transformer_engine(model.use_transformer_engine())  # the spec, and so the fused kernels
+        self._te = te
         self.config = actor_transformer_config(hf_config, parallel=parallel, params_dtype=model.torch_dtype(),
                                                recompute=recompute, from_checkpoint=self.from_checkpoint,
                                                transformer_engine=te, moe=moe)
@@ -125,8 +126,17 @@ class Actor(OptimizerStep):
         self.capture = capture
         self.model = build_gpt_model(hf_config, self.config, use_transformer_engine=te,
                                      packed_sequences=packed_sequences,
+                                     unfused_norms=model.lora.enabled and not self.is_critic,  # LoRA reads normed input
                                      **(capture.model_options if capture is not None else {})).to(self.device)
         self.last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.lora = model.lora if model.lora.enabled and not self.is_critic else None
+        if self.lora is not None:  # the base frozen, adapters on its linears (``models/lora.py``)
+            from megatron_credit.models.lora import attach
+
+            attach(self.model, rank=self.lora.rank, alpha=self.lora.scale_alpha, dropout=self.lora.dropout,
+                   targets=self.lora.targets, seed=seed, layer_offset=self.layer_offset_of(ps, hf_config),
+                   tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+                   tp_group=ps.get_tensor_model_parallel_group(), sequence_parallel=self.config.sequence_parallel)
         self.with_critic = with_critic
         self.feature_critic = critic_factory is not None  # reads detached features, clipped on its own
         self._layer_outputs: list = []
@@ -149,7 +159,10 @@ class Actor(OptimizerStep):
                             overlap_grad_reduce=o.overlap_grad_reduce, overlap_param_gather=o.overlap_param_gather)
         self.reference = None
         self.reference_from: Optional[str] = None  # see load_initial_weights
-        if with_reference:
+        # LoRA: the reference is the policy with its adapters off while the base is what the reference
+        # should be (no second model held); reset_reference builds a copy once the adapters start elsewhere
+        self.reference_off = with_reference and self.lora is not None
+        if with_reference and self.lora is None:
             self.reference = build_gpt_model(hf_config, self.config, use_transformer_engine=te,
                                              packed_sequences=packed_sequences).to(self.device)
             self.reference.load_state_dict(self.model.state_dict(), strict=False)
@@ -250,7 +263,18 @@ class Actor(OptimizerStep):
 
     @property
     def layer_offset(self) -> int:
-        return self.ps.get_pipeline_model_parallel_rank() * self.hf_config.num_hidden_layers // self.pp_size
+        return self.layer_offset_of(self.ps, self.hf_config)
+
+    @staticmethod
+    def layer_offset_of(ps, hf_config) -> int:
+        """The global index of this pipeline stage's first decoder layer."""
+        return (ps.get_pipeline_model_parallel_rank() * hf_config.num_hidden_layers
+                // ps.get_pipeline_model_parallel_world_size())
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the run keeps a KL reference (a frozen copy, or with LoRA the adapters off)."""
+        return self.reference is not None or self.reference_off
 
     def output_weight(self, model) -> torch.Tensor:
         """This TP rank's ``[V / tp, H]`` output projection (the shared embedding when tied)."""
@@ -277,8 +301,9 @@ class Actor(OptimizerStep):
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        model = self.reference if reference else self.model
-        runner = model if reference else self.ddp  # gradients go to DDP's buffers
+        off = reference and self.reference_off  # LoRA: the reference is this model with its adapters off
+        model = self.reference if reference and not off else self.model
+        runner = model if reference and not off else self.ddp  # gradients go to DDP's buffers
         if self.pp_size > 1 and not self.config.variable_seq_lengths:
             shapes = {(mb.num_rows, mb.seq_len) for mb in microbatches}
             assert len(shapes) == 1, f"PP needs one micro-batch shape, got {shapes}"
@@ -329,7 +354,12 @@ class Actor(OptimizerStep):
         first = microbatches[0]
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         runner.train(not forward_only)
-        with grad_ctx, self._aux_loss_scale(microbatches, forward_only):
+        base = contextlib.nullcontext()
+        if off:
+            from megatron_credit.models.lora import adapters_off
+
+            base = adapters_off(self.model)
+        with grad_ctx, base, self._aux_loss_scale(microbatches, forward_only):
             out = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=iter(microbatches), model=[runner],
                 num_microbatches=len(microbatches),
@@ -425,7 +455,7 @@ class Actor(OptimizerStep):
 
             state = checkpoint_state(hf_model.state_dict())  # routed experts under the checkpoint's names
             get, source = state.__getitem__, f"random initialisation (seed {seed})"
-        local = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if not k.startswith("value_head.")}
+        local = {k: v for k, v in self._base_state(keep_vars=True).items() if not k.startswith("value_head.")}
         load_hf_into_local_state(local, get, family_for_config(self.hf_config), self.hf_config,
                                  tp_rank=self.tp_rank, tp_size=self.tp_size, layer_offset=self.layer_offset,
                                  ep_rank=self.ep_rank, ep_size=self.ep_size)
@@ -455,16 +485,48 @@ class Actor(OptimizerStep):
         from megatron_credit.conversion import family_for_config, iter_hf_weight_buckets
 
         self.gather_params()
-        state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("value_head.")}
+        if self.lora is not None:  # W + B A * alpha / rank, one weight at a time
+            from megatron_credit.models.lora import MergedState
+
+            state = {k: v for k, v in MergedState(self.model).items() if not k.startswith("value_head.")}
+        else:
+            state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("value_head.")}
         return iter_hf_weight_buckets(state, family_for_config(self.hf_config), self.hf_config,
                                       tp_group=self.tp_group if self.tp_size > 1 else None,
                                       pp_group=self.pp_group if self.pp_size > 1 else None,
                                       ep_group=self.ep_group, layer_offset=self.layer_offset,
                                       bucket_bytes=bucket_bytes)
 
+    def reference_copy(self) -> torch.nn.Module:
+        """A LoRA run's reference as a model of its own (the adapters off no longer give it), built once."""
+        self.reference_off = False
+        if self.reference is None:
+            self.reference = build_gpt_model(self.hf_config, self.config, use_transformer_engine=self._te,
+                                             packed_sequences=self.packed_sequences,
+                                             unfused_norms=True).to(self.device)  # the policy's own spec
+            self.reference.requires_grad_(False).eval()
+        return self.reference
+
+    def _base_state(self, *, keep_vars: bool = False) -> dict:
+        """The model's state dict without LoRA adapters."""
+        from megatron_credit.models.lora import base_state
+
+        return base_state(self.model, keep_vars=keep_vars)
+
     def reset_reference(self) -> None:
-        """The frozen reference := the current policy (after a warm-up or an initial load)."""
+        """The frozen reference := the current policy (after a warm-up or an initial load). With LoRA, while
+        every adapter is still zero (``B = 0``) the policy is its base and the reference stays the adapters
+        off; adapters trained before RL (a warm-up) make it a copy of the merged weights."""
         self.reference_from = None  # no longer (known to be) the HF weights of model.name_or_path
+        if self.lora is not None and (self.reference_off or self.reference is not None):
+            from megatron_credit.models.lora import MergedState, adapters
+
+            if all(not a.b.detach().any() for _, a in adapters(self.model)):
+                self.reference, self.reference_off = None, True
+                return
+            self.gather_params()
+            self.reference_copy().load_state_dict(dict(MergedState(self.model)), strict=False)
+            return
         if self.reference is not None:
             self.gather_params()
             state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("value_head.")}

@@ -52,6 +52,8 @@ def reference_extras(actor) -> dict[str, Any]:
     started from (``actor.reference_from``: ``model.name_or_path``, no warm-up, no layout change since) is
     saved as that path and a SHA-256 of this rank's shard, not as a second copy of the weights (a
     135M-parameter model's checkpoint shrank by 0.5 GB so); any other reference in full."""
+    if getattr(actor, "reference_off", False):  # LoRA: the reference is the base, which the run names
+        return {"adapters_off": True}
     if getattr(actor, "reference_from", None) is not None:
         return {"hf_weights": actor.reference_from, "sha256": state_digest(actor.reference.state_dict())}
     # host copies: the rank file is read back with map_location="cpu" (and on another device count)
@@ -62,8 +64,13 @@ def load_reference(actor, saved: dict[str, Any], *, path: str) -> None:
     """Restore the reference from a rank file's entry (:func:`reference_extras`). The HF-weights form is
     checked: the reference the trainer just loaded from ``model.name_or_path`` must be the saved one,
     bit for bit, or the resume stops naming the folder."""
+    if saved.get("adapters_off"):
+        if not getattr(actor, "reference_off", False):
+            raise ValueError(f"--resume {path}: the checkpoint's reference is its LoRA base (the adapters off), "
+                             "and this run has no adapters (model.lora.rank)")
+        return
     if "hf_weights" not in saved:
-        actor.reference.load_state_dict(saved)
+        (actor.reference_copy() if actor.reference is None else actor.reference).load_state_dict(saved)
         actor.reference_from = None
         return
     mine = getattr(actor, "reference_from", None)
@@ -103,7 +110,7 @@ def _sharded_state(actor, *, for_load: bool) -> dict[str, Any]:
     if actor.megatron_optimizer:  # megatron's own sharded optimizer state (reshardable, distributed or not)
         if for_load:
             _materialize_adam_state(opt)
-        model_sd = actor.model.sharded_state_dict()
+        model_sd = _trained_entries(actor, actor.model.sharded_state_dict())
         # fully_reshardable: each parameter's state in model space (gathered on DP rank 0 for the save), so
         # the distributed optimizer's state reshards over TP / PP / DP (0.16.1 refuses to save the older
         # fully_sharded_model_space's flattened ranges).
@@ -121,11 +128,47 @@ def _sharded_state(actor, *, for_load: bool) -> dict[str, Any]:
             st.setdefault("step", torch.tensor(0.0))
         if m is not p:  # bf16 / fp16 model: the fp32 master weights travel with the moments
             st["master_param"] = m.detach()
-    model_sd = actor.model.sharded_state_dict()
+    model_sd = _trained_entries(actor, actor.model.sharded_state_dict())
     optim_sd = opt.state_dict()
     optim_state_to_sharding_state(optim_sd, get_param_id_to_sharded_param_map(model_sd, opt.model_params),
                                   exclude_keys=("step",))
     return {"model": model_sd, "optimizer": {"state": optim_sd["state"]}}
+
+
+def _trained_entries(actor, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """A LoRA run's checkpoint holds what trains (the adapters, a value head), not its frozen base, which
+    ``meta.json`` names (``lora.base``) and the run loads from ``model.name_or_path``; others hold everything."""
+    if getattr(actor, "lora", None) is None:
+        return model_sd
+    trained = {id(p) for p in actor.model.parameters() if p.requires_grad}
+    return {k: v for k, v in model_sd.items() if id(getattr(v, "data", None)) in trained}
+
+
+def lora_meta(actor) -> Optional[dict[str, Any]]:
+    """What a LoRA checkpoint records of its adapters and the base they were trained on (None: no LoRA)."""
+    lora = getattr(actor, "lora", None)
+    if lora is None:
+        return None
+    return {"rank": lora.rank, "alpha": lora.scale_alpha, "targets": list(lora.targets),
+            "base": os.path.abspath(actor.model_path) if actor.model_path else None}
+
+
+def _check_lora(path: str, meta: dict[str, Any], actor) -> None:
+    """One line when the checkpoint's adapters (or their absence) do not fit this run's ``model.lora``, or were
+    trained on another base than ``model.name_or_path``."""
+    saved, mine = meta.get("lora"), lora_meta(actor)
+    if saved is None and mine is None:
+        return
+    if saved is None or mine is None:
+        raise ValueError(f"--resume {path}: the checkpoint {'has' if saved else 'has no'} LoRA adapters and this "
+                         f"recipe {'has' if mine else 'has none'} (model.lora.rank: "
+                         f"{saved['rank'] if saved else 0} in the checkpoint, {mine['rank'] if mine else 0} here)")
+    for field in ("rank", "alpha", "targets"):
+        if saved[field] != mine[field]:
+            raise ValueError(f"--resume {path}: model.lora.{field}: checkpoint {saved[field]}, recipe {mine[field]}")
+    if saved["base"] != mine["base"]:
+        raise ValueError(f"--resume {path}: the checkpoint's adapters were trained on the base {saved['base']}, "
+                         f"and model.name_or_path is {mine['base']}")
 
 
 @torch.no_grad()
@@ -189,6 +232,8 @@ def save(run_dir: str, step: int, actor, extras: dict[str, Any], *, layout: dict
         if rank == 0:
             with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
                 meta = {"step": step, "layout": layout, **_optimizer_meta(actor), "critic_lr": actor.optim.critic_lr}
+                if lora_meta(actor) is not None:
+                    meta["lora"] = lora_meta(actor)
                 if critic is not None:
                     meta["critic"] = _optimizer_meta(critic)
                 json.dump(meta, f)
@@ -268,6 +313,7 @@ def load(path: str, actor, *, layout: dict[str, int],
                          f"model and this recipe {'has one' if critic is not None else 'has none'} "
                          "(algorithm.params.critic, separate or trunk, must be the one of the run that saved it)")
     _check_schedule(path, meta, actor, critic=critic)  # before anything is loaded
+    _check_lora(path, meta, actor)
     _load_model_optim(path, MODEL_OPTIM, actor, meta)
     if critic is not None:
         _load_model_optim(path, CRITIC_OPTIM, critic, meta["critic"])
@@ -290,7 +336,11 @@ def _load_model_optim(path: str, sub: str, actor, meta: dict[str, Any]) -> None:
     with weights_only_byte_items(model_dir), checkpoint_errors_unwrapped():  # a second guard (safe_load)
         state = dist_checkpointing.load(request, model_dir)
     result = actor.model.load_state_dict(state["model"], strict=False)
-    bad = [k for k in list(result.missing_keys) + list(result.unexpected_keys) if not k.endswith("_extra_state")]
+    missing = list(result.missing_keys)
+    if getattr(actor, "lora", None) is not None:  # the frozen base came from model.name_or_path
+        trained = {n for n, p in actor.model.named_parameters() if p.requires_grad}
+        missing = [k for k in missing if k in trained]
+    bad = [k for k in missing + list(result.unexpected_keys) if not k.endswith("_extra_state")]
     if bad:
         raise ValueError(f"checkpoint {path}: model keys do not match this model: {bad[:5]}")
     opt = actor.optimizer

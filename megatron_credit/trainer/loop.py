@@ -195,14 +195,14 @@ def restore(run: Run, recipe, *, log, timings: dict[str, float]) -> int:
             # the algorithm's state (checkpoints before it was saved whole kept its parts at the top level)
             ctx.load_algorithm_state(extras.get("algorithm", extras))
             ckpt.set_rng_state(extras["rng"])
-            if actor.reference is not None:
+            if actor.has_reference:
                 ckpt.load_reference(actor, extras["reference"], path=path)
             log(f"resumed from {path} (iteration {start})")
         else:
             # Another layout: the weights and optimizer resharded exactly; the prompt stream is the job's
             # (the same on every rank and layout), so its cursor carries over as it is.
             old = meta["layout"]
-            if actor.reference is not None:
+            if actor.reference is not None:  # (a LoRA run's adapters-off reference is its base: unchanged)
                 log("note: the reference model restarts from the loaded policy (layout changed)")
                 actor.reset_reference()
             log(f"resumed from {path} (iteration {start}), resharded from {old} to {layout}")
@@ -362,7 +362,7 @@ def _save(run_dir, step, run: Run, *, keep: int) -> None:
     """Iteration ``step`` as a checkpoint of ``run_dir`` (``checkpoint.keep``: how many are kept)."""
     ctx, actor = run.ctx, run.ctx.actor
     extras = {"prompts": run.prompts.state_dict(), "rng": ckpt.rng_state()}
-    if actor.reference is not None:
+    if actor.has_reference:
         extras["reference"] = ckpt.reference_extras(actor)
     extras["algorithm"] = ctx.algorithm.state_dict()
     ckpt.save(run_dir, step, actor, extras, layout=run.layout, keep=keep, critic=ctx.critic)

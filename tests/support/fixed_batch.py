@@ -99,6 +99,9 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
             step.update_minibatch(ctx, batch, mini, stats)
             m = ctx.reduce_stats(stats)
             m["changed"] = any(not torch.equal(a, p) for a, p in zip(before, actor.model.parameters()))
+            # which parameters moved: a LoRA run's frozen base must not (models/lora.py)
+            m["base_changed"] = any(not torch.equal(a, p) for a, (n, p) in zip(before, actor.model.named_parameters())
+                                    if ".lora." not in n and not n.startswith("value_head."))
             m["actor/lr"] = actor.last_lr
             if critic is not None:
                 m["critic/lr"] = critic.last_lr
