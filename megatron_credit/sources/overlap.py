@@ -118,6 +118,10 @@ class OverlapSource(SampleRouter):
         try:
             if self.rank == 0:
                 self.bridge.stop()
+            else:  # close this rank's groups only once the pool was told: a send cut before is its error
+                t0 = time.monotonic()
+                while not self.bridge.stopping() and not self.bridge.gone(0) and time.monotonic() - t0 < 10:
+                    time.sleep(0.05)
             for proc in SPAWNED if self.rank == 0 else ():
                 with contextlib.suppress(ProcessLookupError):  # a rank stopped by a signal sees the stop once continued
                     os.kill(proc.pid, signal.SIGCONT)

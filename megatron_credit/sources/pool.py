@@ -58,19 +58,32 @@ def serve(recipe, hf_config, *, job, device: torch.device, local_rank: int) -> i
     except BaseException as exc:  # noqa: BLE001  (reported to the trainer as one line, then the rank exits)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        line = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-        # in the launch's log too: the trainer names it, unless the launcher ends the trainer first
-        print(f"error: rollout pool rank {job.rank}: {line}", file=sys.stderr, flush=True)
-        try:
-            bridge.fail(line)
-            t0 = time.monotonic()  # let the trainer read it before this rank's exit ends the launch
-            while not bridge.stopping() and time.monotonic() - t0 < 30:
-                time.sleep(POLL_S)
-        except Exception:  # noqa: BLE001  (the store is gone too)
-            pass
-        return 1
+        return failed(bridge, job.rank, exc)
     finally:
         bridge.close()
+
+
+def failed(bridge, rank: int, exc: BaseException) -> int:
+    """A pool rank's exit code after ``exc``. After the trainer said stop, an exchange cut short by its ranks'
+    exit (an async pool sends the next batch while the trainer finishes: ``Connection closed by peer``) is the
+    run's end: 0, nothing reported. Otherwise the error is one line in the launch's log and in the store for
+    the trainer to name, and the rank waits for the trainer to read it: 1."""
+    try:
+        if bridge.stopping():
+            return 0
+    except Exception:  # noqa: BLE001  (the store is gone: the error is this rank's to report)
+        pass
+    line = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    # in the launch's log too: the trainer names it, unless the launcher ends the trainer first
+    print(f"error: rollout pool rank {rank}: {line}", file=sys.stderr, flush=True)
+    try:
+        bridge.fail(line)
+        t0 = time.monotonic()  # let the trainer read it before this rank's exit ends the launch
+        while not bridge.stopping() and time.monotonic() - t0 < 30:
+            time.sleep(POLL_S)
+    except Exception:  # noqa: BLE001  (the store is gone too)
+        pass
+    return 1
 
 
 SPAWNED: list = []
