@@ -168,10 +168,35 @@ model, the post-trained one is ``-Instruct``): a header's "Qwen2.5-32B-Base" is 
 Qwen3 publishes both ``Qwen3-30B-A3B`` (post-trained) and ``Qwen3-30B-A3B-Base``: there the name must match."""
 
 
+DRY_RUN_SCRIPTS = [p for p in RECIPE_SCRIPTS if os.path.basename(p)[:-3] in
+                   ("grpo_qwen25_7b", "fipo_qwen25_32b", "fipo_qwen25_32b_async", "fipo_qwen3_30b_a3b")]
+"""The scripts run under DRY_RUN: one node, four nodes, a rollout pool, a mixture of experts. Every recipe
+script is the same three lines around ``launch/run_recipe.sh`` and differs only in its variables, which
+:func:`test_every_recipe_script_names_its_recipe_s_model_and_nodes` checks for each; each recipe's plan is
+checked in ``test_examples_recipes_launch.py``."""
+
+
 @pytest.mark.parametrize("script", RECIPE_SCRIPTS, ids=IDS)
+def test_every_recipe_script_names_its_recipe_s_model_and_nodes(script):
+    """The model the script downloads is the one its recipe names, in the folder name and in the header; its
+    default node count is the recipe's."""
+    v = _script_vars(script)
+    recipe = load_recipe(os.path.join(ROOT, v["RECIPE"]))
+    base = v["MODEL_ID"].split("/")[-1]
+    assert os.path.basename(recipe.model.name_or_path) == base, (v["MODEL_ID"], recipe.model.name_or_path)
+    header = Path(ROOT, v["RECIPE"]).read_text().split("\nmodel:")[0]
+    named = re.search(r"\bon ([A-Za-z][\w.-]*\d[\w.-]*)", header).group(1)
+    assert named == base or (named == base + "-Base" and v["MODEL_ID"].startswith(NO_BASE_SUFFIX_ON_THE_HUB)), (
+        f"{script}: MODEL_ID={v['MODEL_ID']}, the recipe's header says {named}")
+    assert int(v["NNODES"]) == recipe.cluster.nodes
+    assert Path(script).read_text().rstrip().endswith('exec "$(dirname "${BASH_SOURCE[0]}")/launch/run_recipe.sh" "$@"')
+
+
+@pytest.mark.parametrize("script", DRY_RUN_SCRIPTS, ids=[os.path.basename(p)[:-3] for p in DRY_RUN_SCRIPTS])
 def test_a_recipe_script_under_dry_run_prints_what_it_would_run(tmp_path, script):
     """The model absent: the download command; the plan (its preflight skipped: nothing is downloaded); the
     torchrun command of node 0 with the folder / data overrides; and, the run folder empty, no export."""
+    assert len(DRY_RUN_SCRIPTS) == 4
     v = _script_vars(script)
     recipe = load_recipe(os.path.join(ROOT, v["RECIPE"]))
     # The model the script downloads is the one its recipe names, in the folder name and in the header.
