@@ -269,6 +269,8 @@ def derive(recipe, recipe_dict: Mapping[str, Any], arch: Mapping[str, Any]) -> M
         exercised.append(f"env {recipe.env.name}")
     if t.packing is not False:
         exercised.append("packing")
+    if recipe.model.lora.enabled:  # the adapters, their merged sync to the engine and their checkpoint
+        exercised.append(f"LoRA rank {recipe.model.lora.rank}")
     return Miniature(recipe=mini, world=trainer + pool, pool=pool, arch=small, layout=dict(lay, pool=pool),
                      exercised=tuple(exercised), not_exercised=tuple(not_exercised))
 

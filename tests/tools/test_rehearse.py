@@ -108,6 +108,12 @@ def test_the_32b_and_moe_miniatures_keep_their_distinct_dimensions():
     assert (smoke.layout["dp"], smoke.world) == (2, 2)
 
 
+def test_a_lora_recipe_keeps_its_adapters_in_miniature():
+    recipe = load_recipe(os.path.join(ROOT, "examples", "fipo_qwen25_32b_async.yaml"), overrides=["model.lora.rank=8"])
+    m = derive(recipe, recipe_to_dict(recipe), resolve_hf_config(recipe.model).to_dict())
+    assert recipe_from_dict(m.recipe).model.lora == recipe.model.lora and "LoRA rank 8" in m.exercised
+
+
 def test_the_first_error_of_a_failed_run_is_its_line():
     assert first_error("", "noise\nerror: data.train_path: no such file\nmore") == "data.train_path: no such file"
     err = ("[rank1]: Traceback (most recent call last):\n[rank1]:   File \"x.py\", line 1\n"
