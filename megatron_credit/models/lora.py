@@ -238,8 +238,9 @@ class MergedState(Mapping):
     """:func:`base_state` of a model in which each adapted linear's weight reads as :func:`merged_weight`,
     computed when it is read (one merged weight alive at a time, not a merged copy of the stage)."""
 
-    def __init__(self, model: torch.nn.Module):
-        self._state = base_state(model)
+    def __init__(self, model: torch.nn.Module, *, skip: Optional[str] = None):
+        """``skip``: leave out the entries whose names start with it (a value head)."""
+        self._state = {k: v for k, v in base_state(model).items() if not (skip and k.startswith(skip))}
         self._adapted = {f"{name}.weight": model.get_submodule(name) for name, _ in adapters(model)}
 
     def __getitem__(self, key: str) -> torch.Tensor:

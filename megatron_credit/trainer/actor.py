@@ -7,7 +7,8 @@ Everything megatron-specific the RL iteration needs is here: building this rank'
 ``GPTModel`` (plus a value head on the last stage for critic algorithms and an optional frozen
 reference copy), running micro-batches through megatron's forward-backward schedule (PP), the gradient
 reduction, the global gradient norm, clipping, the AdamW step, and the HF-named weight stream for the
-rollout engine. :mod:`megatron_credit.trainer.step` calls it and never imports megatron.
+rollout engine (the weights in and out and the KL reference in the mixin ``trainer/actor_weights.py``).
+:mod:`megatron_credit.trainer.step` calls it and never imports megatron.
 
 The loss contract (one derivation, one place: :meth:`Actor.run`). Each micro-batch's loss function
 returns ``aggregate_loss(l, m, global_num_tokens=N, ...)``: the micro-batch's share of the loss of the
@@ -42,8 +43,8 @@ import torch
 
 from megatron_credit.models import actor_transformer_config, build_gpt_model, final_hidden_states, resolve_transformer_engine
 from megatron_credit.trainer.actor_step import OptimizerStep
+from megatron_credit.trainer.actor_weights import ActorWeights
 from megatron_credit.trainer.schedule import build_scheduler, critic_schedule
-from megatron_credit.trainer.optimizer import MasterWeightsAdamW
 from megatron_credit.batch.train_batch import MicroBatch
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ def _has_safetensors(path: Optional[str]) -> bool:
     return bool(path) and any(f.endswith(".safetensors") for f in os.listdir(path))
 
 
-class Actor(OptimizerStep):
+class Actor(OptimizerStep, ActorWeights):
     """This rank's stage of the policy (and value head), its optimizer, and the schedules; with
     ``role="critic"``, of a separate value model (PPO's ``algorithm.params.critic: separate``)."""
 
@@ -271,11 +272,6 @@ class Actor(OptimizerStep):
         return (ps.get_pipeline_model_parallel_rank() * hf_config.num_hidden_layers
                 // ps.get_pipeline_model_parallel_world_size())
 
-    @property
-    def has_reference(self) -> bool:
-        """Whether the run keeps a KL reference (a frozen copy, or with LoRA the adapters off)."""
-        return self.reference is not None or self.reference_off
-
     def output_weight(self, model) -> torch.Tensor:
         """This TP rank's ``[V / tp, H]`` output projection (the shared embedding when tied)."""
         if model.share_embeddings_and_output_weights:
@@ -432,102 +428,3 @@ class Actor(OptimizerStep):
             return rows.from_rows(values).float()
         history = gather_from_cp(h.detach(), cp_group=cp) if cp is not None else h.detach()
         return head(layers, history, **local).float()
-
-    def load_initial_weights(self, *, seed: int) -> str:
-        """Fill this rank's shard from HF weights: the safetensors of ``model.name_or_path`` when it has
-        them, else a ``transformers`` random init seeded with ``seed``. Either way every layout starts
-        from the same full model (megatron's own init draws each pipeline stage's layers from a
-        different point of the RNG stream). Returns where the weights came from."""
-        from megatron_credit.conversion import family_for_config, load_hf_into_local_state
-
-        path = self.model_path
-        if self.from_checkpoint:
-            from megatron_credit.conversion.hf_io import SafetensorsReader
-
-            get, source = SafetensorsReader(path).get, f"HF weights of {path}"
-        else:
-            from transformers import AutoModelForCausalLM
-
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                hf_model = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
-            from megatron_credit.conversion.testing import checkpoint_state
-
-            state = checkpoint_state(hf_model.state_dict())  # routed experts under the checkpoint's names
-            get, source = state.__getitem__, f"random initialisation (seed {seed})"
-        local = {k: v for k, v in self._base_state(keep_vars=True).items() if not k.startswith("value_head.")}
-        load_hf_into_local_state(local, get, family_for_config(self.hf_config), self.hf_config,
-                                 tp_rank=self.tp_rank, tp_size=self.tp_size, layer_offset=self.layer_offset,
-                                 ep_rank=self.ep_rank, ep_size=self.ep_size)
-        self.sync_optimizer_from_model()
-        self.reset_reference()
-        # a reference that is these HF weights is saved as their path (trainer/checkpoint.reference_extras)
-        self.reference_from = path if self.from_checkpoint and self.reference is not None else None
-        return source
-
-    def gather_params(self) -> None:
-        """Make this rank's parameters current before they are read outside a forward pass (with
-        ``optim.overlap_param_gather`` the last step's all-gather is otherwise left to the next forward)."""
-        from megatron_credit.distributed.grads import gather_params
-
-        gather_params(self.ddp)
-
-    def sync_optimizer_from_model(self) -> None:
-        """The optimizer's fp32 copies := the model's weights (after weights are loaded into the model)."""
-        if not isinstance(self.optimizer, MasterWeightsAdamW):
-            self.optimizer.reload_model_params()
-        else:
-            self.optimizer.sync_masters_from_model()
-
-    # -- weights out -----------------------------------------------------------------------------------
-    def hf_weight_buckets(self, bucket_bytes: int = 1 << 28):
-        """The policy's weights as HF-named full tensors in buckets (collective over TP and PP)."""
-        from megatron_credit.conversion import family_for_config, iter_hf_weight_buckets
-
-        self.gather_params()
-        if self.lora is not None:  # W + B A * alpha / rank, one weight at a time
-            from megatron_credit.models.lora import MergedState
-
-            state = {k: v for k, v in MergedState(self.model).items() if not k.startswith("value_head.")}
-        else:
-            state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("value_head.")}
-        return iter_hf_weight_buckets(state, family_for_config(self.hf_config), self.hf_config,
-                                      tp_group=self.tp_group if self.tp_size > 1 else None,
-                                      pp_group=self.pp_group if self.pp_size > 1 else None,
-                                      ep_group=self.ep_group, layer_offset=self.layer_offset,
-                                      bucket_bytes=bucket_bytes)
-
-    def reference_copy(self) -> torch.nn.Module:
-        """A LoRA run's reference as a model of its own (the adapters off no longer give it), built once."""
-        self.reference_off = False
-        if self.reference is None:
-            self.reference = build_gpt_model(self.hf_config, self.config, use_transformer_engine=self._te,
-                                             packed_sequences=self.packed_sequences,
-                                             unfused_norms=True).to(self.device)  # the policy's own spec
-            self.reference.requires_grad_(False).eval()
-        return self.reference
-
-    def _base_state(self, *, keep_vars: bool = False) -> dict:
-        """The model's state dict without LoRA adapters."""
-        from megatron_credit.models.lora import base_state
-
-        return base_state(self.model, keep_vars=keep_vars)
-
-    def reset_reference(self) -> None:
-        """The frozen reference := the current policy (after a warm-up or an initial load). With LoRA, while
-        every adapter is still zero (``B = 0``) the policy is its base and the reference stays the adapters
-        off; adapters trained before RL (a warm-up) make it a copy of the merged weights."""
-        self.reference_from = None  # no longer (known to be) the HF weights of model.name_or_path
-        if self.lora is not None and (self.reference_off or self.reference is not None):
-            from megatron_credit.models.lora import MergedState, adapters
-
-            if all(not a.b.detach().any() for _, a in adapters(self.model)):
-                self.reference, self.reference_off = None, True
-                return
-            self.gather_params()
-            self.reference_copy().load_state_dict(dict(MergedState(self.model)), strict=False)
-            return
-        if self.reference is not None:
-            self.gather_params()
-            state = {k: v for k, v in self.model.state_dict().items() if not k.startswith("value_head.")}
-            self.reference.load_state_dict(state, strict=False)

@@ -196,18 +196,8 @@ def test_every_recipe_script_names_its_recipe_s_model_and_nodes(script):
 def test_a_recipe_script_under_dry_run_prints_what_it_would_run(tmp_path, script):
     """The model absent: the download command; the plan (its preflight skipped: nothing is downloaded); the
     torchrun command of node 0 with the folder / data overrides; and, the run folder empty, no export."""
-    assert len(DRY_RUN_SCRIPTS) == 4
+    assert len(DRY_RUN_SCRIPTS) == 4  # its variables: test_every_recipe_script_names_its_recipe_s_model_and_nodes
     v = _script_vars(script)
-    recipe = load_recipe(os.path.join(ROOT, v["RECIPE"]))
-    # The model the script downloads is the one its recipe names, in the folder name and in the header.
-    base = v["MODEL_ID"].split("/")[-1]
-    assert os.path.basename(recipe.model.name_or_path) == base, (v["MODEL_ID"], recipe.model.name_or_path)
-    header = Path(ROOT, v["RECIPE"]).read_text().split("\nmodel:")[0]
-    named = re.search(r"\bon ([A-Za-z][\w.-]*\d[\w.-]*)", header).group(1)
-    assert named == base or (named == base + "-Base" and v["MODEL_ID"].startswith(NO_BASE_SUFFIX_ON_THE_HUB)), (
-        f"{script}: MODEL_ID={v['MODEL_ID']}, the recipe's header says {named}")
-    assert int(v["NNODES"]) == recipe.cluster.nodes
-
     bench = Bench(tmp_path)
     model_dir = bench.model_dir(v["MODEL_ID"], present=False)
     proc = bench.run([script, "train.steps=5"], DRY_RUN="1", MODEL_DIR=str(model_dir), PLAN_ARGS="--skip-preflight")

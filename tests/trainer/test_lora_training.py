@@ -105,3 +105,14 @@ def test_a_lora_run_syncs_merged_weights_saves_its_adapters_and_resumes_exactly(
     third = metrics_rows(c)[2]
     for k in ("actor/pg_loss", "actor/grad_norm", "critic/value_loss", "actor/kl_ref"):
         assert third[k] == pytest.approx(rows[2][k], rel=1e-4, abs=1e-6), k
+
+
+@pytest.mark.dist
+def test_after_a_warm_up_that_trained_the_adapters_the_reference_is_the_merged_policy(tmp_path):
+    """The warm-up moved the adapters: the reference is then a copy of the merged model (loaded one weight at
+    a time), so iteration 1's KL to it starts near 0 (its first mini-batch is the reference's own policy)."""
+    run = str(tmp_path / "w")
+    proc = run_pretrain_rl("--output-dir", run, *CLI_TINY, *LORA, "algorithm.kl_coef=0.01", "warmup.steps=5",
+                           "train.steps=1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert 0 < metrics_rows(run)[0]["actor/kl_ref"] < 1e-4
