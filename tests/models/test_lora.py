@@ -111,6 +111,37 @@ def test_only_the_adapters_train(world1):
     assert buffered == {id(p) for n, p in model.named_parameters() if n in trainable}
 
 
+def test_every_frozen_linear_gets_a_gradient_matmul_can_fold_into_one_product(world1, monkeypatch):
+    """megatron's ``LinearWithFrozenWeight.backward`` multiplies the gradient as it arrives; one sequence in a
+    micro-batch (b = 1) reaches the projections with the stride of its ``[b, s]`` layout, and ``matmul``
+    then takes a batched product with the weight copied per position (6x a LoRA update on CPU). The hook of
+    ``models/lora.py`` hands each frozen linear a row-major gradient: same values, strides recomputed."""
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_credit.recipe.config import ParallelConfig
+
+    seen = []
+    backward = layers.LinearWithFrozenWeight.backward
+
+    def recording(ctx, grad_output):
+        seen.append((tuple(grad_output.shape), grad_output.stride()))
+        return backward(ctx, grad_output)
+
+    monkeypatch.setattr(layers.LinearWithFrozenWeight, "backward", staticmethod(recording))
+    model = _model(ParallelConfig())
+    _random_b(model)
+    ids = torch.randint(0, QWEN2["vocab_size"], (1, SEQ), generator=torch.Generator().manual_seed(3))
+    logits = model(ids, torch.arange(SEQ)[None], None)
+    (logits.float() * torch.linspace(-1, 1, logits.shape[-1])).sum().backward()
+
+    def row_major(shape, stride):
+        return all(stride[i] == stride[i + 1] * shape[i + 1] for i in range(len(shape) - 1))
+
+    assert len(seen) == 2 * 4  # the four projections of 2 layers
+    assert all(row_major(shape, stride) for shape, stride in seen), seen
+    assert all(p.grad is not None for _, a in adapters(model) for p in a.parameters())
+
+
 def test_the_merged_weights_give_the_adapted_models_logits(world1):
     from megatron_credit.models.lora import MergedState
     from megatron_credit.recipe.config import ParallelConfig

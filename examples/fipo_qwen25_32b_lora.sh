@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# fipo_qwen25_32b_lora: examples/fipo_qwen25_32b_lora.yaml, sized for 1 node(s) x 8 H100-80GB. Run on every node:
+#   NNODES=1 NODE_RANK=0 MASTER_ADDR=<node 0> examples/fipo_qwen25_32b_lora.sh [key.sub=value ...]
+# or under Slurm, the whole pipeline with one task per node (NODE_RANK from SLURM_NODEID, MASTER_ADDR from
+# SLURM_JOB_NODELIST), in a job asked for the warning lead tools/plan.py prints for the recipe
+# (sbatch/salloc --signal=USR1@<lead>):
+#   srun --nodes 1 --ntasks-per-node 1 examples/fipo_qwen25_32b_lora.sh
+# See examples/launch/run_recipe.sh for MODEL_DIR, DATA_DIR, RUN_DIR, EXPORT_DIR, PLAN_ARGS and DRY_RUN=1.
+set -euo pipefail
+trap '' USR1   # the trainer's pre-emption signal, ignored by its launchers (see launch/run_recipe.sh)
+export RECIPE=examples/fipo_qwen25_32b_lora.yaml MODEL_ID=Qwen/Qwen2.5-32B
+export NNODES=${NNODES:-${SLURM_NNODES:-1}} NODE_RANK=${NODE_RANK:-${SLURM_NODEID:-0}}
+exec "$(dirname "${BASH_SOURCE[0]}")/launch/run_recipe.sh" "$@"
