@@ -47,7 +47,9 @@ setup(
         "vllm": ["vllm==0.33.0"],
         # gguf + accelerate: transformers' GGUF loading (megatron_credit/commands/import_gguf.py, the real model of the tests).
         # pytest-xdist: `make test` runs two test processes (Makefile: TEST_WORKERS).
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "gguf>=0.10", "accelerate>=0.26"],
+        # peft: a LoRA run's exported adapter is loaded by peft itself (tests/conversion/test_lora_export.py).
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "gguf>=0.10", "accelerate>=0.26",
+                 "peft>=0.17"],
         # `make mutation`; mutmut 3's config and result layout (setup.cfg, mutants/*.meta).
         "mutation": ["mutmut>=3.8,<4"],
     },

@@ -2,6 +2,11 @@
 
     python tools/export_run_to_hf.py --run-dir runs/fipo_qwen25_32b --out runs/fipo_qwen25_32b/hf
     python tools/export_run_to_hf.py --checkpoint runs/x/checkpoints/iter_0000100 --out hf/x-100
+    python tools/export_run_to_hf.py --run-dir runs/fipo_qwen25_32b_lora --out hf/lora --adapter
+
+A LoRA run (``model.lora.rank`` > 0) is exported as its base with the adapters merged in, or with
+``--adapter`` as a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``, for
+``peft.PeftModel.from_pretrained`` or vLLM's LoRA serving on the base model).
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output HF folder (not inside the checkpoint)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace HF files in --out that no earlier export wrote (default: refuse)")
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA run: write its adapters as a PEFT adapter instead of the merged model")
     return p
 
 
@@ -30,8 +37,10 @@ def _main(argv: list[str]) -> int:
     from megatron_credit.conversion.run_export import export_run_checkpoint, newest_checkpoint
 
     ckpt = args.checkpoint or newest_checkpoint(args.run_dir)
-    files = export_run_checkpoint(ckpt, args.out, run_dir=args.run_dir, overwrite=args.overwrite)
-    print(f"wrote {len(files)} shard(s) of {ckpt} to {args.out}")
+    files = export_run_checkpoint(ckpt, args.out, run_dir=args.run_dir, overwrite=args.overwrite,
+                                  adapter=args.adapter)
+    what = "the PEFT adapter" if args.adapter else f"{len(files)} shard(s)"
+    print(f"wrote {what} of {ckpt} to {args.out}")
     return 0
 
 

@@ -74,7 +74,12 @@ def _checkpoint_keys(folder: str) -> list[str]:
 def test_a_lora_run_syncs_merged_weights_saves_its_adapters_and_resumes_exactly(tmp_path):
     args = [*CLI_TINY, *LORA, "algorithm.kl_coef=0.01"]
     a, b, c = (str(tmp_path / x) for x in "abc")
-    assert run_pretrain_rl("--output-dir", a, *args, "train.steps=4").returncode == 0
+    proc = run_pretrain_rl("--output-dir", a, *args, "train.steps=4")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # the start says what trains (the planner's count: 2 layers x 4 linears' A and B at rank 4)
+    assert ("trains: LoRA adapters (rank 4, alpha 8) on linear_qkv, linear_proj, linear_fc1, linear_fc2: 13,312 fp32 "
+            "parameters, 4.3% of the base's 312,448, which stay frozen, and the critic in full; the KL reference is "
+            "the adapters off\n") in proc.stdout, proc.stdout[:2000]
     rows = metrics_rows(a)
     # the engine (hf, in this process) samples with W + B A alpha / r: its log-probs are the trainer's
     assert all(r["mismatch/logprob_abs_mean"] < 1e-4 for r in rows) and rows[-1]["actor/grad_norm"] > 0
@@ -85,7 +90,7 @@ def test_a_lora_run_syncs_merged_weights_saves_its_adapters_and_resumes_exactly(
     assert {k for k in weights if ".lora." not in k} == {"value_head.weight", "value_head.bias"}, weights
     assert len(weights) == 2 + 4 * 2  # 4 linears' A and B (layers stacked), the value head
     with open(os.path.join(ckpt, "meta.json")) as f:
-        assert json.load(f)["lora"] == {"rank": 4, "alpha": 8.0, "base": None,
+        assert json.load(f)["lora"] == {"rank": 4, "alpha": 8.0, "base": None, "base_dtype": "float32",
                                         "targets": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]}
     # resumed from iteration 2: the same numbers as the run that never stopped
     assert run_pretrain_rl("--output-dir", b, *args, "train.steps=2").returncode == 0
