@@ -58,7 +58,34 @@ def _describe(recipe, hf_config, layout: dict[str, int]) -> str:
             f"layout TP={layout['tp']} PP={layout['pp']} CP={layout['cp']} DP={layout['dp']} "
             f"(sequence parallel {recipe.parallel.sequence_parallel})\n"
             f"algorithm {recipe.algorithm.name}: {r.prompts_per_step} prompts x {r.n} samples per iteration, "
-            f"{t.num_minibatches} mini-batches x {t.epochs} epochs, {t.steps} iterations")
+            f"{t.num_minibatches} mini-batches x {t.epochs} epochs, {t.steps} iterations\n"
+            f"trains: {_what_trains(recipe, hf_config, n_params)}")
+
+
+def _what_trains(recipe, hf_config, n_params: int) -> str:
+    """Every parameter, or LoRA's adapters (counted by the planner) with the base frozen."""
+    lora = recipe.model.lora
+    if not lora.enabled:
+        return "every parameter" + (" and the critic" if _has_critic(recipe) else "")
+    from megatron_credit.planning.architecture import lora_layer_param_count
+    from megatron_credit.planning.plan import Architecture
+
+    a = Architecture.from_hf(hf_config)
+    adapters = a.num_layers * lora_layer_param_count(a, rank=lora.rank, targets=lora.targets)
+    critic = ", and the critic in full" if _has_critic(recipe) else ""
+    return (f"LoRA adapters (rank {lora.rank}, alpha {lora.scale_alpha:g}) on {', '.join(lora.targets)}: "
+            f"{_count(adapters)} fp32 parameters, {100 * adapters / n_params:.2g}% of the base's "
+            f"{_count(n_params)}, which stay frozen{critic}"
+            + ("; the KL reference is the adapters off" if recipe.algorithm.kl_coef > 0 else ""))
+
+
+def _count(n: int) -> str:
+    """``2.03M``, or ``3,328`` below a million."""
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _has_critic(recipe) -> bool:
+    return recipe.algorithm.build().critic_kind is not None
 
 
 def _param_count(c) -> int:
