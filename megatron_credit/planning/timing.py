@@ -12,7 +12,9 @@ a cluster, from arithmetic on the architecture (no GPU), deliberately on the slo
   bandwidth. One draw of ``prompts_per_step x n`` (dynamic sampling's extra draws are in the margin);
 * **training**: a forward of every sequence for the old log-probs (and the reference's and a separate
   critic's), then forward and backward (3 forwards; 4 with full recompute) per epoch; a forward is
-  ``2 x params`` FLOPs per token (an MoE model's active parameters: top-k experts) plus causal attention, at :data:`TRAIN_MFU` of the GPUs' dense bf16 peak;
+  ``2 x params`` FLOPs per token (an MoE model's active parameters: top-k experts) plus causal attention, at :data:`TRAIN_MFU` of the GPUs' dense bf16 peak.
+  With LoRA the base's weight gradients are not computed: its linears' backward is one forward, not two
+  (the adapters' own FLOPs, rank / hidden of the linears', are left out);
 * **a save** writes the weights, fp32 master weights (when the parameters are not fp32) and Adam's two
   moments (and a separate critic's) at ``disk_bytes_per_s`` per node, all nodes writing at once.
 
@@ -205,10 +207,14 @@ def iteration_estimate(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu
 
     seq = prompt + response
     attention = 2 * a.num_layers * seq * a.num_heads * a.head_dim  # causal QK^T and AV, per token, mean context
-    forward = (2 * active_param_count(a) + attention) * sequences * seq
+    linears, attention = 2 * active_param_count(a) * sequences * seq, attention * sequences * seq
+    forward = linears + attention
     passes = 1 + (recipe.algorithm.kl_coef > 0) + separate  # old log-probs, reference, a separate critic's values
-    per_epoch = 4 if t.recompute == "full" else 3
-    training_s = forward * (passes + per_epoch * t.epochs * (1 + separate)) / (trainer_world * peak * TRAIN_MFU)
+    forwards = 2 if t.recompute == "full" else 1
+    step = forwards * forward + 2 * forward  # a backward: input and weight gradients, one forward each
+    # LoRA: the base is frozen, so its linears' backward computes input gradients only
+    actor_step = forwards * forward + linears + 2 * attention if recipe.model.lora.enabled else step
+    training_s = (forward * passes + t.epochs * (actor_step + separate * step)) / (trainer_world * peak * TRAIN_MFU)
 
     checkpoint_bytes = checkpoint_size(recipe, hf_config)
     save_s = checkpoint_bytes / (math.ceil(trainer_world / gpus_per_node) * disk_bytes_per_s)  # the trainer's nodes write
