@@ -9,7 +9,8 @@
 #   MODEL_DIR   local folder of the HF checkpoint            (default /models/<last part of MODEL_ID>)
 #   DATA_DIR    folder with dapo-math-17k.parquet, aime-2024.parquet   (default /data)
 #   RUN_DIR     output folder                                (default runs/<recipe>)
-#   EXPORT_DIR  HF export of the trained policy              (default RUN_DIR/hf)
+#   EXPORT_DIR  HF export of the trained policy              (default RUN_DIR/hf; a LoRA run's: merged)
+#   ADAPTER_DIR a LoRA run's adapters as a PEFT adapter      (default RUN_DIR/hf_adapter; only with model.lora)
 #   PLAN_ARGS   extra tools/plan.py options, split on spaces (e.g. "--disk-gbps 2", or "--skip-preflight"
 #               to plan on a machine without the model, the data or the run folder's disk)
 #   GPUS_PER_NODE  for the plan and torchrun                 (default SLURM_GPUS_ON_NODE, else 8)
@@ -39,6 +40,7 @@ MODEL_DIR=${MODEL_DIR:-/models/${MODEL_ID##*/}}
 DATA_DIR=${DATA_DIR:-/data}
 RUN_DIR=${RUN_DIR:-runs/${name}}
 EXPORT_DIR=${EXPORT_DIR:-${RUN_DIR}/hf}
+ADAPTER_DIR=${ADAPTER_DIR:-${RUN_DIR}/hf_adapter}
 PYTHON=${PYTHON:-python}
 # Exported: the plan and torchrun.sh (which would count the visible GPUs, none on a login node) agree.
 export GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
@@ -88,8 +90,8 @@ overrides=("model.name_or_path=${MODEL_DIR}" "data.train_path=${DATA_DIR}/dapo-m
 "${ROOT}/examples/launch/torchrun.sh" --config "${ROOT}/${RECIPE}" --output-dir "${RUN_DIR}" "${overrides[@]}"
 [[ "${NODE_RANK}" == 0 ]] || exit 0
 
-# Prints "<newest complete checkpoint of RUN_DIR, 0 without one> <train.steps with the overrides>", read
-# from the trainer's own definitions (run_layout.complete_checkpoints, load_recipe).
+# Prints "<newest complete checkpoint of RUN_DIR, 0 without one> <train.steps with the overrides>
+# <model.lora.rank>", read from the trainer's own definitions (run_layout.complete_checkpoints, load_recipe).
 run_progress() {
   "${PYTHON}" - "${ROOT}" "${ROOT}/${RECIPE}" "${RUN_DIR}" "${overrides[@]}" <<'EOF'
 import sys
@@ -98,14 +100,19 @@ sys.path.insert(0, root)
 from megatron_credit.recipe.config import load_recipe
 from megatron_credit.run_layout import complete_checkpoints
 done = complete_checkpoints(run_dir)
-print(done[-1][0] if done else 0, load_recipe(recipe, overrides=overrides).train.steps)
+r = load_recipe(recipe, overrides=overrides)
+print(done[-1][0] if done else 0, r.train.steps, r.model.lora.rank)
 EOF
 }
 progress=$(run_progress)
-read -r at steps <<<"${progress##*$'\n'}"   # its last line: an import may print above it
+read -r at steps lora_rank <<<"${progress##*$'\n'}"   # its last line: an import may print above it
 if (( at < steps )); then
   echo "not exporting: ${RUN_DIR} is at iteration ${at} of ${steps} (pre-empted?); resubmit to continue"
   exit 0
 fi
 export_cmd=("${PYTHON}" "${ROOT}/tools/export_run_to_hf.py" --run-dir "${RUN_DIR}" --out "${EXPORT_DIR}")
 if [[ "${DRY_RUN}" == 1 ]]; then echo "export: ${export_cmd[*]}"; else "${export_cmd[@]}"; fi
+if (( lora_rank > 0 )); then  # the adapters alone too, for peft or vLLM's LoRA serving on the base
+  adapter_cmd=("${export_cmd[@]:0:4}" --out "${ADAPTER_DIR}" --adapter)
+  if [[ "${DRY_RUN}" == 1 ]]; then echo "export: ${adapter_cmd[*]}"; else "${adapter_cmd[@]}"; fi
+fi

@@ -116,7 +116,8 @@ class Bench:
                 if d and not any(os.path.exists(os.path.join(d, n)) for n in faked)]
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith(("SLURM_", "MASTER_", "NNODES", "NODE_RANK", "GPUS_PER_NODE", "DRY_RUN",
-                                         "MODEL_", "RUN_DIR", "DATA_DIR", "EXPORT_DIR", "PLAN_ARGS", "REPO"))}
+                                         "MODEL_", "RUN_DIR", "DATA_DIR", "EXPORT_DIR", "ADAPTER_DIR", "PLAN_ARGS",
+                                         "REPO"))}
         self.env.update(PATH=os.pathsep.join([str(self.bin), *keep]), FAKE_LOG=str(self.log),
                         PYTHON=sys.executable, DATA_DIR=str(self.data), RUN_DIR=str(self.run_dir),
                         MASTER_ADDR="node01", OMP_NUM_THREADS="1")
@@ -253,6 +254,13 @@ def test_the_run_is_exported_only_at_train_steps(tmp_path, last, exported):
     if exported:
         assert bench.calls("export") == [[f"{ROOT}/tools/export_run_to_hf.py", "--run-dir", str(bench.run_dir),
                                           "--out", f"{bench.run_dir}/hf"]]
+        # a LoRA run: the merged model, then its adapters as a PEFT adapter
+        proc = bench.run([script, "train.steps=3", "model.lora.rank=8"], MODEL_DIR=str(model_dir),
+                         PYTHON=str(bench.shim), FAKE_PLAN_OUT=PLAN_OUT, ADAPTER_DIR=str(tmp_path / "adapter"))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        export = [f"{ROOT}/tools/export_run_to_hf.py", "--run-dir", str(bench.run_dir)]
+        assert bench.calls("export") == [[*export, "--out", f"{bench.run_dir}/hf"],
+                                         [*export, "--out", str(tmp_path / "adapter"), "--adapter"]]
     else:
         assert bench.calls("export") == []
         assert proc.stdout.splitlines()[-1] == (f"not exporting: {bench.run_dir} is at iteration 2 of 3 "
