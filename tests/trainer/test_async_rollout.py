@@ -335,19 +335,22 @@ def test_the_demo_learns_with_two_trainer_ranks_and_a_rollout_process(tmp_path, 
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", ["parallel.pipeline_model_parallel_size=2"])
+@pytest.mark.parametrize("layout", [["parallel.pipeline_model_parallel_size=2"],
+                                    ["parallel.pipeline_model_parallel_size=2", "model.lora.rank=4"]],
+                         ids=["pp2", "pp2-lora"])
 def test_every_trainer_layout_feeds_the_rollout_process(tmp_path, layout):
     # (TP 2 feeding a vLLM pool: the rehearsal of examples/fipo_qwen25_32b_async.yaml, tests/tools/test_rehearse.py)
     # Two trainer ranks at PP 2 gather the weights for rank 0 to send to the pool rank: at max_staleness
     # 0 the pool samples with the version the trainer holds, so its log-probs equal the actor's every iteration
-    # (PPO: its critic's advantages are not zero on the tiny task, so every update moves the weights).
+    # (PPO: its critic's advantages are not zero on the tiny task, so every update moves the weights). With
+    # LoRA the version is the merged W + B A alpha / r of each stage, as many bytes as the full model.
     from tests.support.distributed_harness import _free_port
 
     recipe = _recipe(tmp_path, train={"steps": 3})
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port",
                           str(_free_port()), os.path.join(ROOT, "pretrain_rl.py"), "--config", recipe, "--output-dir",
                           str(tmp_path / "run"), "rollout.mode=async", "rollout.max_staleness=0", "rollout.ranks=1",
-                          "algorithm.name=ppo", layout],
+                          "algorithm.name=ppo", *layout],
                          capture_output=True, text=True, cwd=ROOT, env=subprocess_env(), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = _rows_of(tmp_path / "run")
