@@ -56,6 +56,19 @@ def test_the_lora_update_is_the_same_in_every_layout(pool1, pool2):
                     assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), f"{name} step {i} {k}: {b[k]} vs {a[k]}"
 
 
+@pytest.mark.dist
+def test_megatron_s_distributed_optimizer_holds_the_adapters_alone(pool1, pool2):
+    """optim.backend megatron with its distributed optimizer at DP 2: its buffers are the DDP buffers, which
+    hold only the adapters, so the base never moves and the update is DP 1's with our AdamW."""
+    ref = pool1.run(_run_fixed, {}, "fipo", overrides=LORA)[0]
+    got = pool2.run(_run_fixed, {}, "fipo", overrides=[*LORA, "optim.backend=megatron",
+                                                         "optim.distributed_optimizer=true"])[0]
+    assert all(s["changed"] and not s["base_changed"] for s in got), got
+    for i, (a, b) in enumerate(zip(ref, got)):
+        for k in ("actor/pg_loss", "actor/grad_norm", "fipo/weight_max"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), f"step {i} {k}: {b[k]} vs {a[k]}"
+
+
 def _torchrun(*args):
     from tests.support.runs import subprocess_env
 
