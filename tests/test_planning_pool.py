@@ -65,3 +65,60 @@ def test_tools_plan_prints_both_plans_and_says_fits(capsys):
     assert "rollout pool: the last 8 of the launch's ranks, 2 engine(s) x 4 GPU(s)" in out
     assert "pool verdict: FITS" in out
     assert "weight update       61.03  GiB per version to each engine; 1.3 s for all 2 at 400 Gb/s" in out
+
+
+def test_a_pool_that_leaves_one_side_waiting_gets_a_warning_with_the_split_that_balances_it(capsys):
+    """The 32B async recipe as it stands: 8 pool GPUs generate for 40,531 s while 32 train for 7,805 s, so
+    the trainer waits 81% of each iteration. On its own 5 nodes no split helps (the trainer's TP 8 x PP 2 x
+    CP 2 needs 32 GPUs); the warning names the fewest nodes on which one does, and that split is checked by
+    the same estimate: neither side waits more than 25%."""
+    import re
+
+    from megatron_credit.commands.plan import main
+    from megatron_credit.planning.report import BALANCED, balanced_split
+    from megatron_credit.planning.timing import iteration_estimate
+
+    recipe = _recipe()
+    cfg = resolve_hf_config(recipe.model)
+    e = iteration_estimate(recipe, cfg, nodes=5, gpus_per_node=8, gpu="h100-80gb")
+    trainer_idle, pool_idle = e.idle_fracs()
+    assert trainer_idle == pytest.approx(1 - (e.training_s + e.update_s) / e.generation_s) and pool_idle == 0
+    assert trainer_idle > 0.8
+    n, ranks, balanced = balanced_split(recipe, cfg, nodes=5, gpus_per_node=8, gpu="h100-80gb")
+    assert (n, ranks) == (8, 32) and max(balanced.idle_fracs()) <= BALANCED
+    # no split of fewer nodes is balanced (each fewer-node launch tried: the trainer keeps its 32 GPUs)
+    for fewer in range(5, 8):
+        assert balanced_split(recipe, cfg, nodes=fewer, gpus_per_node=8, gpu="h100-80gb", max_nodes=fewer) is None
+    assert main(["--config", ASYNC_32B, "--skip-preflight"]) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning:")]
+    assert re.fullmatch(r"warning: the trainer waits 81% of each iteration for the pool; on 8 nodes \(\+3\), "
+                        r"rollout\.ranks=32 balances it: one iteration [\d,]+ s against 40,531 s, the trainer "
+                        r"waiting \d+% and the pool 0%", line), line
+    # a balanced split gets no warning
+    assert main(["--config", ASYNC_32B, "--skip-preflight", "--nodes", "8", "rollout.ranks=32"]) == 0
+    assert "warning:" not in capsys.readouterr().out
+
+
+def test_tools_plan_json_is_the_whole_plan_with_the_pool_s_balance(capsys):
+    import json
+
+    from megatron_credit.commands.plan import main
+
+    assert main(["--config", ASYNC_32B, "--skip-preflight", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)  # stdout is one JSON object, nothing else
+    assert out["fits"] and out["trainer"]["fits"] and out["pool"]["fits"] and out["problems"] == []
+    assert (out["trainer_nodes"], out["trainer"]["layout"]["world"], out["pool"]["engines"]) == (4, 32, 2)
+    balance = out["pool"]["balance"]
+    assert balance["trainer_idle_frac"] == pytest.approx(0.807, abs=5e-3) and balance["pool_idle_frac"] == 0
+    e = out["estimate"]
+    assert e["iteration_s"] == pytest.approx(max(e["generation_s"], e["training_s"] + e["update_s"]))
+    t = out["trainer"]
+    assert t["train_peak"] == sum(t["terms"][k] for k in ("weights", "gradients", "optimizer", "critic", "reference",
+                                                          "nccl_buffers", "reserve", "cuda_contexts", "activations",
+                                                          "logprob_chunk"))
+    assert any(x.startswith("warning: the trainer waits") for x in out["lines"])
+    assert out["preflight"]["ok"][0].startswith("preflight: skipped")
+    # a sync recipe has no pool key, and neither side waits
+    assert main(["--config", os.path.join(ROOT, "examples", "fipo_qwen25_32b.yaml"), "--skip-preflight", "--json"]) == 0
+    sync = json.loads(capsys.readouterr().out)
+    assert "pool" not in sync and sync["estimate"]["overlapped"] is False

@@ -4,7 +4,8 @@
     python tools/recipe_table.py --write    # replace the table in README.md, between its two markers
 
 One row per ``examples/<recipe>.sh`` that downloads a model (``MODEL_ID=``): the model it downloads, the
-algorithm and rollout mode, the recipe's cluster (``cluster`` section) and layout, and the planner's
+algorithm and rollout mode (with a pool: which side waits for the other, for what share of an iteration), the
+recipe's cluster (``cluster`` section) and layout, and the planner's
 estimates on that cluster (``megatron_credit.planning.timing``: the same figures ``tools/plan.py`` prints),
 per iteration, for ``train.steps`` iterations with their saves, per save and for the checkpoints kept on
 disk. A test checks that README.md holds this output, so the table cannot drift from the recipes.
@@ -54,15 +55,24 @@ def row(name: str, model_id: str) -> str:
     layout = f"TP {p.tensor_model_parallel_size} PP {p.pipeline_model_parallel_size} CP {p.context_parallel_size}"
     mode = r.mode + (f", pool of {r.ranks}" if r.ranks else "")
     return (f"| [{name}](examples/{name}.yaml) | {recipe.algorithm.name} | `{model_id}` | {c.nodes} x {c.gpus_per_node} "
-            f"{c.gpu} | {layout} | {mode} | {_duration(e.iteration_s)} | {recipe.train.steps}: {_duration(e.run_s)} | "
+            f"{c.gpu} | {layout} | {mode} | {waits(e)} | {_duration(e.iteration_s)} | {recipe.train.steps}: {_duration(e.run_s)} | "
             f"{e.checkpoint_bytes / GIB:,.0f} GiB | {e.disk_bytes / GIB:,.0f} GiB |")
+
+
+def waits(estimate) -> str:
+    """The balance of a pool recipe: which side waits for the other, and for what share of an iteration
+    (``-`` in sync, where generation and training take turns)."""
+    trainer, pool = estimate.idle_fracs()
+    if not estimate.overlapped:
+        return "-"
+    return f"trainer {100 * trainer:.0f}%" if trainer >= pool else f"pool {100 * pool:.0f}%"
 
 
 def table() -> str:
     """The whole table, between its markers."""
-    head = ["| recipe | algorithm | model (downloaded by its .sh) | cluster | layout | rollout | one iteration "
-            "(est.) | train.steps: the run (est.) | one save | checkpoints on disk (kept + one) |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    head = ["| recipe | algorithm | model (downloaded by its .sh) | cluster | layout | rollout | waits (est.) | "
+            "one iteration (est.) | train.steps: the run (est.) | one save | checkpoints on disk (kept + one) |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     return "\n".join([BEGIN, *head, *(row(n, m) for n, m in gpu_recipes()), END])
 
 

@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-preflight", action="store_true",
                    help="plan only: do not check that the model, the data and the output folder are there (on a "
                         "machine that plans without them)")
+    p.add_argument("--json", action="store_true",
+                   help="print the whole plan as one JSON object (the trainer's plan, a pool's with its balance, "
+                        "the time estimate, the preflight) instead of the table; errors still go to stderr")
     p.add_argument("overrides", nargs="*", help="dotted recipe overrides")
     return p
 
@@ -79,15 +82,22 @@ def _main(argv: list[str]) -> int:
                            distributed_optimizer=dist_opt, ep=args.ep, etp=args.etp,
                            disk_bytes_per_s=DISK_BYTES_PER_S if args.disk_gbps is None else args.disk_gbps * 1e9,
                            network_gbps=args.network_gbps)
-    print("\n".join(report.lines))
+    if not args.json:
+        print("\n".join(report.lines))
     errors = [f"error: {p}" for p in report.problems]
     if args.skip_preflight:
-        print("preflight: skipped (--skip-preflight): the model, the data and the output folder were not checked")
+        ok = ["preflight: skipped (--skip-preflight): the model, the data and the output folder were not checked"]
     else:
         run_dir = args.output_dir or os.path.join("runs", os.path.splitext(os.path.basename(args.config))[0])
         ok, failed = preflight_lines(recipe, run_dir=run_dir, estimate=report.estimate)
-        print("\n".join(ok), flush=True)
         errors += failed
+    if args.json:
+        import json
+
+        print(json.dumps({"recipe": args.config, **report.as_dict(), "lines": report.lines,
+                          "preflight": {"ok": ok, "errors": errors}}, indent=1), flush=True)
+    else:
+        print("\n".join(ok), flush=True)
     if errors:
         sys.stdout.flush()
         print("\n".join(errors), file=sys.stderr)

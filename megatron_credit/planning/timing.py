@@ -95,17 +95,27 @@ class IterationEstimate:
         oldest is removed only once the new one is complete)."""
         return (self.keep + 1) * self.checkpoint_bytes
 
+    def idle_fracs(self) -> tuple[float, float]:
+        """``(trainer, pool)``: the share of an overlapped iteration each side waits for the other (0, 0
+        without a pool that overlaps training)."""
+        if not self.overlapped:
+            return 0.0, 0.0
+        trainer, iteration = self.training_s + self.update_s, self.iteration_s
+        if iteration <= 0:
+            return 0.0, 0.0
+        return 1 - trainer / iteration, 1 - self.generation_s / iteration
+
     def balance(self) -> str:
         """Which side of a pool waits, and for what share of the iteration ("" without a pool)."""
         if not self.overlapped:
             return ""
         trainer = self.training_s + self.update_s
         if self.generation_s >= trainer:
-            idle = 1 - trainer / self.generation_s
+            idle = self.idle_fracs()[0]
             return (f"balance: the trainer waits {100 * idle:.0f}% of each iteration for the pool (generation "
                     f"{self.generation_s:,.0f} s vs training + update {trainer:,.0f} s): more pool GPUs "
                     "(rollout.ranks) would shorten the iteration")
-        idle = 1 - self.generation_s / trainer
+        idle = self.idle_fracs()[1]
         return (f"balance: the pool waits {100 * idle:.0f}% of each iteration for the trainer (training + update "
                 f"{trainer:,.0f} s vs generation {self.generation_s:,.0f} s)")
 

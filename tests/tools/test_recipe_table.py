@@ -27,5 +27,8 @@ def test_every_model_downloading_script_has_a_row_with_the_planner_s_figures():
     row = recipe_table.row("fipo_qwen25_32b_async", names["fipo_qwen25_32b_async"])
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1:6] == ["fipo", "`Qwen/Qwen2.5-32B`", "5 x 8 h100-80gb", "TP 8 PP 2 CP 2", "async, pool of 8"]
-    assert cells[6] == _duration(e.iteration_s) and cells[7] == f"500: {_duration(e.run_s)}"
-    assert cells[8] == f"{e.checkpoint_bytes / 2**30:,.0f} GiB" and cells[9] == f"{e.disk_bytes / 2**30:,.0f} GiB"
+    assert cells[6] == f"trainer {100 * e.idle_fracs()[0]:.0f}%" == "trainer 81%"  # the pool is the bottleneck
+    assert cells[7] == _duration(e.iteration_s) and cells[8] == f"500: {_duration(e.run_s)}"
+    assert cells[9] == f"{e.checkpoint_bytes / 2**30:,.0f} GiB" and cells[10] == f"{e.disk_bytes / 2**30:,.0f} GiB"
+    sync = [c.strip() for c in recipe_table.row("fipo_qwen25_32b", names["fipo_qwen25_32b"]).strip("|").split("|")]
+    assert sync[6] == "-"  # generation and training take turns
