@@ -21,18 +21,18 @@ def _recipe(*overrides):
     return load_recipe(ASYNC_32B, overrides=list(overrides))
 
 
-def test_the_32b_async_recipe_fits_with_its_pool_on_a_node_of_its_own():
+def test_the_32b_async_recipe_fits_with_its_pool_on_nodes_of_its_own():
     recipe = _recipe()
     cfg = resolve_hf_config(recipe.model)
-    pool = plan_pool(recipe, cfg, nodes=5, gpus_per_node=8, gpu="h100-80gb")
-    assert pool.fits and (pool.engines, pool.gpus_per_engine, pool.trainer_world) == (2, 4, 32)
+    pool = plan_pool(recipe, cfg, nodes=8, gpus_per_node=8, gpu="h100-80gb")
+    assert pool.fits and (pool.engines, pool.gpus_per_engine, pool.trainer_world) == (8, 4, 32)
     params = total_param_count(Architecture.from_hf(cfg))
     assert pool.weight_bytes == params * 2 == pool.staging_host_bytes  # bf16, one version per engine
-    assert pool.update_s == pytest.approx(params * 2 / 50e9)  # 400 Gb/s; engines 0, 1 from trainer ranks 0, 1 at once
+    assert pool.update_s == pytest.approx(params * 2 / 50e9)  # 400 Gb/s; engines 0-7 from trainer ranks 0-7 at once
     per_sample = 4 * (2048 + 20480) + 4 * 20480 + 52
     assert pool.sample_bytes == 512 * 16 * per_sample == pool.sample_bytes_per_head  # DP 1: one head
     # the trainer on the first 4 nodes, with no engine on its GPUs
-    assert trainer_gpus(recipe, nodes=5, gpus_per_node=8) == (4, 8)
+    assert trainer_gpus(recipe, nodes=8, gpus_per_node=8) == (4, 8)
     trainer = plan(recipe, cfg, nodes=4, gpus_per_node=8, gpu="h100-80gb")
     assert trainer.fits and trainer.terms["rollout_engine"] == 0 and trainer.layout["world"] == 32
 
@@ -62,23 +62,24 @@ def test_tools_plan_prints_both_plans_and_says_fits(capsys):
     assert main(["--config", ASYNC_32B, "--skip-preflight"]) == 0
     out = capsys.readouterr().out
     assert "4 node(s) x 8 h100-80gb (the trainer's)" in out and "verdict: FITS" in out
-    assert "rollout pool: the last 8 of the launch's ranks, 2 engine(s) x 4 GPU(s)" in out
+    assert "rollout pool: the last 32 of the launch's ranks, 8 engine(s) x 4 GPU(s)" in out
     assert "pool verdict: FITS" in out
-    assert "weight update       61.03  GiB per version to each engine; 1.3 s for all 2 at 400 Gb/s" in out
+    assert "weight update       61.03  GiB per version to each engine; 1.3 s for all 8 at 400 Gb/s" in out
+    assert "warning:" not in out  # sized so that neither side waits more than half (next test)
 
 
 def test_a_pool_that_leaves_one_side_waiting_gets_a_warning_with_the_split_that_balances_it(capsys):
-    """The 32B async recipe as it stands: 8 pool GPUs generate for 40,531 s while 32 train for 7,805 s, so
-    the trainer waits 81% of each iteration. On its own 5 nodes no split helps (the trainer's TP 8 x PP 2 x
-    CP 2 needs 32 GPUs); the warning names the fewest nodes on which one does, and that split is checked by
-    the same estimate: neither side waits more than 25%."""
+    """The 32B async recipe as it was: one pool node (8 GPUs) generates for 40,531 s while 32 GPUs train for
+    7,805 s, so the trainer waits 81% of each iteration. On its 5 nodes no split helps (the trainer's TP 8 x
+    PP 2 x CP 2 needs 32 GPUs); the warning names the fewest nodes on which one does, and that split is
+    checked by the same estimate: neither side waits more than 25%. The recipe now has that split."""
     import re
 
     from megatron_credit.commands.plan import main
     from megatron_credit.planning.report import BALANCED, balanced_split
     from megatron_credit.planning.timing import iteration_estimate
 
-    recipe = _recipe()
+    recipe = _recipe("rollout.ranks=8", "cluster.nodes=5")
     cfg = resolve_hf_config(recipe.model)
     e = iteration_estimate(recipe, cfg, nodes=5, gpus_per_node=8, gpu="h100-80gb")
     trainer_idle, pool_idle = e.idle_fracs()
@@ -86,16 +87,18 @@ def test_a_pool_that_leaves_one_side_waiting_gets_a_warning_with_the_split_that_
     assert trainer_idle > 0.8
     n, ranks, balanced = balanced_split(recipe, cfg, nodes=5, gpus_per_node=8, gpu="h100-80gb")
     assert (n, ranks) == (8, 32) and max(balanced.idle_fracs()) <= BALANCED
+    shipped = _recipe()
+    assert (shipped.cluster.nodes, shipped.rollout.ranks) == (n, ranks)
     # no split of fewer nodes is balanced (each fewer-node launch tried: the trainer keeps its 32 GPUs)
     for fewer in range(5, 8):
         assert balanced_split(recipe, cfg, nodes=fewer, gpus_per_node=8, gpu="h100-80gb", max_nodes=fewer) is None
-    assert main(["--config", ASYNC_32B, "--skip-preflight"]) == 0
+    assert main(["--config", ASYNC_32B, "--skip-preflight", "--nodes", "5", "rollout.ranks=8"]) == 0
     [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning:")]
     assert re.fullmatch(r"warning: the trainer waits 81% of each iteration for the pool; on 8 nodes \(\+3\), "
                         r"rollout\.ranks=32 balances it: one iteration [\d,]+ s against 40,531 s, the trainer "
                         r"waiting \d+% and the pool 0%", line), line
     # a balanced split gets no warning
-    assert main(["--config", ASYNC_32B, "--skip-preflight", "--nodes", "8", "rollout.ranks=32"]) == 0
+    assert main(["--config", ASYNC_32B, "--skip-preflight"]) == 0
     assert "warning:" not in capsys.readouterr().out
 
 
@@ -104,7 +107,7 @@ def test_tools_plan_json_is_the_whole_plan_with_the_pool_s_balance(capsys):
 
     from megatron_credit.commands.plan import main
 
-    assert main(["--config", ASYNC_32B, "--skip-preflight", "--json"]) == 0
+    assert main(["--config", ASYNC_32B, "--skip-preflight", "--json", "--nodes", "5", "rollout.ranks=8"]) == 0
     out = json.loads(capsys.readouterr().out)  # stdout is one JSON object, nothing else
     assert out["fits"] and out["trainer"]["fits"] and out["pool"]["fits"] and out["problems"] == []
     assert (out["trainer_nodes"], out["trainer"]["layout"]["world"], out["pool"]["engines"]) == (4, 32, 2)

@@ -192,8 +192,8 @@ def test_a_missing_model_at_training_time_is_the_same_line_and_exit_2(tmp_path, 
 
 
 def test_the_dry_run_counts_the_pool_in_world_size_and_prints_tools_plan_s_figures(tmp_path, capsys, monkeypatch):
-    """``WORLD_SIZE=40`` (torchrun's count: 32 trainer ranks + the pool's 8) and ``--nodes 5`` both plan the async
-    recipe as ``tools/plan.py`` does, line for line after the title; ``WORLD_SIZE=32`` leaves 24 trainer ranks,
+    """``WORLD_SIZE=64`` (torchrun's count: 32 trainer ranks + the pool's 32) and ``--nodes 8`` both plan the async
+    recipe as ``tools/plan.py`` does, line for line after the title; ``WORLD_SIZE=48`` leaves 16 trainer ranks,
     which its layout cannot use."""
     import pretrain_rl
     from megatron_credit.commands.plan import main as plan_main
@@ -202,32 +202,33 @@ def test_the_dry_run_counts_the_pool_in_world_size_and_prints_tools_plan_s_figur
         monkeypatch.delenv(key, raising=False)
     assert plan_main(["--config", ASYNC_32B, "--skip-preflight"]) == 0
     planned = capsys.readouterr().out.splitlines()[1:]
-    monkeypatch.setenv("WORLD_SIZE", "40")
+    monkeypatch.setenv("WORLD_SIZE", "64")
     assert pretrain_rl.main(["--config", ASYNC_32B, "--dry-run", "--skip-preflight"]) == 0
     out = capsys.readouterr().out.splitlines()
-    title = next(i for i, line in enumerate(out) if line.startswith("plan of 40 rank(s): fipo, 4 node(s) x 8"))
+    title = next(i for i, line in enumerate(out) if line.startswith("plan of 64 rank(s): fipo, 4 node(s) x 8"))
     assert out[title + 1:title + 1 + len(planned)] == planned
     assert out[-1] == "dry run: the recipe is valid for this world size; nothing was built"
     monkeypatch.delenv("WORLD_SIZE")
-    assert pretrain_rl.main(["--config", ASYNC_32B, "--dry-run", "--skip-preflight", "--nodes", "5"]) == 0
+    assert pretrain_rl.main(["--config", ASYNC_32B, "--dry-run", "--skip-preflight", "--nodes", "8"]) == 0
     assert capsys.readouterr().out.splitlines()[title + 1:title + 1 + len(planned)] == planned
-    monkeypatch.setenv("WORLD_SIZE", "32")
+    monkeypatch.setenv("WORLD_SIZE", "48")
     assert pretrain_rl.main(["--config", ASYNC_32B, "--dry-run", "--skip-preflight"]) == 2
-    assert "24" in capsys.readouterr().err
-    assert pretrain_rl.main(["--config", ASYNC_32B, "--dry-run", "--nodes", "5"]) == 2
-    assert capsys.readouterr().err == ("error: --nodes 5 x cluster.gpus_per_node=8 = 40 GPUs, but WORLD_SIZE=32: "
+    assert "16" in capsys.readouterr().err
+    assert pretrain_rl.main(["--config", ASYNC_32B, "--dry-run", "--nodes", "8"]) == 2
+    assert capsys.readouterr().err == ("error: --nodes 8 x cluster.gpus_per_node=8 = 64 GPUs, but WORLD_SIZE=48: "
                                        "pass one of them\n")
     # sync at WORLD_SIZE=32: the host memory per node of the recipe's nodes of 8, as tools/plan.py prints it
+    monkeypatch.setenv("WORLD_SIZE", "32")
     assert pretrain_rl.main(["--config", FIPO_32B, "--dry-run", "--skip-preflight"]) == 0
     host = [line for line in capsys.readouterr().out.splitlines() if line.startswith("host offload")]
     assert plan_main(["--config", FIPO_32B, "--skip-preflight"]) == 0
     assert host == [line for line in capsys.readouterr().out.splitlines() if line.startswith("host offload")]
     assert len(host) == 1 and host[0].endswith("per node of 8"), host
-    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("WORLD_SIZE", "32")
     assert pretrain_rl.main(["--config", ASYNC_32B, "--dry-run"]) == 2
-    assert capsys.readouterr().err == ("error: WORLD_SIZE=8 leaves no trainer rank beside rollout.ranks=8: WORLD_SIZE "
-                                       "counts every rank of the launch, the pool's included (e.g. 40 for the "
-                                       "recipe's cluster)\n")
+    assert capsys.readouterr().err == ("error: WORLD_SIZE=32 leaves no trainer rank beside rollout.ranks=32: "
+                                       "WORLD_SIZE counts every rank of the launch, the pool's included (e.g. 64 for "
+                                       "the recipe's cluster)\n")
 
 
 def test_preflight_runs_every_check_in_order(model_dir, tmp_path):
