@@ -149,7 +149,7 @@ def lora_meta(actor) -> Optional[dict[str, Any]]:
     lora = getattr(actor, "lora", None)
     if lora is None:
         return None
-    dtype = next(p.dtype for n, p in actor.model.named_parameters() if not p.requires_grad)  # the frozen base's
+    dtype = next(p.dtype for p in actor.model.parameters() if not p.requires_grad)  # the frozen base's
     return {"rank": lora.rank, "alpha": lora.scale_alpha, "targets": list(lora.targets),
             "base": os.path.abspath(actor.model_path) if actor.model_path else None,
             "base_dtype": str(dtype).removeprefix("torch.")}
