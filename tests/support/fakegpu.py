@@ -135,7 +135,101 @@ class FakeGpuTensor(torch.Tensor):
         _check_mix(func, args, kwargs)
         to_cpu = func in (torch.ops.aten._to_copy.default,) and kwargs.get("device") is not None \
             and torch.device(kwargs["device"]).type == "cpu"
+        if _READS["on"] is not None:
+            kind = _read_kind(func, args, kwargs, to_cpu)
+            if kind is not None:
+                _READS["on"].record(kind)
         return _run_on_cpu(func, args, kwargs, wrap=not to_cpu)
+
+
+# -- device-to-host reads ---------------------------------------------------------------------------------
+# What makes the host wait for a CUDA device: a value read back (``.item()``, ``float()``, the truth value of
+# a tensor, ``.tolist()``, ``.cpu()``, ``torch.equal``) or an op whose output shape depends on the data
+# (``nonzero``, boolean indexing, ``masked_select``, ``unique``, ``repeat_interleave`` without
+# ``output_size``). :func:`counting_reads` records each with the code that asked for it.
+_READ_OPS = {"aten::_local_scalar_dense": "item", "aten::is_nonzero": "item", "aten::equal": "equal",
+             "aten::allclose": "equal", "aten::nonzero": "nonzero", "aten::nonzero_static": None,
+             "aten::masked_select": "masked_select", "aten::_unique2": "unique", "aten::unique_dim": "unique",
+             "aten::unique_consecutive": "unique", "aten::unique_dim_consecutive": "unique",
+             "aten::bincount": "bincount"}
+_READS: dict = {"on": None}
+
+
+def _read_kind(func, args, kwargs, to_cpu: bool) -> "str | None":
+    name = func._schema.name
+    if name in _READ_OPS:
+        return _READ_OPS[name]
+    if to_cpu:
+        return "to(cpu)"
+    if name == "aten::copy_" and not _is_fake(args[0]) and any(_is_fake(a) for a in args[1:2]):
+        return "copy_(cpu)"
+    if name == "aten::repeat_interleave" and func._overloadname == "Tensor" and kwargs.get("output_size") is None \
+            and (len(args) < 3 or args[2] is None):
+        return "repeat_interleave"
+    if name in ("aten::index", "aten::index_put_", "aten::_index_put_impl_", "aten::index_put"):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices")
+        if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ()):
+            return "boolean index"
+    return None
+
+
+class Reads:
+    """Device-to-host reads recorded by :func:`counting_reads`: ``events`` is a list of ``(kind, owner, site,
+    phase)``; ``owner`` is ``"project"`` (megatron_credit/, pretrain_rl.py), ``"megatron-core"`` or ``"other"``
+    (torch itself, the tests), from the innermost frame of either of the first two; ``site`` its
+    ``path:line``; ``phase`` the innermost of :meth:`phase`'s labels."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, str, str]] = []
+        self.phases: list[str] = ["other"]
+
+    @contextlib.contextmanager
+    def phase(self, label: str):
+        self.phases.append(label)
+        try:
+            yield
+        finally:
+            self.phases.pop()
+
+    def record(self, kind: str) -> None:
+        import sys
+
+        owner, site = "other", "?"
+        f = sys._getframe(2)
+        while f is not None:
+            path = f.f_code.co_filename.replace("\\", "/")
+            if "/megatron/core/" in path:
+                owner, site = "megatron-core", path[path.index("megatron/core/"):] + f":{f.f_lineno}"
+                break
+            if "/megatron_credit/" in path or path.endswith("/pretrain_rl.py"):
+                cut = path.rfind("/megatron_credit/")
+                owner = "project"
+                site = (path[cut + 1:] if cut >= 0 else "pretrain_rl.py") + f":{f.f_lineno}"
+                break
+            f = f.f_back
+        self.events.append((kind, owner, site, self.phases[-1]))
+
+    def count(self, *, owner: "str | None" = None, phase: "str | None" = None) -> int:
+        return sum(1 for _, o, _, p in self.events if (owner is None or o == owner) and (phase is None or p == phase))
+
+    def sites(self, *, owner: "str | None" = None, phase: "str | None" = None) -> dict[str, int]:
+        """``{"site kind": count}`` of the matching reads, most frequent first."""
+        out: dict[str, int] = {}
+        for kind, o, site, p in self.events:
+            if (owner is None or o == owner) and (phase is None or p == phase):
+                out[f"{site} {kind}"] = out.get(f"{site} {kind}", 0) + 1
+        return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+@contextlib.contextmanager
+def counting_reads():
+    """Record every device-to-host read of fakegpu tensors while inside (use within :func:`fake_cuda`)."""
+    reads = Reads()
+    outer, _READS["on"] = _READS["on"], reads
+    try:
+        yield reads
+    finally:
+        _READS["on"] = outer
 
 
 def _unwrap(x):
@@ -213,6 +307,8 @@ class _DeviceMode(TorchFunctionMode):
         if func in (torch.Tensor.pin_memory,):
             return args[0]
         if func is torch.Tensor.tolist and _is_fake(args[0]):
+            if _READS["on"] is not None:
+                _READS["on"].record("tolist")
             return args[0].inner.tolist()
         if func is torch.Tensor.numpy and _is_fake(args[0]):  # as CUDA: .cpu() first
             raise TypeError(f"can't convert {NAME}:0 device type tensor to numpy. Use Tensor.cpu() first")
@@ -228,6 +324,9 @@ class _DeviceMode(TorchFunctionMode):
             has_fake = any(_is_fake(t) for t in tree_flatten(args)[0])
             if has_fake and "device" not in kwargs:  # torch.tensor([fake scalars]) lands on their device
                 kwargs["device"] = torch.device(NAME, 0)
+            if _READS["on"] is not None and args and isinstance(args[0], (list, tuple)) \
+                    and any(_is_fake(t) for t in tree_flatten(args[0])[0]):  # CUDA reads each device scalar
+                _READS["on"].record("tensor(device scalars)")
             if _fake_device(kwargs.get("device")):
                 device = kwargs.pop("device")
                 data = tree_map(lambda t: t.inner if _is_fake(t) else t, args)
