@@ -175,8 +175,8 @@ def _read_kind(func, args, kwargs, to_cpu: bool) -> "str | None":
 
 class Reads:
     """Device-to-host reads recorded by :func:`counting_reads`: ``events`` is a list of ``(kind, owner, site,
-    phase)``; ``owner`` is ``"project"`` (megatron_credit/, pretrain_rl.py), ``"megatron-core"`` or ``"other"``
-    (torch itself, the tests), from the innermost frame of either of the first two; ``site`` its
+    phase)``; ``owner`` is ``"project"`` (megatron_credit/, pretrain_rl.py), ``"megatron-core"``, ``"transformers"`` or
+    ``"other"`` (torch itself, the tests), from the innermost frame of any of the first three; ``site`` its
     ``path:line``; ``phase`` the innermost of :meth:`phase`'s labels."""
 
     def __init__(self) -> None:
@@ -200,6 +200,9 @@ class Reads:
             path = f.f_code.co_filename.replace("\\", "/")
             if "/megatron/core/" in path:
                 owner, site = "megatron-core", path[path.index("megatron/core/"):] + f":{f.f_lineno}"
+                break
+            if "/transformers/" in path:
+                owner, site = "transformers", path[path.rindex("transformers/"):] + f":{f.f_lineno}"
                 break
             if "/megatron_credit/" in path or path.endswith("/pretrain_rl.py"):
                 cut = path.rfind("/megatron_credit/")
