@@ -203,6 +203,9 @@ class MicroBatch:
     ``[n, T]`` rows of the batch's loss mask."""
     layout: Optional[PackedLayout] = None
     """Packed: where each of this rank's tokens lives (``batch/packing.py``); None for padded rows."""
+    first_scored: Optional[int] = None
+    """:attr:`query_start`, found on the host when the micro-batch is made (None: from
+    :attr:`whole_loss_mask`, a device read)."""
 
     @property
     def packed(self) -> bool:
@@ -250,8 +253,19 @@ class MicroBatch:
     def query_start(self) -> int:
         """The first (global) position that scores a response token in any row (a final-layer capture reads
         the attention of the queries from there on); ``seq_len`` when no row has one."""
-        any_row = self.whole_loss_mask.any(dim=0)
-        return int(any_row.nonzero()[0]) if bool(any_row.any()) else self.seq_len
+        if self.first_scored is not None:
+            return self.first_scored
+        return first_scored(self.whole_loss_mask, self.seq_len)
+
+
+def first_scored(loss_mask: torch.Tensor, default: int) -> int:
+    """The first column of ``loss_mask [b, s]`` that is set in any row; ``default`` when none is.
+
+    >>> first_scored(torch.tensor([[0, 0, 1, 1], [0, 1, 0, 0]]), 4), first_scored(torch.zeros(2, 3), 3)
+    (1, 3)
+    """
+    cols = loss_mask.any(dim=0).nonzero()
+    return int(cols[0]) if len(cols) else default
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -293,7 +307,7 @@ def make_microbatch(batch: TrainBatch, rows: Sequence[int], *, seq_len: int, num
     return MicroBatch(rows=tuple(int(r) for r in rows), num_rows=num_rows, seq_len=seq_len,
                       position_ids=to_device(pos.expand(num_rows, -1).contiguous(), device),
                       tensors={k: to_device(v, device) for k, v in out.items()},
-                      whole_loss_mask=to_device(whole, device))
+                      whole_loss_mask=to_device(whole, device), first_scored=first_scored(whole, seq_len))
 
 
 def make_packed_microbatch(batch: TrainBatch, rows: Sequence[int], *, multiple: int, pad_id: int,
@@ -311,7 +325,8 @@ def make_packed_microbatch(batch: TrainBatch, rows: Sequence[int], *, multiple: 
     return MicroBatch(rows=tuple(int(r) for r in rows), num_rows=1, seq_len=layout.total_tokens,
                       position_ids=to_device(layout.positions[None], device),
                       tensors={k: to_device(v, device) for k, v in out.items()},
-                      whole_loss_mask=to_device(batch.loss_mask[idx], device), layout=layout)
+                      whole_loss_mask=to_device(batch.loss_mask[idx], device), layout=layout,
+                      first_scored=first_scored(batch.loss_mask[idx], layout.total_tokens))
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -62,8 +62,10 @@ __all__ = ["attention_concentration", "attention_topk"]
 
 
 def _check(query: torch.Tensor, key: torch.Tensor, q_positions: Optional[torch.Tensor],
-           chunk_size: int) -> torch.Tensor:
-    """Validate shapes; return the query positions ``[Tq]`` (long, on the query's device)."""
+           chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate shapes; return the query positions ``[Tq]`` (long) on the query's device and on the host. The
+    loops size their key chunks from the host copy: positions given on the host (as the final-layer capture
+    gives them) cost no device read; positions given on the device are read once here."""
     if query.dim() != 4 or key.dim() != 4:
         raise ValueError(f"query must be [B, Hq, Tq, D] and key [B, Hkv, Tk, D], got query "
                          f"{tuple(query.shape)}, key {tuple(key.shape)}")
@@ -77,13 +79,14 @@ def _check(query: torch.Tensor, key: torch.Tensor, q_positions: Optional[torch.T
     if q_positions is None:
         if tq > tk:
             raise ValueError(f"without q_positions the queries are the last Tq of Tk keys: Tq={tq} > Tk={tk}")
-        return torch.arange(tk - tq, tk, device=query.device)
+        host = torch.arange(tk - tq, tk)
+        return host.to(query.device), host
     if q_positions.shape != (tq,):
         raise ValueError(f"q_positions must be [Tq] = [{tq}], got {tuple(q_positions.shape)}")
-    if tq and (int(q_positions.min()) < 0 or int(q_positions.max()) >= tk):
-        raise ValueError(f"q_positions must lie in [0, Tk={tk}), got [{int(q_positions.min())}, "
-                         f"{int(q_positions.max())}]")
-    return q_positions.to(device=query.device, dtype=torch.long)
+    host = q_positions.to(device="cpu", dtype=torch.long)
+    if tq and (int(host.min()) < 0 or int(host.max()) >= tk):
+        raise ValueError(f"q_positions must lie in [0, Tk={tk}), got [{int(host.min())}, {int(host.max())}]")
+    return q_positions.to(device=query.device, dtype=torch.long), host
 
 
 def _grouped_chunk(query: torch.Tensor, q0: int, q1: int, hkv: int, scale: float) -> torch.Tensor:
@@ -108,10 +111,11 @@ def _masked_scores(qg: torch.Tensor, key: torch.Tensor, k0: int, k1: int,
     return s.masked_fill_(hidden, float("-inf"))
 
 
-def _online_lse(qg: torch.Tensor, key: torch.Tensor, pos: torch.Tensor, chunk: int, *,
+def _online_lse(qg: torch.Tensor, key: torch.Tensor, pos: torch.Tensor, chunk: int, last: int, *,
                 squares: bool, sink_keys: int = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Per-head row max ``m``, ``LSE(s - m)`` and (if ``squares``) ``LSE(2 (s - m))``, each
-    ``[B, Hkv, G, c]``, streamed over key chunks: ``LSE(s) = m + LSE(s - m)``.
+    ``[B, Hkv, G, c]``, streamed over key chunks: ``LSE(s) = m + LSE(s - m)``. Keys from ``last`` on (one
+    past the chunk's last query position, known on the host) are hidden from every query of the chunk.
 
     Running max ``m`` with ``l1 = sum exp(s - m)``, ``l2 = sum exp(2 (s - m))``; on a new max both sums
     are rescaled (by ``exp(m_old - m)`` and its square). Every query sees at least its own key, so
@@ -123,7 +127,6 @@ def _online_lse(qg: torch.Tensor, key: torch.Tensor, pos: torch.Tensor, chunk: i
     shape = (b, hkv, gc // pos.numel(), pos.numel())
     m = torch.full(shape, float("-inf"), device=qg.device)
     l1, l2 = torch.zeros(shape, device=qg.device), torch.zeros(shape, device=qg.device)
-    last = int(pos.max()) + 1  # keys from here on are hidden from every query of the chunk
     for k0 in range(0, last, chunk):
         k1 = min(k0 + chunk, last)
         s = _masked_scores(qg, key, k0, k1, pos, sink_keys)
@@ -155,7 +158,7 @@ def attention_concentration(query: torch.Tensor, key: torch.Tensor, *, scale: Op
     and keys. ``H`` lies in ``[1/n, 1]``. ``sink_keys``: leave out keys ``j < min(sink_keys, t)`` and
     renormalise over the rest (module docstring); ``n`` then counts the keys left.
     """
-    pos = _check(query, key, q_positions, chunk_size)
+    pos, host = _check(query, key, q_positions, chunk_size)
     if sink_keys < 0:
         raise ValueError(f"sink_keys must be >= 0, got {sink_keys}")
     b, hq, tq, _ = query.shape
@@ -163,8 +166,8 @@ def attention_concentration(query: torch.Tensor, key: torch.Tensor, *, scale: Op
     h_sum = torch.zeros(b, tq, device=query.device)
     for q0 in range(0, tq, chunk_size):
         q1 = min(q0 + chunk_size, tq)
-        _, lse_s, lse_2s = _online_lse(_grouped_chunk(query, q0, q1, hkv, scale), key, pos[q0:q1],
-                                       chunk_size, squares=True, sink_keys=sink_keys)  # max-shifted
+        _, lse_s, lse_2s = _online_lse(_grouped_chunk(query, q0, q1, hkv, scale), key, pos[q0:q1], chunk_size,
+                                       int(host[q0:q1].max()) + 1, squares=True, sink_keys=sink_keys)  # max-shifted
         h_sum[:, q0:q1] = concentration_from_lse(lse_2s, lse_s).sum(dim=(1, 2))
     heads = hq
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
@@ -213,7 +216,7 @@ def attention_topk(query: torch.Tensor, key: torch.Tensor, k: int, *, scale: Opt
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    pos = _check(query, key, q_positions, chunk_size)
+    pos, host = _check(query, key, q_positions, chunk_size)
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         query, key = _gather_heads(query, tp_group), _gather_heads(key, tp_group)
     b, hq, tq, _ = query.shape
@@ -223,10 +226,10 @@ def attention_topk(query: torch.Tensor, key: torch.Tensor, k: int, *, scale: Opt
     for q0 in range(0, tq, chunk_size):
         q1 = min(q0 + chunk_size, tq)
         qg, p = _grouped_chunk(query, q0, q1, hkv, scale), pos[q0:q1]
-        m, lse_shifted, _ = _online_lse(qg, key, p, chunk_size, squares=False)  # pass 1: [B, Hkv, G, c]
+        last = int(host[q0:q1].max()) + 1  # keys from here on are hidden from every query of the chunk
+        m, lse_shifted, _ = _online_lse(qg, key, p, chunk_size, last, squares=False)  # pass 1: [B, Hkv, G, c]
         lse = m + lse_shifted
         best = torch.full((b, q1 - q0, k), -1, dtype=torch.long, device=query.device)
-        last = int(p.max()) + 1
         for k0 in range(0, last, chunk_size):  # pass 2: weights, running top-k of (weight, -col) keys
             k1 = min(k0 + chunk_size, last)
             a = _masked_scores(qg, key, k0, k1, p).sub_(lse[..., None]).exp_().sum(dim=(1, 2)) / hq

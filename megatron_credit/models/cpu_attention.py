@@ -152,7 +152,7 @@ class CpuContextParallelAttention(MegatronModule):
         t, n_heads, hn = query.shape
         rep = n_heads // key.shape[1]  # GQA: query head h uses KV group h // (np / ng)
         out = query.new_zeros((t, n_heads * hn))
-        for q_idx, valid, k_idx, q_pos in _group_indices(tuple(cu), cp, rank, query.device):
+        for q_idx, dst, src, k_idx, q_pos in _group_indices(tuple(cu), cp, rank, query.device):
             g, mq = q_idx.shape
             q = query[q_idx].permute(0, 2, 1, 3)  # [g, np, mq, hn]
             k = key[k_idx].repeat_interleave(rep, dim=2).permute(0, 2, 1, 3)  # [g, np, mk, hn]
@@ -161,7 +161,7 @@ class CpuContextParallelAttention(MegatronModule):
             hidden = torch.arange(k_idx.shape[1], device=q.device)[None, None, :] > q_pos[:, :, None]  # [g, mq, mk]
             probs = torch.softmax(scores.masked_fill(hidden[:, None], float("-inf")), dim=-1).to(value.dtype)
             o = torch.matmul(probs, v).permute(0, 2, 1, 3).reshape(g, mq, n_heads * hn)
-            out = out.index_put((q_idx[valid],), o[valid])
+            out = out.index_put((dst,), o.reshape(g * mq, -1)[src])  # integer indices: no host read
         return out
 
 
@@ -174,9 +174,11 @@ def _rank_indices(cu: tuple[int, ...], cp: int) -> list[torch.Tensor]:
 def _group_indices(cu: tuple[int, ...], cp: int, rank: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
     """Per :func:`length_groups` group of the sequences at ``cu`` (this CP rank's queries), all of one bucket
     length ``L``: ``q_idx [g, L / cp]`` local stream indices of the queries (padding slots repeat the
-    sequence's last one), ``valid [g, L / cp]``, ``k_idx [g, L]`` whole-stream indices of the keys (past a
-    sequence's end its last key, never visible: causal) and ``q_pos [g, L / cp]`` the queries' positions in
-    their sequence (0 in padding slots)."""
+    sequence's last one), ``dst`` the local stream indices of the real (not padding) query slots and ``src``
+    those slots' flat indices in ``[g * L / cp]`` (found here, on the host: a boolean index on the device would
+    read it back every layer), ``k_idx [g, L]`` whole-stream indices of the keys (past a sequence's end its
+    last key, never visible: causal) and ``q_pos [g, L / cp]`` the queries' positions in their sequence (0 in
+    padding slots)."""
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     layout = PackedLayout.build(lens, multiple=2 * cp if cp > 1 else 1, cp_size=cp, cp_rank=rank)
     local_start = [0]
@@ -190,7 +192,8 @@ def _group_indices(cu: tuple[int, ...], cp: int, rank: int, device: torch.device
         valid = torch.stack([torch.arange(mq) < lens[k] // cp for k in group])
         k_idx = torch.stack([torch.arange(cu[k], cu[k] + bucket).clamp(max=cu[k + 1] - 1) for k in group])
         q_pos = torch.where(valid, layout.positions[q_idx], 0)
-        out.append(tuple(x.to(device) for x in (q_idx, valid, k_idx, q_pos)))
+        dst, src = q_idx[valid], valid.flatten().nonzero().squeeze(1)
+        out.append(tuple(x.to(device) for x in (q_idx, dst, src, k_idx, q_pos)))
     return out
 
 

@@ -54,14 +54,15 @@ def _size(group) -> int:
 @torch.no_grad()
 def gather_cp_sequence(local: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
     """CP shard ``[2c, ...]`` (chunks r, 2cp-1-r) -> full sequence ``[2 cp c, ...]`` in order, and this
-    rank's global positions ``[2c]``. Without a group (or CP = 1): ``local`` and ``arange(2c)``."""
+    rank's global positions ``[2c]`` on the host (the capture selects its queries there: no device read).
+    Without a group (or CP = 1): ``local`` and ``arange(2c)``."""
     cp = _size(group)
     if cp == 1:
-        return local, torch.arange(local.shape[0], device=local.device)
+        return local, torch.arange(local.shape[0])
     rank = dist.get_rank(group)
     parts = [torch.empty_like(local) for _ in range(cp)]
     dist.all_gather(parts, local.contiguous(), group=group)
-    positions = load_balanced_positions(local.shape[0], cp_rank=rank, cp_size=cp).to(local.device)
+    positions = load_balanced_positions(local.shape[0], cp_rank=rank, cp_size=cp)
     return merge_cp_shards(parts, seq_dim=0), positions
 
 
@@ -132,12 +133,12 @@ class FinalAttentionCapture:
         width = key.shape[0] - self.query_start
         if width <= 0:
             raise ValueError(f"query_start={self.query_start} must be below the sequence length {key.shape[0]}")
-        mine = torch.nonzero(positions >= self.query_start).flatten()
-        q = query[mine].permute(1, 2, 0, 3)  # [b, np, m, d]
+        mine = torch.nonzero(positions >= self.query_start).flatten()  # on the host
+        q = query[mine.to(query.device)].permute(1, 2, 0, 3)  # [b, np, m, d]
         k = key.permute(1, 2, 0, 3)  # [b, ng, S, d]
         kw = dict(scale=scale, chunk_size=self.chunk_size, tp_group=self.tp_group, q_positions=positions[mine])
         h, n = attention_concentration(q, k, sink_keys=self.sink_keys, **kw)
-        cols = positions[mine] - self.query_start
+        cols = (positions[mine] - self.query_start).to(query.device)
         result = {"H": scatter_to_global(h, cols, width, self.cp_group),
                   "n": scatter_to_global(n, cols, width, self.cp_group)}
         if self.top_k:
@@ -179,19 +180,20 @@ class FinalAttentionCapture:
         local0 = 0
         for k, (start, length) in enumerate(zip(cu[:-1], lens)):
             n_local = length // cp
-            pos = layout.positions[local0:local0 + n_local].to(query.device)
+            pos = layout.positions[local0:local0 + n_local]  # on the host: selecting the queries reads no device
             mine = torch.nonzero(pos >= self.query_start).flatten()
             if len(mine):  # the same on every TP rank (one CP rank's positions): the TP collectives match
-                q = query[local0 + mine].permute(1, 0, 2)[None]  # [1, np, m, d]
+                q = query[(local0 + mine).to(query.device)].permute(1, 0, 2)[None]  # [1, np, m, d]
                 keys = key[start:start + length].permute(1, 0, 2)[None]  # [1, ng, P_k, d]
                 kw = dict(scale=scale, chunk_size=self.chunk_size, tp_group=self.tp_group, q_positions=pos[mine])
                 h, n = attention_concentration(q, keys, sink_keys=self.sink_keys, **kw)
-                put("H", k, pos[mine], h)
-                put("n", k, pos[mine], n)
+                cols = pos[mine].to(query.device)
+                put("H", k, cols, h)
+                put("n", k, cols, n)
                 if self.top_k:
                     idx, w = attention_topk(q, keys, self.top_k, **kw)
-                    put("topk_idx", k, pos[mine], idx)
-                    put("topk_w", k, pos[mine], w)
+                    put("topk_idx", k, cols, idx)
+                    put("topk_w", k, cols, w)
             local0 += n_local
         templates = {"H": (torch.float32, ()), "n": (torch.long, ())}
         if self.top_k:

@@ -9,6 +9,8 @@ PP groups, sizes and ranks, and the lr bookkeeping (``last_lr``, ``_report_max_l
 """
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -88,14 +90,16 @@ class OptimizerStep:
         clips = [clip, clip if critic_clip is None else critic_clip][: len(sets)]
         norms = [self.global_grad_norm(ps_) for ps_ in sets]
         self.last_critic_grad_norm = norms[1] if len(norms) > 1 else None
-        ok = all(bool(torch.isfinite(n)) for n in norms) and loss_finite
+        # one read of the device for the step: were the norms finite (the clip below stays on the device)
+        ok = loss_finite and bool(torch.stack([torch.isfinite(n) for n in norms]).all())
         if ok:
             for params, norm, c in zip(sets, norms, clips):
-                if c > 0 and float(norm) > c:
-                    coef = c / (float(norm) + 1e-6)
+                if c > 0:  # c / (norm + 1e-6) where the norm exceeds c, else 1 (the grads as they are)
+                    norm = norm.to(torch.float64)
+                    coef = torch.where(norm > c, c / (norm + 1e-6), torch.ones_like(norm))
                     for p in params:
                         if grad_of(p) is not None:
-                            grad_of(p).mul_(coef)
+                            grad_of(p).mul_(coef.to(grad_of(p).device))
             policy_lr = set_lrs(self.optimizer, self.scheduler, self.optim, lr=lr, lr_scale=lr_scale,
                                 critic_lr_scale=critic_lr_scale, report_max_lr=self._report_max_lr)
             self.optimizer.step()
@@ -116,14 +120,15 @@ class OptimizerStep:
         opt, o = self.optimizer, self.optim
         clip = o.clip_grad if clip is None else clip
         found_inf = opt.prepare_grads()
-        norm = torch.tensor(float(opt.get_grad_norm()), dtype=torch.float64).to(self.device)
-        ok = loss_finite and not found_inf and bool(torch.isfinite(norm))
+        total = float(opt.get_grad_norm())  # megatron's norm is a host float already
+        norm = torch.tensor(total, dtype=torch.float64).to(self.device)
+        ok = loss_finite and not found_inf and math.isfinite(total)
         if ok:
             if clip > 0:
                 for inner in opt.chained_optimizers:
                     params = inner.get_parameters()
                     if params:
-                        clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=float(norm))
+                        clip_grad_by_total_norm_fp32(params, max_norm=clip, total_norm=total)
             ok = bool(opt.step_with_ready_grads())
             self.optimizer_steps += int(ok)
         opt.zero_grad(set_to_none=True)

@@ -117,13 +117,13 @@ class Context:
             dist.all_reduce(s, group=self.actor.dp_group)
         mean = s[0] / s[2].clamp(min=1)
         var = (s[1] / s[2].clamp(min=1) - mean * mean).clamp(min=0)
-        mean, std = mean.to(adv.device), torch.sqrt(var + 1e-8).to(adv.device)
+        mean, std = torch.stack([mean, torch.sqrt(var + 1e-8)]).to(adv.device).unbind()  # one copy to the batch's device
         return torch.where(m, (adv - mean) / std, 0.0).float()
 
     def all_finite(self, x: torch.Tensor) -> bool:
-        bad = torch.tensor([0.0 if bool(torch.isfinite(x).all()) else 1.0]).to(self.actor.device)
+        bad = (~torch.isfinite(x)).any().to(torch.float64).reshape(1).to(self.actor.device)  # no read yet
         dist.all_reduce(bad)
-        return float(bad) == 0.0
+        return float(bad) == 0.0  # the one read
 
     def reduce_stats(self, stats: StatSums) -> dict[str, float]:
         """Sum over DP x CP on the last stage, then hand the result to the pipeline's first stage."""

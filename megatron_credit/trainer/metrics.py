@@ -90,12 +90,22 @@ class StatSums:
                 self.values[k] = v
 
 
+def on_host(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``values`` (scalar tensors) with those on a device brought to the host in one copy: the metrics of an
+    iteration make the host wait for the device once, not once per metric."""
+    moved = [k for k, x in values.items() if x.device.type != "cpu"]
+    if not moved:
+        return values
+    host = torch.stack([values[k].reshape(()).to(torch.float64) for k in moved]).cpu()
+    return {**values, **dict(zip(moved, host.unbind()))}
+
+
 def finalize(stats: StatSums, tables: Optional[Sequence[MetricTable]] = None) -> dict[str, float]:
     """The documented metric names from reduced sums (missing inputs give no metric): the trainer's own
     (``metric_tables.CORE``), those of ``tables`` (the algorithm's, ``Algorithm.metrics``; None: every
     built-in algorithm's), and the per-rank ``sum:rank_avg/`` statistics averaged over ranks."""
     out: dict[str, float] = {}
-    v = stats.values
+    v = on_host(stats.values)
     for table in (CORE, *(BUILT_IN if tables is None else tables)):
         for name, (num, den) in table.means.items():
             if num in v and den in v:

@@ -188,6 +188,7 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
             out["values"] = values.detach()
         return mb.tensors["loss_mask"].new_zeros((), dtype=torch.float32), out
 
+    copies = RowCopies(ctx)
     for j, mini in enumerate(plan):
         mbs = microbatches(ctx, batch, mini)
         for mapping, run in passes:
@@ -197,7 +198,8 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
                 for key, field in mapping.items():
                     if key in out:
                         full = out[key] if key.startswith("aux:") else None
-                        write_rows(ctx, target(key, field), mb, out[key], whole=full)
+                        copies.add(target(key, field), mb, out[key], whole=full)
+    copies.flush()
     if not (actor.with_critic or critic is not None):
         batch.values = None
     if not actor.last_stage:  # only the last stage computes losses; others never read these
@@ -227,13 +229,34 @@ def add_behaviour_extras(alg, batch: TrainBatch) -> None:
                          "its behaviour_extras makes")
 
 
-def write_rows(ctx: Context, target: torch.Tensor, mb, local: torch.Tensor, *, whole=None) -> None:
-    """``target[mb.rows]`` := the micro-batch's output ``local`` (this rank's tokens; ``whole``: already
-    whole rows, as the attention capture returns them), cut to the batch's ``T``."""
-    full = whole[: len(mb.rows)] if whole is not None else mb.whole_rows(
-        local, cp_group=ctx.actor.cp_group if ctx.actor.cp_size > 1 else None)
-    n = min(full.shape[1], target.shape[1])  # a micro-batch may be padded past T
-    target[list(mb.rows), :n] = full[:, :n].to(target.device, target.dtype)
+class RowCopies:
+    """Micro-batch outputs bound for the batch's host tensors, copied there together by :meth:`flush`: one
+    device-to-host copy per target tensor, not one per micro-batch (each copy makes the host wait for the
+    device, and the host then has no kernels queued for the next micro-batch). The outputs stay on the
+    device until then: per-token tensors of this rank's rows, small beside the model's activations."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.cp_group = ctx.actor.cp_group if ctx.actor.cp_size > 1 else None
+        self.pending: dict[int, tuple[torch.Tensor, list]] = {}
+
+    def add(self, target: torch.Tensor, mb, local: torch.Tensor, *, whole=None) -> None:
+        """``target[mb.rows]`` := the micro-batch's output ``local`` (this rank's tokens; ``whole``: already
+        whole rows, as the attention capture returns them), cut to the batch's ``T``, at :meth:`flush`."""
+        full = whole[: len(mb.rows)] if whole is not None else mb.whole_rows(local, cp_group=self.cp_group)
+        n = min(full.shape[1], target.shape[1])  # a micro-batch may be padded past T
+        part = full[:, :n].detach().to(target.dtype)
+        self.pending.setdefault(id(target), (target, []))[1].append((list(mb.rows), part))
+
+    def flush(self) -> None:
+        for target, parts in self.pending.values():
+            if all(p.device == target.device for _, p in parts):
+                host = [p for _, p in parts]
+            else:  # one copy of all the parts, split again on the host
+                flat = torch.cat([p.reshape(-1) for _, p in parts]).to(target.device)
+                host = [h.view(p.shape) for h, (_, p) in zip(flat.split([p.numel() for _, p in parts]), parts)]
+            for (rows, p), h in zip(parts, host):
+                target[rows, : p.shape[1]] = h
+        self.pending = {}
 
 
 def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
@@ -327,10 +350,12 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
 
     mbs = microbatches(ctx, batch, mini)
     out = ctx.actor.run(mbs, loss_fn, forward_only=False)
+    copies = RowCopies(ctx)
     for mb, lp in fresh:  # as the behaviour pass writes them (the last stage only computes losses)
-        write_rows(ctx, batch.update_logp, mb, lp)
+        copies.add(batch.update_logp, mb, lp)
         if old_from_update:
-            write_rows(ctx, batch.old_logp, mb, lp)
+            copies.add(batch.old_logp, mb, lp)
+    copies.flush()
     local = StatSums()
     computed = sum(mb.computed_tokens for mb in mbs)  # padding: what the forward computes past the tokens
     local.add({"sum:computed_tokens": computed, "sum:padding_tokens": computed - int(batch.seq_lens[rows].sum())})
