@@ -33,7 +33,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_credit.distributed.cpu_shims import CpuRNGStatesTracker, install_cpu_shims
+from megatron_credit.distributed.cpu_shims import CpuRNGStatesTracker, define_missing_te_names, install_cpu_shims
 
 # Seed offsets follow megatron's model_parallel_cuda_manual_seed (tensor_parallel/random.py), so CPU
 # and GPU runs draw dropout masks from the same seeds.
@@ -167,6 +167,7 @@ def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
     on_cpu = backend == "gloo" and not torch.cuda.is_available()
     if on_cpu:
         install_cpu_shims()
+    define_missing_te_names()  # megatron's MoE router without Transformer Engine, whatever the device
     device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,

@@ -369,12 +369,17 @@ def install_cpu_shims() -> None:
     for module_name, qualname in _TYPE_CHECKED:
         owner, attr, value = _resolve(module_name, qualname)
         setattr(owner, attr, _with_cuda_type_names(value))
-    # Shim 6: moe/moe_utils.py (0.16.1) leaves `te_general_gemm` undefined when Transformer Engine is
-    # absent, and RouterGatingLinearFunction reads it (line 1192); None selects its torch.mm path.
+    define_missing_te_names()
+    _SHIMS_INSTALLED = True
+
+
+def define_missing_te_names() -> None:
+    """Shim 6, on every device (a GPU without Transformer Engine too): moe/moe_utils.py (0.16.1) leaves
+    ``te_general_gemm`` undefined when Transformer Engine is absent, and RouterGatingLinearFunction reads it
+    (line 1192); None selects its torch.mm path. Idempotent."""
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-    _SHIMS_INSTALLED = True
 
 
 _LANGUAGE_MODULE = "megatron.core.models.common.language_module.language_module"

@@ -378,7 +378,7 @@ class Actor(OptimizerStep, ActorWeights):
                               dtype=torch.float64, device=self.device)
         if dist.get_world_size(self.dp_cp_group) > 1:
             dist.all_reduce(tokens, group=self.dp_cp_group)
-        return aux_loss_scale(1.0 / float(tokens.clamp(min=1)))
+        return aux_loss_scale(1.0 / tokens.clamp(min=1).reshape(()))  # on the device: no read before the schedule
 
     # -- model statistics ------------------------------------------------------------------------------
     @property

@@ -112,15 +112,17 @@ class RouterMonitor:
 
 
 @contextlib.contextmanager
-def aux_loss_scale(factor: float) -> Iterator[None]:
+def aux_loss_scale(factor: "float | torch.Tensor") -> Iterator[None]:
     """Within it, megatron's ``MoEAuxLossAutoScaler.set_loss_scale(s)`` (called by the schedule for each
-    micro-batch) sets ``s * factor`` (see the module docstring)."""
+    micro-batch) sets ``s * factor`` (see the module docstring). ``factor`` may be a 0-dim device tensor (the
+    host never reads it): it is cast to ``s``'s dtype, as a Python float would be."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     original = MoEAuxLossAutoScaler.__dict__["set_loss_scale"]
 
     def scaled(scale: torch.Tensor) -> None:
-        original.__func__(scale * factor)
+        f = factor.to(scale.device, scale.dtype) if isinstance(factor, torch.Tensor) else factor
+        original.__func__(scale * f)
 
     MoEAuxLossAutoScaler.set_loss_scale = staticmethod(scaled)
     try:

@@ -443,6 +443,9 @@ def fake_cuda():
                mock.patch("torch.cuda.synchronize", lambda d=None: None),
                # megatron-core 0.19's start_grad_sync waits on CUDA-graph events of the current stream
                mock.patch("torch.cuda.current_stream", lambda device=None: _NoStream()),
+               # megatron's all-to-all MoE dispatcher copies its split sizes to the host on a side stream
+               mock.patch("torch.cuda.Stream", _side_stream_class()),
+               mock.patch("torch.cuda.stream", lambda stream: contextlib.nullcontext()),
                mock.patch("torch.cuda.empty_cache", lambda: None),
                mock.patch("torch.Generator", _HostGenerator),
                mock.patch("torch.cuda.get_rng_state", lambda device="cuda": _CUDA_RNG["state"].clone()),
@@ -469,6 +472,17 @@ def fake_cuda():
         stack.enter_context(_FactoryMode())
         stack.enter_context(_DeviceMode())
         yield device
+
+
+def _side_stream_class() -> type:
+    """``torch.cuda.Stream``: a class (annotations such as ``torch.cuda.Stream | None`` still work) whose
+    instances are the CPU's one stream: work on a side stream has completed when it returns."""
+    from megatron_credit.distributed.cpu_shims import _NO_STREAM, _NoStream
+
+    class Stream(_NoStream):
+        def __new__(cls, *args, **kwargs):
+            return _NO_STREAM
+    return Stream
 
 
 def _inner(t: torch.Tensor) -> torch.Tensor:

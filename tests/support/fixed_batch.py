@@ -41,11 +41,12 @@ def _rows(batch, rows):
 
 
 def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overrides=(), poison=None,
-               prepare=None, before=None):
+               prepare=None, before=None, arch=None):
     """Two optimizer steps of ``algorithm`` on the fixed batch under ``parallel``; rank 0's metrics.
     ``prepare(batch, plan)``, if given, edits the batch after the advantages and returns a dict added to
     each step's metrics (expected values computed from the batch); ``before(batch)`` edits it before the
-    behaviour pass (what the rollout side hands over: the engine's log-probs, the versions)."""
+    behaviour pass (what the rollout side hands over: the engine's log-probs, the versions). ``arch``: another
+    model than :data:`ARCH` (its vocabulary at least 128: the batch's token ids)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -56,7 +57,7 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
     from megatron_credit.trainer.metrics import StatSums
 
-    recipe = recipe_from_dict({"model": {"architecture": ARCH}, "parallel": parallel,
+    recipe = recipe_from_dict({"model": {"architecture": arch or ARCH}, "parallel": parallel,
                                "algorithm": {"name": algorithm},
                                "rollout": {"prompts_per_step": 4, "n": 4, "max_response_len": 12},
                                "optim": {"lr": 3e-3, "clip_grad": 0.0},

@@ -10,7 +10,7 @@ pass, advantages, two mini-batches with their optimizer steps and metrics) for e
 - ``iteration``: the rest of the step (``step.behaviour_pass``, ``step.compute_advantages``,
   ``step.update_minibatch``: the optimizer step and the metrics, ``Context.reduce_stats``).
 
-Each result is per algorithm: the project's own reads per micro-batch of each pass, its reads in the whole
+Each result is per algorithm (and ``grpo:moe``, GRPO on a tiny mixture of experts): the project's own reads per micro-batch of each pass, its reads in the whole
 iteration (all phases), and megatron-core's reads by call site (counted apart: they are megatron's).
 Used by tests/trainer/test_host_syncs.py and ``benchmarks/host_syncs.py``.
 """
@@ -21,6 +21,12 @@ import functools
 
 ALGORITHMS = {"grpo": [], "dapo": [], "dr_grpo": [], "rloo": [], "gspo": [], "fipo": [],
               "ppo": [], "comppo": ["algorithm.params.critic_layers=1"]}
+MOE = dict(model_type="qwen3_moe", vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+           num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rope_theta=10000.0, rms_norm_eps=1e-6,
+           tie_word_embeddings=False)
+"""``grpo:moe``: GRPO on a tiny mixture of experts (4 experts, top-2): its router monitor and aux losses."""
+SCENARIOS = {**{name: (name, overrides, None) for name, overrides in ALGORITHMS.items()}, "grpo:moe": ("grpo", [], MOE)}
 LOCAL = ["model.transformer_impl=local"]  # the emulated machine has no Transformer Engine
 MAX_TOKENS = 48
 """Tokens per micro-batch: two rows of the fixed batch, so each pass runs several micro-batches."""
@@ -83,9 +89,10 @@ def count_update_reads(algorithms=None) -> dict:
     from tests.support.fixed_batch import _run_fixed
 
     out = {}
-    for name in algorithms or ALGORITHMS:
+    for name in algorithms or SCENARIOS:
+        algorithm, overrides, arch = SCENARIOS[name]
         counts: dict = {}
         with fake_cuda(), counting_reads() as reads, _phases(reads, counts):
-            _run_fixed({}, name, max_tokens=MAX_TOKENS, overrides=ALGORITHMS[name] + LOCAL)
+            _run_fixed({}, algorithm, max_tokens=MAX_TOKENS, overrides=overrides + LOCAL, arch=arch)
         out[name] = _summary(reads, counts)
     return out
