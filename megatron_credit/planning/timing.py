@@ -279,7 +279,7 @@ def iteration_estimate(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu
     overlapped = bool(pool) and r.max_staleness >= 1
     saves = (t.steps // ck.every if ck.every else 0) + (1 if ck.save_at_end and (not ck.every or t.steps % ck.every) else 0)
     estimate = IterationEstimate(generation_s=generation_s, training_s=training_s, update_s=update_s,
-                                 expert_calls_s=expert_calls_s, overlapped=overlapped, save_s=save_s, checkpoint_bytes=int(checkpoint_bytes),
-                                 steps=t.steps, saves=saves, keep=ck.keep, lead_s=0)
+                                 expert_calls_s=expert_calls_s, overlapped=overlapped, save_s=save_s,
+                                 checkpoint_bytes=int(checkpoint_bytes), steps=t.steps, saves=saves, keep=ck.keep, lead_s=0)
     lead = math.ceil((estimate.iteration_s + save_s) * MARGIN / 60) * 60
     return dataclasses.replace(estimate, lead_s=max(lead, 60))

@@ -1,6 +1,6 @@
 """The ``moe`` recipe section: the training choices of a mixture-of-experts actor (its router's auxiliary
-losses, routing replay, grouped GEMM). A dense model ignores it; the facts of the checkpoint (experts, top-k, routing) come from the
-model's family (``families/``), not from here.
+losses, routing replay, grouped GEMM). A dense model ignores it; the facts of the checkpoint (experts,
+top-k, routing) come from the model's family (``families/``), not from here.
 
 >>> MoeConfig().transformer_config_kwargs()
 {'moe_token_dispatcher_type': 'alltoall', 'moe_router_load_balancing_type': 'aux_loss', 'moe_aux_loss_coeff': 0.001, 'moe_z_loss_coeff': None}
