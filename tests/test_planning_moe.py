@@ -129,14 +129,14 @@ def test_published_sizes_of_qwen3_moe():
         assert active_param_count(a) / 1e9 == pytest.approx(active, rel=0.03), name
 
 
-def _tiny_recipe(**parallel):
+def _tiny_recipe(overrides=(), **parallel):
     return recipe_from_dict({
         "model": {"architecture": TINY_MOE, "params_dtype": "float32"},
         "parallel": {"pipeline_model_parallel_size": 2, **parallel},
         "rollout": {"prompts_per_step": 4, "n": 2, "max_response_len": 8},
         "optim": {"backend": "megatron", "distributed_optimizer": True},
         "train": {"num_minibatches": 2, "max_tokens_per_microbatch": 64, "logprob_chunk_size": 16},
-    })
+    }, overrides=list(overrides))
 
 
 def test_tiny_moe_plan_by_hand_ep2_pp2_on_8_gpus():
@@ -153,10 +153,37 @@ def test_tiny_moe_plan_by_hand_ep2_pp2_on_8_gpus():
     assert p.terms["optimizer"] == (stage - experts) * 8 // 4 + experts * 8 // 2
     assert p.optimizer_bytes_other == stage * 8
     # Activations of 72 tokens x 4 layers: norms 4 x 64, Q and attention out 2 x 128, K and V 2 x 64,
-    # experts top-2 x (64 + 4 x 32) = 384 elements of 4 B, router 8 x 4 experts bytes
-    per = 4 * (256 + 256 + 128 + 384) + 32
+    # experts top-2 x (64 + 3 x 32) = 320 elements of 4 B, router 8 x 4 experts bytes
+    per = 4 * (256 + 256 + 128 + 320) + 32
     assert p.terms["activations"] == 72 * 4 * per
     assert "EP=2 ETP=1 EDP=2" in format_plan(p) and "2 of 4 per layer: EP 2, expert TP 1" in p.notes["weights"]
+
+
+def test_grouped_and_sequential_experts_plan_the_same_memory_and_sequential_calls_take_time():
+    """TE's grouped experts (the default) and ``SequentialMLP`` (``moe.grouped_gemm=false``, or the local spec)
+    hold the same weights and activations; the sequential one adds one GEMM call per expert to the training:
+    PP 2, EP 2 on 8 GPUs is DP 4, so 8 sequences of 72 tokens are 2 micro-batches of 72 per replica; each of a
+    stage's 2 layers makes 2 x 2 local experts = 4 calls in the old log-probs' forward and 4 + 8 in the
+    update's forward and backward: 2 x 2 x 16 calls of 20 us."""
+    from megatron_credit.planning.timing import EXPERT_GEMM_CALL_S, iteration_estimate
+
+    variants = {"grouped": [], "sequential": ["moe.grouped_gemm=false"], "local": ["model.transformer_impl=local"]}
+    plans, times = {}, {}
+    for name, overrides in variants.items():
+        recipe = _tiny_recipe(overrides)
+        plans[name] = plan(recipe, recipe.model.hf_config(), nodes=1, gpus_per_node=8, gpu="h100-80gb", ep=2)
+        times[name] = iteration_estimate(recipe, recipe.model.hf_config(), nodes=1, gpus_per_node=8, gpu="h100-80gb",
+                                         ep=2)
+    assert plans["grouped"].terms == plans["sequential"].terms
+    assert plans["grouped"].notes["activations"].endswith("all-to-all dispatch, TEGroupedMLP")
+    assert plans["sequential"].notes["activations"].endswith("all-to-all dispatch, SequentialMLP")
+    assert plans["local"].notes["activations"].endswith("all-to-all dispatch, SequentialMLP")
+    assert EXPERT_GEMM_CALL_S == 20e-6 and times["grouped"].expert_calls_s == 0.0
+    for name in ("sequential", "local"):
+        assert times[name].expert_calls_s == pytest.approx(2 * 2 * 16 * 20e-6, rel=1e-12), name
+        assert times[name].training_s == pytest.approx(times["grouped"].training_s + 2 * 2 * 16 * 20e-6, rel=1e-12)
+        assert "of the training: 0 s of one GEMM call per expert (SequentialMLP, 20 us each" in \
+            "\n".join(times[name].lines())
 
 
 @pytest.mark.parametrize("nodes,parallel,ep,etp,want", [

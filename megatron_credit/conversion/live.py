@@ -9,7 +9,11 @@
   gathered parameter is alive at a time.
 
 A rank's state dict numbers its decoder layers locally (0 .. layers_per_stage - 1); ``layer_offset``
-(the global index of its first layer, megatron's ``get_transformer_layer_offset``) is passed in.
+(the global index of its first layer, megatron's ``get_transformer_layer_offset``) is passed in. Its
+routed experts are numbered locally too (``0 .. E / EP - 1``: EP rank ``r`` holds the global experts
+``r E / EP ...``), under either of megatron's names: ``mlp.experts.local_experts.{e}.linear_fc1.weight``
+(``SequentialMLP``) or ``mlp.experts.linear_fc1.weight{e}`` (``TEGroupedMLP``, TE's grouped GEMM). The
+state dict says which (:func:`uses_grouped_experts`), as it says whether the norms are fused.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ from megatron_credit.conversion.transforms import TPLayout, pad_rows, tp_gather,
 from megatron_credit.rollout.weight_sync import group_buckets
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")  # SequentialMLP
+_GROUPED_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")  # TEGroupedMLP
 
 
 def uses_fused_norms(local_state: Mapping[str, Any]) -> bool:
@@ -47,15 +52,24 @@ def to_local_name(global_name: str, layer_offset: int) -> str:
     return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) - layer_offset}.", global_name)
 
 
+def uses_grouped_experts(local_state: Mapping[str, Any]) -> bool:
+    """True for a model whose routed experts are TE's grouped GEMM (``mlp.experts.linear_fc1.weight0``)."""
+    return any(_GROUPED_EXPERT.search(k) for k in local_state)
+
+
 def expert_of(name: str) -> int | None:
-    """The routed expert's index in a (local-spec) parameter name, or None."""
+    """The routed expert's index in a parameter name (``SequentialMLP``'s or ``TEGroupedMLP``'s), or None."""
     m = _EXPERT.search(name)
-    return int(m.group(1)) if m else None
+    if m:
+        return int(m.group(1))
+    m = _GROUPED_EXPERT.search(name)
+    return int(m.group(2)) if m else None
 
 
 def with_expert(name: str, expert: int) -> str:
-    """``name`` with its routed expert's index replaced by ``expert``."""
-    return _EXPERT.sub(f".mlp.experts.local_experts.{expert}.", name)
+    """``name`` with its routed expert's index replaced by ``expert`` (the same naming kept)."""
+    name = _EXPERT.sub(f".mlp.experts.local_experts.{expert}.", name)
+    return _GROUPED_EXPERT.sub(lambda m: f"{m.group(1)}{expert}", name)
 
 
 def _local_experts(dims: ModelDims, ep_size: int) -> int:
@@ -77,11 +91,11 @@ def load_hf_into_local_state(local_state: Mapping[str, torch.Tensor], get_hf: Ca
     must be filled: a leftover means the map and the model disagree.
     """
     dims = ModelDims.from_hf_config(cfg)
-    fused = uses_fused_norms(local_state)
+    fused, grouped = uses_fused_norms(local_state), uses_grouped_experts(local_state)
     local_names = set(parameter_names(local_state))
     todo = set(local_names)
     per_rank = _local_experts(dims, ep_size)
-    for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused):
+    for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused, grouped_experts=grouped):
         local = to_local_name(name, layer_offset)
         if rule.per_expert:
             e = expert_of(local) - ep_rank * per_rank
@@ -171,7 +185,7 @@ def iter_hf_weight_buckets(local_state: Mapping[str, torch.Tensor], family: Fami
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     dims = ModelDims.from_hf_config(cfg)
-    fused = uses_fused_norms(local_state)
+    fused, grouped = uses_fused_norms(local_state), uses_grouped_experts(local_state)
     pp_rank = 0 if pp_group is None else dist.get_rank(pp_group)
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
     names = parameter_names(local_state)
@@ -183,7 +197,7 @@ def iter_hf_weight_buckets(local_state: Mapping[str, torch.Tensor], family: Fami
     plan = _plan(local_state, layer_offset, pp_group, expert_offset=ep_rank * per_rank)
 
     def hf_tensors():
-        for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused):
+        for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused, grouped_experts=grouped):
             ep_owner, key, local = ep_rank, name, to_local_name(name, layer_offset)
             if rule.per_expert:  # the plan names this EP rank's experts; the EP owner holds this one
                 ep_owner, e = divmod(expert_of(name), per_rank)

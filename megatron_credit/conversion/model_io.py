@@ -78,7 +78,8 @@ def build_model(hf_config: Any, *, params_dtype: torch.dtype, tp: int = 1, pp: i
 
     The converters use the local spec in host memory. The dist checkpoint's weight keys do not depend
     on the spec: the TE spec's ``sharded_state_dict`` maps its fused layer-norm names
-    (``linear_qkv.layer_norm_weight``) to the local ones (``input_layernorm.weight``). Only TE's
+    (``linear_qkv.layer_norm_weight``) to the local ones (``input_layernorm.weight``) and its grouped experts'
+    (``TEGroupedMLP``'s ``linear_fc1.weight{e}``) to ``SequentialMLP``'s. Only TE's
     ``_extra_state`` entries (FP8 metadata, no weights) differ; :func:`load_dist_checkpoint` tolerates them.
     """
     from megatron_credit.recipe.config import ParallelConfig

@@ -5,7 +5,10 @@ callable (a lazy safetensors reader, a model's state dict) and the result is a g
 converter's peak memory is one model copy (the destination) plus one parameter in flight.
 
 Megatron names use the global layer numbering of a TP = PP = 1 model (that of the dist checkpoint);
-:mod:`megatron_credit.conversion.live` maps them to a rank's local names.
+:mod:`megatron_credit.conversion.live` maps them to a rank's local names. ``fused_norms`` and
+``grouped_experts`` pick the names of a Transformer Engine model (its fused layer norms; routed experts as
+TE's grouped GEMM, ``TEGroupedMLP``): the tensors and transforms are the same, only the names differ
+(``families/base.Rule.megatron_name``).
 """
 from __future__ import annotations
 
@@ -21,24 +24,28 @@ from megatron_credit.conversion.transforms import fuse_gate_up, fuse_qkv, split_
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def expand_rules(family: Family, cfg: Any, *, fused_norms: bool = False) -> list[tuple[str, tuple[str, ...], Rule]]:
+def expand_rules(family: Family, cfg: Any, *, fused_norms: bool = False,
+                 grouped_experts: bool = False) -> list[tuple[str, tuple[str, ...], Rule]]:
     """``(megatron name, hf names, rule)`` for every parameter, decoder layers (and each layer's routed
-    experts) expanded in order."""
+    experts) expanded in order; the names of a model with TE's fused norms / grouped experts when asked."""
     dims = ModelDims.from_hf_config(cfg)
     out = []
     rules = family.active_rules(cfg)
+
+    def name(r: Rule) -> str:
+        return r.megatron_name(fused_norms=fused_norms, grouped_experts=grouped_experts)
+
     for r in (r for r in rules if not r.per_layer and not r.megatron.startswith("output_layer")
               and not r.megatron.startswith("decoder.final")):
-        out.append((r.megatron_name(fused_norms=fused_norms), r.hf, r))
+        out.append((name(r), r.hf, r))
     for i in range(dims.num_layers):
         for r in (r for r in rules if r.per_layer):
             # A routed expert's rule repeats per expert, in place: one expert's tensors in flight at a time.
             for e in range(dims.num_experts) if r.per_expert else (0,):
-                out.append((r.megatron_name(fused_norms=fused_norms).format(i=i, e=e),
-                            tuple(h.format(i=i, e=e) for h in r.hf), r))
+                out.append((name(r).format(i=i, e=e), tuple(h.format(i=i, e=e) for h in r.hf), r))
     for r in (r for r in rules if not r.per_layer and (r.megatron.startswith("output_layer")
                                                         or r.megatron.startswith("decoder.final"))):
-        out.append((r.megatron_name(fused_norms=fused_norms), r.hf, r))
+        out.append((name(r), r.hf, r))
     return out
 
 
@@ -87,16 +94,16 @@ def check_hf_keys(keys: Iterable[str], family: Family, cfg: Any) -> None:
 
 
 def iter_megatron_from_hf(get_hf: Callable[[str], torch.Tensor], family: Family, cfg: Any, *,
-                          fused_norms: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                          fused_norms: bool = False, grouped_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(global megatron name, full tensor)``, reading each HF tensor once via ``get_hf``."""
     dims = ModelDims.from_hf_config(cfg)
-    for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused_norms):
+    for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused_norms, grouped_experts=grouped_experts):
         yield name, rule_to_megatron(rule, [get_hf(h) for h in hf_names], dims, name=name)
 
 
 def iter_hf_from_megatron(get_megatron: Callable[[str], torch.Tensor], family: Family, cfg: Any, *,
-                          fused_norms: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                          fused_norms: bool = False, grouped_experts: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(HF name, tensor)`` from full megatron tensors fetched by global name."""
     dims = ModelDims.from_hf_config(cfg)
-    for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused_norms):
+    for name, hf_names, rule in expand_rules(family, cfg, fused_norms=fused_norms, grouped_experts=grouped_experts):
         yield from zip(hf_names, rule_to_hf(rule, get_megatron(name), dims, name=name), strict=True)

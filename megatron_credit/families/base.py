@@ -8,13 +8,19 @@ subclass that overrides a hook) under its HF ``model_type``, in the manner of Me
   megatron cannot reproduce (:meth:`Family.refuse`), and the parameters it adds to a layer for the planner
   (:meth:`Family.extra_layer_params`);
 * spec choices: what the layer spec needs beyond the dense local/TE spec is read from those
-  ``TransformerConfig`` fields (``qk_layernorm``, ``num_moe_experts``, ``moe_grouped_gemm``) by
-  ``models/gpt.gpt_layer_spec``, so the family states each choice once;
+  ``TransformerConfig`` fields (``qk_layernorm``, ``num_moe_experts``) by ``models/gpt.gpt_layer_spec``, so
+  the family states each choice once; how routed experts run (``moe_grouped_gemm``: TE's grouped GEMM with
+  the TE spec, one linear per expert with the local one) is the spec's, not the family's
+  (``models/hf_config.transformer_config_from_hf``);
 * the weight map: a tuple of :class:`Rule`: one megatron parameter <- one or more HF tensors, a
   :class:`Kind` of transform and the parameter's :class:`TPLayout`. A rule whose megatron name holds
   ``{i}`` is repeated for every decoder layer (global numbering, that of a TP = PP = 1 model and of the
   dist checkpoint); one that also holds ``{e}`` for every routed expert of the layer. Optional parameters
-  (biases, q/k norms, the untied output layer) carry a ``when`` predicate on the HF config.
+  (biases, q/k norms, the untied output layer) carry a ``when`` predicate on the HF config. A parameter
+  named differently under Transformer Engine's spec carries that name too: ``te_megatron`` (a norm fused
+  into the next linear) and ``grouped_megatron`` (a routed expert's linear under TE's grouped GEMM,
+  megatron's ``TEGroupedMLP``: one ``linear_fc1.weight{e}`` per expert where ``SequentialMLP`` has
+  ``local_experts.{e}.linear_fc1.weight``).
 
 This folder sits low in the house: it imports torch-free Python only (the registry), so ``models/``
 (the ``TransformerConfig``), ``planning/`` (parameter counts) and ``conversion/`` (the transforms) all
@@ -70,10 +76,16 @@ class Rule:
     """How megatron partitions this parameter over TP ranks."""
     te_megatron: str | None = None
     """Name under the Transformer Engine spec when it differs (fused layer norms)."""
+    grouped_megatron: str | None = None
+    """Name under TE's grouped experts (``TEGroupedMLP``, ``moe_grouped_gemm``) when it differs: a routed
+    expert's linear, ``{e}`` the expert (local to its EP rank in a rank's state dict, as ``megatron``'s)."""
     when: Callable[[Any], bool] = field(default=_always)
     """Predicate on the HF config: is this parameter present?"""
 
-    def megatron_name(self, *, fused_norms: bool) -> str:
+    def megatron_name(self, *, fused_norms: bool, grouped_experts: bool = False) -> str:
+        """The name in a model with TE's fused norms (``fused_norms``) and grouped experts (``grouped_experts``)."""
+        if grouped_experts and self.grouped_megatron:
+            return self.grouped_megatron
         return self.te_megatron if fused_norms and self.te_megatron else self.megatron
 
     @property

@@ -11,10 +11,13 @@ logits and of their softmax pick the same experts (softmax is monotonic). The ro
 
 Weights: the router ``mlp.gate`` (a Linear without bias, [E, hidden]) is megatron's ``mlp.router.weight``
 (replicated over TP); expert ``e``'s ``gate_proj`` / ``up_proj`` / ``down_proj`` are the ``linear_fc1``
-([gate; up]) / ``linear_fc2`` of ``mlp.experts.local_experts.{e}`` (megatron's ``SequentialMLP``, the
-local spec without grouped GEMM), each expert a rule of its own, so a converter streams one expert's
-tensors at a time. The HF names are the checkpoint's (per expert); transformers 5 holds them stacked in
-memory (``mlp.experts.gate_up_proj`` [E, 2I, H]) and writes them back per expert.
+([gate; up]) / ``linear_fc2`` of ``mlp.experts.local_experts.{e}`` in megatron's ``SequentialMLP`` (the
+local spec, CPU) and ``mlp.experts.linear_fc1.weight{e}`` / ``linear_fc2.weight{e}`` in its
+``TEGroupedMLP`` (TE's grouped GEMM, the GPU default): the same tensors, each expert a rule of its own,
+so a converter streams one expert's tensors at a time. The dist checkpoint names both alike
+(``TEGroupedMLP.sharded_state_dict`` keys its experts as ``SequentialMLP``'s). The HF names are the
+checkpoint's (per expert); transformers 5 holds them stacked in memory (``mlp.experts.gate_up_proj``
+[E, 2I, H]) and writes them back per expert.
 
 Refused in one line: ``decoder_sparse_step`` other than 1 and a non-empty ``mlp_only_layers`` (dense
 layers between the MoE ones: megatron's ``moe_layer_freq`` could express them; no checkpoint uses it),
@@ -29,7 +32,8 @@ from megatron_credit.families.dense_rules import (EMBEDDING, FINAL_NORM, INPUT_N
                                                   Q_NORM, QKV_WEIGHT, L, M, attention_bias, proj_bias, qkv_bias)
 
 E = "mlp.experts.{e}."
-X = "mlp.experts.local_experts.{e}."
+X = "mlp.experts.local_experts.{e}."  # SequentialMLP: one module per expert
+G = "mlp.experts."  # TEGroupedMLP: one grouped linear per layer, a weight per expert
 
 # Under the TE spec the MoE layer keeps its own pre-MLP norm (no fused linear_fc1 to hold it).
 PRE_MLP_NORM = Rule(megatron=M + "pre_mlp_layernorm.weight", hf=(L + "post_attention_layernorm.weight",),
@@ -37,9 +41,9 @@ PRE_MLP_NORM = Rule(megatron=M + "pre_mlp_layernorm.weight", hf=(L + "post_atten
 ROUTER = Rule(megatron=M + "mlp.router.weight", hf=(L + "mlp.gate.weight",), kind=Kind.COPY,
               tp=TPLayout.REPLICATED)
 EXPERT_FC1 = Rule(megatron=M + X + "linear_fc1.weight", hf=(L + E + "gate_proj.weight", L + E + "up_proj.weight"),
-                  kind=Kind.GATE_UP, tp=TPLayout.GATED_ROWS)
+                  kind=Kind.GATE_UP, tp=TPLayout.GATED_ROWS, grouped_megatron=M + G + "linear_fc1.weight{e}")
 EXPERT_FC2 = Rule(megatron=M + X + "linear_fc2.weight", hf=(L + E + "down_proj.weight",), kind=Kind.COPY,
-                  tp=TPLayout.COLS)
+                  tp=TPLayout.COLS, grouped_megatron=M + G + "linear_fc2.weight{e}")
 
 
 class Qwen3Moe(Family):
@@ -74,8 +78,6 @@ class Qwen3Moe(Family):
             # The load-balancing loss is a training choice (the recipe's), not a fact of the checkpoint.
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            # One SequentialMLP of per-expert linears; grouped GEMM (TE, GPU) names the weights differently.
-            moe_grouped_gemm=False,
         )
 
 

@@ -6,6 +6,9 @@ Engine the build is refused unless the local spec is asked for explicitly (``mod
 local``): its attention keeps full fp32 score matrices (~10 GB per layer at 20K tokens). Context
 parallelism needs TE's ring attention; with the local spec, core attention is swapped for
 ``CpuContextParallelAttention`` (megatron's ``DotProductAttention`` asserts ``context_parallel_size == 1``).
+A mixture of experts' routed experts follow the spec: TE's grouped GEMM (``TEGroupedMLP``) with TE's,
+``SequentialMLP`` with the local one (``TransformerConfig.moe_grouped_gemm``, set by
+``models/hf_config.transformer_config_from_hf``; their weight names differ, ``conversion/live.py`` reads both).
 
 With ``capture_final_attention=True`` the decoder spec is per layer (:func:`gpt_decoder_block_spec`):
 the global last layer's core attention is a subclass of the spec's own class that also records
@@ -98,7 +101,12 @@ def gpt_layer_spec(transformer_config, *, use_transformer_engine: Optional[bool]
 
     use_transformer_engine = resolve_transformer_engine(use_transformer_engine)
     # The family's spec choices, as its TransformerConfig fields state them (families/<family>.py):
-    # per-head q/k norms, and routed experts (None: a dense MLP) with or without grouped GEMM.
+    # per-head q/k norms, and routed experts (None: a dense MLP) with or without grouped GEMM
+    # (models/hf_config.transformer_config_from_hf: TE's TEGroupedMLP with the TE spec).
+    if transformer_config.moe_grouped_gemm and not use_transformer_engine:
+        # megatron's local spec would build its legacy GroupedMLP (the grouped_gemm package, GPU only)
+        raise ValueError("moe_grouped_gemm=True needs the Transformer Engine spec (TEGroupedMLP); the local spec "
+                         "builds SequentialMLP: build the TransformerConfig with transformer_engine=False")
     choices = dict(qk_layernorm=transformer_config.qk_layernorm, num_experts=transformer_config.num_moe_experts,
                    moe_grouped_gemm=transformer_config.moe_grouped_gemm)
     if use_transformer_engine:

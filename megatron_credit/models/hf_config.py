@@ -170,7 +170,10 @@ def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype
     ``TransformerConfig`` last (e.g. ``recompute_granularity="full"``). Weights are initialised on
     the CPU (``use_cpu_initialization``) so that TP shards are slices of the TP=1 weights for the
     same seed. ``transformer_engine``: the model is built with the TE spec, so the fused kernels TE and
-    apex provide are on (``models/fused_kernels.py``); the local spec keeps them off.
+    apex provide are on (``models/fused_kernels.py``) and a mixture of experts' routed experts run as TE's
+    grouped GEMM (``moe_grouped_gemm``: megatron's ``TEGroupedMLP``, one GEMM per linear for all of a
+    layer's local experts); the local spec keeps the kernels off and builds ``SequentialMLP`` (one linear per
+    expert). ``moe_grouped_gemm=False`` in ``overrides`` keeps ``SequentialMLP`` under TE too (``recipe.moe``).
     """
     from megatron_credit.models.fused_kernels import fused_kernels
 
@@ -221,6 +224,8 @@ def transformer_config_from_hf(hf_config, *, parallel, params_dtype: torch.dtype
         attention_softmax_in_fp32=True,
     )
     kwargs.update(family_of(hf_config.model_type).transformer_config_kwargs(hf_config))
+    if kwargs.get("num_moe_experts"):  # the one place the experts' implementation follows the spec
+        kwargs["moe_grouped_gemm"] = transformer_engine
     swiglu = kwargs["gated_linear_unit"] and kwargs["activation_func"] is torch.nn.functional.silu
     kwargs.update(fused_kernels(transformer_engine=transformer_engine, swiglu=swiglu,
                                 context_parallel_size=parallel.context_parallel_size).overrides())

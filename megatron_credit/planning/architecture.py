@@ -148,7 +148,7 @@ def activation_bytes_per_token_layer(a: Architecture, *, tp: int, sequence_paral
     attention output (``heads d``), the MLP norm's input and output (``h`` each), fc1's output (``2 I``)
     and the SwiGLU output (``I``). The four ``h`` tensors are replicated over TP unless sequence parallel.
     An MoE layer keeps its router's and experts' activations instead of the dense MLP's
-    (``planning/experts.py``: ``k (ETP h + 4 I_e)`` elements and ``8 E`` fp32 bytes per token of the
+    (``planning/experts.py``: ``k (ETP h + 3 I_e)`` elements and ``8 E`` fp32 bytes per token of the
     layer's input, which is ``1 / TP`` of the tokens with sequence parallelism).
     """
     split = tp if sequence_parallel else 1

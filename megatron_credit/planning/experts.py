@@ -13,29 +13,43 @@ Its optimizer states are sharded by megatron's distributed optimizer over the **
 group (``parallel_state``: ``expert_data_parallel_size = world / (ETP x EP x PP)``; CP folds into it),
 not over DP x CP as the dense parameters are.
 
+The experts are one of two megatron modules (``transformer/moe/experts.py``), the same weights either way:
+``TEGroupedMLP`` (the trainer's on GPU: Transformer Engine's spec with ``moe_grouped_gemm``; its
+``linear_fc1`` / ``linear_fc2`` are TE ``GroupedLinear``s, one grouped GEMM per linear for all local experts)
+or ``SequentialMLP`` (``moe.grouped_gemm: false``, or the local spec: a loop over the local experts, each an
+``MLP`` of its own, one GEMM per expert and linear). :func:`expert_module` says which a recipe gets.
+
 Activations of one MoE layer, per token of the layer's input (``T / TP`` tokens with sequence
 parallelism, else ``T``), assuming balanced routing (each EP rank receives as many token copies as it
 sends). The all-to-all dispatcher (``token_dispatcher.py``, ``MoEAlltoAllTokenDispatcher``) permutes the
 ``T x top-k`` token copies by expert (``moe_utils.permute``: ``[T k, h]``), exchanges them over EP
 (``all_to_all``: ``[T k, h]`` received) and, with ETP > 1, all-gathers them over ETP (``[T k ETP, h]``).
-The experts (``experts.py``) keep that input for backward, their ``fc1`` output (``2 I_e / ETP`` per copy),
-the SwiGLU output (``I_e / ETP``) and its product with the routing probability
-(``activation_func_with_probs``, ``I_e / ETP``: the probabilities are applied inside the experts, so the
-combine's ``moe_utils.unpermute`` keeps only indices). In elements per input token::
+The experts keep for backward that input (``fc1``'s saved input: TE's ``GroupedLinear`` keeps its per-expert
+splits, views of it, as a ``SequentialMLP`` expert's linear keeps its split), ``fc1``'s output
+(``2 I_e / ETP`` per copy: the fused weighted SwiGLU's saved input, ``weighted_bias_swiglu_impl``, which
+both modules call under the TE spec, whose ``bias_activation_fusion`` is on, ``models/fused_kernels.py``)
+and the SwiGLU output times the routing probability (``I_e / ETP``: ``fc2``'s saved input; the probabilities
+are applied inside the experts, so the combine's ``moe_utils.unpermute`` keeps only indices). In elements
+per input token, for either module::
 
-    moe = k (ETP h + 4 I_e)              (with the dtype of the activations)
+    moe = k (ETP h + 3 I_e)              (with the dtype of the activations)
     router = 2 E                         (fp32 logits and probabilities: moe_router_dtype fp32)
 
-against a dense MLP's ``3 I / TP``. The all-to-all's send buffer (the permuted copies before the
-exchange) is freed once sent and is not counted.
+against a dense MLP's ``3 I / TP`` (also its fused SwiGLU's). The all-to-all's send buffer (the permuted
+copies before the exchange) is freed once sent and is not counted; nor are the unfused SwiGLU's two more
+``I_e`` (the SiLU output and the product before the probabilities) of the local spec, whose dense MLP is
+counted fused as well. The modules differ in time, not memory: ``planning/timing.py`` counts
+``SequentialMLP``'s GEMM calls (:func:`expert_gemm_calls`).
 
 >>> a = MoeShape(hidden_size=2048, num_experts=128, top_k=8, expert_ffn=768)
 >>> expert_layer_params(a, ep=8, etp=1)  # 16 local experts x 3 x 2048 x 768
 75497472
 >>> router_params(a)
 262144
->>> moe_activation_elements(a, etp=1)  # 8 x (2048 + 4 x 768)
-40960
+>>> moe_activation_elements(a, etp=1)  # 8 x (2048 + 3 x 768)
+34816
+>>> expert_gemm_calls(a, ep=8, grouped=False), expert_gemm_calls(a, ep=8, grouped=True)  # one layer, a forward
+(32, 2)
 """
 from __future__ import annotations
 
@@ -68,8 +82,21 @@ def expert_layer_params(a: MoeShape, *, ep: int, etp: int) -> int:
 
 def moe_activation_elements(a: MoeShape, *, etp: int) -> int:
     """Activation elements one input token keeps in one MoE layer: the dispatched copies (gathered over
-    ETP) and the experts' fc1, SwiGLU and probability-weighted outputs (module docstring)."""
-    return a.top_k * (etp * a.hidden_size + 4 * a.expert_ffn)
+    ETP), the experts' fc1 output and their probability-weighted SwiGLU output (module docstring)."""
+    return a.top_k * (etp * a.hidden_size + 3 * a.expert_ffn)
+
+
+def expert_module(*, grouped_gemm: bool, transformer_impl: str) -> str:
+    """megatron's experts module the trainer builds on a GPU: ``TEGroupedMLP`` with the Transformer Engine spec
+    (``model.transformer_impl`` other than ``local``) and ``moe.grouped_gemm``, else ``SequentialMLP``."""
+    return "TEGroupedMLP" if grouped_gemm and transformer_impl != "local" else "SequentialMLP"
+
+
+def expert_gemm_calls(a: MoeShape, *, ep: int, grouped: bool) -> int:
+    """GEMM calls one layer's local experts make in one forward: fc1 and fc2, once for all the experts
+    (``TEGroupedMLP``'s grouped GEMMs) or once per expert (``SequentialMLP``'s ``E / EP`` MLPs). A backward
+    makes twice as many (the input and the weight gradient of each)."""
+    return 2 if grouped else 2 * (a.num_experts // ep)
 
 
 def router_activation_bytes(a: MoeShape) -> int:

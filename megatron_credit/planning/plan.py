@@ -17,7 +17,8 @@ by DP) and estimates the peak memory of one GPU, term by term:
 * **activations** of the longest micro-batch (:func:`activation_bytes`): one micro-batch holds
   ``max(train.max_tokens_per_microbatch, prompt + response)`` tokens, split over CP; under 1F1B the first
   stage keeps PP micro-batches in flight of L/PP layers each, i.e. L layers' worth; an MoE layer keeps
-  its all-to-all dispatched token copies and experts' outputs instead of the dense MLP's;
+  its all-to-all dispatched token copies and experts' outputs instead of the dense MLP's (the same for TE's
+  grouped experts and megatron's ``SequentialMLP``, whichever the recipe gets: the note names it);
 * **log-prob chunk**: fp32 logits of one ``train.logprob_chunk_size`` chunk over V/TP, three copies
   (logits, softmax, gradient);
 * **reference model** weights when ``algorithm.kl_coef > 0``; the **critic** (PPO's value head, CompPO's
@@ -66,7 +67,7 @@ from megatron_credit.planning.architecture import (Architecture, activation_byte
                                                    activation_bytes_per_token_layer, kv_bytes_per_token,
                                                    layer_param_count, stage_expert_param_count,
                                                    stage_param_counts, total_param_count)
-from megatron_credit.planning.experts import expert_data_parallel_size, expert_layout_problems
+from megatron_credit.planning.experts import expert_data_parallel_size, expert_layout_problems, expert_module
 from megatron_credit.gpu_kinds import GIB, GPUS  # noqa: F401  (re-exported: planning.GPUS)
 from megatron_credit.planning.nccl import group_buffer_bytes, nccl_buffer_bytes
 
@@ -292,7 +293,9 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
                      "none: the adapters off (LoRA)" if lora.enabled and recipe.algorithm.kl_coef > 0 else "none (no KL term)",
         "activations": f"{local_tokens:,} tokens/GPU (micro-batch {micro_tokens:,} / CP {cp}, {layout_note}), "
                        f"recompute {t.recompute or 'none'}{', fp32 scores (local attention)' if local_attn else ''}"
-                       + (f", MoE: top-{a.top_k} x {a.expert_ffn} per token, all-to-all dispatch" if a.moe else ""),
+                       + (f", MoE: top-{a.top_k} x {a.expert_ffn} per token, all-to-all dispatch, "
+                          f"{expert_module(grouped_gemm=recipe.moe.grouped_gemm, transformer_impl=recipe.model.transformer_impl)}"
+                          if a.moe else ""),
         "logprob_chunk": f"{chunk:,} tokens x V/TP={a.vocab_size // tp:,} fp32 x 3",
         "nccl_buffers": f"{', '.join(nccl[1]) or 'no'} group(s), {group_buffer_bytes(2, 2) >> 20} MiB or less each",
         "reserve": "allocator slack, NCCL's LL/LL128/NVLS buffers",

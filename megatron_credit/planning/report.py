@@ -95,7 +95,7 @@ def launch_report(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str
     if pool is not None:
         lines += pool.lines()
     estimate = iteration_estimate(recipe, hf_config, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
-                                  disk_bytes_per_s=disk_bytes_per_s, network_gbps=network_gbps)
+                                  disk_bytes_per_s=disk_bytes_per_s, network_gbps=network_gbps, ep=ep)
     lines += estimate.lines()
     if pool is not None:
         warning = balance_warning(recipe, hf_config, estimate, nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,

@@ -15,6 +15,15 @@ a cluster, from arithmetic on the architecture (no GPU), deliberately on the slo
   ``2 x params`` FLOPs per token (an MoE model's active parameters: top-k experts) plus causal attention, at :data:`TRAIN_MFU` of the GPUs' dense bf16 peak.
   With LoRA the base's weight gradients are not computed: its linears' backward is one forward, not two
   (the adapters' own FLOPs, rank / hidden of the linears', are left out);
+* **an MoE model's experts** run as Transformer Engine's grouped GEMM on GPU (megatron's ``TEGroupedMLP``:
+  one call per linear and layer for all local experts), assumed as efficient as a dense GEMM, so inside
+  :data:`TRAIN_MFU` with nothing added. With ``SequentialMLP`` instead (``moe.grouped_gemm: false``, or
+  ``model.transformer_impl: local``; ``planning/experts.expert_module``) every local expert's fc1 and fc2 is
+  a call of its own: ``2 E / EP`` per layer in a forward, twice that in a backward (input and weight
+  gradients; input only for LoRA's frozen experts), each adding :data:`EXPERT_GEMM_CALL_S`, for the
+  micro-batches of one DP replica (full-length sequences packed into ``train.max_tokens_per_microbatch``)
+  on the ``L / PP`` layers of a stage (the stages run theirs side by side). The FLOPs are the same;
+  nothing else about the experts' speed (routing imbalance, the all-to-all) is modelled;
 * **a save** writes the weights, fp32 master weights (when the parameters are not fp32) and Adam's two
   moments (and a separate critic's) at ``disk_bytes_per_s`` per node, all nodes writing at once.
 
@@ -47,6 +56,11 @@ DISK_BYTES_PER_S = 1e9
 shared parallel filesystem; ``tools/plan.py --disk-gbps`` states yours)."""
 MARGIN = 1.25
 """Headroom over the estimate (a slow draw, dynamic sampling's extra draws, validation)."""
+EXPERT_GEMM_CALL_S = 20e-6
+"""Host time of one expert GEMM call when megatron's ``SequentialMLP`` runs a layer's local experts one by one:
+the Python dispatch of a Transformer Engine linear and its kernel launch, forward or backward, which the GPU
+waits for when the experts' GEMMs are small. An assumption, not measured here; ``TEGroupedMLP`` makes one
+grouped call per linear whatever the experts (counted as none)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,6 +79,9 @@ class IterationEstimate:
     """The trainer's passes over one iteration's samples."""
     update_s: float = 0.0
     """A rollout pool's weight update: the trainer sends a version to every engine (0 without a pool)."""
+    expert_calls_s: float = 0.0
+    """Of ``training_s``: ``SequentialMLP``'s per-expert GEMM calls (0 for a dense model and for TE's grouped
+    experts; the module docstring)."""
     overlapped: bool = False
     """Whether generation overlaps training (a pool with ``max_staleness`` >= 1)."""
     save_s: float
@@ -131,6 +148,9 @@ class IterationEstimate:
         out = [f"{head}; one save: {self.checkpoint_bytes / GIB:,.0f} GiB in {self.save_s:,.0f} s",
                f"Slurm warning lead (iteration + save, x{MARGIN:g}): sbatch --signal=USR1@{self.lead_s}"
                + ("" if self.lead_s <= 65535 else " (over Slurm's 65535 s: save more often, checkpoint.every)")]
+        if self.expert_calls_s:
+            out.append(f"of the training: {self.expert_calls_s:,.0f} s of one GEMM call per expert (SequentialMLP, "
+                       f"{EXPERT_GEMM_CALL_S * 1e6:g} us each; TE's grouped experts make one per linear)")
         if self.overlapped:
             out.append(self.balance())
         out.append(f"the run (estimate): {self.steps:,} iterations and {self.saves:,} saves in {_duration(self.run_s)}; "
@@ -184,11 +204,35 @@ def checkpoint_size(recipe, hf_config) -> int:
     return int((params + critic) * (dtype_bytes + (4 if dtype_bytes < 4 else 0) + 8))
 
 
+def sequential_expert_seconds(recipe, a, *, trainer_world: int, ep: int, passes: int, separate: bool) -> float:
+    """``SequentialMLP``'s per-expert GEMM calls over one iteration's training on one rank (the module
+    docstring): 0 for a dense model or TE's grouped experts. ``passes``: the forward-only passes (old
+    log-probs, reference, a separate critic's values); ``separate``: a separate critic trains too."""
+    from megatron_credit.planning.experts import expert_gemm_calls, expert_module
+    from megatron_credit.planning.plan import _micro_batch_tokens
+
+    moe = a.moe
+    if moe is None or expert_module(grouped_gemm=recipe.moe.grouped_gemm,
+                                    transformer_impl=recipe.model.transformer_impl) == "TEGroupedMLP":
+        return 0.0
+    p, t, r = recipe.parallel, recipe.train, recipe.rollout
+    seq = recipe.data.max_prompt_len + recipe.response_budget
+    dp = max(trainer_world // p.model_parallel_size, 1)
+    micro_batches = math.ceil(r.prompts_per_step * r.n * seq / (dp * _micro_batch_tokens(recipe, seq=seq)))
+    forward = expert_gemm_calls(moe, ep=ep, grouped=False)
+    forwards = 2 if t.recompute == "full" else 1
+    actor = forwards * forward + (1 if recipe.model.lora.enabled else 2) * forward  # LoRA: experts frozen
+    calls = passes * forward + t.epochs * (actor + separate * (forwards + 2) * forward)
+    return micro_batches * (a.num_layers // p.pipeline_model_parallel_size) * calls * EXPERT_GEMM_CALL_S
+
+
 def iteration_estimate(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
-                       disk_bytes_per_s: float = DISK_BYTES_PER_S, network_gbps: float | None = None) -> IterationEstimate:
+                       disk_bytes_per_s: float = DISK_BYTES_PER_S, network_gbps: float | None = None,
+                       ep: int | None = None) -> IterationEstimate:
     """The module docstring's estimate for ``recipe`` on a launch of ``nodes x gpus_per_node`` GPUs of kind
     ``gpu``: with ``rollout.ranks``, the last that-many GPUs are the pool's and the trainer's are the rest
-    (the same split as ``planning.pool``), and the pool's update is planned at ``network_gbps``."""
+    (the same split as ``planning.pool``), and the pool's update is planned at ``network_gbps``. ``ep``: an
+    MoE model's expert-parallel size (default ``parallel.expert_model_parallel_size``)."""
     from megatron_credit.planning.plan import DTYPE_BYTES, Architecture, _critic_params, _dtype_name, total_param_count
     from megatron_credit.planning.architecture import active_param_count
     from megatron_credit.planning.pool import NETWORK_GBPS, update_seconds
@@ -225,13 +269,17 @@ def iteration_estimate(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu
     # LoRA: the base is frozen, so its linears' backward computes input gradients only
     actor_step = forwards * forward + linears + 2 * attention if recipe.model.lora.enabled else step
     training_s = (forward * passes + t.epochs * (actor_step + separate * step)) / (trainer_world * peak * TRAIN_MFU)
+    expert_calls_s = sequential_expert_seconds(recipe, a, trainer_world=trainer_world, passes=passes,
+                                               separate=bool(separate),
+                                               ep=ep or recipe.parallel.expert_model_parallel_size)
+    training_s += expert_calls_s
 
     checkpoint_bytes = checkpoint_size(recipe, hf_config)
     save_s = checkpoint_bytes / (math.ceil(trainer_world / gpus_per_node) * disk_bytes_per_s)  # the trainer's nodes write
     overlapped = bool(pool) and r.max_staleness >= 1
     saves = (t.steps // ck.every if ck.every else 0) + (1 if ck.save_at_end and (not ck.every or t.steps % ck.every) else 0)
     estimate = IterationEstimate(generation_s=generation_s, training_s=training_s, update_s=update_s,
-                                 overlapped=overlapped, save_s=save_s, checkpoint_bytes=int(checkpoint_bytes),
-                                 steps=t.steps, saves=saves, keep=ck.keep, lead_s=0)
+                                 expert_calls_s=expert_calls_s, overlapped=overlapped, save_s=save_s,
+                                 checkpoint_bytes=int(checkpoint_bytes), steps=t.steps, saves=saves, keep=ck.keep, lead_s=0)
     lead = math.ceil((estimate.iteration_s + save_s) * MARGIN / 60) * 60
     return dataclasses.replace(estimate, lead_s=max(lead, 60))

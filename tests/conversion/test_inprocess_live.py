@@ -47,22 +47,34 @@ def _tiny(family: str, tied: bool):
     return cfg, _unique_hf_state(cfg), FAMILIES.get(family)
 
 
+_EXPERT_INDEX = re.compile(r"(local_experts\.|experts\.linear_fc[12]\.weight)(\d+)")  # SequentialMLP, TEGroupedMLP
+
+
 def _rank_state(family: str, tied: bool, *, tp: int, pp: int, tp_rank: int, pp_rank: int,
-                pad_value: float) -> tuple[dict, int]:
+                pad_value: float, ep: int = 1, ep_rank: int = 0, grouped: bool = False) -> tuple[dict, int]:
     """One rank's megatron state dict, sliced here (not by the library's loaders); its layer offset.
 
     Layers are numbered locally, fc1 is ``[gate_r; up_r]``, the vocabulary has ``PAD`` rows of
-    ``pad_value``, a tied model's last stage (PP > 1) holds a copy of the embedding as its head."""
+    ``pad_value``, a tied model's last stage (PP > 1) holds a copy of the embedding as its head. A mixture
+    of experts' EP rank holds experts ``ep_rank E / ep ...`` numbered from 0, under ``SequentialMLP``'s
+    names or (``grouped``) ``TEGroupedMLP``'s."""
     from megatron_credit.conversion import iter_megatron_from_hf
 
     cfg, hf, fam = _tiny(family, tied)
-    full = dict(iter_megatron_from_hf(hf.__getitem__, fam, cfg))
+    full = dict(iter_megatron_from_hf(hf.__getitem__, fam, cfg, grouped_experts=grouped))
     per_stage = cfg.num_hidden_layers // pp
+    per_ep = getattr(cfg, "num_experts", 0) // ep
     first, last = pp_rank == 0, pp_rank == pp - 1
     if tied and last and pp > 1:
         full["output_layer.weight"] = full["embedding.word_embeddings.weight"]
     local = {}
     for name, t in full.items():
+        expert = _EXPERT_INDEX.search(name)
+        if expert:
+            e = int(expert.group(2))
+            if e // per_ep != ep_rank:
+                continue
+            name = name[:expert.start(2)] + str(e - ep_rank * per_ep) + name[expert.end(2):]
         if name.startswith("decoder.layers."):
             i = int(name.split(".")[2])
             if i // per_stage != pp_rank:
@@ -79,7 +91,7 @@ def _rank_state(family: str, tied: bool, *, tp: int, pp: int, tp_rank: int, pp_r
             t = torch.cat([gate.chunk(tp)[tp_rank], up.chunk(tp)[tp_rank]])
         elif "linear_qkv" in name or name.startswith(("embedding.", "output_layer.")):
             t = t.chunk(tp)[tp_rank]
-        elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        elif re.search(r"(linear_proj|linear_fc2)\.weight\d*$", name):
             t = t.chunk(tp, dim=1)[tp_rank]
         local[name] = t.clone()
     local["decoder.layers.0.self_attention.core_attention._extra_state"] = None  # TE-style entry: no weights
@@ -187,6 +199,51 @@ def test_two_stages_holding_the_same_layer_are_refused():
     for _, msg in results:
         assert msg == ("pipeline stages 0 and 1 both hold 'decoder.layers.0.input_layernorm.weight': "
                        "is layer_offset right on every stage?")
+
+
+def _experts_load_and_export(tp: int, ep: int, grouped: bool):
+    """Per rank of TP x EP (TP fastest, megatron's order) on a tiny Qwen3-MoE: the names
+    ``load_hf_into_local_state`` filled wrongly, this rank's fc2 of its second local expert in layer 1 as
+    loaded, and the buckets exported from the hand-sliced state."""
+    import torch.distributed as dist
+
+    from megatron_credit.conversion import iter_hf_weight_buckets, load_hf_into_local_state
+
+    rank = dist.get_rank()
+    tp_rank, ep_rank = rank % tp, rank // tp
+    tp_group = ep_group = None
+    for e in range(ep) if tp > 1 else ():  # every rank creates every group, in the same order
+        g = dist.new_group([e * tp + t for t in range(tp)])
+        tp_group = g if e == ep_rank else tp_group
+    for t in range(tp) if ep > 1 else ():
+        g = dist.new_group([e * tp + t for e in range(ep)])
+        ep_group = g if t == tp_rank else ep_group
+    cfg, hf, fam = _tiny("qwen3_moe", False)
+    kw = dict(tp=tp, pp=1, tp_rank=tp_rank, pp_rank=0, ep=ep, ep_rank=ep_rank, grouped=grouped)
+    want, _ = _rank_state("qwen3_moe", False, pad_value=0.0, **kw)
+    got = {k: (torch.full_like(v, float("nan")) if v is not None else None) for k, v in want.items()}
+    load_hf_into_local_state(got, hf.__getitem__, fam, cfg, tp_rank=tp_rank, tp_size=tp, layer_offset=0,
+                             ep_rank=ep_rank, ep_size=ep)
+    wrong = [k for k, v in want.items() if v is not None and not torch.equal(got[k], v)]
+    fc2 = "decoder.layers.1.mlp.experts." + ("linear_fc2.weight1" if grouped else "local_experts.1.linear_fc2.weight")
+    local, _ = _rank_state("qwen3_moe", False, pad_value=7.0, **kw)
+    buckets = iter_hf_weight_buckets(local, fam, cfg, tp_group=tp_group, ep_group=ep_group, bucket_bytes=BUCKET)
+    return wrong, got[fc2].clone(), [[(n, t.clone()) for n, t in b] for b in buckets]
+
+
+@pytest.mark.parametrize("tp,ep,grouped", [(1, 2, True), (2, 2, True), (1, 2, False)])
+def test_expert_parallel_ranks_load_and_export_their_experts_under_either_naming(tp, ep, grouped):
+    """EP rank ``r`` holds experts ``2r, 2r + 1`` of 4 as its local 0 and 1, whether named as megatron's
+    ``SequentialMLP`` (local spec) or ``TEGroupedMLP`` (TE's grouped GEMM) names them; every rank loads its
+    own and every rank's buckets are the whole HF model."""
+    cfg, hf, _ = _tiny("qwen3_moe", False)
+    assert cfg.num_experts == 4
+    results = ThreadedPool(world_size=tp * ep, timeout_s=20).run(_experts_load_and_export, tp, ep, grouped)
+    for rank, (wrong, fc2, buckets) in enumerate(results):
+        assert wrong == [], (rank, wrong)
+        down = hf[f"model.layers.1.mlp.experts.{2 * (rank // tp) + 1}.down_proj.weight"]  # global expert 2r + 1
+        assert torch.equal(fc2, down.chunk(tp, dim=1)[rank % tp]), rank
+        _check_buckets(buckets, hf, cfg, tied=False)
 
 
 # --- world size 1 ---------------------------------------------------------------------------------

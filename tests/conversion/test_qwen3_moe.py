@@ -1,6 +1,8 @@
-"""Qwen3-MoE (``families/qwen3_moe.py``) on CPU: the HF <-> megatron round trip is bit for bit, megatron's
-logits equal transformers' to 1e-5 with the same experts chosen, the importer holds one rule's HF tensors
-at a time however many layers and experts there are, and ``--ep`` is validated as ``--tp`` / ``--pp`` are.
+"""Qwen3-MoE (``families/qwen3_moe.py``) on CPU: the HF <-> megatron round trip is bit for bit, under
+``SequentialMLP``'s expert names and ``TEGroupedMLP``'s (TE's grouped GEMM, GPU only: built here as names,
+its model in ``tests/models/test_gpt_gpu.py``), megatron's logits equal transformers' to 1e-5 with the same
+experts chosen, the importer holds one rule's HF tensors at a time however many layers and experts there
+are, and ``--ep`` is validated as ``--tp`` / ``--pp`` are.
 """
 from __future__ import annotations
 
@@ -55,6 +57,38 @@ def test_round_trip_is_bit_identical_and_experts_land_in_their_slots(norm_topk_p
     assert set(back) == set(hf)
     for k in hf:
         assert back[k].dtype == hf[k].dtype and torch.equal(back[k], hf[k]), k
+
+
+def _as_grouped(name: str) -> str:
+    """``SequentialMLP``'s name of an expert's linear -> ``TEGroupedMLP``'s (written here, not by the library)."""
+    return re.sub(r"experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", r"experts.\2.weight\1", name)
+
+
+def test_grouped_expert_names_round_trip_bit_identical_and_hold_the_sequential_tensors():
+    """TE's grouped experts: ``mlp.experts.linear_fc1.weight{e}`` is ``local_experts.{e}.linear_fc1.weight``
+    ([gate; up] of expert ``e``); every other name is the same; HF -> grouped -> HF gives the input back."""
+    from megatron_credit.conversion.live import expert_of, uses_grouped_experts, with_expert
+
+    cfg = _cfg()
+    fam, hf = family_for_config(cfg), _hf_state(cfg)
+    seq = dict(iter_megatron_from_hf(hf.__getitem__, fam, cfg))
+    grouped = dict(iter_megatron_from_hf(hf.__getitem__, fam, cfg, grouped_experts=True))
+    assert list(grouped) == [_as_grouped(k) for k in seq]  # same order, only the experts renamed
+    assert sum(k != _as_grouped(k) for k in seq) == 2 * 2 * 4  # fc1 and fc2 of 4 experts in 2 layers
+    for k, t in seq.items():
+        assert torch.equal(grouped[_as_grouped(k)], t), k
+    assert torch.equal(grouped["decoder.layers.1.mlp.experts.linear_fc1.weight3"],
+                       torch.cat([hf["model.layers.1.mlp.experts.3.gate_proj.weight"],
+                                  hf["model.layers.1.mlp.experts.3.up_proj.weight"]]))
+    back = dict(iter_hf_from_megatron(grouped.__getitem__, fam, cfg, grouped_experts=True))
+    assert list(back) == list(dict(iter_hf_from_megatron(seq.__getitem__, fam, cfg)))
+    for k in hf:
+        assert back[k].dtype == hf[k].dtype and torch.equal(back[k], hf[k]), k
+    # the live helpers read an expert's index in either naming and keep the naming when renumbering
+    assert uses_grouped_experts(grouped) and not uses_grouped_experts(seq)
+    g, s = "decoder.layers.1.mlp.experts.linear_fc2.weight3", "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"
+    assert (expert_of(g), expert_of(s), expert_of("decoder.layers.1.mlp.experts.linear_fc2._extra_state")) == (3, 3, None)
+    assert (with_expert(g, 12), with_expert(s, 12)) == (g[:-1] + "12", s.replace(".3.", ".12."))
 
 
 def _peak_live_hf_tensors(cfg) -> tuple[int, int]:

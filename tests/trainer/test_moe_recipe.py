@@ -52,3 +52,28 @@ def test_routing_replay_takes_rollout_or_none():
     assert recipe_from_dict({}, overrides=["moe.routing_replay=none"]).moe.routing_replay == "none"
     with pytest.raises(ValueError, match=r"^moe.routing_replay='r2' is not one of \['rollout', 'none'\]$"):
         recipe_from_dict({}, overrides=["moe.routing_replay=r2"])
+
+
+def test_grouped_gemm_follows_the_spec_and_the_recipe_can_turn_it_off():
+    """TE's spec: the experts as TE's grouped GEMM (``TEGroupedMLP``) unless ``moe.grouped_gemm=false``; the local
+    spec (CPU): ``SequentialMLP`` whatever the recipe says, and a grouped config is refused by the local spec."""
+    from megatron_credit.models import actor_transformer_config
+    from megatron_credit.models.gpt import gpt_layer_spec
+    from megatron_credit.recipe.config import TINY_QWEN2
+
+    def grouped(overrides=(), *, te: bool, arch=TINY_MOE) -> bool:
+        recipe = recipe_from_dict({"model": {"architecture": dict(arch)}}, overrides=list(overrides))
+        return actor_transformer_config(recipe.model.hf_config(), parallel=recipe.parallel, params_dtype=recipe.model.torch_dtype(),
+                                        transformer_engine=te, moe=recipe.moe).moe_grouped_gemm
+
+    assert recipe_from_dict({}).moe.grouped_gemm is True
+    assert grouped(te=True) is True and grouped(["moe.grouped_gemm=false"], te=True) is False
+    assert grouped(te=False) is False and grouped(["moe.grouped_gemm=true"], te=False) is False
+    assert grouped(te=True, arch=TINY_QWEN2) is False  # no experts
+    recipe = recipe_from_dict({"model": {"architecture": dict(TINY_MOE)}})
+    cfg = actor_transformer_config(recipe.model.hf_config(), parallel=recipe.parallel, params_dtype=recipe.model.torch_dtype(),
+                                   transformer_engine=True, moe=recipe.moe)
+    with pytest.raises(ValueError, match=r"^moe_grouped_gemm=True needs the Transformer Engine spec \(TEGroupedMLP\); "
+                                         r"the local spec builds SequentialMLP: build the TransformerConfig with "
+                                         r"transformer_engine=False$"):
+        gpt_layer_spec(cfg, use_transformer_engine=False)
