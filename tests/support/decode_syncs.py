@@ -12,7 +12,8 @@ routing record.
 
 Scenarios (:data:`SCENARIOS`): sampling with top-k/top-p at a fixed number of steps (no stop token), rows
 that stop early so that finished rows leave the batch (compaction), greedy, one generator per call, and a
-tiny mixture of experts (its routing recorded every step). Used by tests/rollout/test_hf_decode_syncs.py;
+tiny mixture of experts (its routing recorded every step); :func:`cpu_samples` gives the same scenarios'
+samples on the CPU. Used by tests/rollout/test_hf_decode_syncs.py;
 run it in a fresh process (a ``DistributedPool`` worker of world size 1): the emulated backend's
 registration is process-wide.
 """
@@ -95,6 +96,24 @@ def _sites(events, owner: str) -> dict[str, int]:
     return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def _samples(batch) -> list:
+    return [(s.response_ids, s.logprobs.tolist(), int(s.status)) for s in batch.samples]
+
+
+def cpu_samples(scenarios=None) -> dict:
+    """``{scenario: [(response ids, log-probs, status)]}`` of the same engines on the CPU, for comparison: the
+    emulated device computes on the CPU with CPU generators of the same seeds."""
+    from megatron_credit.rollout.hf_engine import HFRolloutEngine
+    from megatron_credit.rollout.types import SamplingParams
+
+    out = {}
+    for name in scenarios or SCENARIOS:
+        model, options, params = SCENARIOS[name]
+        engine = HFRolloutEngine(hf_config=dict(model), init_seed=0, **options)
+        out[name] = _samples(engine.generate(PROMPTS, SamplingParams(**params)))
+    return out
+
+
 def _scenario(name: str) -> dict:
     import torch
 
@@ -116,7 +135,7 @@ def _scenario(name: str) -> dict:
         "steps": steps,
         "compactions": len(compactions),
         "lengths": sorted(len(s.response_ids) for s in batch.samples),
-        "samples": [(s.response_ids, s.logprobs.tolist(), int(s.status)) for s in batch.samples],
+        "samples": _samples(batch),
         "project_per_step": project,
         "transformers_per_step": hf,
         "project_setup": sum(1 for e in reads.events[:marks[0]] if e[1] == "project"),
