@@ -5,8 +5,9 @@
 # the setup step installs with --no-index into a folder on PYTHONPATH; the machine's own torch is used and
 # the project runs from the working tree. Nothing here reaches the network.
 #
-# Parts, in order, each with its own time limit (seconds; 480 in all, GPU_CHECK_BUDGET_S; results are
-# printed as they come and appended to the report):
+# Parts, in order, each with its own time limit (seconds; results are printed as they come and appended to
+# the report). The budget, 480 s (GPU_CHECK_BUDGET_S), bounds them all: a part gets the lesser of its limit
+# and what is left, and is skipped with one line when less than it needs is left:
 #
 #   setup       10  the wheelhouse, installed offline
 #   env         30  GPU, driver, torch, CUDA, megatron-core; whether TE and vLLM import
@@ -18,6 +19,10 @@
 #   qwen15b    155  a Qwen2.5-1.5B-shaped model, one RL iteration at 4K-token responses: tokens/s, phases,
 #                   peak memory against the planner
 #   pytest_gpu  60  `pytest -m gpu` over the GPU-marked test files that need torch + megatron-core alone
+#   profile     90  where the GPU waits (tools/gpu_check_profile.py): the demo's host syncs per micro-batch
+#                   and its top kernels and idle share under torch.profiler; the HF engine's tokens/s and
+#                   syncs per decode step on a Qwen2.5-1.5B shape at 1,024 new tokens. It gets what the parts
+#                   before it leave (66 s after the 2026-12-04 run's 414 s) and stops its decode in time.
 #
 # Then, only where they import (else one line each, no time spent): te_vs_local (Transformer Engine),
 # demo_vllm, vllm_roundtrip, pytest_vllm (vLLM), within what is left of the budget.
@@ -58,7 +63,7 @@ run_part() {
   if (( remain < min )); then say "$name" "skipped: time budget ($remain s left, the part needs about $min s)"; return; fi
   limit=$(( cap < remain ? cap : remain ))
   echo "[$name] running (limit ${limit}s, ${remain}s left)"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$LOGDIR/$name.log" | grep --line-buffered -E '^(- |  - |skipped: |failed: )'
+  GPU_CHECK_PART_LIMIT_S=$limit timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$LOGDIR/$name.log" | grep --line-buffered -E '^(- |  - |skipped: |failed: )'
   rc=${PIPESTATUS[0]}
   case $rc in
     0) status="passed" ;;
@@ -119,6 +124,8 @@ else
   mapfile -t GPU_TESTS < <(grep -rlE 'pytest\.mark\.gpu' tests --include='test_*.py' | grep -v vllm | sort)
   run_part pytest_gpu 60 20 "$PY" -m pytest -m gpu "${GPU_TESTS[@]}" -q -p no:cacheprovider --timeout=50
 fi
+run_part profile 90 40 "$PY" tools/gpu_check_profile.py all "$LOGDIR/profile"
+rm -rf "$LOGDIR/profile"
 
 # --- only where Transformer Engine / vLLM import ------------------------------------------------------------
 if [ -n "$NO_CUDA" ]; then

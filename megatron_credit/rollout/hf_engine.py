@@ -206,6 +206,8 @@ class HFRolloutEngine:
 
         Per-row state (``status``, ``length``, ``done``...) is indexed by row r = prompt * n + sample;
         the model batch holds only the ``live`` rows, which shrinks when enough rows have finished.
+        A decode step reads the device once (which live rows go on, after the step's tokens are sampled):
+        on a GPU each read waits for the queued kernels (tests/rollout/test_hf_decode_syncs.py counts them).
         """
         n, rows, steps = params.n, len(prompts) * params.n, max(budgets)
         logits, cache, prompt_mask, next_pos, prompt_ids = self._prefill(prompts, n)
@@ -241,24 +243,30 @@ class HFRolloutEngine:
             tok, raw, processed = sample_step(logits, params=params, noise=None if params.greedy else noise.next())
             tokens[live, step] = tok
             logps[live, step] = raw if params.logprobs_mode == "raw" else processed
+            # The live rows' state, updated on the device with no read back: torch.where, not boolean indexing.
             active = ~done[live]
             bad = active & ~torch.isfinite(logits).all(dim=-1)
-            length[live] += (active & ~bad).long()
+            grown = length[live] + (active & ~bad).long()
+            length[live] = grown
             stopped = active & ~bad & torch.isin(tok, stop_ids)
-            ended = stopped | bad | (active & (length[live] >= budget[live]))
-            status[live[stopped]] = int(FinishStatus.STOPPED)
-            status[live[bad]] = int(FinishStatus.FAILED)
-            finish_step[live[ended]] = step
-            done[live[ended]] = True
+            ended = stopped | bad | (active & (grown >= budget[live]))
+            status[live] = torch.where(stopped, int(FinishStatus.STOPPED),
+                                       torch.where(bad, int(FinishStatus.FAILED), status[live]))
+            finish_step[live] = torch.where(ended, step, finish_step[live])
+            alive = active & ~ended
+            done[live] = ~alive
+            # The step's one read of the device: which live rows go on. It decides the stop and the compaction.
+            kept = [i for i, a in enumerate(alive.tolist()) if a]
             step_end_s.append(time.perf_counter() - start)
-            keep = (~done[live]).nonzero().squeeze(-1)
-            if len(keep) == 0:
+            if not kept:
                 break
-            if self.compact_finished and len(keep) <= 0.75 * len(live):
+            if self.compact_finished and len(kept) <= 0.75 * len(live):
                 # Drop finished rows from the batch (and the KV cache) once a quarter of it is dead weight.
+                # nonzero_static: the count is known on the host, so the indices need no second read.
+                keep = torch.nonzero_static(alive, size=len(kept)).squeeze(-1)
                 live, tok, next_pos, logits = live[keep], tok[keep], next_pos[keep], None
                 cache.batch_select_indices(keep)
-                noise.select(keep)
+                noise.select(keep, kept)
             if self.between_steps is not None and self.between_steps():  # new weights: the prefixes again
                 prefix = torch.cat([prompt_ids[live], tokens[live, : step + 1]], dim=1)
                 prefix_mask = mask[live, : prompt_len + step + 1]

@@ -15,6 +15,8 @@ tensor([[2., -inf, -inf, -inf]])
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from megatron_credit.seed_modes import SEED_MODES
@@ -116,11 +118,13 @@ class ExponentialNoise:
         noise._shared, noise._rows = generator, rows
         return noise
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only the given rows (indices into the current rows), e.g. when finished rows leave the batch."""
-        idx = rows.tolist()
-        self.generators = [self.generators[i] for i in idx] if self._shared is None else []
-        self._rows = len(idx)
+    def select(self, rows: torch.Tensor, indices: Sequence[int]) -> None:
+        """Keep only the given rows (indices into the current rows), e.g. when finished rows leave the batch:
+        ``rows`` on the noise's device, ``indices`` the same on the host (no read of the device here)."""
+        if len(indices) != len(rows):
+            raise ValueError(f"rows ({len(rows)}) and indices ({len(indices)}) must name the same rows")
+        self.generators = [self.generators[i] for i in indices] if self._shared is None else []
+        self._rows = len(indices)
         if self._block is not None:
             self._block = self._block[rows]
 

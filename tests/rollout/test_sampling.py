@@ -96,6 +96,22 @@ def test_exponential_noise_rows_are_independent_of_the_batch():
     assert abs(all_rows.mean().item() - 1.0) < 0.2  # Exp(1) has mean 1 (189 draws)
 
 
+def test_selected_rows_keep_their_own_streams():
+    # Rows leaving the batch mid-block (compaction): the kept rows draw on as if nothing had left.
+    def noise(rows):
+        gens = [torch.Generator().manual_seed(row_seed(0, g, 0)) for g in rows]
+        return ExponentialNoise(gens, vocab=5, block_steps=3, device=torch.device("cpu"))
+
+    full, kept = noise([0, 1, 2, 3]), noise([1, 3])
+    first = [full.next() for _ in range(2)]
+    full.select(torch.tensor([1, 3]), [1, 3])
+    later = torch.stack([full.next() for _ in range(4)], 1)  # crosses a block edge after the select
+    want = torch.stack([kept.next() for _ in range(6)], 1)
+    assert torch.equal(torch.stack(first, 1)[[1, 3]], want[:, :2]) and torch.equal(later, want[:, 2:])
+    with pytest.raises(ValueError, match=r"rows \(2\) and indices \(1\) must name the same rows"):
+        full.select(torch.tensor([0, 1]), [0])
+
+
 def test_row_seed_is_stable_and_spreads():
     assert row_seed(0, 0, 0) == row_seed(0, 0, 0)
     seeds = {row_seed(s, g, i) for s in range(3) for g in range(10) for i in range(8)}

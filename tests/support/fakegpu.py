@@ -84,6 +84,18 @@ def _check_mix(func, args, kwargs) -> None:
                              f"cpu, {NAME}:0! (in {func}; a CPU tensor of shape {tuple(bad[0].shape)})")
 
 
+def _to_host(func, args, kwargs) -> bool:
+    """``func`` copies to the CPU: ``aten::_to_copy``, or ``aten::to`` itself, which is what ``.cpu()`` and
+    ``.to("cpu")`` reach the subclass as under ``torch.inference_mode`` (the HF engine's rollout)."""
+    name = func._schema.name
+    if func is not torch.ops.aten._to_copy.default and name != "aten::to":
+        return False
+    device = kwargs.get("device")
+    if device is None and name == "aten::to":  # to.device takes it positionally
+        device = next((a for a in args[1:2] if isinstance(a, (torch.device, str))), None)
+    return device is not None and torch.device(device).type == "cpu"
+
+
 def _fake_device(device) -> bool:
     return device is not None and torch.device(device).type == NAME
 
@@ -133,8 +145,9 @@ class FakeGpuTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         _check_mix(func, args, kwargs)
-        to_cpu = func in (torch.ops.aten._to_copy.default,) and kwargs.get("device") is not None \
-            and torch.device(kwargs["device"]).type == "cpu"
+        to_cpu = _to_host(func, args, kwargs)
+        if to_cpu and func._schema.name == "aten::to":
+            kwargs = {**kwargs, "copy": True}  # a copy, as from a device; never the inner tensor itself
         if _READS["on"] is not None:
             kind = _read_kind(func, args, kwargs, to_cpu)
             if kind is not None:

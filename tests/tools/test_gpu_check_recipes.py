@@ -73,8 +73,8 @@ def test_run_without_cuda_is_skipped_with_why(tmp_path):
     assert proc.returncode == 77 and proc.stdout.strip().splitlines()[-1] == "skipped: CUDA is not available to torch"
 
 
-PARTS = ("setup", "env", "scenarios", "demo", "kernels", "qwen15b", "pytest_gpu", "te_vs_local", "demo_vllm",
-         "vllm_roundtrip", "pytest_vllm")
+PARTS = ("setup", "env", "scenarios", "demo", "kernels", "qwen15b", "pytest_gpu", "profile", "te_vs_local",
+         "demo_vllm", "vllm_roundtrip", "pytest_vllm")
 
 
 def test_the_script_never_reaches_the_network():
@@ -110,6 +110,6 @@ def test_dry_mode_reaches_every_part_and_installs_the_wheelhouse_offline(tmp_pat
     assert (site / "gpucheck_probe" / "__init__.py").read_text() == "VALUE = 7\n"
     assert "## setup\npassed" in text, text
     assert [text.index(f"## {p}\n") for p in PARTS] == sorted(text.index(f"## {p}\n") for p in PARTS)
-    for part in ("scenarios", "demo", "kernels", "qwen15b", "pytest_gpu"):
+    for part in ("scenarios", "demo", "kernels", "qwen15b", "pytest_gpu", "profile"):
         assert f"## {part}\nskipped: CUDA is not available to torch" in text, (part, text)
     assert "## env\n" in text and "- torch " in text
