@@ -12,7 +12,8 @@ engine: the project's reads per decode step (``tests/support/decode_syncs.py``).
     python benchmarks/host_syncs.py [--json] [--algorithms grpo,fipo]
 
 ``--json`` prints one object: ``{"algorithms": {name: {"update_microbatch", "logprob_microbatch", "iteration",
-"megatron_core": {...}}}, "hf_decode_step": {...}}``. Counts, not times: the same on every machine.
+"megatron_core": {...}}}, "hf_decode_step": {"max", "mean"}, "transformers_decode_step": {"max", "mean"}}``.
+Counts, not times: the same on every machine.
 """
 from __future__ import annotations
 
@@ -26,11 +27,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def _decode() -> "dict | None":
-    try:
-        from tests.support.decode_syncs import count_decode_reads
-    except ImportError:
-        return None
+def _decode() -> dict:
+    from tests.support.decode_syncs import count_decode_reads
+
     return count_decode_reads()
 
 
@@ -46,8 +45,9 @@ def measure(algorithms=None) -> dict:
                                                    "microbatches")}
                           | {"megatron_core": {k: v for k, v in r["megatron_core"].items() if k != "sites"}}
                           for name, r in update.items()}}
-    if decode is not None:
-        out["hf_decode_step"] = decode
+    if decode:
+        out["hf_decode_step"] = decode["hf_decode_step"]
+        out["transformers_decode_step"] = decode["transformers_decode_step"]
     out["sites"] = {name: {"project": r["project_sites"], "megatron_core": r["megatron_core"]["sites"]}
                     for name, r in update.items()}
     return out
@@ -62,7 +62,8 @@ def table(result: dict) -> list[str]:
                      f"   {'':15}{core['update_microbatch']:>9.2f}{core['logprob_microbatch']:>11.2f}")
     decode = result.get("hf_decode_step")
     if decode is not None:
-        lines.append(f"HF engine decode step: {json.dumps(decode.get('project', decode))}")
+        lines.append(f"HF engine, reads per decode step: project max {decode['max']} mean {decode['mean']:.2f}; "
+                     f"transformers' own max {result['transformers_decode_step']['max']}")
     return lines
 
 
