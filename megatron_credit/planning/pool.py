@@ -29,6 +29,9 @@ NETWORK_GBPS = 400.0
 H100 / H200 nodes); ``tools/plan.py --network-gbps`` states another."""
 BUCKET_BYTES = 1 << 28
 """The weight bucket in flight on an engine's device (``Actor.hf_weight_buckets``' default)."""
+STAGING_BANKS = 2
+"""Versions an engine leader's ring holds at once (``sources/staging.py``): the one received or loaded, and at
+most one staged."""
 SAMPLE_HEADER_BYTES = 52
 """``rollout/wire.py``'s header per sample."""
 
@@ -94,6 +97,16 @@ def update_seconds(weight_bytes: int, *, engines: int, trainer_world: int, netwo
     sends engine ``e``, the ranks in parallel and each rank's engines one after the other, at
     ``network_gbps`` Gbit/s per GPU (the one model of the update, shared with ``planning.timing``)."""
     return weight_bytes * math.ceil(engines / max(trainer_world, 1)) / (network_gbps * 1e9 / 8)
+
+
+def host_block_bytes(nbytes: int) -> int:
+    """The bytes torch's pinned host allocator (``CachingHostAllocator``) holds for a request of ``nbytes``: the
+    next power of two (its default: ``PYTORCH_CUDA_ALLOC_CONF``'s ``pinned_max_round_threshold`` unset).
+
+    >>> [host_block_bytes(n) for n in (0, 1, 4096, 4097, 975_175_680)]
+    [0, 1, 4096, 8192, 1073741824]
+    """
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
 def trainer_gpus(recipe, *, nodes: int, gpus_per_node: int) -> tuple[int, int]:
