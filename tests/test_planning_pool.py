@@ -27,7 +27,13 @@ def test_the_32b_async_recipe_fits_with_its_pool_on_nodes_of_its_own():
     pool = plan_pool(recipe, cfg, nodes=8, gpus_per_node=8, gpu="h100-80gb")
     assert pool.fits and (pool.engines, pool.gpus_per_engine, pool.trainer_world) == (8, 4, 32)
     params = total_param_count(Architecture.from_hf(cfg))
-    assert pool.weight_bytes == params * 2 == pool.staging_host_bytes  # bf16, one version per engine
+    assert pool.weight_bytes == params * 2  # bf16, one version to each engine
+    # pinned host memory per engine: two versions (one received or loaded, one staged) of 67 buckets: the
+    # embedding and the output layer (1.45 GiB each) in 2 GiB blocks, each of the 64 decoder layers (0.91 GiB)
+    # in a 1 GiB block, the final norm (10 KiB) in 16 KiB
+    assert (pool.buckets, pool.largest_bucket_bytes) == (67, 152064 * 5120 * 2)
+    assert pool.staging_host_bytes == 2 * (2 * 2 ** 31 + 64 * 2 ** 30 + 2 ** 14)
+    assert pool.engines_per_node == 2 and pool.buckets_in_flight == 2  # vLLM: one received, one loaded
     assert pool.update_s == pytest.approx(params * 2 / 50e9)  # 400 Gb/s; engines 0-7 from trainer ranks 0-7 at once
     per_sample = 4 * (2048 + 20480) + 4 * 20480 + 52
     assert pool.sample_bytes == 512 * 16 * per_sample == pool.sample_bytes_per_head  # DP 1: one head
@@ -65,6 +71,8 @@ def test_tools_plan_prints_both_plans_and_says_fits(capsys):
     assert "rollout pool: the last 32 of the launch's ranks, 8 engine(s) x 4 GPU(s)" in out
     assert "pool verdict: FITS" in out
     assert "weight update       61.03  GiB per version to each engine; 1.3 s for all 8 at 400 Gb/s" in out
+    assert ("pinned host        136.00  GiB per engine: 2 versions (one received or loaded, one staged) of 67 "
+            "buckets, each rounded up to a power of two (largest 1.45 GiB); 272.0 GiB per node of 2") in out
     assert "warning:" not in out  # sized so that neither side waits more than half (next test)
 
 

@@ -36,7 +36,9 @@ class RolloutEngine(Protocol):
         ...
 
     def update_weights(self, buckets: WeightBuckets) -> None:
-        """Overwrite the engine's weights in memory with HF-named tensors (no disk round trip)."""
+        """Overwrite the engine's weights in memory with HF-named tensors (no disk round trip). The engine
+        copies them: once it returns, the caller may reuse their memory (a pool rank's ring of host chunks,
+        ``sources/staging.py``, receives the next version into it)."""
         ...
 
     def sleep(self) -> None:

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_credit.cli import RunStopped
-from megatron_credit.sources.bucket_bytes import pack, unpack
+from megatron_credit.sources.bucket_bytes import pack
+from megatron_credit.sources.staging import StagingRing
 
 POLL_S = 0.25
 """How often a wait looks at the store."""
@@ -134,6 +135,8 @@ class Bridge:
         self.pool = (self._group("pool", leaders.index(self.rank), len(leaders), nccl=False)
                      if self.is_leader and lay.engines > 1 else None)
         self.transfers = 0  # weight versions sent (trainer) / received (engine leader): the store keys' index
+        # an engine leader's received versions, in host memory pinned on a GPU (sources/staging.py)
+        self.ring = StagingRing(pin=device.type == "cuda") if self.is_leader else None
         self._pending: list = []  # sample sends in flight (and their tensors)
         self._alive_stop = threading.Event()
         self._alive: Optional[threading.Thread] = None
@@ -306,33 +309,47 @@ class Bridge:
                 work.wait()
 
     # -- weights: engine side -----------------------------------------------------------------------
-    def receive_weights(self, stop: Callable[[], bool]) -> Optional[tuple[int, list]]:
-        """Engine leader: the next version sent to this engine, ``(version, buckets)``; None when ``stop()``
-        turned true while waiting for one. Each bucket arrives on this rank's device and, on a GPU, is staged
-        in pinned host memory (a whole version on the device would sit beside the engine's weights and KV
-        cache: 64 GB at 32B); the engine's ``update_weights`` puts each bucket back on the device as it loads."""
+    def receive_weights(self, stop: Callable[[], bool]) -> Optional[int]:
+        """Engine leader: receive the next version sent to this engine into :attr:`ring` and stage it (an older
+        staged version is dropped); returns its version, None when ``stop()`` turned true while waiting for one
+        (or for a free bank of the ring). Each bucket arrives on this rank's device and, on a GPU, is copied
+        into its pinned host chunk (a whole version on the device would sit beside the engine's weights and KV
+        cache: 61 GiB at 32B); the engine's ``update_weights`` puts each bucket back on the device as it loads
+        (:meth:`StagingRing.take`). On the CPU the bucket is received into its chunk directly."""
         key = f"w/{self.engine}/{self.transfers}"
         while not self.store.check([key]):
             if stop():
                 return None
             time.sleep(POLL_S)
-        version = self.get(key)
-        self.store.delete_key(key)
-        self.transfers += 1
-        group, buckets = self.weights[self.engine], []
-        while True:
-            head = torch.empty(2, dtype=torch.int64, device=self.device)
-            _bcast(group, head, 0)
-            n_meta, n_flat = (int(x) for x in head.tolist())
-            if n_meta == 0:
-                return version, buckets
-            m = torch.empty(n_meta, dtype=torch.uint8, device=self.device)
-            flat = torch.empty(n_flat, dtype=torch.uint8, device=self.device)
-            _bcast(group, m, 0)
-            _bcast(group, flat, 0)
-            if flat.is_cuda:  # staged in pinned host memory: the engine's device holds one bucket at a time
-                flat = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True).copy_(flat)
-            buckets.append(unpack(bytes(m.cpu().numpy()), flat))
+        bank = self.ring.begin(stop)
+        if bank is None:
+            return None
+        try:
+            version = self.get(key)
+            self.store.delete_key(key)
+            self.transfers += 1
+            group, buckets = self.weights[self.engine], []
+            while True:
+                head = torch.empty(2, dtype=torch.int64, device=self.device)
+                _bcast(group, head, 0)
+                n_meta, n_flat = (int(x) for x in head.tolist())
+                if n_meta == 0:
+                    break
+                m = torch.empty(n_meta, dtype=torch.uint8, device=self.device)
+                _bcast(group, m, 0)
+                chunk = self.ring.chunk(bank, len(buckets), n_flat)
+                if self.device.type == "cpu":
+                    _bcast(group, chunk, 0)
+                else:  # the device holds one bucket at a time
+                    flat = torch.empty(n_flat, dtype=torch.uint8, device=self.device)
+                    _bcast(group, flat, 0)
+                    chunk.copy_(flat)
+                buckets.append((bytes(m.cpu().numpy()), n_flat))
+        except BaseException:
+            self.ring.abandon(bank)
+            raise
+        self.ring.stage(bank, version, buckets)
+        return version
 
     # -- samples ------------------------------------------------------------------------------------
     def send_groups(self, step: int, by_head: dict[int, list]) -> None:

@@ -3,8 +3,10 @@ ranks of a launch run instead of the trainer (``pretrain_rl.py`` sends them here
 
 Engine ``e``'s leader (``bridge.PoolLayout``) builds the recipe's engine on its devices, the prompt stream,
 the validation prompts and the reward pool; the engine's other ranks only wait for the end. The leader's
-receiving thread takes each version the trainer sends over the engine's weights group and stages it, so the
-trainer never waits for a generation to end to hand over its weights. The generating loop then fills the
+receiving thread takes each version the trainer sends over the engine's weights group and stages it in the
+bridge's ring of host chunks (``sources/staging.py``: at most one staged version, which a newer one
+replaces), so the trainer never waits for a generation to end to hand over its weights (at most for one
+load, when a version arrives while one is loading and another is staged). The generating loop then fills the
 batch of iteration ``j`` with the draws ``sync`` makes (the same draw loop and per-engine share,
 ``sources.base.draw_until_full`` and ``draw_share``;
 seeds from (run seed, ``j``, draw); every engine takes the draw's ``rollout.prompts_per_step`` prompts and
@@ -123,8 +125,7 @@ class PoolEngine:
             self._build(recipe, hf_config, device=device, local_rank=local_rank)
         self.stop_ids = tuple(i for i in (getattr(self.tokenizer, "eos_token_id", None),) if i is not None)
         self.cond = threading.Condition()
-        self.staged: tuple[int, list] | None = None  # the newest complete version not loaded yet
-        self.received = -1  # the newest complete version received
+        self.received = -1  # the newest complete version received (staged in the bridge's ring until loaded)
         self.loaded = -1  # the version the engine holds
         self.failure: str | None = None
         self.stopped = False
@@ -213,11 +214,11 @@ class PoolEngine:
     def _receive(self) -> None:
         try:
             while True:
-                got = self.bridge.receive_weights(self._should_stop)
-                if got is None:
+                version = self.bridge.receive_weights(self._should_stop)
+                if version is None:
                     break
                 with self.cond:
-                    self.staged, self.received = got, got[0]
+                    self.received = version
                     self.cond.notify_all()
         except BaseException as exc:  # noqa: BLE001
             with self.cond:
@@ -228,13 +229,13 @@ class PoolEngine:
             self.cond.notify_all()
 
     def _load_newest(self) -> None:
-        with self.cond:
-            staged, self.staged = self.staged, None
-        if staged is not None:
-            version, buckets = staged
-            with self._beating():
-                self.engine.update_weights(iter(buckets))
-            self.loaded = version
+        """Load the staged version, if one is (the newest complete one: ``sources/staging.py``)."""
+        with self.bridge.ring.take() as staged:
+            if staged is not None:
+                version, buckets = staged
+                with self._beating():
+                    self.engine.update_weights(buckets)
+                self.loaded = version
 
     def _wait_version(self, version: int) -> bool:
         """Wait until a version ``>= version`` was received (False: stopping)."""

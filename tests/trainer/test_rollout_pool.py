@@ -70,9 +70,10 @@ def _weights_and_samples(port: int):
         versions = [b.receive_weights(lambda: False) for _ in range(2)]
         b.send_groups(7, {0: [(1, group(1)), (0, group(0))]})
         b.wait_sent()
-        out = {"versions": [v for v, _ in versions],
-               "equal": all(torch.equal(x, y) and x.dtype == y.dtype and n == m for _, got in versions
-                            for gb, wb in zip(got, buckets) for (n, x), (m, y) in zip(gb, wb))}
+        with b.ring.take() as (staged, got):  # the newest version (3 was dropped when 4 came whole)
+            out = {"versions": versions, "staged": staged,
+                   "equal": all(torch.equal(x, y) and x.dtype == y.dtype and n == m
+                                for gb, wb in zip(got, buckets, strict=True) for (n, x), (m, y) in zip(gb, wb))}
     dist.barrier()
     b.close()
     return out
@@ -80,7 +81,7 @@ def _weights_and_samples(port: int):
 
 def test_weights_and_samples_cross_once_and_whole(pool2):
     trainer, engine = pool2.run(_weights_and_samples, _free_port())
-    assert engine == {"versions": [3, 4], "equal": True}
+    assert engine == {"versions": [3, 4], "staged": 4, "equal": True}
     nbytes = 144 + 32 + 32  # 140, 30 and 20 bytes, each tensor at a multiple of 16 bytes
     assert trainer["sent"] == [nbytes, nbytes]  # one engine, one version each time
     assert trainer["keys"] == [0, 1]  # in the order of the batch, whatever order they were sent in
@@ -88,6 +89,88 @@ def test_weights_and_samples_cross_once_and_whole(pool2):
     # one message: the wire encoding of the two groups, nothing else (its size against the payload at real
     # lengths: tests/rollout/test_wire.py)
     assert trainer["nbytes"] == trainer["message"] > trainer["payload"] > 0
+
+
+PINNED_BUCKET = 200_000
+"""bytes: a tiny Qwen2's version in 3 buckets: the embedding with layers 0 and 1 (layer 1 joins because its
+first tensor, the input norm, still fits), layers 2 and 3, the final norm with the output layer."""
+
+
+def _tiny_version(order, v: int):
+    """Version ``v`` of a tiny model's weights (float32, drawn from ``v``) bucketed as the trainer buckets them:
+    its HF tensors in conversion's order (``order``: names and shapes), grouped by ``group_buckets``."""
+    from megatron_credit.rollout.weight_sync import group_buckets
+
+    g = torch.Generator().manual_seed(v)
+    return list(group_buckets([(n, torch.randn(shape, generator=g)) for n, shape in order],
+                              bucket_bytes=PINNED_BUCKET))
+
+
+def _pinned_versions(port: int, order):
+    """The trainer sends versions 1-4 of a tiny model; the pool rank receives 1 and 2 (1 staged, then dropped),
+    3 while 2 loads, and 4, which waits for that load to end; then loads 4. Returns the ring's pinned bytes
+    after each version, whether 4 waited, and whether each loaded version was the one sent."""
+    import threading
+
+    import torch.distributed as dist
+
+    b = _bridge(port, "pinned")
+    out = None
+    if dist.get_rank() == 0:
+        for v in (1, 2, 3, 4):
+            b.send_weights(v, iter(_tiny_version(order, v)))
+    else:
+        pinned, loaded = [], {}
+
+        def receive():
+            b.receive_weights(lambda: False)
+            pinned.append(b.ring.pinned_bytes)
+
+        def load(version, buckets):
+            loaded[version] = all(n == m and torch.equal(x, y) for got, sent in
+                                  zip(buckets, _tiny_version(order, version), strict=True)
+                                  for (n, x), (m, y) in zip(got, sent, strict=True))
+
+        receive()
+        receive()
+        with b.ring.take() as staged:
+            receive()  # 3, into the bank 1 left
+            fourth = threading.Thread(target=receive)
+            fourth.start()
+            time.sleep(0.2)
+            waited = len(pinned) == 3 and b.ring.staged_version == 3  # 2 loading, 3 staged: no bank for 4
+            load(*staged)  # 2, untouched by 3's receipt
+        fourth.join(timeout=30)
+        with b.ring.take() as staged:
+            load(*staged)
+        out = {"pinned": pinned, "waited": waited, "loaded": loaded}
+    dist.barrier()
+    b.close()
+    return out
+
+
+def test_a_pool_rank_pins_what_the_planner_says_and_no_more_with_versions(pool2):
+    from megatron_credit.conversion import family_for_config
+    from megatron_credit.conversion.streaming import expand_rules
+    from megatron_credit.conversion.testing import hf_parameter_shapes, tiny_hf_config
+    from megatron_credit.planning.architecture import Architecture
+    from megatron_credit.planning.pool import host_block_bytes, staging_host_bytes, weight_buckets
+    from megatron_credit.sources.bucket_bytes import pack
+
+    cfg = tiny_hf_config("qwen2")
+    shapes = hf_parameter_shapes(cfg)
+    order = [(h, shapes[h]) for _, names, _ in expand_rules(family_for_config(cfg), cfg, fused_norms=False)
+             for h in names]
+    planned = weight_buckets(Architecture.from_hf(cfg), dtype_bytes=4, bucket_bytes=PINNED_BUCKET)
+    # the planner's buckets are the trainer's, byte for byte
+    assert [pack(bucket, torch.device("cpu"))[1].numel() for bucket in _tiny_version(order, 1)] == planned
+    assert planned == [281_344, 247_808, 33_792]
+    figure = staging_host_bytes(planned)
+    assert figure == 2 * sum(map(host_block_bytes, planned)) == 2 * (2 ** 19 + 2 ** 18 + 2 ** 16)
+    _, engine = pool2.run(_pinned_versions, _free_port(), order)
+    # one bank for version 1, both from version 2 on (1 was staged when 2 came), and never more
+    assert engine["pinned"] == [figure // 2, figure, figure, figure]
+    assert engine["waited"] and engine["loaded"] == {2: True, 4: True}
 
 
 def _closed(port: int):
