@@ -26,8 +26,12 @@ observation 0, turn 1, ...; ``logprobs`` the engine's on the policy's tokens and
 (``RolloutBatch.to_padded``: they are not in ``response_mask``) and the credit scans pass across them
 (docs/multi_turn.md).
 
-Faults. An environment step that raises or overruns ``env.step_timeout_s`` is counted in the episode's
-``env_errors`` and ends the trajectory where it stands; it is scored by the abort rule
+Faults. The environment is a plugin's code, and nothing it returns reaches the loop unchecked
+(:func:`check_step`): ``start`` or ``step`` that raises, overruns ``env.step_timeout_s``, or returns what the
+loop cannot use (not a :class:`StepResult`, token ids outside the vocabulary, a reward that is not a finite
+number, a ``done`` that is not a bool) is an environment failure. It is counted in the episode's
+``env_errors``, its one-line reason goes to the sample's ``error`` (the ``env/error_reasons`` metric and the
+log count them per iteration), and it ends the trajectory where it stands; it is scored by the abort rule
 (:func:`episode_rewards`: incorrect, the verifier's score of a wrong answer, -1, plus the turn rewards
 earned before), and the run goes on. A thread whose step overran cannot be killed; it is abandoned, and
 as a daemon (:class:`StepThreads`) it never keeps the process from exiting (the steps that can hang,
@@ -38,6 +42,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import math
+import numbers
 import queue
 import threading
 import time
@@ -45,6 +51,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from megatron_credit.env.base import StepResult
 from megatron_credit.rollout.engine import resolve_group_ids
 from megatron_credit.rollout.types import Episode, FinishStatus, RolloutBatch, RolloutSample, SampleTimings
 
@@ -73,6 +80,60 @@ def single_token(tokenizer, text: str, *, field: str) -> int:
                          "can only end on a single token of its own (add it to the tokenizer's special tokens, or "
                          "choose a marker that is one token)")
     return int(ids[0])
+
+
+class EnvironmentFault(Exception):
+    """An environment's output the loop cannot use; its message is the one-line reason."""
+
+
+def check_step(res: Any, vocab_size: Optional[int]) -> None:
+    """Raise :class:`EnvironmentFault` when ``res``, what ``Environment.step`` returned, is not a
+    :class:`StepResult` the loop can use: an observation that is text or token ids in ``[0, vocab_size)``
+    (None: only ``>= 0`` is checked), a finite real reward, bool ``done`` and ``tool_error``, a count of
+    tool calls >= 0. The observation's length is not checked: the loop cuts it to the token budget."""
+
+    def what(x: Any) -> str:
+        text = repr(x)
+        return f"{text[:40]}..." if len(text) > 40 else text
+
+    if not isinstance(res, StepResult):
+        raise EnvironmentFault(f"step returned {type(res).__name__} {what(res)}, not a StepResult")
+    obs = res.observation
+    if isinstance(obs, (list, tuple)):
+        for t in obs:
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+                raise EnvironmentFault(f"step's observation holds {type(t).__name__} {what(t)}, not a token id")
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise EnvironmentFault(f"step's observation token id {int(t)} is outside the vocabulary "
+                                       f"[0, {vocab_size if vocab_size is not None else 'inf'})")
+    elif not isinstance(obs, str):
+        raise EnvironmentFault(f"step's observation is {type(obs).__name__} {what(obs)}, not text or a list of "
+                               "token ids")
+    if not isinstance(res.reward, numbers.Real) or not math.isfinite(res.reward):
+        raise EnvironmentFault(f"step's reward is {type(res.reward).__name__} {what(res.reward)}, not a finite "
+                               "number")
+    for name in ("done", "tool_error"):
+        if not isinstance(getattr(res, name), bool):
+            value = getattr(res, name)
+            raise EnvironmentFault(f"step's {name} is {type(value).__name__} {what(value)}, not a bool")
+    if not isinstance(res.tool_calls, numbers.Integral) or isinstance(res.tool_calls, bool) or res.tool_calls < 0:
+        raise EnvironmentFault(f"step's tool_calls is {type(res.tool_calls).__name__} {what(res.tool_calls)}, not "
+                               "an int >= 0")
+
+
+def vocab_bound(engine, tokenizer) -> Optional[int]:
+    """The token ids an observation may hold: below the tokenizer's length and the engine's model's
+    vocabulary (the smaller, where both are known); None when neither is."""
+    known = []
+    try:
+        known.append(len(tokenizer))
+    except TypeError:
+        pass
+    for config in (getattr(engine, "hf_config", None), getattr(getattr(engine, "model", None), "config", None)):
+        size = getattr(config, "vocab_size", None)
+        if isinstance(size, int) and size > 0:
+            known.append(size)
+    return min(known) if known else None
 
 
 @dataclasses.dataclass
@@ -154,13 +215,16 @@ class EpisodeEngine:
     """``generate`` wants the prompt records (an environment starts from a prompt row)."""
 
     def __init__(self, engine, env, tokenizer, *, max_turns: int, max_total_tokens: int, step_timeout_s: float,
-                 threads: int = 8):
+                 threads: int = 8, vocab_size: Optional[int] = None):
+        """``vocab_size``: observation token ids must be below it (None: :func:`vocab_bound`)."""
         self.engine, self.env, self.tokenizer = engine, env, tokenizer
+        self.vocab_size = vocab_size if vocab_size is not None else vocab_bound(engine, tokenizer)
         self.max_turns, self.max_total_tokens, self.step_timeout_s = max_turns, max_total_tokens, step_timeout_s
         self.turn_stops = tuple(single_token(tokenizer, t, field="env.options") for t in env.stop_texts)
         self.threads = threads
         self.errors: collections.Counter[str] = collections.Counter()
-        """Why environment steps failed (the one-line reasons, counted), over the engine's life."""
+        """Why the environment failed (the one-line reasons, counted), over the engine's life; each failed
+        trajectory's reason is also its sample's ``error``."""
         self._executor = StepThreads(threads)
 
     # -- the wrapped engine's --------------------------------------------------------------------------
@@ -201,14 +265,22 @@ class EpisodeEngine:
         turn_params = dataclasses.replace(params, stop_token_ids=stops)
         out = self.engine.generate(prompts, turn_params, group_ids=groups)
         trajectories = [_Trajectory(prompt_ids=list(prompts[i // n]), group_id=groups[i // n], sample_index=i % n,
-                                    state=self.env.start(records[i // n])) for i in range(len(out.samples))]
-        for tr, s in zip(trajectories, out.samples):
+                                    state=None) for i in range(len(out.samples))]
+        started = self._calls([(self.env.start, (records[i // n],), None) for i in range(len(trajectories))],
+                              "start")
+        for tr, s, (ok, res) in zip(trajectories, out.samples, started):
             tr.first_token_s = s.timings.first_token_s
+            tr.state = res if ok else None
         active, samples = trajectories, out.samples
         for turn in range(self.max_turns):
             going = []
-            for tr, s in zip(active, samples):
-                if self._act(tr, s, turn):
+            for k, (tr, s) in enumerate(zip(active, samples)):
+                alive = self._act(tr, s, turn)
+                if turn == 0 and not started[k][0] and tr.status != FinishStatus.FAILED:
+                    if not alive:  # ended on its own (cut): the environment's failure still counts
+                        tr.turn_rewards.pop()
+                    self._failed(tr, started[k][1])  # no episode to step: it ends here
+                elif alive:
                     going.append(tr)
             going = self._observe(going, turn, eos=set(params.stop_token_ids))
             if not going:
@@ -247,13 +319,11 @@ class EpisodeEngine:
     def _observe(self, active: list[_Trajectory], turn: int, *, eos: set[int]) -> list[_Trajectory]:
         """The environment's step on each trajectory's turn ``turn``; returns those that go on (with their
         observation appended)."""
-        results = self._steps(active)
+        results = self._calls([(self.env.step, (tr.state, tr.last_text), check_step) for tr in active], "step")
         going = []
         for tr, (ok, res) in zip(active, results):
             if not ok:  # the environment failed: the episode ends here (scored by the abort rule)
-                tr.env_errors += 1
-                self.errors[res] += 1
-                tr.turn_rewards.append(0.0)
+                self._failed(tr, res)
                 continue
             tr.turn_rewards.append(float(res.reward))
             tr.tool_calls += int(res.tool_calls)
@@ -267,7 +337,7 @@ class EpisodeEngine:
             obs = res.observation
             ids = list(obs) if not isinstance(obs, str) else self.tokenizer.encode(obs)
             room = self.max_total_tokens - len(tr.response)
-            if len(ids) >= room:  # no room left for the model's next turn
+            if len(ids) >= room:  # no room left for the model's next turn: cut here, flagged TRUNCATED
                 tr.add(ids[:room], torch.zeros(len(ids[:room])), action=False, turn=turn)
                 tr.status = FinishStatus.TRUNCATED
                 continue
@@ -275,17 +345,30 @@ class EpisodeEngine:
             going.append(tr)
         return going
 
-    def _steps(self, active: list[_Trajectory]) -> list[tuple[bool, Any]]:
-        """``env.step`` of every trajectory's last turn, in threads; ``(True, StepResult)`` or ``(False, why)``.
-        Each step has ``env.step_timeout_s`` from when it starts (a queued step waits for a thread, not against
-        its deadline). A step past it is abandoned (a thread cannot be stopped): the pool is replaced, and the
-        steps that had not started yet go to the new one, so hung steps never starve the others."""
-        n = len(active)
+    def _failed(self, tr: _Trajectory, why: str) -> None:
+        """The environment failed on ``tr`` (``why``: one line): the trajectory ends where it stands."""
+        tr.env_errors += 1
+        tr.error = why
+        self.errors[why] += 1
+        tr.turn_rewards.append(0.0)
+
+    def _calls(self, calls: list[tuple[Any, tuple, Any]], what: str) -> list[tuple[bool, Any]]:
+        """The environment's calls ``(fn, args, check)`` (``what``: ``start`` or ``step``), in threads;
+        ``(True, result)`` or ``(False, why)``. ``check(result, vocab_size)``, run in the call's thread,
+        raises :class:`EnvironmentFault` for a result the loop cannot use. Each call has
+        ``env.step_timeout_s`` from when it starts (a queued call waits for a thread, not against its
+        deadline). A call past it is abandoned (a thread cannot be stopped): the pool is replaced, and the
+        calls that had not started yet go to the new one, so hung calls never starve the others."""
+        n = len(calls)
         starts: list[Optional[float]] = [None] * n
 
         def run(i: int):
             starts[i] = time.monotonic()
-            return self.env.step(active[i].state, active[i].last_text)
+            fn, args, check = calls[i]
+            res = fn(*args)
+            if check is not None:
+                check(res, self.vocab_size)
+            return res
 
         futures = {i: self._executor.submit(run, i) for i in range(n)}
         out: list[Any] = [None] * n
@@ -296,11 +379,15 @@ class EpisodeEngine:
             for i, f in list(futures.items()):
                 if f.done():
                     exc = f.exception()
-                    out[i] = (True, f.result()) if exc is None else (
-                        False, f"environment step raised {type(exc).__name__}: {' '.join(str(exc).split())}")
+                    if exc is None:
+                        out[i] = (True, f.result())
+                    elif isinstance(exc, EnvironmentFault):
+                        out[i] = (False, f"environment {exc}")
+                    else:
+                        out[i] = (False, f"environment {what} raised {type(exc).__name__}: {' '.join(str(exc).split())}")
                     del futures[i]
                 elif starts[i] is not None and now - starts[i] > self.step_timeout_s:
-                    out[i] = (False, f"environment step timed out after {self.step_timeout_s:g} s (env.step_timeout_s)")
+                    out[i] = (False, f"environment {what} timed out after {self.step_timeout_s:g} s (env.step_timeout_s)")
                     del futures[i]
                     overran = True
             if overran:  # the overrunning threads keep theirs; the steps not started yet move to fresh ones
@@ -324,7 +411,7 @@ class EpisodeEngine:
             status=tr.status if tr.status is not None else FinishStatus.STOPPED, group_id=tr.group_id,
             sample_index=tr.sample_index, logprobs_mode=mode,
             timings=SampleTimings(first_token_s=tr.first_token_s, finish_s=now),
-            error=tr.error if tr.status == FinishStatus.FAILED else "", routed_experts=routed,
+            error=tr.error if tr.status == FinishStatus.FAILED or tr.env_errors else "", routed_experts=routed,
             action_mask=torch.tensor(tr.action, dtype=torch.bool),
             turn_ids=torch.tensor(tr.turns, dtype=torch.int16),
             episode=Episode(turn_rewards=tuple(tr.turn_rewards), tool_calls=tr.tool_calls,
@@ -340,7 +427,8 @@ def build_episode_engine(engine, env_section, tokenizer):
 
     env = build_environment(env_section.name, env_section.options)
     return EpisodeEngine(engine, env, tokenizer, max_turns=env_section.max_turns,
-                         max_total_tokens=env_section.max_total_tokens, step_timeout_s=env_section.step_timeout_s)
+                         max_total_tokens=env_section.max_total_tokens, step_timeout_s=env_section.step_timeout_s,
+                         threads=env_section.step_threads)
 
 
 def generate(engine, prompts: list[list[int]], params, *, group_ids, records) -> RolloutBatch:

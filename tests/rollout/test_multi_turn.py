@@ -199,6 +199,103 @@ def test_a_failing_environment_ends_its_trajectory_and_the_run_goes_on(hf, env_c
     assert sum(ep.errors.values()) == len(failed)
 
 
+class BadIds(Echo):
+    def step(self, state, action):
+        return StepResult(observation=[-7, 10**9, 3], tool_calls=1)
+
+
+class ReturnsNone(Echo):
+    def step(self, state, action):
+        return None
+
+
+class NaNReward(Echo):
+    def step(self, state, action):
+        return StepResult(observation="61 62", reward=float("nan"), tool_calls=1)
+
+
+class WrongType(Echo):
+    def step(self, state, action):
+        return {"observation": "61", "done": False}
+
+
+class DoneText(Echo):
+    def step(self, state, action):
+        return StepResult(observation="61", done="no")
+
+
+class StartRaises(Echo):
+    def start(self, record):
+        raise KeyError("ground_truth")
+
+
+HOSTILE = [(BadIds, "environment step's observation token id -7 is outside the vocabulary [0, 96)"),
+           (ReturnsNone, "environment step returned NoneType None, not a StepResult"),
+           (NaNReward, "environment step's reward is float nan, not a finite number"),
+           (WrongType, "environment step returned dict {'observation': '61', 'done': False}, not a StepResult"),
+           (DoneText, "environment step's done is str 'no', not a bool"),
+           (StartRaises, "environment start raised KeyError: 'ground_truth'")]
+
+
+@pytest.mark.parametrize("env_cls,why", HOSTILE, ids=[c.__name__ for c, _ in HOSTILE])
+def test_a_hostile_environments_output_is_an_environment_failure(hf, env_cls, why):
+    """What an environment returns is checked before the loop uses it: a bad output ends its trajectory,
+    scored by the abort rule, with the reason on the sample; the metrics count the reasons, the log gets
+    one line per reason, and the run stops after ``env.max_failed_iterations`` such iterations in a row."""
+    from types import SimpleNamespace
+
+    from megatron_credit.sources.routing import SampleRouter
+    from megatron_credit.trainer.divergence import EnvironmentGuard
+
+    ep = _episodes(hf, env_cls)
+    batch = ep.generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    assert all(s.episode.env_errors == 1 and s.episode.turns == 1 and s.error == why for s in batch.samples)
+    assert all(s.action_mask.all() for s in batch.samples)  # nothing of the bad output entered a trajectory
+    assert dict(ep.errors) == {why: 12}
+    rewards, correct = episode_rewards(batch.samples, torch.ones(12), torch.ones(12, dtype=torch.bool))
+    assert rewards.tolist() == [-1.0] * 12 and not correct.any()
+    router = SimpleNamespace(device=torch.device("cpu"), dp_size=1, dp_group=None)
+    metrics = SampleRouter._episode_metrics(router, batch.samples, batch.to_padded(pad_token_id=0))
+    assert (metrics["env/errors"], metrics["env/failed_frac"], metrics["env/error_reasons"]) == (12, 1.0, {why: 12})
+    guard = EnvironmentGuard(name="hostile", max_failed_iterations=2)
+    assert guard.lines(7, metrics) == [f"iteration 7: env hostile failed on 12 trajectories (ended by the abort rule): "
+                                       f"{why}"]
+    assert guard.check(7, metrics) is None
+    assert guard.check(8, metrics) == (f"env hostile failed on every trajectory for 2 iterations in a row up to "
+                                       f"iteration 8: {why}; stopped before saving it (fix the environment; "
+                                       "env.max_failed_iterations=2)")
+
+
+def test_an_environment_failing_on_some_trajectories_does_not_stop_the_run(hf):
+    from types import SimpleNamespace
+
+    from megatron_credit.sources.routing import SampleRouter
+    from megatron_credit.trainer.divergence import EnvironmentGuard
+
+    batch = _episodes(hf, Raises).generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    router = SimpleNamespace(device=torch.device("cpu"), dp_size=1, dp_group=None)
+    metrics = SampleRouter._episode_metrics(router, batch.samples, batch.to_padded(pad_token_id=0))
+    failed = sum(s.episode.env_errors for s in batch.samples)
+    assert 0 < failed < 12 and metrics["env/failed_frac"] == failed / 12
+    assert metrics["env/error_reasons"] == {"environment step raised RuntimeError: the tool's server is down": failed}
+    guard = EnvironmentGuard(name="raises", max_failed_iterations=1)
+    assert guard.check(1, metrics) is None and guard.check(2, {"env/failed_frac": 0.0}) is None
+    assert guard.check(3, {"env/failed_frac": 1.0}) is not None and guard.failed_in_a_row == 1
+
+
+class Verbose(Echo):
+    def step(self, state, action):
+        return StepResult(observation=" ".join(["61"] * 33_334))  # 100,000 characters
+
+
+def test_a_long_observation_is_cut_to_the_budget_and_flagged(hf):
+    batch = _episodes(hf, Verbose).generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    for s in batch.samples:
+        turn0 = int(s.action_mask.sum())
+        assert len(s.response_ids) == 40 and s.response_ids[turn0:] == [61] * (40 - turn0)
+        assert s.status == FinishStatus.TRUNCATED and s.episode.env_errors == 0 and s.error == ""
+
+
 def test_trajectories_cross_the_wire(hf):
     from megatron_credit.rollout.wire import decode, encode, payload_bytes
 
