@@ -418,3 +418,89 @@ def test_the_pools_hook_runs_between_turns(hf):
     assert inner.between_steps is not None  # set on the engine that decodes
     ep.generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
     assert len(inner.calls) >= 2 and seen == list(range(1, len(inner.calls)))  # before every later turn
+
+
+class Steady(Echo):
+    """Three turns on every trajectory, an observation after each; the step of the trajectory of prompt
+    ``p{k}`` sleeps ``slow_s`` at its turn ``k`` (``None``: none sleeps), so each turn has one slow step
+    and each trajectory at most one."""
+
+    slow_s = None
+
+    def start(self, record):
+        return {"turns": 0, "k": int(record.uid[1:])}
+
+    def step(self, state, action):
+        if self.slow_s is not None and state["k"] == state["turns"]:
+            time.sleep(self.slow_s)
+        state["turns"] += 1
+        return StepResult(observation="61 62", reward=0.25, done=state["turns"] >= 3, tool_calls=1)
+
+
+class SlowSteady(Steady):
+    slow_s = 0.3
+
+
+EIGHT = [[3 + k, 17, 42 - k] for k in range(8)]
+EIGHT_RECORDS = [PromptRecord(uid=f"p{k}", data_source="synthetic_arith",
+                              messages=(ChatMessage(role="user", content="x"),), ground_truth="1") for k in range(8)]
+
+
+class Timed:
+    """An engine that keeps the seconds its ``generate`` calls took (a loaded machine's noise is there)."""
+
+    def __init__(self, engine):
+        self.engine, self.seconds = engine, 0.0
+
+    def generate(self, prompts, params, *, group_ids=None):
+        t0 = time.perf_counter()
+        try:
+            return self.engine.generate(prompts, params, group_ids=group_ids)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def test_a_trajectory_goes_on_as_soon_as_its_step_returns(hf):
+    """Eight trajectories of three turns, one slow step (0.3 s) per turn on a different trajectory each
+    turn: in lockstep the draw waits for the slow step of every turn (0.9 s besides generating); a
+    trajectory that goes on as soon as its own step returns makes it about one slow step. The tokens are
+    those of the lockstep draw and of each trajectory played alone: the seeds, not the order the steps end
+    in, pick them (the engine's log-probs agree to float rounding: its batches differ)."""
+    params = _params(n=1, max_new_tokens=4, stop_token_ids=())  # no EOS: every trajectory plays its 3 turns
+    groups = list(range(8))
+    lockstep = _episodes(hf, Steady, max_total_tokens=64, lockstep=True)
+    ref = lockstep.generate(EIGHT, params, group_ids=groups, records=EIGHT_RECORDS).samples
+    engine = Timed(hf)
+    slow = _episodes(engine, SlowSteady, max_total_tokens=64)
+    t0 = time.perf_counter()
+    batch = slow.generate(EIGHT, params, group_ids=groups, records=EIGHT_RECORDS).samples
+    waited = time.perf_counter() - t0 - engine.seconds  # the draw's time besides generating
+    alone = [lockstep.generate(EIGHT[k:k + 1], params, group_ids=[k], records=EIGHT_RECORDS[k:k + 1]).samples[0]
+             for k in range(8)]
+    for other in (ref, alone):
+        assert [s.response_ids for s in batch] == [s.response_ids for s in other]
+        assert [(s.episode, s.status, s.action_mask.tolist()) for s in batch] == \
+            [(s.episode, s.status, s.action_mask.tolist()) for s in other]
+        for s, o in zip(batch, other):
+            torch.testing.assert_close(s.logprobs, o.logprobs, rtol=0, atol=1e-5)
+    assert all(s.episode.turns == 3 for s in batch)
+    assert waited < 0.6, waited  # lockstep waits 0.9 s; here the slow steps overlap the others' turns
+
+
+def test_lockstep_waits_for_every_step_of_the_turn(hf):
+    """``env.lockstep``: the later turns of the draw are generated together, one engine call per turn."""
+
+    class Counting:
+        def __init__(self):
+            self.between_steps, self.calls = None, []
+
+        def generate(self, prompts, params, *, group_ids=None):
+            self.calls.append(sorted(group_ids))
+            return hf.generate(prompts, params, group_ids=group_ids)
+
+    inner = Counting()
+    ep = EpisodeEngine(inner, Steady(Steady.Config()), Tok(), max_turns=4, max_total_tokens=64, step_timeout_s=5.0,
+                       lockstep=True)
+    batch = ep.generate(EIGHT, _params(n=1, max_new_tokens=4), group_ids=list(range(8)), records=EIGHT_RECORDS)
+    going = [[k for k, s in enumerate(batch.samples) if s.episode.turns > t] for t in (1, 2)]
+    assert inner.calls == [list(range(8)), *going]
