@@ -151,6 +151,9 @@ def _main(argv: list[str]) -> int:
             engine.close()
             if pool is not None:
                 pool.close()
+    reasons = engine.errors if getattr(engine, "takes_records", False) else {}  # a multi-turn recipe's environment
+    for why, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        print(f"env {recipe.env.name} failed on {count} trajectories (each graded on its last turn): {why}", file=sys.stderr)
     report = {"model": args.hf_dir or args.megatron_ckpt or args.run_checkpoint or args.run_dir,
               "data": args.data, "engine": engine_name, "temperature": sampling.temperature,
               "top_p": sampling.top_p, "top_k": sampling.top_k, "max_new_tokens": sampling.max_new_tokens,

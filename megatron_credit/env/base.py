@@ -12,7 +12,9 @@ Failures come in two kinds, kept apart on purpose:
 - a *tool* failure (a malformed call, an expression that does not evaluate, a call that timed out or was
   killed) is part of the game: the environment answers with an error observation, sets
   ``StepResult.tool_error`` and the episode goes on; the model is expected to learn from it;
-- an *environment* failure (``step`` raised, or overran the loop's step deadline) is a bug or an outage:
+- an *environment* failure (``start`` or ``step`` raised, overran the loop's step deadline, or returned
+  what the loop cannot use: not a :class:`StepResult`, token ids outside the vocabulary, a reward that is
+  not a finite number, a ``done`` that is not a bool) is a bug or an outage:
   the loop counts it in ``env/errors``, ends that trajectory and scores it as incorrect (the verifier's
   incorrect score, -1, plus the turn rewards earned before), so one broken episode never stops training.
 
@@ -57,8 +59,8 @@ class StepResult:
 
 class Environment(abc.ABC):
     """A multi-turn environment (module docstring). One instance serves every episode of a run: what
-    belongs to one episode lives in the state :meth:`start` returns, never on ``self``, and :meth:`step`
-    may be called from several threads at once for different episodes."""
+    belongs to one episode lives in the state :meth:`start` returns, never on ``self``, and :meth:`start`
+    and :meth:`step` may be called from several threads at once for different episodes."""
 
     @dataclass(frozen=True, kw_only=True)
     class Config:

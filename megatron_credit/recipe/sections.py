@@ -372,6 +372,21 @@ class EnvConfig:
     """Response tokens of a whole trajectory at most: the policy's turns and the observations between them."""
     step_timeout_s: PositiveFloat = 30.0
     """An environment step that takes longer is counted in ``env/errors`` and ends its trajectory."""
+    step_threads: PositiveInt = 8
+    """Threads that run the environment's ``start`` and ``step`` calls, those of different trajectories at
+    once (a tool that waits on I/O wants more; each thread is idle otherwise)."""
+    lockstep: bool = False
+    """Generate each later turn of the draw's trajectories together, once every step of the turn before
+    returned. Off (the default), a trajectory's next turn is generated as soon as its own step returns
+    (the trajectories ready at once share one engine call): the draw takes about its slowest trajectory's
+    time, not the sum of each turn's slowest step. The sampled tokens are the seeds' either way; on, each
+    engine call holds the same trajectories whatever order the steps end in, so the engine's log-probs
+    also repeat bit for bit (off they agree to float rounding: an engine's batch changes its arithmetic)."""
+    max_failed_iterations: NonNegativeInt = 3
+    """Stop the run, in one line naming the environment and its reason, once the environment failed
+    (raised, overran ``step_timeout_s`` or returned what the loop cannot use) on every trajectory of this
+    many iterations in a row: every trajectory is then scored by the abort rule and the run learns nothing
+    (0: never stop)."""
     options: Mapping[str, Any] = field(default_factory=dict)
     """The environment's own options (its ``Config`` dataclass); unknown keys fail."""
 

@@ -7,14 +7,22 @@ A call to :meth:`EpisodeEngine.generate` plays ``params.n`` trajectories per pro
 
 1. Turn 0 is the single-turn call itself (``n`` samples per prompt, the same seeds), with the environment's
    stop texts (e.g. the calculator's ``</call>``) as stop tokens beside EOS.
-2. The environment reads each turn's text (``Environment.step``, in threads, each with
-   ``env.step_timeout_s``) and answers with an observation, a turn reward and whether the episode is done.
+2. The environment reads each turn's text (``Environment.step``, in ``env.step_threads`` threads, each
+   with ``env.step_timeout_s``; the episodes' ``start`` runs there too, while turn 0 is generated) and
+   answers with an observation, a turn reward and whether the episode is done.
 3. The observation's token ids (an environment's text is tokenized once, on its own) are appended to the
    trajectory, and the engine continues *from the trajectory's token ids*: the sampled tokens are never
    decoded and re-tokenized, so the trainer scores exactly the tokens the engine sampled (vLLM reuses the
    shared prefix through its prefix cache). Turn ``k`` samples once per trajectory with the seed of
    ``(draw seed, turn k)`` and the trajectory's own index ``group * n + sample``: what a trajectory samples
    does not depend on which others are in the batch.
+   A trajectory's next turn is generated as soon as its own step returned: the trajectories whose steps
+   returned meanwhile share one engine call per turn index (each turn has its seed), while the others'
+   steps go on in their threads, so one slow step delays its own trajectory only and a draw takes about
+   its slowest trajectory's time. Since the seeds pick the tokens, the tokens are the same whichever step
+   ends first; the engine's log-probs agree to float rounding (its batches, and so its arithmetic,
+   differ). ``env.lockstep`` generates each turn of all trajectories together, after every step of the
+   turn before: the engine calls then hold the same trajectories in every run, bit for bit.
 4. A trajectory ends when the model stops with EOS, the environment says done, ``env.max_turns`` turns were
    played, ``env.max_total_tokens`` response tokens are reached (the turn or observation is cut there:
    TRUNCATED), or the environment fails.
@@ -26,8 +34,12 @@ observation 0, turn 1, ...; ``logprobs`` the engine's on the policy's tokens and
 (``RolloutBatch.to_padded``: they are not in ``response_mask``) and the credit scans pass across them
 (docs/multi_turn.md).
 
-Faults. An environment step that raises or overruns ``env.step_timeout_s`` is counted in the episode's
-``env_errors`` and ends the trajectory where it stands; it is scored by the abort rule
+Faults. The environment is a plugin's code, and nothing it returns reaches the loop unchecked
+(:func:`check_step`): ``start`` or ``step`` that raises, overruns ``env.step_timeout_s``, or returns what the
+loop cannot use (not a :class:`StepResult`, token ids outside the vocabulary, a reward that is not a finite
+number, a ``done`` that is not a bool) is an environment failure. It is counted in the episode's
+``env_errors``, its one-line reason goes to the sample's ``error`` (the ``env/error_reasons`` metric and the
+log count them per iteration), and it ends the trajectory where it stands; it is scored by the abort rule
 (:func:`episode_rewards`: incorrect, the verifier's score of a wrong answer, -1, plus the turn rewards
 earned before), and the run goes on. A thread whose step overran cannot be killed; it is abandoned, and
 as a daemon (:class:`StepThreads`) it never keeps the process from exiting (the steps that can hang,
@@ -38,6 +50,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import math
+import numbers
 import queue
 import threading
 import time
@@ -45,6 +59,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from megatron_credit.env.base import StepResult
 from megatron_credit.rollout.engine import resolve_group_ids
 from megatron_credit.rollout.types import Episode, FinishStatus, RolloutBatch, RolloutSample, SampleTimings
 
@@ -73,6 +88,60 @@ def single_token(tokenizer, text: str, *, field: str) -> int:
                          "can only end on a single token of its own (add it to the tokenizer's special tokens, or "
                          "choose a marker that is one token)")
     return int(ids[0])
+
+
+class EnvironmentFault(Exception):
+    """An environment's output the loop cannot use; its message is the one-line reason."""
+
+
+def check_step(res: Any, vocab_size: Optional[int]) -> None:
+    """Raise :class:`EnvironmentFault` when ``res``, what ``Environment.step`` returned, is not a
+    :class:`StepResult` the loop can use: an observation that is text or token ids in ``[0, vocab_size)``
+    (None: only ``>= 0`` is checked), a finite real reward, bool ``done`` and ``tool_error``, a count of
+    tool calls >= 0. The observation's length is not checked: the loop cuts it to the token budget."""
+
+    def what(x: Any) -> str:
+        text = repr(x)
+        return f"{text[:40]}..." if len(text) > 40 else text
+
+    if not isinstance(res, StepResult):
+        raise EnvironmentFault(f"step returned {type(res).__name__} {what(res)}, not a StepResult")
+    obs = res.observation
+    if isinstance(obs, (list, tuple)):
+        for t in obs:
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+                raise EnvironmentFault(f"step's observation holds {type(t).__name__} {what(t)}, not a token id")
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise EnvironmentFault(f"step's observation token id {int(t)} is outside the vocabulary "
+                                       f"[0, {vocab_size if vocab_size is not None else 'inf'})")
+    elif not isinstance(obs, str):
+        raise EnvironmentFault(f"step's observation is {type(obs).__name__} {what(obs)}, not text or a list of "
+                               "token ids")
+    if not isinstance(res.reward, numbers.Real) or not math.isfinite(res.reward):
+        raise EnvironmentFault(f"step's reward is {type(res.reward).__name__} {what(res.reward)}, not a finite "
+                               "number")
+    for name in ("done", "tool_error"):
+        if not isinstance(getattr(res, name), bool):
+            value = getattr(res, name)
+            raise EnvironmentFault(f"step's {name} is {type(value).__name__} {what(value)}, not a bool")
+    if not isinstance(res.tool_calls, numbers.Integral) or isinstance(res.tool_calls, bool) or res.tool_calls < 0:
+        raise EnvironmentFault(f"step's tool_calls is {type(res.tool_calls).__name__} {what(res.tool_calls)}, not "
+                               "an int >= 0")
+
+
+def vocab_bound(engine, tokenizer) -> Optional[int]:
+    """The token ids an observation may hold: below the tokenizer's length and the engine's model's
+    vocabulary (the smaller, where both are known); None when neither is."""
+    known = []
+    try:
+        known.append(len(tokenizer))
+    except TypeError:
+        pass
+    for config in (getattr(engine, "hf_config", None), getattr(getattr(engine, "model", None), "config", None)):
+        size = getattr(config, "vocab_size", None)
+        if isinstance(size, int) and size > 0:
+            known.append(size)
+    return min(known) if known else None
 
 
 @dataclasses.dataclass
@@ -146,6 +215,69 @@ class StepThreads:
             self._queue.put(None)
 
 
+class _Calls:
+    """An :class:`EpisodeEngine`'s environment calls in flight on its step threads, by key (a trajectory).
+
+    Each call has ``env.step_timeout_s`` from when it starts (a queued call waits for a thread, not against
+    its deadline). A call past it is abandoned (a thread cannot be stopped): the engine's pool is replaced,
+    and the calls that had not started yet go to the new one, so hung calls never starve the others."""
+
+    def __init__(self, owner: "EpisodeEngine"):
+        self.owner = owner
+        self.jobs: dict[int, tuple] = {}
+        self.futures: dict[int, concurrent.futures.Future] = {}
+        self.starts: dict[int, float] = {}
+
+    def __len__(self) -> int:
+        return len(self.futures)
+
+    def submit(self, key: int, what: str, fn, args: tuple, check=None) -> None:
+        """Run ``fn(*args)`` (``what``: ``start`` or ``step``, for the reasons); ``check(result, vocab_size)``,
+        run in the call's thread, raises :class:`EnvironmentFault` for a result the loop cannot use."""
+        self.jobs[key] = (what, fn, args, check)
+        self.futures[key] = self.owner._executor.submit(self._run, key, self.jobs[key])
+
+    def _run(self, key: int, job: tuple):
+        self.starts[key] = time.monotonic()
+        _, fn, args, check = job
+        res = fn(*args)
+        if check is not None:
+            check(res, self.owner.vocab_size)
+        return res
+
+    def poll(self, timeout_s: float = 0.05) -> list[tuple[int, bool, Any]]:
+        """Waits up to ``timeout_s`` for a call to end; then every call that ended or overran, by key:
+        ``(key, True, result)`` or ``(key, False, why)``."""
+        concurrent.futures.wait(list(self.futures.values()), timeout=timeout_s,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+        limit = self.owner.step_timeout_s
+        now, overran, out = time.monotonic(), False, []
+        for key, f in sorted(self.futures.items()):
+            what = self.jobs[key][0]
+            if f.done():
+                exc = f.exception()
+                if exc is None:
+                    out.append((key, True, f.result()))
+                elif isinstance(exc, EnvironmentFault):
+                    out.append((key, False, f"environment {exc}"))
+                else:
+                    out.append((key, False, f"environment {what} raised {type(exc).__name__}: "
+                                            f"{' '.join(str(exc).split())}"))
+            elif key in self.starts and now - self.starts[key] > limit:
+                out.append((key, False, f"environment {what} timed out after {limit:g} s (env.step_timeout_s)"))
+                overran = True
+        for key, _, _ in out:
+            del self.futures[key], self.jobs[key]
+            self.starts.pop(key, None)
+        if overran:  # the overrunning threads keep theirs; the calls not started yet move to fresh ones
+            waiting = [key for key, f in self.futures.items() if f.cancel()]
+            self.owner._executor.shutdown()
+            self.owner._executor = StepThreads(self.owner.threads)
+            for key in waiting:
+                self.futures[key] = self.owner._executor.submit(self._run, key, self.jobs[key])
+        return out
+
+
 class EpisodeEngine:
     """A rollout engine that plays multi-turn episodes in an environment (module docstring); everything but
     :meth:`generate` is the wrapped engine's."""
@@ -154,13 +286,17 @@ class EpisodeEngine:
     """``generate`` wants the prompt records (an environment starts from a prompt row)."""
 
     def __init__(self, engine, env, tokenizer, *, max_turns: int, max_total_tokens: int, step_timeout_s: float,
-                 threads: int = 8):
+                 threads: int = 8, vocab_size: Optional[int] = None, lockstep: bool = False):
+        """``threads``: the step threads (``env.step_threads``); ``vocab_size``: observation token ids must be
+        below it (None: :func:`vocab_bound`); ``lockstep``: ``env.lockstep`` (module docstring)."""
         self.engine, self.env, self.tokenizer = engine, env, tokenizer
+        self.vocab_size = vocab_size if vocab_size is not None else vocab_bound(engine, tokenizer)
         self.max_turns, self.max_total_tokens, self.step_timeout_s = max_turns, max_total_tokens, step_timeout_s
         self.turn_stops = tuple(single_token(tokenizer, t, field="env.options") for t in env.stop_texts)
-        self.threads = threads
+        self.threads, self.lockstep = threads, lockstep
         self.errors: collections.Counter[str] = collections.Counter()
-        """Why environment steps failed (the one-line reasons, counted), over the engine's life."""
+        """Why the environment failed (the one-line reasons, counted), over the engine's life; each failed
+        trajectory's reason is also its sample's ``error``."""
         self._executor = StepThreads(threads)
 
     # -- the wrapped engine's --------------------------------------------------------------------------
@@ -199,27 +335,52 @@ class EpisodeEngine:
         n, t0 = params.n, time.perf_counter()
         stops = tuple(dict.fromkeys(tuple(params.stop_token_ids) + self.turn_stops))
         turn_params = dataclasses.replace(params, stop_token_ids=stops)
-        out = self.engine.generate(prompts, turn_params, group_ids=groups)
         trajectories = [_Trajectory(prompt_ids=list(prompts[i // n]), group_id=groups[i // n], sample_index=i % n,
-                                    state=self.env.start(records[i // n])) for i in range(len(out.samples))]
-        for tr, s in zip(trajectories, out.samples):
+                                    state=None) for i in range(len(prompts) * n)]
+        calls = _Calls(self)
+        for i in range(len(trajectories)):  # the episodes start while turn 0 is generated
+            calls.submit(i, "start", self.env.start, (records[i // n],))
+        out = self.engine.generate(prompts, turn_params, group_ids=groups)
+        started: dict[int, tuple[bool, Any]] = {}
+        while calls:
+            started.update({i: (ok, res) for i, ok, res in calls.poll()})
+        eos = set(params.stop_token_ids)
+        turn_of = [0] * len(trajectories)  # the turn each trajectory generated last
+        for i, (tr, s) in enumerate(zip(trajectories, out.samples)):
             tr.first_token_s = s.timings.first_token_s
-        active, samples = trajectories, out.samples
-        for turn in range(self.max_turns):
-            going = []
-            for tr, s in zip(active, samples):
-                if self._act(tr, s, turn):
-                    going.append(tr)
-            going = self._observe(going, turn, eos=set(params.stop_token_ids))
-            if not going:
-                break
-            active = going
-            between = getattr(self.engine, "between_steps", None)
-            if callable(between):  # a pool engine's progress beat (and, in partial mode, newer weights)
-                between()
-            p = dataclasses.replace(turn_params, n=1, seed=turn_seed(params.seed, turn + 1))
-            samples = self.engine.generate([tr.prompt_ids + tr.response for tr in active], p,
-                                           group_ids=[tr.group_id * n + tr.sample_index for tr in active]).samples
+            ok, res = started[i]
+            tr.state = res if ok else None
+            alive = self._act(tr, s, 0)
+            if not ok and tr.status != FinishStatus.FAILED:
+                if not alive:  # ended on its own (cut): the environment's failure still counts
+                    tr.turn_rewards.pop()
+                self._failed(tr, res)  # no episode to step: it ends here
+            elif alive:
+                calls.submit(i, "step", self.env.step, (tr.state, tr.last_text), check_step)
+        held: list[int] = []  # lockstep: the trajectories that go on, until every step of the turn returned
+        while calls:
+            ready = [i for i, ok, res in calls.poll()
+                     if self._observe(trajectories[i], ok, res, turn_of[i], eos=eos)]
+            if self.lockstep:
+                held += ready
+                if calls:
+                    continue
+                ready, held = sorted(held), []
+            by_turn: dict[int, list[int]] = {}
+            for i in ready:
+                by_turn.setdefault(turn_of[i] + 1, []).append(i)
+            for turn, keys in sorted(by_turn.items()):  # what is ready, one engine call per turn (its seed)
+                batch = [trajectories[i] for i in keys]
+                between = getattr(self.engine, "between_steps", None)
+                if callable(between):  # a pool engine's progress beat (and, in partial mode, newer weights)
+                    between()
+                p = dataclasses.replace(turn_params, n=1, seed=turn_seed(params.seed, turn))
+                samples = self.engine.generate([tr.prompt_ids + tr.response for tr in batch], p,
+                                               group_ids=[tr.group_id * n + tr.sample_index for tr in batch]).samples
+                for i, tr, s in zip(keys, batch, samples):
+                    turn_of[i] = turn
+                    if self._act(tr, s, turn):
+                        calls.submit(i, "step", self.env.step, (tr.state, tr.last_text), check_step)
         now = time.perf_counter() - t0
         return RolloutBatch(samples=[self._sample(tr, params.logprobs_mode, now) for tr in trajectories],
                             wall_s=now)
@@ -244,71 +405,38 @@ class EpisodeEngine:
         tr.status = status  # until the environment has its say
         return True
 
-    def _observe(self, active: list[_Trajectory], turn: int, *, eos: set[int]) -> list[_Trajectory]:
-        """The environment's step on each trajectory's turn ``turn``; returns those that go on (with their
-        observation appended)."""
-        results = self._steps(active)
-        going = []
-        for tr, (ok, res) in zip(active, results):
-            if not ok:  # the environment failed: the episode ends here (scored by the abort rule)
-                tr.env_errors += 1
-                self.errors[res] += 1
-                tr.turn_rewards.append(0.0)
-                continue
-            tr.turn_rewards.append(float(res.reward))
-            tr.tool_calls += int(res.tool_calls)
-            tr.tool_errors += int(bool(res.tool_error))
-            ended_on_eos = bool(tr.response) and tr.action[-1] and tr.response[-1] in eos
-            if res.done or ended_on_eos:
-                continue
-            if turn + 1 >= self.max_turns:
-                tr.status = FinishStatus.TRUNCATED  # the environment wanted another turn
-                continue
-            obs = res.observation
-            ids = list(obs) if not isinstance(obs, str) else self.tokenizer.encode(obs)
-            room = self.max_total_tokens - len(tr.response)
-            if len(ids) >= room:  # no room left for the model's next turn
-                tr.add(ids[:room], torch.zeros(len(ids[:room])), action=False, turn=turn)
-                tr.status = FinishStatus.TRUNCATED
-                continue
-            tr.add(ids, torch.zeros(len(ids)), action=False, turn=turn)
-            going.append(tr)
-        return going
+    def _observe(self, tr: _Trajectory, ok: bool, res: Any, turn: int, *, eos: set[int]) -> bool:
+        """The environment's step on ``tr``'s turn ``turn`` (``ok``: it returned ``res``, a checked
+        :class:`StepResult`; else ``res`` says why it failed); True when the trajectory goes on, its
+        observation appended."""
+        if not ok:  # the environment failed: the episode ends here (scored by the abort rule)
+            self._failed(tr, res)
+            return False
+        tr.turn_rewards.append(float(res.reward))
+        tr.tool_calls += int(res.tool_calls)
+        tr.tool_errors += int(bool(res.tool_error))
+        ended_on_eos = bool(tr.response) and tr.action[-1] and tr.response[-1] in eos
+        if res.done or ended_on_eos:
+            return False
+        if turn + 1 >= self.max_turns:
+            tr.status = FinishStatus.TRUNCATED  # the environment wanted another turn
+            return False
+        obs = res.observation
+        ids = list(obs) if not isinstance(obs, str) else self.tokenizer.encode(obs)
+        room = self.max_total_tokens - len(tr.response)
+        if len(ids) >= room:  # no room left for the model's next turn: cut here, flagged TRUNCATED
+            tr.add(ids[:room], torch.zeros(len(ids[:room])), action=False, turn=turn)
+            tr.status = FinishStatus.TRUNCATED
+            return False
+        tr.add(ids, torch.zeros(len(ids)), action=False, turn=turn)
+        return True
 
-    def _steps(self, active: list[_Trajectory]) -> list[tuple[bool, Any]]:
-        """``env.step`` of every trajectory's last turn, in threads; ``(True, StepResult)`` or ``(False, why)``.
-        Each step has ``env.step_timeout_s`` from when it starts (a queued step waits for a thread, not against
-        its deadline). A step past it is abandoned (a thread cannot be stopped): the pool is replaced, and the
-        steps that had not started yet go to the new one, so hung steps never starve the others."""
-        n = len(active)
-        starts: list[Optional[float]] = [None] * n
-
-        def run(i: int):
-            starts[i] = time.monotonic()
-            return self.env.step(active[i].state, active[i].last_text)
-
-        futures = {i: self._executor.submit(run, i) for i in range(n)}
-        out: list[Any] = [None] * n
-        while futures:
-            concurrent.futures.wait(list(futures.values()), timeout=0.05,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-            now, overran = time.monotonic(), False
-            for i, f in list(futures.items()):
-                if f.done():
-                    exc = f.exception()
-                    out[i] = (True, f.result()) if exc is None else (
-                        False, f"environment step raised {type(exc).__name__}: {' '.join(str(exc).split())}")
-                    del futures[i]
-                elif starts[i] is not None and now - starts[i] > self.step_timeout_s:
-                    out[i] = (False, f"environment step timed out after {self.step_timeout_s:g} s (env.step_timeout_s)")
-                    del futures[i]
-                    overran = True
-            if overran:  # the overrunning threads keep theirs; the steps not started yet move to fresh ones
-                waiting = [i for i, f in futures.items() if f.cancel()]
-                self._executor.shutdown()
-                self._executor = StepThreads(self.threads)
-                futures.update({i: self._executor.submit(run, i) for i in waiting})
-        return out
+    def _failed(self, tr: _Trajectory, why: str) -> None:
+        """The environment failed on ``tr`` (``why``: one line): the trajectory ends where it stands."""
+        tr.env_errors += 1
+        tr.error = why
+        self.errors[why] += 1
+        tr.turn_rewards.append(0.0)
 
     def _sample(self, tr: _Trajectory, mode: str, now: float) -> RolloutSample:
         routed = None
@@ -324,7 +452,7 @@ class EpisodeEngine:
             status=tr.status if tr.status is not None else FinishStatus.STOPPED, group_id=tr.group_id,
             sample_index=tr.sample_index, logprobs_mode=mode,
             timings=SampleTimings(first_token_s=tr.first_token_s, finish_s=now),
-            error=tr.error if tr.status == FinishStatus.FAILED else "", routed_experts=routed,
+            error=tr.error if tr.status == FinishStatus.FAILED or tr.env_errors else "", routed_experts=routed,
             action_mask=torch.tensor(tr.action, dtype=torch.bool),
             turn_ids=torch.tensor(tr.turns, dtype=torch.int16),
             episode=Episode(turn_rewards=tuple(tr.turn_rewards), tool_calls=tr.tool_calls,
@@ -340,7 +468,8 @@ def build_episode_engine(engine, env_section, tokenizer):
 
     env = build_environment(env_section.name, env_section.options)
     return EpisodeEngine(engine, env, tokenizer, max_turns=env_section.max_turns,
-                         max_total_tokens=env_section.max_total_tokens, step_timeout_s=env_section.step_timeout_s)
+                         max_total_tokens=env_section.max_total_tokens, step_timeout_s=env_section.step_timeout_s,
+                         threads=env_section.step_threads, lockstep=env_section.lockstep)
 
 
 def generate(engine, prompts: list[list[int]], params, *, group_ids, records) -> RolloutBatch:

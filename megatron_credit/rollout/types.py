@@ -100,7 +100,8 @@ class Episode:
     tool_errors: int = 0
     """Tool calls answered with the environment's error observation (malformed, failed, timed out, killed)."""
     env_errors: int = 0
-    """Environment steps that raised or overran ``env.step_timeout_s`` (the episode ended there)."""
+    """Environment failures: a ``start`` or ``step`` that raised, overran ``env.step_timeout_s`` or returned
+    something the loop cannot use (the episode ended there; the sample's ``error`` says why)."""
 
     @property
     def turns(self) -> int:
@@ -132,7 +133,8 @@ class RolloutSample:
     """"raw" or "processed": which distribution ``logprobs`` were taken from (see SamplingParams)."""
     timings: SampleTimings = field(default_factory=SampleTimings)
     error: str = ""
-    """Why the sample FAILED; empty otherwise."""
+    """Why the sample FAILED, or why its environment failed (a trajectory ended by the abort rule,
+    ``Episode.aborted``: the ``env/error_reasons`` metric counts these); empty otherwise."""
     routed_experts: torch.Tensor | None = None
     """A mixture-of-experts engine's routing: ``[num_tokens, layers, top_k]`` int16, the experts each token
     (prompt, then response) was sent to in each MoE layer, -1 for a token the engine never ran through the

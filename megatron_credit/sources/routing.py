@@ -7,6 +7,7 @@ the replica's other TP / PP / CP ranks.
 """
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
@@ -66,9 +67,10 @@ class SampleRouter:
 
     def _episode_metrics(self, samples: list, padded) -> dict[str, float]:
         """Multi-turn: ``rollout/turns_mean`` and ``rollout/tool_calls_mean`` (per trajectory),
-        ``rollout/env_token_frac`` (the environment's share of the response tokens), ``env/errors`` (steps that
-        raised or overran: trajectories ended by the abort rule) and ``env/tool_errors`` (calls answered with
-        the error observation), over the data-parallel group."""
+        ``rollout/env_token_frac`` (the environment's share of the response tokens), ``env/errors`` (environment
+        failures: trajectories ended by the abort rule), ``env/failed_frac`` (their share of the trajectories),
+        ``env/error_reasons`` (``{reason: trajectories}``, only when some failed) and ``env/tool_errors`` (calls
+        answered with the error observation), over the data-parallel group."""
         eps = [s.episode for s in samples if s.episode is not None]
         sums = torch.tensor([len(samples), sum(e.turns for e in eps), sum(e.tool_calls for e in eps),
                              float(padded.obs_mask.sum()), float((padded.response_mask | padded.obs_mask).sum()),
@@ -77,9 +79,17 @@ class SampleRouter:
         if self.dp_size > 1:
             dist.all_reduce(sums, group=self.dp_group)
         n, turns, calls, env_tokens, tokens, errors, tool_errors = sums.tolist()
-        return {"rollout/turns_mean": turns / max(n, 1), "rollout/tool_calls_mean": calls / max(n, 1),
-                "rollout/env_token_frac": env_tokens / max(tokens, 1), "env/errors": errors,
-                "env/tool_errors": tool_errors}
+        out = {"rollout/turns_mean": turns / max(n, 1), "rollout/tool_calls_mean": calls / max(n, 1),
+               "rollout/env_token_frac": env_tokens / max(tokens, 1), "env/errors": errors,
+               "env/failed_frac": errors / max(n, 1), "env/tool_errors": tool_errors}
+        if errors:  # the reasons, which every rank of the group then holds (an object collective: only then)
+            reasons = collections.Counter(s.error for s in samples if s.episode is not None and s.episode.aborted)
+            if self.dp_size > 1:
+                held: list[Any] = [None] * self.dp_size
+                dist.all_gather_object(held, dict(reasons), group=self.dp_group)
+                reasons = sum((collections.Counter(h) for h in held), collections.Counter())
+            out["env/error_reasons"] = dict(sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])))
+        return out
 
     def _val_metrics(self, sums: dict[str, float] | None, k: int) -> dict[str, float]:
         """``val/*`` from the ``evaluation.metric_sums`` of the ranks that sampled (None on the others),

@@ -1,4 +1,5 @@
-"""A diverged run stops before it saves: skipped optimizer steps in a row, or a collapsed policy.
+"""A diverged run stops before it saves: skipped optimizer steps in a row, a collapsed policy, or an
+environment that fails on every trajectory (:class:`EnvironmentGuard`).
 
 A step whose loss or gradient norm is not finite is skipped (``trainer/actor.py``): the parameters do not
 move. A run with ``optim.lr=1e30`` skips every step, and before this guard it went on saving the
@@ -68,6 +69,46 @@ class DivergenceGuard:
                     f"{self.collapsed_in_a_row} iterations up to iteration {step}; stopped before saving it "
                     "(lower optim.lr)")
         return None
+
+
+@dataclasses.dataclass
+class EnvironmentGuard:
+    """Watches a multi-turn run's environment (``env/failed_frac``, ``env/error_reasons``): its failures
+    are logged once per reason per iteration, and a run whose environment failed on every trajectory for
+    ``env.max_failed_iterations`` iterations in a row stops with one line naming it (every trajectory is
+    scored by the abort rule: the run learns nothing).
+
+    >>> g = EnvironmentGuard(name="calc", max_failed_iterations=2)
+    >>> m = {"env/failed_frac": 1.0, "env/errors": 8.0, "env/error_reasons": {"environment step raised E: x": 8}}
+    >>> g.lines(3, m)
+    ['iteration 3: env calc failed on 8 trajectories (ended by the abort rule): environment step raised E: x']
+    >>> g.check(3, m) is None, g.check(4, m)[:57]
+    (True, 'env calc failed on every trajectory for 2 iterations in a')
+    """
+
+    name: str
+    """``env.name``."""
+    max_failed_iterations: int
+    """``env.max_failed_iterations`` (0: never stop)."""
+    failed_in_a_row: int = 0
+
+    def lines(self, step: int, metrics: dict) -> list[str]:
+        """One log line per reason the environment failed for in iteration ``step``."""
+        return [f"iteration {step}: env {self.name} failed on {count} trajectories (ended by the abort rule): {why}"
+                for why, count in (metrics.get("env/error_reasons") or {}).items()]
+
+    def check(self, step: int, metrics: dict) -> Optional[str]:
+        """The stop message after iteration ``step``, or None to go on."""
+        frac = metrics.get("env/failed_frac")
+        self.failed_in_a_row = self.failed_in_a_row + 1 if frac is not None and frac >= 1.0 else 0
+        if not self.max_failed_iterations or self.failed_in_a_row < self.max_failed_iterations:
+            return None
+        reasons = metrics.get("env/error_reasons") or {}
+        why = next(iter(reasons), "no reason reached this rank")
+        more = f" (and {len(reasons) - 1} other reasons, in the log)" if len(reasons) > 1 else ""
+        return (f"env {self.name} failed on every trajectory for {self.failed_in_a_row} iterations in a row up to "
+                f"iteration {step}: {why}{more}; stopped before saving it (fix the environment; "
+                f"env.max_failed_iterations={self.max_failed_iterations})")
 
 
 def stop_if_any_rank_diverged(message: Optional[str], *, device: Optional[torch.device] = None) -> None:

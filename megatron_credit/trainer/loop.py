@@ -311,7 +311,7 @@ def _loop(run: Run, recipe, *, start: int, writer, signals: ExitSignals, run_dir
           timings: dict[str, float]) -> list[dict[str, float]]:
     """Iterations ``start + 1 ..`` with their metrics, checkpoints and the stop on an exit signal (every rank
     agrees on the iteration to stop after, which is saved); rank 0's metric rows."""
-    from megatron_credit.trainer.divergence import DivergenceGuard, stop_if_any_rank_diverged
+    from megatron_credit.trainer.divergence import DivergenceGuard, EnvironmentGuard, stop_if_any_rank_diverged
 
     rank0 = dist.get_rank() == 0
     bar = _progress(recipe.logging, recipe.train.steps, start, rank0)
@@ -320,6 +320,7 @@ def _loop(run: Run, recipe, *, start: int, writer, signals: ExitSignals, run_dir
     guard = DivergenceGuard(max_skipped_steps=recipe.train.max_skipped_steps,
                             vocab_size=run.ctx.actor.hf_config.vocab_size,
                             steps_per_iteration=recipe.train.num_minibatches * recipe.train.epochs)
+    env_guard = EnvironmentGuard(name=recipe.env.name, max_failed_iterations=recipe.env.max_failed_iterations)
     every, keep = recipe.checkpoint.every, recipe.checkpoint.keep
     t_rl = time.perf_counter()
     try:
@@ -329,7 +330,11 @@ def _loop(run: Run, recipe, *, start: int, writer, signals: ExitSignals, run_dir
                 writer.write(step, metrics)
                 rows.append({"step": step, **metrics})
                 _show(bar, metrics, log)
-            stop_if_any_rank_diverged(guard.check(step, metrics), device=device)  # before it is saved
+            if rank0:
+                for line in env_guard.lines(step, metrics):
+                    log(line)
+            stops = [m for m in (guard.check(step, metrics), env_guard.check(step, metrics)) if m is not None]
+            stop_if_any_rank_diverged(stops[0] if stops else None, device=device)  # before it is saved
             stop = signals.agreed(device)
             if stop is not None:
                 log(f"{stop.name}: stopping after iteration {step}; saving it")

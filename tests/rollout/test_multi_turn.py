@@ -199,6 +199,103 @@ def test_a_failing_environment_ends_its_trajectory_and_the_run_goes_on(hf, env_c
     assert sum(ep.errors.values()) == len(failed)
 
 
+class BadIds(Echo):
+    def step(self, state, action):
+        return StepResult(observation=[-7, 10**9, 3], tool_calls=1)
+
+
+class ReturnsNone(Echo):
+    def step(self, state, action):
+        return None
+
+
+class NaNReward(Echo):
+    def step(self, state, action):
+        return StepResult(observation="61 62", reward=float("nan"), tool_calls=1)
+
+
+class WrongType(Echo):
+    def step(self, state, action):
+        return {"observation": "61", "done": False}
+
+
+class DoneText(Echo):
+    def step(self, state, action):
+        return StepResult(observation="61", done="no")
+
+
+class StartRaises(Echo):
+    def start(self, record):
+        raise KeyError("ground_truth")
+
+
+HOSTILE = [(BadIds, "environment step's observation token id -7 is outside the vocabulary [0, 96)"),
+           (ReturnsNone, "environment step returned NoneType None, not a StepResult"),
+           (NaNReward, "environment step's reward is float nan, not a finite number"),
+           (WrongType, "environment step returned dict {'observation': '61', 'done': False}, not a StepResult"),
+           (DoneText, "environment step's done is str 'no', not a bool"),
+           (StartRaises, "environment start raised KeyError: 'ground_truth'")]
+
+
+@pytest.mark.parametrize("env_cls,why", HOSTILE, ids=[c.__name__ for c, _ in HOSTILE])
+def test_a_hostile_environments_output_is_an_environment_failure(hf, env_cls, why):
+    """What an environment returns is checked before the loop uses it: a bad output ends its trajectory,
+    scored by the abort rule, with the reason on the sample; the metrics count the reasons, the log gets
+    one line per reason, and the run stops after ``env.max_failed_iterations`` such iterations in a row."""
+    from types import SimpleNamespace
+
+    from megatron_credit.sources.routing import SampleRouter
+    from megatron_credit.trainer.divergence import EnvironmentGuard
+
+    ep = _episodes(hf, env_cls)
+    batch = ep.generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    assert all(s.episode.env_errors == 1 and s.episode.turns == 1 and s.error == why for s in batch.samples)
+    assert all(s.action_mask.all() for s in batch.samples)  # nothing of the bad output entered a trajectory
+    assert dict(ep.errors) == {why: 12}
+    rewards, correct = episode_rewards(batch.samples, torch.ones(12), torch.ones(12, dtype=torch.bool))
+    assert rewards.tolist() == [-1.0] * 12 and not correct.any()
+    router = SimpleNamespace(device=torch.device("cpu"), dp_size=1, dp_group=None)
+    metrics = SampleRouter._episode_metrics(router, batch.samples, batch.to_padded(pad_token_id=0))
+    assert (metrics["env/errors"], metrics["env/failed_frac"], metrics["env/error_reasons"]) == (12, 1.0, {why: 12})
+    guard = EnvironmentGuard(name="hostile", max_failed_iterations=2)
+    assert guard.lines(7, metrics) == [f"iteration 7: env hostile failed on 12 trajectories (ended by the abort rule): "
+                                       f"{why}"]
+    assert guard.check(7, metrics) is None
+    assert guard.check(8, metrics) == (f"env hostile failed on every trajectory for 2 iterations in a row up to "
+                                       f"iteration 8: {why}; stopped before saving it (fix the environment; "
+                                       "env.max_failed_iterations=2)")
+
+
+def test_an_environment_failing_on_some_trajectories_does_not_stop_the_run(hf):
+    from types import SimpleNamespace
+
+    from megatron_credit.sources.routing import SampleRouter
+    from megatron_credit.trainer.divergence import EnvironmentGuard
+
+    batch = _episodes(hf, Raises).generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    router = SimpleNamespace(device=torch.device("cpu"), dp_size=1, dp_group=None)
+    metrics = SampleRouter._episode_metrics(router, batch.samples, batch.to_padded(pad_token_id=0))
+    failed = sum(s.episode.env_errors for s in batch.samples)
+    assert 0 < failed < 12 and metrics["env/failed_frac"] == failed / 12
+    assert metrics["env/error_reasons"] == {"environment step raised RuntimeError: the tool's server is down": failed}
+    guard = EnvironmentGuard(name="raises", max_failed_iterations=1)
+    assert guard.check(1, metrics) is None and guard.check(2, {"env/failed_frac": 0.0}) is None
+    assert guard.check(3, {"env/failed_frac": 1.0}) is not None and guard.failed_in_a_row == 1
+
+
+class Verbose(Echo):
+    def step(self, state, action):
+        return StepResult(observation=" ".join(["61"] * 33_334))  # 100,000 characters
+
+
+def test_a_long_observation_is_cut_to_the_budget_and_flagged(hf):
+    batch = _episodes(hf, Verbose).generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    for s in batch.samples:
+        turn0 = int(s.action_mask.sum())
+        assert len(s.response_ids) == 40 and s.response_ids[turn0:] == [61] * (40 - turn0)
+        assert s.status == FinishStatus.TRUNCATED and s.episode.env_errors == 0 and s.error == ""
+
+
 def test_trajectories_cross_the_wire(hf):
     from megatron_credit.rollout.wire import decode, encode, payload_bytes
 
@@ -321,3 +418,89 @@ def test_the_pools_hook_runs_between_turns(hf):
     assert inner.between_steps is not None  # set on the engine that decodes
     ep.generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
     assert len(inner.calls) >= 2 and seen == list(range(1, len(inner.calls)))  # before every later turn
+
+
+class Steady(Echo):
+    """Three turns on every trajectory, an observation after each; the step of the trajectory of prompt
+    ``p{k}`` sleeps ``slow_s`` at its turn ``k`` (``None``: none sleeps), so each turn has one slow step
+    and each trajectory at most one."""
+
+    slow_s = None
+
+    def start(self, record):
+        return {"turns": 0, "k": int(record.uid[1:])}
+
+    def step(self, state, action):
+        if self.slow_s is not None and state["k"] == state["turns"]:
+            time.sleep(self.slow_s)
+        state["turns"] += 1
+        return StepResult(observation="61 62", reward=0.25, done=state["turns"] >= 3, tool_calls=1)
+
+
+class SlowSteady(Steady):
+    slow_s = 0.3
+
+
+EIGHT = [[3 + k, 17, 42 - k] for k in range(8)]
+EIGHT_RECORDS = [PromptRecord(uid=f"p{k}", data_source="synthetic_arith",
+                              messages=(ChatMessage(role="user", content="x"),), ground_truth="1") for k in range(8)]
+
+
+class Timed:
+    """An engine that keeps the seconds its ``generate`` calls took (a loaded machine's noise is there)."""
+
+    def __init__(self, engine):
+        self.engine, self.seconds = engine, 0.0
+
+    def generate(self, prompts, params, *, group_ids=None):
+        t0 = time.perf_counter()
+        try:
+            return self.engine.generate(prompts, params, group_ids=group_ids)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def test_a_trajectory_goes_on_as_soon_as_its_step_returns(hf):
+    """Eight trajectories of three turns, one slow step (0.3 s) per turn on a different trajectory each
+    turn: in lockstep the draw waits for the slow step of every turn (0.9 s besides generating); a
+    trajectory that goes on as soon as its own step returns makes it about one slow step. The tokens are
+    those of the lockstep draw and of each trajectory played alone: the seeds, not the order the steps end
+    in, pick them (the engine's log-probs agree to float rounding: its batches differ)."""
+    params = _params(n=1, max_new_tokens=4, stop_token_ids=())  # no EOS: every trajectory plays its 3 turns
+    groups = list(range(8))
+    lockstep = _episodes(hf, Steady, max_total_tokens=64, lockstep=True)
+    ref = lockstep.generate(EIGHT, params, group_ids=groups, records=EIGHT_RECORDS).samples
+    engine = Timed(hf)
+    slow = _episodes(engine, SlowSteady, max_total_tokens=64)
+    t0 = time.perf_counter()
+    batch = slow.generate(EIGHT, params, group_ids=groups, records=EIGHT_RECORDS).samples
+    waited = time.perf_counter() - t0 - engine.seconds  # the draw's time besides generating
+    alone = [lockstep.generate(EIGHT[k:k + 1], params, group_ids=[k], records=EIGHT_RECORDS[k:k + 1]).samples[0]
+             for k in range(8)]
+    for other in (ref, alone):
+        assert [s.response_ids for s in batch] == [s.response_ids for s in other]
+        assert [(s.episode, s.status, s.action_mask.tolist()) for s in batch] == \
+            [(s.episode, s.status, s.action_mask.tolist()) for s in other]
+        for s, o in zip(batch, other):
+            torch.testing.assert_close(s.logprobs, o.logprobs, rtol=0, atol=1e-5)
+    assert all(s.episode.turns == 3 for s in batch)
+    assert waited < 0.6, waited  # lockstep waits 0.9 s; here the slow steps overlap the others' turns
+
+
+def test_lockstep_waits_for_every_step_of_the_turn(hf):
+    """``env.lockstep``: the later turns of the draw are generated together, one engine call per turn."""
+
+    class Counting:
+        def __init__(self):
+            self.between_steps, self.calls = None, []
+
+        def generate(self, prompts, params, *, group_ids=None):
+            self.calls.append(sorted(group_ids))
+            return hf.generate(prompts, params, group_ids=group_ids)
+
+    inner = Counting()
+    ep = EpisodeEngine(inner, Steady(Steady.Config()), Tok(), max_turns=4, max_total_tokens=64, step_timeout_s=5.0,
+                       lockstep=True)
+    batch = ep.generate(EIGHT, _params(n=1, max_new_tokens=4), group_ids=list(range(8)), records=EIGHT_RECORDS)
+    going = [[k for k, s in enumerate(batch.samples) if s.episode.turns > t] for t in (1, 2)]
+    assert inner.calls == [list(range(8)), *going]
