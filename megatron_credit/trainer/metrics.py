@@ -95,7 +95,7 @@ def finalize(stats: StatSums, tables: Optional[Sequence[MetricTable]] = None) ->
     (``metric_tables.CORE``), those of ``tables`` (the algorithm's, ``Algorithm.metrics``; None: every
     built-in algorithm's), and the per-rank ``sum:rank_avg/`` statistics averaged over ranks."""
     out: dict[str, float] = {}
-    v = stats.values
+    v = _on_host(stats.values)
     for table in (CORE, *(BUILT_IN if tables is None else tables)):
         for name, (num, den) in table.means.items():
             if num in v and den in v:
@@ -109,6 +109,20 @@ def finalize(stats: StatSums, tables: Optional[Sequence[MetricTable]] = None) ->
         if key.startswith("sum:rank_avg/"):
             out[key[len("sum:rank_avg/"):]] = float(x / v["sum:rank_avg_count"].clamp(min=1))
     return out
+
+
+def _on_host(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``values`` (0-d tensors) on the host, read in one copy per device rather than one device sync per
+    metric (a mixture of experts' expert counts are layers x experts of them)."""
+    host, devices = {}, {}
+    for k, x in values.items():
+        if isinstance(x, torch.Tensor) and x.device.type != "cpu":
+            devices.setdefault(x.device, []).append(k)
+        else:
+            host[k] = x
+    for keys in devices.values():
+        host.update(zip(keys, torch.stack([values[k].reshape(()) for k in keys]).cpu()))
+    return {k: host[k] for k in values}
 
 
 class MetricsWriter:
