@@ -21,7 +21,10 @@ so the losses, the aggregations and the scans see one response per row either wa
 
 Devices. A ``TrainBatch`` stays where the rollout made it (host memory); each ``MicroBatch`` is cut and
 CP-split there, then copied to the actor's device (pinned, non-blocking on CUDA); the denominators are
-made on that device, where the loss and NCCL read them.
+made on that device, where the loss and NCCL read them. A mixture of experts' routing is never padded to
+the batch (``[B, T, layers, top_k]`` would be gigabytes per rank): the batch holds each sample's own tensor
+(:class:`~megatron_credit.batch.ragged.RaggedRouting`), and a micro-batch gathers its rows' routing straight
+into its padded or packed, CP-split layout, the tensor cutting the padded form would give (``batch/ragged.py``).
 """
 from __future__ import annotations
 
@@ -30,15 +33,17 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_credit.batch.cp_layout import load_balanced_positions, split_for_cp
+from megatron_credit.batch.cp_layout import check_sequence_length, load_balanced_positions, split_for_cp
 from megatron_credit.batch.packing import PackedLayout
+from megatron_credit.batch.ragged import RaggedRouting
 
 # Per-token fields, in label space; sliced, padded and CP-split together with the side channels
 # (``TrainBatch.extras``, which may have trailing dimensions: ``[B, T, ...]``). All are [B, T].
 TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "rollout_logp", "old_logp", "ref_logp", "values",
                 "advantages", "returns", "obs_mask", "turn_ids")
 # Per-position model inputs (indexed like ``input_ids``, not shifted), cut with the fields above: a mixture
-# of experts' routed experts ``[B, T, layers, top_k]``, -1 where there is none (and on padding).
+# of experts' routed experts, ragged in the batch (``RaggedRouting``), ``[b, s, layers, top_k]`` in a
+# micro-batch, -1 where there is none (and on padding).
 POSITION_FIELDS = ("routed_experts",)
 FILL = {"input_ids": None, "labels": None, "routed_experts": -1, "turn_ids": -1}
 """The padding value of a field (None: the pad id); 0 for the others."""
@@ -86,9 +91,12 @@ class TrainBatch:
     """``[B, T]`` the log-probs of the update's forward of each row (the policy that updated on it; the last
     epoch's), after the update: what FIPO's weights read, and the credit maps' log-prob change. Not cut into
     micro-batches."""
-    routed_experts: Optional[torch.Tensor] = None
-    """``[B, T, layers, top_k]`` int16 the rollout engine's experts of each token (position space, like
-    ``input_ids``; -1 where the engine reported none): what the actor's routers replay (``moe.routing_replay``)."""
+    routed_experts: Optional[RaggedRouting] = None
+    """The rollout engine's experts of each token, one ``[seq_lens[i], layers, top_k]`` int16 tensor per row
+    (position space, like ``input_ids``; -1 where the engine reported none), not padded
+    (``batch/ragged.py``): what the actor's routers replay (``moe.routing_replay``). Each micro-batch gets its
+    rows' as ``[b, s, layers, top_k]`` (-1 on padding). A padded ``[B, T, layers, top_k]`` tensor here would
+    be cut like the token fields: the same micro-batches, at the padded batch's memory."""
     obs_mask: Optional[torch.Tensor] = None
     """``[B, T]`` bool: ``labels[:, t]`` is an environment token inside a multi-turn trajectory (an
     observation between turns): context the policy reads, out of the loss, the entropy, the KL, the mismatch
@@ -282,12 +290,20 @@ def make_microbatch(batch: TrainBatch, rows: Sequence[int], *, seq_len: int, num
                     device: torch.device, cp_size: int = 1, cp_rank: int = 0) -> MicroBatch:
     """Rows ``rows`` of ``batch`` cut or right-padded to ``seq_len`` tokens and ``num_rows`` rows (all
     padding is masked), then split for context parallelism (megatron's load-balanced layout) and copied
-    to ``device`` (the actor's)."""
+    to ``device`` (the actor's). Ragged routing is gathered at this rank's positions directly."""
     idx = torch.tensor(list(rows), dtype=torch.long)
-    out = {}
+    if cp_size > 1:
+        check_sequence_length(seq_len, multiple=2 * cp_size)
+        pos = load_balanced_positions(seq_len // cp_size, cp_rank=cp_rank, cp_size=cp_size)
+    else:
+        pos = torch.arange(seq_len)
+    out, ready = {}, {}
     for name in TOKEN_FIELDS + POSITION_FIELDS + tuple(batch.extras):
         t = batch.extras[name] if name in batch.extras else getattr(batch, name)
         if t is None:
+            continue
+        if isinstance(t, RaggedRouting):  # this rank's share, cut and padded: no [B, T] copy
+            out[name] = ready[name] = t.block(rows, positions=pos, num_rows=num_rows)
             continue
         t = t[idx]
         fill = _fill(name, pad_id)
@@ -298,12 +314,8 @@ def make_microbatch(batch: TrainBatch, rows: Sequence[int], *, seq_len: int, num
             t = torch.cat([t, t.new_full((num_rows - t.shape[0], *t.shape[1:]), fill)], dim=0)
         out[name] = t
     whole = out["loss_mask"]
-    local = seq_len // cp_size
     if cp_size > 1:
-        out = {k: split_for_cp(v, cp_size=cp_size, cp_rank=cp_rank) for k, v in out.items()}
-        pos = load_balanced_positions(local, cp_rank=cp_rank, cp_size=cp_size)
-    else:
-        pos = torch.arange(seq_len)
+        out = {k: v if k in ready else split_for_cp(v, cp_size=cp_size, cp_rank=cp_rank) for k, v in out.items()}
     return MicroBatch(rows=tuple(int(r) for r in rows), num_rows=num_rows, seq_len=seq_len,
                       position_ids=to_device(pos.expand(num_rows, -1).contiguous(), device),
                       tensors={k: to_device(v, device) for k, v in out.items()},
@@ -320,7 +332,9 @@ def make_packed_microbatch(batch: TrainBatch, rows: Sequence[int], *, multiple: 
     out = {}
     for name in TOKEN_FIELDS + POSITION_FIELDS + tuple(batch.extras):
         t = batch.extras[name] if name in batch.extras else getattr(batch, name)
-        if t is not None:
+        if isinstance(t, RaggedRouting):  # this rank's tokens of each row, gathered: no [n, T] copy
+            out[name] = t.stream(rows, seq_ids=layout.seq_ids, positions=layout.positions)
+        elif t is not None:
             out[name] = layout.pack(t[idx], _fill(name, pad_id))
     return MicroBatch(rows=tuple(int(r) for r in rows), num_rows=1, seq_len=layout.total_tokens,
                       position_ids=to_device(layout.positions[None], device),

@@ -3,7 +3,7 @@
 A rollout is a list of :class:`RolloutSample` -- one response to one prompt, with the engine's
 per-token log-probs, how it ended and which group (prompt) it belongs to -- wrapped in a
 :class:`RolloutBatch`. The trainer turns a batch into right-padded ``[B, T]`` tensors with
-:meth:`RolloutBatch.to_padded`.
+:meth:`RolloutBatch.to_padded` (a mixture of experts' routing stays ragged: ``batch/ragged.py``).
 
 >>> s = RolloutSample(prompt_ids=[5, 6], response_ids=[7, 2], logprobs=torch.tensor([-0.5, -1.0]),
 ...                   status=FinishStatus.STOPPED, group_id=3, sample_index=0, logprobs_mode="raw")
@@ -17,6 +17,8 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+
+from megatron_credit.batch.ragged import RaggedRouting
 
 LOGPROBS_MODES = ("raw", "processed")
 
@@ -197,9 +199,10 @@ class PaddedRollout:
     """[B] int64: prompt group of each row."""
     status: torch.Tensor
     """[B] int64: FinishStatus value of each row."""
-    routed_experts: torch.Tensor | None = None
-    """[B, T, layers, top_k] int16: each token's routed experts (:attr:`RolloutSample.routed_experts`), -1 on
-    padding and where the engine reported none; None when no sample carries them."""
+    routed_experts: RaggedRouting | None = None
+    """Each row's routed experts, not padded: the samples' own ``[num_tokens, layers, top_k]`` int16 tensors
+    (:attr:`RolloutSample.routed_experts`; a row without any holds None), which each micro-batch gathers
+    into its padded or packed layout (``batch/ragged.py``); None when no sample carries them."""
     obs_mask: torch.Tensor | None = None
     """[B, T] bool: True on the environment's tokens inside a multi-turn trajectory (observations; never in
     ``response_mask``); None when no sample is multi-turn."""
@@ -230,7 +233,8 @@ class RolloutBatch:
         return self.num_response_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
     def to_padded(self, *, pad_token_id: int, max_len: int | None = None) -> PaddedRollout:
-        """Right-pad into [B, T] tensors (T = longest prompt+response, or ``max_len`` if larger)."""
+        """Right-pad into [B, T] tensors (T = longest prompt+response, or ``max_len`` if larger); the routing
+        stays one tensor per sample (:attr:`PaddedRollout.routed_experts`)."""
         if not self.samples:
             raise ValueError("cannot pad an empty rollout batch")
         lens = [s.num_tokens for s in self.samples]
@@ -242,13 +246,7 @@ class RolloutBatch:
         attention_mask = torch.zeros((b, t), dtype=torch.bool)
         response_mask = torch.zeros((b, t), dtype=torch.bool)
         logprobs = torch.zeros((b, t), dtype=torch.float32)
-        routes = [s.routed_experts for s in self.samples if s.routed_experts is not None]
-        routed = None
-        if routes:
-            shapes = sorted({tuple(r.shape[1:]) for r in routes})
-            if len(shapes) > 1:
-                raise ValueError(f"samples report routing of different [layers, top_k] shapes: {shapes}")
-            routed = torch.full((b, t, *routes[0].shape[1:]), -1, dtype=torch.int16)
+        routed = RaggedRouting.of([s.routed_experts for s in self.samples])  # ragged: never padded here
         multi = any(s.action_mask is not None for s in self.samples)
         obs_mask = torch.zeros((b, t), dtype=torch.bool) if multi else None
         turn_ids = torch.full((b, t), -1, dtype=torch.long) if multi else None
@@ -267,8 +265,6 @@ class RolloutBatch:
                 if s.episode is not None and s.episode.turns:
                     turn_rewards[i, : s.episode.turns] = torch.tensor(s.episode.turn_rewards, dtype=torch.float32)
             logprobs[i, p : p + r] = s.logprobs.float()
-            if s.routed_experts is not None:
-                routed[i, : p + r] = s.routed_experts.to(torch.int16)
         return PaddedRollout(
             input_ids=input_ids,
             attention_mask=attention_mask,

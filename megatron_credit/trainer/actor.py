@@ -176,7 +176,8 @@ class Actor(OptimizerStep, ActorWeights):
             self.router_monitor = RouterMonitor(self.model, num_layers=self.config.num_layers,
                                                 num_experts=self.config.num_moe_experts,
                                                 pp_group=self.pp_group if self.pp_size > 1 else None,
-                                                tp_group=self.tp_group if self.config.sequence_parallel else None)
+                                                tp_group=self.tp_group if self.config.sequence_parallel else None,
+                                                device=self.device)
         self.routing_replay = None  # the rollout engine's routing in the policy's routers (``trainer/moe.py``)
         if self.config.num_moe_experts and not self.is_critic:
             from megatron_credit.trainer.moe import RoutingReplay

@@ -2,7 +2,8 @@
 megatron's auxiliary losses in the actor's backward.
 
 * :class:`RouterMonitor` hooks every ``TopKRouter`` of this rank's pipeline stage. In a training forward it
-  counts the tokens each expert was routed to (per layer) and, after the update, reads the load-balancing
+  counts the tokens each expert was routed to (per layer; a tensor on the routers' device, added to in
+  place, never copied to the host per router or micro-batch) and, after the update, reads the load-balancing
   loss megatron logged (``moe_utils``' layer-wise tracker: each micro-batch's loss over its coefficient).
   :meth:`RouterMonitor.statistics` returns them as ``sum:`` statistics that the trainer reduces over DP x CP
   like the loss's (layers of other pipeline stages summed in first), and :data:`MOE` turns them into
@@ -67,18 +68,21 @@ def routers(model) -> list:
 class RouterMonitor:
     """Routed-token counts and the load-balancing loss of this stage's routers (see the module docstring)."""
 
-    def __init__(self, model, *, num_layers: int, num_experts: int, pp_group, tp_group=None) -> None:
+    def __init__(self, model, *, num_layers: int, num_experts: int, pp_group, tp_group=None,
+                 device: torch.device = torch.device("cpu")) -> None:
         """``tp_group``: under sequence parallelism, the TP group (each TP rank routes its own slice of the
-        sequence, so the counts are summed over it); None otherwise (every TP rank routes every token)."""
+        sequence, so the counts are summed over it); None otherwise (every TP rank routes every token).
+        ``device``: the routers' (the actor's), where the counts accumulate: no host copy per router and
+        micro-batch, one read when :meth:`statistics` is taken."""
         self.num_layers, self.num_experts, self.pp_group, self.tp_group = num_layers, num_experts, pp_group, tp_group
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
         for router in routers(model):
             router.register_forward_hook(self._count)
 
     def _count(self, router, _inputs, outputs) -> None:
         if router.training and torch.is_grad_enabled():  # the update's forwards, not the behaviour pass
-            routing_map = outputs[1]
-            self.counts[router.layer_number - 1] += routing_map.sum(dim=0).detach().to("cpu", torch.float64)
+            routing_map = outputs[1]  # [tokens, experts] bool: integer counts, exact in float64
+            self.counts[router.layer_number - 1].add_(routing_map.detach().sum(dim=0).to(self.counts.device))
 
     def statistics(self, device: torch.device, *, reduce: bool = True) -> dict[str, torch.Tensor]:
         """The iteration's ``sum:`` statistics (every stage's layers, summed over PP), and a reset; with
@@ -92,7 +96,7 @@ class RouterMonitor:
                 lb["values"].zero_()
             return {}
         values = lb["values"].detach().to(device, torch.float64) if lb is not None else None
-        counts = self.counts.to(device)
+        counts = self.counts.to(device, copy=True)  # the reductions below must not touch the accumulator
         if self.tp_group is not None and dist.get_world_size(self.tp_group) > 1:
             dist.all_reduce(counts, group=self.tp_group)  # megatron's loss is reduced over TP already
         packed = torch.cat([counts.flatten(),

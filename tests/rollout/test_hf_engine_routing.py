@@ -2,7 +2,8 @@
 ``routed_experts`` are the experts its tokens go to when the whole sequence is run through the model
 teacher-forced, whatever the batch (left padding, n samples per prompt sharing a pre-fill, finished rows
 dropped from the batch as decoding goes on); the last token, which no forward ran, is -1. A dense model's
-samples carry none. And the rollout's padded form keeps them, -1 on padding."""
+samples carry none. And the rollout's padded form keeps them ragged (each sample's own tensor), -1 on
+padding once cut."""
 from __future__ import annotations
 
 import pytest
@@ -61,10 +62,12 @@ def _sample(prompt, response, routed):
                          routed_experts=routed)
 
 
-def test_the_padded_rollout_keeps_the_routing_with_minus_one_on_padding_and_where_none_was_reported():
+def test_the_padded_rollout_keeps_the_routing_ragged_with_minus_one_on_padding_and_where_none_was_reported():
     a = torch.arange(5 * 2 * 2, dtype=torch.int16).view(5, 2, 2)
     padded = RolloutBatch(samples=[_sample([1, 2], [3, 4, 5], a), _sample([1], [2], None)]).to_padded(pad_token_id=0)
-    r = padded.routed_experts
+    ragged = padded.routed_experts
+    assert ragged.rows[0] is a and ragged.rows[1] is None  # the sample's own tensor, not a padded copy
+    r = ragged.padded(padded.input_ids.shape[1])  # what a micro-batch's cut of the rows gives
     assert r.shape == (2, 5, 2, 2)
     assert torch.equal(r[0], a) and (r[1] == -1).all()
     assert RolloutBatch(samples=[_sample([1], [2], None)]).to_padded(pad_token_id=0).routed_experts is None
