@@ -7,7 +7,9 @@ micro-batch loops of the update and of the log-prob pass the project's own code 
 reads a fixed handful, whatever the number of micro-batches (the rows copied back once per pass, one
 finiteness check per loss and per optimizer step, the metrics once per reduction). Before these counts were
 pinned, CompPO's log-prob pass made 41 reads per micro-batch and every algorithm's forward 4.7 (the CPU
-attention's boolean index, the capture's query selection, the concentration kernel's chunk bounds).
+attention's boolean index, the capture's query selection, the concentration kernel's chunk bounds), and a
+mixture of experts' update 2.3 more (its router monitor copied each router's counts to the host, its aux-loss
+scale was read before each schedule). ``grpo:moe`` is GRPO on a tiny mixture of experts.
 megatron-core's own reads (its THD RoPE reads ``cu_seqlens``) are counted apart and not pinned here.
 """
 from __future__ import annotations
@@ -21,7 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.dist]  # one process on the emulated
 # The project's reads in the whole fixed-batch iteration (behaviour pass, advantages, two mini-batches, their
 # metrics): rows copied back (one per target tensor per pass), the loss's finiteness (one per mini-batch),
 # the norms' (one per optimizer step), the metrics (one per reduction); PPO whitens its advantages (one).
-ITERATION = {"grpo": 9, "dapo": 9, "dr_grpo": 9, "rloo": 9, "gspo": 9, "fipo": 9, "ppo": 11, "comppo": 14}
+ITERATION = {"grpo": 9, "dapo": 9, "dr_grpo": 9, "rloo": 9, "gspo": 9, "fipo": 9, "ppo": 11, "comppo": 14,
+             "grpo:moe": 9}
 
 
 @pytest.fixture(scope="module")
