@@ -6,7 +6,7 @@ looked up by name in :data:`PROMPT_SOURCES` (a recipe's ``data.source``); each d
 keyword-only ``Config`` dataclass of its own options (a recipe's ``data.options``, checked by
 ``typed_build`` when the recipe is loaded). A plug-in registers its class with
 ``@PROMPT_SOURCES.register("name")`` in a file ``--plugin`` loads; adding a task library is one file
-(``dataset`` is one, above).
+(``data/reasoning_gym_tasks.py`` is one).
 
 The records a source hands out name, in ``data_source``, the verifier that scores them
 (``rewards.base.DATA_SOURCES``): a source that brings its own scorer registers it there too.
@@ -14,7 +14,7 @@ The records a source hands out name, in ``data_source``, the verifier that score
 >>> PROMPT_SOURCES.get("nope")
 Traceback (most recent call last):
 ...
-ValueError: unknown data.source 'nope'; valid names: ['dataset', 'synthetic_arith', 'synthetic_chain', 'synthetic_tool']
+ValueError: unknown data.source 'nope'; valid names: ['dataset', 'reasoning_gym', 'synthetic_arith', 'synthetic_chain', 'synthetic_tool']
 
 This module imports nothing heavy: each source imports its task, tokenizer and library when it builds.
 """
@@ -185,7 +185,9 @@ def hf_tokenizer_of(d: Any, model_path: str | None):
 
 def source_of(data: Any) -> PromptSource:
     """The registered source of a ``data`` section, its options checked (one ``ValueError`` naming the
-    field; an unknown name lists the registered ones). The built-in sources are registered by importing
-    this module."""
+    field; an unknown name lists the registered ones). The built-in sources, reasoning-gym's included,
+    are registered by importing this module."""
     return PROMPT_SOURCES.get(data.source).from_section(data)
 
+
+from megatron_credit.data import reasoning_gym_tasks as _reasoning_gym  # noqa: E402,F401  (registers "reasoning_gym")
