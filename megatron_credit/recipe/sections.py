@@ -365,7 +365,8 @@ class EnvConfig:
     (``megatron_credit.env``, ``rollout/multi_turn.py``; docs/multi_turn.md)."""
 
     name: str = "none"
-    """``none`` (single-turn: one response per prompt), ``calculator``, or one that a ``--plugin`` file
+    """``none`` (single-turn: one response per prompt), ``calculator``, ``feedback`` (a wrong answer gets
+    the verifier's verdict and another try; any ``data.source``), or one that a ``--plugin`` file
     registers with ``@ENVIRONMENTS.register``."""
     max_turns: PositiveInt = 4
     """Model turns per trajectory at most (each at most ``rollout.max_response_len`` tokens)."""
