@@ -22,7 +22,7 @@ def test_the_recipe_loads():
     assert (r.data.source, r.data.options["task"], r.env.name, r.env.max_turns) == (
         "reasoning_gym", "basic_arithmetic", "feedback", 3)
     env = r.env.config()
-    assert env.end_texts == ("<|im_end|>",) and "{answer}" in env.incorrect_text
+    assert env.end_texts == ("<|im_end|>",) and r.data.options["answer_tag"] is None
     assert os.access(os.path.join(ROOT, "examples", "reasoning_gym_feedback_cpu.sh"), os.X_OK)
 
 
@@ -39,8 +39,7 @@ def test_its_prompts_fit_and_its_env_reads_smollm2_attempts(smollm2_dir):
     env = build_environment(r.env.name, r.env.options)
     answer = json.loads(recs[0].ground_truth)["answer"]
     state = env.start(recs[0])
-    assert env.step(state, f"<answer>{answer}</answer><|im_end|>").done
-    wrong = env.step(state, f"<answer>{int(answer) + 1}</answer><|im_end|>")
-    assert wrong.observation.startswith(f"\n<|im_start|>user\nWrong: {int(answer) + 1}. Try again.<|im_end|>")
-    obs = env.step(state, "I think so<|im_end|>").observation
+    assert env.step(state, f" {answer}<|im_end|>").done  # the attempt without its EOS is the answer
+    obs = env.step(state, f"{int(answer) + 1}<|im_end|>").observation
+    assert obs.startswith("\n<|im_start|>user\nWrong. Reply with the number only.<|im_end|>")
     assert tok.encode(obs, add_special_tokens=False)[1] == tok.convert_tokens_to_ids("<|im_start|>")
