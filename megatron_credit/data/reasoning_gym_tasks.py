@@ -10,10 +10,10 @@ its options::
       options: {task: basic_arithmetic, task_options: {min_terms: 2, max_terms: 2, max_digits: 1}}
 
 Training prompt ``k`` is problem ``k mod size`` of the task seeded with the run's seed; validation uses
-seed + 1. Each prompt is the task's question as a user message, after reasoning-gym's system prompt
-``system_prompt`` (a key of ``reasoning_gym.utils.SYSTEM_PROMPTS``; null: none). The tokenizer is a
-Hugging Face one (``data.tokenizer_path``, else the model's). A prompt longer than ``data.max_prompt_len``
-tokens is refused with one line (the planner sizes memory for that length).
+seed + 1. Each prompt is the task's question as a user message, after the system message
+``system_prompt`` (a key of ``reasoning_gym.utils.SYSTEM_PROMPTS``, or a text of its own; null: none).
+The tokenizer is a Hugging Face one (``data.tokenizer_path``, else the model's). A prompt longer than
+``data.max_prompt_len`` tokens is refused with one line (the planner sizes memory for that length).
 
 >>> ReasoningGymSource.Config(task="basic_arithmetic", size=0)
 Traceback (most recent call last):
@@ -51,7 +51,8 @@ class ReasoningGymSource(PromptSource):
         size: int = 100_000
         """Distinct problems: the stream repeats after this many."""
         system_prompt: Optional[str] = "default"
-        """Key of ``reasoning_gym.utils.SYSTEM_PROMPTS`` sent before each question; null: none."""
+        """The system message before each question: a key of ``reasoning_gym.utils.SYSTEM_PROMPTS`` (one
+        word: its text), or the text itself (several words); null: none."""
         answer_tag: Optional[str] = "answer"
         """The answer is the response's last ``<tag>...</tag>``; null: the whole response (stripped)."""
 
@@ -80,9 +81,10 @@ class ReasoningGymSource(PromptSource):
         if c.task not in rg.factory.DATASETS:
             raise ValueError(f"data.options.task: unknown reasoning-gym task {c.task!r}; valid names: "
                              f"{sorted(rg.factory.DATASETS)}")
-        if c.system_prompt is not None and c.system_prompt not in rg.utils.SYSTEM_PROMPTS:
+        literal = c.system_prompt is not None and len(c.system_prompt.split()) > 1
+        if c.system_prompt is not None and not literal and c.system_prompt not in rg.utils.SYSTEM_PROMPTS:
             raise ValueError(f"data.options.system_prompt: unknown reasoning-gym system prompt {c.system_prompt!r}; "
-                             f"valid names: {sorted(rg.utils.SYSTEM_PROMPTS)} (or null: none)")
+                             f"valid names: {sorted(rg.utils.SYSTEM_PROMPTS)} (or a text of several words, or null: none)")
         config = {**dict(c.task_options), "seed": seed, "size": c.size}
         try:
             dataset = rg.create_dataset(c.task, **config)
@@ -90,7 +92,7 @@ class ReasoningGymSource(PromptSource):
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise ValueError(f"data.options.task_options: reasoning-gym task {c.task!r} refuses "
                              f"{dict(c.task_options)}: {first}") from None
-        system = rg.utils.SYSTEM_PROMPTS[c.system_prompt] if c.system_prompt is not None else None
+        system = c.system_prompt if literal or c.system_prompt is None else rg.utils.SYSTEM_PROMPTS[c.system_prompt]
         return ReasoningGymTask(dataset, task=c.task, config=config, system=system, answer_tag=c.answer_tag)
 
     def build(self, *, seed, model_path, val_every, val_prompts, log):

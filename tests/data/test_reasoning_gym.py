@@ -68,6 +68,11 @@ def test_answer_tags_and_system_prompt(tok_dir):
     untagged = score_reasoning_gym(answer, rec.ground_truth)
     assert (untagged.score, untagged.extracted) == (-1.0, None)
     assert score_reasoning_gym("1", "not json").status == "bad_ground_truth"
+    own = build_data(data(tok_dir, system_prompt="Reply with the number only."), seed=7, model_path=None,
+                     val_every=0, val_prompts=0)[1].take(1)[0]
+    assert own.messages[0].content == "Reply with the number only."
+    with pytest.raises(ValueError, match=r"^data.options.system_prompt: unknown reasoning-gym system prompt 'dircet'"):
+        data(tok_dir, system_prompt="dircet")
 
 
 def test_bad_task_or_option_is_one_line():
