@@ -45,11 +45,15 @@ setup(
         # an NGC PyTorch container, which ships it.
         "gpu": ["transformer-engine[pytorch]>=2.0", "vllm==0.33.0"],
         "vllm": ["vllm==0.33.0"],
+        # data.source: reasoning_gym (data/reasoning_gym_tasks.py), imported only when used; pure Python, no
+        # torch. Pinned: its task names, options and scorers are what recipes and tests name.
+        "reasoning-gym": ["reasoning-gym==0.1.25"],
         # gguf + accelerate: transformers' GGUF loading (megatron_credit/commands/import_gguf.py, the real model of the tests).
         # pytest-xdist: `make test` runs two test processes (Makefile: TEST_WORKERS).
         # peft: a LoRA run's exported adapter is loaded by peft itself (tests/conversion/test_lora_export.py).
+        # reasoning-gym: the reasoning_gym source and verifier (tests/data/test_reasoning_gym.py).
         "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "gguf>=0.10", "accelerate>=0.26",
-                 "peft>=0.17"],
+                 "peft>=0.17", "reasoning-gym==0.1.25"],
         # `make mutation`; mutmut 3's config and result layout (setup.cfg, mutants/*.meta).
         "mutation": ["mutmut>=3.8,<4"],
     },

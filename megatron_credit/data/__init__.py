@@ -9,6 +9,8 @@ the samples become is :mod:`megatron_credit.batch`).
 | ``tool_task.py`` | ``ToolTask``: multiplication whose answer the model may get from the calculator (the multi-turn demo) |
 | ``tokenizer.py`` | the sentencepiece BPE tokenizer of the synthetic task, trained at first use and cached |
 | ``prompts.py``, ``chain.py`` | the prompt stream (resumable cursor), chained sources |
+| ``sources.py`` | ``PROMPT_SOURCES``: the ``data.source`` registry, the built-in sources, ``PromptData`` |
+| ``reasoning_gym_tasks.py`` | ``reasoning_gym``: reasoning-gym's procedural tasks (an optional dependency) |
 
 Importing this package imports nothing (pyarrow and sentencepiece load in the functions that use them).
 """

@@ -4,6 +4,7 @@
 | --- | --- |
 | ``base.py`` | the contract: ``Environment``, ``StepResult``, the ``ENVIRONMENTS`` registry, ``build_environment`` |
 | ``calculator.py`` | ``calculator``: arithmetic tool calls, ``<call>1+2</call>`` answered ``<result>3</result>`` |
+| ``feedback.py`` | ``feedback``: a wrong answer gets the verifier's verdict and another try (any data source) |
 | ``calc_eval.py`` | the calculator's evaluator (``ast``-walked arithmetic with bounds on size) |
 | ``sandbox.py``, ``sandbox_worker.py`` | killable workers that run tool code without network or processes |
 
@@ -11,6 +12,6 @@ The package imports the standard library only (no torch): the sandbox's workers 
 a fraction of a second.
 """
 from megatron_credit.env.base import ENVIRONMENTS, Environment, StepResult, build_environment
-from megatron_credit.env import calculator  # noqa: F401  (registers the built-in environments)
+from megatron_credit.env import calculator, feedback  # noqa: F401  (registers the built-in environments)
 
 __all__ = ["ENVIRONMENTS", "Environment", "StepResult", "build_environment"]

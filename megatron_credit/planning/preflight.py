@@ -25,6 +25,7 @@ import tempfile
 from typing import Optional
 
 from megatron_credit.gpu_kinds import GIB
+from megatron_credit.recipe.sections import SYNTHETIC_SOURCES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,7 +84,7 @@ def check_model(recipe) -> Check:
         weights = SafetensorsReader(path)
     except (OSError, ValueError) as exc:
         return Check(name="model", found="", problem=f"{field}: {' '.join(str(exc).split())}")
-    if recipe.data.source == "dataset" and recipe.data.tokenizer_path is None:
+    if recipe.data.source not in SYNTHETIC_SOURCES and recipe.data.tokenizer_path is None:  # the model's tokenizer
         if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES[:3]):
             return Check(name="model", found="", problem=f"{field}: no tokenizer (tokenizer.json, tokenizer_config.json "
                          "or tokenizer.model) in the folder; copy the checkpoint's or set data.tokenizer_path")

@@ -355,7 +355,7 @@ class Recipe:
         if not r.prompts_per_step % dp and per_rank % t.num_minibatches:
             out.append(f"train.num_minibatches={t.num_minibatches} must divide the "
                        f"{per_rank} samples per data-parallel rank (prompts_per_step / DP x n)")
-        if self.data.source == "dataset":  # synthetic prompts are short
+        if self.data.source not in SYNTHETIC_SOURCES:  # synthetic prompts are short; a file's or a library's need not be
             try:
                 check_sequence_length(arch, self.data.max_prompt_len + r.max_response_len,
                                       what="data.max_prompt_len + rollout.max_response_len")

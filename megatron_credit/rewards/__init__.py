@@ -6,6 +6,7 @@
 | ``dapo.py`` | the DAPO "Answer:" verifier (Minerva normalisation, last 300 characters, ±1) |
 | ``math.py`` | ``compute_score(response, ground_truth, *, method)``; the math-verify method |
 | ``arith.py`` | the verifier of the synthetic arithmetic task |
+| ``reasoning_gym.py`` | reasoning-gym's scorers (an optional dependency, imported at the first score) |
 | ``shaping.py`` | overlong (DAPO), format and length penalties |
 | ``pool.py`` | ``RewardPool.score_batch``: per-item timeouts in processes that can be killed |
 | ``pool_worker.py`` | the pool's worker process (``python -m``; imports only the verifiers) |

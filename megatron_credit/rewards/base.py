@@ -10,7 +10,7 @@ the choice of verifier is made per dataset, once, and never by comparing strings
 >>> method_for_data_source("nope")
 Traceback (most recent call last):
 ...
-ValueError: unknown data source 'nope'; valid names: ['math', 'math_dapo', 'synthetic_arith', 'synthetic_chain']
+ValueError: unknown data source 'nope'; valid names: ['math', 'math_dapo', 'reasoning_gym', 'synthetic_arith', 'synthetic_chain']
 """
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ DATA_SOURCES.add("math_dapo", "dapo")
 DATA_SOURCES.add("math", "math_verify")
 DATA_SOURCES.add("synthetic_arith", "synthetic_arith")
 DATA_SOURCES.add("synthetic_chain", "synthetic_chain")
+DATA_SOURCES.add("reasoning_gym", "reasoning_gym")  # its JSON ground truth names the task (rewards/reasoning_gym.py)
 
 
 def method_for_data_source(data_source: str) -> str:

@@ -17,6 +17,7 @@ Methods (``REWARD_FNS``):
   free symbols the ground truth lacks, the line is parsed as text instead, then the whole response;
   if the line gives nothing, the whole response.
 - ``"synthetic_arith"``, ``"synthetic_chain"``: the synthetic arithmetic tasks (``rewards/arith.py``).
+- ``"reasoning_gym"``: reasoning-gym's own scorer of each task (``rewards/reasoning_gym.py``).
 
 Each math-verify parse and comparison has ``MATH_VERIFY_TIMEOUT_S`` (default 5 s, for in-process calls
 from a main thread), through our own ``SIGALRM`` timer (:func:`_deadline`), which only works in a
@@ -45,6 +46,7 @@ import threading
 
 from megatron_credit.rewards import arith as _arith  # noqa: F401  (registers "synthetic_arith", "synthetic_chain")
 from megatron_credit.rewards import dapo as _dapo  # noqa: F401  (registers "dapo")
+from megatron_credit.rewards import reasoning_gym as _reasoning_gym  # noqa: F401  (registers "reasoning_gym")
 from megatron_credit.rewards.base import (
     REWARD_FNS,
     RewardRecord,

@@ -35,8 +35,8 @@ Each worker runs under an address-space limit (``RewardPoolConfig.memory_limit_b
 4 GiB, ``RLIMIT_AS``): a verifier that tries to build a huge object (sympy on ``2^{2^{40}}``) gets a
 ``MemoryError``, one counted error, instead of growing until the machine swaps.
 
-The built-in methods ("dapo", "math_verify", "synthetic_arith", "synthetic_chain") are registered by
-importing this module, so a pool used on its own knows them.
+The built-in methods ("dapo", "math_verify", "synthetic_arith", "synthetic_chain", "reasoning_gym") are
+registered by importing this module, so a pool used on its own knows them.
 
 If anything escapes ``score_batch`` (Ctrl-C, a failed worker start), every worker that still owed
 answers is killed and replaced before the exception propagates, and answers carry the batch's sequence

@@ -415,7 +415,8 @@ class EpisodeEngine:
         tr.turn_rewards.append(float(res.reward))
         tr.tool_calls += int(res.tool_calls)
         tr.tool_errors += int(bool(res.tool_error))
-        ended_on_eos = bool(tr.response) and tr.action[-1] and tr.response[-1] in eos
+        ended_on_eos = bool(tr.response) and tr.action[-1] and tr.response[-1] in eos and not getattr(
+            self.env, "continues_after_eos", False)  # env/feedback.py: each attempt ends on EOS
         if res.done or ended_on_eos:
             return False
         if turn + 1 >= self.max_turns:

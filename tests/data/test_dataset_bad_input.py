@@ -30,7 +30,7 @@ BAD_ROWS = {
     "whitespace ground truth": (_row(gt=" \t"), "reward_model.ground_truth", r"blank ground truth ' \\t'"),
     "unknown data source": (_row(source="gsm8k"), "data_source",
                             r"unknown data source 'gsm8k'; registered: "
-                            r"\['math', 'math_dapo', 'synthetic_arith', 'synthetic_chain'\]"),
+                            r"\['math', 'math_dapo', 'reasoning_gym', 'synthetic_arith', 'synthetic_chain'\]"),
     "unknown chat role": (_row(role="narrator"), "prompt",
                           r"message 0 has role 'narrator'; valid roles: \['system', 'user', 'assistant'\]"),
 }
@@ -139,10 +139,10 @@ def test_pool_alone_knows_the_builtin_methods():
             "from megatron_credit.rewards.base import REWARD_FNS, method_for_data_source\n"
             "print(REWARD_FNS.names(), _reference('dapo', REWARD_FNS.get(method_for_data_source('math_dapo'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == ("['dapo', 'math_verify', 'synthetic_arith', 'synthetic_chain'] "
+    assert out.strip() == ("['dapo', 'math_verify', 'reasoning_gym', 'synthetic_arith', 'synthetic_chain'] "
                            "('megatron_credit.rewards.dapo', 'score_dapo')")
 
 
 def test_registries_are_what_the_tables_assume():
-    assert DATA_SOURCES.names() == ["math", "math_dapo", "synthetic_arith", "synthetic_chain"]
+    assert DATA_SOURCES.names() == ["math", "math_dapo", "reasoning_gym", "synthetic_arith", "synthetic_chain"]
     assert set(REWARD_FNS.names()) >= {"dapo", "math_verify", "synthetic_arith"}
