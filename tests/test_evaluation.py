@@ -9,7 +9,7 @@ from math import comb
 
 import pytest
 
-from megatron_credit.rewards.evaluation import (ProblemResult, default_pass_ks, majority_answer, means_from_sums,
+from megatron_credit.sources.evaluation import (ProblemResult, default_pass_ks, majority_answer, means_from_sums,
                                         metric_sums, pass_at_k, problem_table, summarize)
 
 

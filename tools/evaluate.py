@@ -1,4 +1,4 @@
-"""Avg@k, Cons@k and Pass@k of a model on a prompt dataset (``megatron_credit.rewards.evaluation``).
+"""Avg@k, Cons@k and Pass@k of a model on a prompt dataset (``megatron_credit.sources.evaluation``).
 
 Runs :func:`megatron_credit.commands.evaluate.main` from a checkout (installed: ``mc-evaluate``); see that module
 for the options.

@@ -1,4 +1,4 @@
-"""Avg@k, Cons@k and Pass@k of a model on a prompt dataset (``megatron_credit.rewards.evaluation``).
+"""Avg@k, Cons@k and Pass@k of a model on a prompt dataset (``megatron_credit.sources.evaluation``).
 
     python tools/evaluate.py --hf-dir hf/qwen25-7b-rl --data aime-2024.parquet --k 32 --out report.json
     python tools/evaluate.py --run-dir runs/fipo_qwen25_math_7b --data aime-2024.parquet --k 32 \\
@@ -100,7 +100,7 @@ def _main(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from megatron_credit.data.dataset import load_prompt_dataset
-    from megatron_credit.rewards.evaluation import problem_table, sample_and_grade, summarize
+    from megatron_credit.sources.evaluation import problem_table, sample_and_grade, summarize
     from megatron_credit.rollout.engine import build_rollout_engine
     from megatron_credit.rollout.types import SamplingParams
 

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Optional
 from megatron_credit.data.dataset import tokenize_prompt
 from megatron_credit.data.prompts import _Cursor
 from megatron_credit.data.records import ChatMessage, PromptRecord
-from megatron_credit.data.sources import PROMPT_SOURCES, PromptData, PromptSource, hf_tokenizer_of
+from megatron_credit.data.source_base import PROMPT_SOURCES, PromptData, PromptSource, hf_tokenizer_of
 
 DATA_SOURCE = "reasoning_gym"
 """The records' ``data_source``: the verifier ``rewards/reasoning_gym.py`` registers."""

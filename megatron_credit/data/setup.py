@@ -4,17 +4,7 @@ prompts and the synthetic task, from the recipe's ``data`` section (``trainer.lo
 """
 from __future__ import annotations
 
-
-def hf_tokenizer(path: str, *, field: str):
-    """``AutoTokenizer.from_pretrained(path)`` (a folder or a hub name); one that transformers cannot load
-    a tokenizer from is a ``ValueError`` naming the recipe field and the path, not a traceback."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"{field}: no tokenizer could be loaded from {path!r} "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from exc
+from megatron_credit.data.source_base import hf_tokenizer  # noqa: F401  (re-exported: trainer/loop.py)
 
 
 def build_data(d, *, seed: int, model_path: str | None, val_every: int, val_prompts: int, log=lambda *_: None):

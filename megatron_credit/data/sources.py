@@ -22,53 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
-from megatron_credit.registry import Registry
-from megatron_credit.typed_build import build_dataclass
-
-
-class PromptData(NamedTuple):
-    """What a source builds (``data.setup.build_data``'s result)."""
-
-    tokenizer: Any
-    """The tokenizer prompts are rendered with and the policy generates in."""
-    prompts: Any
-    """The job's training prompt stream (``data/prompts.py``: ``take(n)``, ``state_dict()``)."""
-    val: Any
-    """The validation prompts (a list of records), or None when ``train.val_every`` is 0 or there are none."""
-    task: Any
-    """The synthetic task the warm-up trains on, or None."""
-
-
-class PromptSource:
-    """A ``data.source`` (module docstring): built once per launch from the recipe's ``data`` section."""
-
-    @dataclass(frozen=True, kw_only=True)
-    class Config:
-        """A source's options (a recipe's ``data.options``); this one has none."""
-
-    def __init__(self, data: Any, config: "PromptSource.Config") -> None:
-        self.data, self.config = data, config
-
-    @classmethod
-    def from_section(cls, data: Any) -> "PromptSource":
-        """This source on the ``data`` section; an unknown option or a wrong type is one ``ValueError``
-        naming ``data.options.<field>``."""
-        return cls(data, build_dataclass(cls.Config, dict(data.options), "data.options"))
-
-    def check(self) -> None:
-        """Refuse, with one ``ValueError`` naming the field, a ``data`` section this source cannot use;
-        run when the recipe is loaded. Must not import heavy libraries (none here)."""
-
-    def build(self, *, seed: int, model_path: str | None, val_every: int, val_prompts: int,
-              log: Callable[[str], None]) -> PromptData:
-        """The run's data (``data.setup.build_data`` documents the arguments)."""
-        raise NotImplementedError
-
-
-PROMPT_SOURCES: Registry[type[PromptSource]] = Registry("data.source")
-"""Prompt source classes by name (a recipe's ``data.source``)."""
+# the base classes and the registry live in source_base.py (a source in a file of its own, such as
+# reasoning_gym_tasks.py, imports them from there); re-exported here for plug-ins
+from megatron_credit.data.source_base import (PROMPT_SOURCES, PromptData, PromptSource,  # noqa: F401
+                                              hf_tokenizer_of)
 
 
 @PROMPT_SOURCES.register("synthetic_arith")
@@ -172,15 +131,6 @@ class DatasetSource(PromptSource):
         if warning:
             log(warning)
         return PromptData(tokenizer, stream, val, None)
-
-
-def hf_tokenizer_of(d: Any, model_path: str | None):
-    """The Hugging Face tokenizer of a ``data`` section: ``data.tokenizer_path``, else the model's
-    (``model.name_or_path``); one that cannot be loaded is one line naming the field."""
-    from megatron_credit.data.setup import hf_tokenizer
-
-    return hf_tokenizer(d.tokenizer_path or model_path,
-                        field="data.tokenizer_path" if d.tokenizer_path else "model.name_or_path")
 
 
 def source_of(data: Any) -> PromptSource:

@@ -8,6 +8,7 @@
 | ``overlap.py`` | ``one_step_off`` and ``async``: the trainer's side of a rollout pool that generates while the trainer trains |
 | ``pool.py`` | that pool: what its ranks (the last ``rollout.ranks`` of the launch) run, engines, staged weights, draws |
 | ``bridge.py`` | the channels between the trainer's ranks and the pool's: the store, weights groups, samples |
+| ``evaluation.py`` | Avg@k, Cons@k, Pass@k: the validation's sampling and grading, shared with ``tools/evaluate.py`` |
 | ``staging.py`` | an engine leader's ring of host chunks (pinned on a GPU): the versions it receives, at most one staged |
 
 A mode is a class registered under its name, serving a run (``next``, ``validate``, ``close``); it

@@ -322,7 +322,7 @@ class PoolEngine:
     def _validate(self, step: int) -> None:
         """Validation of the weights of ``step`` (the trainer sent them just before asking): each engine its
         slice of the prompts, with the seeds ``sync`` uses; the first engine puts the sums."""
-        from megatron_credit.rewards.evaluation import metric_sums, sample_and_grade
+        from megatron_credit.sources.evaluation import metric_sums, sample_and_grade
         from megatron_credit.rollout.placement import draw_seed
 
         if not self._wait_version(step):

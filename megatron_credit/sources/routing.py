@@ -94,7 +94,7 @@ class SampleRouter:
     def _val_metrics(self, sums: dict[str, float] | None, k: int) -> dict[str, float]:
         """``val/*`` from the ``evaluation.metric_sums`` of the ranks that sampled (None on the others),
         summed over every rank."""
-        from megatron_credit.rewards.evaluation import means_from_sums
+        from megatron_credit.sources.evaluation import means_from_sums
 
         names = (f"avg@{k}", f"cons@{k}", f"pass@{k}", "num_problems")
         vec = torch.zeros(len(names), dtype=torch.float64, device=self.device)

@@ -216,9 +216,9 @@ class SyncSource(SampleRouter, modes.Sync):
     def validate(self, iteration: int, *, weights: Weights) -> dict[str, float]:
         """Avg@k (``val/accuracy``), Cons@k and Pass@k on the held-out prompts, sampled at the rollout
         temperature with k = ``train.val_samples``, each engine its slice of the prompts, with the same seeds
-        whatever the engine count (``megatron_credit.rewards.evaluation``, the code of ``tools/evaluate.py``);
+        whatever the engine count (``megatron_credit.sources.evaluation``, the code of ``tools/evaluate.py``);
         the engines generate with ``weights`` (those of ``iteration``)."""
-        from megatron_credit.rewards.evaluation import metric_sums, sample_and_grade
+        from megatron_credit.sources.evaluation import metric_sums, sample_and_grade
 
         if self.val_prompts is None:
             return {}
