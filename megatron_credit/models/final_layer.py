@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_credit.batch.cp_layout import load_balanced_positions, merge_cp_shards
-from megatron_credit.models.concentration import attention_concentration, attention_topk
+from megatron_credit.models.concentration import attention_statistics
 
 __all__ = ["FinalAttentionCapture", "capturing_core_attention", "final_layer_spec", "decoder_block_spec",
            "gather_cp_sequence", "scatter_to_global"]
@@ -137,15 +137,10 @@ class FinalAttentionCapture:
         q = query[mine.to(query.device)].permute(1, 2, 0, 3)  # [b, np, m, d]
         k = key.permute(1, 2, 0, 3)  # [b, ng, S, d]
         kw = dict(scale=scale, chunk_size=self.chunk_size, tp_group=self.tp_group, q_positions=positions[mine])
-        h, n = attention_concentration(q, k, sink_keys=self.sink_keys, **kw)
+        stats = attention_statistics(q, k, self.top_k, sink_keys=self.sink_keys, **kw)  # H, n (, idx, w)
         cols = (positions[mine] - self.query_start).to(query.device)
-        result = {"H": scatter_to_global(h, cols, width, self.cp_group),
-                  "n": scatter_to_global(n, cols, width, self.cp_group)}
-        if self.top_k:
-            idx, w = attention_topk(q, k, self.top_k, **kw)
-            result["topk_idx"] = scatter_to_global(idx, cols, width, self.cp_group)
-            result["topk_w"] = scatter_to_global(w, cols, width, self.cp_group)
-        self.result = result
+        self.result = {name: scatter_to_global(x, cols, width, self.cp_group)
+                       for name, x in zip(("H", "n", "topk_idx", "topk_w"), stats)}
 
 
     def _record_packed(self, query: torch.Tensor, key: torch.Tensor, *, scale: float, params) -> None:
@@ -186,14 +181,10 @@ class FinalAttentionCapture:
                 q = query[(local0 + mine).to(query.device)].permute(1, 0, 2)[None]  # [1, np, m, d]
                 keys = key[start:start + length].permute(1, 0, 2)[None]  # [1, ng, P_k, d]
                 kw = dict(scale=scale, chunk_size=self.chunk_size, tp_group=self.tp_group, q_positions=pos[mine])
-                h, n = attention_concentration(q, keys, sink_keys=self.sink_keys, **kw)
+                stats = attention_statistics(q, keys, self.top_k, sink_keys=self.sink_keys, **kw)  # H, n (, idx, w)
                 cols = pos[mine].to(query.device)
-                put("H", k, cols, h)
-                put("n", k, cols, n)
-                if self.top_k:
-                    idx, w = attention_topk(q, keys, self.top_k, **kw)
-                    put("topk_idx", k, cols, idx)
-                    put("topk_w", k, cols, w)
+                for name, x in zip(("H", "n", "topk_idx", "topk_w"), stats):
+                    put(name, k, cols, x)
             local0 += n_local
         templates = {"H": (torch.float32, ()), "n": (torch.long, ())}
         if self.top_k:

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from megatron_credit.models.concentration import attention_concentration, attention_topk
+from megatron_credit.models.concentration import attention_concentration, attention_statistics, attention_topk
 from tests.references import dense_attention, dense_concentration, dense_topk
 from tests.support.attention import ATTENTION_CASES, attention_inputs
 from tests.support.distributed_harness import load_balanced_shard, module_pool
@@ -94,6 +94,23 @@ def test_topk_ties_broken_by_smaller_index_and_cp_positions():
     (w_ref, idx_ref), _ = dense_topk(q[:, :, pos], key, 3, q_positions=pos)
     assert torch.equal(idx, idx_ref)
     torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("b,hq,hkv,tq,tk,d,chunk", ATTENTION_CASES)
+def test_statistics_equal_the_two_kernels_bit_for_bit(b, hq, hkv, tq, tk, d, chunk):
+    """The capture's one call: H and the top-k from one shared first pass equal the two kernels' results
+    exactly (the same LSEs), with CP-style query positions too; with sinks or k = 0 it is the two calls."""
+    q, key = attention_inputs(b, hq, hkv, tq, tk, d, seed=4)
+    pos = torch.sort(torch.randperm(tk, generator=torch.Generator().manual_seed(tq))[:tq]).values
+    for kw in ({"chunk_size": chunk}, {"chunk_size": chunk, "q_positions": pos, "scale": 0.3}):
+        h, n = attention_concentration(q, key, **kw)
+        idx, w = attention_topk(q, key, 5, **kw)
+        got = attention_statistics(q, key, 5, **kw)
+        assert len(got) == 4 and all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(got, (h, n, idx, w)))
+        assert all(torch.equal(x, y) for x, y in zip(attention_statistics(q, key, 0, **kw), (h, n)))
+        sunk = attention_statistics(q, key, 5, sink_keys=2, **kw)
+        assert torch.equal(sunk[0], attention_concentration(q, key, sink_keys=2, **kw)[0])
+        assert torch.equal(sunk[2], idx) and torch.equal(sunk[3], w)  # the top-k reads the real attention
 
 
 def test_bad_inputs_name_the_field():
@@ -413,3 +430,4 @@ def test_capture_arm_checks_and_result_lifetime():
     assert not capture.armed and capture.result is not None
     capture.arm(3, 2)  # clears it
     assert capture.armed and capture.result is None and (capture.query_start, capture.top_k) == (3, 2)
+
