@@ -431,3 +431,38 @@ def test_capture_arm_checks_and_result_lifetime():
     capture.arm(3, 2)  # clears it
     assert capture.armed and capture.result is None and (capture.query_start, capture.top_k) == (3, 2)
 
+
+@pytest.mark.parametrize("top_k,sink_keys", [(3, 0), (3, 2), (0, 0)])
+def test_packed_capture_equals_a_call_per_sequence_bit_for_bit(top_k, sink_keys):
+    """A packed stream's capture stacks the sequences of one length into one call: every sequence's rows
+    equal the kernels called on that sequence alone, exactly; zeros before query_start and past its end;
+    a sequence too short to hold a query stays zero."""
+    from types import SimpleNamespace
+
+    from megatron_credit.batch.packing import PackedLayout
+    from megatron_credit.models.final_layer import FinalAttentionCapture
+
+    lens, query_start, scale = [12, 20, 12, 5, 20, 12], 6, 8 ** -0.5
+    q, k = attention_inputs(1, 4, 2, sum(lens), sum(lens), 8, seed=6)
+    query, key = q[0].permute(1, 0, 2), k[0].permute(1, 0, 2)  # THD: [t, np, d], [t, ng, d]
+    cu = PackedLayout.build(lens).cu_seqlens
+    params = SimpleNamespace(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=None,
+                             cu_seqlens_kv_padded=None)
+    capture = FinalAttentionCapture(chunk_size=7)
+    capture.arm(query_start, top_k, sink_keys)
+    capture.record(query, key, scale=scale, packed_seq_params=params)
+    got = capture.result
+    assert set(got) == ({"H", "n", "topk_idx", "topk_w"} if top_k else {"H", "n"})
+    assert all(x.shape[:2] == (len(lens), max(lens)) for x in got.values())
+    for s, (start, n) in enumerate(zip(cu[:-1].tolist(), lens)):
+        if n <= query_start:
+            assert all((x[s] == 0).all() for x in got.values())
+            continue
+        qs, ks = q[:, :, start + query_start:start + n], k[:, :, start:start + n]
+        kw = dict(scale=scale, chunk_size=7, q_positions=torch.arange(query_start, n))
+        want = dict(zip(("H", "n"), attention_concentration(qs, ks, sink_keys=sink_keys, **kw)))
+        if top_k:
+            want.update(zip(("topk_idx", "topk_w"), attention_topk(qs, ks, top_k, **kw)))
+        for name, x in want.items():
+            assert torch.equal(got[name][s, query_start:n], x[0]), (s, name)
+            assert (got[name][s, :query_start] == 0).all() and (got[name][s, n:] == 0).all()
