@@ -18,7 +18,8 @@ Public API:
   global positions ``query_start .. S-1``, identical on every TP / CP rank), ``disarm()``
   (:mod:`megatron_credit.models.final_layer`); ``gpt_decoder_block_spec`` is its per-stage spec.
 - ``attention_concentration(query, key, *, scale, chunk_size, tp_group, q_positions) -> (H, n)`` and
-  ``attention_topk(query, key, k, ...) -> (idx, weight)``: the streamed kernels
+  ``attention_topk(query, key, k, ...) -> (idx, weight)``: the streamed kernels, and
+  ``attention_statistics(query, key, k, ...) -> (H, n, idx, weight)``, both from one first pass
   (:mod:`megatron_credit.models.concentration`; torch only).
 - ``check_parallel_fits_model(hf_config, parallel, *, world_size=None)``, ``rope_settings(hf_config)``,
   ``check_sequence_length(hf_config, length, *, what)`` (refuses sequences beyond
@@ -35,7 +36,7 @@ Importing this package imports torch only; megatron-core is imported when a mode
 """
 from megatron_credit.models.critic import (StandardCritic, TransportAlignedCritic, build_critic,
                                            critic_diagnostics, critic_parameter_count)
-from megatron_credit.models.concentration import attention_concentration, attention_topk
+from megatron_credit.models.concentration import attention_concentration, attention_statistics, attention_topk
 from megatron_credit.models.final_layer import FinalAttentionCapture
 from megatron_credit.models.gpt import (build_gpt_model, final_hidden_states, gpt_decoder_block_spec,
                                         gpt_layer_spec, resolve_transformer_engine, set_tensor_parallel_attributes,
@@ -46,7 +47,7 @@ from megatron_credit.models.hf_config import (
 
 __all__ = [
     "FinalAttentionCapture", "SUPPORTED_MODEL_TYPES", "RopeSettings", "actor_transformer_config",
-    "attention_concentration", "attention_topk",
+    "attention_concentration", "attention_statistics", "attention_topk",
     "StandardCritic", "TransportAlignedCritic", "build_critic", "build_gpt_model",
     "critic_diagnostics", "critic_parameter_count", "check_parallel_fits_model", "check_sequence_length",
     "final_hidden_states", "gpt_decoder_block_spec",

@@ -11,6 +11,8 @@ Two read-outs of causal softmax attention ``a_{t,i} = softmax_i(s_{t,i})``, ``s 
   (the transport-aligned critic pools over them). Exact: pass 1 gets each head's ``LSE(s)``, pass 2
   streams key chunks again, turns scores into weights ``exp(s - LSE)`` and merges a running top-k of
   unique int64 (weight, index) keys, so ties go to the smaller index deterministically.
+- :func:`attention_statistics`: both for the final-layer capture, the same numbers bit for bit, with the
+  top-k's pass 1 taken from the concentration's pass (their ``LSE(s)`` are one): two streams over the keys.
 
 Attention sinks (``sink_keys = k > 0``, CompPO's ``algorithm.params.gate_sink_keys``): the first ``k``
 positions (e.g. the BOS / system-prompt start that soaks up attention mass) are left out of ``H`` and
@@ -58,7 +60,7 @@ import torch.distributed as dist
 
 from megatron_credit.credit.gates import concentration_from_lse
 
-__all__ = ["attention_concentration", "attention_topk"]
+__all__ = ["attention_concentration", "attention_statistics", "attention_topk"]
 
 
 def _check(query: torch.Tensor, key: torch.Tensor, q_positions: Optional[torch.Tensor],
@@ -203,6 +205,23 @@ def _decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weight, _LOW32 - (keys & _LOW32)
 
 
+def _topk_pass(qg: torch.Tensor, key: torch.Tensor, p: torch.Tensor, lse: torch.Tensor, last: int, k: int,
+               hq: int, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 2 of :func:`attention_topk` for one query chunk: ``(idx [B, c, k], weight [B, c, k])`` from the
+    chunk's grouped queries ``qg``, positions ``p`` and per-head ``lse = LSE(s)`` ``[B, Hkv, G, c]``."""
+    b = qg.shape[0]
+    best = torch.full((b, p.numel(), k), -1, dtype=torch.long, device=qg.device)
+    for k0 in range(0, last, chunk_size):  # weights, running top-k of (weight, -col) keys
+        k1 = min(k0 + chunk_size, last)
+        a = _masked_scores(qg, key, k0, k1, p).sub_(lse[..., None]).exp_().sum(dim=(1, 2)) / hq
+        cols = torch.arange(k0, k1, device=p.device)
+        keys = _sort_keys(a, cols, cols[None, :] > p[:, None])  # [B, c, kc]
+        best = torch.cat([best, keys], dim=-1).topk(k, dim=-1).values  # sorted, descending
+    w, i = _decode_keys(best)
+    pad = best < 0  # fewer than k visible keys
+    return torch.where(pad, p[None, :, None].expand_as(i), i), w.masked_fill(pad, 0.0)
+
+
 @torch.no_grad()
 def attention_topk(query: torch.Tensor, key: torch.Tensor, k: int, *, scale: Optional[float] = None,
                    chunk_size: int = 1024, tp_group=None,
@@ -228,16 +247,36 @@ def attention_topk(query: torch.Tensor, key: torch.Tensor, k: int, *, scale: Opt
         qg, p = _grouped_chunk(query, q0, q1, hkv, scale), pos[q0:q1]
         last = int(host[q0:q1].max()) + 1  # keys from here on are hidden from every query of the chunk
         m, lse_shifted, _ = _online_lse(qg, key, p, chunk_size, last, squares=False)  # pass 1: [B, Hkv, G, c]
-        lse = m + lse_shifted
-        best = torch.full((b, q1 - q0, k), -1, dtype=torch.long, device=query.device)
-        for k0 in range(0, last, chunk_size):  # pass 2: weights, running top-k of (weight, -col) keys
-            k1 = min(k0 + chunk_size, last)
-            a = _masked_scores(qg, key, k0, k1, p).sub_(lse[..., None]).exp_().sum(dim=(1, 2)) / hq
-            cols = torch.arange(k0, k1, device=p.device)
-            keys = _sort_keys(a, cols, cols[None, :] > p[:, None])  # [B, c, kc]
-            best = torch.cat([best, keys], dim=-1).topk(k, dim=-1).values  # sorted, descending
-        w, i = _decode_keys(best)
-        pad = best < 0  # fewer than k visible keys
-        weight[:, q0:q1] = w.masked_fill(pad, 0.0)
-        idx[:, q0:q1] = torch.where(pad, p[None, :, None].expand_as(i), i)
+        idx[:, q0:q1], weight[:, q0:q1] = _topk_pass(qg, key, p, m + lse_shifted, last, k, hq, chunk_size)
     return idx, weight
+
+
+@torch.no_grad()
+def attention_statistics(query: torch.Tensor, key: torch.Tensor, k: int, *, scale: Optional[float] = None,
+                         chunk_size: int = 1024, tp_group=None, q_positions: Optional[torch.Tensor] = None,
+                         sink_keys: int = 0) -> tuple[torch.Tensor, ...]:
+    """``(H, n, idx, weight)``: :func:`attention_concentration` and :func:`attention_topk` of the same inputs,
+    equal to the two calls bit for bit, for the final-layer capture, which wants both (``k = 0``: ``H, n``
+    alone). Without sinks and tensor parallelism both read the same per-head ``LSE(s)`` (the same key chunks
+    in the same order), so its first pass runs once for the two: two streams over the keys instead of
+    three. With sinks (``H`` leaves keys out, the top-k does not) or with ``tp_group`` (``H`` sums this
+    rank's heads, the top-k gathers all) it makes the two calls."""
+    kw = dict(scale=scale, chunk_size=chunk_size, tp_group=tp_group, q_positions=q_positions)
+    tp = tp_group is not None and dist.get_world_size(tp_group) > 1
+    if k < 1 or sink_keys or tp:
+        h, n = attention_concentration(query, key, sink_keys=sink_keys, **kw)
+        return (h, n) if k < 1 else (h, n, *attention_topk(query, key, k, **kw))
+    pos, host = _check(query, key, q_positions, chunk_size)
+    b, hq, tq, _ = query.shape
+    hkv, scale = key.shape[1], _scale(query, scale)
+    h_sum = torch.zeros(b, tq, device=query.device)
+    idx = torch.empty(b, tq, k, dtype=torch.long, device=query.device)
+    weight = torch.empty(b, tq, k, device=query.device)
+    for q0 in range(0, tq, chunk_size):
+        q1 = min(q0 + chunk_size, tq)
+        qg, p = _grouped_chunk(query, q0, q1, hkv, scale), pos[q0:q1]
+        last = int(host[q0:q1].max()) + 1
+        m, lse_s, lse_2s = _online_lse(qg, key, p, chunk_size, last, squares=True)  # max-shifted
+        h_sum[:, q0:q1] = concentration_from_lse(lse_2s, lse_s).sum(dim=(1, 2))
+        idx[:, q0:q1], weight[:, q0:q1] = _topk_pass(qg, key, p, m + lse_s, last, k, hq, chunk_size)
+    return h_sum / hq, (pos + 1).expand(b, tq).clone(), idx, weight

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_credit.batch.cp_layout import load_balanced_positions, merge_cp_shards
-from megatron_credit.models.concentration import attention_concentration, attention_topk
+from megatron_credit.models.concentration import attention_statistics
 
 __all__ = ["FinalAttentionCapture", "capturing_core_attention", "final_layer_spec", "decoder_block_spec",
            "gather_cp_sequence", "scatter_to_global"]
@@ -137,15 +137,10 @@ class FinalAttentionCapture:
         q = query[mine.to(query.device)].permute(1, 2, 0, 3)  # [b, np, m, d]
         k = key.permute(1, 2, 0, 3)  # [b, ng, S, d]
         kw = dict(scale=scale, chunk_size=self.chunk_size, tp_group=self.tp_group, q_positions=positions[mine])
-        h, n = attention_concentration(q, k, sink_keys=self.sink_keys, **kw)
+        stats = attention_statistics(q, k, self.top_k, sink_keys=self.sink_keys, **kw)  # H, n (, idx, w)
         cols = (positions[mine] - self.query_start).to(query.device)
-        result = {"H": scatter_to_global(h, cols, width, self.cp_group),
-                  "n": scatter_to_global(n, cols, width, self.cp_group)}
-        if self.top_k:
-            idx, w = attention_topk(q, k, self.top_k, **kw)
-            result["topk_idx"] = scatter_to_global(idx, cols, width, self.cp_group)
-            result["topk_w"] = scatter_to_global(w, cols, width, self.cp_group)
-        self.result = result
+        self.result = {name: scatter_to_global(x, cols, width, self.cp_group)
+                       for name, x in zip(("H", "n", "topk_idx", "topk_w"), stats)}
 
 
     def _record_packed(self, query: torch.Tensor, key: torch.Tensor, *, scale: float, params) -> None:
@@ -172,29 +167,36 @@ class FinalAttentionCapture:
             raise ValueError(f"query_start={self.query_start} must be below the longest sequence's length {width}")
         out: dict[str, torch.Tensor] = {}
 
-        def put(name: str, k: int, cols: torch.Tensor, values: torch.Tensor) -> None:
+        def put(name: str, seqs: torch.Tensor, cols: torch.Tensor, values: torch.Tensor) -> None:
             if name not in out:
                 out[name] = values.new_zeros((len(lens), width, *values.shape[2:]))
-            out[name][k, cols] = values[0]
+            out[name][seqs[:, None], cols[None, :]] = values
 
-        local0 = 0
-        for k, (start, length) in enumerate(zip(cu[:-1], lens)):
+        # Sequences of one length have the same local positions (PackedLayout: they depend on the length
+        # alone), so their queries and keys are stacked into one call, [g, np, m, d] and [g, ng, L, d]: each
+        # sequence's statistics are those of a call of its own bit for bit (tests/models/test_concentration.py),
+        # in a handful of kernels instead of a handful per sequence.
+        local0 = [0]
+        for length in lens:
+            local0.append(local0[-1] + length // cp)
+        by_length: dict[int, list[int]] = {}
+        for k, length in enumerate(lens):
+            by_length.setdefault(length, []).append(k)
+        for length, seqs in by_length.items():  # the same groups on every TP rank: the TP collectives match
             n_local = length // cp
-            pos = layout.positions[local0:local0 + n_local]  # on the host: selecting the queries reads no device
+            pos = layout.positions[local0[seqs[0]]:local0[seqs[0]] + n_local]  # on the host: no device read
             mine = torch.nonzero(pos >= self.query_start).flatten()
-            if len(mine):  # the same on every TP rank (one CP rank's positions): the TP collectives match
-                q = query[(local0 + mine).to(query.device)].permute(1, 0, 2)[None]  # [1, np, m, d]
-                keys = key[start:start + length].permute(1, 0, 2)[None]  # [1, ng, P_k, d]
-                kw = dict(scale=scale, chunk_size=self.chunk_size, tp_group=self.tp_group, q_positions=pos[mine])
-                h, n = attention_concentration(q, keys, sink_keys=self.sink_keys, **kw)
-                cols = pos[mine].to(query.device)
-                put("H", k, cols, h)
-                put("n", k, cols, n)
-                if self.top_k:
-                    idx, w = attention_topk(q, keys, self.top_k, **kw)
-                    put("topk_idx", k, cols, idx)
-                    put("topk_w", k, cols, w)
-            local0 += n_local
+            if not len(mine):
+                continue
+            q_idx = torch.stack([local0[k] + mine for k in seqs])  # [g, m] local stream indices
+            k_idx = torch.stack([torch.arange(cu[k], cu[k] + length) for k in seqs])  # [g, L] whole-stream indices
+            q = query[q_idx.to(query.device)].permute(0, 2, 1, 3)  # [g, np, m, d]
+            keys = key[k_idx.to(key.device)].permute(0, 2, 1, 3)  # [g, ng, L, d]
+            kw = dict(scale=scale, chunk_size=self.chunk_size, tp_group=self.tp_group, q_positions=pos[mine])
+            stats = attention_statistics(q, keys, self.top_k, sink_keys=self.sink_keys, **kw)  # H, n (, idx, w)
+            rows, cols = torch.tensor(seqs, device=query.device), pos[mine].to(query.device)
+            for name, x in zip(("H", "n", "topk_idx", "topk_w"), stats):
+                put(name, rows, cols, x)
         templates = {"H": (torch.float32, ()), "n": (torch.long, ())}
         if self.top_k:
             templates.update({"topk_idx": (torch.long, (self.top_k,)), "topk_w": (torch.float32, (self.top_k,))})

@@ -285,6 +285,41 @@ def test_tac_matches_loop_reference_float64(clamp):
     assert torch.equal(summary[1, 2], torch.zeros(4, dtype=torch.float64))  # no key: an empty summary
 
 
+def test_tac_gathers_like_advanced_indexing_bit_for_bit():
+    """The history summary looks its top-K rows up as an embedding: values and every parameter's gradient
+    equal those of advanced indexing ``keys[rows, idx]`` exactly (keys shared by many queries, padding
+    slots). One thread: advanced indexing's backward adds with atomics across threads."""
+    def by_advanced_indexing(c, q, history, topk_idx, topk_w):
+        keys, vals = c.w_k(history), c.w_u(history)
+        idx = torch.where(topk_w > 0, topk_idx, torch.zeros_like(topk_idx))
+        rows = torch.arange(idx.shape[0]).view(-1, 1, 1)
+        rel = torch.sigmoid(torch.einsum("bsd,bskd->bsk", q, keys[rows, idx]) / math.sqrt(c.proj_dim))
+        a = topk_w * rel
+        return torch.einsum("bsk,bskd->bsd", a, vals[rows, idx]) / (a.sum(-1, keepdim=True) + c.eps)
+
+    g = torch.Generator().manual_seed(7)
+    b, s, h, k = 3, 40, 16, 8
+    history, q = torch.randn(b, s, h, generator=g), torch.randn(b, s, 4, generator=g)
+    topk_idx = torch.randint(0, s, (b, s, k), generator=g)
+    topk_idx[:, :, :3] = torch.randint(0, 3, (b, s, 3), generator=g)  # a few keys read by every query
+    topk_w = torch.rand(b, s, k, generator=g)
+    topk_w[:, :, -2:] = 0.0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        outs = []
+        for fn in (TransportAlignedCritic.history_summary, by_advanced_indexing):
+            critic = randomize(TransportAlignedCritic(h, num_layers=2, proj_dim=4), 5)
+            qq = q.clone().requires_grad_()
+            out = fn(critic, qq, history, topk_idx, topk_w)
+            out.pow(2).sum().backward()
+            outs.append([out.detach(), qq.grad, critic.w_k.weight.grad, critic.w_u.weight.grad])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(x, y) for x, y in zip(*outs))
+    assert outs[0][2].abs().sum() > 0 and outs[0][3].abs().sum() > 0
+
+
 def test_tac_padding_slots_are_ignored():
     layers, history, topk_idx, topk_w, kappa = make_critic_inputs(k=4, seed=2)
     topk_w[:, :, 3] = 0.0

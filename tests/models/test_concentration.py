@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from megatron_credit.models.concentration import attention_concentration, attention_topk
+from megatron_credit.models.concentration import attention_concentration, attention_statistics, attention_topk
 from tests.references import dense_attention, dense_concentration, dense_topk
 from tests.support.attention import ATTENTION_CASES, attention_inputs
 from tests.support.distributed_harness import load_balanced_shard, module_pool
@@ -94,6 +94,23 @@ def test_topk_ties_broken_by_smaller_index_and_cp_positions():
     (w_ref, idx_ref), _ = dense_topk(q[:, :, pos], key, 3, q_positions=pos)
     assert torch.equal(idx, idx_ref)
     torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("b,hq,hkv,tq,tk,d,chunk", ATTENTION_CASES)
+def test_statistics_equal_the_two_kernels_bit_for_bit(b, hq, hkv, tq, tk, d, chunk):
+    """The capture's one call: H and the top-k from one shared first pass equal the two kernels' results
+    exactly (the same LSEs), with CP-style query positions too; with sinks or k = 0 it is the two calls."""
+    q, key = attention_inputs(b, hq, hkv, tq, tk, d, seed=4)
+    pos = torch.sort(torch.randperm(tk, generator=torch.Generator().manual_seed(tq))[:tq]).values
+    for kw in ({"chunk_size": chunk}, {"chunk_size": chunk, "q_positions": pos, "scale": 0.3}):
+        h, n = attention_concentration(q, key, **kw)
+        idx, w = attention_topk(q, key, 5, **kw)
+        got = attention_statistics(q, key, 5, **kw)
+        assert len(got) == 4 and all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(got, (h, n, idx, w)))
+        assert all(torch.equal(x, y) for x, y in zip(attention_statistics(q, key, 0, **kw), (h, n)))
+        sunk = attention_statistics(q, key, 5, sink_keys=2, **kw)
+        assert torch.equal(sunk[0], attention_concentration(q, key, sink_keys=2, **kw)[0])
+        assert torch.equal(sunk[2], idx) and torch.equal(sunk[3], w)  # the top-k reads the real attention
 
 
 def test_bad_inputs_name_the_field():
@@ -413,3 +430,39 @@ def test_capture_arm_checks_and_result_lifetime():
     assert not capture.armed and capture.result is not None
     capture.arm(3, 2)  # clears it
     assert capture.armed and capture.result is None and (capture.query_start, capture.top_k) == (3, 2)
+
+
+@pytest.mark.parametrize("top_k,sink_keys", [(3, 0), (3, 2), (0, 0)])
+def test_packed_capture_equals_a_call_per_sequence_bit_for_bit(top_k, sink_keys):
+    """A packed stream's capture stacks the sequences of one length into one call: every sequence's rows
+    equal the kernels called on that sequence alone, exactly; zeros before query_start and past its end;
+    a sequence too short to hold a query stays zero."""
+    from types import SimpleNamespace
+
+    from megatron_credit.batch.packing import PackedLayout
+    from megatron_credit.models.final_layer import FinalAttentionCapture
+
+    lens, query_start, scale = [12, 20, 12, 5, 20, 12], 6, 8 ** -0.5
+    q, k = attention_inputs(1, 4, 2, sum(lens), sum(lens), 8, seed=6)
+    query, key = q[0].permute(1, 0, 2), k[0].permute(1, 0, 2)  # THD: [t, np, d], [t, ng, d]
+    cu = PackedLayout.build(lens).cu_seqlens
+    params = SimpleNamespace(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=None,
+                             cu_seqlens_kv_padded=None)
+    capture = FinalAttentionCapture(chunk_size=7)
+    capture.arm(query_start, top_k, sink_keys)
+    capture.record(query, key, scale=scale, packed_seq_params=params)
+    got = capture.result
+    assert set(got) == ({"H", "n", "topk_idx", "topk_w"} if top_k else {"H", "n"})
+    assert all(x.shape[:2] == (len(lens), max(lens)) for x in got.values())
+    for s, (start, n) in enumerate(zip(cu[:-1].tolist(), lens)):
+        if n <= query_start:
+            assert all((x[s] == 0).all() for x in got.values())
+            continue
+        qs, ks = q[:, :, start + query_start:start + n], k[:, :, start:start + n]
+        kw = dict(scale=scale, chunk_size=7, q_positions=torch.arange(query_start, n))
+        want = dict(zip(("H", "n"), attention_concentration(qs, ks, sink_keys=sink_keys, **kw)))
+        if top_k:
+            want.update(zip(("topk_idx", "topk_w"), attention_topk(qs, ks, top_k, **kw)))
+        for name, x in want.items():
+            assert torch.equal(got[name][s, query_start:n], x[0]), (s, name)
+            assert (got[name][s, :query_start] == 0).all() and (got[name][s, n:] == 0).all()
