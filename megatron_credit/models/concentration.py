@@ -26,8 +26,10 @@ multiple of ``Hkv`` (GQA: query head ``h`` reads key head ``h // (Hq / Hkv)``, m
 Query ``t`` sits at global position ``q_positions[t]`` (default: the last ``Tq`` of ``Tk`` positions)
 and sees key ``j`` iff ``j <= q_positions[t]``. Scores are float32 whatever the input dtype.
 
-Memory: per (query chunk, key chunk) block one float32 score tile ``[B, Hq, c, c]`` (32 MB at B = 1,
-Hq = 8, c = 1024), worked on in place, and a few row vectors; nothing grows with ``Tq * Tk``. Measured
+Memory: per (query chunk, key chunk) block one float32 score tile ``[B', Hq, c, c]`` (32 MB at B' = 1,
+Hq = 8, c = 1024), worked on in place, and a few row vectors; nothing grows with ``Tq * Tk``. ``B'`` is
+as many batch rows as fit in :data:`_TILE_BYTES` (one at least). When a query
+chunk's keys fit in one chunk, the top-k reads the first pass's tile instead of computing it again. Measured
 on CPU (``benchmarks/concentration.py``, tests/models/test_concentration.py): ~68 MB peak extra at every T from
 2K to 20K (the tile plus the GEMM library's buffers), against 4 GB for a dense softmax at 8K. Query heads are grouped onto
 their key head by a reshape (``[B, Hkv, G * c, D] @ [B, Hkv, D, c]``), so K is never repeated per head.
@@ -98,6 +100,24 @@ def _grouped_chunk(query: torch.Tensor, q0: int, q1: int, hkv: int, scale: float
     return q.reshape(b, hkv, (hq // hkv) * (q1 - q0), d)
 
 
+_TILE_BYTES = 32 << 20
+"""A block's score tile covers as many batch rows as fit in this many bytes (one row at least). A larger tile
+costs more than it saves on the CPU: glibc serves a block over 32 MB by a fresh ``mmap``, page-faulted
+again at every call, and it leaves the cache (measured: 16 rows of T = 1024, 8 heads, one tile per row took
+0.40x the time of one 470 MB tile, the same results bit for bit)."""
+
+
+def _blocks(query: torch.Tensor, key: torch.Tensor, chunk_size: int):
+    """``(rows, q0, q1)`` blocks: a slice of batch rows whose tile ``[rows, Hq, c, c]`` float32 stays under
+    :data:`_TILE_BYTES`, and a query chunk; rows in the outer loop."""
+    b, hq, tq, _ = query.shape
+    tile = hq * min(chunk_size, max(tq, 1)) * min(chunk_size, max(key.shape[2], 1)) * 4
+    step = max(1, _TILE_BYTES // tile)
+    for r0 in range(0, b, step):
+        for q0 in range(0, tq, chunk_size):
+            yield slice(r0, min(r0 + step, b)), q0, min(q0 + chunk_size, tq)
+
+
 def _masked_scores(qg: torch.Tensor, key: torch.Tensor, k0: int, k1: int,
                    pos: torch.Tensor, sink_keys: int = 0) -> torch.Tensor:
     """Scores ``[B, Hkv, G, c, k1 - k0]`` float32 of grouped queries ``qg`` vs keys ``k0:k1``;
@@ -113,8 +133,20 @@ def _masked_scores(qg: torch.Tensor, key: torch.Tensor, k0: int, k1: int,
     return s.masked_fill_(hidden, float("-inf"))
 
 
+_FLOOR = -40.0
+"""Shifted scores ``s - m`` (``m`` the running row max) are clamped below at this before ``exp``: a key more
+than 40 below its row's largest score, and a hidden key (score ``-inf``), counts as ``e**-40 ~ 4.2e-18`` of
+the largest term instead of less. ``l1`` and ``l2`` hold that term (>= 1), so a row of ``T`` keys moves by
+at most ``T * 4.2e-18`` relative: below float32's rounding (6e-8) for any ``T`` under 10**10. It keeps
+``exp`` on its fast path: the CPU's vectorised ``exp`` takes a slow path for ``-inf`` and for results below
+the smallest normal float, which made the causal half of every tile cost ~6x the rest (a square of such a
+result is a denormal too). The top-k reads hidden keys as hidden (:func:`_sort_keys`), and visible keys at
+the floor tie, going to the smaller index."""
+
+
 def _online_lse(qg: torch.Tensor, key: torch.Tensor, pos: torch.Tensor, chunk: int, last: int, *,
-                squares: bool, sink_keys: int = 0) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+                squares: bool, sink_keys: int = 0, keep: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Per-head row max ``m``, ``LSE(s - m)`` and (if ``squares``) ``LSE(2 (s - m))``, each
     ``[B, Hkv, G, c]``, streamed over key chunks: ``LSE(s) = m + LSE(s - m)``. Keys from ``last`` on (one
     past the chunk's last query position, known on the host) are hidden from every query of the chunk.
@@ -124,23 +156,31 @@ def _online_lse(qg: torch.Tensor, key: torch.Tensor, pos: torch.Tensor, chunk: i
     ``l1 >= 1`` at the end; a row that has seen no key yet keeps ``m = -inf`` (``m_safe`` avoids
     ``-inf - -inf``). The shifted LSEs are returned because ``H = exp(LSE(2 s) - 2 LSE(s))`` does not
     change under ``s -> s - m``, and without ``m`` the float32 difference cancels nothing large.
+    ``s - m`` is clamped at :data:`_FLOOR`; ``l2`` is summed as a squared norm (no tile of squares).
+
+    ``keep``: when all keys fit one chunk, the fourth result is that chunk's ``exp(s - m)`` tile, exactly the
+    tile :func:`_topk_pass` would compute again from the final ``m``; the top-k reads it instead (one matmul,
+    mask and ``exp`` fewer). Otherwise None.
     """
     b, hkv, gc, _ = qg.shape
     shape = (b, hkv, gc // pos.numel(), pos.numel())
     m = torch.full(shape, float("-inf"), device=qg.device)
     l1, l2 = torch.zeros(shape, device=qg.device), torch.zeros(shape, device=qg.device)
+    kept = None
     for k0 in range(0, last, chunk):
         k1 = min(k0 + chunk, last)
         s = _masked_scores(qg, key, k0, k1, pos, sink_keys)
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         alpha = torch.exp(m - m_safe)  # 0 where m was -inf
-        e = s.sub_(m_safe[..., None]).exp_()  # in place: one score tile alive at a time
+        e = s.sub_(m_safe[..., None]).clamp_(min=_FLOOR).exp_()  # in place: one score tile alive at a time
         l1 = l1 * alpha + e.sum(dim=-1)
         if squares:
-            l2 = l2 * alpha * alpha + e.mul_(e).sum(dim=-1)
+            l2 = l2 * alpha * alpha + torch.linalg.vector_norm(e, dim=-1).square_()
+        if keep and k0 == 0 and k1 == last:
+            kept = e
         m = m_new
-    return m, torch.log(l1), torch.log(l2) if squares else None
+    return m, torch.log(l1), torch.log(l2) if squares else None, kept
 
 
 def _scale(query: torch.Tensor, scale: Optional[float]) -> float:
@@ -166,11 +206,11 @@ def attention_concentration(query: torch.Tensor, key: torch.Tensor, *, scale: Op
     b, hq, tq, _ = query.shape
     hkv, scale = key.shape[1], _scale(query, scale)
     h_sum = torch.zeros(b, tq, device=query.device)
-    for q0 in range(0, tq, chunk_size):
-        q1 = min(q0 + chunk_size, tq)
-        _, lse_s, lse_2s = _online_lse(_grouped_chunk(query, q0, q1, hkv, scale), key, pos[q0:q1], chunk_size,
-                                       int(host[q0:q1].max()) + 1, squares=True, sink_keys=sink_keys)  # max-shifted
-        h_sum[:, q0:q1] = concentration_from_lse(lse_2s, lse_s).sum(dim=(1, 2))
+    for r, q0, q1 in _blocks(query, key, chunk_size):
+        _, lse_s, lse_2s, _ = _online_lse(_grouped_chunk(query[r], q0, q1, hkv, scale), key[r], pos[q0:q1],
+                                          chunk_size, int(host[q0:q1].max()) + 1, squares=True,
+                                          sink_keys=sink_keys)  # max-shifted
+        h_sum[r, q0:q1] = concentration_from_lse(lse_2s, lse_s).sum(dim=(1, 2))
     heads = hq
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
         dist.all_reduce(h_sum, group=tp_group)
@@ -193,8 +233,11 @@ def _sort_keys(weight: torch.Tensor, cols: torch.Tensor, hidden: torch.Tensor) -
     """int64 keys ordering (weight desc, column asc): float32 bits of ``weight >= 0`` (monotone as
     integers for non-negative floats) in the high word, ``2**32 - 1 - col`` in the low word; ``-1``
     (below every key) where ``hidden``. Keys are unique, so ``torch.topk`` on them is exact and
-    deterministic: ties in weight go to the smaller column, unlike ``torch.topk`` on the weights."""
-    keys = (weight.view(torch.int32).to(torch.int64) << 32) | (_LOW32 - cols)
+    deterministic: ties in weight go to the smaller column, unlike ``torch.topk`` on the weights. Built in
+    place in one int64 buffer."""
+    keys = weight.view(torch.int32).to(torch.int64)
+    keys <<= 32
+    keys |= _LOW32 - cols
     return keys.masked_fill_(hidden, -1)
 
 
@@ -205,18 +248,28 @@ def _decode_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return weight, _LOW32 - (keys & _LOW32)
 
 
-def _topk_pass(qg: torch.Tensor, key: torch.Tensor, p: torch.Tensor, lse: torch.Tensor, last: int, k: int,
-               hq: int, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _topk_pass(qg: torch.Tensor, key: torch.Tensor, p: torch.Tensor, m: torch.Tensor, log_l1: torch.Tensor,
+               last: int, k: int, hq: int, chunk_size: int,
+               kept: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pass 2 of :func:`attention_topk` for one query chunk: ``(idx [B, c, k], weight [B, c, k])`` from the
-    chunk's grouped queries ``qg``, positions ``p`` and per-head ``lse = LSE(s)`` ``[B, Hkv, G, c]``."""
-    b = qg.shape[0]
-    best = torch.full((b, p.numel(), k), -1, dtype=torch.long, device=qg.device)
+    chunk's grouped queries ``qg``, positions ``p`` and pass 1's per-head ``m`` and ``log_l1 = LSE(s - m)``
+    ``[B, Hkv, G, c]``: each head's weight is ``exp(s - m) * exp(-log_l1)``, with ``s - m`` clamped as in
+    pass 1. ``kept``: pass 1's ``exp(s - m)`` tile of the only key chunk (:func:`_online_lse`), read instead
+    of recomputed (its tile and a recomputed one are equal bit for bit: the same operations)."""
+    best = None
+    inv_l1 = torch.exp(-log_l1)[..., None]
     for k0 in range(0, last, chunk_size):  # weights, running top-k of (weight, -col) keys
         k1 = min(k0 + chunk_size, last)
-        a = _masked_scores(qg, key, k0, k1, p).sub_(lse[..., None]).exp_().sum(dim=(1, 2)) / hq
+        e = kept if kept is not None else _masked_scores(qg, key, k0, k1, p).sub_(m[..., None]).clamp_(
+            min=_FLOOR).exp_()
+        a = e.mul_(inv_l1).sum(dim=(1, 2)) / hq
         cols = torch.arange(k0, k1, device=p.device)
         keys = _sort_keys(a, cols, cols[None, :] > p[:, None])  # [B, c, kc]
-        best = torch.cat([best, keys], dim=-1).topk(k, dim=-1).values  # sorted, descending
+        if best is not None:
+            keys = torch.cat([best, keys], dim=-1)
+        best = keys.topk(min(k, keys.shape[-1]), dim=-1).values  # sorted, descending
+    if best.shape[-1] < k:  # fewer keys than k in all: pad below every key
+        best = torch.cat([best, best.new_full((*best.shape[:-1], k - best.shape[-1]), -1)], dim=-1)
     w, i = _decode_keys(best)
     pad = best < 0  # fewer than k visible keys
     return torch.where(pad, p[None, :, None].expand_as(i), i), w.masked_fill(pad, 0.0)
@@ -242,12 +295,11 @@ def attention_topk(query: torch.Tensor, key: torch.Tensor, k: int, *, scale: Opt
     hkv, scale = key.shape[1], _scale(query, scale)
     idx = torch.empty(b, tq, k, dtype=torch.long, device=query.device)
     weight = torch.empty(b, tq, k, device=query.device)
-    for q0 in range(0, tq, chunk_size):
-        q1 = min(q0 + chunk_size, tq)
-        qg, p = _grouped_chunk(query, q0, q1, hkv, scale), pos[q0:q1]
+    for r, q0, q1 in _blocks(query, key, chunk_size):
+        qg, kr, p = _grouped_chunk(query[r], q0, q1, hkv, scale), key[r], pos[q0:q1]
         last = int(host[q0:q1].max()) + 1  # keys from here on are hidden from every query of the chunk
-        m, lse_shifted, _ = _online_lse(qg, key, p, chunk_size, last, squares=False)  # pass 1: [B, Hkv, G, c]
-        idx[:, q0:q1], weight[:, q0:q1] = _topk_pass(qg, key, p, m + lse_shifted, last, k, hq, chunk_size)
+        m, lse_shifted, _, kept = _online_lse(qg, kr, p, chunk_size, last, squares=False, keep=True)  # pass 1
+        idx[r, q0:q1], weight[r, q0:q1] = _topk_pass(qg, kr, p, m, lse_shifted, last, k, hq, chunk_size, kept)
     return idx, weight
 
 
@@ -272,11 +324,10 @@ def attention_statistics(query: torch.Tensor, key: torch.Tensor, k: int, *, scal
     h_sum = torch.zeros(b, tq, device=query.device)
     idx = torch.empty(b, tq, k, dtype=torch.long, device=query.device)
     weight = torch.empty(b, tq, k, device=query.device)
-    for q0 in range(0, tq, chunk_size):
-        q1 = min(q0 + chunk_size, tq)
-        qg, p = _grouped_chunk(query, q0, q1, hkv, scale), pos[q0:q1]
+    for r, q0, q1 in _blocks(query, key, chunk_size):
+        qg, kr, p = _grouped_chunk(query[r], q0, q1, hkv, scale), key[r], pos[q0:q1]
         last = int(host[q0:q1].max()) + 1
-        m, lse_s, lse_2s = _online_lse(qg, key, p, chunk_size, last, squares=True)  # max-shifted
-        h_sum[:, q0:q1] = concentration_from_lse(lse_2s, lse_s).sum(dim=(1, 2))
-        idx[:, q0:q1], weight[:, q0:q1] = _topk_pass(qg, key, p, m + lse_s, last, k, hq, chunk_size)
+        m, lse_s, lse_2s, kept = _online_lse(qg, kr, p, chunk_size, last, squares=True, keep=True)  # max-shifted
+        h_sum[r, q0:q1] = concentration_from_lse(lse_2s, lse_s).sum(dim=(1, 2))
+        idx[r, q0:q1], weight[r, q0:q1] = _topk_pass(qg, kr, p, m, lse_s, last, k, hq, chunk_size, kept)
     return h_sum / hq, (pos + 1).expand(b, tq).clone(), idx, weight

@@ -24,6 +24,17 @@ routed head, which sees those tokens; a low gate on the local head. The history 
 *before* the top-K gather, so the largest intermediate is ``[b, s, K, proj_dim]`` (``2 * b*s*K*d`` floats
 for keys and values), never ``[b, s, K, H]``.
 
+Two ways to pool over the top-K keys give the same values (up to float rounding), and
+:meth:`TransportAlignedCritic.history_summary` takes the cheaper one for the shape:
+
+- gathered (long histories): the K key rows and value rows of each query, ``[b, s, K, d]`` each, then a dot
+  product and a weighted sum per query. Its work grows with K alone, but it moves ``2 b s K d`` floats
+  through memory, forward and backward.
+- dense (``S <= DENSE_KEYS_PER_SLOT * K``): ``<q_t, k_i>`` for every key by one matmul ``[b, s, S]``, the K
+  relevances read from it; the weights ``a_ti r_ti`` scattered into a ``[b, s, S]`` matrix that multiplies
+  the value rows. Two matmuls forward and four backward, with ``b s S`` floats alive (fewer than the gathered
+  path's ``2 b s K d`` while ``S < 2 K d``).
+
 Where this departs from a literal reading of the paper: the value heads are one-hidden-layer tanh MLPs
 of width proj_dim (the paper does not give their shape); only their last layers are zero, so ``V == 0``
 at init while the gradient reaches those last layers at once and everything else after the first step.
@@ -31,12 +42,20 @@ at init while the gradient reaches those last layers at once and everything else
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 CRITIC_KINDS = ("tac", "standard")
+
+DENSE_KEYS_PER_SLOT = 32
+"""The TAC pools densely while the history has at most this many keys per top-K slot (module docstring).
+Measured forward + backward with the projections, one CPU thread, K = 64, proj_dim 64
+(``benchmarks/tac_pooling.py``, 2026-12-07, two runs on a shared machine): the gathered pooling takes
+3.2-4.4x the dense one's time at S = 8 K, 2.3-2.6x at 16 K, 1.2-1.4x at 32 K and 0.8-1.5x at 64 K. The
+dense work grows with S and the gathered work does not: the bound stays below the crossing."""
 
 
 def _check_inputs(layers, history, topk_idx, topk_w, kappa, num_layers: int | None) -> None:
@@ -87,16 +106,27 @@ class TransportAlignedCritic(nn.Module):
         return sum(w[i] * x.detach().to(dtype) for i, x in enumerate(layers))
 
     def history_summary(self, q: torch.Tensor, history: torch.Tensor, topk_idx: torch.Tensor,
-                        topk_w: torch.Tensor) -> torch.Tensor:
+                        topk_w: torch.Tensor, *, dense: Optional[bool] = None) -> torch.Tensor:
         """``s: [b, s, d]`` pooled over the top-K keys; ``q: [b, s, d]``, ``history: [b, S, H]``,
         ``topk_idx: [b, s, K]`` global key positions, ``topk_w: [b, s, K]`` (0 marks a padding slot, whose
-        index is then ignored)."""
+        index is then ignored). ``dense``: the pooling (module docstring); None: dense while
+        ``S <= DENSE_KEYS_PER_SLOT * K``."""
         b, big_s = history.shape[:2]
         d = self.proj_dim
         h = history.detach().to(self.alpha.dtype)
         keys, vals = self.w_k(h), self.w_u(h)  # [b, S, d]: project first, then gather
         w = topk_w.detach().to(self.alpha.dtype)
         idx = torch.where(w > 0, topk_idx, torch.zeros_like(topk_idx))  # a padding slot's index is arbitrary
+        if big_s <= DENSE_KEYS_PER_SLOT * idx.shape[-1] if dense is None else dense:
+            # Every key's relevance logit by one matmul, the top-K read from it; the pooled weights scattered
+            # into [b, s, S] rows that multiply the values. A padding slot (w = 0) adds 0 at index 0. The
+            # real slots of a row are distinct keys, so each scatter target takes one value: deterministic
+            # on CUDA as on the CPU.
+            rel = torch.sigmoid(torch.bmm(q, keys.transpose(1, 2)).gather(-1, idx) / math.sqrt(d))
+            a = w * rel  # [b, s, K]
+            pooled = torch.bmm(torch.zeros(b, q.shape[1], big_s, dtype=a.dtype, device=a.device).scatter_add(
+                -1, idx, a), vals)
+            return pooled / (a.sum(-1, keepdim=True) + self.eps)
         # Rows of the flattened [b * S, d] projections looked up as an embedding: the values of advanced
         # indexing keys[rows, idx], and a backward that adds whole rows into each index's row in the index's
         # order, where advanced indexing's accumulates element by element (with atomic adds across CPU

@@ -1,4 +1,5 @@
 """CompPO's gate controls (fixed / shuffle / position) and critics against float64 loop references."""
+import functools
 import json
 import math
 
@@ -255,8 +256,8 @@ def tac_reference(c, layers, history, topk_idx, topk_w, kappa):
     return out
 
 
-@pytest.mark.parametrize("clamp", [1.0, 50.0])
-def test_tac_matches_loop_reference_float64(clamp):
+@pytest.mark.parametrize("clamp,dense", [(1.0, True), (50.0, False)])
+def test_tac_matches_loop_reference_float64(clamp, dense):
     inputs = make_critic_inputs()
     critic = randomize(TransportAlignedCritic(8, num_layers=3, proj_dim=4, value_clamp=clamp, dtype=torch.float64), 1)
     got = critic(*inputs)
@@ -267,9 +268,9 @@ def test_tac_matches_loop_reference_float64(clamp):
         assert (want.abs() < 1.0).any() and (want.abs() == 1.0).any()
     # the module computes in float64 and rounds once to float32 at the end
     assert torch.allclose(got.double(), want, rtol=0, atol=1e-6)
-    # the same in float64 before the final cast: the gathered summary equals the loop's
+    # the same in float64 before the final cast: the pooled summary (dense or gathered) equals the loop's
     q = critic.w_q(critic.fuse(inputs[0]))
-    summary = critic.history_summary(q, inputs[1], inputs[2], inputs[3])
+    summary = critic.history_summary(q, inputs[1], inputs[2], inputs[3], dense=dense)
     assert summary.dtype == torch.float64
     layers, history, topk_idx, topk_w, _ = inputs
     with torch.no_grad():
@@ -286,7 +287,7 @@ def test_tac_matches_loop_reference_float64(clamp):
 
 
 def test_tac_gathers_like_advanced_indexing_bit_for_bit():
-    """The history summary looks its top-K rows up as an embedding: values and every parameter's gradient
+    """The gathered pooling looks its top-K rows up as an embedding: values and every parameter's gradient
     equal those of advanced indexing ``keys[rows, idx]`` exactly (keys shared by many queries, padding
     slots). One thread: advanced indexing's backward adds with atomics across threads."""
     def by_advanced_indexing(c, q, history, topk_idx, topk_w):
@@ -308,7 +309,7 @@ def test_tac_gathers_like_advanced_indexing_bit_for_bit():
     torch.set_num_threads(1)
     try:
         outs = []
-        for fn in (TransportAlignedCritic.history_summary, by_advanced_indexing):
+        for fn in (functools.partial(TransportAlignedCritic.history_summary, dense=False), by_advanced_indexing):
             critic = randomize(TransportAlignedCritic(h, num_layers=2, proj_dim=4), 5)
             qq = q.clone().requires_grad_()
             out = fn(critic, qq, history, topk_idx, topk_w)
@@ -318,6 +319,42 @@ def test_tac_gathers_like_advanced_indexing_bit_for_bit():
         torch.set_num_threads(threads)
     assert all(torch.equal(x, y) for x, y in zip(*outs))
     assert outs[0][2].abs().sum() > 0 and outs[0][3].abs().sum() > 0
+
+
+def test_tac_dense_pooling_equals_the_gathered_one_and_is_taken_for_short_histories():
+    """Dense and gathered pooling: the same summary and the same gradients of the query and of both
+    projections, in float64 to rounding, with keys read by many queries, keys repeated within a query's
+    slots and padding slots. The default takes the dense one while ``S <= DENSE_KEYS_PER_SLOT * K``."""
+    from megatron_credit.models.critic import DENSE_KEYS_PER_SLOT
+
+    g = torch.Generator().manual_seed(11)
+    b, s, h, k = 3, 40, 16, 8
+    history = torch.randn(b, s, h, generator=g, dtype=torch.float64)
+    q = torch.randn(b, s, 4, generator=g, dtype=torch.float64)
+    topk_idx = torch.randint(0, s, (b, s, k), generator=g)
+    topk_idx[:, :, :3] = torch.randint(0, 3, (b, s, 3), generator=g)  # a few keys read by every query
+    topk_idx[:, :, 4] = topk_idx[:, :, 5]  # a key in two slots of a query: both count
+    topk_w = torch.rand(b, s, k, generator=g, dtype=torch.float64)
+    topk_w[:, :, -2:] = 0.0
+    topk_idx[:, :, -1] = -5  # a padding slot's index is ignored on both paths
+    outs = {}
+    for dense in (True, False, None):
+        critic = randomize(TransportAlignedCritic(h, num_layers=2, proj_dim=4, dtype=torch.float64), 5)
+        qq = q.clone().requires_grad_()
+        out = critic.history_summary(qq, history, topk_idx, topk_w, dense=dense)
+        out.pow(2).sum().backward()
+        outs[dense] = [out.detach(), qq.grad, critic.w_k.weight.grad, critic.w_u.weight.grad]
+    for x, y in zip(outs[True], outs[False]):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-14)
+    assert all(x.abs().sum() > 0 for x in outs[True])
+    assert s <= DENSE_KEYS_PER_SLOT * k and all(torch.equal(x, y) for x, y in zip(outs[None], outs[True]))
+    # past the rule's bound (one slot, more keys than DENSE_KEYS_PER_SLOT): the gathered pooling
+    long = torch.randn(1, DENSE_KEYS_PER_SLOT + 1, h, generator=g, dtype=torch.float64)
+    idx1, w1 = torch.zeros(1, 2, 1, dtype=torch.long), torch.ones(1, 2, 1, dtype=torch.float64)
+    critic = randomize(TransportAlignedCritic(h, num_layers=2, proj_dim=4, dtype=torch.float64), 5)
+    by = {d: critic.history_summary(q[:1, :2], long, idx1, w1, dense=d) for d in (None, False, True)}
+    assert torch.equal(by[None], by[False])
+    torch.testing.assert_close(by[True], by[False], rtol=1e-12, atol=1e-14)
 
 
 def test_tac_padding_slots_are_ignored():
