@@ -26,6 +26,7 @@ import re
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -145,13 +146,19 @@ def _st_dtype(name: str) -> torch.dtype:
     return _ST_DTYPES[name]
 
 
+def read_json(path: str | os.PathLike) -> Any:
+    """The JSON value of file ``path``; CheckpointFormatError naming it when it is not valid JSON (or not
+    UTF-8). The caller checks the value's shape, with its own words for what the file should be."""
+    try:
+        return json.loads(Path(path).read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointFormatError(path, f"is not valid JSON ({exc})") from None
+
+
 def read_index(path: Path) -> dict[str, str]:
     """The ``weight_map`` of a ``model.safetensors.index.json``, checked: tensor name -> file name in
     the same folder (no path separators, so a crafted index cannot point outside the folder)."""
-    try:
-        index = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointFormatError(path, f"is not valid JSON ({exc})") from None
+    index = read_json(path)
     if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
         raise CheckpointFormatError(path, "is not a safetensors index: expected an object with a "
                                     "'weight_map' object of tensor name -> file name")

@@ -10,14 +10,13 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from megatron_credit.conversion.hf_io import DTYPES, CheckpointFormatError
+from megatron_credit.conversion.hf_io import DTYPES, CheckpointFormatError, read_json
 from megatron_credit.conversion.mcore_save import _whole_gated_fc1
 from megatron_credit.conversion.safe_load import (check_dist_checkpoint, checkpoint_errors_unwrapped,
                                                   weights_only_byte_items)
@@ -34,10 +33,7 @@ def load_hf_config(folder: str | os.PathLike):
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {str(folder)!r}")
-    try:
-        raw = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointFormatError(path, f"is not valid JSON ({exc})") from None
+    raw = read_json(path)
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         raise CheckpointFormatError(path, "is not a Hugging Face model config (a JSON object with 'model_type')")
     return AutoConfig.from_pretrained(str(folder))
@@ -96,10 +92,7 @@ def read_meta(ckpt_dir: str | os.PathLike) -> dict:
     path = Path(ckpt_dir) / META_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{str(path)!r} not found: is {str(ckpt_dir)!r} a converted checkpoint?")
-    try:
-        meta = json.loads(path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointFormatError(path, f"is not valid JSON ({exc})") from None
+    meta = read_json(path)
     if not isinstance(meta, dict):
         raise CheckpointFormatError(path, f"is a JSON {type(meta).__name__}, expected an object")
     for key in ("conversion_version", "dtype"):

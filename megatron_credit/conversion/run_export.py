@@ -122,15 +122,12 @@ def _write_config_and_tokenizer(out: Path, files: list[str], cfg, family, dtype,
 
 
 def _read_meta(ckpt: Path) -> dict:
-    """A run checkpoint's ``meta.json`` (one line when it is not a JSON object)."""
-    import json
+    """A run checkpoint's ``meta.json`` (CheckpointFormatError naming it when it is not a JSON object)."""
+    from megatron_credit.conversion.hf_io import CheckpointFormatError, read_json
 
-    try:
-        meta = json.loads((ckpt / "meta.json").read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise ValueError(f"{str(ckpt / 'meta.json')!r} is not JSON: {e}") from None
+    meta = read_json(ckpt / "meta.json")
     if not isinstance(meta, dict):
-        raise ValueError(f"{str(ckpt / 'meta.json')!r} is not a JSON object")
+        raise CheckpointFormatError(ckpt / "meta.json", f"is a JSON {type(meta).__name__}, expected an object")
     return meta
 
 

@@ -23,12 +23,11 @@ a checkpoint resumes under any layout; the rest is the standard library and torc
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from megatron_credit.conversion.hf_io import CheckpointFormatError
+from megatron_credit.conversion.hf_io import CheckpointFormatError, read_json
 
 from megatron_credit.run_layout import CRITIC_OPTIM, MODEL_OPTIM, complete_checkpoints
 
@@ -38,10 +37,7 @@ def read_meta(path: str | os.PathLike) -> dict[str, Any]:
     meta_path = Path(path) / "meta.json"
     if not meta_path.is_file():
         raise CheckpointFormatError(meta_path, "is missing: not a complete run checkpoint")
-    try:
-        meta = json.loads(meta_path.read_bytes())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointFormatError(meta_path, f"is not valid JSON ({exc})") from None
+    meta = read_json(meta_path)
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or not isinstance(meta.get("layout"), dict):
         raise CheckpointFormatError(meta_path, "does not name an integer 'step' and a 'layout': not written by "
                                     "this trainer")
