@@ -7,7 +7,7 @@ from tests.support.runs import run_pretrain_rl
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["env.name=calc"], r"env.name: unknown environment 'calc'; valid names: \['none', 'calculator', 'feedback'\]"),
+    (["env.name=calc"], r"env.name: unknown environment 'calc'; valid names: \['none', 'calculator', 'feedback', 'openenv'\]"),
     (["env.name=calculator", "env.options.timeout_s=-1"], r"env.options.timeout_s must be > 0, got -1"),
     (["env.name=calculator", "env.options.bogus=1"], r"unknown field\(s\) \['bogus'\] in env.options"),
     (["env.max_turns=0"], r"env.max_turns must be >= 1"),
