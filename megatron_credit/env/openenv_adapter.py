@@ -47,8 +47,14 @@ def import_openenv() -> tuple[type, type]:
     """OpenEnv's ``(Action, Observation)`` base classes, or one ``ValueError`` saying how to install it."""
     try:
         from openenv.core.env_server.types import Action, Observation
-    except ImportError:
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] != "openenv":
+            raise ValueError(f"env.name=openenv: importing openenv failed ({exc}); it needs `{INSTALL_HINT}` with "
+                             "its dependencies") from None
         raise ValueError(f"env.name=openenv needs `{INSTALL_HINT}` (openenv is not installed)") from None
+    except ImportError as exc:  # installed, but one of its own imports failed
+        raise ValueError(f"env.name=openenv: importing openenv failed ({exc}); it needs `{INSTALL_HINT}` with its "
+                         "dependencies") from None
     return Action, Observation
 
 

@@ -7,6 +7,7 @@ The games need ``openenv-core`` (the ``openenv`` extra, not the test extra: it b
 import takes seconds); without it they are skipped, and the checks that need no library still run."""
 from __future__ import annotations
 
+import builtins
 import gc
 import importlib.util
 import sys
@@ -33,7 +34,8 @@ def records(truths, **extra):
 def test_a_game_through_the_adapter():
     from tests.env import openenv_targets as game
 
-    env = build_environment("openenv", {**OPTIONS, "end_texts": ["</s>"], "observation_text": "[{verdict} after {guesses}]"})
+    env = build_environment("openenv", {**OPTIONS, "end_texts": ["</s>"],
+                                        "observation_text": "[{verdict} after {guesses}]"})
     assert env.continues_after_eos and env.stop_texts == ()
     state = env.start(records(["7"])[0])
     assert state.env.state.target == 7  # reset(target=<the record's ground truth>)
@@ -43,7 +45,8 @@ def test_a_game_through_the_adapter():
     assert env.step(state, "7 7</s>") == StepResult(reward=game.HIT, done=True)
     assert state.env.closed  # an episode that is done closes its instance at once
     # The game's own end (max_guesses) is the episode's; a trajectory rubric's reward comes at that step.
-    late = build_environment("openenv", {**OPTIONS, "env": f"{TARGETS}:guess_at_the_end", "env_kwargs": {"max_guesses": 2}})
+    late = build_environment("openenv", {**OPTIONS, "env": f"{TARGETS}:guess_at_the_end",
+                                         "env_kwargs": {"max_guesses": 2}})
     state = late.start(records(["5"])[0])
     assert late.step(state, "1") == StepResult(observation="91", reward=0.0)
     assert late.step(state, "6") == StepResult(reward=0.0, done=True)  # lost: the rubric's 0
@@ -154,6 +157,21 @@ def test_without_the_library_the_error_is_one_line(monkeypatch):
         build_environment("openenv", OPTIONS)
     assert str(err.value) == "env.name=openenv needs `pip install openenv-core==0.3.0` (openenv is not installed)"
     assert "openenv" in ENVIRONMENTS
+
+
+def test_a_dependency_the_library_misses_is_named(monkeypatch):
+    """Installed, but a module it imports is missing (a broken install): not "not installed"."""
+    def failing_import(name, *args, **kwargs):
+        if name.startswith("openenv"):
+            raise ModuleNotFoundError("No module named 'gradio'", name="gradio")
+        return real_import(name, *args, **kwargs)
+
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", failing_import)
+    with pytest.raises(ValueError) as err:
+        build_environment("openenv", OPTIONS)
+    assert str(err.value) == ("env.name=openenv: importing openenv failed (No module named 'gradio'); it needs "
+                              "`pip install openenv-core==0.3.0` with its dependencies")
 
 
 @pytest.mark.parametrize("options, message", [
