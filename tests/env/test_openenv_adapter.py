@@ -37,6 +37,8 @@ def test_a_game_through_the_adapter():
     env = build_environment("openenv", {**OPTIONS, "end_texts": ["</s>"],
                                         "observation_text": "[{verdict} after {guesses}]"})
     assert env.continues_after_eos and env.stop_texts == ()
+    other = build_environment("openenv", {**OPTIONS, "stop_texts": ["</guess>"], "continues_after_eos": False})
+    assert other.stop_texts == ("</guess>",) and other.continues_after_eos is False  # what the loop reads
     state = env.start(records(["7"])[0])
     assert state.env.state.target == 7  # reset(target=<the record's ground truth>)
     assert env.step(state, "3 </s>") == StepResult(observation="[91 after 1]", reward=game.MISS)
