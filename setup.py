@@ -48,6 +48,11 @@ setup(
         # data.source: reasoning_gym (data/reasoning_gym_tasks.py), imported only when used; pure Python, no
         # torch. Pinned: its task names, options and scorers are what recipes and tests name.
         "reasoning-gym": ["reasoning-gym==0.1.25"],
+        # env.name: openenv (env/openenv_adapter.py), imported only when used. Pinned: the adapter is written
+        # against its Environment/Action/Observation API. Not in the test extra: it brings gradio and pandas
+        # (about 470 MB; a fresh venv took 2 min 21 s without pip's cache, 38 s with it, on 2 busy cores) and
+        # takes 5-10 s to import; the adapter's tests skip without it. gradio 6.31 needs pillow<13 and tomlkit<0.15: pip downgrades newer ones.
+        "openenv": ["openenv-core==0.3.0"],
         # gguf + accelerate: transformers' GGUF loading (megatron_credit/commands/import_gguf.py, the real model of the tests).
         # pytest-xdist: `make test` runs two test processes (Makefile: TEST_WORKERS).
         # peft: a LoRA run's exported adapter is loaded by peft itself (tests/conversion/test_lora_export.py).

@@ -366,8 +366,9 @@ class EnvConfig:
 
     name: str = "none"
     """``none`` (single-turn: one response per prompt), ``calculator``, ``feedback`` (a wrong answer gets
-    the verifier's verdict and another try; any ``data.source``), or one that a ``--plugin`` file
-    registers with ``@ENVIRONMENTS.register``."""
+    the verifier's verdict and another try; any ``data.source``), ``openenv`` (an environment written for
+    OpenEnv, ``pip install openenv-core==0.3.0``), or one that a ``--plugin`` file registers with
+    ``@ENVIRONMENTS.register``."""
     max_turns: PositiveInt = 4
     """Model turns per trajectory at most (each at most ``rollout.max_response_len`` tokens)."""
     max_total_tokens: PositiveInt = 512

@@ -7,9 +7,11 @@ from tests.support.runs import run_pretrain_rl
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["env.name=calc"], r"env.name: unknown environment 'calc'; valid names: \['none', 'calculator', 'feedback'\]"),
+    (["env.name=calc"],
+     r"env.name: unknown environment 'calc'; valid names: \['none', 'calculator', 'feedback', 'openenv'\]"),
     (["env.name=calculator", "env.options.timeout_s=-1"], r"env.options.timeout_s must be > 0, got -1"),
     (["env.name=calculator", "env.options.bogus=1"], r"unknown field\(s\) \['bogus'\] in env.options"),
+    (["env.name=openenv"], r"env.options.env must name the OpenEnv environment as 'module:factory', got ''"),
     (["env.max_turns=0"], r"env.max_turns must be >= 1"),
     (["env.step_timeout_s=0"], r"env.step_timeout_s must be > 0"),
     (["env.options.workers=2"], r"env.options \['workers'\] given without an environment: set env.name"),
