@@ -73,3 +73,14 @@ def test_the_recipe_runs_in_miniature(tmp_path):
         assert 0.0 <= r["accuracy/first_turn"] <= r["accuracy/mean"] <= 1.0
         assert 1.0 < r["rollout/turns_mean"] <= 3.0 and 0.0 < r["rollout/env_token_frac"] < 1.0
         assert r["env/errors"] == 0 and all(f"advantage/turn_{k}_abs_mean" in r for k in range(3))
+
+
+def test_a_warm_up_needs_a_source_whose_task_writes_traces():
+    from megatron_credit.recipe.config import recipe_from_dict
+    from tests.support.runs import TINY
+
+    data = os.path.join(ROOT, "examples", "data", "smollm2_add1.jsonl")
+    r = recipe_from_dict(TINY, overrides=["data.source=dataset", f"data.train_path={data}"])
+    assert [p for p in r.problems(r.model.hf_config(), world_size=1) if p.startswith("warmup.")] == [
+        "warmup.steps > 0 needs a data.source whose task writes warm-up traces (['reasoning_gym', 'synthetic_arith', "
+        "'synthetic_chain', 'synthetic_tool']), got 'dataset' (real runs start from a pretrained checkpoint)"]
