@@ -77,8 +77,9 @@ def draw(engine, sleep_s: float, *, lockstep: bool, seed: int):
     episodes = EpisodeEngine(timed, environment(sleep_s), Ids(), max_turns=TURNS, max_total_tokens=64,
                              step_timeout_s=60.0, threads=TRAJECTORIES, vocab_size=128, lockstep=lockstep)
     prompts = [[3 + k, 17, 42 - k] for k in range(TRAJECTORIES)]
-    records = [PromptRecord(uid=str(k), data_source="synthetic_arith", messages=(ChatMessage(role="user", content="x"),),
-                            ground_truth="1") for k in range(TRAJECTORIES)]
+    records = [PromptRecord(uid=str(k), data_source="synthetic_arith",
+                            messages=(ChatMessage(role="user", content="x"),), ground_truth="1")
+               for k in range(TRAJECTORIES)]
     params = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=(), n=1, seed=seed)
     t0 = time.perf_counter()
     batch = episodes.generate(prompts, params, group_ids=list(range(TRAJECTORIES)), records=records)

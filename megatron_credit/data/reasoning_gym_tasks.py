@@ -90,8 +90,8 @@ class ReasoningGymSource(PromptSource):
         """The task exists and takes its options (imports reasoning-gym, about a second); the synthetic
         tokenizer's byte pieces fit its vocabulary."""
         if self.config.tokenizer == "synthetic" and self.data.tokenizer_vocab_size < BYTE_FALLBACK_VOCAB:
-            raise ValueError(f"data.tokenizer_vocab_size must be >= {BYTE_FALLBACK_VOCAB} with "
-                             f"data.options.tokenizer: synthetic (256 byte pieces), got {self.data.tokenizer_vocab_size}")
+            raise ValueError(f"data.tokenizer_vocab_size must be >= {BYTE_FALLBACK_VOCAB} with data.options.tokenizer: "
+                             f"synthetic (256 byte pieces), got {self.data.tokenizer_vocab_size}")
         self.task(seed=0)
 
     def task(self, *, seed: int) -> "ReasoningGymTask":
