@@ -40,6 +40,7 @@ BENCHMARKS: tuple[tuple[str, float], ...] = (
     ("async_rollout.py", 480.0),  # 2026-12-05, defaults, 6 launches of 2 ranks
     ("credit_maps.py", 15.0),  # 2026-12-04, defaults, 2 cores shared with test runs
     ("host_syncs.py", 45.0),  # 2026-12-06, defaults, 2 cores shared with five other jobs
+    ("env_draw.py", 30.0),  # 2026-12-06, defaults, 2 cores shared with a training run
     ("tac_pooling.py", 25.0),  # 2026-12-07, defaults, 2 cores shared with three other jobs
 )
 """What ``make bench`` runs, in order, with the wall time each took when measured."""

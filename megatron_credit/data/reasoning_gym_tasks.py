@@ -12,8 +12,16 @@ its options::
 Training prompt ``k`` is problem ``k mod size`` of the task seeded with the run's seed; validation uses
 seed + 1. Each prompt is the task's question as a user message, after the system message
 ``system_prompt`` (a key of ``reasoning_gym.utils.SYSTEM_PROMPTS``, or a text of its own; null: none).
-The tokenizer is a Hugging Face one (``data.tokenizer_path``, else the model's). A prompt longer than
-``data.max_prompt_len`` tokens is refused with one line (the planner sizes memory for that length).
+The tokenizer is a Hugging Face one (``data.tokenizer_path``, else the model's), or, with
+``tokenizer: synthetic``, the project's sentencepiece tokenizer (``data/tokenizer.py``, ``data.tokenizer_vocab_size``
+pieces) with byte fallback, so that the tiny actor of the CPU demos, trained from scratch, reads any task's
+text: digits and operators are pieces, letters bytes. A prompt longer than ``data.max_prompt_len`` tokens is
+refused with one line (the planner sizes memory for that length).
+
+The task writes the supervised warm-up's traces (``warmup.steps``, ``trainer/warmup.py``): the answer, or, with
+probability ``warmup.retry_prob`` and an environment, a wrong first attempt (one digit of the answer
+changed), the environment's answer to it (``env/feedback.py``: "Wrong: 47. Try again."), and the answer
+(:meth:`ReasoningGymTask.warmup_turns`).
 
 >>> ReasoningGymSource.Config(task="basic_arithmetic", size=0)
 Traceback (most recent call last):
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -34,11 +43,15 @@ from megatron_credit.data.source_base import PROMPT_SOURCES, PromptData, PromptS
 
 DATA_SOURCE = "reasoning_gym"
 """The records' ``data_source``: the verifier ``rewards/reasoning_gym.py`` registers."""
+BYTE_FALLBACK_VOCAB = 300
+"""The smallest ``data.tokenizer_vocab_size`` of the synthetic tokenizer with byte fallback (``data/tokenizer.py``)."""
 
 
 @PROMPT_SOURCES.register("reasoning_gym")
 class ReasoningGymSource(PromptSource):
     """reasoning-gym's procedural tasks (module docstring)."""
+
+    warmup_traces = True
 
     @dataclass(frozen=True, kw_only=True)
     class Config(PromptSource.Config):
@@ -55,6 +68,9 @@ class ReasoningGymSource(PromptSource):
         word: its text), or the text itself (several words); null: none."""
         answer_tag: Optional[str] = "answer"
         """The answer is the response's last ``<tag>...</tag>``; null: the whole response (stripped)."""
+        tokenizer: str = "model"
+        """``model``: the Hugging Face tokenizer (``data.tokenizer_path``, else the model's); ``synthetic``: the
+        project's sentencepiece tokenizer with byte fallback (module docstring), for a model trained from scratch."""
 
         def __post_init__(self) -> None:
             if not isinstance(self.task, str) or not self.task:
@@ -65,11 +81,17 @@ class ReasoningGymSource(PromptSource):
             if clash:
                 raise ValueError(f"data.options.task_options must not set {clash}: the run's seed and "
                                  "data.options.size set them")
+            if self.tokenizer not in ("model", "synthetic"):
+                raise ValueError(f"data.options.tokenizer must be 'model' or 'synthetic', got {self.tokenizer!r}")
             if self.answer_tag is not None and not (self.answer_tag.isidentifier()):
                 raise ValueError(f"data.options.answer_tag must be a tag name such as 'answer', got {self.answer_tag!r}")
 
     def check(self) -> None:
-        """The task exists and takes its options (imports reasoning-gym, about a second)."""
+        """The task exists and takes its options (imports reasoning-gym, about a second); the synthetic
+        tokenizer's byte pieces fit its vocabulary."""
+        if self.config.tokenizer == "synthetic" and self.data.tokenizer_vocab_size < BYTE_FALLBACK_VOCAB:
+            raise ValueError(f"data.tokenizer_vocab_size must be >= {BYTE_FALLBACK_VOCAB} with data.options.tokenizer: "
+                             f"synthetic (256 byte pieces), got {self.data.tokenizer_vocab_size}")
         self.task(seed=0)
 
     def task(self, *, seed: int) -> "ReasoningGymTask":
@@ -95,14 +117,23 @@ class ReasoningGymSource(PromptSource):
         system = c.system_prompt if literal or c.system_prompt is None else rg.utils.SYSTEM_PROMPTS[c.system_prompt]
         return ReasoningGymTask(dataset, task=c.task, config=config, system=system, answer_tag=c.answer_tag)
 
+    def tokenizer(self, model_path: Optional[str]):
+        """The prompts' tokenizer (``data.options.tokenizer``)."""
+        if self.config.tokenizer == "model":
+            return hf_tokenizer_of(self.data, model_path)
+        from megatron_credit.data.tokenizer import ArithTokenizerConfig, load_arith_tokenizer
+
+        return load_arith_tokenizer(ArithTokenizerConfig(vocab_size=self.data.tokenizer_vocab_size,
+                                                         byte_fallback=True, answer_prefix=False))
+
     def build(self, *, seed, model_path, val_every, val_prompts, log):
-        tokenizer = hf_tokenizer_of(self.data, model_path)
+        tokenizer = self.tokenizer(model_path)
         limit = self.data.max_prompt_len
         val = None
         if val_every:
             val = ReasoningGymPrompts(self.task(seed=seed + 1), tokenizer, max_prompt_len=limit).take(val_prompts)
-        return PromptData(tokenizer, ReasoningGymPrompts(self.task(seed=seed), tokenizer, max_prompt_len=limit),
-                          val, None)
+        task = self.task(seed=seed)
+        return PromptData(tokenizer, ReasoningGymPrompts(task, tokenizer, max_prompt_len=limit), val, task)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +159,49 @@ class ReasoningGymTask:
                            sort_keys=True, default=str)
         return PromptRecord(uid=f"{DATA_SOURCE}:{self.task}:{self.config['seed']}:{i}", data_source=DATA_SOURCE,
                             messages=messages, ground_truth=truth, extra_info={"index": i, "task": self.task})
+
+    def warmup_turns(self, index: int, rng: random.Random, *, retry_prob: float = 0.0, env: Any = None,
+                     eos_id: int = -1) -> list[tuple[str | list[int], bool]]:
+        """The warm-up trace of problem ``index`` as ``(text or token ids, is the model's)`` pieces, in the
+        order the rollout appends them: the answer (in its ``<answer_tag>``), or, with probability
+        ``retry_prob`` (one ``rng`` draw) and an ``env`` (the run's environment) that answers it without
+        ending the episode, a wrong attempt and ``eos_id`` (each attempt ends on EOS), the observation
+        ``env.step`` returns for it, and the answer. The stop token after the last piece is the caller's.
+
+        >>> from megatron_credit.env.feedback import Feedback
+        >>> task = ReasoningGymSource.from_section(type("D", (), {"options": {"task": "basic_arithmetic",
+        ...     "answer_tag": None}})).task(seed=0)
+        >>> task.record(1).messages[-1].content, task.warmup_turns(1, random.Random(0))
+        ('Calculate 5 - 3 - 6.', [('-4', True)])
+        >>> task.warmup_turns(1, random.Random(0), retry_prob=1.0, env=Feedback(Feedback.Config()), eos_id=3)
+        [('-0', True), ([3], True), ('\\nWrong: -0. Try again.\\n', False), ('-4', True)]
+        """
+        rec = self.record(index)
+        answer = str(self.dataset[index % self.config["size"]]["answer"])
+        if env is not None and rng.random() < retry_prob:
+            wrong = _slip(answer, rng)
+            res = env.step(env.start(rec), self._tagged(wrong)) if wrong is not None else None
+            if res is not None and not res.done:
+                return [(self._tagged(wrong), True), ([eos_id], True), (res.observation, False),
+                        (self._tagged(answer), True)]
+        return [(self._tagged(answer), True)]
+
+    def _tagged(self, answer: str) -> str:
+        return answer if self.answer_tag is None else f"<{self.answer_tag}>{answer}</{self.answer_tag}>"
+
+
+def _slip(answer: str, rng: random.Random) -> Optional[str]:
+    """``answer`` with one of its digits (chosen by ``rng``) replaced by another digit; None when it has none.
+
+    >>> _slip("-47", random.Random(0)), _slip("none", random.Random(0))
+    ('-46', None)
+    """
+    places = [i for i, c in enumerate(answer) if c.isdigit()]
+    if not places:
+        return None
+    i = rng.choice(places)
+    digit = rng.choice([d for d in "0123456789" if d != answer[i]])
+    return answer[:i] + digit + answer[i + 1:]
 
 
 class ReasoningGymPrompts(_Cursor):

@@ -5,7 +5,7 @@ its own imports these from here. Nothing heavy is imported at module level."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, ClassVar, NamedTuple
 
 from megatron_credit.registry import Registry
 from megatron_credit.typed_build import build_dataclass
@@ -21,7 +21,7 @@ class PromptData(NamedTuple):
     val: Any
     """The validation prompts (a list of records), or None when ``train.val_every`` is 0 or there are none."""
     task: Any
-    """The synthetic task the warm-up trains on, or None."""
+    """The task the supervised warm-up trains on (``trainer/warmup.py``), or None."""
 
 
 class PromptSource:
@@ -30,6 +30,10 @@ class PromptSource:
     @dataclass(frozen=True, kw_only=True)
     class Config:
         """A source's options (a recipe's ``data.options``); this one has none."""
+
+    warmup_traces: ClassVar[bool] = False
+    """Its :class:`PromptData` has a ``task`` that writes the supervised warm-up's traces (``warmup.steps > 0``
+    needs one): the synthetic tasks and reasoning-gym's."""
 
     def __init__(self, data: Any, config: "PromptSource.Config") -> None:
         self.data, self.config = data, config

@@ -328,6 +328,7 @@ class Recipe:
         The one set of layout checks: :meth:`validate` (the trainer, ``pretrain_rl.py``) refuses the first,
         the memory planner (``planning.plan``, ``--dry-run``) lists them all."""
         from megatron_credit.models.hf_config import check_parallel_fits_model, check_sequence_length
+        from megatron_credit.data.sources import PROMPT_SOURCES
         from megatron_credit.recipe.sections import SYNTHETIC_SOURCES, launcher_problem
 
         out: list[str] = []
@@ -373,9 +374,13 @@ class Recipe:
         if self.data.source == "synthetic_tool" and not e.enabled:
             out.append("data.source=synthetic_tool leaves the answer's form to the model, which is meant to call a "
                        "tool: set env.name (calculator)")
-        if w.steps and self.data.source not in SYNTHETIC_SOURCES:
-            out.append(f"warmup.steps > 0 needs data.source in {SYNTHETIC_SOURCES} (real runs start from a "
-                       "pretrained checkpoint)")
+        if w.steps and not PROMPT_SOURCES.get(self.data.source).warmup_traces:
+            able = [n for n in PROMPT_SOURCES.names() if PROMPT_SOURCES.get(n).warmup_traces]
+            out.append(f"warmup.steps > 0 needs a data.source whose task writes warm-up traces ({able}), got "
+                       f"{self.data.source!r} (real runs start from a pretrained checkpoint)")
+        if w.steps and w.retry_prob and not e.enabled:
+            out.append(f"warmup.retry_prob={w.retry_prob} needs an environment (env.name) that answers the wrong "
+                       "first attempts of the warm-up's traces")
         if w.steps and w.batch_size % dp:
             out.append(f"warmup.batch_size={w.batch_size} must be divisible by DP={dp}")
         return out

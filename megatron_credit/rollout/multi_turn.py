@@ -523,3 +523,18 @@ def episode_rewards(samples: Sequence[RolloutSample], rewards: torch.Tensor,
             rewards[i], correct[i] = ABORTED_SCORE, False
         rewards[i] += float(sum(ep.turn_rewards))
     return rewards, correct
+
+
+def first_turn_correct(samples: Sequence[RolloutSample], correct: torch.Tensor) -> torch.Tensor:
+    """``[B]`` bool: the trajectories that are correct and played one model turn: with the feedback
+    environment (a correct attempt ends the episode) the ones whose first attempt was right, with the
+    calculator the ones answered without a call. ``correct``: the trajectories' final verdicts
+    (:func:`episode_rewards`); a single-turn sample counts as its verdict.
+
+    >>> ep = lambda k: RolloutSample(prompt_ids=[1], response_ids=[2], logprobs=torch.zeros(1), group_id=0,
+    ...     sample_index=0, status=FinishStatus.STOPPED, logprobs_mode="raw", episode=Episode(turn_rewards=(0.0,) * k))
+    >>> first_turn_correct([ep(1), ep(2), ep(1)], torch.tensor([True, True, False])).tolist()
+    [True, False, False]
+    """
+    one = torch.tensor([s.episode is None or s.episode.turns == 1 for s in samples], dtype=torch.bool)
+    return correct.bool().cpu() & one

@@ -60,26 +60,32 @@ class SampleRouter:
                         "rollout/engines": float(engines), "rollout/partial_draws": float(partial), **self.last_sync})
         metrics["rollout/tokens"] = self._dp_sum(batch.seq_lens.sum().float())
         if padded.obs_mask is not None:
-            metrics.update(self._episode_metrics(samples, padded))
+            metrics.update(self._episode_metrics(samples, padded, batch.correct))
         metrics.update(self._transfer_metrics())
         metrics.update(self._pool_metrics(pool_sums, iteration, engines=engines))
         return batch, metrics
 
-    def _episode_metrics(self, samples: list, padded) -> dict[str, float]:
-        """Multi-turn: ``rollout/turns_mean`` and ``rollout/tool_calls_mean`` (per trajectory),
+    def _episode_metrics(self, samples: list, padded, correct: torch.Tensor) -> dict[str, float]:
+        """Multi-turn: ``accuracy/first_turn`` (the share of trajectories correct after one model turn,
+        ``rollout.multi_turn.first_turn_correct``: with the feedback environment, right at the first
+        attempt; ``accuracy/mean`` is after the feedback), ``rollout/turns_mean`` and
+        ``rollout/tool_calls_mean`` (per trajectory),
         ``rollout/env_token_frac`` (the environment's share of the response tokens), ``env/errors`` (environment
         failures: trajectories ended by the abort rule), ``env/failed_frac`` (their share of the trajectories),
         ``env/error_reasons`` (``{reason: trajectories}``, only when some failed) and ``env/tool_errors`` (calls
         answered with the error observation), over the data-parallel group."""
+        from megatron_credit.rollout.multi_turn import first_turn_correct
+
         eps = [s.episode for s in samples if s.episode is not None]
         sums = torch.tensor([len(samples), sum(e.turns for e in eps), sum(e.tool_calls for e in eps),
                              float(padded.obs_mask.sum()), float((padded.response_mask | padded.obs_mask).sum()),
-                             sum(e.env_errors for e in eps), sum(e.tool_errors for e in eps)],
+                             sum(e.env_errors for e in eps), sum(e.tool_errors for e in eps),
+                             float(first_turn_correct(samples, correct).sum())],
                             dtype=torch.float64).to(self.device)
         if self.dp_size > 1:
             dist.all_reduce(sums, group=self.dp_group)
-        n, turns, calls, env_tokens, tokens, errors, tool_errors = sums.tolist()
-        out = {"rollout/turns_mean": turns / max(n, 1), "rollout/tool_calls_mean": calls / max(n, 1),
+        n, turns, calls, env_tokens, tokens, errors, tool_errors, first = sums.tolist()
+        out = {"accuracy/first_turn": first / max(n, 1), "rollout/turns_mean": turns / max(n, 1), "rollout/tool_calls_mean": calls / max(n, 1),
                "rollout/env_token_frac": env_tokens / max(tokens, 1), "env/errors": errors,
                "env/failed_frac": errors / max(n, 1), "env/tool_errors": tool_errors}
         if errors:  # the reasons, which every rank of the group then holds (an object collective: only then)

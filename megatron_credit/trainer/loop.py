@@ -210,7 +210,7 @@ def restore(run: Run, recipe, *, log, timings: dict[str, float]) -> int:
         t0 = time.perf_counter()
         cached = run_warmup(actor, run.task, run.tokenizer, w=recipe.warmup, model=recipe.model,
                             parallel=recipe.parallel, data=recipe.data, seed=recipe.seed, dp_rank=actor.dp_rank,
-                            dp_size=layout["dp"], seq_multiple=ctx.seq_multiple,
+                            dp_size=layout["dp"], seq_multiple=ctx.seq_multiple, env=recipe.env,
                             log=log if rank0 else (lambda *_: None))
         actor.reset_reference()
         timings["warmup_s"] = time.perf_counter() - t0

@@ -35,7 +35,8 @@ def test_seeded_prompts_are_deterministic(tok_dir):
     train = stream.take(4)
     _, again, val2, _ = build_data(d, seed=7, model_path=None, val_every=1, val_prompts=3)
     assert [r.messages for r in again.take(4)] == [r.messages for r in train]
-    assert [r.prompt_ids for r in val2] == [r.prompt_ids for r in val] and task is None
+    assert [r.prompt_ids for r in val2] == [r.prompt_ids for r in val]
+    assert task.record(0).messages == train[0].messages  # the warm-up's task is the training stream's
     assert [r.messages for r in val] != [r.messages for r in train[:3]]  # validation is seed + 1
     other = build_data(d, seed=8, model_path=None, val_every=0, val_prompts=3)[1].take(4)
     assert [r.messages for r in other] != [r.messages for r in train]
@@ -81,7 +82,11 @@ def test_bad_task_or_option_is_one_line():
                            ({"task": "basic_arithmetic", "task_options": {"min_terms": 0}},
                             "data.options.task_options: reasoning-gym task 'basic_arithmetic' refuses"),
                            ({"task": "basic_arithmetic", "task_options": {"seed": 1}},
-                            "data.options.task_options must not set ['seed']")]:
+                            "data.options.task_options must not set ['seed']"),
+                           ({"task": "basic_arithmetic", "tokenizer": "bpe"},
+                            "data.options.tokenizer must be 'model' or 'synthetic', got 'bpe'"),
+                           ({"task": "basic_arithmetic", "tokenizer": "synthetic"},  # data.tokenizer_vocab_size 64
+                            "data.tokenizer_vocab_size must be >= 300 with data.options.tokenizer: synthetic")]:
         with pytest.raises(ValueError) as err:
             DataConfig(source="reasoning_gym", options=options)
         assert str(err.value).startswith(start) and "\n" not in str(err.value), str(err.value)

@@ -255,8 +255,9 @@ def test_a_hostile_environments_output_is_an_environment_failure(hf, env_cls, wh
     rewards, correct = episode_rewards(batch.samples, torch.ones(12), torch.ones(12, dtype=torch.bool))
     assert rewards.tolist() == [-1.0] * 12 and not correct.any()
     router = SimpleNamespace(device=torch.device("cpu"), dp_size=1, dp_group=None)
-    metrics = SampleRouter._episode_metrics(router, batch.samples, batch.to_padded(pad_token_id=0))
+    metrics = SampleRouter._episode_metrics(router, batch.samples, batch.to_padded(pad_token_id=0), correct)
     assert (metrics["env/errors"], metrics["env/failed_frac"], metrics["env/error_reasons"]) == (12, 1.0, {why: 12})
+    assert metrics["accuracy/first_turn"] == 0.0  # aborted: incorrect, though each played one turn
     guard = EnvironmentGuard(name="hostile", max_failed_iterations=2)
     assert guard.lines(7, metrics) == [f"iteration 7: env hostile failed on 12 trajectories (ended by the abort rule): "
                                        f"{why}"]
@@ -274,8 +275,11 @@ def test_an_environment_failing_on_some_trajectories_does_not_stop_the_run(hf):
 
     batch = _episodes(hf, Raises).generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
     router = SimpleNamespace(device=torch.device("cpu"), dp_size=1, dp_group=None)
-    metrics = SampleRouter._episode_metrics(router, batch.samples, batch.to_padded(pad_token_id=0))
+    metrics = SampleRouter._episode_metrics(router, batch.samples, batch.to_padded(pad_token_id=0),
+                                            torch.ones(12, dtype=torch.bool))
     failed = sum(s.episode.env_errors for s in batch.samples)
+    one_turn = sum(s.episode.turns == 1 for s in batch.samples)
+    assert 0 < one_turn < 12 and metrics["accuracy/first_turn"] == one_turn / 12  # every verdict correct here
     assert 0 < failed < 12 and metrics["env/failed_frac"] == failed / 12
     assert metrics["env/error_reasons"] == {"environment step raised RuntimeError: the tool's server is down": failed}
     guard = EnvironmentGuard(name="raises", max_failed_iterations=1)
@@ -504,3 +508,46 @@ def test_lockstep_waits_for_every_step_of_the_turn(hf):
     batch = ep.generate(EIGHT, _params(n=1, max_new_tokens=4), group_ids=list(range(8)), records=EIGHT_RECORDS)
     going = [[k for k, s in enumerate(batch.samples) if s.episode.turns > t] for t in (1, 2)]
     assert inner.calls == [list(range(8)), *going]
+
+
+class Scripted:
+    """An engine that answers trajectory ``g``'s turn ``k`` with ``script[g][k]`` (token ids) and EOS."""
+
+    def __init__(self, script):
+        self.script, self.turn = script, {}
+
+    def generate(self, prompts, params, *, group_ids=None):
+        from megatron_credit.rollout.types import RolloutSample
+
+        out = []
+        for p, g in zip(prompts, group_ids):
+            k = self.turn.get(g, 0)
+            self.turn[g] = k + 1
+            ids = list(self.script[g][k]) + [EOS]
+            out.append(RolloutSample(prompt_ids=list(p), response_ids=ids, logprobs=torch.zeros(len(ids)),
+                                     status=FinishStatus.STOPPED, group_id=g, sample_index=0, logprobs_mode="raw"))
+        return RolloutBatch(samples=out)
+
+
+def test_first_turn_accuracy_separates_the_first_attempt_from_the_final_one():
+    """The feedback environment on four scripted trajectories (the answer is 1): right at once, right at the
+    second attempt, wrong three times, right at once. The final verdicts are 3 of 4 correct; the first
+    attempts 2 of 4 (``accuracy/first_turn``)."""
+    from megatron_credit.env.feedback import Feedback
+    from megatron_credit.rewards.math import compute_score_for_source
+    from megatron_credit.rollout.multi_turn import first_turn_correct
+
+    env = Feedback(Feedback.Config(incorrect_text="90 91", no_answer_text="92", end_texts=(str(EOS),)))
+    script = {0: [[1]], 1: [[4], [1]], 2: [[4], [5], [6]], 3: [[1]]}
+    ep = EpisodeEngine(Scripted(script), env, Tok(), max_turns=3, max_total_tokens=40, step_timeout_s=5.0,
+                       vocab_size=VOCAB)
+    batch = ep.generate([[7], [8], [9], [10]], _params(n=1), group_ids=[0, 1, 2, 3],
+                        records=[RECORDS[0]] * 4).samples
+    assert [s.episode.turns for s in batch] == [1, 2, 3, 1]
+    assert batch[1].response_ids == [4, EOS, 90, 91, 1, EOS]
+    verdicts = [compute_score_for_source(scored_text(Tok(), s), "1", data_source="synthetic_arith") for s in batch]
+    rewards, correct = episode_rewards(batch, torch.tensor([v.score for v in verdicts]),
+                                       torch.tensor([v.correct for v in verdicts]))
+    assert correct.tolist() == [True, True, False, True]
+    assert first_turn_correct(batch, correct).tolist() == [True, False, False, True]
+    assert first_turn_correct(batch, correct).float().mean().item() == 0.5
