@@ -23,13 +23,17 @@ from types import ModuleType
 from typing import Iterable
 
 
+PLUGIN_MODULE_PREFIX = "megatron_credit_plugin_"
+"""The module name of a plugin loaded from a ``.py`` path is this prefix and the file's stem."""
+
+
 def load_plugin(spec: str) -> ModuleType:
     """Import one plugin (a ``.py`` file or a module name) and return its module."""
     if spec.endswith(".py") or os.sep in spec:
         path = os.path.abspath(spec)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"--plugin {spec}: no such file")
-        name = "megatron_credit_plugin_" + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+        name = PLUGIN_MODULE_PREFIX + re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
         if name in sys.modules and getattr(sys.modules[name], "__file__", None) == path:
             return sys.modules[name]
         module_spec = importlib.util.spec_from_file_location(name, path)

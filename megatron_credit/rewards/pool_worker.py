@@ -11,7 +11,8 @@ Protocol (pickled messages): the worker sends ``"ready"`` once warmed up; it the
 ``(seq, [(idx, module, qualname, response, ground_truth), ...])`` or ``None`` (exit), and answers
 ``(seq, idx, ok, payload)`` per item, in order (``payload`` is the ``RewardRecord`` or an error
 message). The verifier is named by module and qualified name and imported here, so an import error is
-one failed item, not a dead worker.
+one failed item, not a dead worker. A verifier of a ``--plugin`` file is named by the file's path, which
+the worker loads as the trainer did (``algorithm/plugins.py``).
 """
 from __future__ import annotations
 
@@ -26,7 +27,14 @@ READY = "ready"
 
 
 def _lookup(module: str, qualname: str):
-    obj = importlib.import_module(module)
+    """The verifier ``qualname`` of a module, or of a ``--plugin`` file when ``module`` is its ``.py`` path
+    (loaded under the name the trainer gave it, so that what it registers matches)."""
+    if module.endswith(".py"):
+        from megatron_credit.algorithm.plugins import load_plugin
+
+        obj = load_plugin(module)
+    else:
+        obj = importlib.import_module(module)
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj

@@ -213,6 +213,30 @@ def test_unsendable_verifier_is_a_value_error_naming_the_method(pool):
     pickle.dumps(_slow_echo)  # module-level functions of an importable module are fine
 
 
+def test_a_verifier_of_a_plugin_file_scores_in_the_workers(pool, tmp_path):
+    """A verifier that a ``--plugin`` file registers (loaded by path, under a module name no worker can
+    import) is sent as the file's path: the workers load the file and score with it."""
+    from megatron_credit.algorithm.plugins import load_plugin
+
+    plugin = tmp_path / "my_verifier.py"
+    plugin.write_text(
+        "from megatron_credit.rewards.base import REWARD_FNS, graded\n"
+        "import os\n"
+        "def last_word(response, ground_truth):\n"
+        "    return graded(response.split()[-1] == ground_truth, f'{response.split()[-1]}@{os.getpid()}')\n"
+        "if 'test_plugin_last_word' not in REWARD_FNS:\n"
+        "    REWARD_FNS.add('test_plugin_last_word', last_word)\n")
+    module = load_plugin(str(plugin))
+    assert module.__name__ == "megatron_credit_plugin_my_verifier"
+    items = [RewardItem(response=f"so it is {w}", ground_truth="blue", method="test_plugin_last_word")
+             for w in ("blue", "red", "blue", "green")]
+    records, metrics = pool.score_batch(items)
+    assert metrics["reward_pool/errors"] == 0
+    assert [r.correct for r in records] == [True, False, True, False]
+    words, pids = zip(*(r.extracted.split("@") for r in records))
+    assert words == ("blue", "red", "blue", "green") and str(os.getpid()) not in pids  # scored in the workers
+
+
 def test_blocked_parent_does_not_time_out_healthy_workers(monkeypatch):
     # While the parent is busy (a slow replacement start, a loaded machine) for longer than timeout_s,
     # a healthy worker's answers pile up unread; they must be read before its deadline is judged.
