@@ -78,6 +78,18 @@ def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
     return (int(seed) * 1_000_003 + 7919 * turn) % (2**63 - 1)
 
 
+def longest_token_chars(tokenizer) -> Optional[int]:
+    """An upper bound on the characters of text one token covers: the longest entry of the tokenizer's
+    vocabulary as it spells it (a byte-level BPE spells each byte as one character, a sentencepiece one a
+    space as one ``▁``, a byte-fallback token as ``<0x0A>``: never shorter than the text it stands for);
+    None when the tokenizer has no ``get_vocab``. ``k`` tokens cover at most ``k`` times it, so an
+    observation longer than the room left times it is cut to that many characters before it is tokenized:
+    a 100,000-character observation costs the tokens it can use, not a tokenization of all of it."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    vocab = get_vocab() if callable(get_vocab) else None
+    return max((len(t) for t in vocab), default=None) if isinstance(vocab, dict) and vocab else None
+
+
 def single_token(tokenizer, text: str, *, field: str) -> int:
     """The one token id of ``text`` (an environment's stop text must be one token: the engine stops on ids)."""
     ids = tokenizer.encode(text)
@@ -297,6 +309,7 @@ class EpisodeEngine:
         self.errors: collections.Counter[str] = collections.Counter()
         """Why the environment failed (the one-line reasons, counted), over the engine's life; each failed
         trajectory's reason is also its sample's ``error``."""
+        self._token_chars = longest_token_chars(tokenizer)
         self._executor = StepThreads(threads)
 
     # -- the wrapped engine's --------------------------------------------------------------------------
@@ -423,8 +436,14 @@ class EpisodeEngine:
             tr.status = FinishStatus.TRUNCATED  # the environment wanted another turn
             return False
         obs = res.observation
-        ids = list(obs) if not isinstance(obs, str) else self.tokenizer.encode(obs)
         room = self.max_total_tokens - len(tr.response)
+        if isinstance(obs, str):
+            if self._token_chars is not None and len(obs) > (room + 1) * self._token_chars:
+                # more than the room holds: only a prefix that still makes more than ``room`` tokens is tokenized
+                obs = obs[:(room + 1) * self._token_chars]
+            ids = self.tokenizer.encode(obs)
+        else:
+            ids = list(obs)
         if len(ids) >= room:  # no room left for the model's next turn: cut here, flagged TRUNCATED
             tr.add(ids[:room], torch.zeros(len(ids[:room])), action=False, turn=turn)
             tr.status = FinishStatus.TRUNCATED

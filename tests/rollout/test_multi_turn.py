@@ -300,6 +300,37 @@ def test_a_long_observation_is_cut_to_the_budget_and_flagged(hf):
         assert s.status == FinishStatus.TRUNCATED and s.episode.env_errors == 0 and s.error == ""
 
 
+class SpyTok(Tok):
+    """Tok with a vocabulary as it spells it (``"61 "``: a token covers its digits and a space) that records
+    the length of every text it encodes."""
+
+    def __init__(self):
+        self.encoded: list[int] = []
+
+    def get_vocab(self):
+        return {f"{i} ": i for i in range(128)}
+
+    def encode(self, text):
+        self.encoded.append(len(text))
+        return super().encode(text)
+
+
+def test_a_long_observation_is_tokenized_only_as_far_as_the_budget_reaches(hf):
+    """A 100,000-character observation with 40 tokens of budget: what is tokenized is a prefix of at most
+    (room + 1) x the longest token's spelling (4 characters here), and the trajectory is the same as when
+    the whole text is tokenized (the test above, without a vocabulary to bound by)."""
+    from megatron_credit.rollout.multi_turn import longest_token_chars
+
+    tok = SpyTok()
+    assert longest_token_chars(tok) == 4 and longest_token_chars(Tok()) is None
+    engine = EpisodeEngine(hf, Verbose(Verbose.Config()), tok, max_turns=4, max_total_tokens=40, step_timeout_s=5.0)
+    batch = engine.generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    assert tok.encoded and max(tok.encoded) <= 41 * 4 < 100_000
+    whole = _episodes(hf, Verbose).generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
+    for s, w in zip(batch.samples, whole.samples):
+        assert s.response_ids == w.response_ids and s.status == w.status == FinishStatus.TRUNCATED
+
+
 def test_trajectories_cross_the_wire(hf):
     from megatron_credit.rollout.wire import decode, encode, payload_bytes
 
