@@ -58,6 +58,10 @@ from megatron_credit.rewards.base import REWARD_FNS, RewardRecord, incorrect, me
 from megatron_credit.rewards.pool_worker import READY
 
 _START_TIMEOUT_S = 120.0  # a worker start is imports + one warm-up call; generous for loaded machines
+IMPORT_GRACE_S = 60.0
+"""Added to the first item's deadline of a chunk that names a verifier module the worker has not imported
+yet: the worker imports a chunk's modules before its first item, and a task library's import (reasoning-gym:
+1.4 s on a quiet machine, several under load) must not count as that item's timeout."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -118,6 +122,8 @@ class _Worker:
         """When the item ``owed[0]`` times out (inf while idle)."""
         self.ready = False
         self.start_deadline = time.monotonic() + _START_TIMEOUT_S
+        self.modules: set[str] = set()
+        """The verifier modules sent to this worker so far (it has imported them, or failed to)."""
 
     def poll_ready(self, timeout: float = 0.0) -> bool:
         """Whether the worker has reported ready (waiting up to ``timeout`` s for it).
@@ -292,7 +298,9 @@ class RewardPool:
             n = min(self.config.chunk_size, share)
             chunk = [pending.popleft() for _ in range(n)]
             w.owed.extend(chunk)  # before send: if send raises, the handler knows w owes answers
-            w.deadline = time.monotonic() + self.config.timeout_s
+            new = {tasks[i][1] for i in chunk} - w.modules
+            w.modules |= new
+            w.deadline = time.monotonic() + self.config.timeout_s + (IMPORT_GRACE_S if new else 0.0)
             try:
                 w.conn.send((self._seq, [tasks[i] for i in chunk]))
             except (OSError, ValueError):  # died after the check: nothing was attempted, re-queue

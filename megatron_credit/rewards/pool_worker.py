@@ -11,7 +11,8 @@ Protocol (pickled messages): the worker sends ``"ready"`` once warmed up; it the
 ``(seq, [(idx, module, qualname, response, ground_truth), ...])`` or ``None`` (exit), and answers
 ``(seq, idx, ok, payload)`` per item, in order (``payload`` is the ``RewardRecord`` or an error
 message). The verifier is named by module and qualified name and imported here, so an import error is
-one failed item, not a dead worker. A verifier of a ``--plugin`` file is named by the file's path, which
+one failed item, not a dead worker. A chunk's modules are imported before its first item: the pool gives a
+chunk that names a module new to the worker a longer first deadline (``pool.IMPORT_GRACE_S``). A verifier of a ``--plugin`` file is named by the file's path, which
 the worker loads as the trainer did (``algorithm/plugins.py``).
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _lookup(module: str, qualname: str):
         obj = load_plugin(module)
     else:
         obj = importlib.import_module(module)
-    for part in qualname.split("."):
+    for part in qualname.split(".") if qualname else ():
         obj = getattr(obj, part)
     return obj
 
@@ -71,6 +72,11 @@ def main(fd: int, memory_limit_bytes: int = 0) -> None:
         pass
     conn.send(READY)
     for seq, chunk in requests(conn):
+        for module in dict.fromkeys(item[1] for item in chunk):  # imports first: the pool's grace covers them
+            try:
+                _lookup(module, "")
+            except Exception:  # noqa: BLE001  (the item that needs it fails with the error below)
+                pass
         for idx, module, qualname, response, ground_truth in chunk:
             try:
                 record = _lookup(module, qualname)(response, ground_truth)

@@ -237,6 +237,36 @@ def test_a_verifier_of_a_plugin_file_scores_in_the_workers(pool, tmp_path):
     assert words == ("blue", "red", "blue", "green") and str(os.getpid()) not in pids  # scored in the workers
 
 
+def test_a_verifier_module_slow_to_import_is_not_a_timeout(tmp_path):
+    """A task library's verifier module that takes longer to import than the per-item timeout: the first
+    chunk a worker gets that names it has IMPORT_GRACE_S more, every item scores, none times out; the next
+    batch (module imported) has the plain deadline."""
+    from megatron_credit.algorithm.plugins import load_plugin
+
+    plugin = tmp_path / "slow_import_verifier.py"
+    plugin.write_text(
+        "import os, time\n"
+        "from megatron_credit.rewards.base import REWARD_FNS, graded\n"
+        "if os.environ.get('MC_TEST_PARENT') != str(os.getpid()):\n"
+        "    time.sleep(2.5)  # a heavy library's import, in the workers\n"
+        "def same(response, ground_truth):\n"
+        "    return graded(response == ground_truth, response)\n"
+        "if 'test_slow_import' not in REWARD_FNS:\n"
+        "    REWARD_FNS.add('test_slow_import', same)\n")
+    os.environ["MC_TEST_PARENT"] = str(os.getpid())
+    try:
+        load_plugin(str(plugin))
+        items = [RewardItem(response=str(i % 3), ground_truth="1", method="test_slow_import") for i in range(6)]
+        with RewardPool(RewardPoolConfig(num_workers=2, timeout_s=1.0, chunk_size=3)) as p:
+            for _ in range(2):
+                records, metrics = p.score_batch(items)
+                assert metrics["reward_pool/timeouts"] == 0 and metrics["reward_pool/errors"] == 0
+                assert [r.correct for r in records] == [i % 3 == 1 for i in range(6)]
+            assert all(w.modules == {str(plugin)} for w in p._workers)
+    finally:
+        del os.environ["MC_TEST_PARENT"]
+
+
 def test_blocked_parent_does_not_time_out_healthy_workers(monkeypatch):
     # While the parent is busy (a slow replacement start, a loaded machine) for longer than timeout_s,
     # a healthy worker's answers pile up unread; they must be read before its deadline is judged.
