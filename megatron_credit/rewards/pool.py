@@ -55,13 +55,13 @@ from typing import Callable, Sequence
 
 from megatron_credit.rewards import math as _builtin_methods  # noqa: F401  (registers the built-in methods)
 from megatron_credit.rewards.base import REWARD_FNS, RewardRecord, incorrect, method_for_data_source
-from megatron_credit.rewards.pool_worker import READY
+from megatron_credit.rewards.pool_worker import IMPORTED, READY
 
 _START_TIMEOUT_S = 120.0  # a worker start is imports + one warm-up call; generous for loaded machines
 IMPORT_GRACE_S = 60.0
 """Added to the first item's deadline of a chunk that names a verifier module the worker has not imported
-yet: the worker imports a chunk's modules before its first item, and a task library's import (reasoning-gym:
-1.4 s on a quiet machine, several under load) must not count as that item's timeout."""
+yet, until the worker says the imports are done (``pool_worker.IMPORTED``): a task library's import
+(reasoning-gym: 1.4 s on a quiet machine, several under load) must not count as an item's timeout."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -316,6 +316,9 @@ class RewardPool:
                 seq, idx, ok, payload = w.conn.recv()
                 if seq != self._seq:
                     continue  # an earlier batch's answer (cannot happen after _abandon_owed; belt and braces)
+                if idx == IMPORTED:  # the chunk's imports are done: its first item's own deadline starts
+                    w.deadline = time.monotonic() + self.config.timeout_s
+                    continue
                 assert idx == w.owed[0], "workers answer their chunk in order"
                 w.owed.popleft()
                 if ok:

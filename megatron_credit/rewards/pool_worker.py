@@ -12,7 +12,8 @@ Protocol (pickled messages): the worker sends ``"ready"`` once warmed up; it the
 ``(seq, idx, ok, payload)`` per item, in order (``payload`` is the ``RewardRecord`` or an error
 message). The verifier is named by module and qualified name and imported here, so an import error is
 one failed item, not a dead worker. A chunk's modules are imported before its first item: the pool gives a
-chunk that names a module new to the worker a longer first deadline (``pool.IMPORT_GRACE_S``). A verifier of a ``--plugin`` file is named by the file's path, which
+chunk that names a module new to the worker ``pool.IMPORT_GRACE_S`` for the imports, and the worker says
+when they are done (:data:`IMPORTED`). A verifier of a ``--plugin`` file is named by the file's path, which
 the worker loads as the trainer did (``algorithm/plugins.py``).
 """
 from __future__ import annotations
@@ -25,6 +26,9 @@ from multiprocessing.connection import Connection
 from megatron_credit.lifetime import requests
 
 READY = "ready"
+IMPORTED = -1
+"""The item index of the answer ``(seq, IMPORTED, True, None)`` a worker sends once it has imported the
+modules of a chunk that named one new to it: the pool then starts the first item's own deadline."""
 
 
 def _lookup(module: str, qualname: str):
@@ -71,12 +75,17 @@ def main(fd: int, memory_limit_bytes: int = 0) -> None:
     except Exception:  # noqa: BLE001  (a broken math-verify install shows up as per-item errors)
         pass
     conn.send(READY)
+    imported: set[str] = set()
     for seq, chunk in requests(conn):
-        for module in dict.fromkeys(item[1] for item in chunk):  # imports first: the pool's grace covers them
+        new = [m for m in dict.fromkeys(item[1] for item in chunk) if m not in imported]
+        for module in new:  # imports first, under the pool's grace; then each item has its own deadline
+            imported.add(module)
             try:
                 _lookup(module, "")
             except Exception:  # noqa: BLE001  (the item that needs it fails with the error below)
                 pass
+        if new:
+            conn.send((seq, IMPORTED, True, None))
         for idx, module, qualname, response, ground_truth in chunk:
             try:
                 record = _lookup(module, qualname)(response, ground_truth)
