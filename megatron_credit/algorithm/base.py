@@ -167,7 +167,7 @@ class Algorithm:
     def credit_fields(self, *, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                       mask: torch.Tensor, side: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This algorithm's own per-token quantities of credit ``{name: [B, T]}`` (detached, whole rows, on the
-        inputs' device), for the credit maps and diagnostics (``trainer/credit_maps.py``). ``logp``: the
+        inputs' device), for the credit maps and diagnostics (``credit_maps/writer.py``). ``logp``: the
         log-probs of the update's forward (the policy that updated on each row), ``old_logp``: the
         behaviour's, ``advantages``: the estimator's (after :attr:`advantage_post`), ``mask``: the response
         tokens, ``side``: the batch's side channels. The name ``advantage``, when returned, is the credit

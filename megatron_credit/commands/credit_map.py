@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = build_parser().parse_args(argv)
-    from megatron_credit.trainer.credit_maps import map_path, read_records, write_page
-    from megatron_credit.trainer.credit_page import field_names, render_png
+    from megatron_credit.credit_maps.writer import map_path, read_records, write_page
+    from megatron_credit.credit_maps.page import field_names, render_png
 
     have = _iterations(a.run)
     if not have:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # annotations only: nothing of these is imported at run time 
     from megatron_credit.algorithm.base import Algorithm
     from megatron_credit.recipe.sections import AlgorithmConfig, TrainConfig
     from megatron_credit.trainer.actor import Actor
-    from megatron_credit.trainer.credit_maps import CreditMaps
+    from megatron_credit.credit_maps.writer import CreditMaps
     from megatron_credit.sources import RolloutSource, Weights
 
 
@@ -73,7 +73,7 @@ class Context:
     knobs: Optional[StepKnobs] = None
     """The knobs of the next iteration (``base_knobs``, or as the algorithm's state moved them)."""
     credit_maps: Optional[CreditMaps] = None
-    """The credit-map writer (``trainer/credit_maps.py``: ``logging.credit_map_every``), or None (off)."""
+    """The credit-map writer (``credit_maps/writer.py``: ``logging.credit_map_every``), or None (off)."""
     timer: PhaseTimer = dataclasses.field(default_factory=PhaseTimer)
 
     def __post_init__(self) -> None:

@@ -116,7 +116,7 @@ def credit_maps(recipe, *, run_dir: str, tokenizer):
     every = recipe.train.val_every if every is None else every
     if not every:
         return None
-    from megatron_credit.trainer.credit_maps import CreditMaps
+    from megatron_credit.credit_maps.writer import CreditMaps
 
     return CreditMaps(run_dir, every=every, samples=recipe.logging.credit_map_samples, tokenizer=tokenizer,
                       algorithm=recipe.algorithm.name)

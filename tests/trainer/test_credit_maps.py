@@ -1,4 +1,4 @@
-"""Credit maps (``trainer/credit_maps.py``, ``trainer/credit_page.py``) of a fixed batch: which responses,
+"""Credit maps (``credit_maps/writer.py``, ``credit_maps/page.py``) of a fixed batch: which responses,
 their tokens in order with the batch's numbers, escaping of hostile token text, a page with nothing from the
 network; and the tool that renders a page and a PNG from a run directory."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from megatron_credit.trainer.credit_maps import CreditMaps, map_path, read_records, select_rows
+from megatron_credit.credit_maps.writer import CreditMaps, map_path, read_records, select_rows
 from tests.support.fixed_batch import _global_batch
 
 HOSTILE = 77  # this token id decodes to markup
@@ -62,10 +62,10 @@ def test_a_map_of_a_fixed_batch_holds_each_responses_tokens_in_order_with_the_ba
 
 
 def test_hostile_token_text_is_escaped_and_the_page_loads_nothing():
-    from megatron_credit.trainer.credit_page import render_page
+    from megatron_credit.credit_maps.page import render_page
 
     batch, fields = _batch_and_fields()
-    from megatron_credit.trainer.credit_maps import response_records
+    from megatron_credit.credit_maps.writer import response_records
 
     recs = response_records(batch, fields, [(0, "<b>why</b>")], tokenizer=_Tok(), iteration=1, algorithm="<i>x")
     recs[0]["prompt"] = "</pre><script>bad()</script>"

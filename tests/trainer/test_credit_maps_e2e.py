@@ -20,7 +20,7 @@ OWN = {"fipo": ["f_t", "future_kl", "estimator_advantage"], "comppo": ["kappa", 
 
 @pytest.mark.parametrize("algorithm", ["fipo", "comppo", "grpo"])
 def test_the_demo_with_maps_on_writes_pages_for_fipo_comppo_and_grpo(pool, tmp_path, algorithm):
-    from megatron_credit.trainer.credit_maps import map_path, read_records
+    from megatron_credit.credit_maps.writer import map_path, read_records
 
     extra = ["algorithm.params.critic_layers=2"] if algorithm == "comppo" else []
     rows = pool.run(train_tiny, str(tmp_path), "none", [f"algorithm.name={algorithm}", "train.steps=1",

@@ -1,4 +1,4 @@
-"""The credit page (``trainer/credit_page.py``) in a real browser: headless Chromium over the DevTools
+"""The credit page (``credit_maps/page.py``) in a real browser: headless Chromium over the DevTools
 protocol (``tests/support/browser.py``). The selector, CSS alone, recolours every token with the numbers of
 the chosen quantity; the page sends no request; a response that writes ``<script>``, ``<img onerror>`` or
 ``<svg onload>`` runs nothing. Each check has a positive control: a page that does load something, and the
@@ -42,7 +42,7 @@ def _write_map(run_dir) -> str:
     response starts with the three payloads and ends with the first; its prompt starts with the image's;
     a response of five or more tokens has an observation at its third token. ``advantage`` diverges around
     0 (red/blue), ``f_t`` is never negative (white to purple)."""
-    from megatron_credit.trainer.credit_maps import CreditMaps
+    from megatron_credit.credit_maps.writer import CreditMaps
     from tests.support.fixed_batch import _global_batch
 
     batch = _global_batch()
@@ -62,8 +62,8 @@ def _write_map(run_dir) -> str:
 
 def _expected_colours(page: str, name: str) -> list[str]:
     """The background of each token of ``page``'s map coloured by quantity ``name``, from its records."""
-    from megatron_credit.trainer.credit_maps import read_records
-    from megatron_credit.trainer.credit_page import colour, field_scale
+    from megatron_credit.credit_maps.writer import read_records
+    from megatron_credit.credit_maps.page import colour, field_scale
 
     records = read_records(page[: -len("html")] + "jsonl")
     scale = field_scale(records, name)
@@ -136,8 +136,8 @@ def test_the_page_sends_no_request_and_one_that_loads_something_is_caught(browse
 
 
 def test_hostile_response_text_runs_nothing_and_unescaped_it_would_be_caught(browser, tmp_path, monkeypatch):
-    from megatron_credit.trainer import credit_page
-    from megatron_credit.trainer.credit_maps import read_records
+    from megatron_credit.credit_maps import page as credit_page
+    from megatron_credit.credit_maps.writer import read_records
 
     path = _write_map(tmp_path)
     records = read_records(path[: -len("html")] + "jsonl")

@@ -6,7 +6,7 @@ Every ``logging.credit_map_every`` iterations the trainer hands :class:`CreditMa
 the critic's values, the TIS weights). It picks K responses (:func:`select_rows`: the best and the worst of
 a group with mixed outcomes, the one whose credit is most uneven, and at least one of each outcome), and
 writes ``credit_maps/iter_<N>.jsonl`` (one response per line: the tokens and every quantity,
-:func:`response_records`) and the page rendered from it (``trainer/credit_page.py``). Only the rank
+:func:`response_records`) and the page rendered from it (``credit_maps/page.py``). Only the rank
 that holds DP rank 0's rows whole writes (the last pipeline stage's TP rank 0, CP rank 0): the K
 responses are chosen among its rows, so nothing crosses a process boundary. Off (``credit_map_every: 0``), nothing here runs.
 """
@@ -19,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from megatron_credit.credit.diagnostics import per_response
-from megatron_credit.trainer.credit_page import render_page
+from megatron_credit.credit_maps.page import render_page
 
 
 def map_path(run_dir: str, iteration: int, ext: str) -> str:

@@ -1,4 +1,4 @@
-"""The credit map as a page and as a picture, from the records of ``trainer/credit_maps.response_records``.
+"""The credit map as a page and as a picture, from the records of ``credit_maps/writer.response_records``.
 
 :func:`render_page` makes one self-contained HTML page: no script at all and nothing from the network.
 The quantity that colours the tokens is chosen with radio buttons and CSS alone (each token carries one
