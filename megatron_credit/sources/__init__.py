@@ -3,7 +3,7 @@
 | module | what lives there |
 | --- | --- |
 | ``base.py`` | ``ROLLOUT_SOURCES`` (``rollout.mode`` -> source class), the ``RolloutSource`` contract, the ``Weights`` the driver hands over, the one draw loop (``draw_until_full``), ``generate_and_score`` |
-| ``routing.py`` | ``SampleRouter``: the kept groups to the ranks that train them, this rank's ``TrainBatch`` and metrics |
+| ``routing.py`` | ``RolloutSourceBase``: the kept groups to the ranks that train them, this rank's ``TrainBatch`` and metrics |
 | ``sync.py`` | ``sync``: the engines on the trainer's GPUs; generate, then train |
 | ``overlap.py`` | ``one_step_off`` and ``async``: the trainer's side of a rollout pool that generates while the trainer trains |
 | ``pool.py`` | that pool: what its ranks (the last ``rollout.ranks`` of the launch) run, engines, staged weights, draws |

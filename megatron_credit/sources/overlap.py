@@ -59,10 +59,10 @@ from megatron_credit.cli import RunStopped
 from megatron_credit.recipe import rollout_modes as modes
 from megatron_credit.rollout.placement import dp_rank_of_group
 from megatron_credit.sources.base import ROLLOUT_SOURCES, SourceInputs, Weights, check_full, counted
-from megatron_credit.sources.routing import SampleRouter
+from megatron_credit.sources.routing import RolloutSourceBase
 
 
-class OverlapSource(SampleRouter):
+class OverlapSource(RolloutSourceBase):
     """The trainer's side of the rollout pool (module docstring); every trainer rank makes one. A mode is a
     subclass that also inherits the mode's facts (``recipe/rollout_modes.py``)."""
 

@@ -1,5 +1,5 @@
 """The samples to the ranks that train them, and this rank's batch and metrics from them: what every
-rollout source does once its groups are scored (:class:`SampleRouter`).
+rollout source does once its groups are scored (:class:`RolloutSourceBase`).
 
 The kept groups go, in order, to the data-parallel ranks that train them (``prompts_per_step / DP`` each):
 once, as bytes of tensors (``rollout/wire.py``), to the first rank of that replica, which broadcasts them to
@@ -19,8 +19,9 @@ from megatron_credit.rollout.types import FinishStatus, RolloutBatch
 from megatron_credit.sources.base import POOL_COUNTS
 
 
-class SampleRouter:
-    """What every rollout source does with scored groups: route them to the ranks that train them, make
+class RolloutSourceBase:
+    """The base class of every rollout source (the ``RolloutSource`` contract of ``sources/base.py``): what
+    each does with scored groups. Route them to the ranks that train them, make
     this rank's :class:`TrainBatch` and the rollout's metrics. The subclass sets ``rollout``, ``reward``,
     ``tokenizer``, ``device``, ``dp_group``, ``dp_of_rank``, ``dp_size``, ``bound`` (the most versions a
     trained sample may lag), ``last_sync`` and ``log``."""

@@ -6,7 +6,7 @@ Each draw takes ``rollout.prompts_per_step`` prompts from the job's one stream; 
 scores its contiguous slice, with seeds from (run seed, iteration, draw) and each prompt's index in the
 draw, so the samples do not depend on the number of engines or ranks. Whether each group's accuracy
 varies (DAPO's dynamic sampling) is all-gathered, every rank takes the same decisions, and the kept
-groups go to the ranks that train them (:class:`~megatron_credit.sources.routing.SampleRouter`).
+groups go to the ranks that train them (:class:`~megatron_credit.sources.routing.RolloutSourceBase`).
 
 Around each generation phase (the iteration's rollout, validation) the trainer gives the engine its
 memory: the optimizer states go to the host and the gradient buffers are released
@@ -29,14 +29,14 @@ from megatron_credit.rollout.placement import EngineLayout, draw_seed, split
 from megatron_credit.rollout.types import SamplingParams
 from megatron_credit.sources.base import (ROLLOUT_SOURCES, Offload, SourceInputs, Weights, build_reward_pool, check_full,
                                           counted, draw_share, draw_until_full, sampling_params)
-from megatron_credit.sources.routing import SampleRouter
+from megatron_credit.sources.routing import RolloutSourceBase
 
 if TYPE_CHECKING:
     from megatron_credit.recipe.sections import RewardConfig, RolloutConfig
 
 
 @ROLLOUT_SOURCES.register("sync")
-class SyncSource(SampleRouter, modes.Sync):
+class SyncSource(RolloutSourceBase, modes.Sync):
     """Generates each iteration's :class:`TrainBatch` for this rank on the trainer's own GPUs (module
     docstring): samples of the weights that train them, staleness 0."""
 

@@ -244,7 +244,7 @@ def test_a_hostile_environments_output_is_an_environment_failure(hf, env_cls, wh
     one line per reason, and the run stops after ``env.max_failed_iterations`` such iterations in a row."""
     from types import SimpleNamespace
 
-    from megatron_credit.sources.routing import SampleRouter
+    from megatron_credit.sources.routing import RolloutSourceBase
     from megatron_credit.trainer.divergence import EnvironmentGuard
 
     ep = _episodes(hf, env_cls)
@@ -255,7 +255,7 @@ def test_a_hostile_environments_output_is_an_environment_failure(hf, env_cls, wh
     rewards, correct = episode_rewards(batch.samples, torch.ones(12), torch.ones(12, dtype=torch.bool))
     assert rewards.tolist() == [-1.0] * 12 and not correct.any()
     router = SimpleNamespace(device=torch.device("cpu"), dp_size=1, dp_group=None)
-    metrics = SampleRouter._episode_metrics(router, batch.samples, batch.to_padded(pad_token_id=0), correct)
+    metrics = RolloutSourceBase._episode_metrics(router, batch.samples, batch.to_padded(pad_token_id=0), correct)
     assert (metrics["env/errors"], metrics["env/failed_frac"], metrics["env/error_reasons"]) == (12, 1.0, {why: 12})
     assert metrics["accuracy/first_turn"] == 0.0  # aborted: incorrect, though each played one turn
     guard = EnvironmentGuard(name="hostile", max_failed_iterations=2)
@@ -270,12 +270,12 @@ def test_a_hostile_environments_output_is_an_environment_failure(hf, env_cls, wh
 def test_an_environment_failing_on_some_trajectories_does_not_stop_the_run(hf):
     from types import SimpleNamespace
 
-    from megatron_credit.sources.routing import SampleRouter
+    from megatron_credit.sources.routing import RolloutSourceBase
     from megatron_credit.trainer.divergence import EnvironmentGuard
 
     batch = _episodes(hf, Raises).generate(PROMPTS, _params(), group_ids=[0, 1, 2, 3], records=RECORDS)
     router = SimpleNamespace(device=torch.device("cpu"), dp_size=1, dp_group=None)
-    metrics = SampleRouter._episode_metrics(router, batch.samples, batch.to_padded(pad_token_id=0),
+    metrics = RolloutSourceBase._episode_metrics(router, batch.samples, batch.to_padded(pad_token_id=0),
                                             torch.ones(12, dtype=torch.bool))
     failed = sum(s.episode.env_errors for s in batch.samples)
     one_turn = sum(s.episode.turns == 1 for s in batch.samples)

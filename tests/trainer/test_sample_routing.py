@@ -41,9 +41,9 @@ def _route(dp_of_rank: list[int]):
     import torch.distributed as dist
 
     from megatron_credit.rollout.placement import dp_rank_of_group
-    from megatron_credit.sources.routing import SampleRouter
+    from megatron_credit.sources.routing import RolloutSourceBase
 
-    r = SampleRouter()
+    r = RolloutSourceBase()
     r.dp_of_rank, r.dp_size, r.device = dp_of_rank, max(dp_of_rank) + 1, torch.device("cpu")
     rank = dist.get_rank()
     kept = [(0, k) for k in range(GROUPS)]
