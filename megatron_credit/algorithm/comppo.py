@@ -8,7 +8,7 @@ Everything CompPO is lives here, and the trainer names none of it:
   ``A_t = delta_t + lambda kappa_t A_{t+1}``), with the transport a gate control gives
   (``gate_controls``: the dynamic gate, a fixed one, a shuffle, a position schedule);
 - its critic (``critic_kinds``: ``tac``, ``standard`` or PPO's ``trunk``), value loss and advantage clip;
-- its phase controller (``credit.phase``), which moves the clips and the trainer's knobs between
+- its phase controller (``algorithm.phase``), which moves the clips and the trainer's knobs between
   iterations;
 - the state of the last two, saved with each checkpoint.
 
@@ -35,7 +35,7 @@ from megatron_credit.algorithm.knobs import StepKnobs, phase_knobs, phase_ratio
 from megatron_credit.algorithm.metric_tables import CRITIC, GATES
 from megatron_credit.algorithm.metric_tables import FIPO as FIPO_METRICS
 from megatron_credit.credit.gae import comp_gae
-from megatron_credit.credit.phase import PHASES, PhaseController, PhaseThresholds
+from megatron_credit.algorithm.phase import PHASES, PhaseController, PhaseThresholds
 from megatron_credit.typed_build import NonNegativeInt, PositiveFloat, PositiveInt, UnitFloat
 
 
@@ -137,7 +137,7 @@ class CompPO(PPOClip, ActorCritic):
         whiten_advantages: bool = False
         """Whiten advantages over the global batch."""
         phase_controller: bool = False
-        """Run the stable / warning / strong / hard-stop controller (``credit.phase``) on each step's metrics;
+        """Run the stable / warning / strong / hard-stop controller (``algorithm.phase``) on each step's metrics;
         each phase scales the policy clip, ``value_clip`` and ``adv_clip`` (and the trainer's knobs)."""
         phase_thresholds: PhaseThresholds = field(
             default_factory=lambda: PhaseThresholds(entropy_below=(None, None, None)),

@@ -42,9 +42,9 @@ def base_knobs(*, kl_coef: float, clip_grad: float, epochs: int) -> StepKnobs:
 
 
 def phase_ratio(phase: str, setting: str) -> float:
-    """A setting of the phase table (``credit.phase.PHASE_TABLE``: ``clip``, ``kl_coef``, ...) in ``phase``,
+    """A setting of the phase table (``algorithm.phase.PHASE_TABLE``: ``clip``, ``kl_coef``, ...) in ``phase``,
     relative to the stable row."""
-    from megatron_credit.credit.phase import PHASE_TABLE
+    from megatron_credit.algorithm.phase import PHASE_TABLE
 
     return getattr(PHASE_TABLE[phase], setting) / getattr(PHASE_TABLE["stable"], setting)
 
@@ -53,7 +53,7 @@ def phase_knobs(base: StepKnobs, phase: str) -> StepKnobs:
     """The trainer's knobs in ``phase``: every setting of the phase table scaled by its ratio to the stable
     row, from ``base`` (the recipe's own: :func:`base_knobs`). The algorithm's clips are its own
     (``CompPO``)."""
-    from megatron_credit.credit.phase import PHASE_TABLE
+    from megatron_credit.algorithm.phase import PHASE_TABLE
 
     s, stable = PHASE_TABLE[phase], PHASE_TABLE["stable"]
     ratio = functools.partial(phase_ratio, phase)

@@ -8,11 +8,10 @@ from megatron_credit.credit.gates import (PositionGateSchedule, comppo_gate, fix
                                           shuffle_gates)
 from megatron_credit.credit.group import (broadcast_to_tokens, dr_grpo_advantages, grpo_advantages,
                                           rloo_advantages)
-from megatron_credit.credit.phase import PHASE_TABLE, PHASES, PhaseController, PhaseSettings, PhaseThresholds
 from megatron_credit.credit.scan import reverse_linear_scan
 
 __all__ = [
-    "PHASES", "PHASE_TABLE", "PhaseController", "PhaseSettings", "PhaseThresholds", "PositionGateSchedule", "broadcast_to_tokens", "comp_gae", "comppo_gate", "dr_grpo_advantages", "fipo_weights",
+    "PositionGateSchedule", "broadcast_to_tokens", "comp_gae", "comppo_gate", "dr_grpo_advantages", "fipo_weights",
     "fixed_gates", "future_kl", "gae", "grpo_advantages", "normalized_concentration", "reverse_linear_scan",
     "rloo_advantages", "shuffle_gates",
 ]

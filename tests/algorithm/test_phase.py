@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from megatron_credit.credit.phase import PHASE_TABLE, PHASES, PhaseController, PhaseSettings, PhaseThresholds
+from megatron_credit.algorithm.phase import PHASE_TABLE, PHASES, PhaseController, PhaseSettings, PhaseThresholds
 
 CALM = {"actor/entropy": 9.0, "actor/clipfrac_high": 0.01, "actor/clipfrac_low": 0.0, "actor/ppo_kl": 0.001,
         "actor/kl_ref": 0.1, "actor/grad_norm": 1.0, "response/truncated_frac": 0.0}
@@ -220,7 +220,7 @@ def test_bad_hysteresis_counts_are_named(name):
 
 
 def test_a_threshold_is_reached_at_exactly_its_tolerance():
-    from megatron_credit.credit.phase import REACH_TOL
+    from megatron_credit.algorithm.phase import REACH_TOL
 
     th = PhaseThresholds(entropy_below=(None, None, None), grad_norm=(2.0, None, None))
     c = PhaseController(th)
