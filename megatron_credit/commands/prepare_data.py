@@ -18,7 +18,7 @@ Every file goes through the trainer's own reader (``megatron_credit.data.dataset
 schema of that module's docstring): each row is validated, a malformed row is dropped and counted by
 the column that was wrong, a repeated prompt is dropped with the trainer's de-duplication key (the
 public DAPO-Math-17K file holds each prompt about 100 times), and every kept row's ``data_source`` is
-registered in ``rewards.base.DATA_SOURCES``. A file in a plain problem/answer schema (a ``problem`` or
+registered in ``rewards.base.VERIFIER_BY_DATA_SOURCE``. A file in a plain problem/answer schema (a ``problem`` or
 ``Problem`` and an ``answer`` or ``Answer`` column, as in other AIME 2024 copies on the hub) is first put
 into the DAPO schema: one user message, the problem inside DAPO-Math-17K's own prompt (:data:`DAPO_PROMPT`),
 data source ``math_dapo``, its other columns in ``extra_info``; its malformed rows are counted under its
@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from megatron_credit.data.dataset import DatasetStats, EmptyDatasetError, read_records
 from megatron_credit.data.records import PromptRecord
-from megatron_credit.rewards.base import DATA_SOURCES
+from megatron_credit.rewards.base import VERIFIER_BY_DATA_SOURCE
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -293,7 +293,7 @@ def read_dataset(path: Path, *, where: str, tmp_dir: Path) -> tuple[list[PromptR
     stats.malformed_by_column, stats.kept = by_column, len(records)
     if not records:
         raise ValueError(f"no usable row in {where}: {counts(stats)}")
-    unregistered = sorted({r.data_source for r in records} - set(DATA_SOURCES.names()))
+    unregistered = sorted({r.data_source for r in records} - set(VERIFIER_BY_DATA_SOURCE.names()))
     assert not unregistered, f"the row parser let through unregistered data sources {unregistered}"
     return records, stats
 

@@ -3,7 +3,7 @@
 Schema (one row per prompt)::
 
     data_source:  str                                   e.g. "math_dapo"; selects the verifier, must be
-                                                        registered in ``rewards.base.DATA_SOURCES``
+                                                        registered in ``rewards.base.VERIFIER_BY_DATA_SOURCE``
     prompt:       list[{"role": str, "content": str}]   chat messages, roles system / user / assistant
                                                         (jsonl may give a plain str)
     reward_model: {"ground_truth": str, ...}            the reference answer, not blank (int/float
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from megatron_credit.data.records import ChatMessage, PromptRecord
-from megatron_credit.rewards.base import DATA_SOURCES
+from megatron_credit.rewards.base import VERIFIER_BY_DATA_SOURCE
 
 REQUIRED_COLUMNS = ("prompt", "reward_model")
 ROLES = ("system", "user", "assistant")
@@ -169,8 +169,8 @@ def parse_row(
         raise DatasetFormatError(path, row, "data_source", "missing (and no default_data_source given)")
     if not isinstance(source, str) or not source:
         raise DatasetFormatError(path, row, "data_source", f"expected a non-empty string, got {source!r:.60}")
-    if source not in DATA_SOURCES:  # refused here, not at the first reward of a run
-        why = f"unknown data source {source!r:.60}; registered: {DATA_SOURCES.names()}"
+    if source not in VERIFIER_BY_DATA_SOURCE:  # refused here, not at the first reward of a run
+        why = f"unknown data source {source!r:.60}; registered: {VERIFIER_BY_DATA_SOURCE.names()}"
         raise DatasetFormatError(path, row, "data_source", why)
     extra = raw.get("extra_info")
     extra = {} if extra is None else extra

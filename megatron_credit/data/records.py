@@ -22,7 +22,7 @@ class PromptRecord:
     uid: str
     """Stable id (file and row, or task and index); groups of samples of one prompt share it."""
     data_source: str
-    """Selects the reward method (``rewards.base.DATA_SOURCES``)."""
+    """Selects the reward method (``rewards.base.VERIFIER_BY_DATA_SOURCE``)."""
     messages: tuple[ChatMessage, ...]
     """The prompt as chat messages (rendered with the tokenizer's chat template)."""
     ground_truth: str

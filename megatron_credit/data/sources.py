@@ -9,7 +9,7 @@ keyword-only ``Config`` dataclass of its own options (a recipe's ``data.options`
 (``data/reasoning_gym_tasks.py`` is one).
 
 The records a source hands out name, in ``data_source``, the verifier that scores them
-(``rewards.base.DATA_SOURCES``): a source that brings its own scorer registers it there too.
+(``rewards.base.VERIFIER_BY_DATA_SOURCE``): a source that brings its own scorer registers it there too.
 
 >>> PROMPT_SOURCES.get("nope")
 Traceback (most recent call last):

@@ -1,6 +1,6 @@
 """The feedback environment: every model turn is an attempt at the answer; a wrong one gets the verifier's
 verdict as an observation and another try, up to ``env.max_turns`` attempts. Works with any data source:
-the verdict is that of the verifier the record's ``data_source`` names (``rewards.base.DATA_SOURCES``),
+the verdict is that of the verifier the record's ``data_source`` names (``rewards.base.VERIFIER_BY_DATA_SOURCE``),
 the one that scores the trajectory's last turn at the end.
 
 - The attempt is correct: the episode ends (``done``); the final score is the verifier's +1.

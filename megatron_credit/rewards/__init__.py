@@ -2,7 +2,7 @@
 
 | module | what lives there |
 | --- | --- |
-| ``base.py`` | ``RewardRecord``; the ``REWARD_FNS`` (method) and ``DATA_SOURCES`` registries |
+| ``base.py`` | ``RewardRecord``; the ``REWARD_FNS`` (method) and ``VERIFIER_BY_DATA_SOURCE`` registries |
 | ``dapo.py`` | the DAPO "Answer:" verifier (Minerva normalisation, last 300 characters, ±1) |
 | ``math.py`` | ``compute_score(response, ground_truth, *, method)``; the math-verify method |
 | ``arith.py`` | the verifier of the synthetic arithmetic task |

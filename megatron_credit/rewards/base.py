@@ -1,11 +1,11 @@
 """The reward record and the two registries every verifier goes through.
 
 ``REWARD_FNS`` maps a *method* name ("dapo", "math_verify", ...) to a plain callable
-``fn(response: str, ground_truth: str) -> RewardRecord``. ``DATA_SOURCES`` maps a dataset's
+``fn(response: str, ground_truth: str) -> RewardRecord``. ``VERIFIER_BY_DATA_SOURCE`` maps a dataset's
 ``data_source`` column ("math_dapo", "math", "synthetic_arith", ...) to the method that scores it, so
 the choice of verifier is made per dataset, once, and never by comparing strings elsewhere.
 
->>> DATA_SOURCES.get("math_dapo")
+>>> VERIFIER_BY_DATA_SOURCE.get("math_dapo")
 'dapo'
 >>> method_for_data_source("nope")
 Traceback (most recent call last):
@@ -43,21 +43,33 @@ RewardFn = Callable[[str, str], RewardRecord]
 REWARD_FNS: Registry[RewardFn] = Registry("reward method")
 """Method name -> ``fn(response, ground_truth) -> RewardRecord``."""
 
-DATA_SOURCES: Registry[str] = Registry("data source")
-"""Dataset ``data_source`` -> method name in ``REWARD_FNS``."""
+VERIFIER_BY_DATA_SOURCE: Registry[str] = Registry("data source")
+"""A record's ``data_source`` -> method name in ``REWARD_FNS``. (``data.source`` is another thing: the
+registry of prompt sources, ``data/source_base.py``.)"""
 
 # The DAPO-Math-17K file labels every row "math_dapo"; its answers are integers, and the published
 # recipe scores them with the "Answer:" string verifier. MATH-style sets need symbolic equivalence.
-DATA_SOURCES.add("math_dapo", "dapo")
-DATA_SOURCES.add("math", "math_verify")
-DATA_SOURCES.add("synthetic_arith", "synthetic_arith")
-DATA_SOURCES.add("synthetic_chain", "synthetic_chain")
-DATA_SOURCES.add("reasoning_gym", "reasoning_gym")  # its JSON ground truth names the task (rewards/reasoning_gym.py)
+VERIFIER_BY_DATA_SOURCE.add("math_dapo", "dapo")
+VERIFIER_BY_DATA_SOURCE.add("math", "math_verify")
+VERIFIER_BY_DATA_SOURCE.add("synthetic_arith", "synthetic_arith")
+VERIFIER_BY_DATA_SOURCE.add("synthetic_chain", "synthetic_chain")
+VERIFIER_BY_DATA_SOURCE.add("reasoning_gym", "reasoning_gym")  # its JSON ground truth names the task (rewards/reasoning_gym.py)
+
+
+def __getattr__(name: str):
+    """``DATA_SOURCES``, this registry's old name, for one release, with a warning."""
+    if name == "DATA_SOURCES":
+        import warnings
+
+        warnings.warn("megatron_credit.rewards.base.DATA_SOURCES is now VERIFIER_BY_DATA_SOURCE; the old name "
+                      "goes in the next release", DeprecationWarning, stacklevel=2)
+        return VERIFIER_BY_DATA_SOURCE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def method_for_data_source(data_source: str) -> str:
     """The registered reward method for a dataset's ``data_source`` (ValueError lists valid ones)."""
-    return DATA_SOURCES.get(data_source)
+    return VERIFIER_BY_DATA_SOURCE.get(data_source)
 
 
 def incorrect(extracted: str | None = None, *, status: RewardStatus = "ok") -> RewardRecord:

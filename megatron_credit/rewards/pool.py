@@ -73,7 +73,7 @@ class RewardItem:
     ground_truth: str
     """The dataset's ground-truth answer."""
     data_source: str = "math_dapo"
-    """Selects the method through ``DATA_SOURCES`` unless ``method`` is given."""
+    """Selects the method through ``VERIFIER_BY_DATA_SOURCE`` unless ``method`` is given."""
     method: str | None = None
     """Explicit ``REWARD_FNS`` name; overrides ``data_source``."""
 

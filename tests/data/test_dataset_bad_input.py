@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from megatron_credit.data.dataset import DatasetFormatError, EmptyDatasetError, read_records
-from megatron_credit.rewards.base import DATA_SOURCES, REWARD_FNS
+from megatron_credit.rewards.base import VERIFIER_BY_DATA_SOURCE, REWARD_FNS
 
 
 def _row(q="1+1=", gt="2", source="math_dapo", role="user"):
@@ -144,5 +144,5 @@ def test_pool_alone_knows_the_builtin_methods():
 
 
 def test_registries_are_what_the_tables_assume():
-    assert DATA_SOURCES.names() == ["math", "math_dapo", "reasoning_gym", "synthetic_arith", "synthetic_chain"]
+    assert VERIFIER_BY_DATA_SOURCE.names() == ["math", "math_dapo", "reasoning_gym", "synthetic_arith", "synthetic_chain"]
     assert set(REWARD_FNS.names()) >= {"dapo", "math_verify", "synthetic_arith"}

@@ -15,7 +15,7 @@ import pytest
 from megatron_credit.commands import prepare_data
 from megatron_credit.commands.prepare_data import SOURCES, main
 from megatron_credit.data.dataset import read_records
-from megatron_credit.rewards.base import DATA_SOURCES
+from megatron_credit.rewards.base import VERIFIER_BY_DATA_SOURCE
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,7 +78,7 @@ def test_dapo_rows_are_checked_deduplicated_and_written(tmp_path, capsys, dapo_p
     assert [(r.data_source, r.chat(), r.ground_truth, r.extra_info) for r in records] == [
         ("math_dapo", [{"role": "user", "content": "What is 2+3?"}], "5", {"index": "a"}),
         ("math_dapo", [{"role": "user", "content": "What is 9-4?"}], "5", {"index": "f"})]
-    assert all(r.data_source in DATA_SOURCES.names() for r in records)
+    assert all(r.data_source in VERIFIER_BY_DATA_SOURCE.names() for r in records)
     assert sorted(p.name for p in out.iterdir()) == ["dapo-math-17k.parquet"]  # no temporary file left
 
 

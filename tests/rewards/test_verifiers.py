@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_credit.rewards import dapo
-from megatron_credit.rewards.base import DATA_SOURCES, REWARD_FNS, RewardRecord, method_for_data_source
+from megatron_credit.rewards.base import VERIFIER_BY_DATA_SOURCE, REWARD_FNS, RewardRecord, method_for_data_source
 from megatron_credit.rewards.math import compute_score, compute_score_for_source
 from megatron_credit.rewards.shaping import (
     ShapingConfig,
@@ -251,7 +251,7 @@ def test_data_source_selects_method():
     with pytest.raises(ValueError, match="valid names"):
         compute_score("Answer: 1", "1", method="no_such_method")
     with pytest.raises(ValueError, match="already registered"):
-        DATA_SOURCES.add("math", "dapo")
+        VERIFIER_BY_DATA_SOURCE.add("math", "dapo")
     assert {"dapo", "math_verify", "synthetic_arith"} <= set(REWARD_FNS.names())
 
 
@@ -440,3 +440,13 @@ def test_a_timeout_swallowed_once_fires_again():
     # without a second firing the loop would run its 10 s out and end without raising
     assert dropped[0] >= 0.2 and time.monotonic() - t0 < 10
     assert signal.getsignal(signal.SIGALRM) is before and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_the_old_name_of_the_data_source_registry_still_works_with_a_warning():
+    from megatron_credit.rewards import base
+
+    with pytest.warns(DeprecationWarning, match="DATA_SOURCES is now VERIFIER_BY_DATA_SOURCE"):
+        old = base.DATA_SOURCES
+    assert old is VERIFIER_BY_DATA_SOURCE and old.get("math_dapo") == "dapo"
+    with pytest.raises(AttributeError, match="no attribute 'NO_SUCH_NAME'"):
+        base.NO_SUCH_NAME
