@@ -126,7 +126,7 @@ bench: venv
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) build *.egg-info
 
-# Debian's chromium for the credit page's browser tests (tests/trainer/test_credit_page_browser.py, skipped
+# Debian's chromium for the credit page's browser tests (tests/credit_maps/test_credit_page_browser.py, skipped
 # with a reason without it): apt-get, as root or through sudo; nothing when a chromium is on the PATH.
 # Measured 2026-12-07 on 2 cores, chromium not installed: 24 s in all (apt-get update, 124 MB, 25 packages).
 .PHONY: browser

@@ -5,7 +5,7 @@ the chosen quantity; the page sends no request; a response that writes ``<script
 same page rendered without escaping, are caught by the same detection.
 
 Skipped where no Chromium is found (``make browser`` installs Debian's). ``python -m
-tests.trainer.test_credit_page_browser docs/results/credit_page_browser.png`` saves the screenshot that the
+tests.credit_maps.test_credit_page_browser docs/results/credit_page_browser.png`` saves the screenshot that the
 first test takes (``docs/credit_maps.md``).
 """
 from __future__ import annotations
