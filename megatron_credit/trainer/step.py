@@ -15,8 +15,9 @@ from megatron_credit.algorithm.base import AdvantageInputs
 from megatron_credit.credit.diagnostics import credit_sums, turn_sums
 from megatron_credit.credit.future_kl import pass_observations
 from megatron_credit.batch.microbatch import plan_minibatches
+from megatron_credit.losses.importance import truncated_is_weights
 from megatron_credit.losses.kl import KL_ESTIMATORS
-from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
+from megatron_credit.rollout.mismatch import logprob_mismatch
 from megatron_credit.batch.train_batch import (POSITION_FIELDS, TOKEN_FIELDS, TrainBatch, make_microbatch,
                                                make_packed_microbatch, round_up, step_denominators)
 from megatron_credit.algorithm.metric_tables import CORE, reductions
