@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_credit.algorithm.base import AdvantageInputs
-from megatron_credit.credit.diagnostics import credit_sums, turn_sums
+from megatron_credit.credit.diagnostics import advantage_sums
 from megatron_credit.credit.future_kl import pass_observations
 from megatron_credit.batch.microbatch import plan_minibatches
 from megatron_credit.losses.importance import truncated_is_weights
@@ -100,9 +100,7 @@ def credit_diagnostics(ctx: Context, batch: TrainBatch, iteration: int, stats: S
     due = maps is not None and maps.due(iteration) and maps.holds_data(ctx.actor)
     with ctx.timer("credit"):
         fields = credit_view(ctx, batch, full=due)
-        stats.add(credit_sums(fields["advantage"], batch.loss_mask))
-        if batch.turn_ids is not None:  # multi-turn: the credit each turn index gets
-            stats.add(turn_sums(fields["advantage"], batch.loss_mask, batch.turn_ids))
+        stats.add(advantage_sums(fields["advantage"], batch.loss_mask, batch.turn_ids))
         if due:
             maps.write(iteration, batch, fields)
 
