@@ -282,9 +282,9 @@ def test_gspo_sequence_ratio_is_clamped_on_both_sides():
 
 def test_truncated_is_weights_cap_boundary_and_extremes():
     """``min(pi_old / pi_engine, C)`` on the mask, 0 off it (the trainer's only TIS function,
-    ``rollout/mismatch.py``): a token the engine over-rates by e^30 keeps its tiny weight e^-30 (no
+    ``losses/importance.py``): a token the engine over-rates by e^30 keeps its tiny weight e^-30 (no
     floor), one it under-rates by e^30 gets C; a ratio exactly at the cap is not counted as capped."""
-    from megatron_credit.rollout.mismatch import truncated_is_weights
+    from megatron_credit.losses.importance import truncated_is_weights
 
     old = torch.zeros(1, 6, dtype=torch.float64)
     roll = torch.tensor([[-math.log(2.5), -math.log(1.5), 30.0, -30.0, 0.5, 0.0]], dtype=torch.float64)

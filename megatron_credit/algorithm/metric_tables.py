@@ -110,7 +110,7 @@ CORE = MetricTable(means={
     # what the update's forward passes compute beyond the sequences' own tokens (padding rows, alignment)
     "throughput/padding_fraction": ("sum:padding_tokens", "sum:computed_tokens"),
 }, derived=(_skipped, _credit, _turns), reduce={
-    # the clipped surrogate's (losses.policy) and the engine-mismatch weights' (rollout.mismatch)
+    # the clipped surrogate's (losses.policy) and the engine-mismatch weights' (losses.importance)
     "clipfrac_low": TOKEN_MEAN, "clipfrac_high": TOKEN_MEAN, "clipfrac_dual": TOKEN_MEAN, "approx_kl": TOKEN_MEAN,
     "tis_mean_weight": TOKEN_MEAN, "tis_capped_frac": TOKEN_MEAN,
 })

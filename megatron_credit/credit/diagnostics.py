@@ -98,3 +98,21 @@ def turn_sums(advantages: torch.Tensor, mask: torch.Tensor, turn_ids: torch.Tens
         out[f"sum:turn_adv/{k}/abs"] = torch.where(sel, a.abs(), 0.0).sum()
         out[f"sum:turn_adv/{k}/tokens"] = sel.sum().double()
     return out
+
+
+def advantage_sums(advantages: torch.Tensor, mask: torch.Tensor,
+                   turn_ids: "torch.Tensor | None" = None) -> dict[str, torch.Tensor]:
+    """Every ``sum:`` statistic of the applied advantages, to be added to the iteration's sums at once:
+    :func:`credit_sums`, and with ``turn_ids`` (``[B, T]``, a multi-turn batch) :func:`turn_sums` (the keys
+    are disjoint).
+
+    >>> adv = torch.tensor([[1.0, 0.0, -2.0]]); m = torch.tensor([[True, False, True]])
+    >>> sorted(advantage_sums(adv, m)) == sorted(credit_sums(adv, m))
+    True
+    >>> len(advantage_sums(adv, m, torch.tensor([[0, 0, 1]]))) == len(credit_sums(adv, m)) + 3 * TURN_STATS
+    True
+    """
+    out = credit_sums(advantages, mask)
+    if turn_ids is not None:  # multi-turn: the credit each turn index gets
+        out.update(turn_sums(advantages, mask, turn_ids))
+    return out

@@ -13,7 +13,7 @@ published code), ``l = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``, and f
 ``s_i = exp(mean_t (logp - old_logp))`` in its token-level form ``s_it = sg[s_i] pi_t / sg[pi_t]``, whose
 value is ``s_i`` and whose gradient with seq-mean-token-mean aggregation equals GSPO's. Truncated
 importance sampling (rollout engine vs trainer log-probs) multiplies the per-token loss by the weights
-``min(exp(old_logp - rollout_logp), C)`` of :func:`megatron_credit.rollout.mismatch.truncated_is_weights`,
+``min(exp(old_logp - rollout_logp), C)`` of :func:`megatron_credit.losses.importance.truncated_is_weights`,
 detached.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
         clip_low, clip_high: ``eps_low, eps_high`` of the clip range ``[1 - eps_low, 1 + eps_high]``.
         dual_clip_c: cap ``-A c`` for negative advantages (``c > 1``); ``None`` disables it.
         is_weights: optional ``[B, T]`` truncated importance weights (detached; the trainer's come from
-            :func:`megatron_credit.rollout.mismatch.truncated_is_weights`).
+            :func:`megatron_credit.losses.importance.truncated_is_weights`).
     """
     log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return _clipped_surrogate(log_ratio, advantages, response_mask, clip_low=clip_low,

@@ -9,13 +9,14 @@ engine, and rollout-vs-trainer log-prob mismatch metrics.
   NOT run on the CPU machines this was developed on -- see that module's docstring).
 - :mod:`~megatron_credit.rollout.sampling` -- temperature / top-k / top-p sampling as pure functions.
 - :mod:`~megatron_credit.rollout.weight_sync` -- in-place copy of HF-named tensor buckets.
-- :mod:`~megatron_credit.rollout.mismatch` -- ``logprob_mismatch`` and ``truncated_is_weights``.
+- :mod:`~megatron_credit.rollout.mismatch` -- ``logprob_mismatch`` (its correction in the loss:
+  ``losses/importance.py``).
 
 Importing this package imports torch only; `transformers` is imported when an "hf" engine is built.
 """
 from megatron_credit.rollout.engine import ROLLOUT_ENGINES, RolloutEngine, WeightBuckets, build_rollout_engine
 from megatron_credit.rollout.hf_engine import HFRolloutEngine
-from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
+from megatron_credit.rollout.mismatch import logprob_mismatch
 from megatron_credit.rollout.types import (
     FinishStatus,
     PaddedRollout,
@@ -40,5 +41,4 @@ __all__ = [
     "WeightBuckets",
     "build_rollout_engine",
     "logprob_mismatch",
-    "truncated_is_weights",
 ]

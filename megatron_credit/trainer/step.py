@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_credit.algorithm.base import AdvantageInputs
-from megatron_credit.credit.diagnostics import credit_sums, turn_sums
+from megatron_credit.credit.diagnostics import advantage_sums
 from megatron_credit.credit.future_kl import pass_observations
 from megatron_credit.batch.microbatch import plan_minibatches
+from megatron_credit.losses.importance import truncated_is_weights
 from megatron_credit.losses.kl import KL_ESTIMATORS
-from megatron_credit.rollout.mismatch import logprob_mismatch, truncated_is_weights
-from megatron_credit.batch.train_batch import (POSITION_FIELDS, TOKEN_FIELDS, TrainBatch, make_microbatch,
-                                               make_packed_microbatch, round_up, step_denominators)
+from megatron_credit.rollout.mismatch import logprob_mismatch
+from megatron_credit.batch.rows import MicroBatchLayout, RowCopies
+from megatron_credit.batch.train_batch import POSITION_FIELDS, TOKEN_FIELDS, TrainBatch, step_denominators
 from megatron_credit.algorithm.metric_tables import CORE, reductions
 from megatron_credit.trainer.metrics import StatSums, loss_statistics
 
@@ -99,9 +100,7 @@ def credit_diagnostics(ctx: Context, batch: TrainBatch, iteration: int, stats: S
     due = maps is not None and maps.due(iteration) and maps.holds_data(ctx.actor)
     with ctx.timer("credit"):
         fields = credit_view(ctx, batch, full=due)
-        stats.add(credit_sums(fields["advantage"], batch.loss_mask))
-        if batch.turn_ids is not None:  # multi-turn: the credit each turn index gets
-            stats.add(turn_sums(fields["advantage"], batch.loss_mask, batch.turn_ids))
+        stats.add(advantage_sums(fields["advantage"], batch.loss_mask, batch.turn_ids))
         if due:
             maps.write(iteration, batch, fields)
 
@@ -139,21 +138,12 @@ def plan_microbatches(ctx: Context, batch: TrainBatch) -> list[list[list[int]]]:
                             pad_to_multiple_of=ctx.seq_multiple)
 
 
-def microbatches(ctx: Context, batch: TrainBatch, mini: list[list[int]]):
-    """The micro-batches of one mini-batch: packed streams (each sequence aligned to ``ctx.seq_multiple``;
-    under PP megatron sends each one's own shape), or rows padded to ``ctx.seq_multiple`` (and to one
-    shape with PP: megatron's pipeline then communicates one fixed shape per call)."""
+def microbatch_layout(ctx: Context) -> MicroBatchLayout:
+    """How this actor's forward reads a mini-batch's rows (``batch/rows.py``): packed streams or padded rows,
+    aligned to ``ctx.seq_multiple``, this CP rank's share, one shape under PP."""
     a = ctx.actor
-    if a.packed_sequences:
-        return [make_packed_microbatch(batch, mb, multiple=ctx.seq_multiple, pad_id=ctx.pad_id, device=a.device,
-                                       cp_size=a.cp_size, cp_rank=a.cp_rank) for mb in mini]
-    lens = [round_up(int(max(batch.seq_lens[mb])), ctx.seq_multiple) for mb in mini]
-    if ctx.actor.pp_size > 1:
-        rows, lens = [max(len(mb) for mb in mini)] * len(mini), [max(lens)] * len(mini)
-    else:
-        rows = [len(mb) for mb in mini]
-    return [make_microbatch(batch, mb, seq_len=s, num_rows=r, pad_id=ctx.pad_id, device=ctx.actor.device,
-                            cp_size=ctx.actor.cp_size, cp_rank=ctx.actor.cp_rank) for mb, s, r in zip(mini, lens, rows)]
+    return MicroBatchLayout(packed=a.packed_sequences, multiple=ctx.seq_multiple, pad_id=ctx.pad_id, device=a.device,
+                            cp_size=a.cp_size, cp_rank=a.cp_rank, one_shape=a.pp_size > 1)
 
 
 def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = False) -> None:
@@ -162,6 +152,7 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
     ``skip_first`` (``train.fuse_old_logprob``): the policy's pass skips the first mini-batch, whose
     ``old_logp`` the update writes (zeros until then)."""
     actor, critic = ctx.actor, ctx.critic
+    layout = microbatch_layout(ctx)
     with_ref = ctx.knobs.kl_coef > 0
     capture = actor.capture.outputs if actor.capture is not None else {}  # read in the same pass
     # (outputs of the pass -> TrainBatch fields or side channels, the model's forward-only run); "aux:"
@@ -188,9 +179,9 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
             out["values"] = values.detach()
         return mb.tensors["loss_mask"].new_zeros((), dtype=torch.float32), out
 
-    copies = RowCopies(ctx)
+    copies = RowCopies(actor.cp_group if actor.cp_size > 1 else None)
     for j, mini in enumerate(plan):
-        mbs = microbatches(ctx, batch, mini)
+        mbs = layout.cut(batch, mini)
         for mapping, run in passes:
             if skip_first and j == 0 and mapping is main:
                 continue
@@ -227,36 +218,6 @@ def add_behaviour_extras(alg, batch: TrainBatch) -> None:
     if missing:
         raise ValueError(f"{type(alg).__name__}.side_channels names {missing}, which neither its capture nor "
                          "its behaviour_extras makes")
-
-
-class RowCopies:
-    """Micro-batch outputs bound for the batch's host tensors, copied there together by :meth:`flush`: one
-    device-to-host copy per target tensor, not one per micro-batch (each copy makes the host wait for the
-    device, and the host then has no kernels queued for the next micro-batch). The outputs stay on the
-    device until then: per-token tensors of this rank's rows, small beside the model's activations."""
-
-    def __init__(self, ctx: Context) -> None:
-        self.cp_group = ctx.actor.cp_group if ctx.actor.cp_size > 1 else None
-        self.pending: dict[int, tuple[torch.Tensor, list]] = {}
-
-    def add(self, target: torch.Tensor, mb, local: torch.Tensor, *, whole=None) -> None:
-        """``target[mb.rows]`` := the micro-batch's output ``local`` (this rank's tokens; ``whole``: already
-        whole rows, as the attention capture returns them), cut to the batch's ``T``, at :meth:`flush`."""
-        full = whole[: len(mb.rows)] if whole is not None else mb.whole_rows(local, cp_group=self.cp_group)
-        n = min(full.shape[1], target.shape[1])  # a micro-batch may be padded past T
-        part = full[:, :n].detach().to(target.dtype)
-        self.pending.setdefault(id(target), (target, []))[1].append((list(mb.rows), part))
-
-    def flush(self) -> None:
-        for target, parts in self.pending.values():
-            if all(p.device == target.device for _, p in parts):
-                host = [p for _, p in parts]
-            else:  # one copy of all the parts, split again on the host
-                flat = torch.cat([p.reshape(-1) for _, p in parts]).to(target.device)
-                host = [h.view(p.shape) for h, (_, p) in zip(flat.split([p.numel() for _, p in parts]), parts)]
-            for (rows, p), h in zip(parts, host):
-                target[rows, : p.shape[1]] = h
-        self.pending = {}
 
 
 def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
@@ -299,13 +260,13 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
     ``first``: the iteration's first mini-batch (its FIPO weights are also logged apart: on-policy, they
     must be exactly 1). ``old_from_update`` (``train.fuse_old_logprob``): the old log-probs are this
     forward's own, detached, and are written into ``batch.old_logp`` after it."""
-    rows = [i for mb in mini for i in mb]
-    den = step_denominators(batch.loss_mask[rows], norm_length=ctx.norm_length,
-                            device=ctx.actor.device, dp_group=ctx.actor.dp_group)
     alg, section, knobs = ctx.algorithm, ctx.algorithm_section, ctx.knobs
     kl = KL_ESTIMATORS.get(section.kl_estimator) if knobs.kl_coef > 0 else None
     cp_group = ctx.actor.cp_group if ctx.actor.cp_size > 1 else None
     reduce = reductions((CORE, *alg.metrics))
+    rows = [i for mb in mini for i in mb]
+    den = step_denominators(batch.loss_mask[rows], norm_length=ctx.norm_length,
+                            device=ctx.actor.device, dp_group=ctx.actor.dp_group)
 
     fresh = []  # (micro-batch, detached log-probs of this forward): batch.update_logp (and an old_from_update step's)
     if batch.update_logp is None:
@@ -348,9 +309,9 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
             s.update(v_stats)
         return loss, s
 
-    mbs = microbatches(ctx, batch, mini)
+    mbs = microbatch_layout(ctx).cut(batch, mini)
     out = ctx.actor.run(mbs, loss_fn, forward_only=False)
-    copies = RowCopies(ctx)
+    copies = RowCopies(cp_group)
     for mb, lp in fresh:  # as the behaviour pass writes them (the last stage only computes losses)
         copies.add(batch.update_logp, mb, lp)
         if old_from_update:

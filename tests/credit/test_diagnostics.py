@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_credit.credit.diagnostics import credit_sums, per_response
+from megatron_credit.credit.diagnostics import advantage_sums, credit_sums, per_response, turn_sums
 from tests.references import credit_diagnostics_reference
 
 
@@ -68,3 +68,14 @@ def test_the_metric_table_turns_the_sums_into_credit_metrics_and_omits_them_with
     empty = StatSums()
     empty.add(credit_sums(torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)))
     assert not any(k.startswith("credit/") for k in finalize(empty, ()))  # absent, never a 0
+
+
+def test_advantage_sums_are_the_credit_sums_and_with_turns_the_turn_sums():
+    adv = torch.tensor([[0.0, 2.0, -3.0], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[True, True, True], [True, False, True]])
+    turns = torch.tensor([[0, 1, 1], [0, 0, 9]])
+    alone, with_turns = credit_sums(adv, mask), {**credit_sums(adv, mask), **turn_sums(adv, mask, turns)}
+    for got, want in ((advantage_sums(adv, mask), alone), (advantage_sums(adv, mask, turns), with_turns)):
+        assert sorted(got) == sorted(want)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+

@@ -7,7 +7,7 @@ import torch
 from megatron_credit.credit.future_kl import fipo_weights
 from megatron_credit.losses.policy import AGG_MODES, aggregate_loss
 from tests.support.loss_settings import fipo_policy_loss, gspo_loss, ppo_clip_loss
-from megatron_credit.rollout.mismatch import truncated_is_weights
+from megatron_credit.losses.importance import truncated_is_weights
 from tests.references import aggregate_reference, ppo_reference
 from tests.support.distributed_harness import block_subgroup, load_balanced_shard
 from tests.support.threaded_harness import gloo_and_threads_pool

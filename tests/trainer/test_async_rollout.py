@@ -24,7 +24,7 @@ import torch
 
 from megatron_credit.credit.future_kl import fipo_weights
 from megatron_credit.losses.policy import fipo_policy_loss
-from megatron_credit.rollout.mismatch import truncated_is_weights
+from megatron_credit.losses.importance import truncated_is_weights
 from tests.references import fipo_weights_reference
 from tests.support.distributed_harness import module_pool
 from tests.support.fixed_batch import _run_fixed
