@@ -239,7 +239,7 @@ def _main(args, argv: Sequence[str] = ()) -> int:
     from megatron_credit import distributed
     from megatron_credit.recipe.config import load_recipe
 
-    from megatron_credit.algorithm.plugins import load_plugins
+    from megatron_credit.plugins import load_plugins
 
     load_plugins(args.plugin)  # before the recipe: its algorithm.name may be a plugin's
     config = args.config or DEFAULT_RECIPE

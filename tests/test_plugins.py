@@ -83,7 +83,7 @@ def test_the_attention_entropy_capture_matches_a_loop_over_the_attention():
 
     import torch
 
-    from megatron_credit.algorithm.plugins import load_plugin
+    from megatron_credit.plugins import load_plugin
     from megatron_credit.models.concentration import attention_concentration
 
     from megatron_credit.algorithm.catalog import ALGORITHMS
@@ -127,7 +127,7 @@ def test_bad_plugins_are_one_line(tmp_path):
 
 
 def test_a_plugin_is_loaded_once_per_process(tmp_path):
-    from megatron_credit.algorithm.plugins import load_plugin
+    from megatron_credit.plugins import load_plugin
 
     (tmp_path / "count_me.py").write_text("import builtins\nbuiltins.__dict__.setdefault('_mc_loads', []).append(1)\n")
     import builtins

@@ -3,7 +3,7 @@
 ``ALGORITHMS`` maps a name to an algorithm's ``Config`` class (``algorithm/base.py``). The trainer resolves
 it once at start-up, ``ALGORITHMS.get(name).from_mapping(recipe params).build()``, and then calls the
 :class:`~megatron_credit.algorithm.base.Algorithm` it built. A plugin adds its own with
-``ALGORITHMS.add(name, MyAlgorithm.Config)`` (``--plugin``, ``algorithm/plugins.py``).
+``ALGORITHMS.add(name, MyAlgorithm.Config)`` (``--plugin``, ``plugins.py``).
 
 >>> ALGORITHMS.get("fipo").from_mapping({"tau": 16}).build().config.tau
 16.0

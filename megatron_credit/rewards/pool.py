@@ -404,7 +404,7 @@ def _reference(method: str, fn: Callable) -> tuple[str, str]:
             f"reward method {method!r} cannot be sent to a reward worker: {problem}; register a function "
             "defined at module level of an importable module"
         )
-    from megatron_credit.algorithm.plugins import PLUGIN_MODULE_PREFIX
+    from megatron_credit.plugins import PLUGIN_MODULE_PREFIX
 
     path = getattr(sys.modules.get(module), "__file__", None)
     if module.startswith(PLUGIN_MODULE_PREFIX) and path:  # a --plugin file: a worker loads it by its path

@@ -14,7 +14,7 @@ message). The verifier is named by module and qualified name and imported here, 
 one failed item, not a dead worker. A chunk's modules are imported before its first item: the pool gives a
 chunk that names a module new to the worker ``pool.IMPORT_GRACE_S`` for the imports, and the worker says
 when they are done (:data:`IMPORTED`). A verifier of a ``--plugin`` file is named by the file's path, which
-the worker loads as the trainer did (``algorithm/plugins.py``).
+the worker loads as the trainer did (``plugins.py``).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _lookup(module: str, qualname: str):
     """The verifier ``qualname`` of a module, or of a ``--plugin`` file when ``module`` is its ``.py`` path
     (loaded under the name the trainer gave it, so that what it registers matches)."""
     if module.endswith(".py"):
-        from megatron_credit.algorithm.plugins import load_plugin
+        from megatron_credit.plugins import load_plugin
 
         obj = load_plugin(module)
     else:

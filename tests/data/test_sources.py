@@ -44,7 +44,7 @@ class EchoSource(PromptSource):
 
 @pytest.fixture
 def echo_source(tmp_path):
-    from megatron_credit.algorithm.plugins import load_plugin
+    from megatron_credit.plugins import load_plugin
 
     path = tmp_path / "echo_source.py"
     path.write_text(PLUGIN)

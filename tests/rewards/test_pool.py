@@ -216,7 +216,7 @@ def test_unsendable_verifier_is_a_value_error_naming_the_method(pool):
 def test_a_verifier_of_a_plugin_file_scores_in_the_workers(pool, tmp_path):
     """A verifier that a ``--plugin`` file registers (loaded by path, under a module name no worker can
     import) is sent as the file's path: the workers load the file and score with it."""
-    from megatron_credit.algorithm.plugins import load_plugin
+    from megatron_credit.plugins import load_plugin
 
     plugin = tmp_path / "my_verifier.py"
     plugin.write_text(
@@ -241,7 +241,7 @@ def test_a_verifier_module_slow_to_import_is_not_a_timeout(tmp_path):
     """A task library's verifier module that takes longer to import than the per-item timeout: the first
     chunk a worker gets that names it has IMPORT_GRACE_S more for the import, every item scores, none times
     out. (A hanging item after the import keeps the plain deadline: the hang test above.)"""
-    from megatron_credit.algorithm.plugins import load_plugin
+    from megatron_credit.plugins import load_plugin
 
     plugin = tmp_path / "slow_import_verifier.py"
     plugin.write_text(
