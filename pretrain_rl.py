@@ -172,7 +172,7 @@ def start_pool_ranks(argv: Sequence[str], ranks: int):
     from megatron_credit import distributed
     from megatron_credit.sources.pool import PARENT_ENV, SPAWNED
 
-    port = distributed._free_port()
+    port = distributed.free_port()
     world = 1 + ranks
     for rank in range(1, world):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),

@@ -67,11 +67,11 @@ def spawn_world(worker, world: int, *args, timeout: float = 600):
     of them puts in ``results`` (rank 0's measurement)."""
     import torch.multiprocessing as mp
 
-    from megatron_credit.distributed import _free_port
+    from megatron_credit.distributed import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=worker, args=(r, world, port, *args, results)) for r in range(world)]
     for p in procs:
         p.start()

@@ -9,11 +9,11 @@
 
 The names callers use are handed on here (``from megatron_credit import distributed``).
 """
-from megatron_credit.distributed.groups import (Job, LaunchEnv, data_parallel_rank, default_backend, destroy,
+from megatron_credit.distributed.groups import (Job, LaunchEnv, data_parallel_rank, default_backend, destroy, free_port,
                                                 group_timeouts, initialize, job, join_job, set_group_timeout)
 from megatron_credit.distributed.megatron_compat import get_batch_on_this_cp_rank, import_megatron_core
 from megatron_credit.distributed.seeds import cpu_rng_stream_seeds, rng_state, set_rng_state, set_seed
 
-__all__ = ["Job", "LaunchEnv", "cpu_rng_stream_seeds", "data_parallel_rank", "default_backend", "destroy",
+__all__ = ["Job", "LaunchEnv", "cpu_rng_stream_seeds", "data_parallel_rank", "default_backend", "destroy", "free_port",
            "get_batch_on_this_cp_rank", "group_timeouts", "import_megatron_core", "initialize", "job", "join_job",
            "rng_state", "set_group_timeout", "set_rng_state", "set_seed"]

@@ -50,7 +50,7 @@ class LaunchEnv:
                    master_port=int(port) if port else None)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -133,7 +133,7 @@ def initialize(parallel, *, seed: int, launch: Optional[LaunchEnv] = None,
             dist.init_process_group(backend, store=dist.PrefixStore("trainer", store), rank=launch.rank,
                                     world_size=world, timeout=timeout, **bound)
         else:
-            port = launch.master_port or _free_port()
+            port = launch.master_port or free_port()
             dist.init_process_group(backend, init_method=f"tcp://{launch.master_addr}:{port}",
                                     rank=launch.rank, world_size=launch.world_size, timeout=timeout, **bound)
     else:
