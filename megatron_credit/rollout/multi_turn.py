@@ -50,8 +50,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
-import math
-import numbers
 import queue
 import threading
 import time
@@ -59,13 +57,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_credit.env.base import StepResult
 from megatron_credit.rollout.engine import resolve_group_ids
+from megatron_credit.rollout.env_checks import (EnvironmentFault, check_step, longest_token_chars, single_token,
+                                                vocab_bound)
 from megatron_credit.rollout.types import Episode, FinishStatus, RolloutBatch, RolloutSample, SampleTimings
-
-ABORTED_SCORE = -1.0
-"""The score of a trajectory whose environment failed: that of a wrong answer (``rewards.base.incorrect``)."""
-
 
 def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
     """The sampling seed of turn ``turn >= 1`` of a draw whose seed is ``seed`` (turn 0 uses ``seed``).
@@ -76,84 +71,6 @@ def turn_seed(seed: Optional[int], turn: int) -> Optional[int]:
     if seed is None:
         return None
     return (int(seed) * 1_000_003 + 7919 * turn) % (2**63 - 1)
-
-
-def longest_token_chars(tokenizer) -> Optional[int]:
-    """An upper bound on the characters of text one token covers: the longest entry of the tokenizer's
-    vocabulary as it spells it (a byte-level BPE spells each byte as one character, a sentencepiece one a
-    space as one ``▁``, a byte-fallback token as ``<0x0A>``: never shorter than the text it stands for);
-    None when the tokenizer has no ``get_vocab``. ``k`` tokens cover at most ``k`` times it, so an
-    observation longer than the room left times it is cut to that many characters before it is tokenized:
-    a 100,000-character observation costs the tokens it can use, not a tokenization of all of it."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    vocab = get_vocab() if callable(get_vocab) else None
-    return max((len(t) for t in vocab), default=None) if isinstance(vocab, dict) and vocab else None
-
-
-def single_token(tokenizer, text: str, *, field: str) -> int:
-    """The one token id of ``text`` (an environment's stop text must be one token: the engine stops on ids)."""
-    ids = tokenizer.encode(text)
-    back = tokenizer.decode(ids) if len(ids) == 1 else None
-    if len(ids) != 1 or back != text:  # an unknown text can come out as one <unk>: it must decode back to itself
-        what = f"{len(ids)} tokens {ids}" if len(ids) != 1 else f"the token {ids} that decodes to {back!r}"
-        raise ValueError(f"{field}: the environment's stop text {text!r} is {what} under this tokenizer; a turn "
-                         "can only end on a single token of its own (add it to the tokenizer's special tokens, or "
-                         "choose a marker that is one token)")
-    return int(ids[0])
-
-
-class EnvironmentFault(Exception):
-    """An environment's output the loop cannot use; its message is the one-line reason."""
-
-
-def check_step(res: Any, vocab_size: Optional[int]) -> None:
-    """Raise :class:`EnvironmentFault` when ``res``, what ``Environment.step`` returned, is not a
-    :class:`StepResult` the loop can use: an observation that is text or token ids in ``[0, vocab_size)``
-    (None: only ``>= 0`` is checked), a finite real reward, bool ``done`` and ``tool_error``, a count of
-    tool calls >= 0. The observation's length is not checked: the loop cuts it to the token budget."""
-
-    def what(x: Any) -> str:
-        text = repr(x)
-        return f"{text[:40]}..." if len(text) > 40 else text
-
-    if not isinstance(res, StepResult):
-        raise EnvironmentFault(f"step returned {type(res).__name__} {what(res)}, not a StepResult")
-    obs = res.observation
-    if isinstance(obs, (list, tuple)):
-        for t in obs:
-            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
-                raise EnvironmentFault(f"step's observation holds {type(t).__name__} {what(t)}, not a token id")
-            if t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise EnvironmentFault(f"step's observation token id {int(t)} is outside the vocabulary "
-                                       f"[0, {vocab_size if vocab_size is not None else 'inf'})")
-    elif not isinstance(obs, str):
-        raise EnvironmentFault(f"step's observation is {type(obs).__name__} {what(obs)}, not text or a list of "
-                               "token ids")
-    if not isinstance(res.reward, numbers.Real) or not math.isfinite(res.reward):
-        raise EnvironmentFault(f"step's reward is {type(res.reward).__name__} {what(res.reward)}, not a finite "
-                               "number")
-    for name in ("done", "tool_error"):
-        if not isinstance(getattr(res, name), bool):
-            value = getattr(res, name)
-            raise EnvironmentFault(f"step's {name} is {type(value).__name__} {what(value)}, not a bool")
-    if not isinstance(res.tool_calls, numbers.Integral) or isinstance(res.tool_calls, bool) or res.tool_calls < 0:
-        raise EnvironmentFault(f"step's tool_calls is {type(res.tool_calls).__name__} {what(res.tool_calls)}, not "
-                               "an int >= 0")
-
-
-def vocab_bound(engine, tokenizer) -> Optional[int]:
-    """The token ids an observation may hold: below the tokenizer's length and the engine's model's
-    vocabulary (the smaller, where both are known); None when neither is."""
-    known = []
-    try:
-        known.append(len(tokenizer))
-    except TypeError:
-        pass
-    for config in (getattr(engine, "hf_config", None), getattr(getattr(engine, "model", None), "config", None)):
-        size = getattr(config, "vocab_size", None)
-        if isinstance(size, int) and size > 0:
-            known.append(size)
-    return min(known) if known else None
 
 
 @dataclasses.dataclass
@@ -497,63 +414,3 @@ def generate(engine, prompts: list[list[int]], params, *, group_ids, records) ->
     if getattr(engine, "takes_records", False):
         return engine.generate(prompts, params, group_ids=group_ids, records=records)
     return engine.generate(prompts, params, group_ids=group_ids)
-
-
-def scored_text(tokenizer, sample: RolloutSample) -> str:
-    """The text the verifier grades: the response, or a trajectory's last turn (the model's final answer;
-    the tool's output before it is not the model's answer), without special tokens: a response that stops
-    ends in the tokenizer's EOS (``<|im_end|>`` for a Qwen chat model), which a ``transformers`` tokenizer
-    decodes as text by default, and DAPO's verifier would read ``Answer: 42<|im_end|>`` as the answer
-    ``42<|im_end|>``."""
-    if sample.turn_ids is None or not len(sample.response_ids):
-        return tokenizer.decode(sample.response_ids, skip_special_tokens=True)
-    last = int(sample.turn_ids[-1])
-    keep = (sample.turn_ids == last) & sample.action_mask
-    ids = [i for i, k in zip(sample.response_ids, keep.tolist()) if k]
-    return tokenizer.decode(ids, skip_special_tokens=True)
-
-
-def scored_length(sample: RolloutSample) -> int:
-    """The response length the reward's shaping reads (the overlong penalty): the policy's tokens of a
-    trajectory, every token of a single-turn response."""
-    return len(sample.response_ids) if sample.action_mask is None else int(sample.action_mask.sum())
-
-
-def episode_rewards(samples: Sequence[RolloutSample], rewards: torch.Tensor,
-                    correct: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The trajectories' returns and verdicts from the verifier's ``rewards`` / ``correct``: the turn rewards
-    are added; a trajectory whose environment failed is scored by the abort rule (incorrect, the score of a
-    wrong answer, :data:`ABORTED_SCORE`, plus the turn rewards earned before). Single-turn samples are left
-    as they are.
-
-    >>> s = RolloutSample(prompt_ids=[1], response_ids=[2], logprobs=torch.zeros(1), status=FinishStatus.STOPPED,
-    ...                   group_id=0, sample_index=0, logprobs_mode="raw", action_mask=torch.ones(1, dtype=torch.bool),
-    ...                   turn_ids=torch.zeros(1, dtype=torch.int16), episode=Episode(turn_rewards=(0.5,), env_errors=1))
-    >>> r, c = episode_rewards([s], torch.tensor([1.0]), torch.tensor([True]))
-    >>> r.tolist(), c.tolist()
-    ([-0.5], [False])
-    """
-    rewards, correct = rewards.clone().float(), correct.clone().bool()
-    for i, s in enumerate(samples):
-        ep = s.episode
-        if ep is None:
-            continue
-        if ep.aborted:
-            rewards[i], correct[i] = ABORTED_SCORE, False
-        rewards[i] += float(sum(ep.turn_rewards))
-    return rewards, correct
-
-
-def first_turn_correct(samples: Sequence[RolloutSample], correct: torch.Tensor) -> torch.Tensor:
-    """``[B]`` bool: the trajectories that are correct and played one model turn: with the feedback
-    environment (a correct attempt ends the episode) the ones whose first attempt was right, with the
-    calculator the ones answered without a call. ``correct``: the trajectories' final verdicts
-    (:func:`episode_rewards`); a single-turn sample counts as its verdict.
-
-    >>> ep = lambda k: RolloutSample(prompt_ids=[1], response_ids=[2], logprobs=torch.zeros(1), group_id=0,
-    ...     sample_index=0, status=FinishStatus.STOPPED, logprobs_mode="raw", episode=Episode(turn_rewards=(0.0,) * k))
-    >>> first_turn_correct([ep(1), ep(2), ep(1)], torch.tensor([True, True, False])).tolist()
-    [True, False, False]
-    """
-    one = torch.tensor([s.episode is None or s.episode.turns == 1 for s in samples], dtype=torch.bool)
-    return correct.bool().cpu() & one

@@ -175,7 +175,8 @@ def generate_and_score(engine, pool, tokenizer, records, params: SamplingParams,
     steps beat while it generates, and the reward pool's own timeouts bound the scoring)."""
     from megatron_credit.rewards.compute import score_responses
     from megatron_credit.rewards.shaping import ShapingConfig
-    from megatron_credit.rollout.multi_turn import episode_rewards, generate, scored_length, scored_text
+    from megatron_credit.rollout.episode_scores import episode_rewards, scored_length, scored_text
+    from megatron_credit.rollout.multi_turn import generate
 
     n = params.n
     batch = generate(engine, [list(rec.prompt_ids) for rec in records], params,

@@ -159,7 +159,8 @@ def sample_and_grade(engine, tokenizer, records, *, k: int, sampling, pool=None,
 
     from megatron_credit.rewards.compute import score_responses
     from megatron_credit.rewards.shaping import ShapingConfig
-    from megatron_credit.rollout.multi_turn import generate, scored_length, scored_text
+    from megatron_credit.rollout.episode_scores import scored_length, scored_text
+    from megatron_credit.rollout.multi_turn import generate
 
     records = list(records)
     step = batch_prompts or max(len(records), 1)

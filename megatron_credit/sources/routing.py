@@ -68,14 +68,14 @@ class RolloutSourceBase:
 
     def _episode_metrics(self, samples: list, padded, correct: torch.Tensor) -> dict[str, float]:
         """Multi-turn: ``accuracy/first_turn`` (the share of trajectories correct after one model turn,
-        ``rollout.multi_turn.first_turn_correct``: with the feedback environment, right at the first
+        ``rollout.episode_scores.first_turn_correct``: with the feedback environment, right at the first
         attempt; ``accuracy/mean`` is after the feedback), ``rollout/turns_mean`` and
         ``rollout/tool_calls_mean`` (per trajectory),
         ``rollout/env_token_frac`` (the environment's share of the response tokens), ``env/errors`` (environment
         failures: trajectories ended by the abort rule), ``env/failed_frac`` (their share of the trajectories),
         ``env/error_reasons`` (``{reason: trajectories}``, only when some failed) and ``env/tool_errors`` (calls
         answered with the error observation), over the data-parallel group."""
-        from megatron_credit.rollout.multi_turn import first_turn_correct
+        from megatron_credit.rollout.episode_scores import first_turn_correct
 
         eps = [s.episode for s in samples if s.episode is not None]
         sums = torch.tensor([len(samples), sum(e.turns for e in eps), sum(e.tool_calls for e in eps),

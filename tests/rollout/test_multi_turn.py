@@ -12,7 +12,8 @@ from transformers import Qwen2Config
 from megatron_credit.data.records import ChatMessage, PromptRecord
 from megatron_credit.env import ENVIRONMENTS, Environment, StepResult
 from megatron_credit.rollout import FinishStatus, HFRolloutEngine, SamplingParams
-from megatron_credit.rollout.multi_turn import EpisodeEngine, StepThreads, episode_rewards, scored_text, turn_seed
+from megatron_credit.rollout.episode_scores import episode_rewards, scored_text
+from megatron_credit.rollout.multi_turn import EpisodeEngine, StepThreads, turn_seed
 from megatron_credit.rollout.types import RolloutBatch
 
 VOCAB, EOS = 96, 2
@@ -319,7 +320,7 @@ def test_a_long_observation_is_tokenized_only_as_far_as_the_budget_reaches(hf):
     """A 100,000-character observation with 40 tokens of budget: what is tokenized is a prefix of at most
     (room + 1) x the longest token's spelling (4 characters here), and the trajectory is the same as when
     the whole text is tokenized (the test above, without a vocabulary to bound by)."""
-    from megatron_credit.rollout.multi_turn import longest_token_chars
+    from megatron_credit.rollout.env_checks import longest_token_chars
 
     tok = SpyTok()
     assert longest_token_chars(tok) == 4 and longest_token_chars(Tok()) is None
@@ -566,7 +567,7 @@ def test_first_turn_accuracy_separates_the_first_attempt_from_the_final_one():
     attempts 2 of 4 (``accuracy/first_turn``)."""
     from megatron_credit.env.feedback import Feedback
     from megatron_credit.rewards.math import compute_score_for_source
-    from megatron_credit.rollout.multi_turn import first_turn_correct
+    from megatron_credit.rollout.episode_scores import first_turn_correct
 
     env = Feedback(Feedback.Config(incorrect_text="90 91", no_answer_text="92", end_texts=(str(EOS),)))
     script = {0: [[1]], 1: [[4], [1]], 2: [[4], [5], [6]], 3: [[1]]}
