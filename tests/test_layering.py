@@ -11,7 +11,7 @@ allowed set is what the recipe's checks read, each below the recipe:
   settings and layout checks (``ModelConfig``, ``Recipe.problems``);
 - ``data``: the synthetic chain's own config check (``DataConfig``);
 - ``algorithm``, ``losses``: the algorithm catalogue and the KL estimators (``AlgorithmConfig``);
-- ``env``: the environments' registry (``EnvConfig``);
+- ``env``: the environments' registry (``EnvConfig``, ``recipe/env_section.py``);
 - ``gpu_kinds``: the GPU names ``cluster.gpu`` is checked against (standard library only; the planner reads
   the same table, above the recipe).
 The rollout modes' facts are the recipe's own (``recipe/rollout_modes.py``); the sources that serve them

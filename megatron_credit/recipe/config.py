@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Mapping, Optional, Sequence
 
 from megatron_credit.gpu_kinds import GPUS
+from megatron_credit.recipe.env_section import EnvConfig
 from megatron_credit.recipe.moe import MoeConfig
-from megatron_credit.recipe.sections import (AlgorithmConfig, CheckpointConfig, DataConfig, EnvConfig, LoggingConfig,
+from megatron_credit.recipe.sections import (AlgorithmConfig, CheckpointConfig, DataConfig, LoggingConfig,
                                              OptimConfig, RewardConfig, RolloutConfig, TrainConfig,
                                              WarmupConfig)
 from megatron_credit.typed_build import NonNegativeInt, PositiveFloat, PositiveInt, Range
