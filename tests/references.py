@@ -296,3 +296,14 @@ def lora_linear_reference(x, w, a, b, scale, bias=None):
             low = sum(xa[j] * float(b[o, j]) for j in range(a.shape[0]))
             out[t, o] = float((x2[t] * w[o]).sum()) + scale * low + (float(bias[o]) if bias is not None else 0.0)
     return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def engine_trainer_logprobs(seed=0, b=5, t=9):
+    """Random float64 log-probs of an engine and of the trainer near it, ``[b, t]``, and a mask whose last
+    row is empty: the inputs of the mismatch metrics and the truncated importance weights."""
+    g = torch.Generator().manual_seed(seed)
+    engine = -torch.rand(b, t, generator=g, dtype=torch.float64) * 4
+    trainer = engine + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.3
+    mask = torch.rand(b, t, generator=g) < 0.7
+    mask[-1] = False  # an empty sequence
+    return engine, trainer, mask

@@ -5,15 +5,7 @@ import pytest
 import torch
 
 from megatron_credit.losses.importance import truncated_is_weights
-
-
-def _inputs(seed=0, b=5, t=9):
-    g = torch.Generator().manual_seed(seed)
-    engine = -torch.rand(b, t, generator=g, dtype=torch.float64) * 4
-    trainer = engine + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.3
-    mask = torch.rand(b, t, generator=g) < 0.7
-    mask[-1] = False  # an empty sequence
-    return engine, trainer, mask
+from tests.references import engine_trainer_logprobs as _inputs
 
 
 def test_truncated_is_weights_match_loop_reference():

@@ -5,15 +5,7 @@ import pytest
 import torch
 
 from megatron_credit.rollout.mismatch import logprob_mismatch
-
-
-def _inputs(seed=0, b=5, t=9):
-    g = torch.Generator().manual_seed(seed)
-    engine = -torch.rand(b, t, generator=g, dtype=torch.float64) * 4
-    trainer = engine + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.3
-    mask = torch.rand(b, t, generator=g) < 0.7
-    mask[-1] = False  # an empty sequence
-    return engine, trainer, mask
+from tests.references import engine_trainer_logprobs as _inputs
 
 
 def test_logprob_mismatch_matches_loop_reference():
