@@ -137,7 +137,7 @@ browser:
 	chromium --version
 
 # Mutation testing: mutmut over credit/, losses/, conversion/, rewards/, batch/microbatch.py,
-# rollout/mismatch.py and batch/train_batch.py, trainer/metrics.py (config: [mutmut] in setup.cfg; equivalent
+# rollout/mismatch.py and batch/train_batch.py, metrics/ (config: [mutmut] in setup.cfg; equivalent
 # mutants: mutation_equivalents.md), then
 # the score and the survivors. Slow (minutes to hours on 2 cores), so not part of `make test`.
 # MUTANTS narrows the run to mutmut name globs: make mutation MUTANTS='megatron_credit.credit.*'

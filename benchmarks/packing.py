@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, port: int, packing: bool, args, results) -> N
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
-    from megatron_credit.trainer.metrics import StatSums
+    from megatron_credit.metrics.sums import StatSums
 
     recipe = recipe_from_dict({
         "model": {"architecture": ARCH}, "parallel": {"pipeline_model_parallel_size": world},

@@ -40,7 +40,7 @@ def main() -> None:
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.batch.train_batch import TrainBatch
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
-    from megatron_credit.trainer.metrics import StatSums
+    from megatron_credit.metrics.sums import StatSums
 
     arch = dict(model_type="qwen2", vocab_size=args.vocab, hidden_size=args.hidden,
                 intermediate_size=4 * args.hidden, num_hidden_layers=args.layers, num_attention_heads=8,

@@ -20,7 +20,7 @@ import torch
 
 from megatron_credit.algorithm.catalog import ALGORITHMS
 from megatron_credit.algorithm.grpo import GRPO
-from megatron_credit.algorithm.metric_tables import TOKEN_MEAN, MetricTable
+from megatron_credit.metrics.tables import TOKEN_MEAN, MetricTable
 from megatron_credit.losses import policy
 
 NAME = "token_weighted_grpo"

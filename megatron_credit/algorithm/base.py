@@ -22,7 +22,7 @@ import torch
 from megatron_credit.algorithm.capture import Capture
 from megatron_credit.algorithm.critic_kinds import CRITIC_KINDS, CriticKind, check_critic
 from megatron_credit.algorithm.knobs import StepKnobs
-from megatron_credit.algorithm.metric_tables import MetricTable
+from megatron_credit.metrics.tables import MetricTable
 from megatron_credit.losses import aggregation, policy, value
 from megatron_credit.typed_build import NonNegativeFloat, Range, build_dataclass
 
@@ -110,7 +110,7 @@ class Algorithm:
     loss_agg_mode: ClassVar[str] = "token-mean"
     """How the per-token loss is reduced: one of ``losses.aggregation.AGG_MODES``."""
     metrics: ClassVar[tuple[MetricTable, ...]] = ()
-    """The metric tables of what this algorithm logs beyond the trainer's own (``metric_tables``)."""
+    """The metric tables of what this algorithm logs beyond the trainer's own (``metrics/tables.py``)."""
     side_channels: ClassVar[tuple[str, ...]] = ()
     """The batch's side channels (a capture's outputs, :meth:`behaviour_extras`) that :meth:`loss` takes,
     each as the keyword of its name."""

@@ -32,8 +32,8 @@ from megatron_credit.algorithm.capture import CaptureOutput, FinalLayerCapture
 from megatron_credit.algorithm.fipo import FIPO
 from megatron_credit.algorithm.gate_controls import GATE_CONTROLS, GateControl
 from megatron_credit.algorithm.knobs import StepKnobs, phase_knobs, phase_ratio
-from megatron_credit.algorithm.metric_tables import CRITIC, GATES
-from megatron_credit.algorithm.metric_tables import FIPO as FIPO_METRICS
+from megatron_credit.metrics.tables import CRITIC, GATES
+from megatron_credit.metrics.tables import FIPO as FIPO_METRICS
 from megatron_credit.credit.gae import comp_gae
 from megatron_credit.algorithm.phase import PHASES, PhaseController, PhaseThresholds
 from megatron_credit.typed_build import NonNegativeInt, PositiveFloat, PositiveInt, UnitFloat

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_credit.algorithm.grpo import DAPO, DualClip
-from megatron_credit.algorithm.metric_tables import FIPO as FIPO_METRICS
+from megatron_credit.metrics.tables import FIPO as FIPO_METRICS
 from megatron_credit.credit.future_kl import (FIPO_DUAL_CLIP_C, FIPO_TAU, FIPO_WEIGHT_CLIP, fipo_weights, future_kl,
                                               multi_dual_clip_keep)
 from megatron_credit.losses import policy

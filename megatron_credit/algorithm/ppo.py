@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatron_credit.algorithm.base import ActorCritic, AdvantageInputs, AdvantageOutput, AdvantagePost, PPOClip
-from megatron_credit.algorithm.metric_tables import CRITIC
+from megatron_credit.metrics.tables import CRITIC
 from megatron_credit.credit.gae import gae
 from megatron_credit.typed_build import PositiveFloat, UnitFloat
 

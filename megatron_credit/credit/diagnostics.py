@@ -67,7 +67,7 @@ def per_response(advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, torc
 def credit_sums(advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """``sum:`` statistics of :func:`per_response` over the responses with credit (``[]`` tensors each),
     which the trainer sums over ranks; ``credit/<name>`` is ``sum:credit/<name> / sum:credit/responses``
-    (``algorithm/metric_tables.CORE``)."""
+    (``metrics/tables.CORE``)."""
     d = per_response(advantages, mask)
     has = d.pop("has_credit")
     out = {f"sum:credit/{k}": torch.where(has, v, 0.0).sum() for k, v in d.items()}
@@ -82,7 +82,7 @@ TURN_STATS = 8
 def turn_sums(advantages: torch.Tensor, mask: torch.Tensor, turn_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """``sum:`` statistics of the applied advantages per turn index of multi-turn trajectories (the action
     tokens of turn ``k``, ``k < TURN_STATS``; the last index holds every later turn): their sum, absolute sum
-    and count; ``advantage/turn_<k>_mean`` and ``_abs_mean`` are their ratios (``metric_tables.CORE``).
+    and count; ``advantage/turn_<k>_mean`` and ``_abs_mean`` are their ratios (``metrics/tables.CORE``).
 
     >>> adv = torch.tensor([[1.0, 0.0, -2.0]]); m = torch.tensor([[True, False, True]])
     >>> s = turn_sums(adv, m, torch.tensor([[0, 0, 1]]))

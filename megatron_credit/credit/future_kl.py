@@ -155,7 +155,7 @@ def fipo_weights(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.T
         w = torch.where(capped, w.clamp(max=1.0), w)
         valid = response_mask.bool()
         w = torch.where(valid, w, torch.ones_like(w))
-        metrics = masked_summary(w, valid, quantiles=())  # what the trainer reduces (metric_tables.FIPO)
+        metrics = masked_summary(w, valid, quantiles=())  # what the trainer reduces (metrics/tables.FIPO)
         n = valid.sum().clamp(min=1).to(w.dtype)
         metrics.update(
             dev_sq=torch.where(valid, (w.double() - 1) ** 2, 0.0).sum() / n,

@@ -1,8 +1,8 @@
 """What one RL iteration reads (``trainer/step.py`` takes a :class:`Context`): the recipe sections it
 reads, the algorithm (``algorithm/base.py``: its config in force and its state across iterations), the
 models, the rollout source, the knobs in force, and the few collectives the iteration needs (DP whitening, the
-finite-loss vote, the metric reduction). ``trainer/loop.py`` builds it once per launch. No megatron import:
-the process groups and ranks come from the actor.
+finite-loss vote; the metric reduction is ``metrics/sums.py``'s). ``trainer/loop.py`` builds it once per
+launch. No megatron import: the process groups and ranks come from the actor.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_credit.algorithm.knobs import StepKnobs
-from megatron_credit.trainer.metrics import StatSums, finalize
+from megatron_credit.metrics.sums import Reduction, StatSums
 
 if TYPE_CHECKING:  # annotations only: nothing of these is imported at run time here
     from megatron_credit.algorithm.base import Algorithm
@@ -75,10 +75,16 @@ class Context:
     credit_maps: Optional[CreditMaps] = None
     """The credit-map writer (``credit_maps/writer.py``: ``logging.credit_map_every``), or None (off)."""
     timer: PhaseTimer = dataclasses.field(default_factory=PhaseTimer)
+    reduction: Reduction = dataclasses.field(init=False)
+    """How the iteration's sums become its metrics (``metrics/sums.Reduction``): over DP x CP on the last
+    stage, handed to the pipeline's first stage, named by the algorithm's and the model's tables."""
 
     def __post_init__(self) -> None:
         if self.knobs is None:
             self.knobs = self.base_knobs
+        a = self.actor
+        self.reduction = Reduction((*self.algorithm.metrics, *a.metric_tables), group=a.dp_cp_group, device=a.device,
+                                   pp_group=a.pp_group if a.pp_size > 1 else None, pp_src=a.pp_last_rank)
         group = self.actor.dp_group
         self.algorithm.start(seed=self.seed, dp_rank=dist.get_rank(group), dp_group=group, device=self.actor.device)
 
@@ -126,11 +132,5 @@ class Context:
         return float(bad) == 0.0  # the one read
 
     def reduce_stats(self, stats: StatSums) -> dict[str, float]:
-        """Sum over DP x CP on the last stage, then hand the result to the pipeline's first stage."""
-        stats.all_reduce(self.actor.dp_cp_group, device=self.actor.device)
-        if self.actor.pp_size > 1:
-            box = [stats.values]
-            dist.broadcast_object_list(box, src=self.actor.pp_last_rank,
-                                       group=self.actor.pp_group, device=self.actor.device)
-            stats.values = box[0]
-        return finalize(stats, (*self.algorithm.metrics, *self.actor.metric_tables))
+        """The iteration's metrics from its sums (:attr:`reduction`)."""
+        return self.reduction(stats)

@@ -72,7 +72,7 @@ def init_critic_from(critic, actor) -> None:
 def critic_step(ctx, microbatches, stats, loss_fn) -> Optional[torch.Tensor]:
     """One forward-backward of the separate critic over ``microbatches`` with ``loss_fn`` (the value loss),
     then its optimizer step with its own clip; adds its stats to ``stats`` and returns its grad norm."""
-    from megatron_credit.trainer.metrics import StatSums
+    from megatron_credit.metrics.sums import StatSums
 
     critic, knobs = ctx.critic, ctx.knobs
     out = critic.run(microbatches, loss_fn, forward_only=False)

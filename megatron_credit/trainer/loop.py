@@ -23,7 +23,7 @@ from megatron_credit.algorithm.knobs import base_knobs
 from megatron_credit.trainer import checkpoint as ckpt
 from megatron_credit.trainer.context import Context, PhaseTimer  # noqa: F401  (Context: re-exported)
 from megatron_credit.data.setup import build_data, hf_tokenizer  # noqa: F401  (hf_tokenizer: re-exported)
-from megatron_credit.trainer.metrics import MetricsWriter
+from megatron_credit.metrics.writer import MetricsWriter
 from megatron_credit.trainer.plots import plot_metrics
 from megatron_credit.trainer.stop import ExitSignals
 

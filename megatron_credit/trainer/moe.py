@@ -31,7 +31,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_credit.algorithm.metric_tables import MetricTable
+from megatron_credit.metrics.tables import MetricTable
 
 PREFIX = "sum:moe/tokens/"
 

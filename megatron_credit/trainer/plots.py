@@ -84,7 +84,7 @@ def plot_metrics(run_dir: str, plots: Iterable[Plot] = PLOTS) -> list[str]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from megatron_credit.trainer.metrics import read_metrics
+    from megatron_credit.metrics.writer import read_metrics
 
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     os.makedirs(os.path.join(run_dir, "plots"), exist_ok=True)

@@ -20,8 +20,8 @@ from megatron_credit.losses.kl import KL_ESTIMATORS
 from megatron_credit.rollout.mismatch import logprob_mismatch
 from megatron_credit.batch.rows import MicroBatchLayout, RowCopies
 from megatron_credit.batch.train_batch import POSITION_FIELDS, TOKEN_FIELDS, TrainBatch, step_denominators
-from megatron_credit.algorithm.metric_tables import CORE, reductions
-from megatron_credit.trainer.metrics import StatSums, loss_statistics
+from megatron_credit.metrics.tables import CORE
+from megatron_credit.metrics.sums import StatSums, loss_statistics
 
 if TYPE_CHECKING:  # the iteration's inputs; no megatron import here
     from megatron_credit.trainer.context import Context
@@ -34,8 +34,8 @@ def rl_iteration(ctx: Context, iteration: int) -> dict[str, float]:
     with timer("rollout"):  # engine + reward pool + dyn. sampling
         batch, rollout_metrics = ctx.rollouts.next(iteration, weights=ctx.weights(iteration - 1))
     ctx.check_length(int(batch.seq_lens.max()))
-    plan = plan_microbatches(ctx, batch)
     fused = fused_old_logprob(ctx)
+    plan = plan_microbatches(ctx, batch)
     with timer("old_logprob"):
         behaviour_pass(ctx, batch, plan, skip_first=fused)  # old_logp (+ values, ref_logp, the capture's side channels)
     stats = StatSums()
@@ -53,7 +53,7 @@ def rl_iteration(ctx: Context, iteration: int) -> dict[str, float]:
         add_mismatch(batch, stats)
     credit_diagnostics(ctx, batch, iteration, stats)
     stats.add(ctx.actor.model_statistics())  # e.g. a mixture of experts' routing (``Actor.metric_tables``)
-    return {**rollout_metrics, **ctx.reduce_stats(stats)}
+    return {**rollout_metrics, **ctx.reduction(stats)}
 
 
 # --------------------------------------------------------------------------------------------- parts
@@ -100,7 +100,8 @@ def credit_diagnostics(ctx: Context, batch: TrainBatch, iteration: int, stats: S
     due = maps is not None and maps.due(iteration) and maps.holds_data(ctx.actor)
     with ctx.timer("credit"):
         fields = credit_view(ctx, batch, full=due)
-        stats.add(advantage_sums(fields["advantage"], batch.loss_mask, batch.turn_ids))
+        sums = advantage_sums(fields["advantage"], batch.loss_mask, batch.turn_ids)
+        stats.add(sums)
         if due:
             maps.write(iteration, batch, fields)
 
@@ -196,8 +197,6 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
     if not actor.last_stage:  # only the last stage computes losses; others never read these
         batch.old_logp = batch.values = batch.ref_logp = None
         batch.extras = {}
-    else:
-        add_behaviour_extras(ctx.algorithm, batch)
 
 
 def add_behaviour_extras(alg, batch: TrainBatch) -> None:
@@ -221,7 +220,8 @@ def add_behaviour_extras(alg, batch: TrainBatch) -> None:
 
 
 def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stats: "StatSums | None" = None) -> None:
-    """``batch.advantages`` (and ``returns``) from the algorithm's estimator, with what the algorithm's state
+    """The algorithm's side channels made from the behaviour pass (:func:`add_behaviour_extras`), then
+    ``batch.advantages`` (and ``returns``) from the algorithm's estimator, with what the algorithm's state
     adds to its inputs from the side channels (``Algorithm.advantage_inputs``, kept in ``batch.extras``
     too). The algorithm's ``advantage_post``: the critic's warm-up (values
     enter the advantages after ``critic_warmup_steps`` iterations), PPO-style whitening over the global
@@ -230,6 +230,7 @@ def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stat
     if batch.old_logp is None:  # not the last pipeline stage
         return
     alg = ctx.algorithm
+    add_behaviour_extras(alg, batch)
     mask = batch.loss_mask
     stats = StatSums() if stats is None else stats
     added, added_stats = alg.advantage_inputs(batch.extras, mask, iteration)
@@ -251,7 +252,8 @@ def compute_advantages(ctx: Context, batch: TrainBatch, iteration: int = 1, stat
     batch.advantages = adv
     batch.returns = None if out.returns is None else out.returns.float()
     if batch.returns is not None:  # the critic kind's own diagnostics (a feature critic's critic/*)
-        stats.add(alg.critic_stats(batch.values, batch.returns, mask))
+        critic_stats = alg.critic_stats(batch.values, batch.returns, mask)
+        stats.add(critic_stats)
 
 
 def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], stats: "StatSums", *,
@@ -263,7 +265,8 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
     alg, section, knobs = ctx.algorithm, ctx.algorithm_section, ctx.knobs
     kl = KL_ESTIMATORS.get(section.kl_estimator) if knobs.kl_coef > 0 else None
     cp_group = ctx.actor.cp_group if ctx.actor.cp_size > 1 else None
-    reduce = reductions((CORE, *alg.metrics))
+    tables = (CORE, *alg.metrics)
+    mbs = microbatch_layout(ctx).cut(batch, mini)
     rows = [i for mb in mini for i in mb]
     den = step_denominators(batch.loss_mask[rows], norm_length=ctx.norm_length,
                             device=ctx.actor.device, dp_group=ctx.actor.dp_group)
@@ -299,7 +302,7 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
              "sum:entropy": torch.where(mask, ent, 0.0).sum().detach(),
              "sum:logp_diff": torch.where(mask, (logp - t["old_logp"]).abs(), 0.0).sum().detach()}
         # rank-local statistics -> the sums / extremes the trainer reduces, as the metric tables declare
-        s.update(loss_statistics({**m, **tis}, reduce, tokens=n, first=first))
+        s.update(loss_statistics({**m, **tis}, tables, tokens=n, first=first))
         if kl_tok is not None:
             s["sum:kl"] = torch.where(mask, kl_tok, 0.0).sum().detach()
         if values is not None:
@@ -309,7 +312,6 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
             s.update(v_stats)
         return loss, s
 
-    mbs = microbatch_layout(ctx).cut(batch, mini)
     out = ctx.actor.run(mbs, loss_fn, forward_only=False)
     copies = RowCopies(cp_group)
     for mb, lp in fresh:  # as the behaviour pass writes them (the last stage only computes losses)

@@ -1,4 +1,4 @@
-"""The credit diagnostics (``credit.diagnostics``) against the loop reference, on hand-made advantages."""
+"""The credit diagnostics (``credit/diagnostics.py``) against the loop reference, on hand-made advantages."""
 from __future__ import annotations
 
 import pytest
@@ -56,7 +56,7 @@ def test_random_credit_matches_the_reference_and_sums_average_responses_with_cre
 
 
 def test_the_metric_table_turns_the_sums_into_credit_metrics_and_omits_them_without_credit():
-    from megatron_credit.trainer.metrics import StatSums, finalize
+    from megatron_credit.metrics.sums import StatSums, finalize
 
     adv = torch.tensor([[0.0, 0.0, 3.0], [1.0, 1.0, 1.0]])
     stats = StatSums()

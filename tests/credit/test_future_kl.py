@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_credit.credit.future_kl import fipo_weights, future_kl, masked_summary, multi_dual_clip_keep
-from megatron_credit.algorithm.metric_tables import FIPO
+from megatron_credit.metrics.tables import FIPO
 from tests.references import fipo_weights_reference, future_kl_reference
 from tests.support.distributed_harness import block_subgroup, load_balanced_shard
 from tests.support.threaded_harness import gloo_and_threads_pool
@@ -288,7 +288,7 @@ def test_fipo_weight_std_from_micro_batch_sums_is_the_std_over_every_token():
     # The trainer turns each micro-batch's means into token-weighted sums and finalize() derives
     # fipo/weight_std from the first two moments: it must be the (population) std over all valid tokens
     # of the iteration, whatever the split into micro-batches.
-    from megatron_credit.trainer.metrics import StatSums, finalize
+    from megatron_credit.metrics.sums import StatSums, finalize
 
     stats, every = StatSums(), []
     for seed, (b, t) in enumerate([(3, 40), (5, 17)]):
@@ -316,7 +316,7 @@ def test_fipo_weights_defaults_are_the_papers():
     assert torch.equal(w, explicit)
     for other in ({"tau": 33.0}, {"dual_clip_c": 11.0}, {"packed": True}):
         assert not torch.equal(w, fipo_weights(logp, old, adv, mask, **other)[0]), other
-    # every statistic is one the trainer reduces (metric_tables.FIPO), none computed to be dropped
+    # every statistic is one the trainer reduces (metrics/tables.FIPO), none computed to be dropped
     assert set(m) == {"mean", "min", "max", "dev_sq", "frac_at_low", "frac_at_high", "frac_dual_masked",
                       "frac_dual_capped"}
     assert {f"fipo_weight/{k}" for k in m} <= set(FIPO.reduce)

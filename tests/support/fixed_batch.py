@@ -55,7 +55,7 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
-    from megatron_credit.trainer.metrics import StatSums
+    from megatron_credit.metrics.sums import StatSums
 
     recipe = recipe_from_dict({"model": {"architecture": arch or ARCH}, "parallel": parallel,
                                "algorithm": {"name": algorithm},

@@ -8,7 +8,7 @@ pass, advantages, two mini-batches with their optimizer steps and metrics) for e
   micro-batches of a mini-batch, the loss included);
 - ``logprob``: inside ``Actor.run`` without gradients (the behaviour pass: old log-probs, values, captures);
 - ``iteration``: the rest of the step (``step.behaviour_pass``, ``step.compute_advantages``,
-  ``step.update_minibatch``: the optimizer step and the metrics, ``Context.reduce_stats``).
+  ``step.update_minibatch``: the optimizer step and the metrics, ``metrics.sums.Reduction``).
 
 Each result is per algorithm (and ``grpo:moe``, GRPO on a tiny mixture of experts): the project's own reads per micro-batch of each pass, its reads in the whole
 iteration (all phases), and megatron-core's reads by call site (counted apart: they are megatron's).
@@ -39,7 +39,7 @@ def _phases(reads, counts: dict):
 
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
-    from megatron_credit.trainer.context import Context
+    from megatron_credit.metrics.sums import Reduction
 
     run = Actor.run
 
@@ -60,7 +60,7 @@ def _phases(reads, counts: dict):
         stack.enter_context(mock.patch.object(Actor, "run", labelled_run))
         for name in ("behaviour_pass", "compute_advantages", "update_minibatch"):
             stack.enter_context(mock.patch.object(step, name, in_iteration(getattr(step, name))))
-        stack.enter_context(mock.patch.object(Context, "reduce_stats", in_iteration(Context.reduce_stats)))
+        stack.enter_context(mock.patch.object(Reduction, "__call__", in_iteration(Reduction.__call__)))
         yield
 
 

@@ -1,5 +1,5 @@
 """The trainer's pure modules against loops: ``batch/train_batch.py`` (label space, the GAE reward position,
-global denominators, micro-batch cut / pad / CP split) and ``trainer/metrics.py`` (sums, minima and
+global denominators, micro-batch cut / pad / CP split) and ``metrics/`` (sums, minima and
 maxima across micro-batches, the documented metrics from them, ``metrics.jsonl`` and its truncation on
 resume). No process groups: these run inside ``make mutation`` too."""
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 
 from megatron_credit.batch.train_batch import (TOKEN_FIELDS, make_microbatch, round_up, step_denominators,
                                            train_batch_from_rollout)
-from megatron_credit.trainer.metrics import MetricsWriter, StatSums, finalize, read_metrics, truncate_metrics
+from megatron_credit.metrics.sums import StatSums, finalize
+from megatron_credit.metrics.writer import MetricsWriter, read_metrics, truncate_metrics
 
 PAD = 3
 CPU = torch.device("cpu")
@@ -431,24 +432,37 @@ def test_step_token_count_is_summed_over_dp_before_rounding_to_float32():
 
 
 def test_loss_statistics_are_reduced_as_their_tables_declare():
-    from megatron_credit.algorithm.metric_tables import CORE, FIPO, MAX, MIN, SUM, TOKEN_MEAN, MetricTable, reductions
-    from megatron_credit.trainer.metrics import loss_statistics
+    from megatron_credit.metrics.tables import CORE, FIPO, MAX, MIN, SUM, TOKEN_MEAN, MetricTable, reductions
+    from megatron_credit.metrics.sums import loss_statistics
 
-    reduce = {**reductions((CORE, FIPO)), "count": SUM}
+    tables = (CORE, FIPO, MetricTable(reduce={"count": SUM}))
+    reduce = reductions(tables)
     stats = {"clipfrac_high": torch.tensor(0.25), "fipo_weight/min": torch.tensor(1.0),
              "fipo_weight/max": torch.tensor(1.2), "count": torch.tensor(3.0)}
-    out = loss_statistics(stats, reduce, tokens=torch.tensor(8.0), first=True)
+    out = loss_statistics(stats, tables, tokens=torch.tensor(8.0), first=True)
     assert {k: float(v) for k, v in out.items()} == {
         "sum:clipfrac_high": 2.0, "min:fipo_weight/min": 1.0, "min:first_minibatch/fipo_weight/min": 1.0,
         "max:fipo_weight/max": pytest.approx(1.2), "max:first_minibatch/fipo_weight/max": pytest.approx(1.2),
         "sum:count": 3.0}
     empty = loss_statistics({"fipo_weight/max": torch.tensor(float("nan")), "clipfrac_high": torch.tensor(float("nan"))},
-                            reduce, tokens=torch.tensor(0.0))
+                            tables, tokens=torch.tensor(0.0))
     assert math.isnan(float(empty["max:fipo_weight/max"])) and float(empty["sum:clipfrac_high"]) == 0.0
     with pytest.raises(ValueError, match="'fipo_weight/p50', which none of the algorithm's metric tables declares"):
-        loss_statistics({"fipo_weight/p50": torch.tensor(1.0)}, reductions((CORE,)), tokens=torch.tensor(1.0))
+        loss_statistics({"fipo_weight/p50": torch.tensor(1.0)}, (CORE,), tokens=torch.tensor(1.0))
     with pytest.raises(ValueError, match="reduced as both 'token_mean' and 'max'"):
         reductions((CORE, MetricTable(reduce={"clipfrac_high": MAX})))
     with pytest.raises(ValueError, match="MetricTable.reduce"):
         MetricTable(reduce={"x": "median"})
     assert (reduce["approx_kl"], reduce["fipo_weight/min"]) == (TOKEN_MEAN, MIN)
+
+
+def test_the_old_metric_tables_path_warns_and_gives_the_same_objects():
+    import megatron_credit.algorithm.metric_tables as old
+    from megatron_credit.metrics import tables
+
+    with pytest.warns(DeprecationWarning, match=r"metric_tables\.MetricTable is now megatron_credit\.metrics\.tables"):
+        assert old.MetricTable is tables.MetricTable
+    with pytest.warns(DeprecationWarning):
+        assert old.FIPO is tables.FIPO
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        old.nothing

@@ -6,7 +6,7 @@ import matplotlib.figure
 import pytest
 import yaml
 
-from megatron_credit.trainer.metrics import MetricsWriter
+from megatron_credit.metrics.writer import MetricsWriter
 from megatron_credit.trainer.plots import PLOTS, plot_metrics, run_title
 
 

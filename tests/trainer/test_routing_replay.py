@@ -86,7 +86,7 @@ def _batch(samples):
 def _behaviour(ctx, samples, *, replay: bool):
     """The behaviour pass's log-probs ``[B, T]`` (last stage; None elsewhere), the batch, the agreement."""
     from megatron_credit.trainer import step
-    from megatron_credit.trainer.metrics import StatSums
+    from megatron_credit.metrics.sums import StatSums
 
     tb = _batch(samples)
     ctx.actor.routing_replay.replay = replay
@@ -125,7 +125,7 @@ def update_worker(parallel: dict, overrides=(), replay: bool = True):
 
     from megatron_credit import distributed
     from megatron_credit.trainer import step
-    from megatron_credit.trainer.metrics import StatSums
+    from megatron_credit.metrics.sums import StatSums
 
     _, hf, actor, ctx = _setup(parallel, overrides)
     try:

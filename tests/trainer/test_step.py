@@ -185,7 +185,7 @@ def _overlap_is_real(parallel: dict):
     from megatron_credit.trainer import step
     from megatron_credit.trainer.actor import Actor
     from megatron_credit.trainer.loop import Context, actor_settings, context_settings, seq_multiple
-    from megatron_credit.trainer.metrics import StatSums
+    from megatron_credit.metrics.sums import StatSums
 
     recipe = recipe_from_dict({"model": {"architecture": ARCH}, "parallel": parallel, "algorithm": {"name": "ppo"},
                                "rollout": {"prompts_per_step": 4, "n": 4, "max_response_len": 12},

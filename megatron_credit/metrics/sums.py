@@ -1,32 +1,32 @@
-"""Metric sums across micro-batches and ranks, their final names, and where they are written.
+"""Metric sums across micro-batches and ranks, reduced once per iteration and named.
 
 Loss functions return rank-local *sums* (``sum:x``), minima (``min:x``) and maxima (``max:x``) as
-tensors (no host sync per micro-batch); :class:`StatSums` accumulates them, the trainer reduces them
-over DP x CP once per iteration, and :func:`finalize` turns them into the documented ``group/name``
-metrics (token-weighted means are ``sum:x / sum:tokens``). ``metrics.jsonl`` gets one JSON object per
-iteration; TensorBoard and wandb get the same numbers.
+tensors (no host sync per micro-batch); :class:`StatSums` accumulates them, :class:`Reduction` reduces
+them over DP x CP once per iteration and turns them into the documented ``group/name`` metrics
+(:func:`finalize`; token-weighted means are ``sum:x / sum:tokens``) as the metric tables declare
+(``metrics/tables.py``). ``metrics/writer.py`` writes them.
 """
 from __future__ import annotations
 
-import json
 import math
-import os
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_credit.algorithm.metric_tables import BUILT_IN, CORE, MAX, MIN, TOKEN_MEAN, MetricTable
+from megatron_credit.metrics.tables import BUILT_IN, CORE, MAX, MIN, TOKEN_MEAN, MetricTable, reductions
 
 
-def loss_statistics(stats: dict[str, torch.Tensor], reduce: dict[str, str], *, tokens: torch.Tensor,
+def loss_statistics(stats: dict[str, torch.Tensor], tables: Sequence[MetricTable], *, tokens: torch.Tensor,
                     first: bool = False) -> dict[str, torch.Tensor]:
     """One micro-batch's rank-local loss statistics as the ``sum:`` / ``min:`` / ``max:`` entries the
-    trainer reduces, each as its metric table declares (``reduce``: ``metric_tables.reductions``).
+    trainer reduces, each as the ``tables`` declare (``tables.reductions``).
 
     ``tokens``: the micro-batch's valid tokens on this rank (a token mean becomes a token-weighted sum;
     an extreme of no token is NaN, which never wins the reduction). ``first``: the iteration's first
     mini-batch, whose extremes are also kept apart (``first_minibatch/``). A statistic no table declares
     is refused: the loss would be computing what nothing reads."""
+    reduce = reductions(tables)
     out: dict[str, torch.Tensor] = {}
     for k, v in stats.items():
         how = reduce.get(k)
@@ -40,6 +40,7 @@ def loss_statistics(stats: dict[str, torch.Tensor], reduce: dict[str, str], *, t
         else:
             out["sum:" + k] = torch.nan_to_num(v) * tokens if how == TOKEN_MEAN else torch.nan_to_num(v)
     return out
+
 
 class StatSums:
     """Accumulated ``sum:`` / ``min:`` / ``max:`` tensors; ``replicated`` keys are equal on every rank
@@ -102,7 +103,7 @@ def on_host(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def finalize(stats: StatSums, tables: Optional[Sequence[MetricTable]] = None) -> dict[str, float]:
     """The documented metric names from reduced sums (missing inputs give no metric): the trainer's own
-    (``metric_tables.CORE``), those of ``tables`` (the algorithm's, ``Algorithm.metrics``; None: every
+    (``tables.CORE``), those of ``tables`` (the algorithm's, ``Algorithm.metrics``; None: every
     built-in algorithm's), and the per-rank ``sum:rank_avg/`` statistics averaged over ranks."""
     out: dict[str, float] = {}
     v = on_host(stats.values)
@@ -121,76 +122,25 @@ def finalize(stats: StatSums, tables: Optional[Sequence[MetricTable]] = None) ->
     return out
 
 
-class MetricsWriter:
-    """``metrics.jsonl`` (+ TensorBoard, wandb) of rank 0; a resumed run appends to the same file."""
+@dataclass(frozen=True)
+class Reduction:
+    """Where an iteration's sums become its metrics: summed over ``group`` (DP x CP) on the last pipeline
+    stage, handed to the other stages of ``pp_group`` from its global rank ``pp_src`` when there is a
+    pipeline, and named by :func:`finalize` with ``tables`` (the algorithm's and the model's). Built once
+    per launch (``trainer/context.py``); calling it reduces one iteration's :class:`StatSums`."""
 
-    def __init__(self, run_dir: str, *, resume_step: Optional[int], tensorboard: bool, wandb_project: Optional[str],
-                 config: dict[str, Any], log=print):
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        if resume_step is None:
-            open(self.path, "w").close()
-        else:
-            truncate_metrics(self.path, after_step=resume_step)
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+    tables: tuple[MetricTable, ...]
+    group: Any
+    device: torch.device
+    pp_group: Any = None
+    pp_src: Optional[int] = None
 
-                self.tb = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
-            except ImportError:
-                log("tensorboard is not installed: no event files (pip install tensorboard)")
-        self.wandb = None
-        if wandb_project:
-            import wandb  # the user asked for it: fail loudly if it is missing
+    def __call__(self, stats: StatSums) -> dict[str, float]:
+        import torch.distributed as dist
 
-            self.wandb = wandb.init(project=wandb_project, config=config, dir=run_dir, resume="allow")
-
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        row = {"step": step, **{k: _jsonable(v) for k, v in sorted(metrics.items())}}
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
-            self.tb.flush()
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, torch.Tensor):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
-
-
-def truncate_metrics(path: str, *, after_step: int) -> None:
-    """Drop the lines of ``metrics.jsonl`` whose step is past ``after_step`` (a resumed run re-does them)."""
-    if not os.path.exists(path):
-        open(path, "w").close()
-        return
-    keep = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] <= after_step:
-                    keep.append(line)
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut by a crash
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(keep)
-    os.replace(tmp, path)
-
-
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        stats.all_reduce(self.group, device=self.device)
+        if self.pp_group is not None:
+            box = [stats.values]
+            dist.broadcast_object_list(box, src=self.pp_src, group=self.pp_group, device=self.device)
+            stats.values = box[0]
+        return finalize(stats, self.tables)
