@@ -1,18 +1,48 @@
-"""What a finished trajectory is scored on: the text the verifier grades (a trajectory's last turn), the
-length the shaping reads (the policy's tokens), the returns and verdicts with the turn rewards and the abort
-rule, and whether the first turn was right (docs/multi_turn.md)."""
+"""Scoring finished samples, in one call (:func:`score_samples`): the text the verifier grades (a
+trajectory's last turn), the length the shaping reads (the policy's tokens), the verifier and the shaping
+(``rewards/compute.py``), then the returns and verdicts with the turn rewards and the abort rule; and
+whether the first turn was right (docs/multi_turn.md)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
 
+from megatron_credit.rewards.compute import ScoredBatch, score_responses
+from megatron_credit.rewards.shaping import ShapingConfig
 from megatron_credit.rollout.types import Episode, FinishStatus, RolloutSample  # noqa: F401  (doctests)
 
 ABORTED_SCORE = -1.0
 """The score of a trajectory whose environment failed: that of a wrong answer (``rewards.base.incorrect``)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoredSamples:
+    """What :func:`score_samples` gives for ``B`` samples."""
+
+    rewards: torch.Tensor
+    """``[B]`` float32: the returns advantages are computed from (verifier + shaping, + turn rewards)."""
+    correct: torch.Tensor
+    """``[B]`` bool: the verdicts (an aborted trajectory is incorrect)."""
+    lengths: list[int]
+    """The lengths the shaping read (:func:`scored_length`)."""
+    verified: ScoredBatch
+    """The verifier's own result before the episodes' rules: its records (extracted answers) and metrics."""
+
+
+def score_samples(tokenizer, samples: Sequence[RolloutSample], *, ground_truths: Sequence[str],
+                  data_sources: Sequence[str], shaping: ShapingConfig, workers=None) -> ScoredSamples:
+    """Score ``samples``: each one's :func:`scored_text` graded by the verifier its data source names (in
+    ``workers``, the killable verifier processes, or in this process when None: trusted inputs only),
+    shaped by its :func:`scored_length`, then the episodes' turn rewards and abort rule
+    (:func:`episode_rewards`)."""
+    texts = [scored_text(tokenizer, s) for s in samples]
+    lengths = [scored_length(s) for s in samples]
+    verified = score_responses(workers, responses=texts, ground_truths=ground_truths, data_sources=data_sources,
+                               response_lens=torch.tensor(lengths, dtype=torch.long), shaping=shaping)
+    rewards, correct = episode_rewards(samples, verified.rewards, verified.correct)
+    return ScoredSamples(rewards=rewards, correct=correct, lengths=lengths, verified=verified)
 
 
 def scored_text(tokenizer, sample: RolloutSample) -> str:

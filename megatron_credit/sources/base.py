@@ -173,27 +173,22 @@ def generate_and_score(engine, pool, tokenizer, records, params: SamplingParams,
     verdicts, the pool's counts)``; prompt ``i`` of ``records`` is prompt ``first_group + i`` of the draw
     (its samples' seeds). The scoring runs inside ``scoring()`` (a rollout pool beats there: the engine's
     steps beat while it generates, and the reward pool's own timeouts bound the scoring)."""
-    from megatron_credit.rewards.compute import score_responses
     from megatron_credit.rewards.shaping import ShapingConfig
-    from megatron_credit.rollout.episode_scores import episode_rewards, scored_length, scored_text
+    from megatron_credit.rollout.episode_scores import score_samples
     from megatron_credit.rollout.multi_turn import generate
 
     n = params.n
     batch = generate(engine, [list(rec.prompt_ids) for rec in records], params,
                      group_ids=range(first_group, first_group + len(records)), records=records)
     with scoring():
-        texts = [scored_text(tokenizer, s) for s in batch.samples]
         rec_of = [records[i // n] for i in range(len(batch.samples))]
-        scored = score_responses(
-            pool, responses=texts, ground_truths=[r.ground_truth for r in rec_of],
-            data_sources=[r.data_source for r in rec_of],
-            response_lens=torch.tensor([scored_length(s) for s in batch.samples]),
-            shaping=ShapingConfig(max_response_len=rollout.max_response_len,
-                                  overlong_buffer_len=reward.overlong_buffer_len,
-                                  overlong_penalty_factor=reward.overlong_penalty_factor))
-    counts = {k: float(v) for k, v in scored.metrics.items() if k in POOL_COUNTS}
-    rewards, correct = episode_rewards(batch.samples, scored.rewards, scored.correct)  # multi-turn: turn rewards
-    return batch, rewards, correct, counts
+        scored = score_samples(tokenizer, batch.samples, ground_truths=[r.ground_truth for r in rec_of],
+                               data_sources=[r.data_source for r in rec_of], workers=pool,
+                               shaping=ShapingConfig(max_response_len=rollout.max_response_len,
+                                                     overlong_buffer_len=reward.overlong_buffer_len,
+                                                     overlong_penalty_factor=reward.overlong_penalty_factor))
+    counts = {k: float(v) for k, v in scored.verified.metrics.items() if k in POOL_COUNTS}
+    return batch, scored.rewards, scored.correct, counts
 
 
 def draw_share(engine, pool, tokenizer, records, mine: range, params: SamplingParams, *, rollout: RolloutConfig,

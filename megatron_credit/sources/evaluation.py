@@ -155,11 +155,8 @@ def sample_and_grade(engine, tokenizer, records, *, k: int, sampling, pool=None,
     the engine's seeds (the trainer's validation, one call per engine: each engine samples its slice of
     one list as the whole list would be). Each call's grading runs inside ``scoring()`` (a rollout pool beats
     there)."""
-    import torch
-
-    from megatron_credit.rewards.compute import score_responses
     from megatron_credit.rewards.shaping import ShapingConfig
-    from megatron_credit.rollout.episode_scores import scored_length, scored_text
+    from megatron_credit.rollout.episode_scores import score_samples
     from megatron_credit.rollout.multi_turn import generate
 
     records = list(records)
@@ -171,18 +168,16 @@ def sample_and_grade(engine, tokenizer, records, *, k: int, sampling, pool=None,
         rollout = generate(engine, [list(r.prompt_ids) for r in chunk], params,
                            group_ids=range(first_group, first_group + len(chunk)), records=chunk)
         with scoring():
-            texts = [scored_text(tokenizer, s) for s in rollout.samples]  # a trajectory: its last turn
             owner = [chunk[i // k] for i in range(len(rollout.samples))]
-            lens = [scored_length(s) for s in rollout.samples]
-            scored = score_responses(pool, responses=texts, ground_truths=[r.ground_truth for r in owner],
-                                     data_sources=[r.data_source for r in owner], response_lens=torch.tensor(lens),
-                                     shaping=ShapingConfig(max_response_len=sampling.max_new_tokens))
+            scored = score_samples(tokenizer, rollout.samples, ground_truths=[r.ground_truth for r in owner],
+                                   data_sources=[r.data_source for r in owner], workers=pool,
+                                   shaping=ShapingConfig(max_response_len=sampling.max_new_tokens))
         for g, rec in enumerate(chunk):
             sl = slice(g * k, (g + 1) * k)
             out.append(ProblemResult(uid=rec.uid, ground_truth=rec.ground_truth,
-                                     answers=tuple(r.extracted for r in scored.records[sl]),
-                                     correct=tuple(bool(c) for c in scored.correct[sl]),
-                                     response_lens=tuple(lens[sl])))
+                                     answers=tuple(r.extracted for r in scored.verified.records[sl]),
+                                     correct=tuple(bool(c) for c in scored.verified.correct[sl]),
+                                     response_lens=tuple(scored.lengths[sl])))
         if progress is not None:
             progress(len(chunk))
     return out
