@@ -220,7 +220,7 @@ def test_math_verify_timeout_setting(monkeypatch):
     assert seen and set(seen) == {5}
     assert set(theirs) == {None}  # math-verify's own one-shot alarm is never used: ours fires again
     seen.clear()
-    monkeypatch.setattr(reward_math, "MATH_VERIFY_TIMEOUT_S", None)  # what the pool worker does
+    monkeypatch.setattr(reward_math, "MATH_VERIFY_TIMEOUT_S", None)  # what a verifier worker does
     assert compute_score("Answer: 5", "5", method="math_verify").correct
     assert set(seen) == {None}
     # Outside a main thread a signal handler cannot be installed: the call still works, without a timeout.
