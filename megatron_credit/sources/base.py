@@ -195,8 +195,8 @@ def generate_and_score(engine, verifier_workers, tokenizer, records, params: Sam
     return batch, rewards, correct, counts
 
 
-def draw_share(engine, verifier_workers, tokenizer, records, mine: range, params: SamplingParams, *, rollout: RolloutConfig,
-               reward: RewardConfig, dynamic_sampling: bool, scoring=contextlib.nullcontext):
+def draw_share(engine, verifier_workers, tokenizer, records, mine: range, params: SamplingParams, *,
+               rollout: RolloutConfig, reward: RewardConfig, dynamic_sampling: bool, scoring=contextlib.nullcontext):
     """One engine's share of a draw, as ``sync`` and the rollout pool both make it: prompts ``mine`` of the
     draw's ``records`` sampled (``params.n`` each, seeded by their index in the draw) and scored. Returns
     ``(groups, counts, verifier counts)``: ``groups[p] = (samples, rewards, correct)`` and ``counts[p]``
