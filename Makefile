@@ -41,7 +41,7 @@ demo: venv
 	$(PY) pretrain_rl.py --config examples/demo_cpu.yaml
 
 # Two pytest processes (pytest-xdist, work stealing): most tests wait on processes they started (gloo workers,
-# torchrun, engines, the reward pool) with a core idle; one process kept the 2 CI cores 114% busy.
+# torchrun, engines, the verifier workers) with a core idle; one process kept the 2 CI cores 114% busy.
 # TEST_WORKERS=0 runs the tests in pytest's own process.
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal)
@@ -51,7 +51,7 @@ test: venv
 	MC_REQUIRE_REAL_MODEL=1 MC_REQUIRE_VLLM=$(if $(filter 1,$(HAS_GPU)),0,1) $(PY) -m pytest tests megatron_credit --doctest-modules $(XDIST) $(PYTEST_ARGS)
 
 # The pure tests: nothing that starts a process (gloo workers, torchrun, the trainer's command line,
-# subprocesses, the reward pool: markers dist and spawn, see tests/support/spawn_guard.py), runs vLLM, is slow
+# subprocesses, the verifier workers: markers dist and spawn, see tests/support/spawn_guard.py), runs vLLM, is slow
 # or needs a GPU: 1817 tests in 53 s on 2 cores (measured 2026-12-05); `make test` runs everything.
 FAST_MARKERS := not dist and not spawn and not vllm and not slow and not gpu
 test-fast: venv

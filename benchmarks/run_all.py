@@ -33,7 +33,7 @@ BENCHMARKS: tuple[tuple[str, float], ...] = (
     ("step_overhead.py", 282.0),  # 2026-12-07, defaults, a quiet machine (load average ~1)
     ("rollout_cpu.py", 15.0),
     ("rollout_vllm_cpu.py", 1950.0),  # --repeats 2, measured at load average 70-900 (engine starts of 40-240 s)
-    ("reward_pool.py", 441.0),
+    ("verifier_workers.py", 441.0),
     ("conversion_memory.py", 153.0),
     ("logprob_memory.py", 186.0),
     ("packing.py", 720.0),  # 2026-12-03, defaults, 2 cores shared with a test run

@@ -1,6 +1,6 @@
 """No process outlives its run: the one mechanism that ends every process a trainer started.
 
-A trainer rank starts processes of several kinds: the reward pool's workers, the rollout pool's ranks of
+A trainer rank starts processes of several kinds: the verifier workers, the rollout pool's ranks of
 ``rollout.mode: one_step_off | async`` (without torchrun), vLLM's engine-core and worker processes (started by vLLM, some by
 ``fork``), and whatever those start in turn. Each kind has its own orderly shutdown (``close()`` on every
 exit path the trainer survives). What no ``close()`` covers is a trainer that dies without running it:
@@ -21,7 +21,7 @@ process in a session of its own (a signal sent to the trainer's process group do
 The guard only acts after the trainer is gone, so on the ordinary paths (success, a user error, an
 exception, SIGTERM or SIGUSR1, each followed by ``close()``) it finds nothing left and exits; it kills
 only what an orderly shutdown left behind. A guard that is itself killed leaves the children's own
-watches (the reward worker's pipe, the pool rank's parent poll) as they were.
+watches (the verifier worker's pipe, the rollout pool rank's parent poll) as they were.
 
 Linux only (``/proc``, ``pidfd_open``); elsewhere :func:`start_guard` does nothing and says so.
 Standard library only: the guard process imports nothing else.
@@ -208,8 +208,8 @@ if __name__ == "__main__":
 
 
 def kill_and_reap(proc: subprocess.Popen, conn) -> None:
-    """SIGKILL a worker process, reap it and close its connection (idempotent): the reward pool's and the
-    tool sandbox's workers end this way."""
+    """SIGKILL a worker process, reap it and close its connection (idempotent): the verifier workers and
+    the tool sandbox's workers end this way."""
     if proc.poll() is None:
         proc.kill()
     proc.wait()
@@ -218,7 +218,7 @@ def kill_and_reap(proc: subprocess.Popen, conn) -> None:
 
 def requests(conn):
     """A worker's messages from its parent until ``None`` (stop) or the connection breaks (the parent is
-    gone): the serving loop of the reward pool's and the tool sandbox's workers."""
+    gone): the serving loop of the verifier workers and the tool sandbox's workers."""
     while True:
         try:
             message = conn.recv()
@@ -272,7 +272,7 @@ def start_worker(module: str, *args: str):
     """``python -m module FD *args``, ``FD`` one end of a socket pair that the child inherits (no fork of this
     process, no multiprocessing start method), with this process's ``sys.path`` as its PYTHONPATH (what the
     worker imports by name resolves as here); returns the process and the parent's end as a
-    ``multiprocessing.connection.Connection``: how the reward pool and the tool sandbox start their workers."""
+    ``multiprocessing.connection.Connection``: how the verifier workers and the tool sandbox's workers start."""
     import socket
     from multiprocessing.connection import Connection
 

@@ -195,8 +195,8 @@ def main(argv=None) -> int:
         return c, run_cell(out / "cells" / t / slug(m) / f"seed_{s}", ov, config=args.config,
                            threads=args.threads, timeout_s=timeout)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for fut in concurrent.futures.as_completed([pool.submit(one, c) for c in todo]):
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as executor:
+        for fut in concurrent.futures.as_completed([executor.submit(one, c) for c in todo]):
             (t, m, s), res = fut.result()
             if res["status"] == "skipped":
                 continue

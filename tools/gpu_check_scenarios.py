@@ -138,9 +138,9 @@ def all_scenarios(out_dir: str) -> int:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     t0, ok = time.perf_counter(), True
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:  # 16 cores: 4 pairs of 2 threads
-        trainer = pool.submit(_trainer_check, out)
-        for fut in concurrent.futures.as_completed([pool.submit(_fixed_pair, n, out) for n in SCENARIOS]):
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as executor:  # 16 cores: 4 pairs of 2 threads
+        trainer = executor.submit(_trainer_check, out)
+        for fut in concurrent.futures.as_completed([executor.submit(_fixed_pair, n, out) for n in SCENARIOS]):
             name, lines, good = fut.result()
             ok &= good
             print(f"- fixed batch {name}: {'ok' if good else 'FAILED'} ({time.perf_counter() - t0:.0f} s): {lines[0]}")

@@ -127,11 +127,11 @@ def _main(argv: list[str]) -> int:
         records = records[: args.limit] if args.limit else records
         stop = getattr(tokenizer, "eos_token_id", None)
         sampling = _with_stop(sampling, stop)
-        pool = None
+        verifier_workers = None
         if args.reward_workers:
-            from megatron_credit.rewards.pool import RewardPool, RewardPoolConfig
+            from megatron_credit.rewards.verifier_workers import VerifierWorkers, VerifierWorkersConfig
 
-            pool = RewardPool(RewardPoolConfig(num_workers=args.reward_workers))
+            verifier_workers = VerifierWorkers(VerifierWorkersConfig(num_workers=args.reward_workers))
         engine = build_rollout_engine(engine_name, model_path=hf_dir, **options)
         if recipe is not None:  # a multi-turn recipe (env.name) is evaluated in its environment, as it trained
             from megatron_credit.rollout.multi_turn import build_episode_engine
@@ -143,14 +143,15 @@ def _main(argv: list[str]) -> int:
 
             bar = tqdm(total=len(records), desc="evaluate", unit="problem", file=sys.stderr)
         try:
-            problems = sample_and_grade(engine, tokenizer, records, k=args.k, sampling=sampling, pool=pool,
+            problems = sample_and_grade(engine, tokenizer, records, k=args.k, sampling=sampling,
+                                        verifier_workers=verifier_workers,
                                         batch_prompts=args.batch_prompts, progress=bar.update if bar else None)
         finally:
             if bar is not None:
                 bar.close()
             engine.close()
-            if pool is not None:
-                pool.close()
+            if verifier_workers is not None:
+                verifier_workers.close()
     reasons = engine.errors if getattr(engine, "takes_records", False) else {}  # a multi-turn recipe's environment
     for why, count in sorted(reasons.items(), key=lambda kv: -kv[1]):
         print(f"env {recipe.env.name} failed on {count} trajectories (each graded on its last turn): {why}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""A small pool of locked-in worker processes that run tool code: a hung, greedy or nosy call costs one
+"""A few locked-in worker processes that run tool code: a hung, greedy or nosy call costs one
 worker, never the rollout.
 
 An environment's tool (a calculator, a code runner) runs on text the policy wrote. ``Sandbox.run`` sends
@@ -15,7 +15,7 @@ answer, never an exception of ``run``:
 How a worker locks itself in (memory, CPU, network, processes) is in ``sandbox_worker.py``.
 
 Workers are ``python -m megatron_credit.env.sandbox_worker`` processes started with ``subprocess.Popen``
-over a private socket pair, as the reward pool's are (``rewards/pool.py``): never a fork of the trainer,
+over a private socket pair, as the verifier workers are (``rewards/verifier_workers.py``): never a fork of the trainer,
 whose CUDA context and threads must not be copied, and never multiprocessing's spawn, which re-imports the
 trainer's ``__main__`` (torch, megatron) in every child. A worker imports only the standard library and
 this torch-free package, so a start costs a fraction of a second. The constructor waits for all workers to
@@ -25,7 +25,7 @@ connection closes, so workers die with the parent.
 
 ``run`` is thread-safe: each call takes an idle worker from a queue (blocking until one is free, which
 is at most about ``timeout_s``, since every busy worker answers or is killed by then), so several rollout
-threads share one pool.
+threads share one sandbox's workers.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ READY = "ready"
 """What a worker sends once it is locked in and serving (``sandbox_worker.py``)."""
 
 _START_TIMEOUT_S = 60.0  # an interpreter start plus stdlib imports; generous for a loaded machine
-_CLOSED_POLL_S = 0.5  # how often a caller waiting for an idle worker checks that the pool is still open
+_CLOSED_POLL_S = 0.5  # how often a caller waiting for an idle worker checks that the sandbox is still open
 
 
 class _Worker:
@@ -88,7 +88,7 @@ class Sandbox:
     """Run ``"module:qualname"`` functions on one string argument in killable, locked-in worker processes
     (module docstring). A context manager, or call :meth:`close`.
 
-    ``workers``: processes in the pool; ``timeout_s``: wall seconds a call may take before its worker is
+    ``workers``: the sandbox's worker processes; ``timeout_s``: wall seconds a call may take before its worker is
     killed; ``memory_limit_bytes``: each worker's address-space limit.
     """
 
@@ -138,7 +138,7 @@ class Sandbox:
         """``(True, fn(arg))`` for the function ``ref`` = ``"module:qualname"``, or ``(False, why)`` when it
         raised, overran ``timeout_s`` or killed its worker (module docstring). Thread-safe.
 
-        Raises ValueError for a malformed ``ref`` or a non-string ``arg``, RuntimeError when the pool is
+        Raises ValueError for a malformed ``ref`` or a non-string ``arg``, RuntimeError when the sandbox is
         closed or a replacement worker cannot start.
         """
         module, _, qualname = ref.partition(":") if isinstance(ref, str) else ("", "", "")
@@ -155,7 +155,7 @@ class Sandbox:
                 self._replace(w, killed=True)
                 return False, f"timed out after {self.timeout_s:g}s"
             ok, text = w.conn.recv()
-        except (EOFError, OSError):  # the worker died mid-call (CPU limit, crash) or the pool was closed
+        except (EOFError, OSError):  # the worker died mid-call (CPU limit, crash) or the sandbox was closed
             code = w.exit_code()
             self._replace(w, killed=False)
             return False, f"sandbox worker died (exit code {code})"
@@ -174,7 +174,7 @@ class Sandbox:
             w.kill()
 
     def _start(self) -> _Worker:
-        """A new worker, registered (still starting; RuntimeError if the pool was closed meanwhile)."""
+        """A new worker, registered (still starting; RuntimeError if the sandbox was closed meanwhile)."""
         w = _Worker(self.memory_limit_bytes, self.timeout_s)
         with self._lock:
             if not self._closed:
@@ -184,7 +184,7 @@ class Sandbox:
         raise RuntimeError("Sandbox is closed")
 
     def _take(self) -> _Worker:
-        """An idle worker, waiting for one; RuntimeError once the pool is closed."""
+        """An idle worker, waiting for one; RuntimeError once the sandbox is closed."""
         while True:
             if self._closed:
                 raise RuntimeError("Sandbox is closed")

@@ -182,12 +182,12 @@ class RewardConfig:
     """Scoring and shaping of responses."""
 
     num_workers: NonNegativeInt = 0
-    """Reward pool processes (killable, per-item timeout); 0 scores in-process (trusted verifiers)."""
+    """Verifier worker processes (killable, per-item timeout); 0 scores in-process (trusted verifiers)."""
     timeout_s: PositiveFloat = 10.0
-    """Per-item verifier deadline in the pool."""
+    """Per-item verifier deadline in the verifier workers."""
     batch_timeout_s: Optional[PositiveFloat] = 120.0
-    """Deadline of scoring one draw's responses in the pool: items still unscored then count as
-    timeouts (``reward_pool/timeouts``); None: per-item deadlines only."""
+    """Deadline of scoring one draw's responses in the verifier workers: items still unscored then count
+    as timeouts (``verifier/timeouts``); None: per-item deadlines only."""
     overlong_buffer_len: NonNegativeInt = 0
     """DAPO's soft overlong window before ``rollout.max_response_len`` (0: off)."""
     overlong_penalty_factor: NonNegativeFloat = 1.0

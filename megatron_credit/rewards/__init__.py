@@ -1,4 +1,4 @@
-"""Rewards: math verifiers, reward shaping, and the killable reward process pool.
+"""Rewards: math verifiers, reward shaping, and the killable verifier worker processes.
 
 | module | what lives there |
 | --- | --- |
@@ -8,8 +8,9 @@
 | ``arith.py`` | the verifier of the synthetic arithmetic task |
 | ``reasoning_gym.py`` | reasoning-gym's scorers (an optional dependency, imported at the first score) |
 | ``shaping.py`` | overlong (DAPO), format and length penalties |
-| ``pool.py`` | ``RewardPool.score_batch``: per-item timeouts in processes that can be killed |
-| ``pool_worker.py`` | the pool's worker process (``python -m``; imports only the verifiers) |
+| ``verifier_workers.py`` | ``VerifierWorkers.score_batch``: per-item timeouts in processes that can be killed |
+| ``verifier_worker.py`` | one verifier worker process (``python -m``; imports only the verifiers) |
+| ``pool.py`` | the old import path of ``verifier_workers.py`` (its old names warn), for one release |
 
 Importing this package imports nothing heavy; ``math-verify`` (sympy) loads on first use.
 """

@@ -33,7 +33,7 @@ class RewardRecord:
     extracted: str | None
     """The answer string the verifier found in the response (normalised), or None if none was found."""
     status: RewardStatus = "ok"
-    """How scoring ended: "ok"; "timeout"/"error" in the reward pool; "bad_ground_truth" when the
+    """How scoring ended: "ok"; "timeout"/"error" in the verifier workers; "bad_ground_truth" when the
     verifier could not parse the dataset's answer or it is blank (nothing is ever correct against an
     empty answer). All but "ok" score as incorrect and are counted."""
 

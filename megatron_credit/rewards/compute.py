@@ -1,4 +1,4 @@
-"""One call from decoded responses to shaped reward tensors: verifier (in the pool) + shaping.
+"""One call from decoded responses to shaped reward tensors: verifier (in the verifier workers) + shaping.
 
 >>> out = score_responses(
 ...     None, responses=["Answer: 4", "Answer: 5"], ground_truths=["4", "4"],
@@ -17,7 +17,7 @@ import torch
 
 from megatron_credit.rewards.base import RewardRecord
 from megatron_credit.rewards.math import compute_score_for_source
-from megatron_credit.rewards.pool import RewardItem, RewardPool
+from megatron_credit.rewards.verifier_workers import RewardItem, VerifierWorkers
 from megatron_credit.rewards.shaping import ShapingConfig, shape_rewards
 
 
@@ -34,30 +34,30 @@ class ScoredBatch:
     records: list[RewardRecord]
     """Per-response verifier records (extracted answers, status)."""
     metrics: dict[str, torch.Tensor]
-    """Detached scalar tensors: pool counts, shaping components, accuracy."""
+    """Detached scalar tensors: the verifier workers' counts, shaping components, accuracy."""
 
 
 def score_responses(
-    pool: RewardPool | None, *, responses: Sequence[str], ground_truths: Sequence[str],
+    workers: VerifierWorkers | None, *, responses: Sequence[str], ground_truths: Sequence[str],
     data_sources: Sequence[str], response_lens: torch.Tensor, shaping: ShapingConfig,
 ) -> ScoredBatch:
-    """Verify ``B`` responses (in ``pool``, or in-process when ``pool`` is None: trusted inputs only)
+    """Verify ``B`` responses (in ``workers``, or in-process when ``workers`` is None: trusted inputs only)
     and shape them. ``response_lens: [B]`` counts response tokens."""
     items = [
         RewardItem(response=r, ground_truth=g, data_source=s)
         for r, g, s in zip(responses, ground_truths, data_sources, strict=True)
     ]
-    if pool is not None:
-        records, pool_metrics = pool.score_batch(items)
+    if workers is not None:
+        records, worker_metrics = workers.score_batch(items)
     else:
         records = [
             compute_score_for_source(i.response, i.ground_truth, data_source=i.data_source) for i in items
         ]
-        pool_metrics = {}
+        worker_metrics = {}
     scores = torch.tensor([r.score for r in records], dtype=torch.float32)
     correct = torch.tensor([r.correct for r in records], dtype=torch.bool)
     rewards, shaping_metrics = shape_rewards(scores, correct, response_lens, list(responses), config=shaping)
-    metrics = {k: torch.tensor(v) for k, v in pool_metrics.items()}
+    metrics = {k: torch.tensor(v) for k, v in worker_metrics.items()}
     metrics.update(shaping_metrics)
     metrics["reward/accuracy"] = correct.float().mean() if len(records) else torch.tensor(0.0)
     bad_gt = sum(r.status == "bad_ground_truth" for r in records)

@@ -24,9 +24,9 @@ from a main thread), through our own ``SIGALRM`` timer (:func:`_deadline`), whic
 process's main thread. It is not math-verify's one ``signal.alarm``: an alarm whose exception is raised
 inside a garbage-collection callback is printed and dropped by the interpreter, and the parse then runs on
 to its end, however long, and reads as an ordinary answer; ours fires again every
-:data:`REFIRE_S` s until the call ends. The pool worker sets the timeout to None, because there hostile
-input (a parse that never returns) is handled by ``rewards/pool.py``, which runs verifiers in processes
-it can kill. Outside a main thread set it to None and call ``compute_score`` only on trusted strings.
+:data:`REFIRE_S` s until the call ends. A verifier worker sets the timeout to None, because there hostile
+input (a parse that never returns) is handled by ``rewards/verifier_workers.py``, which runs verifiers in
+processes it can kill. Outside a main thread set it to None and call ``compute_score`` only on trusted strings.
 A call that hits the timeout returns ``status="timeout"`` (math-verify itself would log a warning and
 report "no answer", which would read as an ordinary wrong answer); other math-verify parse or
 comparison errors still mean "no answer" / "not equal".
@@ -68,8 +68,8 @@ def compute_score_for_source(response: str, ground_truth: str, *, data_source: s
 
 
 MATH_VERIFY_TIMEOUT_S: float | None = 5
-"""Each math-verify parse's and comparison's timeout in seconds (:func:`_deadline`); None disables it (the
-pool worker does). It only applies in a main thread: elsewhere ``signal`` cannot install the handler, so
+"""Each math-verify parse's and comparison's timeout in seconds (:func:`_deadline`); None disables it (a
+verifier worker does). It only applies in a main thread: elsewhere ``signal`` cannot install the handler, so
 calls from other threads run without it."""
 
 REFIRE_S = 0.05

@@ -148,8 +148,9 @@ class _Calls:
     """An :class:`EpisodeEngine`'s environment calls in flight on its step threads, by key (a trajectory).
 
     Each call has ``env.step_timeout_s`` from when it starts (a queued call waits for a thread, not against
-    its deadline). A call past it is abandoned (a thread cannot be stopped): the engine's pool is replaced,
-    and the calls that had not started yet go to the new one, so hung calls never starve the others."""
+    its deadline). A call past it is abandoned (a thread cannot be stopped): the engine's step threads are
+    replaced (a new :class:`StepThreads`), and the calls that had not started yet go to the new ones, so hung
+    calls never starve the others."""
 
     def __init__(self, owner: "EpisodeEngine"):
         self.owner = owner

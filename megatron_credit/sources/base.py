@@ -28,9 +28,8 @@ if TYPE_CHECKING:
 Bucket = list[tuple[str, torch.Tensor]]
 """One HF-named weight bucket: ``(name, tensor)`` pairs of whole layers."""
 
-POOL_COUNTS = ("reward_pool/items", "reward_pool/timeouts", "reward_pool/errors", "reward_pool/restarts",
-               "reward_pool/seconds")
-"""The reward pools' counts logged per iteration (``ScoredBatch.metrics`` of every draw, summed)."""
+VERIFIER_COUNTS = ("verifier/items", "verifier/timeouts", "verifier/errors", "verifier/restarts", "verifier/seconds")
+"""The verifier workers' counts logged per iteration (``ScoredBatch.metrics`` of every draw, summed)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,12 +166,12 @@ def counted(buckets: Iterable[Bucket], sizes: list[int]) -> Iterator[Bucket]:
         yield bucket
 
 
-def generate_and_score(engine, pool, tokenizer, records, params: SamplingParams, *, rollout: RolloutConfig,
+def generate_and_score(engine, verifier_workers, tokenizer, records, params: SamplingParams, *, rollout: RolloutConfig,
                        reward: RewardConfig, first_group: int, scoring=contextlib.nullcontext):
     """Sample ``params.n`` responses to each prompt record and score them: ``(RolloutBatch, shaped rewards,
-    verdicts, the pool's counts)``; prompt ``i`` of ``records`` is prompt ``first_group + i`` of the draw
+    verdicts, the verifier workers' counts)``; prompt ``i`` of ``records`` is prompt ``first_group + i`` of the draw
     (its samples' seeds). The scoring runs inside ``scoring()`` (a rollout pool beats there: the engine's
-    steps beat while it generates, and the reward pool's own timeouts bound the scoring)."""
+    steps beat while it generates, and the verifier workers' own timeouts bound the scoring)."""
     from megatron_credit.rewards.shaping import ShapingConfig
     from megatron_credit.rollout.episode_scores import score_samples
     from megatron_credit.rollout.multi_turn import generate
@@ -183,39 +182,39 @@ def generate_and_score(engine, pool, tokenizer, records, params: SamplingParams,
     with scoring():
         rec_of = [records[i // n] for i in range(len(batch.samples))]
         scored = score_samples(tokenizer, batch.samples, ground_truths=[r.ground_truth for r in rec_of],
-                               data_sources=[r.data_source for r in rec_of], workers=pool,
+                               data_sources=[r.data_source for r in rec_of], workers=verifier_workers,
                                shaping=ShapingConfig(max_response_len=rollout.max_response_len,
                                                      overlong_buffer_len=reward.overlong_buffer_len,
                                                      overlong_penalty_factor=reward.overlong_penalty_factor))
-    counts = {k: float(v) for k, v in scored.verified.metrics.items() if k in POOL_COUNTS}
+    counts = {k: float(v) for k, v in scored.verified.metrics.items() if k in VERIFIER_COUNTS}
     return batch, scored.rewards, scored.correct, counts
 
 
-def draw_share(engine, pool, tokenizer, records, mine: range, params: SamplingParams, *, rollout: RolloutConfig,
-               reward: RewardConfig, dynamic_sampling: bool, scoring=contextlib.nullcontext):
+def draw_share(engine, verifier_workers, tokenizer, records, mine: range, params: SamplingParams, *,
+               rollout: RolloutConfig, reward: RewardConfig, dynamic_sampling: bool, scoring=contextlib.nullcontext):
     """One engine's share of a draw, as ``sync`` and the rollout pool both make it: prompts ``mine`` of the
     draw's ``records`` sampled (``params.n`` each, seeded by their index in the draw) and scored. Returns
-    ``(groups, counts, pool counts)``: ``groups[p] = (samples, rewards, correct)`` and ``counts[p]`` (whether
-    group ``p`` counts: :func:`group_counts`) for each ``p`` in ``mine``, and the reward pool's counts of the
-    share (:data:`POOL_COUNTS`); all empty when ``mine`` is."""
+    ``(groups, counts, verifier counts)``: ``groups[p] = (samples, rewards, correct)`` and ``counts[p]``
+    (whether group ``p`` counts: :func:`group_counts`) for each ``p`` in ``mine``, and the verifier workers'
+    counts of the share (:data:`VERIFIER_COUNTS`); all empty when ``mine`` is."""
     if not len(mine):
         return {}, {}, {}
-    batch, rewards, correct, pool_counts = generate_and_score(
-        engine, pool, tokenizer, [records[i] for i in mine], params, rollout=rollout, reward=reward,
+    batch, rewards, correct, verifier_counts = generate_and_score(
+        engine, verifier_workers, tokenizer, [records[i] for i in mine], params, rollout=rollout, reward=reward,
         first_group=mine.start, scoring=scoring)
     n, groups, counts = params.n, {}, {}
     for j, p in enumerate(mine):
         sl = slice(j * n, (j + 1) * n)
         groups[p] = (batch.samples[sl], rewards[sl], correct[sl])
         counts[p] = group_counts(correct[sl], dynamic_sampling=dynamic_sampling)
-    return groups, counts, pool_counts
+    return groups, counts, verifier_counts
 
 
-def build_reward_pool(reward: RewardConfig):
-    """The engine leader's reward pool (None with ``reward.num_workers: 0``: scored in process)."""
+def build_verifier_workers(reward: RewardConfig):
+    """The engine leader's verifier workers (None with ``reward.num_workers: 0``: scored in process)."""
     if reward.num_workers == 0:
         return None
-    from megatron_credit.rewards.pool import RewardPool, RewardPoolConfig
+    from megatron_credit.rewards.verifier_workers import VerifierWorkers, VerifierWorkersConfig
 
-    return RewardPool(RewardPoolConfig(num_workers=reward.num_workers, timeout_s=reward.timeout_s,
-                                       batch_timeout_s=reward.batch_timeout_s))
+    return VerifierWorkers(VerifierWorkersConfig(num_workers=reward.num_workers, timeout_s=reward.timeout_s,
+                                                 batch_timeout_s=reward.batch_timeout_s))

@@ -143,11 +143,11 @@ def summarize(problems: Sequence[ProblemResult], *, pass_ks: Optional[Sequence[i
     return report
 
 
-def sample_and_grade(engine, tokenizer, records, *, k: int, sampling, pool=None,
+def sample_and_grade(engine, tokenizer, records, *, k: int, sampling, verifier_workers=None,
                      batch_prompts: Optional[int] = None, progress=None, first_group: int = 0,
                      scoring=contextlib.nullcontext) -> list[ProblemResult]:
     """``k`` samples of every prompt record from ``engine`` (``sampling``: a ``SamplingParams`` whose ``n``
-    is replaced by ``k``), decoded and graded by the records' verifiers (in ``pool`` when given).
+    is replaced by ``k``), decoded and graded by the records' verifiers (in ``verifier_workers`` when given).
 
     ``batch_prompts``: prompts per engine call (None: all at once); ``progress(num_done)`` is called after
     each call. Sampling seeds are ``sampling.seed + call index``, so results do not depend on the
@@ -170,7 +170,7 @@ def sample_and_grade(engine, tokenizer, records, *, k: int, sampling, pool=None,
         with scoring():
             owner = [chunk[i // k] for i in range(len(rollout.samples))]
             scored = score_samples(tokenizer, rollout.samples, ground_truths=[r.ground_truth for r in owner],
-                                   data_sources=[r.data_source for r in owner], workers=pool,
+                                   data_sources=[r.data_source for r in owner], workers=verifier_workers,
                                    shaping=ShapingConfig(max_response_len=sampling.max_new_tokens))
         for g, rec in enumerate(chunk):
             sl = slice(g * k, (g + 1) * k)

@@ -195,7 +195,8 @@ class OverlapSource(RolloutSourceBase):
         self.prompts.load_state_dict(info["cursor"])  # what a checkpoint of this iteration resumes from
         batch, metrics = self._assemble(rows, mine, iteration, draws=info["draws"], kept=info["kept"],
                                         wall=info["gen_s"], engines=self.bridge.layout.engines,
-                                        partial=info["partial"], pool_sums=info["pool"] if self.rank == 0 else {})
+                                        partial=info["partial"],
+                                        verifier_sums=info["verifier"] if self.rank == 0 else {})
         gen = max(info["gen_s"], 1e-9)
         metrics["time/rollout_wait_s"] = wait
         metrics["time/rollout_hidden_frac"] = min(max(1.0 - wait / gen, 0.0), 1.0)

@@ -2,7 +2,7 @@
 ranks of a launch run instead of the trainer (``pretrain_rl.py`` sends them here).
 
 Engine ``e``'s leader (``bridge.PoolLayout``) builds the recipe's engine on its devices, the prompt stream,
-the validation prompts and the reward pool; the engine's other ranks only wait for the end. The leader's
+the validation prompts and the verifier workers; the engine's other ranks only wait for the end. The leader's
 receiving thread takes each version the trainer sends over the engine's weights group and stages it in the
 bridge's ring of host chunks (``sources/staging.py``: at most one staged version, which a newer one
 replaces), so the trainer never waits for a generation to end to hand over its weights (at most for one
@@ -18,7 +18,7 @@ weights it started with, and ``partial`` loads them between two decode steps. Ea
 version that generated it.
 
 Each engine sends its kept groups straight to the trainer's replica heads (``Bridge.send_groups``); the
-first engine puts the batch's facts (versions, draws, the prompt cursor, the reward pool's counts) into
+first engine puts the batch's facts (versions, draws, the prompt cursor, the verifier workers' counts) into
 the store. Validation requests are served between batches (``one_step_off``) or between draws (``async``).
 
 A pool rank exits when the trainer says stop, when its launch is gone (the store, trainer rank 0's life
@@ -145,7 +145,7 @@ class PoolEngine:
         """The prompts, the engine and the reward workers of this engine's leader."""
         from megatron_credit.rollout.engine import build_trainer_engine
         from megatron_credit.rollout.multi_turn import build_episode_engine
-        from megatron_credit.sources.base import build_reward_pool
+        from megatron_credit.sources.base import build_verifier_workers
         from megatron_credit.data.setup import build_data
 
         r, t = recipe.rollout, recipe.train
@@ -158,7 +158,7 @@ class PoolEngine:
             build_trainer_engine(r, recipe.model, seed=recipe.seed, hf_config=hf_config, device=device,
                                  gpus=tuple(range(local_rank, local_rank + r.tensor_parallel_size))),
             recipe.env, self.tokenizer)
-        self.pool = build_reward_pool(recipe.reward)
+        self.verifier_workers = build_verifier_workers(recipe.reward)
 
     # -- progress, stop ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -309,8 +309,8 @@ class PoolEngine:
 
     def _end(self) -> None:
         self.stopped = True
-        if self.pool is not None:
-            self.pool.close()
+        if self.verifier_workers is not None:
+            self.verifier_workers.close()
 
     # -- validation ---------------------------------------------------------------------------------
     def _serve_validation(self, n: int) -> None:
@@ -336,7 +336,8 @@ class PoolEngine:
             mine = self.split(len(prompts))
             if len(mine):
                 problems = sample_and_grade(self.engine, self.tokenizer, [prompts[i] for i in mine], k=k,
-                                            pool=self.pool, sampling=self._params(k, draw_seed(self.recipe.seed, -1)),
+                                            verifier_workers=self.verifier_workers,
+                                            sampling=self._params(k, draw_seed(self.recipe.seed, -1)),
                                             first_group=mine.start, scoring=self._beating)
                 sums = metric_sums(problems, k=k)
                 vec += torch.tensor([sums[name] for name in names], dtype=torch.float64)
@@ -355,13 +356,13 @@ class PoolEngine:
         """Iteration ``step``'s kept groups, as ``sync`` draws them: this engine's go to the trainer's replica
         heads; the first engine puts the batch's facts."""
         from megatron_credit.rollout.placement import dp_rank_of_group, draw_seed
-        from megatron_credit.sources.base import POOL_COUNTS, draw_share, draw_until_full
+        from megatron_credit.sources.base import VERIFIER_COUNTS, draw_share, draw_until_full
 
         r, recipe = self.rollout, self.recipe
         count, n = r.prompts_per_step, r.n
         self._load_newest()
         held: dict[tuple[int, int], Any] = {}
-        pool = torch.zeros(len(POOL_COUNTS) + 2, dtype=torch.float64)  # reward pool counts, partial draws, wall
+        tally = torch.zeros(len(VERIFIER_COUNTS) + 2, dtype=torch.float64)  # verifier counts, partial draws, wall
         versions: dict[tuple[int, int], int] = {}
 
         def draw(d: int) -> list:
@@ -373,18 +374,18 @@ class PoolEngine:
                 self._load_newest()
             version, swaps, t0 = self.loaded, self.swaps, time.perf_counter()
             verdict = torch.zeros(2 * count, dtype=torch.int64)  # per prompt: counts + 1, version + 1 (0: not mine)
-            groups, counts, pool_counts = draw_share(
-                self.engine, self.pool, self.tokenizer, records, self.split(count),
+            groups, counts, verifier_counts = draw_share(
+                self.engine, self.verifier_workers, self.tokenizer, records, self.split(count),
                 self._params(n, draw_seed(recipe.seed, step, d)), rollout=r, reward=recipe.reward,
                 dynamic_sampling=recipe.algorithm.dynamic_sampling, scoring=self._beating)
             for p, group in groups.items():
                 held[(d, p)] = group
                 verdict[p] = 1 + counts[p]
                 verdict[count + p] = 1 + version
-            for i, key in enumerate(POOL_COUNTS):
-                pool[i] += pool_counts.get(key, 0.0)
-            pool[-2] += self.swaps > swaps
-            pool[-1] += time.perf_counter() - t0
+            for i, key in enumerate(VERIFIER_COUNTS):
+                tally[i] += verifier_counts.get(key, 0.0)
+            tally[-2] += self.swaps > swaps
+            tally[-1] += time.perf_counter() - t0
             self.bridge.pool_sum(verdict)
             self._beat(force=True)
             for p in range(count):
@@ -397,10 +398,10 @@ class PoolEngine:
             if key in held:
                 by_head[self.heads[dp_rank_of_group(k, groups=count, dp_size=self.dp_size)]].append((k, held[key]))
         self.bridge.send_groups(step, by_head)
-        self.bridge.pool_sum(pool)
+        self.bridge.pool_sum(tally)
         if self.e == 0:
-            sums = dict(zip(POOL_COUNTS, pool[:len(POOL_COUNTS)].tolist()))
+            sums = dict(zip(VERIFIER_COUNTS, tally[:len(VERIFIER_COUNTS)].tolist()))
             self.bridge.put(f"batch/{step}", {
                 "versions": [versions[key] for key in kept[:count]], "draws": draws, "kept": len(kept),
-                "pool": sums, "cursor": self.prompts.state_dict(), "gen_s": float(pool[-1]) / self.engines,
-                "partial": min(int(pool[-2]), draws)})
+                "verifier": sums, "cursor": self.prompts.state_dict(), "gen_s": float(tally[-1]) / self.engines,
+                "partial": min(int(tally[-2]), draws)})

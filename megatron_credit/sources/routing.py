@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron_credit.batch.train_batch import TrainBatch, train_batch_from_rollout
 from megatron_credit.rollout.placement import dp_rank_of_group
 from megatron_credit.rollout.types import FinishStatus, RolloutBatch
-from megatron_credit.sources.base import POOL_COUNTS
+from megatron_credit.sources.base import VERIFIER_COUNTS
 
 
 class RolloutSourceBase:
@@ -27,7 +27,8 @@ class RolloutSourceBase:
     trained sample may lag), ``last_sync`` and ``log``."""
 
     def _assemble(self, rows: list, versions: list[int], iteration: int, *, draws: int, kept: int, wall: float,
-                  engines: int, pool_sums: dict[str, float], partial: int = 0) -> tuple[TrainBatch, dict[str, float]]:
+                  engines: int, verifier_sums: dict[str, float],
+                  partial: int = 0) -> tuple[TrainBatch, dict[str, float]]:
         """This rank's :class:`TrainBatch` from its groups ``rows`` (samples, rewards, correct) and each
         group's policy version, with the rollout's metrics: staleness against the ``iteration - 1``
         versions of the weights that train it, the draws of the batch and its generation wall time."""
@@ -63,7 +64,7 @@ class RolloutSourceBase:
         if padded.obs_mask is not None:
             metrics.update(self._episode_metrics(samples, padded, batch.correct))
         metrics.update(self._transfer_metrics())
-        metrics.update(self._pool_metrics(pool_sums, iteration, engines=engines))
+        metrics.update(self._verifier_metrics(verifier_sums, iteration, engines=engines))
         return batch, metrics
 
     def _episode_metrics(self, samples: list, padded, correct: torch.Tensor) -> dict[str, float]:
@@ -181,19 +182,20 @@ class RolloutSourceBase:
         names = ("transfer/sample_bytes", "transfer/sample_payload_bytes", "transfer/sample_broadcast_bytes")
         return dict(zip(names, v.tolist()))
 
-    def _pool_metrics(self, sums: dict[str, float], iteration: int, *, engines: int) -> dict[str, float]:
-        """``reward_pool/*`` of the iteration, summed over its draws and the engines' pools (``seconds``: the
-        mean over the pools); a warning line when more than a tenth of the items timed out."""
+    def _verifier_metrics(self, sums: dict[str, float], iteration: int, *, engines: int) -> dict[str, float]:
+        """``verifier/*`` of the iteration, summed over its draws and the engines' verifier workers
+        (``seconds``: the mean over the engines); a warning line when more than a tenth of the items timed
+        out."""
         if self.reward.num_workers == 0:
             return {}
-        keys = POOL_COUNTS
+        keys = VERIFIER_COUNTS
         vec = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64).to(self.device)
-        dist.all_reduce(vec)  # only engine leaders hold a pool
+        dist.all_reduce(vec)  # only engine leaders hold verifier workers
         out = dict(zip(keys, vec.tolist()))
-        out["reward_pool/seconds"] /= engines
-        if out["reward_pool/timeouts"] > 0.1 * max(out["reward_pool/items"], 1.0):
-            self.log(f"warning: iteration {iteration}: {out['reward_pool/timeouts']:.0f} of "
-                     f"{out['reward_pool/items']:.0f} responses timed out in the reward pool (scored as incorrect; "
+        out["verifier/seconds"] /= engines
+        if out["verifier/timeouts"] > 0.1 * max(out["verifier/items"], 1.0):
+            self.log(f"warning: iteration {iteration}: {out['verifier/timeouts']:.0f} of "
+                     f"{out['verifier/items']:.0f} responses timed out in the verifier workers (scored as incorrect; "
                      "reward.timeout_s / reward.batch_timeout_s)")
         return out
 

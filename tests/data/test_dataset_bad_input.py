@@ -130,12 +130,12 @@ def test_in_process_math_verify_timeout_is_reported(monkeypatch):
 
 
 @pytest.mark.spawn
-def test_pool_alone_knows_the_builtin_methods():
-    """A fresh interpreter that imports only the pool resolves "dapo" (no RewardPool workers needed)."""
+def test_the_verifier_workers_module_alone_knows_the_builtin_methods():
+    """A fresh interpreter that imports only ``rewards.verifier_workers`` resolves "dapo" (no workers needed)."""
     import subprocess
     import sys
 
-    code = ("from megatron_credit.rewards.pool import _reference\n"
+    code = ("from megatron_credit.rewards.verifier_workers import _reference\n"
             "from megatron_credit.rewards.base import REWARD_FNS, method_for_data_source\n"
             "print(REWARD_FNS.names(), _reference('dapo', REWARD_FNS.get(method_for_data_source('math_dapo'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

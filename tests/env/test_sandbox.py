@@ -1,6 +1,6 @@
 """The sandbox runs functions in killable, locked-in workers: results and errors come back as values, a
 hung call is killed at its deadline, a greedy one gets a MemoryError, sockets and processes are refused,
-concurrent callers share the pool, and workers never outlive the parent."""
+concurrent callers share the workers, and workers never outlive the parent."""
 from __future__ import annotations
 
 import os
@@ -59,7 +59,7 @@ def test_bad_arguments_are_refused_in_the_parent(sandbox):
         Sandbox(memory_limit_bytes=1 << 20)
 
 
-def test_a_call_that_spins_is_killed_at_its_deadline_and_the_pool_goes_on(sandbox):
+def test_a_call_that_spins_is_killed_at_its_deadline_and_the_sandbox_goes_on(sandbox):
     kills, pids = sandbox.kills, set(sandbox.worker_pids())
     start = time.monotonic()
     assert sandbox.run(f"{T}:spin", "") == (False, "timed out after 1s")
@@ -72,7 +72,7 @@ def test_a_call_that_spins_is_killed_at_its_deadline_and_the_pool_goes_on(sandbo
         assert sandbox.run(f"{T}:shout", "after") == (True, "AFTER!")
 
 
-def test_a_call_past_the_memory_limit_is_out_of_memory_and_the_pool_goes_on(sandbox):
+def test_a_call_past_the_memory_limit_is_out_of_memory_and_the_sandbox_goes_on(sandbox):
     assert sandbox.run(f"{T}:allocate", "1024") == (False, "out of memory")
     assert sandbox.run(f"{T}:allocate", "16") == (True, str(16 << 20))
 

@@ -1,4 +1,4 @@
-"""From responses to shaped reward tensors, in the pool and in-process; import lightness."""
+"""From responses to shaped reward tensors, in the verifier workers and in-process; import lightness."""
 import subprocess
 import sys
 
@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from megatron_credit.rewards.compute import score_responses
-from megatron_credit.rewards.pool import RewardPool, RewardPoolConfig
+from megatron_credit.rewards.verifier_workers import VerifierWorkers, VerifierWorkersConfig
 from megatron_credit.rewards.shaping import ShapingConfig
 
 
 @pytest.mark.spawn
-def test_pool_and_in_process_agree_and_shape():
+def test_the_verifier_workers_and_in_process_agree_and_shape():
     responses = ["<think>ok</think>Answer: 4", "Answer: 5", "<think>so \\boxed{\\frac{1}{2}}", " 7", " 8 x"]
     gts = ["4", "4", "0.5", "7", "9"]
     sources = ["math_dapo", "math_dapo", "math", "synthetic_arith", "synthetic_arith"]
@@ -20,12 +20,12 @@ def test_pool_and_in_process_agree_and_shape():
     local = score_responses(
         None, responses=responses, ground_truths=gts, data_sources=sources, response_lens=lens, shaping=shaping
     )
-    with RewardPool(RewardPoolConfig(num_workers=1, timeout_s=30.0)) as pool:
-        pooled = score_responses(
-            pool, responses=responses, ground_truths=gts, data_sources=sources, response_lens=lens, shaping=shaping
+    with VerifierWorkers(VerifierWorkersConfig(num_workers=1, timeout_s=30.0)) as workers:
+        in_workers = score_responses(
+            workers, responses=responses, ground_truths=gts, data_sources=sources, response_lens=lens, shaping=shaping
         )
-    assert pooled.records == local.records
-    torch.testing.assert_close(pooled.rewards, local.rewards, rtol=0, atol=0)
+    assert in_workers.records == local.records
+    torch.testing.assert_close(in_workers.rewards, local.rewards, rtol=0, atol=0)
     assert local.correct.tolist() == [True, False, True, True, False]
     # Reference from the formulas: score + overlong + format + length (correct & well-formed only).
     want = []
@@ -36,7 +36,7 @@ def test_pool_and_in_process_agree_and_shape():
         v -= 0.2 * n / 20 if (ok and well_formed) else 0.0
         want.append(v)
     torch.testing.assert_close(local.rewards.double(), torch.tensor(want, dtype=torch.float64), rtol=0, atol=1e-6)
-    assert pooled.metrics["reward_pool/items"] == 5 and pooled.metrics["reward_pool/timeouts"] == 0
+    assert in_workers.metrics["verifier/items"] == 5 and in_workers.metrics["verifier/timeouts"] == 0
     assert torch.isclose(local.metrics["reward/accuracy"], torch.tensor(0.6))
 
 
@@ -44,7 +44,7 @@ def test_pool_and_in_process_agree_and_shape():
 def test_packages_import_light():
     code = (
         "import sys, megatron_credit.rewards, megatron_credit.data, megatron_credit.rewards.math, "
-        "megatron_credit.rewards.pool, megatron_credit.data.dataset, megatron_credit.batch.microbatch, "
+        "megatron_credit.rewards.verifier_workers, megatron_credit.data.dataset, megatron_credit.batch.microbatch, "
         "megatron_credit.data.synthetic, megatron_credit.data.tokenizer\n"
         "heavy = [m for m in ('torch', 'math_verify', 'sympy', 'pyarrow', 'sentencepiece', 'megatron') "
         "if m in sys.modules]\n"

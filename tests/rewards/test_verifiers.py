@@ -220,7 +220,7 @@ def test_math_verify_timeout_setting(monkeypatch):
     assert seen and set(seen) == {5}
     assert set(theirs) == {None}  # math-verify's own one-shot alarm is never used: ours fires again
     seen.clear()
-    monkeypatch.setattr(reward_math, "MATH_VERIFY_TIMEOUT_S", None)  # what the pool worker does
+    monkeypatch.setattr(reward_math, "MATH_VERIFY_TIMEOUT_S", None)  # what a verifier worker does
     assert compute_score("Answer: 5", "5", method="math_verify").correct
     assert set(seen) == {None}
     # Outside a main thread a signal handler cannot be installed: the call still works, without a timeout.
@@ -450,3 +450,31 @@ def test_the_old_name_of_the_data_source_registry_still_works_with_a_warning():
     assert old is VERIFIER_BY_DATA_SOURCE and old.get("math_dapo") == "dapo"
     with pytest.raises(AttributeError, match="no attribute 'NO_SUCH_NAME'"):
         base.NO_SUCH_NAME
+
+
+@pytest.mark.parametrize("old, new", [("RewardPool", "VerifierWorkers"), ("RewardPoolConfig", "VerifierWorkersConfig"),
+                                      ("RewardItem", "RewardItem"), ("IMPORT_GRACE_S", "IMPORT_GRACE_S")])
+def test_the_old_module_of_the_verifier_workers_still_works_with_a_warning(old, new):
+    from megatron_credit.rewards import pool, verifier_workers
+
+    with pytest.warns(DeprecationWarning) as caught:
+        got = getattr(pool, old)
+    assert got is getattr(verifier_workers, new)
+    assert [str(w.message) for w in caught] == [
+        f"megatron_credit.rewards.pool.{old} is now megatron_credit.rewards.verifier_workers.{new}; "
+        "the old name goes in the next release"]
+    assert caught[0].filename == __file__  # points at the caller's line
+
+
+def test_the_old_import_of_the_verifier_workers_still_works_and_other_names_do_not():
+    from megatron_credit.rewards import pool
+    from megatron_credit.rewards.verifier_workers import VerifierWorkers, VerifierWorkersConfig
+
+    with pytest.warns(DeprecationWarning, match="RewardPoolConfig is now .*VerifierWorkersConfig"):
+        from megatron_credit.rewards.pool import RewardPoolConfig
+    assert RewardPoolConfig is VerifierWorkersConfig and RewardPoolConfig(num_workers=3).num_workers == 3
+    with pytest.warns(DeprecationWarning, match="RewardPool is now .*VerifierWorkers;"):
+        from megatron_credit.rewards.pool import RewardPool
+    assert RewardPool is VerifierWorkers
+    with pytest.raises(AttributeError, match="no attribute 'VerifierWorkers'"):
+        pool.VerifierWorkers  # only the old names live there

@@ -137,7 +137,7 @@ def test_a_killed_trainer_leaves_no_engine_process_behind(tmp_path):
             assert time.monotonic() < deadline, "no iteration within 600 s"
             time.sleep(0.5)
         running = left(mark)
-        assert any("EngineCore" in p for p in running) and any("pool_worker" in p for p in running), running
+        assert any("EngineCore" in p for p in running) and any("verifier_worker" in p for p in running), running
         trainer.kill()
         trainer.communicate(timeout=60)
     finally:

@@ -6,13 +6,13 @@ The markers (registered in ``pytest.ini``; ``make test-fast`` leaves both out):
   ``torch.distributed.run`` / ``torchrun.sh`` launch, or the trainer's command line (``pretrain_rl.py``,
   ``tests.support.fakegpu_run``), which initialises its own process group;
 - ``spawn``: the test starts other processes that are not a gloo world: a Python subprocess (``python -c``
-  probes, a tool's command line), a shell script, the reward pool's worker processes.
+  probes, a tool's command line), a shell script, the verifier worker processes.
 
 ``tests/conftest.py`` tells this module which test is running (:func:`running`, around the setup, call and
 teardown of each test) and installs :class:`GuardedPopen` as ``subprocess.Popen``; ``DistributedPool.start``
 calls :func:`require`. A test that starts a Python, shell or trainer process, or a gloo pool, without the
 marker fails with one line naming itself and the marker to add. Processes that libraries start for
-themselves (a multiprocessing ``Manager``, ``ldconfig``) are not checked; the reward pool's workers are
+themselves (a multiprocessing ``Manager``, ``ldconfig``) are not checked; the verifier workers are
 marked by hand (``tests/support/test_markers.py`` checks the files statically).
 """
 from __future__ import annotations

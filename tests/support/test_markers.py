@@ -24,7 +24,7 @@ FILES = sorted(p for p in TESTS.rglob("test_*.py") if p != Path(__file__).resolv
 
 DIST_CALLS = {"module_pool", "DistributedPool", "run_pretrain_rl", "train_tiny"}
 """Called in a test file, these start a gloo world in other processes: the file needs ``dist``."""
-SPAWN_CALLS = {"RewardPool"}
+SPAWN_CALLS = {"VerifierWorkers"}
 """These start worker processes: the file needs ``spawn`` (or ``dist``)."""
 DIST_STRINGS = ("pretrain_rl.py", "torch.distributed.run", "torchrun", "fakegpu_run")
 
@@ -78,7 +78,7 @@ def test_the_scan_sees_what_starts_processes(tmp_path):
     src = tmp_path / "test_example.py"
     src.write_text('"""pretrain_rl.py in a docstring starts nothing."""\nimport subprocess\n\n'
                    "pool = module_pool(2)\n\n\ndef test_a():\n"
-                   "    subprocess.run(['python', 'pretrain_rl.py'])\n    RewardPool(None)\n"
+                   "    subprocess.run(['python', 'pretrain_rl.py'])\n    VerifierWorkers(None)\n"
                    "    pytest.importorskip('vllm')\n")
     assert _uses(src) == {"dist", "spawn", "vllm"}
     src.write_text('"""pretrain_rl.py, subprocess and DistributedPool in prose only."""\n'

@@ -293,7 +293,7 @@ def test_a_killed_trainer_leaves_no_process_behind(tmp_path):
     trainer = _start(tmp_path, "--config", recipe, "--output-dir", tmp_path / "run", "rollout.mode=async",
                      "rollout.ranks=1", "reward.num_workers=1", env=env)
     rollout = _rollout_process(trainer, tmp_path / "run")
-    assert any("pool_worker" in line for line in left(mark)), left(mark)  # the rollout process's reward worker
+    assert any("verifier_worker" in line for line in left(mark)), left(mark)  # the rollout process's verifier worker
     trainer.kill()
     trainer.communicate(timeout=30)
     assert wait_until_none_left(mark) == []

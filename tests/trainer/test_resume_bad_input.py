@@ -262,16 +262,16 @@ def test_resume_of_another_model_at_two_stages_is_one_line_on_every_stage(pool2,
 
 
 @pytest.mark.dist
-def test_reward_pool_counts_and_dropped_prompts_reach_metrics_jsonl(pool, tmp_path):
+def test_verifier_counts_and_dropped_prompts_reach_metrics_jsonl(pool, tmp_path):
     rows, error, _ = pool.run(_train, str(tmp_path / "run"), "none",
                               ["reward.num_workers=1", "checkpoint.every=0", "checkpoint.save_at_end=false",
                                "train.steps=1"])[0]
     assert error is None, error
     line = metrics_rows(tmp_path / "run")[0]
     draws = line["rollout/draws"]
-    assert line["reward_pool/items"] == 8 * 4 * draws and line["reward_pool/timeouts"] == 0
-    assert line["reward_pool/errors"] == 0 and line["reward_pool/restarts"] == 0 and line["reward_pool/seconds"] > 0
-    assert line["data/dropped_prompts"] == 0 and rows[0]["reward_pool/items"] == line["reward_pool/items"]
+    assert line["verifier/items"] == 8 * 4 * draws and line["verifier/timeouts"] == 0
+    assert line["verifier/errors"] == 0 and line["verifier/restarts"] == 0 and line["verifier/seconds"] > 0
+    assert line["data/dropped_prompts"] == 0 and rows[0]["verifier/items"] == line["verifier/items"]
 
 
 @pytest.mark.dist

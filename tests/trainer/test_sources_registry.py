@@ -61,8 +61,8 @@ def test_a_sync_draw_waits_for_the_leaders_on_the_host_before_its_device_exchang
             calls.append("take")
             return [None] * count
 
-    stub = SimpleNamespace(rollout=SimpleNamespace(n=2, prompts_per_step=3), prompts=Prompts(), engine=None, pool=None,
-                           tokenizer=None, seed=0, reward=None, dynamic_sampling=True,
+    stub = SimpleNamespace(rollout=SimpleNamespace(n=2, prompts_per_step=3), prompts=Prompts(), engine=None,
+                           verifier_workers=None, tokenizer=None, seed=0, reward=None, dynamic_sampling=True,
                            _params=lambda n, seed: SimpleNamespace(n=n), _my_prompts=lambda count: range(0), leaders_done=lambda: calls.append("leaders_done"),
                            _all_gather=lambda obj: calls.append("all_gather") or [{0: True, 1: False, 2: True}])
     assert SyncSource._draw(stub, 1, 0, {}, {}) == [(0, 0), (0, 2)]

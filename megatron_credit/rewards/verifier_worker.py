@@ -1,7 +1,7 @@
-"""The reward pool's worker process: ``python -m megatron_credit.rewards.pool_worker FD [MEMORY_LIMIT]``.
+"""A verifier worker process: ``python -m megatron_credit.rewards.verifier_worker FD [MEMORY_LIMIT]``.
 
-Started by ``rewards/pool.py`` with ``subprocess.Popen`` (never fork, never multiprocessing's spawn or
-forkserver, which re-run the trainer's ``__main__`` and so its torch/megatron imports in every worker).
+Started by ``rewards/verifier_workers.py`` with ``subprocess.Popen`` (never fork, never multiprocessing's
+spawn or forkserver, which re-run the trainer's ``__main__`` and so its torch/megatron imports in every worker).
 This module imports only what the verifiers need. ``FD`` is an inherited socket, wrapped in a
 ``multiprocessing.connection.Connection``. ``MEMORY_LIMIT`` (bytes, 0 or absent for none) becomes
 the process's ``RLIMIT_AS`` before anything is imported, so an allocation past it is a ``MemoryError``
@@ -11,10 +11,10 @@ Protocol (pickled messages): the worker sends ``"ready"`` once warmed up; it the
 ``(seq, [(idx, module, qualname, response, ground_truth), ...])`` or ``None`` (exit), and answers
 ``(seq, idx, ok, payload)`` per item, in order (``payload`` is the ``RewardRecord`` or an error
 message). The verifier is named by module and qualified name and imported here, so an import error is
-one failed item, not a dead worker. A chunk's modules are imported before its first item: the pool gives a
-chunk that names a module new to the worker ``pool.IMPORT_GRACE_S`` for the imports, and the worker says
-when they are done (:data:`IMPORTED`). A verifier of a ``--plugin`` file is named by the file's path, which
-the worker loads as the trainer did (``plugins.py``).
+one failed item, not a dead worker. A chunk's modules are imported before its first item: the parent gives
+a chunk that names a module new to the worker ``verifier_workers.IMPORT_GRACE_S`` for the imports, and the
+worker says when they are done (:data:`IMPORTED`). A verifier of a ``--plugin`` file is named by the file's
+path, which the worker loads as the trainer did (``plugins.py``).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from megatron_credit.lifetime import requests
 READY = "ready"
 IMPORTED = -1
 """The item index of the answer ``(seq, IMPORTED, True, None)`` a worker sends once it has imported the
-modules of a chunk that named one new to it: the pool then starts the first item's own deadline."""
+modules of a chunk that named one new to it: the parent then starts the first item's own deadline."""
 
 
 def _lookup(module: str, qualname: str):
@@ -64,7 +64,7 @@ def main(fd: int, memory_limit_bytes: int = 0) -> None:
     from megatron_credit.rewards import math as _math
     from megatron_credit.rewards.base import RewardRecord
 
-    # The pool's per-item deadline governs here; the in-process SIGALRM timeout (rewards.math._deadline)
+    # The parent's per-item deadline governs here; the in-process SIGALRM timeout (rewards.math._deadline)
     # must not fire too.
     _math.MATH_VERIFY_TIMEOUT_S = None
     conn = Connection(fd)
@@ -78,7 +78,7 @@ def main(fd: int, memory_limit_bytes: int = 0) -> None:
     imported: set[str] = set()
     for seq, chunk in requests(conn):
         new = [m for m in dict.fromkeys(item[1] for item in chunk) if m not in imported]
-        for module in new:  # imports first, under the pool's grace; then each item has its own deadline
+        for module in new:  # imports first, under the parent's grace; then each item has its own deadline
             imported.add(module)
             try:
                 _lookup(module, "")

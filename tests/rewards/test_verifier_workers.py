@@ -1,4 +1,4 @@
-"""The reward process pool: order, per-item timeouts that kill and replace a worker, errors.
+"""The verifier worker processes: order, per-item timeouts that kill and replace a worker, errors.
 
 The hanging and raising verifiers are registered only here; workers import this module to unpickle
 them (they are sent by reference).
@@ -13,8 +13,8 @@ import pytest
 
 from megatron_credit.rewards.base import REWARD_FNS, RewardRecord, graded, method_for_data_source
 from megatron_credit.rewards.math import compute_score
-from megatron_credit.rewards import pool as pool_module
-from megatron_credit.rewards.pool import RewardItem, RewardPool, RewardPoolConfig
+from megatron_credit.rewards import verifier_workers as verifier_workers_module
+from megatron_credit.rewards.verifier_workers import RewardItem, VerifierWorkers, VerifierWorkersConfig
 
 
 pytestmark = pytest.mark.spawn
@@ -47,7 +47,7 @@ def _worker_modules(response, ground_truth):
     # What a worker process has imported: it must not re-run the parent's __main__ (torch, megatron).
     heavy = sorted(m for m in ("torch", "transformers", "megatron") if m in sys.modules)
     main = getattr(sys.modules["__main__"].__spec__, "name", None)
-    return graded(not heavy and main == "megatron_credit.rewards.pool_worker", f"{main}: {heavy}")
+    return graded(not heavy and main == "megatron_credit.rewards.verifier_worker", f"{main}: {heavy}")
 
 
 _TEST_FNS = [("test_hang", _hang), ("test_raise", _raise), ("test_die", _die), ("test_bad", _not_a_record),
@@ -58,9 +58,9 @@ for _name, _fn in _TEST_FNS:
 
 
 @pytest.fixture(scope="module")
-def pool():
+def workers():
     # 3 s: far above a verifier call even on a loaded CI machine, far below the hang.
-    with RewardPool(RewardPoolConfig(num_workers=2, timeout_s=3.0, chunk_size=4)) as p:
+    with VerifierWorkers(VerifierWorkersConfig(num_workers=2, timeout_s=3.0, chunk_size=4)) as p:
         yield p
 
 
@@ -82,28 +82,28 @@ def _in_process(item):
     return compute_score(item.response, item.ground_truth, method=method)
 
 
-def test_pool_matches_in_process_scoring(pool):
+def test_the_workers_match_in_process_scoring(workers):
     items = _mixed_items(41)
-    records, metrics = pool.score_batch(items)
+    records, metrics = workers.score_batch(items)
     assert records == [_in_process(it) for it in items]
-    assert metrics["reward_pool/items"] == 41
-    assert metrics["reward_pool/timeouts"] == 0 and metrics["reward_pool/errors"] == 0
-    assert metrics["reward_pool/accuracy"] == pytest.approx(sum(r.correct for r in records) / 41)
-    empty, empty_metrics = pool.score_batch([])
-    assert empty == [] and empty_metrics["reward_pool/items"] == 0
+    assert metrics["verifier/items"] == 41
+    assert metrics["verifier/timeouts"] == 0 and metrics["verifier/errors"] == 0
+    assert metrics["verifier/accuracy"] == pytest.approx(sum(r.correct for r in records) / 41)
+    empty, empty_metrics = workers.score_batch([])
+    assert empty == [] and empty_metrics["verifier/items"] == 0
 
 
-def test_hanging_item_times_out_and_worker_is_replaced(pool):
+def test_hanging_item_times_out_and_worker_is_replaced(workers):
     responses = ["a", "b", "hang", "a", "hang", "b", "a"]
     items = [RewardItem(response=r, ground_truth="a", method="test_hang") for r in responses]
     items += _mixed_items(10)
-    pids_before = {w.proc.pid for w in pool._workers}
+    pids_before = {w.proc.pid for w in workers._workers}
     t0 = time.perf_counter()
-    records, metrics = pool.score_batch(items)
+    records, metrics = workers.score_batch(items)
     elapsed = time.perf_counter() - t0
-    assert metrics["reward_pool/timeouts"] == 2
-    assert metrics["reward_pool/restarts"] == 2
-    assert metrics["reward_pool/errors"] == 0
+    assert metrics["verifier/timeouts"] == 2
+    assert metrics["verifier/restarts"] == 2
+    assert metrics["verifier/errors"] == 0
     # Hung items: incorrect with status "timeout"; every other item scored as in-process.
     for item, rec in zip(items, records):
         if item.response == "hang":
@@ -113,14 +113,14 @@ def test_hanging_item_times_out_and_worker_is_replaced(pool):
         else:
             assert rec == _in_process(item)
     assert elapsed < 30.0  # two 3 s deadlines, not an hour
-    assert {w.proc.pid for w in pool._workers} != pids_before
-    assert all(w.alive() for w in pool._workers)
+    assert {w.proc.pid for w in workers._workers} != pids_before
+    assert all(w.alive() for w in workers._workers)
     # The replaced workers serve the next batch.
-    records, metrics = pool.score_batch(_mixed_items(6))
-    assert records == [_in_process(it) for it in _mixed_items(6)] and metrics["reward_pool/timeouts"] == 0
+    records, metrics = workers.score_batch(_mixed_items(6))
+    assert records == [_in_process(it) for it in _mixed_items(6)] and metrics["verifier/timeouts"] == 0
 
 
-def test_raising_dying_and_bad_verifiers_score_as_errors(pool):
+def test_raising_dying_and_bad_verifiers_score_as_errors(workers):
     items = [
         RewardItem(response="x", ground_truth="1", method="test_raise"),
         RewardItem(response="Answer: 1", ground_truth="1"),
@@ -129,35 +129,35 @@ def test_raising_dying_and_bad_verifiers_score_as_errors(pool):
         RewardItem(response="x", ground_truth="1", method="test_bad"),
         RewardItem(response="Answer: 3", ground_truth="3"),
     ]
-    records, metrics = pool.score_batch(items)
+    records, metrics = workers.score_batch(items)
     assert [r.status for r in records] == ["error", "ok", "error", "ok", "error", "ok"]
     assert [r.correct for r in records] == [False, True, False, False, False, True]
     assert all(r.score == -1.0 and r.extracted is None for r in records if r.status == "error")
-    assert metrics["reward_pool/errors"] == 3
-    assert any("RuntimeError: verifier bug" in e for e in pool.last_errors)
-    assert any("TypeError" in e and "RewardRecord" in e for e in pool.last_errors)
-    assert metrics["reward_pool/restarts"] == 1  # only the dying worker is replaced
-    assert metrics["reward_pool/timeouts"] == 0
+    assert metrics["verifier/errors"] == 3
+    assert any("RuntimeError: verifier bug" in e for e in workers.last_errors)
+    assert any("TypeError" in e and "RewardRecord" in e for e in workers.last_errors)
+    assert metrics["verifier/restarts"] == 1  # only the dying worker is replaced
+    assert metrics["verifier/timeouts"] == 0
 
 
-def test_unknown_method_is_a_config_error(pool):
+def test_unknown_method_is_a_config_error(workers):
     with pytest.raises(ValueError, match="valid names"):
-        pool.score_batch([RewardItem(response="x", ground_truth="1", data_source="nope")])
+        workers.score_batch([RewardItem(response="x", ground_truth="1", data_source="nope")])
 
 
 def test_config_validation_and_close():
     with pytest.raises(ValueError, match="timeout_s"):
-        RewardPoolConfig(timeout_s=0)
+        VerifierWorkersConfig(timeout_s=0)
     with pytest.raises(ValueError, match="chunk_size"):
-        RewardPoolConfig(chunk_size=0)
-    p = RewardPool(RewardPoolConfig(num_workers=1))
+        VerifierWorkersConfig(chunk_size=0)
+    p = VerifierWorkers(VerifierWorkersConfig(num_workers=1))
     records, _ = p.score_batch([RewardItem(response="Answer: 5", ground_truth="5")])
     assert records[0].correct
     # A worker that died while idle is replaced before it is given work.
     p._workers[0].proc.kill()
     p._workers[0].proc.wait()
     records, metrics = p.score_batch([RewardItem(response="Answer: 6", ground_truth="6")])
-    assert records[0].correct and metrics["reward_pool/errors"] == 0 and metrics["reward_pool/restarts"] == 1
+    assert records[0].correct and metrics["verifier/errors"] == 0 and metrics["verifier/restarts"] == 1
     procs = [w.proc for w in p._workers]
     p.close()
     assert all(proc.poll() is not None for proc in procs)
@@ -165,14 +165,14 @@ def test_config_validation_and_close():
         p.score_batch([])
 
 
-def test_workers_do_not_import_the_parents_main(pool):
-    # Workers are `python -m megatron_credit.rewards.pool_worker`, not multiprocessing children that
+def test_workers_do_not_import_the_parents_main(workers):
+    # Workers are `python -m megatron_credit.rewards.verifier_worker`, not multiprocessing children that
     # re-import __main__ (a trainer's torch/megatron imports cost seconds per worker restart).
-    records, _ = pool.score_batch([RewardItem(response="", ground_truth="", method="test_modules")])
+    records, _ = workers.score_batch([RewardItem(response="", ground_truth="", method="test_modules")])
     assert records[0].correct, f"worker imported {records[0].extracted}"
 
 
-def test_exception_escaping_a_batch_does_not_leak_answers_into_the_next(pool):
+def test_exception_escaping_a_batch_does_not_leak_answers_into_the_next(workers):
     class _Interrupt(Exception):
         pass
 
@@ -185,20 +185,20 @@ def test_exception_escaping_a_batch_does_not_leak_answers_into_the_next(pool):
                  for i in range(16)]
         signal.setitimer(signal.ITIMER_REAL, 0.3)  # a Ctrl-C in the middle of the batch
         with pytest.raises(_Interrupt):
-            pool.score_batch(stale)
+            workers.score_batch(stale)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-    assert not any(w.owed for w in pool._workers)
+    assert not any(w.owed for w in workers._workers)
     fresh = [RewardItem(response=f"new{i}", ground_truth=f"new{i}", method="test_slow_echo")
              for i in range(16)]
-    records, metrics = pool.score_batch(fresh)
+    records, metrics = workers.score_batch(fresh)
     assert [r.extracted for r in records] == [f"new{i}" for i in range(16)]
-    assert all(r.correct for r in records) and metrics["reward_pool/timeouts"] == 0
-    assert metrics["reward_pool/errors"] == 0
+    assert all(r.correct for r in records) and metrics["verifier/timeouts"] == 0
+    assert metrics["verifier/errors"] == 0
 
 
-def test_unsendable_verifier_is_a_value_error_naming_the_method(pool):
+def test_unsendable_verifier_is_a_value_error_naming_the_method(workers):
     def _closure(response, ground_truth):
         return graded(True, response)
 
@@ -206,14 +206,14 @@ def test_unsendable_verifier_is_a_value_error_naming_the_method(pool):
         if name not in REWARD_FNS:
             REWARD_FNS.add(name, fn)
         with pytest.raises(ValueError, match=name):
-            pool.score_batch([RewardItem(response="1", ground_truth="1", method=name)])
-    assert not any(w.owed for w in pool._workers)
-    records, _ = pool.score_batch([RewardItem(response="Answer: 1", ground_truth="1")])
+            workers.score_batch([RewardItem(response="1", ground_truth="1", method=name)])
+    assert not any(w.owed for w in workers._workers)
+    records, _ = workers.score_batch([RewardItem(response="Answer: 1", ground_truth="1")])
     assert records[0].correct
     pickle.dumps(_slow_echo)  # module-level functions of an importable module are fine
 
 
-def test_a_verifier_of_a_plugin_file_scores_in_the_workers(pool, tmp_path):
+def test_a_verifier_of_a_plugin_file_scores_in_the_workers(workers, tmp_path):
     """A verifier that a ``--plugin`` file registers (loaded by path, under a module name no worker can
     import) is sent as the file's path: the workers load the file and score with it."""
     from megatron_credit.plugins import load_plugin
@@ -230,8 +230,8 @@ def test_a_verifier_of_a_plugin_file_scores_in_the_workers(pool, tmp_path):
     assert module.__name__ == "megatron_credit_plugin_my_verifier"
     items = [RewardItem(response=f"so it is {w}", ground_truth="blue", method="test_plugin_last_word")
              for w in ("blue", "red", "blue", "green")]
-    records, metrics = pool.score_batch(items)
-    assert metrics["reward_pool/errors"] == 0
+    records, metrics = workers.score_batch(items)
+    assert metrics["verifier/errors"] == 0
     assert [r.correct for r in records] == [True, False, True, False]
     words, pids = zip(*(r.extracted.split("@") for r in records))
     assert words == ("blue", "red", "blue", "green") and str(os.getpid()) not in pids  # scored in the workers
@@ -257,10 +257,10 @@ def test_a_verifier_module_slow_to_import_is_not_a_timeout(tmp_path):
     try:
         load_plugin(str(plugin))
         items = [RewardItem(response=str(i % 3), ground_truth="1", method="test_slow_import") for i in range(6)]
-        with RewardPool(RewardPoolConfig(num_workers=2, timeout_s=1.0, chunk_size=3)) as p:
+        with VerifierWorkers(VerifierWorkersConfig(num_workers=2, timeout_s=1.0, chunk_size=3)) as p:
             for _ in range(2):
                 records, metrics = p.score_batch(items)
-                assert metrics["reward_pool/timeouts"] == 0 and metrics["reward_pool/errors"] == 0
+                assert metrics["verifier/timeouts"] == 0 and metrics["verifier/errors"] == 0
                 assert [r.correct for r in records] == [i % 3 == 1 for i in range(6)]
             assert all(w.modules == {str(plugin)} for w in p._workers)
     finally:
@@ -270,7 +270,7 @@ def test_a_verifier_module_slow_to_import_is_not_a_timeout(tmp_path):
 def test_blocked_parent_does_not_time_out_healthy_workers(monkeypatch):
     # While the parent is busy (a slow replacement start, a loaded machine) for longer than timeout_s,
     # a healthy worker's answers pile up unread; they must be read before its deadline is judged.
-    with RewardPool(RewardPoolConfig(num_workers=2, timeout_s=2.0, chunk_size=4)) as p:
+    with VerifierWorkers(VerifierWorkersConfig(num_workers=2, timeout_s=2.0, chunk_size=4)) as p:
         start_worker = p._start_worker
 
         def slow_start():
@@ -282,20 +282,20 @@ def test_blocked_parent_does_not_time_out_healthy_workers(monkeypatch):
         items += [RewardItem(response=f"r{i}", ground_truth=f"r{i}", method="test_slow_echo")
                   for i in range(40)]
         records, metrics = p.score_batch(items)
-        assert metrics["reward_pool/timeouts"] == 1, "".join(r.status[0] for r in records)
+        assert metrics["verifier/timeouts"] == 1, "".join(r.status[0] for r in records)
         assert records[0].status == "timeout" and all(r.correct for r in records[1:])
 
 
 def test_worker_that_dies_at_start_is_reported_and_no_worker_leaks(monkeypatch):
     started = []
 
-    class _Tracked(pool_module._Worker):
+    class _Tracked(verifier_workers_module._Worker):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             started.append(self)
 
-    monkeypatch.setattr(pool_module, "_Worker", _Tracked)
+    monkeypatch.setattr(verifier_workers_module, "_Worker", _Tracked)
     monkeypatch.setattr(sys, "executable", "/bin/false")
     with pytest.raises(RuntimeError, match="exited during start-up with exit code 1"):
-        RewardPool(RewardPoolConfig(num_workers=2))
+        VerifierWorkers(VerifierWorkersConfig(num_workers=2))
     assert len(started) == 2 and all(w.proc.poll() is not None and w.conn.closed for w in started)
