@@ -31,7 +31,7 @@ def rl_iteration(ctx: Context, iteration: int) -> dict[str, float]:
     """Weights -> rollout -> rewards -> (dynamic sampling) -> old log-probs -> advantages -> update. The
     rollout source gets the weights of ``iteration - 1`` (each mode loads them when its engine can take them)."""
     timer = ctx.timer
-    with timer("rollout"):  # engine + reward pool + dyn. sampling
+    with timer("rollout"):  # engine + verifiers + dyn. sampling
         batch, rollout_metrics = ctx.rollouts.next(iteration, weights=ctx.weights(iteration - 1))
     ctx.check_length(int(batch.seq_lens.max()))
     fused = fused_old_logprob(ctx)
