@@ -124,7 +124,9 @@ def _masked_scores(qg: torch.Tensor, key: torch.Tensor, k0: int, k1: int,
     ``-inf`` where key ``j > pos`` (``pos: [c]``, the chunk's query positions) and, with ``sink_keys``,
     where ``j < min(sink_keys, pos)`` (sinks left out; a query keeps its own key)."""
     b, hkv, gc, _ = qg.shape
-    s = torch.matmul(qg, key[:, :, k0:k1].float().transpose(-1, -2))  # [B, Hkv, G*c, kc]
+    # The keys as a compact block: BLAS may pick another kernel (another rounding) for another memory
+    # layout of the same values, and a packed stream's keys arrive permuted and gathered.
+    s = torch.matmul(qg, key[:, :, k0:k1].float().contiguous().transpose(-1, -2))  # [B, Hkv, G*c, kc]
     s = s.view(b, hkv, gc // pos.numel(), pos.numel(), k1 - k0)
     cols = torch.arange(k0, k1, device=pos.device)[None, :]
     hidden = cols > pos[:, None]  # [c, kc]
