@@ -65,7 +65,7 @@ test-fast: venv
 COMPAT_VENV ?= .venv-mc019
 COMPAT_MCORE ?= 0.19.2
 COMPAT_PY := $(COMPAT_VENV)/bin/python
-# models, conversion, checkpoints (both common-state layouts; 0.19.2 writes its own for real), resume,
+# models, conversion, checkpoints (both common-state formats; 0.19.2 writes its own for real), resume,
 # export, the trainer end to end, device placement, packed sequences (megatron's THD RoPE and PackedSeqParams),
 # routing replay (megatron's router plug), the importer in parts, LoRA (megatron's TP mappings, its
 # sharded checkpoint entries and SwiGLU factory). Measured on 2 cores: see README (Tests).

@@ -113,7 +113,7 @@ def finished_line(run_dir: str, recipe) -> Optional[str]:
     auto`` would do nothing): where it ended, where the results are, how to start again. None otherwise."""
     import json
 
-    from megatron_credit.run_layout import complete_checkpoints
+    from megatron_credit.run_dir import complete_checkpoints
 
     done = complete_checkpoints(run_dir)
     if not done or done[-1][0] < recipe.train.steps:
@@ -139,7 +139,7 @@ def refuse_another_algorithm(run_dir: str, recipe) -> None:
     (``make demo`` then ``algorithm.name=grpo`` without ``--output-dir`` reuses ``runs/demo_cpu``)."""
     import yaml
 
-    from megatron_credit.run_layout import complete_checkpoints
+    from megatron_credit.run_dir import complete_checkpoints
 
     saved = os.path.join(run_dir, "config.yaml")
     if not complete_checkpoints(run_dir) or not os.path.isfile(saved):
@@ -257,9 +257,9 @@ def _main(args, argv: Sequence[str] = ()) -> int:
         raise ValueError("--nodes plans a launch: it goes with --dry-run (torchrun sets the world size of a run)")
     trainer_world = launch.world_size - pool if launched else launch.world_size
     if pool and launched:
-        from megatron_credit.sources.bridge import PoolLayout
+        from megatron_credit.sources.bridge import PoolRanks
 
-        PoolLayout(world=launch.world_size, pool=pool, rollout_tp=recipe.rollout.tensor_parallel_size)  # one line
+        PoolRanks(world=launch.world_size, pool=pool, rollout_tp=recipe.rollout.tensor_parallel_size)  # one line
     from megatron_credit.planning.preflight import check_data, check_model, refuse
 
 

@@ -59,7 +59,7 @@ setup(
         # reasoning-gym: the reasoning_gym source and verifier (tests/data/test_reasoning_gym.py).
         "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "gguf>=0.10", "accelerate>=0.26",
                  "peft>=0.17", "reasoning-gym==0.1.25"],
-        # `make mutation`; mutmut 3's config and result layout (setup.cfg, mutants/*.meta).
+        # `make mutation`; mutmut 3's config and result files (setup.cfg, mutants/*.meta).
         "mutation": ["mutmut>=3.8,<4"],
     },
     entry_points={

@@ -10,7 +10,7 @@ trainer's own parts run it (``trainer/step.py``: the behaviour pass, then the up
 once with ``train.packing=false`` (rows padded to the longest of each micro-batch; under PP every
 micro-batch padded to the largest row count and length of the mini-batch, the one shape megatron's
 pipeline sends) and once packed (first-fit decreasing, no padding rows; under PP each micro-batch's own
-shape goes first). It prints, per PP size: computed / useful tokens of each layout, the packed padding
+shape goes first). It prints, per PP size: computed / useful tokens of each form (padded, packed), the packed padding
 fraction, and the update time (best of ``--repeats``) with the ratio padded / packed.
 """
 from __future__ import annotations

@@ -12,7 +12,7 @@ Every test of the credit and loss math compares against these, so each formula h
 - :func:`logprob_entropy_reference` (log-probs and entropies of temperature-scaled logits);
 - :func:`dense_attention` (a materialised causal softmax), :func:`dense_concentration`, :func:`dense_topk`
   (CompPO's attention statistics from it);
-- :func:`qkv_reference` (megatron's fused QKV row layout, row by row);
+- :func:`qkv_reference` (megatron's fused QKV row order, row by row);
 - :func:`credit_diagnostics_reference` (Gini, effective token fraction and position correlation of |A|,
   by pairs of tokens, one response at a time);
 - :func:`lora_linear_reference` (a linear with a LoRA update, one output at a time).

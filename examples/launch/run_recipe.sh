@@ -91,14 +91,14 @@ overrides=("model.name_or_path=${MODEL_DIR}" "data.train_path=${DATA_DIR}/dapo-m
 [[ "${NODE_RANK}" == 0 ]] || exit 0
 
 # Prints "<newest complete checkpoint of RUN_DIR, 0 without one> <train.steps with the overrides>
-# <model.lora.rank>", read from the trainer's own definitions (run_layout.complete_checkpoints, load_recipe).
+# <model.lora.rank>", read from the trainer's own definitions (run_dir.complete_checkpoints, load_recipe).
 run_progress() {
   "${PYTHON}" - "${ROOT}" "${ROOT}/${RECIPE}" "${RUN_DIR}" "${overrides[@]}" <<'EOF'
 import sys
 root, recipe, run_dir, *overrides = sys.argv[1:]
 sys.path.insert(0, root)
 from megatron_credit.recipe.config import load_recipe
-from megatron_credit.run_layout import complete_checkpoints
+from megatron_credit.run_dir import complete_checkpoints
 done = complete_checkpoints(run_dir)
 r = load_recipe(recipe, overrides=overrides)
 print(done[-1][0] if done else 0, r.train.steps, r.model.lora.rank)

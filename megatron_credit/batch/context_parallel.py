@@ -1,7 +1,7 @@
 """Splitting a batch along the sequence for context parallelism (CP), and gathering it back.
 
-Megatron's load-balanced layout (rank ``r`` keeps chunks ``r`` and ``2*cp - 1 - r`` of ``2 * cp``) is
-defined once, in ``megatron_credit/batch/cp_layout.py``; ``split_for_cp`` and ``merge_cp_shards`` come from there.
+Megatron's load-balanced chunk order (rank ``r`` keeps chunks ``r`` and ``2*cp - 1 - r`` of ``2 * cp``) is
+defined once, in ``megatron_credit/batch/cp_chunks.py``; ``split_for_cp`` and ``merge_cp_shards`` come from there.
 
 Labels are shifted *before* the split (``shift_labels``): the label of the last token of a chunk is the
 first token of the next chunk, which another rank holds. Per-token results (log-probs, entropies,
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_credit.batch.cp_layout import check_sequence_length, merge_cp_shards, split_for_cp
+from megatron_credit.batch.cp_chunks import check_sequence_length, merge_cp_shards, split_for_cp
 
 __all__ = [
     "shift_labels", "split_for_cp", "merge_cp_shards", "gather_from_cp", "required_multiple",
@@ -43,7 +43,7 @@ def shift_labels(input_ids: torch.Tensor, *, pad_id: int) -> torch.Tensor:
 def required_multiple(cp_size: int, tp_size: int, sequence_parallel: bool) -> int:
     """The sequence length must be a multiple of this: ``2*cp*tp`` with sequence parallelism, else ``2*cp``.
 
-    ``2*cp`` equal chunks for the load-balanced CP layout; with sequence parallelism each rank's
+    ``2*cp`` equal chunks for the load-balanced CP chunk order; with sequence parallelism each rank's
     ``T / cp`` tokens are further split over ``tp``.
 
     >>> required_multiple(2, 4, True), required_multiple(2, 4, False)
@@ -72,7 +72,7 @@ def pad_for_parallel(x: torch.Tensor, *, multiple: int, value, seq_dim: int = 1)
 
 
 class _GatherFromCP(torch.autograd.Function):
-    """All-gather the CP shards and undo the layout; backward returns this rank's slice of the gradient."""
+    """All-gather the CP shards and undo the chunk order; backward returns this rank's slice of the gradient."""
 
     @staticmethod
     def forward(ctx, local, group, seq_dim):

@@ -2,7 +2,7 @@
 
 ``make_microbatches`` turns response+prompt lengths into lists of sample indices whose token cost fits
 ``max_tokens_per_microbatch``. It is a pure, deterministic function of the lengths, so the trainer
-computes the layout once per mini-batch (``plan_minibatches``) and runs *both* the old-log-prob forward
+computes the split once per mini-batch (``plan_minibatches``) and runs *both* the old-log-prob forward
 and the update over exactly the same micro-batches: same padding, same kernels, same reduction order,
 hence ``logp == old_logp`` bit-for-bit on the first on-policy mini-batch (docs/architecture.md).
 
@@ -105,7 +105,7 @@ def microbatch_stats(
     seq_lens: Sequence[int], mbs: Sequence[Sequence[int]], *, max_tokens_per_microbatch: int,
     mode: Mode = "padded", pad_to_multiple_of: int = 1,
 ) -> dict[str, float]:
-    """Count, padding efficiency (real / costed tokens) and oversized micro-batches of a layout."""
+    """Count, padding efficiency (real / costed tokens) and oversized micro-batches of a split."""
     costs = [microbatch_cost(seq_lens, mb, mode=mode, pad_to_multiple_of=pad_to_multiple_of) for mb in mbs]
     real = sum(int(n) for n in seq_lens)
     return {

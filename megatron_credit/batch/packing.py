@@ -1,4 +1,4 @@
-"""The packed (THD) layout of one micro-batch: its sequences end to end, no padding rows.
+"""The packed (THD) form of one micro-batch: its sequences end to end, no padding rows.
 
 A micro-batch of ``n`` sequences of lengths ``L_i`` is one token stream of ``sum(P_i)`` tokens, where
 ``P_i = round_up(L_i, multiple)`` (``multiple``: ``2 x CP``, ``x TP`` with sequence parallelism; 1
@@ -12,17 +12,17 @@ Context parallelism (megatron's THD split): each sequence is cut into ``2 x CP``
 sequence, in sequence order. This rank's stream is those chunk pairs end to end.
 
 The row view. Per-sequence math (loss aggregations, GSPO's sequence ratio, the Future-KL scan) is written
-for rows, one response per row. :meth:`PackedLayout.to_rows` puts this rank's tokens of sequence ``k`` in
-row ``k`` of an ``[n, W]`` tensor (differentiably), :meth:`PackedLayout.from_rows` takes them back. Without
-CP row ``k`` is the sequence followed by zeros. Under CP it is megatron's load-balanced row layout: two
+for rows, one response per row. :meth:`PackedIndex.to_rows` puts this rank's tokens of sequence ``k`` in
+row ``k`` of an ``[n, W]`` tensor (differentiably), :meth:`PackedIndex.from_rows` takes them back. Without
+CP row ``k`` is the sequence followed by zeros. Under CP it is megatron's load-balanced chunk order: two
 halves of ``W / 2 = max_i c_i`` slots, chunk ``r`` at the start of the first and chunk ``2 CP - 1 - r`` at
-the start of the second; :attr:`PackedLayout.row_slots` marks which slots hold tokens (a scan must let
+the start of the second; :attr:`PackedIndex.row_slots` marks which slots hold tokens (a scan must let
 its carry pass the empty slots at the end of the first half).
 
->>> lay = PackedLayout.build([3, 5], multiple=2)
->>> lay.padded_lens, lay.cu_seqlens.tolist(), lay.local_index.tolist()
+>>> idx = PackedIndex.build([3, 5], multiple=2)
+>>> idx.padded_lens, idx.cu_seqlens.tolist(), idx.local_index.tolist()
 ((4, 6), [0, 4, 10], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9])
->>> r1 = PackedLayout.build([3, 5], multiple=4, cp_size=2, cp_rank=1)
+>>> r1 = PackedIndex.build([3, 5], multiple=4, cp_size=2, cp_rank=1)
 >>> r1.padded_lens, r1.local_index.tolist()  # chunks 1 and 2 of each sequence (c = 1, then c = 2)
 ((4, 8), [1, 2, 6, 7, 8, 9])
 >>> r1.to_rows(torch.arange(6.0)[None]).tolist()  # W / 2 = 2: chunk 1 then chunk 2 of each row
@@ -41,7 +41,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class PackedLayout:
+class PackedIndex:
     """Where each token of a packed micro-batch lives, on one CP rank (module docstring)."""
 
     seq_lens: tuple[int, ...]
@@ -60,9 +60,9 @@ class PackedLayout:
     """``[t_local]`` int64: each token's column in the row view."""
 
     @classmethod
-    def build(cls, seq_lens: Sequence[int], *, multiple: int = 1, cp_size: int = 1, cp_rank: int = 0) -> "PackedLayout":
-        """The layout of sequences of ``seq_lens`` tokens; ``multiple`` must be a multiple of ``2 x cp_size``
-        under context parallelism."""
+    def build(cls, seq_lens: Sequence[int], *, multiple: int = 1, cp_size: int = 1, cp_rank: int = 0) -> "PackedIndex":
+        """Where each token of sequences of ``seq_lens`` tokens lives; ``multiple`` must be a multiple of
+        ``2 x cp_size`` under context parallelism."""
         if cp_size > 1 and multiple % (2 * cp_size):
             raise ValueError(f"the packed alignment {multiple} must be a multiple of 2 x CP = {2 * cp_size}")
         lens = tuple(int(n) for n in seq_lens)
@@ -161,12 +161,12 @@ class PackedLayout:
         return out
 
 
-def _rank_index(layout: PackedLayout, rank: int) -> torch.Tensor:
+def _rank_index(index: PackedIndex, rank: int) -> torch.Tensor:
     """``local_index`` of CP rank ``rank`` of the same sequences."""
-    if rank == layout.cp_rank:
-        return layout.local_index
-    multiple = 2 * layout.cp_size
-    other = PackedLayout.build(layout.padded_lens, multiple=multiple, cp_size=layout.cp_size, cp_rank=rank)
+    if rank == index.cp_rank:
+        return index.local_index
+    multiple = 2 * index.cp_size
+    other = PackedIndex.build(index.padded_lens, multiple=multiple, cp_size=index.cp_size, cp_rank=rank)
     return other.local_index
 
 
@@ -179,7 +179,7 @@ def rank_indices(cu_seqlens: Sequence[int], *, cp_size: int) -> list[torch.Tenso
     """
     lens = [int(b) - int(a) for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
     multiple = 2 * cp_size if cp_size > 1 else 1
-    return [PackedLayout.build(lens, multiple=multiple, cp_size=cp_size, cp_rank=r).local_index
+    return [PackedIndex.build(lens, multiple=multiple, cp_size=cp_size, cp_rank=r).local_index
             for r in range(cp_size)]
 
 

@@ -67,7 +67,7 @@ class RaggedRouting:
     def stream(self, rows: Sequence[int], *, seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``[1, t, layers, top_k]``: token ``j`` is the routing of row ``rows[seq_ids[j]]`` at its position
         ``positions[j]``; -1 past the row's end, on a row without routing and where ``seq_ids[j] >= len(rows)``
-        (a padding row). A packed micro-batch's stream is ``PackedLayout``'s ``seq_ids`` and ``positions``."""
+        (a padding row). A packed micro-batch's stream is ``PackedIndex``'s ``seq_ids`` and ``positions``."""
         out = torch.full((len(seq_ids), self.layers, self.top_k), FILL, dtype=torch.int16)
         if len(seq_ids):
             order = torch.argsort(seq_ids, stable=True)  # the tokens of each row, together

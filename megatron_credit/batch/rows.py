@@ -1,10 +1,10 @@
 """A mini-batch's rows into micro-batches, and the micro-batches' outputs back into the batch's rows.
 
-:meth:`MicroBatchLayout.cut` cuts the micro-batches a forward pass reads from one mini-batch's plan
+:meth:`MicroBatchCut.cut` cuts the micro-batches a forward pass reads from one mini-batch's plan
 (``microbatch.py``); :class:`RowCopies` writes per-token outputs of those micro-batches (this rank's
 tokens, or whole rows) back into the batch's host tensors, one device-to-host copy per target tensor.
 Both are shared by the behaviour pass and the update (``trainer/step.py``, docs/architecture.md
-"Data flow"); the layout (packing, CP rank, one shape under PP) is passed in.
+"Data flow"); how to cut (packing, CP rank, one shape under PP) is passed in.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from megatron_credit.batch.train_batch import MicroBatch, TrainBatch, make_micro
 
 
 @dataclasses.dataclass(frozen=True)
-class MicroBatchLayout:
+class MicroBatchCut:
     """How a mini-batch's rows become micro-batches: packed streams (each sequence aligned to
     ``multiple``; under PP megatron sends each one's own shape), or rows padded to ``multiple`` (and to one
     shape with ``one_shape``, under PP: megatron's pipeline then communicates one fixed shape per call);

@@ -13,7 +13,7 @@ sequences (every CP rank of a DP replica holds the same rows, so they are never 
 micro-batch's loss is then ``aggregate_loss(..., global_num_tokens=N)``, and the sum over micro-batches
 and DP x CP ranks is the loss of the whole mini-batch, whatever the split.
 
-Micro-batch layouts. A :class:`MicroBatch` is either padded rows ``[b, s]`` (:func:`make_microbatch`) or
+Micro-batch forms. A :class:`MicroBatch` is either padded rows ``[b, s]`` (:func:`make_microbatch`) or
 one packed stream ``[1, t]`` of its sequences end to end (:func:`make_packed_microbatch`, THD, megatron's
 ``PackedSeqParams``; ``batch/packing.py``). Per-sequence math reads the packed one through its row view
 (:meth:`MicroBatch.rows_view`), outputs go back to the batch's rows through :meth:`MicroBatch.whole_rows`,
@@ -24,7 +24,7 @@ CP-split there, then copied to the actor's device (pinned, non-blocking on CUDA)
 made on that device, where the loss and NCCL read them. A mixture of experts' routing is never padded to
 the batch (``[B, T, layers, top_k]`` would be gigabytes per rank): the batch holds each sample's own tensor
 (:class:`~megatron_credit.batch.ragged.RaggedRouting`), and a micro-batch gathers its rows' routing straight
-into its padded or packed, CP-split layout, the tensor cutting the padded form would give (``batch/ragged.py``).
+into its padded or packed, CP-split form, the tensor cutting the padded form would give (``batch/ragged.py``).
 """
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatron_credit.batch.cp_layout import check_sequence_length, load_balanced_positions, split_for_cp
-from megatron_credit.batch.packing import PackedLayout
+from megatron_credit.batch.cp_chunks import check_sequence_length, load_balanced_positions, split_for_cp
+from megatron_credit.batch.packing import PackedIndex
 from megatron_credit.batch.ragged import RaggedRouting
 
 # Per-token fields, in label space; sliced, padded and CP-split together with the side channels
@@ -209,7 +209,7 @@ class MicroBatch:
     whole_loss_mask: torch.Tensor
     """``[b, seq_len]`` loss mask of the whole rows (for per-response denominators under CP); packed: the
     ``[n, T]`` rows of the batch's loss mask."""
-    layout: Optional[PackedLayout] = None
+    packing: Optional[PackedIndex] = None
     """Packed: where each of this rank's tokens lives (``batch/packing.py``); None for padded rows."""
     first_scored: Optional[int] = None
     """:attr:`query_start`, found on the host when the micro-batch is made (None: from
@@ -217,7 +217,7 @@ class MicroBatch:
 
     @property
     def packed(self) -> bool:
-        return self.layout is not None
+        return self.packing is not None
 
     @property
     def packed_seq_params(self):
@@ -227,30 +227,30 @@ class MicroBatch:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams  # only the actor asks, megatron's side
 
-        cu = self.layout.cu_seqlens.to(self.position_ids.device)
-        longest = max(self.layout.padded_lens)
+        cu = self.packing.cu_seqlens.to(self.position_ids.device)
+        longest = max(self.packing.padded_lens)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                                  cu_seqlens_kv_padded=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
-        params.cu_seqlens_host = tuple(self.layout.cu_seqlens.tolist())  # for host-side readers: no device sync
+        params.cu_seqlens_host = tuple(self.packing.cu_seqlens.tolist())  # for host-side readers: no device sync
         return params
 
     @property
     def computed_tokens(self) -> int:
         """Tokens the forward pass computes (all CP ranks): the padded block, or the packed stream."""
-        return self.layout.total_tokens if self.packed else self.num_rows * self.seq_len
+        return self.packing.total_tokens if self.packed else self.num_rows * self.seq_len
 
     def rows_view(self, t: Optional[torch.Tensor], fill=0) -> Optional[torch.Tensor]:
         """``t`` (this rank's ``[b, s(, ...)]`` tokens) with one response per row: itself when padded, the
         packed stream's row view ``[n, W(, ...)]`` (differentiable) when packed."""
         if t is None or not self.packed:
             return t
-        return self.layout.to_rows(t, fill)
+        return self.packing.to_rows(t, fill)
 
     def whole_rows(self, local: torch.Tensor, *, cp_group=None) -> torch.Tensor:
         """This rank's ``[b, s]`` output -> ``[len(rows), >= longest row]``: row ``k`` is ``rows[k]``'s whole
         sequence (gathered over ``cp_group`` under CP; detached use only)."""
         if self.packed:
-            return self.layout.whole_rows(local, cp_group=cp_group)
+            return self.packing.whole_rows(local, cp_group=cp_group)
         if cp_group is not None:
             from megatron_credit.batch.context_parallel import gather_from_cp
 
@@ -289,7 +289,7 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def make_microbatch(batch: TrainBatch, rows: Sequence[int], *, seq_len: int, num_rows: int, pad_id: int,
                     device: torch.device, cp_size: int = 1, cp_rank: int = 0) -> MicroBatch:
     """Rows ``rows`` of ``batch`` cut or right-padded to ``seq_len`` tokens and ``num_rows`` rows (all
-    padding is masked), then split for context parallelism (megatron's load-balanced layout) and copied
+    padding is masked), then split for context parallelism (megatron's load-balanced chunk order) and copied
     to ``device`` (the actor's). Ragged routing is gathered at this rank's positions directly."""
     idx = torch.tensor(list(rows), dtype=torch.long)
     if cp_size > 1:
@@ -328,19 +328,19 @@ def make_packed_microbatch(batch: TrainBatch, rows: Sequence[int], *, multiple: 
     ``multiple`` (the CP / SP alignment, masked), end to end; this CP rank's chunks of every sequence
     (megatron's THD split), on ``device``."""
     idx = torch.tensor(list(rows), dtype=torch.long)
-    layout = PackedLayout.build(batch.seq_lens[idx].tolist(), multiple=multiple, cp_size=cp_size, cp_rank=cp_rank)
+    index = PackedIndex.build(batch.seq_lens[idx].tolist(), multiple=multiple, cp_size=cp_size, cp_rank=cp_rank)
     out = {}
     for name in TOKEN_FIELDS + POSITION_FIELDS + tuple(batch.extras):
         t = batch.extras[name] if name in batch.extras else getattr(batch, name)
         if isinstance(t, RaggedRouting):  # this rank's tokens of each row, gathered: no [n, T] copy
-            out[name] = t.stream(rows, seq_ids=layout.seq_ids, positions=layout.positions)
+            out[name] = t.stream(rows, seq_ids=index.seq_ids, positions=index.positions)
         elif t is not None:
-            out[name] = layout.pack(t[idx], _fill(name, pad_id))
-    return MicroBatch(rows=tuple(int(r) for r in rows), num_rows=1, seq_len=layout.total_tokens,
-                      position_ids=to_device(layout.positions[None], device),
+            out[name] = index.pack(t[idx], _fill(name, pad_id))
+    return MicroBatch(rows=tuple(int(r) for r in rows), num_rows=1, seq_len=index.total_tokens,
+                      position_ids=to_device(index.positions[None], device),
                       tensors={k: to_device(v, device) for k, v in out.items()},
-                      whole_loss_mask=to_device(batch.loss_mask[idx], device), layout=layout,
-                      first_scored=first_scored(batch.loss_mask[idx], layout.total_tokens))
+                      whole_loss_mask=to_device(batch.loss_mask[idx], device), packing=index,
+                      first_scored=first_scored(batch.loss_mask[idx], index.total_tokens))
 
 
 def round_up(n: int, multiple: int) -> int:

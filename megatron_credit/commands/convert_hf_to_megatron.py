@@ -5,7 +5,8 @@
 ``--tp`` / ``--pp`` / ``--ep`` check that the planned parallel sizes divide the model (the checkpoint itself
 is topology-free: megatron reshards on load; every expert is written whole, whatever ``--ep``). ``--dtype`` casts the weights; a cast that loses precision
 needs ``--allow-lossy-dtype``. A model larger than ``--max-part-gib`` is written a part of its layers at a
-time (``conversion/parts.py``): host memory stays bounded by a part. See ``megatron_credit/conversion/converters.py`` for the layout.
+time (``conversion/parts.py``): host memory stays bounded by a part. See ``megatron_credit/conversion/converters.py`` for the
+folder's files.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """HF <-> megatron-core conversion: one declarative name map per model family (docs/architecture.md, convention 11).
 
-* :mod:`.transforms` - typed tensor transforms (fused QKV per query group, gated MLP, TP layouts)
+* :mod:`.transforms` - typed tensor transforms (fused QKV per query group, gated MLP, TP splits)
 * :mod:`.base` - model dims and the parallel sizes they allow; the families (config facts, weight rules,
   the registry) are :mod:`megatron_credit.families`, one file each
 * :mod:`.streaming` - full-tensor HF <-> megatron generators; :mod:`.live` - a TP/PP-sharded model

@@ -1,6 +1,6 @@
 """HF folder <-> megatron-core distributed checkpoint (torch_dist), streaming one tensor at a time.
 
-Layout of a converted checkpoint folder::
+The files of a converted checkpoint folder::
 
     <out>/model/                 dist_checkpointing.save of GPTModel.sharded_state_dict() (torch_dist)
     <out>/config.json            the source HF config, byte for byte

@@ -4,7 +4,7 @@
   and by the parity tests), slicing each full tensor to the rank's TP shard.
 * :func:`iter_hf_weight_buckets` is the weight-sync source of the rollout engines: it walks the HF
   names in order, gathers each parameter over TP on the pipeline stage that owns it, broadcasts it over
-  PP, converts it to HF layout and yields size-bounded buckets of ``(hf_name, tensor)``. Every rank
+  PP, converts it to HF names and shapes and yields size-bounded buckets of ``(hf_name, tensor)``. Every rank
   yields the same buckets, so the engine may read them on any rank. At most one bucket plus one
   gathered parameter is alive at a time.
 
@@ -25,7 +25,7 @@ import torch
 from megatron_credit.conversion.base import ModelDims
 from megatron_credit.families.base import Family, Kind
 from megatron_credit.conversion.streaming import expand_rules, rule_to_hf, rule_to_megatron
-from megatron_credit.conversion.transforms import TPLayout, pad_rows, tp_gather, tp_shard
+from megatron_credit.conversion.transforms import TPSplit, pad_rows, tp_gather, tp_shard
 from megatron_credit.rollout.weight_sync import group_buckets
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -153,7 +153,7 @@ def _plan(local_state: Mapping[str, torch.Tensor], layer_offset: int, pp_group,
     return plan
 
 
-def _gather_tp(t: torch.Tensor, layout, tp_group) -> torch.Tensor:
+def _gather_tp(t: torch.Tensor, split, tp_group) -> torch.Tensor:
     import torch.distributed as dist
 
     size = 1 if tp_group is None else dist.get_world_size(tp_group)
@@ -161,7 +161,7 @@ def _gather_tp(t: torch.Tensor, layout, tp_group) -> torch.Tensor:
         return t
     shards = [torch.empty_like(t) for _ in range(size)]
     dist.all_gather(shards, t.contiguous(), group=tp_group)
-    return tp_gather(shards, layout)
+    return tp_gather(shards, split)
 
 
 @torch.no_grad()
@@ -218,8 +218,8 @@ def iter_hf_weight_buckets(local_state: Mapping[str, torch.Tensor], family: Fami
     yield from group_buckets(hf_tensors(), bucket_bytes=bucket_bytes)
 
 
-def _full_shape(local_shape: tuple, layout, tp_size: int) -> tuple:
-    if layout is TPLayout.REPLICATED or tp_size == 1:
+def _full_shape(local_shape: tuple, split, tp_size: int) -> tuple:
+    if split is TPSplit.REPLICATED or tp_size == 1:
         return local_shape
-    dim = 1 if layout is TPLayout.COLS else 0
+    dim = 1 if split is TPSplit.COLS else 0
     return tuple(s * tp_size if d == dim else s for d, s in enumerate(local_shape))

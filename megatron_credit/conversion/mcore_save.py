@@ -5,7 +5,7 @@ checkpoints, ``megatron_credit.trainer.checkpoint``), and so do the TP = 1 loads
 :func:`.model_io.load_dist_checkpoint` and :mod:`.run_export`. Both pieces lean on megatron internals
 that are no public API; they are named here so that an upgrade knows what to re-check:
 
-* :func:`_whole_gated_fc1` relies on the layout of ``apply_swiglu_sharded_factory``'s
+* :func:`_whole_gated_fc1` relies on the structure of ``apply_swiglu_sharded_factory``'s
   ``ShardedTensorFactory`` (two chunks of one key; ``build()``'s ShardedTensors with their
   ``prepend_axis_num``, ``global_offset`` and ``axis_fragmentations``). Why: the torch_dist writer
   clones every CPU view (``FileSystemWriterAsync.prepare_write_data._clone_if_needed``) and the swiglu
@@ -19,7 +19,7 @@ that are no public API; they are named here so that an upgrade knows what to re-
   (0.17+) and the module global ``filesystem_async._results_queue``. Why: 0.16's writer forks a process
   per bucket that reports through a spawn ``Manager`` queue; on our CPU runs the child died without
   reporting and the parent waited forever (the details are in its docstring).
-* :func:`_checked_write_fn` refuses any other layout with "unsupported megatron-core version" (naming
+* :func:`_checked_write_fn` refuses any other request shape with "unsupported megatron-core version" (naming
   this file) rather than an opaque unpacking error.
 """
 from __future__ import annotations
@@ -148,7 +148,7 @@ def _unsupported(detail: str) -> RuntimeError:
 
 def _checked_write_fn(request) -> tuple[str, tuple, tuple] | None:
     """``(function name, (transform_list, use_msc), (rank, write_buckets, results_queue))`` of megatron's
-    async save request, or None when this rank writes nothing; raises on an unknown layout."""
+    async save request, or None when this rank writes nothing; raises on an unknown request shape."""
     import functools
     import inspect
 

@@ -1,4 +1,4 @@
-"""A converted checkpoint folder and the model it loads into (the folder layout: :mod:`.converters`).
+"""A converted checkpoint folder and the model it loads into (the folder's files: :mod:`.converters`).
 
 * :func:`load_hf_config`, :func:`read_meta` - ``config.json`` and ``conversion_meta.json``, checked;
 * :func:`check_out_dir` - an output folder is never the source or inside it;

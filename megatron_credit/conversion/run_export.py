@@ -18,7 +18,7 @@ _MODEL_OPTIM = "model_optim"
 
 def newest_checkpoint(run_dir: str | os.PathLike) -> str:
     """The newest complete ``iter_N`` checkpoint of a run directory (FileNotFoundError when none)."""
-    from megatron_credit.run_layout import complete_checkpoints
+    from megatron_credit.run_dir import complete_checkpoints
 
     done = complete_checkpoints(str(run_dir))
     if not done:

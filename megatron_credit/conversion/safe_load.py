@@ -7,13 +7,13 @@ arbitrary code during a load. So, before megatron and torch see a folder:
 
 * ``.metadata`` is read by :class:`_MetadataUnpickler`, which resolves only the classes torch writes
   there (the dataclasses and enums of ``torch.distributed.checkpoint.metadata`` / ``.planner``, the
-  storage record of ``.filesystem``, torch dtypes, ``torch.Size``, the layout helper) and builtin
-  containers; any other global (``os.system``, ``builtins.eval``, ...) raises
+  storage record of ``.filesystem``, torch dtypes, ``torch.Size``, ``torch.serialization._get_layout``)
+  and builtin containers; any other global (``os.system``, ``builtins.eval``, ...) raises
   :class:`UnsafeCheckpointError` naming it, before anything is called;
 * every data file the metadata names must exist and hold the bytes it promises (a deleted or
   truncated ``__0_0.distcp`` is one clear error, not a failure deep in a reader thread),
   ``metadata.json`` must be present and well-formed, and the checkpoint's common (non-tensor) state
-  must be there in one of megatron's two layouts: ``common.pt`` (megatron-core <= 0.16 wrote it;
+  must be there in one of megatron's two formats: ``common.pt`` (megatron-core <= 0.16 wrote it;
   0.19 still reads it), or the byte item ``common_state/shard_0_1`` inside the ``.distcp`` files
   (megatron-core 0.19 writes only that: ``dist_checkpointing/serialization.py``); that item is
   loaded here with ``weights_only=True`` at once, since torch's planner unpickles it with
@@ -23,7 +23,7 @@ arbitrary code during a load. So, before megatron and torch see a folder:
   primitive values are ever built from them.
 
 ``common.pt`` is loaded by megatron with ``torch.load``'s default, ``weights_only=True`` (torch >= 2.6).
-A megatron-core that predates the ``common_state`` layout cannot load such a checkpoint: that is one
+A megatron-core that predates the ``common_state`` format cannot load such a checkpoint: that is one
 clear error too (:func:`check_dist_checkpoint`), not megatron's ``Common file ... does not exist``.
 """
 from __future__ import annotations
@@ -146,7 +146,7 @@ def check_dist_checkpoint(model_dir: str | os.PathLike):
 
 
 def _check_common_state(model_dir: Path, metadata) -> None:
-    """The 0.19 layout's ``common_state/shard_0_1``: a plain byte item (weights_only=True), and a
+    """The 0.19 format's ``common_state/shard_0_1``: a plain byte item (weights_only=True), and a
     megatron-core that reads it."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -167,11 +167,11 @@ def _check_common_state(model_dir: Path, metadata) -> None:
 
 
 def megatron_reads_common_state() -> bool:
-    """Whether the installed megatron-core loads the 0.19 layout (``common_state`` in the ``.distcp``
+    """Whether the installed megatron-core loads the 0.19 format (``common_state`` in the ``.distcp``
     files); 0.16.1's ``load`` knows only ``common.pt``."""
     from megatron.core.dist_checkpointing import serialization
 
-    return hasattr(serialization, "_legacy_common_state_exists")  # 0.19.2's split of the two layouts
+    return hasattr(serialization, "_legacy_common_state_exists")  # 0.19.2's split of the two formats
 
 
 def stored_weight_dtypes(metadata, *, keys: Optional[Collection[str]] = None) -> set[torch.dtype]:

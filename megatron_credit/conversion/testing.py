@@ -100,8 +100,8 @@ def write_random_hf_checkpoint(cfg: Any, out_dir: str | os.PathLike, *, dtype: t
     return writer.total_bytes
 
 
-def rewrite_common_state(model_dir: str | os.PathLike, layout: str) -> None:
-    """Rewrite the dist checkpoint folder ``model_dir`` in place into one of megatron's two layouts of
+def rewrite_common_state(model_dir: str | os.PathLike, fmt: str) -> None:
+    """Rewrite the dist checkpoint folder ``model_dir`` in place into one of megatron's two formats of
     the common (non-tensor) state, whichever megatron-core wrote it:
 
     - ``"0.19"``: what megatron-core 0.19.2 writes (checked against a checkpoint it saved): no
@@ -111,7 +111,7 @@ def rewrite_common_state(model_dir: str | os.PathLike, layout: str) -> None:
     - ``"0.16"``: what 0.16.1 writes: ``torch.save(c)`` as ``common.pt``, no ``common_state`` item,
       ``metadata.json`` naming the torch common backend too.
 
-    A no-op when the folder is in that layout already."""
+    A no-op when the folder is in that format already."""
     import io
     import pickle
 
@@ -125,7 +125,7 @@ def rewrite_common_state(model_dir: str | os.PathLike, layout: str) -> None:
     md = read_dist_metadata(model_dir)
     has_item = COMMON_STATE_KEY in md.state_dict_metadata
     backend = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
-    if layout == "0.19":
+    if fmt == "0.19":
         if has_item and not (model_dir / COMMON_NAME).exists():
             return
         common = torch.load(model_dir / COMMON_NAME, weights_only=True)
@@ -139,7 +139,7 @@ def rewrite_common_state(model_dir: str | os.PathLike, layout: str) -> None:
         md.storage_data[MetadataIndex(COMMON_STATE_KEY)] = _StorageInfo(
             relative_path=data.name, offset=offset, length=len(buf.getvalue()))
         (model_dir / COMMON_NAME).unlink()
-    elif layout == "0.16":
+    elif fmt == "0.16":
         if (model_dir / COMMON_NAME).exists() and not has_item:
             return
         (index, info), = [(i, s) for i, s in md.storage_data.items() if i.fqn == COMMON_STATE_KEY]
@@ -150,6 +150,6 @@ def rewrite_common_state(model_dir: str | os.PathLike, layout: str) -> None:
         del md.state_dict_metadata[COMMON_STATE_KEY], md.storage_data[index]
         backend.update(common_backend="torch", common_backend_version=1)
     else:
-        raise ValueError(f"layout {layout!r} is not '0.16' or '0.19'")
+        raise ValueError(f"format {fmt!r} is not '0.16' or '0.19'")
     (model_dir / METADATA_NAME).write_bytes(pickle.dumps(md))
     (model_dir / MEGATRON_META_NAME).write_text(json.dumps(backend))

@@ -1,4 +1,4 @@
-"""Typed tensor transforms between Hugging Face and megatron-core layouts, and their TP layouts.
+"""Typed tensor transforms between Hugging Face and megatron-core tensor shapes, and their TP splits.
 
 Every transform is a pair of pure functions (HF -> megatron and back) over full, unsharded tensors,
 and every one asserts that no element is lost: the output holds exactly the input's elements.
@@ -8,10 +8,10 @@ whole groups: for group ``g`` (of ``G = num_query_groups``) the rows are
 ``[q heads g*h .. (g+1)*h - 1 ; k head g ; v head g]`` with ``h = num_heads // G`` heads per group,
 each head ``head_dim`` rows. HF keeps ``q_proj`` ([n_heads * d, hidden]), ``k_proj`` and ``v_proj``
 ([G * d, hidden]) apart. Biases ([rows]) follow the same row order. Under TP, ``linear_qkv`` is split in
-contiguous row blocks (``TPLayout.ROWS``): whole groups per rank when TP divides G; when TP is a multiple
+contiguous row blocks (``TPSplit.ROWS``): whole groups per rank when TP divides G; when TP is a multiple
 of G (TP > KV heads, e.g. 2 KV heads at TP = 4) a block is part of a group, and megatron-core's attention
 all-gathers the fused output and keeps the rank's group (``Attention.get_query_key_value_tensors``), so
-the stored layout -- and every transform here -- is the same as for TP <= G.
+the stored row order -- and every transform here -- is the same as for TP <= G.
 
 Gated MLP. megatron's ``linear_fc1`` is ``[gate; up]`` ([2 * ffn, hidden]); under TP each rank holds
 ``[gate_r; up_r]``, so a TP shard of fc1 is *not* a contiguous row block of the full tensor.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_credit.families.base import TPLayout  # noqa: F401 - the layouts the transforms shard by
+from megatron_credit.families.base import TPSplit  # noqa: F401 - the splits the transforms shard by
 
 
 def _check_numel(name: str, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
@@ -99,26 +99,26 @@ def pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])], dim=0)
 
 
-def tp_shard(full: torch.Tensor, layout: TPLayout, *, rank: int, size: int) -> torch.Tensor:
+def tp_shard(full: torch.Tensor, split: TPSplit, *, rank: int, size: int) -> torch.Tensor:
     """The part of the full megatron tensor that TP rank ``rank`` of ``size`` holds."""
-    if layout is TPLayout.REPLICATED or size == 1:
+    if split is TPSplit.REPLICATED or size == 1:
         return full
-    dim = 1 if layout is TPLayout.COLS else 0
-    if full.shape[dim] % (2 * size if layout is TPLayout.GATED_ROWS else size):
-        raise ValueError(f"dim {dim} of size {full.shape[dim]} does not split over TP={size} ({layout.value})")
-    if layout is TPLayout.GATED_ROWS:
+    dim = 1 if split is TPSplit.COLS else 0
+    if full.shape[dim] % (2 * size if split is TPSplit.GATED_ROWS else size):
+        raise ValueError(f"dim {dim} of size {full.shape[dim]} does not split over TP={size} ({split.value})")
+    if split is TPSplit.GATED_ROWS:
         gate, up = torch.chunk(full, 2, dim=0)
         return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], dim=0)
     return full.chunk(size, dim=dim)[rank]
 
 
-def tp_gather(shards: list[torch.Tensor], layout: TPLayout) -> torch.Tensor:
+def tp_gather(shards: list[torch.Tensor], split: TPSplit) -> torch.Tensor:
     """Inverse of :func:`tp_shard`: the TP shards of ranks 0..size-1 -> the full tensor."""
-    if layout is TPLayout.REPLICATED or len(shards) == 1:
+    if split is TPSplit.REPLICATED or len(shards) == 1:
         return shards[0]
-    if layout is TPLayout.COLS:
+    if split is TPSplit.COLS:
         return torch.cat(shards, dim=1)
-    if layout is TPLayout.ROWS:
+    if split is TPSplit.ROWS:
         return torch.cat(shards, dim=0)
     halves = [s.chunk(2, dim=0) for s in shards]
     return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)

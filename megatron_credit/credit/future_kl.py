@@ -13,7 +13,7 @@ Departures from the published code:
 
 - ``F`` is computed by :func:`~megatron_credit.credit.scan.reverse_linear_scan` in O(B*T*K) time
   instead of O(B*T**2) decay-matrix blocks; the sum is the same (to float rounding).
-- Row layout. ``packed=False`` (default, the published semantics): each row holds one response; the
+- What a row holds. ``packed=False`` (default, the published semantics): each row holds one response; the
   decay runs over positions, so masked tokens inside the row contribute 0 evidence but do not cut the
   transport. ``packed=True``: each maximal run of ``response_mask == 1`` is its own response (packed rows
   where responses are separated by prompt or padding tokens); the transport is cut at every masked
@@ -68,7 +68,7 @@ def future_kl(logp: torch.Tensor, old_logp: torch.Tensor, response_mask: torch.T
         response_mask: ``[B, T]`` bool or 0/1; 1 on response tokens.
         tau: half-life in tokens (``gamma = 2**(-1/tau)``).
         dual_clip_c: tokens with ``ratio > c`` are left out of the future sums (``M_k``); ``c > 1``.
-        chunk_size, cp_group: see :func:`reverse_linear_scan` (CP layout: megatron load-balanced).
+        chunk_size, cp_group: see :func:`reverse_linear_scan` (CP chunk order: megatron's load-balanced one).
         packed: treat each run of the mask as its own response (see module docstring).
         row_slots: ``[B, T]`` bool, False at empty slots inside a row (a packed micro-batch's row view under
             CP: each half of the row ends with empty slots, ``batch/packing.py``); the transport passes

@@ -18,7 +18,7 @@ so CP needs nothing more. Both are :func:`reverse_linear_scan` with evidence
 ``delta`` and transport ``lam * kappa_t * m_{t+1}``; a masked next token cuts the recurrence, so rows may
 hold packed responses separated by masked tokens. Advantages and returns are 0 on masked tokens.
 
-Context parallel (``cp_group``, megatron's load-balanced layout as in :func:`reverse_linear_scan`): the
+Context parallel (``cp_group``, megatron's load-balanced chunk order as in :func:`reverse_linear_scan`): the
 transport at a chunk's last token needs ``m`` and ``V`` of the next chunk's first token, a halo. Each
 rank all-gathers the first token's ``(V m, m)`` of its two chunks (4*B scalars), takes the halo of each
 of its chunks from that, and then runs the CP scan. Communication stays O(B*cp).

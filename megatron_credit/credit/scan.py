@@ -25,7 +25,7 @@ Algorithm (exact, no division, no ``gamma**(-t)``):
 3. The chunk-start values and chunk products form a recurrence of the same kind over the n chunks; it is
    solved by the same function recursively (depth log_K(T)), then ``y += p * carry`` fixes each chunk.
 
-Context parallel (``cp_group``): the tensors are this rank's share in megatron's load-balanced layout
+Context parallel (``cp_group``): the tensors are this rank's share in megatron's load-balanced chunk order
 (rank r holds chunks r and 2*cp-1-r of 2*cp equal chunks, concatenated). Each half is scanned with zero
 carry-in; every rank all-gathers ``(y at the half's start, product of the half's coefficients)``, i.e.
 4*B scalars, reconstructs the exact carry entering each of its halves, and applies ``y += p * carry``.
@@ -45,7 +45,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from megatron_credit.batch.cp_layout import chunk_owner, rank_chunks
+from megatron_credit.batch.cp_chunks import chunk_owner, rank_chunks
 
 Coef = Union[torch.Tensor, float]
 
@@ -64,7 +64,7 @@ def reverse_linear_scan(x: torch.Tensor, coef: Coef, *, chunk_size: int = 128,
             K is capped at ``CPU_CONSTANT_CHUNK`` (see :func:`constant_chunk_size`); the result is the
             same sum either way.
         cp_group: a ``torch.distributed`` process group; if given, ``x`` and ``coef`` hold this rank's
-            share in megatron's load-balanced context-parallel layout, and so does the result.
+            share in megatron's load-balanced context-parallel chunk order, and so does the result.
 
     Returns:
         ``y``: ``[B, T]``, same dtype as ``x``.

@@ -113,7 +113,7 @@ def render_page(records: Sequence[dict], *, title: str) -> str:
             "(observations).</small></p></body></html>\n")
 
 
-def _layout(tokens: Sequence[str], width_in: float, cw: float) -> tuple[list, int]:
+def _wrap_lines(tokens: Sequence[str], width_in: float, cw: float) -> tuple[list, int]:
     """(x, line, width, shown text, index) of each token wrapped at ``width_in`` inches; the line count."""
     x, line, placed = 0.0, 0, []
     for t, text in enumerate(tokens):
@@ -141,7 +141,7 @@ def render_png(recs: Sequence[dict], name: str, path: str, *, scale_from: Sequen
             raise ValueError(f"--field {name!r}: this response has {list(rec['fields'])}")
     lo, hi = field_scale(list(scale_from) or list(recs), name)
     fs, cw, lh = 11.0, 11.0 * 0.62 / 72, 11.0 * 2.0 / 72  # font size (pt), a character's width and a line (in)
-    blocks = [_layout(rec["tokens"], width_in, cw) for rec in recs]
+    blocks = [_wrap_lines(rec["tokens"], width_in, cw) for rec in recs]
     head, sub = 0.55, 0.32  # the title; each response's own heading line (inches)
     height = head + sum(sub + n * lh + 0.12 for _, n in blocks) + 0.1
     fig = plt.figure(figsize=(width_in, height))

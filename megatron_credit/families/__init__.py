@@ -8,10 +8,18 @@
 
 Importing this package needs the standard library only.
 """
-from megatron_credit.families.base import (FAMILIES, REFUSED_MODEL_TYPES, Family, Kind, Rule, TPLayout,
+from megatron_credit.families.base import (FAMILIES, REFUSED_MODEL_TYPES, Family, Kind, Rule, TPSplit,
                                            family_for_config, family_of, register_family, supported_architectures,
                                            supported_model_types)
+from megatron_credit.families import base  # noqa: E402 - its __getattr__ serves the old name TPLayout
 from megatron_credit.families import qwen2, qwen3, llama, mistral, qwen3_moe  # noqa: F401,E402 - register, in this order
 
-__all__ = ["FAMILIES", "REFUSED_MODEL_TYPES", "Family", "Kind", "Rule", "TPLayout", "family_for_config",
+__all__ = ["FAMILIES", "REFUSED_MODEL_TYPES", "Family", "Kind", "Rule", "TPSplit", "family_for_config",
            "family_of", "register_family", "supported_architectures", "supported_model_types"]
+
+
+def __getattr__(name: str):
+    """``TPLayout`` (now ``TPSplit``) for one release, with the warning of :mod:`.base`."""
+    if name == "TPLayout":
+        return base.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

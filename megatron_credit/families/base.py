@@ -13,7 +13,7 @@ subclass that overrides a hook) under its HF ``model_type``, in the manner of Me
   the TE spec, one linear per expert with the local one) is the spec's, not the family's
   (``models/hf_config.transformer_config_from_hf``);
 * the weight map: a tuple of :class:`Rule`: one megatron parameter <- one or more HF tensors, a
-  :class:`Kind` of transform and the parameter's :class:`TPLayout`. A rule whose megatron name holds
+  :class:`Kind` of transform and the parameter's :class:`TPSplit`. A rule whose megatron name holds
   ``{i}`` is repeated for every decoder layer (global numbering, that of a TP = PP = 1 model and of the
   dist checkpoint); one that also holds ``{e}`` for every routed expert of the layer. Optional parameters
   (biases, q/k norms, the untied output layer) carry a ``when`` predicate on the HF config. A parameter
@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 from megatron_credit.registry import Registry
 
 
-class TPLayout(enum.Enum):
+class TPSplit(enum.Enum):
     """How a megatron parameter is partitioned over tensor-parallel ranks."""
 
     REPLICATED = "replicated"  # every rank holds the full tensor (norms, row-parallel biases, the router)
@@ -52,11 +52,22 @@ class TPLayout(enum.Enum):
 class Kind(enum.Enum):
     """How the HF tensors of a rule become the megatron tensor."""
 
-    COPY = "copy"        # one HF tensor, same layout
+    COPY = "copy"        # one HF tensor, same shape
     QKV = "qkv"          # (q, k, v) -> linear_qkv, rows grouped per query group
     GATE_UP = "gate_up"  # (gate, up) -> linear_fc1 = [gate; up]
     VOCAB = "vocab"      # one HF tensor [V, hidden]; megatron may hold padded rows [V_pad, hidden]
 
+
+
+def __getattr__(name: str):
+    """``TPLayout``, :class:`TPSplit`'s old name, for one release, with a warning (family plugins import it)."""
+    if name == "TPLayout":
+        import warnings
+
+        warnings.warn("megatron_credit.families.base.TPLayout is now TPSplit; the old name goes in the next release",
+                      DeprecationWarning, stacklevel=2)
+        return TPSplit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 def _always(cfg: Any) -> bool:
     return True
@@ -71,8 +82,8 @@ class Rule:
     hf: tuple[str, ...]
     """HF names (``{i}``, ``{e}`` likewise), in the order the transform takes them."""
     kind: Kind
-    """Transform between the two layouts."""
-    tp: TPLayout
+    """Transform from the HF tensors to the megatron one (and back)."""
+    tp: TPSplit
     """How megatron partitions this parameter over TP ranks."""
     te_megatron: str | None = None
     """Name under the Transformer Engine spec when it differs (fused layer norms)."""
@@ -145,7 +156,7 @@ class Family:
         return 0
 
     def extra_layer_params(self, *, qkv_rows: int, head_dim: int) -> int:
-        """Parameters of one layer on one TP rank beyond the shared layout: the QKV bias (``qkv_rows``,
+        """Parameters of one layer on one TP rank beyond the shared architecture: the QKV bias (``qkv_rows``,
         this rank's rows of ``linear_qkv``) and the q/k norms (replicated, ``head_dim`` each)."""
         return (qkv_rows if self.qkv_bias else 0) + (2 * head_dim if self.qk_layernorm else 0)
 

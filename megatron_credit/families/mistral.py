@@ -1,4 +1,4 @@
-"""Mistral (7B v0.2 / v0.3, Nemo-style explicit ``head_dim``): the Llama layout without any bias.
+"""Mistral (7B v0.2 / v0.3, Nemo-style explicit ``head_dim``): the Llama architecture without any bias.
 
 HF Mistral hard-codes ``bias=False`` on every projection and reads ``head_dim`` when the config sets it
 (Mistral Nemo: 128 with hidden 5120 and 32 heads); megatron's ``kv_channels`` takes it, so the tiny config

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from megatron_credit.families.base import Family, Kind, Rule, TPLayout, register_family
+from megatron_credit.families.base import Family, Kind, Rule, TPSplit, register_family
 from megatron_credit.families.dense_rules import (EMBEDDING, FINAL_NORM, INPUT_NORM, K_NORM, OUTPUT, PROJ_WEIGHT,
                                                   Q_NORM, QKV_WEIGHT, L, M, attention_bias, proj_bias, qkv_bias)
 
@@ -37,13 +37,13 @@ G = "mlp.experts."  # TEGroupedMLP: one grouped linear per layer, a weight per e
 
 # Under the TE spec the MoE layer keeps its own pre-MLP norm (no fused linear_fc1 to hold it).
 PRE_MLP_NORM = Rule(megatron=M + "pre_mlp_layernorm.weight", hf=(L + "post_attention_layernorm.weight",),
-                    kind=Kind.COPY, tp=TPLayout.REPLICATED)
+                    kind=Kind.COPY, tp=TPSplit.REPLICATED)
 ROUTER = Rule(megatron=M + "mlp.router.weight", hf=(L + "mlp.gate.weight",), kind=Kind.COPY,
-              tp=TPLayout.REPLICATED)
+              tp=TPSplit.REPLICATED)
 EXPERT_FC1 = Rule(megatron=M + X + "linear_fc1.weight", hf=(L + E + "gate_proj.weight", L + E + "up_proj.weight"),
-                  kind=Kind.GATE_UP, tp=TPLayout.GATED_ROWS, grouped_megatron=M + G + "linear_fc1.weight{e}")
+                  kind=Kind.GATE_UP, tp=TPSplit.GATED_ROWS, grouped_megatron=M + G + "linear_fc1.weight{e}")
 EXPERT_FC2 = Rule(megatron=M + X + "linear_fc2.weight", hf=(L + E + "down_proj.weight",), kind=Kind.COPY,
-                  tp=TPLayout.COLS, grouped_megatron=M + G + "linear_fc2.weight{e}")
+                  tp=TPSplit.COLS, grouped_megatron=M + G + "linear_fc2.weight{e}")
 
 
 class Qwen3Moe(Family):

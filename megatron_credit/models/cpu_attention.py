@@ -1,7 +1,7 @@
 """Exact causal core attention without Transformer Engine (CPU path), under context parallelism and for
 packed (THD) micro-batches.
 
-Megatron's load-balanced CP layout splits each sequence of length ``S`` into ``2 * cp`` chunks of
+Megatron's load-balanced CP chunk order splits each sequence of length ``S`` into ``2 * cp`` chunks of
 ``c = S / (2 cp)`` tokens; rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` (so causal work is even).
 Here every rank all-gathers K and V (``O(S)`` memory per rank: fine for CPU tests, not for long
 sequences — on GPU, TE's ring attention is used instead), puts the chunks back in sequence order,
@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_credit.batch.cp_layout import load_balanced_positions, merge_cp_shards, split_for_cp  # noqa: F401
-from megatron_credit.batch.packing import PackedLayout, host_cu_seqlens, rank_indices
+from megatron_credit.batch.cp_chunks import load_balanced_positions, merge_cp_shards, split_for_cp  # noqa: F401
+from megatron_credit.batch.packing import PackedIndex, host_cu_seqlens, rank_indices
 
 
 class _GatherLoadBalanced(torch.autograd.Function):
@@ -180,7 +180,7 @@ def _group_indices(cu: tuple[int, ...], cp: int, rank: int, device: torch.device
     last key, never visible: causal) and ``q_pos [g, L / cp]`` the queries' positions in their sequence (0 in
     padding slots)."""
     lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    layout = PackedLayout.build(lens, multiple=2 * cp if cp > 1 else 1, cp_size=cp, cp_rank=rank)
+    index = PackedIndex.build(lens, multiple=2 * cp if cp > 1 else 1, cp_size=cp, cp_rank=rank)
     local_start = [0]
     for n in lens:
         local_start.append(local_start[-1] + n // cp)
@@ -191,7 +191,7 @@ def _group_indices(cu: tuple[int, ...], cp: int, rank: int, device: torch.device
                              for k in group])
         valid = torch.stack([torch.arange(mq) < lens[k] // cp for k in group])
         k_idx = torch.stack([torch.arange(cu[k], cu[k] + bucket).clamp(max=cu[k + 1] - 1) for k in group])
-        q_pos = torch.where(valid, layout.positions[q_idx], 0)
+        q_pos = torch.where(valid, index.positions[q_idx], 0)
         dst, src = q_idx[valid], valid.flatten().nonzero().squeeze(1)
         out.append(tuple(x.to(device) for x in (q_idx, dst, src, k_idx, q_pos)))
     return out

@@ -13,7 +13,7 @@ Parallelism (the groups are captured from megatron ``parallel_state`` at build t
 
 - TP: each rank holds its query heads and their key groups; ``H`` all-reduces the head mean, the top-k
   all-gathers heads, so every TP rank holds the same result.
-- CP: megatron's load-balanced layout (rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``).
+- CP: megatron's load-balanced chunk order (rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``).
   K is all-gathered over the CP group into sequence order (``[S, b, ng, d]``: one layer's keys), each
   rank scores its own queries at their global positions, and the small results are summed into global
   order (each position is written by exactly one rank), so every CP rank holds the same result.
@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatron_credit.batch.cp_layout import load_balanced_positions, merge_cp_shards
+from megatron_credit.batch.cp_chunks import load_balanced_positions, merge_cp_shards
 from megatron_credit.models.concentration import attention_statistics
 
 __all__ = ["FinalAttentionCapture", "capturing_core_attention", "final_layer_spec", "decoder_block_spec",
@@ -148,13 +148,13 @@ class FinalAttentionCapture:
         that sequence on, against that sequence's keys only (gathered over CP into stream order). ``result``
         holds whole rows from position 0, one per sequence: ``H [n, P]`` (0 before ``query_start``), ...,
         with ``P`` the longest sequence's padded length."""
-        from megatron_credit.batch.packing import PackedLayout, host_cu_seqlens, rank_indices
+        from megatron_credit.batch.packing import PackedIndex, host_cu_seqlens, rank_indices
 
         cu = host_cu_seqlens(params)
         lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         cp = _size(self.cp_group)
         rank = dist.get_rank(self.cp_group) if cp > 1 else 0
-        layout = PackedLayout.build(lens, multiple=2 * cp if cp > 1 else 1, cp_size=cp, cp_rank=rank)
+        index = PackedIndex.build(lens, multiple=2 * cp if cp > 1 else 1, cp_size=cp, cp_rank=rank)
         if cp > 1:  # every sequence's keys, in stream order
             parts = [torch.empty_like(key) for _ in range(cp)]
             dist.all_gather(parts, key.contiguous(), group=self.cp_group)
@@ -172,7 +172,7 @@ class FinalAttentionCapture:
                 out[name] = values.new_zeros((len(lens), width, *values.shape[2:]))
             out[name][seqs[:, None], cols[None, :]] = values
 
-        # Sequences of one length have the same local positions (PackedLayout: they depend on the length
+        # Sequences of one length have the same local positions (PackedIndex: they depend on the length
         # alone), so their queries and keys are stacked into one call, [g, np, m, d] and [g, ng, L, d]: each
         # sequence's statistics are those of a call of its own bit for bit (tests/models/test_concentration.py),
         # in a handful of kernels instead of a handful per sequence.
@@ -184,7 +184,7 @@ class FinalAttentionCapture:
             by_length.setdefault(length, []).append(k)
         for length, seqs in by_length.items():  # the same groups on every TP rank: the TP collectives match
             n_local = length // cp
-            pos = layout.positions[local0[seqs[0]]:local0[seqs[0]] + n_local]  # on the host: no device read
+            pos = index.positions[local0[seqs[0]]:local0[seqs[0]] + n_local]  # on the host: no device read
             mine = torch.nonzero(pos >= self.query_start).flatten()
             if not len(mine):
                 continue

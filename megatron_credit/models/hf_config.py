@@ -85,7 +85,7 @@ def _biases(hf_config) -> tuple[bool, bool]:
 
 
 def _check_heads(hf_config, heads: int, kv_heads: int) -> None:
-    """The model's own head layout, named by its fields (megatron would name a tensor instead)."""
+    """The model's own head shapes, named by its fields (megatron would name a tensor instead)."""
     if heads < 1 or kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"model.architecture: num_key_value_heads={kv_heads} must divide "
                          f"num_attention_heads={heads} (both >= 1)")

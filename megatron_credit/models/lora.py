@@ -139,7 +139,7 @@ def _contiguous_grad(linear, inputs, output):
     ``grad_output.matmul(weight)`` on the gradient as it arrives, unlike a trained linear's backward, which
     views it as a matrix first. ``matmul`` folds ``[s, b, h]`` into one ``[s * b, h]`` product only when the
     strides are row-major; a micro-batch of one sequence (``b = 1``) often reaches it with the stride of the
-    ``[b, s]`` layout it was transposed from, and ``matmul`` then copies the weight once per position into a
+    ``[b, s]`` dim order it was transposed from, and ``matmul`` then copies the weight once per position into a
     batched product (on CPU: a LoRA update of SmolLM2-135M took 6x a full fine-tuning one)."""
     if isinstance(output, tuple):
         return (_ContiguousGrad.apply(output[0]), *output[1:])

@@ -12,7 +12,7 @@ by DP) and estimates the peak memory of one GPU, term by term:
 * **gradients** in fp32 (megatron's main gradients, 4 bytes per parameter);
 * **optimizer states**: fp32 master weights (when the parameters are not fp32) and Adam's two moments,
   divided over DP x CP with the distributed optimizer (``cluster.distributed_optimizer``), the routed
-  experts' over the expert data-parallel group ``world / (ETP x EP x PP)``. Both numbers are printed. This is megatron's mixed-precision layout; the trainer's CPU path (``torch.optim.AdamW``
+  experts' over the expert data-parallel group ``world / (ETP x EP x PP)``. Both numbers are printed. This is megatron's mixed-precision scheme; the trainer's CPU path (``torch.optim.AdamW``
   on the parameters' own dtype, README "Not yet in the trainer") uses less, so the plan is conservative;
 * **activations** of the longest micro-batch (:func:`activation_bytes`): one micro-batch holds
   ``max(train.max_tokens_per_microbatch, prompt + response)`` tokens, split over CP; under 1F1B the first
@@ -260,7 +260,7 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
         "reserve": RESERVED_BYTES,
     }
     gpu_bytes = GPUS[gpu]
-    engines, rtp = _rollout_layout(recipe, nodes=nodes, gpus_per_node=gpus_per_node, problems=problems)
+    engines, rtp = _rollout_engines(recipe, nodes=nodes, gpus_per_node=gpus_per_node, problems=problems)
     contexts, contexts_note = _cuda_contexts(recipe)
     terms["cuda_contexts"] = contexts * CUDA_CONTEXT_BYTES
     engine, kv_tokens, engine_note = _rollout_share(recipe, a, gpu_bytes=gpu_bytes, dtype_bytes=wb, engines=engines,
@@ -276,7 +276,7 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
                         "tensor_parallel_size)")
     resident = sum(terms[k] for k in RESIDENT)
     offload = sum(terms[k] for k in OFFLOADED)
-    layout_note = "packed" if recipe.packing else "padded" + (", under PP to the largest shape: may exceed" if pp > 1 else "")
+    form_note = "packed" if recipe.packing else "padded" + (", under PP to the largest shape: may exceed" if pp > 1 else "")
     notes = {
         "weights": f"{params / 1e6:,.1f}M params on the largest stage x {wb} B ({dtype})"
                    + (f", {expert_params / 1e6:,.1f}M of them experts ({a.num_experts // ep} of {a.num_experts} "
@@ -291,7 +291,7 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
                    "actor's)") if separate_critic else f"{critic_params:,} params" if critic_params else "none",
         "reference": "frozen copy (algorithm.kl_coef > 0)" if terms["reference"] else
                      "none: the adapters off (LoRA)" if lora.enabled and recipe.algorithm.kl_coef > 0 else "none (no KL term)",
-        "activations": f"{local_tokens:,} tokens/GPU (micro-batch {micro_tokens:,} / CP {cp}, {layout_note}), "
+        "activations": f"{local_tokens:,} tokens/GPU (micro-batch {micro_tokens:,} / CP {cp}, {form_note}), "
                        f"recompute {t.recompute or 'none'}{', fp32 scores (local attention)' if local_attn else ''}"
                        + (f", MoE: top-{a.top_k} x {a.expert_ffn} per token, all-to-all dispatch, "
                           f"{expert_module(grouped_gemm=recipe.moe.grouped_gemm, transformer_impl=recipe.model.transformer_impl)}"
@@ -315,7 +315,7 @@ def plan(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
                 pool_ranks=r.ranks)
 
 
-def _rollout_layout(recipe, *, nodes: int, gpus_per_node: int, problems: list) -> tuple[int, int]:
+def _rollout_engines(recipe, *, nodes: int, gpus_per_node: int, problems: list) -> tuple[int, int]:
     """(engines, rollout TP): every GPU generates, an engine on each contiguous group of rollout-TP GPUs
     of a node (``rollout.placement``). Appends to ``problems`` a rollout TP that splits a node (the
     recipe's own checks name one that does not divide the world)."""

@@ -165,7 +165,7 @@ def check_output(run_dir: str, *, checkpoint_bytes: int, keep: int) -> Check:
     """The run folder: writable (a file is created and removed in it, or in the nearest folder above it
     that exists), with room on its file system for the checkpoints the run keeps at its fullest: ``keep``
     of ``checkpoint_bytes`` each and the one being written, less those a resumed run already holds."""
-    from megatron_credit.run_layout import complete_checkpoints
+    from megatron_credit.run_dir import complete_checkpoints
 
     held = min(len(complete_checkpoints(run_dir)), keep)
     need_bytes = (keep + 1 - held) * checkpoint_bytes

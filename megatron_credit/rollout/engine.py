@@ -65,7 +65,7 @@ def build_trainer_engine(rollout, model, *, seed: int, hf_config, device, gpus: 
     ``rollout.engine_options``), built by the engine's ``from_config`` for the recipe's ``model`` section
     (the actor's dtype, path, context / RoPE overrides) and ``hf_config``; ``seed``: the run's;
     ``device``: this rank's (``distributed.initialize``'s), where an in-process engine runs; ``gpus``: the
-    local device indices the engine owns, ``device``'s first (``rollout.placement.EngineLayout.gpus``)."""
+    local device indices the engine owns, ``device``'s first (``rollout.placement.EnginePlacement.gpus``)."""
     import megatron_credit.rollout  # noqa: F401  (registers the built-in engines)
 
     return ROLLOUT_ENGINES.get(rollout.engine).from_config(rollout, model, seed=seed, hf_config=hf_config,

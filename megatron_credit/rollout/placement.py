@@ -15,8 +15,8 @@ sample's index (:func:`megatron_credit.rollout.sampling.row_seed`): never on a r
 so 1, 2 or 4 engines sample the same responses, and a resumed or resharded run samples what the
 uninterrupted run would have.
 
->>> layout = EngineLayout(world_size=8, local_world_size=4, rollout_tp=2)
->>> layout.num_engines, layout.engine_of(5), layout.leader(2), layout.gpus(rank=5, local_rank=1)
+>>> placement = EnginePlacement(world_size=8, local_world_size=4, rollout_tp=2)
+>>> placement.num_engines, placement.engine_of(5), placement.leader(2), placement.gpus(rank=5, local_rank=1)
 (4, 2, 4, (0, 1))
 >>> [list(r) for r in split(5, 2)]
 [[0, 1], [2, 3, 4]]
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class EngineLayout:
+class EnginePlacement:
     """The engines of a job of ``world_size`` ranks, ``local_world_size`` per node, ``rollout_tp`` GPUs per
     engine. Raises ValueError when ``rollout_tp`` does not divide the ranks of a node."""
 

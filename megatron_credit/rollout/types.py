@@ -202,7 +202,7 @@ class PaddedRollout:
     routed_experts: RaggedRouting | None = None
     """Each row's routed experts, not padded: the samples' own ``[num_tokens, layers, top_k]`` int16 tensors
     (:attr:`RolloutSample.routed_experts`; a row without any holds None), which each micro-batch gathers
-    into its padded or packed layout (``batch/ragged.py``); None when no sample carries them."""
+    into its padded or packed form (``batch/ragged.py``); None when no sample carries them."""
     obs_mask: torch.Tensor | None = None
     """[B, T] bool: True on the environment's tokens inside a multi-turn trajectory (observations; never in
     ``response_mask``); None when no sample is multi-turn."""

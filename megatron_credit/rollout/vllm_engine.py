@@ -420,7 +420,7 @@ class VLLMRolloutEngine:
         self._check_alive()
         try:
             from vllm.v1.engine.exceptions import EngineDeadError
-        except ImportError:  # pragma: no cover - other vLLM layouts
+        except ImportError:  # pragma: no cover - other vLLM versions
             EngineDeadError = ()  # noqa: N806
         try:
             return fn()

@@ -206,7 +206,7 @@ def engine_visible_devices(gpus: Sequence[int], environ: Mapping[str, str]) -> s
 
 
 def rope_from_config_dict(config: Mapping[str, Any]) -> tuple[float, Optional[dict[str, Any]]]:
-    """``(rope_theta, rope_scaling or None)`` of a ``config.json`` in transformers 4 or 5 layout.
+    """``(rope_theta, rope_scaling or None)`` of a ``config.json`` in transformers 4 or 5 format.
 
     4.x writes ``rope_theta`` and ``rope_scaling``; 5.x writes one ``rope_parameters`` dict holding
     ``rope_theta``, ``rope_type`` and the scaling fields. A plain RoPE ("default") has no scaling.
@@ -424,7 +424,7 @@ def start_llm(vllm, start_env: Mapping[str, str | None], /, **llm_kwargs):
 
 def engine_core_processes(llm) -> list:
     """The engine-core processes of ``llm``'s multiprocess engine (vLLM's ``CoreEngineProcManager``), or []
-    (an in-process engine, or another vLLM layout)."""
+    (an in-process engine, or another vLLM version's internals)."""
     client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     manager = getattr(getattr(client, "resources", None), "engine_manager", None)
     return list(getattr(manager, "processes", None) or [])

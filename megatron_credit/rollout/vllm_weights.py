@@ -3,7 +3,7 @@ parameter names and shapes (:func:`hf_param_table`) and the check of each bucket
 (:func:`check_bucket`). Pure functions over a ``transformers`` config (meta device) and tensors; no vLLM.
 
 The names are the checkpoint's, the trainer's (``conversion.live.iter_hf_weight_buckets``) and what vLLM's
-``load_weights`` takes, whatever layout transformers or vLLM hold the weights in: vLLM fuses q/k/v and
+``load_weights`` takes, however transformers or vLLM store the weights: vLLM fuses q/k/v and
 gate/up, and a mixture of experts' ``FusedMoE`` stacks a layer's experts (``w13_weight`` [E, 2I, H],
 ``w2_weight`` [E, H, I]) and maps per-expert names into them (its ``load_weights`` expert mapping);
 transformers 5 stacks them too (``mlp.experts.gate_up_proj``), and the table names them one by one.

@@ -7,7 +7,7 @@ GPU workers when the engine is built with
 reaches its methods with ``LLM.collective_rpc(name, args=...)``, which runs them on every worker of the
 engine's tensor-parallel group. Each worker receives the full HF-named tensors of a bucket and hands them
 to vLLM's own ``model.load_weights``, whose per-parameter weight loaders cut the tensor-parallel shards
-and fuse q/k/v and gate/up -- so the actor never needs to know vLLM's layout.
+and fuse q/k/v and gate/up -- so the actor never needs to know vLLM's weight names and shapes.
 
 How a bucket reaches the workers (see ``megatron_credit.rollout.vllm_engine`` for when each applies):
 
@@ -205,8 +205,8 @@ def moe_kernels_rebuilt(model: torch.nn.Module) -> Iterator[None]:
     vLLM 0.32's unquantized MoE method (``fused_moe/unquantized_fused_moe_method.py`` ``_setup_kernel``)
     treats a layer whose kernel exists (``quant_method.moe_kernel``) as a weight update: it copies the
     loaded ``w13_weight`` / ``w2_weight`` into place and skips ``fused_experts.process_weights_after_loading``,
-    which on the CPU (``experts/cpu_moe.py``) is what prepacks them into the grouped GEMM's layout. Reloaded
-    experts would then be read in the wrong layout (log-probs far off). Inside this block every MoE
+    which on the CPU (``experts/cpu_moe.py``) is what prepacks them into the grouped GEMM's format. Reloaded
+    experts would then be read in the wrong format (log-probs far off). Inside this block every MoE
     layer's kernel is unset, so a layer that ``reload_weights`` processes builds its kernel and packs its
     weights as at start-up; a layer it does not touch gets its kernel back afterwards.
     """

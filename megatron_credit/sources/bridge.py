@@ -52,13 +52,13 @@ GONE_S = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
-class PoolLayout:
+class PoolRanks:
     """Who is who in a launch of ``world`` ranks whose last ``pool`` ranks are the rollout pool.
 
-    >>> lay = PoolLayout(world=6, pool=4, rollout_tp=2)
-    >>> lay.trainer_world, lay.engines, [lay.leader(e) for e in range(2)], [lay.sender(e) for e in range(2)]
+    >>> ranks = PoolRanks(world=6, pool=4, rollout_tp=2)
+    >>> ranks.trainer_world, ranks.engines, [ranks.leader(e) for e in range(2)], [ranks.sender(e) for e in range(2)]
     (2, 2, [2, 4], [0, 1])
-    >>> lay.engine_of(5), lay.engine_of(4)
+    >>> ranks.engine_of(5), ranks.engine_of(4)
     (1, 1)
     """
 
@@ -116,24 +116,24 @@ class Bridge:
         trainer's silence timeout (``rollout.wait_timeout_s``), which shortens :attr:`life_s`."""
         self.job, self.rank = job, job.rank
         self.wait_timeout_s = wait_timeout_s
-        self.layout = PoolLayout(world=job.world_size, pool=job.pool_ranks, rollout_tp=rollout_tp)
+        self.ranks = PoolRanks(world=job.world_size, pool=job.pool_ranks, rollout_tp=rollout_tp)
         self.store = dist.PrefixStore("mc", job.store)
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        lay = self.layout
-        self.samples = dist.ProcessGroupGloo(dist.PrefixStore("samples", job.store), self.rank, lay.world,
+        ranks = self.ranks
+        self.samples = dist.ProcessGroupGloo(dist.PrefixStore("samples", job.store), self.rank, ranks.world,
                                              self.timeout)
-        self.is_trainer = self.rank < lay.trainer_world
-        self.engine = None if self.is_trainer else lay.engine_of(self.rank)
-        self.is_leader = not self.is_trainer and lay.leader(self.engine) == self.rank
+        self.is_trainer = self.rank < ranks.trainer_world
+        self.engine = None if self.is_trainer else ranks.engine_of(self.rank)
+        self.is_leader = not self.is_trainer and ranks.leader(self.engine) == self.rank
         self.weights: dict[int, Any] = {}  # engine -> its 2-rank weights group (this rank: sender or leader)
-        for e in range(lay.engines):
-            if self.rank in (lay.sender(e), lay.leader(e)):
-                self.weights[e] = self._group(f"weights/{e}", 0 if self.rank == lay.sender(e) else 1, 2,
+        for e in range(ranks.engines):
+            if self.rank in (ranks.sender(e), ranks.leader(e)):
+                self.weights[e] = self._group(f"weights/{e}", 0 if self.rank == ranks.sender(e) else 1, 2,
                                               nccl=device.type == "cuda")
-        leaders = [lay.leader(e) for e in range(lay.engines)]
+        leaders = [ranks.leader(e) for e in range(ranks.engines)]
         self.pool = (self._group("pool", leaders.index(self.rank), len(leaders), nccl=False)
-                     if self.is_leader and lay.engines > 1 else None)
+                     if self.is_leader and ranks.engines > 1 else None)
         self.transfers = 0  # weight versions sent (trainer) / received (engine leader): the store keys' index
         # an engine leader's received versions, in host memory pinned on a GPU (sources/staging.py)
         self.ring = StagingRing(pin=device.type == "cuda") if self.is_leader else None
@@ -203,12 +203,12 @@ class Bridge:
         """What pool rank ``rank`` is, for a line naming it.
 
         >>> b = Bridge.__new__(Bridge)
-        >>> b.layout = PoolLayout(world=6, pool=4, rollout_tp=2)
+        >>> b.ranks = PoolRanks(world=6, pool=4, rollout_tp=2)
         >>> b.role(4), b.role(5)
         ("engine 1's leader", 'a worker of engine 1')
         """
-        e = self.layout.engine_of(rank)
-        return f"engine {e}'s leader" if self.layout.leader(e) == rank else f"a worker of engine {e}"
+        e = self.ranks.engine_of(rank)
+        return f"engine {e}'s leader" if self.ranks.leader(e) == rank else f"a worker of engine {e}"
 
     def gone_line(self, rank: int, what: str, seconds: Optional[float] = None) -> str:
         """The line naming pool rank ``rank``, which recorded no life for ``seconds`` (default :attr:`life_s`)."""
@@ -257,12 +257,12 @@ class Bridge:
             head = torch.tensor([m.numel(), flat.numel()], dtype=torch.int64, device=self.device)
             for e in mine:
                 for t in (head, m, flat):
-                    self._watch(_bcast(self.weights[e], t, 0, wait=False), self.layout.leader(e),
+                    self._watch(_bcast(self.weights[e], t, 0, wait=False), self.ranks.leader(e),
                                 f"sending version {version}'s weights")
             sent += flat.numel() * len(mine)
         end = torch.zeros(2, dtype=torch.int64, device=self.device)
         for e in mine:
-            self._watch(_bcast(self.weights[e], end, 0, wait=False), self.layout.leader(e),
+            self._watch(_bcast(self.weights[e], end, 0, wait=False), self.ranks.leader(e),
                         f"sending version {version}'s weights")
         return sent
 
@@ -378,8 +378,8 @@ class Bridge:
         from megatron_credit.rollout.wire import decode
 
         got, nbytes = [], 0
-        for e in range(self.layout.engines):
-            src = self.layout.leader(e)
+        for e in range(self.ranks.engines):
+            src = self.ranks.leader(e)
             size = torch.empty(1, dtype=torch.int64)
             what = f"receiving iteration {step}'s samples"
             self._watch(_Waited(self.samples.recv([size], src, 2 * step)), src, what)
@@ -404,7 +404,7 @@ class Bridge:
         :data:`GONE_S` s, or no engine recorded progress for ``silence_s`` s (``what``: what waited). Trainer
         rank 0 watches the beats and puts what it found under ``stopped`` for the others (so the store
         serves a few reads per rank and poll, not every beat for every trainer rank)."""
-        lay = self.layout
+        ranks = self.ranks
         progress, last_progress = None, time.monotonic()
         while True:
             if self.store.check(["error"]):
@@ -415,7 +415,7 @@ class Bridge:
             if value is not None:
                 return value
             if self.rank == 0:
-                beats = [self.count(f"hb/{e}") for e in range(lay.engines)]
+                beats = [self.count(f"hb/{e}") for e in range(ranks.engines)]
                 if beats != progress:
                     progress, last_progress = beats, time.monotonic()
                 line = self._silent(what, spawned, time.monotonic() - last_progress, silence_s)
@@ -426,16 +426,17 @@ class Bridge:
 
     def _silent(self, what: str, spawned, quiet_s: float, silence_s: float) -> Optional[str]:
         """Trainer rank 0: why the wait should end (one line), or None."""
-        lay = self.layout
-        for r, proc in enumerate(spawned or (), start=lay.trainer_world):
+        ranks = self.ranks
+        for r, proc in enumerate(spawned or (), start=ranks.trainer_world):
             if proc.poll() is not None:
                 return f"rollout pool rank {r} exited (code {proc.returncode}) while {what}"
-        for r in range(lay.trainer_world, lay.world):
+        for r in range(ranks.trainer_world, ranks.world):
             if self.gone(r, self.life_s):
                 return self.gone_line(r, what)
         if quiet_s > silence_s:
             now = time.monotonic()  # a silent pool with a rank whose life beats stopped too: that rank is named
-            lifeless = {r: now - self._life[r][1] for r in range(lay.trainer_world, lay.world) if self._life.get(r, (0,))[0]}
+            lifeless = {r: now - self._life[r][1] for r in range(ranks.trainer_world, ranks.world)
+                        if self._life.get(r, (0,))[0]}
             stalled = [r for r, age in lifeless.items() if age > 2 * ALIVE_S]
             if stalled:
                 return self.gone_line(stalled[0], what, seconds=lifeless[stalled[0]])

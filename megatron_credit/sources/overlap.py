@@ -150,7 +150,7 @@ class OverlapSource(RolloutSourceBase):
         self.pushed = version
         seconds = time.perf_counter() - t0
         self.last_sync = {"sync/bytes": float(sum(sizes)), "sync/seconds": seconds,
-                          "transfer/weight_bytes": float(sum(sizes) * self.bridge.layout.engines),
+                          "transfer/weight_bytes": float(sum(sizes) * self.bridge.ranks.engines),
                           "time/weight_sync_s": seconds}
 
     def _wait(self, key: str, what: str):
@@ -194,7 +194,7 @@ class OverlapSource(RolloutSourceBase):
         mine = [v for k, v in enumerate(versions) if dp_rank_of_group(k, groups=count, dp_size=self.dp_size) == self.dp_rank]
         self.prompts.load_state_dict(info["cursor"])  # what a checkpoint of this iteration resumes from
         batch, metrics = self._assemble(rows, mine, iteration, draws=info["draws"], kept=info["kept"],
-                                        wall=info["gen_s"], engines=self.bridge.layout.engines,
+                                        wall=info["gen_s"], engines=self.bridge.ranks.engines,
                                         partial=info["partial"],
                                         verifier_sums=info["verifier"] if self.rank == 0 else {})
         gen = max(info["gen_s"], 1e-9)

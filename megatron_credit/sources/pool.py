@@ -1,7 +1,7 @@
 """A rollout pool rank (``rollout.ranks: N``; ``rollout.mode: one_step_off | async``): what the last ``N``
 ranks of a launch run instead of the trainer (``pretrain_rl.py`` sends them here).
 
-Engine ``e``'s leader (``bridge.PoolLayout``) builds the recipe's engine on its devices, the prompt stream,
+Engine ``e``'s leader (``bridge.PoolRanks``) builds the recipe's engine on its devices, the prompt stream,
 the validation prompts and the verifier workers; the engine's other ranks only wait for the end. The leader's
 receiving thread takes each version the trainer sends over the engine's weights group and stages it in the
 bridge's ring of host chunks (``sources/staging.py``: at most one staged version, which a newer one
@@ -117,7 +117,7 @@ class PoolEngine:
 
         r = recipe.rollout
         self.recipe, self.rollout, self.bridge, self.parent = recipe, r, bridge, parent
-        self.e, self.engines = bridge.engine, bridge.layout.engines
+        self.e, self.engines = bridge.engine, bridge.ranks.engines
         self.split = lambda count: split(count, self.engines)[self.e]
         self.bound = r.staleness_bound
         self.interruptible = r.mode_facts().interruptible

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_credit.batch.train_batch import TrainBatch
 from megatron_credit.recipe import rollout_modes as modes
-from megatron_credit.rollout.placement import EngineLayout, draw_seed, split
+from megatron_credit.rollout.placement import EnginePlacement, draw_seed, split
 from megatron_credit.rollout.types import SamplingParams
 from megatron_credit.sources.base import (ROLLOUT_SOURCES, Offload, SourceInputs, Weights, build_verifier_workers,
                                           check_full, counted, draw_share, draw_until_full, sampling_params)
@@ -47,8 +47,8 @@ class SyncSource(RolloutSourceBase, modes.Sync):
         from megatron_credit.rollout.engine import build_trainer_engine
 
         recipe, r = inputs.recipe, inputs.recipe.rollout
-        engines = EngineLayout(world_size=dist.get_world_size(), local_world_size=inputs.node_ranks,
-                               rollout_tp=r.tensor_parallel_size)
+        engines = EnginePlacement(world_size=dist.get_world_size(), local_world_size=inputs.node_ranks,
+                                  rollout_tp=r.tensor_parallel_size)
         from megatron_credit.rollout.multi_turn import build_episode_engine
 
         def engine(gpus):  # multi-turn (env.name): the engine plays episodes in the recipe's environment
@@ -58,20 +58,20 @@ class SyncSource(RolloutSourceBase, modes.Sync):
         return cls(rollout=r, reward=recipe.reward, engine_factory=engine, seed=recipe.seed,
                    max_draws=recipe.algorithm.max_draws, dynamic_sampling=recipe.algorithm.dynamic_sampling,
                    val_samples=recipe.train.val_samples, tokenizer=inputs.tokenizer, prompts=inputs.prompts,
-                   val_prompts=inputs.val_prompts, device=inputs.device, dp_group=inputs.dp_group, layout=engines,
+                   val_prompts=inputs.val_prompts, device=inputs.device, dp_group=inputs.dp_group, placement=engines,
                    local_rank=inputs.local_rank, dp_of_rank=inputs.dp_of_rank, offload=inputs.offload,
                    group_timeout_s=recipe.distributed.timeout_s, log=inputs.log)
 
     # -- a run's source -----------------------------------------------------------------------------
     def __init__(self, *, rollout: RolloutConfig, reward: RewardConfig, engine_factory: Callable[..., Any],
                  seed: int, max_draws: int, dynamic_sampling: bool, val_samples: int, tokenizer, prompts,
-                 val_prompts, device, dp_group, layout: EngineLayout, local_rank: int, dp_of_rank: list[int],
+                 val_prompts, device, dp_group, placement: EnginePlacement, local_rank: int, dp_of_rank: list[int],
                  offload: Offload, group_timeout_s: float, log=print):
         """The recipe's ``rollout`` and ``reward`` sections; ``engine_factory(gpus=...)`` builds the rollout
         engine (on engine leaders only: ``rollout.engine.build_trainer_engine``); ``seed`` (the run's),
         ``max_draws`` and ``dynamic_sampling`` (``algorithm.*``: DAPO's dynamic sampling), ``val_samples``
         (``train.val_samples``: k of the validation's Avg@k); ``device`` and ``dp_group``: this rank's;
-        ``layout``: the engines; ``local_rank``: this rank's device index on its node; ``dp_of_rank``: the
+        ``placement``: the engines; ``local_rank``: this rank's device index on its node; ``dp_of_rank``: the
         data-parallel rank of every global rank; ``offload``: what the trainer gives up while engines
         generate; ``group_timeout_s``: the timeout of the engines' own process groups
         (``distributed.timeout_s``)."""
@@ -79,14 +79,14 @@ class SyncSource(RolloutSourceBase, modes.Sync):
         self.seed, self.max_draws, self.dynamic_sampling, self.val_samples = seed, max_draws, dynamic_sampling, val_samples
         self.tokenizer, self.prompts, self.val_prompts = tokenizer, prompts, val_prompts
         self.device, self.dp_group = device, dp_group
-        self.layout, self.offload, self.log = layout, offload, log
+        self.placement, self.offload, self.log = placement, offload, log
         self.rank = dist.get_rank()
         self.dp_of_rank = list(dp_of_rank)
         self.dp_rank, self.dp_size = self.dp_of_rank[self.rank], max(self.dp_of_rank) + 1
-        self.engine_index = layout.engine_of(self.rank)
+        self.engine_index = placement.engine_of(self.rank)
         self.engine = self.verifier_workers = None
-        if layout.is_leader(self.rank):
-            self.engine = engine_factory(gpus=layout.gpus(rank=self.rank, local_rank=local_rank))
+        if placement.is_leader(self.rank):
+            self.engine = engine_factory(gpus=placement.gpus(rank=self.rank, local_rank=local_rank))
             self.verifier_workers = build_verifier_workers(reward)
         self.stop_ids = tuple(i for i in (getattr(tokenizer, "eos_token_id", None),) if i is not None)
         self.last_sync: dict[str, float] = {}
@@ -112,9 +112,9 @@ class SyncSource(RolloutSourceBase, modes.Sync):
             return None
         stage = ROLLOUT_ENGINES.get(self.rollout.engine).stage_peer_bucket
         mine = None
-        for e in range(self.layout.num_engines):
-            leader = self.layout.leader(e)
-            group = dist.new_group(list(range(leader, leader + self.layout.rollout_tp)),
+        for e in range(self.placement.num_engines):
+            leader = self.placement.leader(e)
+            group = dist.new_group(list(range(leader, leader + self.placement.rollout_tp)),
                                    timeout=datetime.timedelta(seconds=timeout_s))
             if e == self.engine_index and wants[leader]:
                 mine = PeerBuckets(group, leader, stage)
@@ -172,7 +172,7 @@ class SyncSource(RolloutSourceBase, modes.Sync):
         """This engine's slice of ``count`` prompts (empty on ranks that lead no engine)."""
         if self.engine is None:
             return range(0)
-        return split(count, self.layout.num_engines)[self.engine_index]
+        return split(count, self.placement.num_engines)[self.engine_index]
 
     def _draw(self, iteration: int, draw: int, held: dict, verifier_sums: dict) -> list[tuple[int, int]]:
         """One draw of ``prompts_per_step`` prompts over all engines; this engine's groups go to ``held``
@@ -209,7 +209,7 @@ class SyncSource(RolloutSourceBase, modes.Sync):
         check_full(len(kept), count=count, max_draws=self.max_draws)
         rows = self._route(kept[:count], held)
         batch, metrics = self._assemble(rows, [weights.version] * len(rows), iteration, draws=draws, kept=len(kept),
-                                        wall=wall, engines=self.layout.num_engines, verifier_sums=verifier_sums)
+                                        wall=wall, engines=self.placement.num_engines, verifier_sums=verifier_sums)
         metrics.update({"time/rollout_wait_s": time.perf_counter() - t_wait, "time/rollout_hidden_frac": 0.0})
         return batch, metrics
 

@@ -414,7 +414,7 @@ class Actor(OptimizerStep, ActorWeights):
         cp = self.cp_group if self.cp_size > 1 else None
         names = self.capture.critic_inputs if self.capture is not None else ()
         if aux:
-            cut = (lambda x: mb.layout.pack(x)) if mb.packed else \
+            cut = (lambda x: mb.packing.pack(x)) if mb.packed else \
                 (lambda x: split_for_cp(x, cp_size=self.cp_size, cp_rank=self.cp_rank))
             local = {k: cut(aux[k]) for k in names if k in aux}
         elif names and all(k in mb.tensors for k in names):
@@ -423,7 +423,7 @@ class Actor(OptimizerStep, ActorWeights):
             return None
         layers = [x.transpose(0, 1) for x in self._layer_outputs] + [h.detach()]
         if mb.packed:  # one sequence per row (its top-K keys are positions in its own sequence)
-            rows = mb.layout
+            rows = mb.packing
             values = head([mb.rows_view(x) for x in layers], rows.whole_rows(h.detach(), cp_group=cp),
                           **{k: mb.rows_view(v) for k, v in local.items()})
             return rows.from_rows(values).float()

@@ -1,7 +1,7 @@
 """Checkpoints of a run: model and optimizer as a megatron distributed checkpoint (reshardable), plus
 every rank's RNG states and data position, written atomically.
 
-Layout of ``<run>/checkpoints/iter_0000012/``:
+The files of ``<run>/checkpoints/iter_0000012/``:
 
 - ``model_optim/``: megatron ``torch_dist`` checkpoint of the model's sharded state dict and the AdamW
   moments sharded exactly like their parameters (megatron's ``optim_state_to_sharding_state``), so a run
@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_credit.distributed import rng_state, set_rng_state  # noqa: F401  (the rank files' RNG states)
-from megatron_credit.run_layout import (_DIR, CRITIC_OPTIM, MODEL_OPTIM, checkpoint_dir,  # noqa: F401
-                                        complete_checkpoints)
+from megatron_credit.run_dir import (_DIR, CRITIC_OPTIM, MODEL_OPTIM, checkpoint_dir,  # noqa: F401
+                                     complete_checkpoints)
 
 
 def reference_extras(actor) -> dict[str, Any]:

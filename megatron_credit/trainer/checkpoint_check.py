@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 from megatron_credit.conversion.hf_io import CheckpointFormatError, read_json
 
-from megatron_credit.run_layout import CRITIC_OPTIM, MODEL_OPTIM, complete_checkpoints
+from megatron_credit.run_dir import CRITIC_OPTIM, MODEL_OPTIM, complete_checkpoints
 
 
 def read_meta(path: str | os.PathLike) -> dict[str, Any]:

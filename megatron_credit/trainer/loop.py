@@ -38,9 +38,9 @@ def seq_multiple(parallel) -> int:
                              parallel.sequence_parallel)
 
 
-def _ranks_layout(dp_rank: int, local_rank: int | None = None) -> tuple[list[int], int, int]:
+def _dp_ranks_and_node(dp_rank: int, local_rank: int | None = None) -> tuple[list[int], int, int]:
     """(the data-parallel rank of every rank, this rank's local rank, the ranks of its node): gathered once,
-    for the engine layout (``rollout.placement``) and the routing of samples. ``local_rank``: the launcher's
+    for the engine placement (``rollout.placement``) and the routing of samples. ``local_rank``: the launcher's
     (``LOCAL_RANK``, the device ``distributed.initialize`` took), read at the entry point; without it, the
     rank's place among the ranks of its host (torchrun numbers ranks node by node)."""
     import socket
@@ -157,7 +157,7 @@ def build(recipe, hf_config, *, run_dir: str, device: torch.device, resume: str,
                   **algorithm.actor_options(hf_config, dtype=recipe.model.torch_dtype(),
                                             pp_size=recipe.parallel.pipeline_model_parallel_size))
     critic = build_separate_critic(hf_config, algorithm, device=device, **settings)
-    dp_of_rank, local_rank, node_ranks = _ranks_layout(data_parallel_rank(), local_rank)
+    dp_of_rank, local_rank, node_ranks = _dp_ranks_and_node(data_parallel_rank(), local_rank)
     r = recipe.rollout
     rollouts = ROLLOUT_SOURCES.get(r.mode).build(SourceInputs(
         recipe=recipe, hf_config=hf_config, tokenizer=tokenizer, prompts=prompts, val_prompts=val_prompts,

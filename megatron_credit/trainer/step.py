@@ -18,7 +18,7 @@ from megatron_credit.batch.microbatch import plan_minibatches
 from megatron_credit.losses.importance import truncated_is_weights
 from megatron_credit.losses.kl import KL_ESTIMATORS
 from megatron_credit.rollout.mismatch import logprob_mismatch
-from megatron_credit.batch.rows import MicroBatchLayout, RowCopies
+from megatron_credit.batch.rows import MicroBatchCut, RowCopies
 from megatron_credit.batch.train_batch import POSITION_FIELDS, TOKEN_FIELDS, TrainBatch, step_denominators
 from megatron_credit.metrics.tables import CORE
 from megatron_credit.metrics.sums import StatSums, loss_statistics
@@ -139,12 +139,12 @@ def plan_microbatches(ctx: Context, batch: TrainBatch) -> list[list[list[int]]]:
                             pad_to_multiple_of=ctx.seq_multiple)
 
 
-def microbatch_layout(ctx: Context) -> MicroBatchLayout:
+def microbatch_cut(ctx: Context) -> MicroBatchCut:
     """How this actor's forward reads a mini-batch's rows (``batch/rows.py``): packed streams or padded rows,
     aligned to ``ctx.seq_multiple``, this CP rank's share, one shape under PP."""
     a = ctx.actor
-    return MicroBatchLayout(packed=a.packed_sequences, multiple=ctx.seq_multiple, pad_id=ctx.pad_id, device=a.device,
-                            cp_size=a.cp_size, cp_rank=a.cp_rank, one_shape=a.pp_size > 1)
+    return MicroBatchCut(packed=a.packed_sequences, multiple=ctx.seq_multiple, pad_id=ctx.pad_id, device=a.device,
+                         cp_size=a.cp_size, cp_rank=a.cp_rank, one_shape=a.pp_size > 1)
 
 
 def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = False) -> None:
@@ -153,7 +153,7 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
     ``skip_first`` (``train.fuse_old_logprob``): the policy's pass skips the first mini-batch, whose
     ``old_logp`` the update writes (zeros until then)."""
     actor, critic = ctx.actor, ctx.critic
-    layout = microbatch_layout(ctx)
+    cut = microbatch_cut(ctx)
     with_ref = ctx.knobs.kl_coef > 0
     capture = actor.capture.outputs if actor.capture is not None else {}  # read in the same pass
     # (outputs of the pass -> TrainBatch fields or side channels, the model's forward-only run); "aux:"
@@ -182,7 +182,7 @@ def behaviour_pass(ctx: Context, batch: TrainBatch, plan, *, skip_first: bool = 
 
     copies = RowCopies(actor.cp_group if actor.cp_size > 1 else None)
     for j, mini in enumerate(plan):
-        mbs = layout.cut(batch, mini)
+        mbs = cut.cut(batch, mini)
         for mapping, run in passes:
             if skip_first and j == 0 and mapping is main:
                 continue
@@ -266,7 +266,7 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
     kl = KL_ESTIMATORS.get(section.kl_estimator) if knobs.kl_coef > 0 else None
     cp_group = ctx.actor.cp_group if ctx.actor.cp_size > 1 else None
     tables = (CORE, *alg.metrics)
-    mbs = microbatch_layout(ctx).cut(batch, mini)
+    mbs = microbatch_cut(ctx).cut(batch, mini)
     rows = [i for mb in mini for i in mb]
     den = step_denominators(batch.loss_mask[rows], norm_length=ctx.norm_length,
                             device=ctx.actor.device, dp_group=ctx.actor.dp_group)
@@ -286,7 +286,7 @@ def update_minibatch(ctx: Context, batch: TrainBatch, mini: list[list[int]], sta
         is_w, tis = None, {}
         if section.tis_cap is not None:  # engine vs trainer mismatch: min(pi_old / pi_engine, C)
             is_w, tis = truncated_is_weights(t["old_logp"], t["rollout_logp"], mask, cap=section.tis_cap)
-        slots = mb.layout.row_slots.to(mask.device) if mb.packed and cp_group else None
+        slots = mb.packing.row_slots.to(mask.device) if mb.packed and cp_group else None
         per_tok, m = alg.loss(logp, t["old_logp"], t["advantages"], mask, cp_group=cp_group, is_weights=is_w,
                               row_slots=pass_observations(slots, t.get("obs_mask")),
                               **{k: t[k] for k in alg.side_channels})

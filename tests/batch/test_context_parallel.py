@@ -1,4 +1,4 @@
-"""CP batch split/gather: megatron's load-balanced layout, round trips, errors, and a gloo gather test."""
+"""CP batch split/gather: megatron's load-balanced chunk order, round trips, errors, and a gloo gather test."""
 import pytest
 import torch
 
@@ -10,7 +10,7 @@ from tests.support.distributed_harness import block_subgroup, module_pool
 
 
 def _expected_positions(seq, cp, rank):
-    """Loop reference of the layout: chunk c of 2*cp covers [c*k, (c+1)*k); rank r keeps r, 2cp-1-r."""
+    """Loop reference of the chunk order: chunk c of 2*cp covers [c*k, (c+1)*k); rank r keeps r, 2cp-1-r."""
     k = seq // (2 * cp)
     return [c * k + i for c in (rank, 2 * cp - 1 - rank) for i in range(k)]
 
@@ -24,7 +24,7 @@ def test_shift_labels():
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.parametrize("seq_dim", [0, 1, 2, -1])
-def test_split_layout_and_round_trip(cp, seq_dim):
+def test_split_chunk_order_and_round_trip(cp, seq_dim):
     shape = [3, 4, 5]
     shape[seq_dim] = 16
     x = torch.randn(*shape, dtype=torch.float64)
@@ -102,7 +102,7 @@ def _gather_worker(cp, x, w, seq_dim):
     return full.detach(), leaf.grad
 
 
-def _megatron_layout_worker(cp, batch):
+def _megatron_chunk_order_worker(cp, batch):
     # Through our version-neutral wrapper: megatron-core 0.18+ added a required `is_hybrid_cp`.
     from megatron_credit.distributed import get_batch_on_this_cp_rank
 
@@ -142,4 +142,4 @@ def test_split_equals_megatron_get_batch_on_this_cp_rank(pool, cp):
     gen = torch.Generator().manual_seed(40 + cp)
     batch = {"tokens": torch.randint(0, 100, (2, 24), generator=gen),
              "loss_mask": torch.rand(2, 24, generator=gen)}
-    assert pool.run(_megatron_layout_worker, cp, batch) == [True] * WORLD
+    assert pool.run(_megatron_chunk_order_worker, cp, batch) == [True] * WORLD

@@ -20,7 +20,7 @@ def _cost_ref(lens, mb, mode, mult):
 
 @pytest.mark.parametrize("mode", ["padded", "packed"])
 @pytest.mark.parametrize("mult", [1, 4])
-def test_random_layouts_respect_budget_and_cover_once(mode, mult):
+def test_random_splits_respect_budget_and_cover_once(mode, mult):
     rng = random.Random(0)
     for trial in range(200):
         n = rng.randint(1, 40)
@@ -34,7 +34,7 @@ def test_random_layouts_respect_budget_and_cover_once(mode, mult):
             assert cost == microbatch_cost(lens, mb, mode=mode, pad_to_multiple_of=mult)
             # Within budget, unless the micro-batch is one sequence that alone exceeds it.
             assert cost <= budget or len(mb) == 1
-        # Deterministic: the same lengths give the same layout.
+        # Deterministic: the same lengths give the same split.
         again = make_microbatches(lens, max_tokens_per_microbatch=budget, mode=mode, pad_to_multiple_of=mult)
         assert mbs == again
 
@@ -96,7 +96,7 @@ def test_argument_errors():
 # ---- DP ranks with different lengths end up with the same number of micro-batches (gloo) ------------
 
 
-def _equalised_layout(seed):
+def _equalised_split(seed):
     import torch.distributed as dist
 
     rng = random.Random(seed + dist.get_rank())
@@ -112,7 +112,7 @@ pool = gloo_and_threads_pool(2)  # [gloo] spawned workers, [threads] ranks as th
 
 def test_equal_microbatch_count_across_dp_ranks(pool):
     for seed in range(0, 40, 4):
-        out = pool.run(_equalised_layout, seed)
+        out = pool.run(_equalised_split, seed)
         local_counts = [o[0] for o in out]
         assert [o[1] for o in out] == [max(local_counts)] * 2
         assert all(o[2] for o in out)

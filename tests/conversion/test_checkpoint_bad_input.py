@@ -293,7 +293,7 @@ DIST_CASES = {
 
 
 def _drop_common_state(model: Path) -> None:
-    """Delete the common state in either layout: common.pt (megatron-core 0.16) or 0.19's .distcp item."""
+    """Delete the common state in either format: common.pt (megatron-core 0.16) or 0.19's .distcp item."""
     from megatron_credit.conversion.safe_load import COMMON_STATE_KEY, read_dist_metadata
 
     if (model / "common.pt").exists():
@@ -304,22 +304,22 @@ def _drop_common_state(model: Path) -> None:
         (model / ".metadata").write_bytes(pickle.dumps(md))
 
 
-LAYOUTS = ["0.16", "0.19"]  # megatron-core 0.16's common.pt, 0.19's common state inside __0_0.distcp
+FORMATS = ["0.16", "0.19"]  # megatron-core 0.16's common.pt, 0.19's common state inside __0_0.distcp
 
 
-def _layout(ckpt: Path, layout: str) -> Path:
+def _in_format(ckpt: Path, fmt: str) -> Path:
     from megatron_credit.conversion.testing import rewrite_common_state
 
-    rewrite_common_state(ckpt / "model", layout)
+    rewrite_common_state(ckpt / "model", fmt)
     return ckpt
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("case", sorted(DIST_CASES))
 @pytest.mark.spawn
-def test_damaged_dist_checkpoint_gets_one_clear_error(ckpt, tmp_path, case, layout):
+def test_damaged_dist_checkpoint_gets_one_clear_error(ckpt, tmp_path, case, fmt):
     damage, message = DIST_CASES[case]
-    damage(_layout(ckpt, layout))
+    damage(_in_format(ckpt, fmt))
     with pytest.raises((CheckpointFormatError, FileNotFoundError), match=message):
         _to_hf(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -423,12 +423,12 @@ def test_failed_import_leaves_nothing(produced):
 
 
 # --- the command line ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.spawn
-def test_converter_cli_prints_one_line_and_exits_2(ckpt, tmp_path, capsys, layout):
+def test_converter_cli_prints_one_line_and_exits_2(ckpt, tmp_path, capsys, fmt):
     from megatron_credit.commands import convert_megatron_to_hf as to_hf
 
-    _drop_common_state(_layout(ckpt, layout) / "model")
+    _drop_common_state(_in_format(ckpt, fmt) / "model")
     assert to_hf.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and "common.pt' is missing, and .metadata names no " \
@@ -446,7 +446,7 @@ def test_crafted_common_state_pickle_is_one_line_and_runs_nothing(ckpt, tmp_path
     from megatron_credit.conversion.safe_load import COMMON_STATE_KEY, read_dist_metadata
     from megatron_credit.commands import convert_megatron_to_hf as to_hf
 
-    model = _layout(ckpt, "0.19") / "model"
+    model = _in_format(ckpt, "0.19") / "model"
     md = read_dist_metadata(model)
     index = next(i for i in md.storage_data if i.fqn == COMMON_STATE_KEY)
     marker = tmp_path / "pwned"

@@ -131,3 +131,22 @@ def test_planner_parameter_count_equals_the_transformers_model(family, kw):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     assert total_param_count(Architecture.from_hf(cfg)) == sum(p.numel() for p in model.parameters())
+
+
+def test_the_old_tp_layout_name_warns_and_is_tp_split():
+    """``TPLayout`` (a family plugin's import) still resolves, for one release, to :class:`TPSplit`, from
+    the module and from the package, with a warning naming the new name."""
+    from megatron_credit import families
+    from megatron_credit.families import TPSplit, base
+
+    for module in (base, families):
+        with pytest.warns(DeprecationWarning, match="^megatron_credit.families.base.TPLayout is now TPSplit;"):
+            old = module.TPLayout
+        assert old is TPSplit and old.GATED_ROWS.value == "gated_rows"
+    with pytest.warns(DeprecationWarning, match="TPLayout is now TPSplit"):
+        from megatron_credit.families.base import TPLayout
+    assert TPLayout is TPSplit
+    with pytest.raises(AttributeError, match="no attribute 'NO_SUCH_NAME'"):
+        base.NO_SUCH_NAME
+    with pytest.raises(AttributeError, match="no attribute 'NO_SUCH_NAME'"):
+        families.NO_SUCH_NAME

@@ -31,7 +31,7 @@ from megatron_credit.conversion.hf_io import (INDEX_NAME, SINGLE_NAME, TOKENIZER
 
 
 def _raw(path: Path, header: object | bytes, data: bytes = b"", *, length: int | None = None) -> Path:
-    """A file in the safetensors layout with any header (JSON-encoded unless bytes) and data bytes."""
+    """A file in the safetensors format with any header (JSON-encoded unless bytes) and data bytes."""
     blob = header if isinstance(header, bytes) else json.dumps(header).encode()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(struct.pack("<Q", len(blob) if length is None else length) + blob + data)

@@ -139,7 +139,7 @@ def test_fp32_checkpoint_exports_fp32_and_bf16_only_when_lossy_is_allowed(made, 
 
 
 def _strip_config_dtype(ckpt: Path) -> bytes:
-    """Remove the dtype field of ``ckpt``'s config.json (an older config), in a layout of its own."""
+    """Remove the dtype field of ``ckpt``'s config.json (an older config), formatted its own way."""
     cfg = json.loads((ckpt / "config.json").read_text())
     del cfg["dtype"]
     raw = json.dumps(dict(reversed(list(cfg.items())))).encode()  # neither sorted nor indented
@@ -529,7 +529,7 @@ DAMAGE = {  # damage(model dir) -> (file named, message)
 
 
 def _drop_common_state(model: Path) -> None:
-    """Delete the common state, in whichever layout ``model`` keeps it (common.pt or the .distcp item)."""
+    """Delete the common state, in whichever format ``model`` keeps it (common.pt or the .distcp item)."""
     if (model / "common.pt").exists():
         (model / "common.pt").unlink()
     md = read_dist_metadata(model)
@@ -539,14 +539,14 @@ def _drop_common_state(model: Path) -> None:
         _write_metadata(model, md)
 
 
-@pytest.mark.parametrize("layout", ["0.16", "0.19"])
+@pytest.mark.parametrize("fmt", ["0.16", "0.19"])
 @pytest.mark.parametrize("case", sorted(DAMAGE))
-def test_damaged_dist_checkpoint_is_named(made, tmp_path, case, layout):
-    """Each damage, in the layout megatron-core 0.16 writes (common.pt) and in 0.19's (the common
+def test_damaged_dist_checkpoint_is_named(made, tmp_path, case, fmt):
+    """Each damage, in the format megatron-core 0.16 writes (common.pt) and in 0.19's (the common
     state inside __0_0.distcp), whichever megatron wrote the fixture."""
     damage, name, message = DAMAGE[case]
     model = _copy(made.bf16, tmp_path / "ckpt") / "model"
-    rewrite_common_state(model, layout)
+    rewrite_common_state(model, fmt)
     size = (model / "__0_0.distcp").stat().st_size
     damage(model)
     with pytest.raises(CheckpointFormatError, match=f"^{re.escape(repr(str(model / name)))} {message}$") as info:
@@ -607,9 +607,9 @@ def test_zero_length_items_need_no_bytes(made, tmp_path):
 
 
 # --- the save strategy and megatron's private writer internals ----------------------------------
-def test_saved_checkpoint_layout(made):
+def test_saved_checkpoint_format(made):
     """What the installed megatron-core writes (one writer): 0.16.1 a common.pt, 0.19.2 the common
-    state as a byte item of __0_0.distcp (what rewrite_common_state builds for the other layout)."""
+    state as a byte item of __0_0.distcp (what rewrite_common_state builds for the other format)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     model = made.bf16 / "model"
@@ -632,17 +632,17 @@ def test_saved_checkpoint_layout(made):
         assert torch.load(model / "common.pt", weights_only=True) == {}
 
 
-@pytest.mark.parametrize("layout", ["0.16", "0.19"])
-def test_both_common_state_layouts_export_bit_exact(made, tmp_path, layout):
-    """A checkpoint in 0.16's layout and one in 0.19's: both pass safe_load and export the source's
-    weights bit for bit where the installed megatron-core reads that layout; 0.16.1 given 0.19's is one
+@pytest.mark.parametrize("fmt", ["0.16", "0.19"])
+def test_both_common_state_formats_export_bit_exact(made, tmp_path, fmt):
+    """A checkpoint in 0.16's format and one in 0.19's: both pass safe_load and export the source's
+    weights bit for bit where the installed megatron-core reads that format; 0.16.1 given 0.19's is one
     line naming the folder and the version to use."""
     ckpt = _copy(made.bf16, tmp_path / "ckpt")
-    rewrite_common_state(ckpt / "model", layout)
+    rewrite_common_state(ckpt / "model", fmt)
     again = sorted(os.listdir(ckpt / "model"))
-    rewrite_common_state(ckpt / "model", layout)  # already in that layout: unchanged
+    rewrite_common_state(ckpt / "model", fmt)  # already in that format: unchanged
     assert sorted(os.listdir(ckpt / "model")) == again
-    if layout == "0.19" and not megatron_reads_common_state():
+    if fmt == "0.19" and not megatron_reads_common_state():
         from megatron.core import package_info
 
         with pytest.raises(CheckpointFormatError, match=f"^{re.escape(repr(str(ckpt / 'model')))} keeps its common "

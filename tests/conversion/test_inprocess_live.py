@@ -341,15 +341,15 @@ def test_name_mapping_and_state_dict_helpers():
 
 def test_full_shape_of_a_shard():
     from megatron_credit.conversion.live import _full_shape
-    from megatron_credit.conversion.transforms import TPLayout
+    from megatron_credit.conversion.transforms import TPSplit
 
-    assert _full_shape((5, 3), TPLayout.ROWS, 2) == (10, 3)
-    assert _full_shape((5, 3), TPLayout.GATED_ROWS, 4) == (20, 3)
-    assert _full_shape((7,), TPLayout.ROWS, 2) == (14,)
-    assert _full_shape((5, 3), TPLayout.COLS, 2) == (5, 6)
-    assert _full_shape((5, 3), TPLayout.REPLICATED, 2) == (5, 3)
-    for layout in TPLayout:
-        assert _full_shape((5, 3), layout, 1) == (5, 3)
+    assert _full_shape((5, 3), TPSplit.ROWS, 2) == (10, 3)
+    assert _full_shape((5, 3), TPSplit.GATED_ROWS, 4) == (20, 3)
+    assert _full_shape((7,), TPSplit.ROWS, 2) == (14,)
+    assert _full_shape((5, 3), TPSplit.COLS, 2) == (5, 6)
+    assert _full_shape((5, 3), TPSplit.REPLICATED, 2) == (5, 3)
+    for split in TPSplit:
+        assert _full_shape((5, 3), split, 1) == (5, 3)
 
 
 def test_refusals_of_the_live_helpers(world1):

@@ -8,7 +8,7 @@ from megatron_credit.conversion import (FAMILIES, ModelDims, check_hf_keys, fami
                                         iter_hf_from_megatron, iter_megatron_from_hf)
 from megatron_credit.conversion.hf_io import SafetensorsReader, ShardedSafetensorsWriter, resolve_dtype
 from megatron_credit.conversion.testing import checkpoint_state, tiny_hf_config, write_random_hf_checkpoint
-from megatron_credit.conversion.transforms import (TPLayout, fuse_gate_up, fuse_qkv, split_gate_up, split_qkv,
+from megatron_credit.conversion.transforms import (TPSplit, fuse_gate_up, fuse_qkv, split_gate_up, split_qkv,
                                                    tp_gather, tp_shard)
 from megatron_credit.families import supported_model_types
 from tests.references import qkv_reference
@@ -46,7 +46,7 @@ def test_gate_up_round_trip():
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_tp_shards_match_megatron_layouts(tp):
+def test_tp_shards_match_megatron_splits(tp):
     """Rank r of fc1 holds [gate_r; up_r]; rank r of linear_qkv holds whole query groups."""
     heads, groups, d, ffn = 8, 4, 2, 8
     g = torch.Generator().manual_seed(1)
@@ -57,15 +57,15 @@ def test_tp_shards_match_megatron_layouts(tp):
     proj = torch.randn(3, heads * d, generator=g)
     f, hq, gq = ffn // tp, heads // tp, groups // tp
     for r in range(tp):
-        shard = tp_shard(fc1, TPLayout.GATED_ROWS, rank=r, size=tp)
+        shard = tp_shard(fc1, TPSplit.GATED_ROWS, rank=r, size=tp)
         assert torch.equal(shard, torch.cat([gate[r * f:(r + 1) * f], up[r * f:(r + 1) * f]]))
         want = fuse_qkv(q[r * hq * d:(r + 1) * hq * d], k[r * gq * d:(r + 1) * gq * d],
                         v[r * gq * d:(r + 1) * gq * d], num_heads=hq, num_query_groups=gq, head_dim=d)
-        assert torch.equal(tp_shard(qkv, TPLayout.ROWS, rank=r, size=tp), want)
-        assert torch.equal(tp_shard(proj, TPLayout.COLS, rank=r, size=tp), proj[:, r * hq * d:(r + 1) * hq * d])
-    for t, layout in ((fc1, TPLayout.GATED_ROWS), (qkv, TPLayout.ROWS), (proj, TPLayout.COLS),
-                      (gate, TPLayout.REPLICATED)):
-        assert torch.equal(tp_gather([tp_shard(t, layout, rank=r, size=tp) for r in range(tp)], layout), t)
+        assert torch.equal(tp_shard(qkv, TPSplit.ROWS, rank=r, size=tp), want)
+        assert torch.equal(tp_shard(proj, TPSplit.COLS, rank=r, size=tp), proj[:, r * hq * d:(r + 1) * hq * d])
+    for t, split in ((fc1, TPSplit.GATED_ROWS), (qkv, TPSplit.ROWS), (proj, TPSplit.COLS),
+                     (gate, TPSplit.REPLICATED)):
+        assert torch.equal(tp_gather([tp_shard(t, split, rank=r, size=tp) for r in range(tp)], split), t)
 
 
 def _hf_state(cfg, seed=0):
@@ -194,7 +194,7 @@ def test_dtype_resolution():
         resolve_dtype({torch.float16, torch.bfloat16}, None, allow_lossy=False)
 
 
-def test_random_checkpoint_writer_matches_hf_layout(tmp_path):
+def test_random_checkpoint_writer_matches_hf_format(tmp_path):
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_hf_config("qwen3")

@@ -1,7 +1,7 @@
 """Converted megatron models give the logits of ``transformers`` (fp32, left-padded batch) at TP=1,
 TP=2 and PP=2 on gloo, tied word embeddings included (Llama 3.2 / Qwen3 style), from HF weights
 loaded in memory and from the dist checkpoint written by the converter (resharded on load); the
-HF -> megatron -> HF round trip through the command-line tools is bit-identical; a wrong QKV layout
+HF -> megatron -> HF round trip through the command-line tools is bit-identical; a wrong QKV row order
 and a wrong RoPE base are caught by the same parity check.
 
 Each family also runs with q/k scaled so that attention is peaked: with random-init weights the
@@ -143,7 +143,7 @@ def test_round_trip_through_tools_is_bit_identical(hf_dirs, converted, family):
 
 
 @pytest.mark.parametrize("corrupt", ["qkv", "rope"])
-def test_parity_check_catches_wrong_layouts(pool, hf_dirs, corrupt):
+def test_parity_check_catches_wrong_conversions(pool, hf_dirs, corrupt):
     hf_dir = hf_dirs[("qwen2", True)]
     want = _hf_logits(hf_dir).logits
     for tp in (1, 2):

@@ -5,7 +5,7 @@ streaming iterators' order and exact tensors.
 Every tensor here is unique-valued (``arange`` with a running offset), so a transform that picks the
 wrong head, group, half or rank, or a rule that maps the wrong HF tensor of the same shape (``q_norm``
 <-> ``k_norm``, ``gate`` <-> ``up``, ``k`` <-> ``v`` biases), gives a different tensor. The expected
-megatron layouts are written out here from the layout descriptions (``transforms`` module docstring),
+megatron tensors are written out here from the row-order descriptions (``transforms`` module docstring),
 not computed with the library's own transforms. Configs are plain namespaces where an attribute must be
 absent (inline recipe configs carry no ``architectures``; older configs no ``num_key_value_heads``,
 ``head_dim``, ``tie_word_embeddings`` or bias flags); one test checks the name tables against the
@@ -26,7 +26,7 @@ from megatron_credit.families.base import Family, Kind, Rule, _always, register_
 from megatron_credit.families.dense_rules import EMBEDDING, INPUT_NORM, OUTPUT, proj_bias, qkv_bias
 from megatron_credit.conversion.streaming import (expand_rules, iter_hf_from_megatron, iter_megatron_from_hf,
                                                   rule_to_hf, rule_to_megatron)
-from megatron_credit.conversion.transforms import (TPLayout, fuse_gate_up, fuse_qkv, pad_rows, split_gate_up,
+from megatron_credit.conversion.transforms import (TPSplit, fuse_gate_up, fuse_qkv, pad_rows, split_gate_up,
                                                    split_qkv, tp_gather, tp_shard)
 
 ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -61,8 +61,8 @@ class _Unique:
         return t
 
 
-# --- expected layouts, written out from the docstrings -------------------------------------------
-from tests.references import qkv_reference  # noqa: E402  (one loop reference of the QKV layout)
+# --- expected tensors, written out from the docstrings -------------------------------------------
+from tests.references import qkv_reference  # noqa: E402  (one loop reference of the QKV row order)
 
 
 def _flags(family, c):
@@ -110,39 +110,39 @@ def _hf_state(family, c):
 
 
 def _expected_megatron(family, c, hf, *, fused=False):
-    """``[(global megatron name, tensor, kind, tp layout)]`` in the order the iterators yield them."""
+    """``[(global megatron name, tensor, kind, tp split)]`` in the order the iterators yield them."""
     H, G, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     qkv_b, o_b, mlp_b = _flags(family, c)
-    out = [("embedding.word_embeddings.weight", hf["model.embed_tokens.weight"], Kind.VOCAB, TPLayout.ROWS)]
+    out = [("embedding.word_embeddings.weight", hf["model.embed_tokens.weight"], Kind.VOCAB, TPSplit.ROWS)]
     for i in range(c.num_hidden_layers):
         m, p = f"decoder.layers.{i}.", f"model.layers.{i}."
         out.append((m + ("self_attention.linear_qkv.layer_norm_weight" if fused else "input_layernorm.weight"),
-                    hf[p + "input_layernorm.weight"], Kind.COPY, TPLayout.REPLICATED))
+                    hf[p + "input_layernorm.weight"], Kind.COPY, TPSplit.REPLICATED))
         for kind in ("weight", "bias") if qkv_b else ("weight",):
             qkv = qkv_reference(*(hf[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"), H, G, d)
-            out.append((m + f"self_attention.linear_qkv.{kind}", qkv, Kind.QKV, TPLayout.ROWS))
+            out.append((m + f"self_attention.linear_qkv.{kind}", qkv, Kind.QKV, TPSplit.ROWS))
         if family == "qwen3":
             out.append((m + "self_attention.q_layernorm.weight", hf[p + "self_attn.q_norm.weight"], Kind.COPY,
-                        TPLayout.REPLICATED))
+                        TPSplit.REPLICATED))
             out.append((m + "self_attention.k_layernorm.weight", hf[p + "self_attn.k_norm.weight"], Kind.COPY,
-                        TPLayout.REPLICATED))
+                        TPSplit.REPLICATED))
         out.append((m + "self_attention.linear_proj.weight", hf[p + "self_attn.o_proj.weight"], Kind.COPY,
-                    TPLayout.COLS))
+                    TPSplit.COLS))
         if o_b:
             out.append((m + "self_attention.linear_proj.bias", hf[p + "self_attn.o_proj.bias"], Kind.COPY,
-                        TPLayout.REPLICATED))
+                        TPSplit.REPLICATED))
         out.append((m + ("mlp.linear_fc1.layer_norm_weight" if fused else "pre_mlp_layernorm.weight"),
-                    hf[p + "post_attention_layernorm.weight"], Kind.COPY, TPLayout.REPLICATED))
-        mlp = [("weight", TPLayout.COLS)] + ([("bias", TPLayout.REPLICATED)] if mlp_b else [])
+                    hf[p + "post_attention_layernorm.weight"], Kind.COPY, TPSplit.REPLICATED))
+        mlp = [("weight", TPSplit.COLS)] + ([("bias", TPSplit.REPLICATED)] if mlp_b else [])
         for kind, _ in mlp:
             out.append((m + f"mlp.linear_fc1.{kind}", torch.cat([hf[p + f"mlp.gate_proj.{kind}"],
                                                                    hf[p + f"mlp.up_proj.{kind}"]]),
-                        Kind.GATE_UP, TPLayout.GATED_ROWS))
-        for kind, layout in mlp:  # fc2's bias is added after the all-reduce: replicated
-            out.append((m + f"mlp.linear_fc2.{kind}", hf[p + f"mlp.down_proj.{kind}"], Kind.COPY, layout))
-    out.append(("decoder.final_layernorm.weight", hf["model.norm.weight"], Kind.COPY, TPLayout.REPLICATED))
+                        Kind.GATE_UP, TPSplit.GATED_ROWS))
+        for kind, split in mlp:  # fc2's bias is added after the all-reduce: replicated
+            out.append((m + f"mlp.linear_fc2.{kind}", hf[p + f"mlp.down_proj.{kind}"], Kind.COPY, split))
+    out.append(("decoder.final_layernorm.weight", hf["model.norm.weight"], Kind.COPY, TPSplit.REPLICATED))
     if not getattr(c, "tie_word_embeddings", False):
-        out.append(("output_layer.weight", hf["lm_head.weight"], Kind.VOCAB, TPLayout.ROWS))
+        out.append(("output_layer.weight", hf["lm_head.weight"], Kind.VOCAB, TPSplit.ROWS))
     return out
 
 
@@ -256,9 +256,9 @@ def test_bias_rules():
     L, M = "model.layers.{i}.", "decoder.layers.{i}."
     assert qkv_bias() == Rule(megatron=M + "self_attention.linear_qkv.bias",
                               hf=(L + "self_attn.q_proj.bias", L + "self_attn.k_proj.bias",
-                                  L + "self_attn.v_proj.bias"), kind=Kind.QKV, tp=TPLayout.ROWS, when=_always)
+                                  L + "self_attn.v_proj.bias"), kind=Kind.QKV, tp=TPSplit.ROWS, when=_always)
     assert proj_bias() == Rule(megatron=M + "self_attention.linear_proj.bias", hf=(L + "self_attn.o_proj.bias",),
-                               kind=Kind.COPY, tp=TPLayout.REPLICATED, when=_always)
+                               kind=Kind.COPY, tp=TPSplit.REPLICATED, when=_always)
     assert _always(None) is True
 
     def flag(cfg):
@@ -327,11 +327,11 @@ def test_expand_rules_lists_every_parameter_in_order(case, fused):
 def test_te_names_apply_to_every_rule_that_has_one():
     """The TE spec's name is used for any rule that declares one, not only for per-layer norms."""
     pre = Rule(megatron="embedding.word_embeddings.weight", te_megatron="embedding.te.weight",
-               hf=("model.embed_tokens.weight",), kind=Kind.VOCAB, tp=TPLayout.ROWS)
+               hf=("model.embed_tokens.weight",), kind=Kind.VOCAB, tp=TPSplit.ROWS)
     norm = Rule(megatron="decoder.layers.{i}.input_layernorm.weight", te_megatron="decoder.layers.{i}.te_norm",
-                hf=("model.layers.{i}.input_layernorm.weight",), kind=Kind.COPY, tp=TPLayout.REPLICATED)
+                hf=("model.layers.{i}.input_layernorm.weight",), kind=Kind.COPY, tp=TPSplit.REPLICATED)
     post = Rule(megatron="decoder.final_layernorm.weight", te_megatron="decoder.final_te.weight",
-                hf=("model.norm.weight",), kind=Kind.COPY, tp=TPLayout.REPLICATED)
+                hf=("model.norm.weight",), kind=Kind.COPY, tp=TPSplit.REPLICATED)
     fam = Family(name="te-test", architectures=(), rules=(post, norm, pre))
     cfg = _cfg("llama")
     assert expand_rules(fam, cfg, fused_norms=True) == [
@@ -516,7 +516,7 @@ def test_qkv_shape_errors_name_the_tensor_being_converted():
 def test_a_rule_whose_transform_returns_fewer_tensors_than_its_hf_names_is_refused():
     """A (mis)declared rule must not silently drop an HF tensor on export."""
     rule = Rule(megatron="decoder.final_layernorm.weight", hf=("model.norm.weight", "model.norm2.weight"),
-                kind=Kind.COPY, tp=TPLayout.REPLICATED)
+                kind=Kind.COPY, tp=TPSplit.REPLICATED)
     fam = Family(name="broken", architectures=(), rules=(rule,))
     cfg = _cfg("llama")
     with pytest.raises(ValueError, match=r"zip\(\) argument 2 is shorter than argument 1"):
@@ -555,7 +555,7 @@ def test_qkv_tp_shards_are_contiguous_row_blocks_holding_whole_or_partial_groups
         fused = fuse_qkv(q, k, v, num_heads=heads, num_query_groups=groups, head_dim=d)
         ref = qkv_reference(q, k, v, heads, groups, d)
         rows = ref.shape[0] // tp
-        shards = [tp_shard(fused, TPLayout.ROWS, rank=r, size=tp) for r in range(tp)]
+        shards = [tp_shard(fused, TPSplit.ROWS, rank=r, size=tp) for r in range(tp)]
         for r, shard in enumerate(shards):
             assert torch.equal(shard, ref[r * rows:(r + 1) * rows])
             if groups % tp == 0:
@@ -568,7 +568,7 @@ def test_qkv_tp_shards_are_contiguous_row_blocks_holding_whole_or_partial_groups
                 group = ref[g * (heads // groups + 2) * d:(g + 1) * (heads // groups + 2) * d]
                 part = r % (tp // groups)
                 assert torch.equal(shard, group[part * rows:(part + 1) * rows])
-        assert torch.equal(tp_gather(shards, TPLayout.ROWS), fused)
+        assert torch.equal(tp_gather(shards, TPSplit.ROWS), fused)
 
 
 @pytest.mark.parametrize("fn", ["fuse", "split"])
@@ -630,10 +630,10 @@ def test_fc1_tp_shard_of_rank_r_is_gate_r_then_up_r(tp):
         gate, up = u(ffn, *rest), u(ffn, *rest)
         fc1 = fuse_gate_up(gate, up)
         f = ffn // tp
-        shards = [tp_shard(fc1, TPLayout.GATED_ROWS, rank=r, size=tp) for r in range(tp)]
+        shards = [tp_shard(fc1, TPSplit.GATED_ROWS, rank=r, size=tp) for r in range(tp)]
         for r, shard in enumerate(shards):
             assert torch.equal(shard, torch.cat([gate[r * f:(r + 1) * f], up[r * f:(r + 1) * f]]))
-        assert torch.equal(tp_gather(shards, TPLayout.GATED_ROWS), fc1)
+        assert torch.equal(tp_gather(shards, TPSplit.GATED_ROWS), fc1)
 
 
 def test_gate_up_shape_errors():
@@ -677,55 +677,55 @@ def test_padded_vocab_rows_shard_over_tp_and_export_unpadded(tp):
     emb = _Unique()(dims.vocab_size, dims.hidden_size)
     full_rows = 8 * tp * -(-dims.vocab_size // (8 * tp))
     full = pad_rows(rule_to_megatron(EMBEDDING, [emb], dims), full_rows)
-    shards = [tp_shard(full, TPLayout.ROWS, rank=r, size=tp) for r in range(tp)]
+    shards = [tp_shard(full, TPSplit.ROWS, rank=r, size=tp) for r in range(tp)]
     per = full_rows // tp
     for r, shard in enumerate(shards):
         want = torch.cat([emb, torch.zeros(full_rows - dims.vocab_size, dims.hidden_size, dtype=emb.dtype)])
         assert torch.equal(shard, want[r * per:(r + 1) * per])
-    (back,) = rule_to_hf(EMBEDDING, tp_gather(shards, TPLayout.ROWS), dims)
+    (back,) = rule_to_hf(EMBEDDING, tp_gather(shards, TPSplit.ROWS), dims)
     assert torch.equal(back, emb)
 
 
-# --- transforms: TP layouts ---------------------------------------------------------------------------
+# --- transforms: TP splits ----------------------------------------------------------------------------
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_cols_and_replicated_layouts(tp):
+def test_cols_and_replicated_splits(tp):
     u = _Unique()
     proj = u(3, 8)
     c = 8 // tp
-    shards = [tp_shard(proj, TPLayout.COLS, rank=r, size=tp) for r in range(tp)]
+    shards = [tp_shard(proj, TPSplit.COLS, rank=r, size=tp) for r in range(tp)]
     for r, shard in enumerate(shards):
         assert torch.equal(shard, proj[:, r * c:(r + 1) * c])
-    assert torch.equal(tp_gather(shards, TPLayout.COLS), proj)
+    assert torch.equal(tp_gather(shards, TPSplit.COLS), proj)
     norm = u(6)
-    reps = [tp_shard(norm, TPLayout.REPLICATED, rank=r, size=tp) for r in range(tp)]
+    reps = [tp_shard(norm, TPSplit.REPLICATED, rank=r, size=tp) for r in range(tp)]
     assert all(s is norm for s in reps)
-    assert tp_gather(reps, TPLayout.REPLICATED) is norm
+    assert tp_gather(reps, TPSplit.REPLICATED) is norm
 
 
-@pytest.mark.parametrize("layout", list(TPLayout))
-def test_one_tp_rank_holds_the_full_tensor_itself(layout):
+@pytest.mark.parametrize("split", list(TPSplit))
+def test_one_tp_rank_holds_the_full_tensor_itself(split):
     t = _Unique()(8, 4)
-    assert tp_shard(t, layout, rank=0, size=1) is t
-    assert tp_gather([t], layout) is t
+    assert tp_shard(t, split, rank=0, size=1) is t
+    assert tp_gather([t], split) is t
 
 
 def test_rows_only_need_tp_to_divide_them():
     t = _Unique()(6, 4)
-    assert torch.equal(tp_shard(t, TPLayout.ROWS, rank=1, size=2), t[3:])
-    assert torch.equal(tp_shard(t.T, TPLayout.COLS, rank=1, size=2), t.T[:, 3:])
+    assert torch.equal(tp_shard(t, TPSplit.ROWS, rank=1, size=2), t[3:])
+    assert torch.equal(tp_shard(t.T, TPSplit.COLS, rank=1, size=2), t.T[:, 3:])
     fc1 = _Unique()(4, 3)  # gate 2 rows, up 2 rows: one of each per rank
-    assert torch.equal(tp_shard(fc1, TPLayout.GATED_ROWS, rank=1, size=2), fc1[[1, 3]])
+    assert torch.equal(tp_shard(fc1, TPSplit.GATED_ROWS, rank=1, size=2), fc1[[1, 3]])
 
 
-@pytest.mark.parametrize("shape,layout,tp,msg", [
-    ((6, 4), TPLayout.ROWS, 4, "dim 0 of size 6 does not split over TP=4 (rows)"),
-    ((4, 6), TPLayout.COLS, 4, "dim 1 of size 6 does not split over TP=4 (cols)"),
-    ((6, 4), TPLayout.GATED_ROWS, 2, "dim 0 of size 6 does not split over TP=2 (gated_rows)"),
-    ((12,), TPLayout.GATED_ROWS, 4, "dim 0 of size 12 does not split over TP=4 (gated_rows)"),
+@pytest.mark.parametrize("shape,split,tp,msg", [
+    ((6, 4), TPSplit.ROWS, 4, "dim 0 of size 6 does not split over TP=4 (rows)"),
+    ((4, 6), TPSplit.COLS, 4, "dim 1 of size 6 does not split over TP=4 (cols)"),
+    ((6, 4), TPSplit.GATED_ROWS, 2, "dim 0 of size 6 does not split over TP=2 (gated_rows)"),
+    ((12,), TPSplit.GATED_ROWS, 4, "dim 0 of size 12 does not split over TP=4 (gated_rows)"),
 ])
-def test_tp_shard_refuses_uneven_splits(shape, layout, tp, msg):
+def test_tp_shard_refuses_uneven_splits(shape, split, tp, msg):
     with pytest.raises(ValueError, match="^" + re.escape(msg) + "$"):
-        tp_shard(torch.zeros(shape), layout, rank=0, size=tp)
+        tp_shard(torch.zeros(shape), split, rank=0, size=tp)
 
 
 # --- the no-element-lost guard ------------------------------------------------------------------------

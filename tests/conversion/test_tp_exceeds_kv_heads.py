@@ -35,7 +35,7 @@ def test_tp4_with_two_kv_heads_matches_transformers(pool, tmp_path, family):
     results = pool.run(_megatron_logits, str(hf_dir), TP, 1)
     assert all(torch.equal(r, results[0]) for r in results)
     assert _rel_err(results[0], want) < TOL
-    if family == "qwen2":  # a wrong QKV layout is caught by the same check (not vacuous at TP = 4)
+    if family == "qwen2":  # a wrong QKV row order is caught by the same check (not vacuous at TP = 4)
         bad = pool.run(_megatron_logits, str(hf_dir), TP, 1, corrupt="qkv")[0]
         assert _rel_err(bad, want) > 100 * TOL
 

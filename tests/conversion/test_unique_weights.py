@@ -1,6 +1,6 @@
 """Conversion parity with every weight distinct: a rule that maps the wrong HF tensor of
 the same shape (``q_norm`` <-> ``k_norm``, ``input_layernorm`` <-> ``post_attention_layernorm``, k/v
-biases, gate/up biases) or the wrong TP layout of a bias (fc1's ``[gate_r; up_r]`` per rank) changes
+biases, gate/up biases) or the wrong TP split of a bias (fc1's ``[gate_r; up_r]`` per rank) changes
 the logits here.
 
 HF's initialisation makes norms all ones and biases all zeros, and the scaled parity runs multiply
@@ -30,7 +30,7 @@ CASES = {
     "qwen3": ("qwen3", {}),  # per-head q/k norms
     "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),  # biases on every linear
 }
-LAYOUTS = [(2, 1), (1, 2)]  # TP=2 shards every rule that has a TP layout; PP=2 offsets the layers
+LAYOUTS = [(2, 1), (1, 2)]  # TP=2 shards every rule that has a TP split; PP=2 offsets the layers
 
 
 def _config(case: str):

@@ -205,8 +205,8 @@ def test_the_launchers_local_rank_selects_the_device(monkeypatch):
         out[:] = [(r // 2, host) for r, host in enumerate(hosts)]
 
     monkeypatch.setattr(dist, "all_gather_object", gather)
-    assert loop._ranks_layout(1) == ([0, 0, 1, 1], 1, 2)  # no LOCAL_RANK: its place on its host
-    assert loop._ranks_layout(1, local_rank=0) == ([0, 0, 1, 1], 0, 2)  # the launcher's word
+    assert loop._dp_ranks_and_node(1) == ([0, 0, 1, 1], 1, 2)  # no LOCAL_RANK: its place on its host
+    assert loop._dp_ranks_and_node(1, local_rank=0) == ([0, 0, 1, 1], 0, 2)  # the launcher's word
 
 
 def test_an_nccl_group_is_joined_with_its_device_named(monkeypatch):

@@ -147,7 +147,7 @@ def _kernel_ranks(tp: int, cp: int):
     else:  # CP: this rank's load-balanced queries; keys gathered back into sequence order
         ql = load_balanced_shard(q.flatten(0, 1), cp, rank).view(2, 8, -1, 16)
         kl = load_balanced_shard(k.flatten(0, 1), cp, rank).view(2, 2, -1, 16)
-        keys, pos = gather_cp_sequence(kl.permute(2, 0, 1, 3), group)  # [S, b, h, d] layout
+        keys, pos = gather_cp_sequence(kl.permute(2, 0, 1, 3), group)  # [S, b, h, d] dim order
         assert torch.equal(keys.permute(1, 2, 0, 3), k)
         h, n = attention_concentration(ql, k, chunk_size=5, q_positions=pos)
         idx, w = attention_topk(ql, k, 4, chunk_size=5, q_positions=pos)
@@ -439,13 +439,13 @@ def test_packed_capture_equals_a_call_per_sequence_bit_for_bit(top_k, sink_keys)
     a sequence too short to hold a query stays zero."""
     from types import SimpleNamespace
 
-    from megatron_credit.batch.packing import PackedLayout
+    from megatron_credit.batch.packing import PackedIndex
     from megatron_credit.models.final_layer import FinalAttentionCapture
 
     lens, query_start, scale = [12, 20, 12, 5, 20, 12], 6, 8 ** -0.5
     q, k = attention_inputs(1, 4, 2, sum(lens), sum(lens), 8, seed=6)
     query, key = q[0].permute(1, 0, 2), k[0].permute(1, 0, 2)  # THD: [t, np, d], [t, ng, d]
-    cu = PackedLayout.build(lens).cu_seqlens
+    cu = PackedIndex.build(lens).cu_seqlens
     params = SimpleNamespace(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=None,
                              cu_seqlens_kv_padded=None)
     capture = FinalAttentionCapture(chunk_size=7)

@@ -74,13 +74,13 @@ def test_the_real_probes_find_neither_te_nor_apex_here():
 
 def test_packed_micro_batches_hand_cu_seqlens_on_the_device():
     # TE's fused THD RoPE and attention read cu_seqlens on the device; the host copy serves host-side readers
-    from megatron_credit.batch.packing import PackedLayout
+    from megatron_credit.batch.packing import PackedIndex
     from megatron_credit.batch.train_batch import MicroBatch
 
-    layout = PackedLayout.build([3, 5, 2], multiple=4)
+    index = PackedIndex.build([3, 5, 2], multiple=4)
     device = torch.device("meta")  # any device but the CPU's
-    mb = MicroBatch(rows=(0, 1, 2), num_rows=3, seq_len=8, position_ids=torch.zeros(1, layout.total_tokens,
-                    dtype=torch.long, device=device), tensors={}, whole_loss_mask=torch.ones(3, 8), layout=layout)
+    mb = MicroBatch(rows=(0, 1, 2), num_rows=3, seq_len=8, position_ids=torch.zeros(1, index.total_tokens,
+                    dtype=torch.long, device=device), tensors={}, whole_loss_mask=torch.ones(3, 8), packing=index)
     params = mb.packed_seq_params
     for cu in (params.cu_seqlens_q, params.cu_seqlens_kv, params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded):
         assert cu.device == device and cu.dtype == torch.int32 and tuple(cu.shape) == (4,)

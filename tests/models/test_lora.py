@@ -113,7 +113,7 @@ def test_only_the_adapters_train(world1):
 
 def test_every_frozen_linear_gets_a_gradient_matmul_can_fold_into_one_product(world1, monkeypatch):
     """megatron's ``LinearWithFrozenWeight.backward`` multiplies the gradient as it arrives; one sequence in a
-    micro-batch (b = 1) reaches the projections with the stride of its ``[b, s]`` layout, and ``matmul``
+    micro-batch (b = 1) reaches the projections with the stride of its ``[b, s]`` dim order, and ``matmul``
     then takes a batched product with the weight copied per position (6x a LoRA update on CPU). The hook of
     ``models/lora.py`` hands each frozen linear a row-major gradient: same values, strides recomputed."""
     from megatron.core.tensor_parallel import layers

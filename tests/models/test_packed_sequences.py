@@ -70,7 +70,7 @@ def _packed(seqs, cp: int):
 
     from megatron_credit import distributed
     from megatron_credit.recipe.config import ParallelConfig
-    from megatron_credit.batch.packing import PackedLayout
+    from megatron_credit.batch.packing import PackedIndex
     from megatron_credit.losses.logprob import logprobs_and_entropy
 
     parallel = ParallelConfig(context_parallel_size=cp)
@@ -78,20 +78,20 @@ def _packed(seqs, cp: int):
     try:
         model = _build(parallel, packed=True)
         model.load_state_dict(_weights_from_reference(), strict=False)
-        lay = PackedLayout.build([len(s) - 1 for s in seqs], multiple=2 * cp if cp > 1 else 1, cp_size=cp,
-                                 cp_rank=ps.get_context_parallel_rank())
+        idx = PackedIndex.build([len(s) - 1 for s in seqs], multiple=2 * cp if cp > 1 else 1, cp_size=cp,
+                                cp_rank=ps.get_context_parallel_rank())
         rows = torch.zeros(len(seqs), max(len(s) for s in seqs) + 8, dtype=torch.long)
         for k, s in enumerate(seqs):
             rows[k, :len(s)] = s
-        ids, labels = lay.pack(rows[:, :-1]), lay.pack(rows[:, 1:])
-        cu = lay.cu_seqlens
+        ids, labels = idx.pack(rows[:, :-1]), idx.pack(rows[:, 1:])
+        cu = idx.cu_seqlens
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                                 cu_seqlens_kv_padded=cu, max_seqlen_q=max(lay.padded_lens),
-                                 max_seqlen_kv=max(lay.padded_lens))
-        logits = model(ids, lay.positions[None], None, packed_seq_params=params)
+                                 cu_seqlens_kv_padded=cu, max_seqlen_q=max(idx.padded_lens),
+                                 max_seqlen_kv=max(idx.padded_lens))
+        logits = model(ids, idx.positions[None], None, packed_seq_params=params)
         logp, _ = logprobs_and_entropy(logits, labels)
-        real = torch.tensor([p < n for p, n in zip(lay.positions.tolist(),
-                                                   [lay.seq_lens[k] for k in lay.seq_ids.tolist()])])
+        real = torch.tensor([p < n for p, n in zip(idx.positions.tolist(),
+                                                   [idx.seq_lens[k] for k in idx.seq_ids.tolist()])])
         torch.where(real[None], logp, 0.0).sum().backward()
         grads = {}
         for n, p in model.named_parameters():
@@ -99,7 +99,7 @@ def _packed(seqs, cp: int):
             if cp > 1:
                 dist.all_reduce(g, group=ps.get_context_parallel_group())
             grads[n] = g
-        whole = lay.whole_rows(logp.detach(), cp_group=ps.get_context_parallel_group())
+        whole = idx.whole_rows(logp.detach(), cp_group=ps.get_context_parallel_group())
         return [whole[k, :n].clone() for k, n in enumerate(LENS)], grads
     finally:
         distributed.destroy()

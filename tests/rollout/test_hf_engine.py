@@ -299,7 +299,7 @@ def test_new_weights_between_decode_steps_continue_the_responses(swap_after):
 
 def test_per_call_seeds_give_valid_reproducible_samples(engine):
     # One generator per call (rollout.seed_mode: per_call): valid samples with the engine's log-probs,
-    # reproducible for a fixed seed and layout; no longer the per-sample streams.
+    # reproducible for a fixed seed and engine setup; no longer the per-sample streams.
     per_call = HFRolloutEngine(model=engine.model, seed_mode="per_call", max_batch_size=8)
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=10, n=3, seed=5)
     a, b = per_call.generate(PROMPTS, params, group_ids=[4, 5, 6, 7]), \

@@ -5,21 +5,21 @@ import itertools
 
 import pytest
 
-from megatron_credit.rollout.placement import EngineLayout, dp_rank_of_group, draw_seed, engine_of_prompt, split
+from megatron_credit.rollout.placement import EnginePlacement, dp_rank_of_group, draw_seed, engine_of_prompt, split
 
 
 @pytest.mark.parametrize("world,local,tp", [(1, 1, 1), (4, 4, 1), (4, 4, 2), (8, 4, 2), (32, 8, 8), (16, 8, 4)])
 def test_every_gpu_belongs_to_exactly_one_engine_of_its_node(world, local, tp):
-    layout = EngineLayout(world_size=world, local_world_size=local, rollout_tp=tp)
-    assert layout.num_engines == world // tp
+    placement = EnginePlacement(world_size=world, local_world_size=local, rollout_tp=tp)
+    assert placement.num_engines == world // tp
     owners = {}
     for rank in range(world):
         node, local_rank = divmod(rank, local)  # torchrun numbers ranks node by node
-        gpus = layout.gpus(rank=rank, local_rank=local_rank)
+        gpus = placement.gpus(rank=rank, local_rank=local_rank)
         assert len(gpus) == tp and list(gpus) == list(range(gpus[0], gpus[0] + tp))  # contiguous
         assert 0 <= gpus[0] and gpus[-1] < local and local_rank in gpus
-        engine = layout.engine_of(rank)
-        assert layout.is_leader(rank) == (rank == layout.leader(engine))
+        engine = placement.engine_of(rank)
+        assert placement.is_leader(rank) == (rank == placement.leader(engine))
         for g in gpus:
             assert owners.setdefault((node, g), engine) == engine  # no GPU is shared by two engines
     assert len(owners) == world  # and none is left out
@@ -27,9 +27,9 @@ def test_every_gpu_belongs_to_exactly_one_engine_of_its_node(world, local, tp):
 
 def test_a_rollout_tp_that_splits_a_node_is_refused():
     with pytest.raises(ValueError, match=r"tensor_parallel_size=3 must divide the GPUs of a node \(8\)"):
-        EngineLayout(world_size=16, local_world_size=8, rollout_tp=3)
+        EnginePlacement(world_size=16, local_world_size=8, rollout_tp=3)
     with pytest.raises(ValueError, match="must be >= 1"):
-        EngineLayout(world_size=4, local_world_size=4, rollout_tp=0)
+        EnginePlacement(world_size=4, local_world_size=4, rollout_tp=0)
 
 
 @pytest.mark.parametrize("n,parts", list(itertools.product([0, 1, 5, 8, 17], [1, 2, 3, 4, 8])))

@@ -132,7 +132,7 @@ def _sample(prompt, response, group, index, status=FinishStatus.STOPPED):
                          status=status, group_id=group, sample_index=index, logprobs_mode="raw")
 
 
-def test_to_padded_layout():
+def test_to_padded_rows():
     batch = RolloutBatch(samples=[_sample([1, 2, 3], [4, 5], 7, 0),
                                   _sample([6], [7, 8, 9], 7, 1, FinishStatus.TRUNCATED),
                                   _sample([2, 2], [], 8, 0, FinishStatus.FAILED)], wall_s=2.0)

@@ -28,7 +28,7 @@ TIED = dict(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_la
 
 
 def _trainer_buckets(model, cfg):
-    """The trainer's stream of ``model``'s weights: the family's HF names through the megatron layout and
+    """The trainer's stream of ``model``'s weights: the family's HF names through the megatron tensors and
     back (what ``iter_hf_weight_buckets`` yields at TP = PP = 1), one sync group per bucket."""
     from megatron_credit.conversion import family_for_config
     from megatron_credit.conversion.streaming import iter_hf_from_megatron, iter_megatron_from_hf

@@ -203,7 +203,7 @@ def test_failed_prompts_greedy_n_sleep_wake(demo):
 
 def test_seed_modes_give_valid_reproducible_samples(demo, monkeypatch):
     # per_call (this engine's default): no request seed, the worker's generator seeded once per call; valid
-    # samples (the engine's log-probs are the trainer's), reproducible for a fixed seed and layout, and the
+    # samples (the engine's log-probs are the trainer's), reproducible for a fixed seed and setup, and the
     # trainer's own generator untouched. per_sample: a seed per request, reproducible too.
     eng, hf = demo
     eng.update_weights(_layer_buckets(hf.model))

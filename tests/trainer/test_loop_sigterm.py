@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from megatron_credit.run_layout import complete_checkpoints
+from megatron_credit.run_dir import complete_checkpoints
 from tests.support.leftovers import marked_env, wait_until_none_left
 from tests.support.paths import ROOT
 from tests.support.runs import metrics_rows, subprocess_env

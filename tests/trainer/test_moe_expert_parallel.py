@@ -36,11 +36,11 @@ def train_moe(run_dir: str, overrides=()):
 
 # padded: without the warm-up (the cheaper case; its advantages are those of the untrained policy). lora:
 # adapters on attention (an MoE layer's routed experts and its router stay frozen, models/lora.py)
-@pytest.mark.parametrize("layout", [[], ["train.packing=false", "warmup.steps=0"], ["model.lora.rank=4", "warmup.steps=0"]],
+@pytest.mark.parametrize("variant", [[], ["train.packing=false", "warmup.steps=0"], ["model.lora.rank=4", "warmup.steps=0"]],
                          ids=["packed", "padded", "lora"])
-def test_expert_parallel_two_equals_one(pool2, tmp_path, layout):
-    ep1 = pool2.run(train_moe, str(tmp_path / "ep1"), layout)[0]
-    ep2 = pool2.run(train_moe, str(tmp_path / "ep2"), [*layout, "parallel.expert_model_parallel_size=2"])[0]
+def test_expert_parallel_two_equals_one(pool2, tmp_path, variant):
+    ep1 = pool2.run(train_moe, str(tmp_path / "ep1"), variant)[0]
+    ep2 = pool2.run(train_moe, str(tmp_path / "ep2"), [*variant, "parallel.expert_model_parallel_size=2"])[0]
     assert len(ep1) == len(ep2) == 2
     for a, b in zip(ep1, ep2):
         for k in KEYS:

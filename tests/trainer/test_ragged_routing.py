@@ -1,6 +1,6 @@
 """Routing replay's routing stays ragged until the micro-batch that replays it (``batch/ragged.py``).
 
-- Every micro-batch the trainer cuts (``batch/rows.py: MicroBatchLayout.cut``: padded rows, uniform under PP,
+- Every micro-batch the trainer cuts (``batch/rows.py: MicroBatchCut.cut``: padded rows, uniform under PP,
   packed streams, each CP rank's share) gets, bit for bit, the routing tensor that cutting the padded
   ``[B, T, layers, top_k]`` form gives, the form the batch held before (built here as ``to_padded`` built it).
 - Host memory: building the batch allocates no routing (the batch holds the samples' own tensors), and the
@@ -68,7 +68,7 @@ def _train_batch(samples):
 
 def _ctx(*, packed: bool, cp: int = 1, cp_rank: int = 0, pp: int = 1, budget: int = 1600, minibatches: int = 2,
          device=torch.device("cpu")):
-    """What ``step.plan_microbatches`` and ``step.microbatch_layout`` read of the trainer's context."""
+    """What ``step.plan_microbatches`` and ``step.microbatch_cut`` read of the trainer's context."""
     actor = types.SimpleNamespace(packed_sequences=packed, pp_size=pp, cp_size=cp, cp_rank=cp_rank, device=device)
     return types.SimpleNamespace(actor=actor, seq_multiple=2 * cp if cp > 1 else 1, pad_id=PAD,
                                  train=types.SimpleNamespace(num_minibatches=minibatches,
@@ -94,7 +94,7 @@ def test_every_microbatch_gets_the_routing_the_padded_batch_gave_bit_for_bit(nam
         plan = step.plan_microbatches(ctx, tb)
         assert sum(len(mini) for mini in plan) > 2  # several micro-batches per mini-batch
         for mini in plan:
-            cut = step.microbatch_layout(ctx).cut
+            cut = step.microbatch_cut(ctx).cut
             for new_mb, old_mb in zip(cut(tb, mini), cut(old, mini), strict=True):
                 assert new_mb.rows == old_mb.rows and list(new_mb.tensors) == list(old_mb.tensors)
                 a, b = new_mb.tensors["routed_experts"], old_mb.tensors["routed_experts"]
@@ -208,7 +208,7 @@ DEVICES = ["meta"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("name", ["padded", "padded_pp2", "packed", "packed_cp2"])
 def test_host_routing_is_at_most_two_microbatches_worth(name, device):
     """The trainer's flow on the host: the batch from the samples, then every mini-batch's micro-batches
-    made at once (``MicroBatchLayout.cut``) and sent to the actor's device ("meta" stands in for a GPU where
+    made at once (``MicroBatchCut.cut``) and sent to the actor's device ("meta" stands in for a GPU where
     none is: the copy leaves the host, as it does for CUDA, whose pinned copy is the second micro-batch)."""
     samples = _samples(n=64, longest=3000)
     tokens = sum(s.num_tokens for s in samples)
@@ -225,7 +225,7 @@ def test_host_routing_is_at_most_two_microbatches_worth(name, device):
     largest = 0
     with HostRouting() as meter:
         for mini in step.plan_microbatches(ctx, tb):
-            mbs = step.microbatch_layout(ctx).cut(tb, mini)  # the whole mini-batch's, as the trainer holds them
+            mbs = step.microbatch_cut(ctx).cut(tb, mini)  # the whole mini-batch's, as the trainer holds them
             assert all(mb.tensors["routed_experts"].device.type == device for mb in mbs)
             assert meter.alive == 0  # none left on the host
             largest = max([largest] + [mb.tensors["routed_experts"].numel() * 2 for mb in mbs])

@@ -386,7 +386,7 @@ def test_empty_or_binary_recipe_file_is_named(tmp_path, content, message):
                                                  r"num_attention_heads=3"),
     ("model.architecture.num_key_value_heads=3", r"num_key_value_heads=3 must divide num_attention_heads=4"),
 ])
-def test_a_head_layout_the_model_cannot_have_names_its_fields(override, message):
+def test_head_counts_the_model_cannot_have_name_their_fields(override, message):
     from megatron_credit.recipe.config import recipe_from_dict
     from megatron_credit.trainer.loop import check_recipe
 

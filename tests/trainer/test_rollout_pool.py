@@ -409,7 +409,7 @@ def test_a_pool_rank_killed_under_torchrun_ends_the_launch_and_resume_is_exact(t
 def test_an_exit_signal_to_the_whole_job_saves_the_iteration_and_the_pool_ends_with_it(tmp_path):
     # SIGTERM to every process of the job (a scheduler's pre-emption): the trainer finishes the iteration in
     # flight, saves it and exits 0; the pool rank ignores the signal and exits when the trainer says stop.
-    from megatron_credit.run_layout import complete_checkpoints
+    from megatron_credit.run_dir import complete_checkpoints
     from tests.support.leftovers import marked_env, wait_until_none_left
 
     run = tmp_path / "run"

@@ -142,7 +142,7 @@ def update_worker(parallel: dict, overrides=(), replay: bool = True):
         model_stats = actor.model_statistics()
         m = ctx.reduce_stats(stats)
         m["slots"] = float(sum(v for k, v in model_stats.items() if k.startswith("sum:moe/tokens/")))
-        computed = sum(mb.computed_tokens for mb in step.microbatch_layout(ctx).cut(tb, plan[0]))
+        computed = sum(mb.computed_tokens for mb in step.microbatch_cut(ctx).cut(tb, plan[0]))
         m["expected_slots"] = float(computed * TINY_MOE["num_experts_per_tok"] * TINY_MOE["num_hidden_layers"])
         return {k: m[k] for k in ("actor/pg_loss", "actor/grad_norm", "slots", "expected_slots")} \
             if dist.get_rank() == 0 else None

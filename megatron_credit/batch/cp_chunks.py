@@ -1,11 +1,11 @@
-"""Megatron's load-balanced context-parallel layout, the one definition every CP-aware module uses.
+"""Megatron's load-balanced context-parallel chunk order, the one definition every CP-aware module uses.
 
 With causal attention the last tokens of a sequence attend to the most keys, so megatron
 (``megatron.core.utils.get_batch_on_this_cp_rank``) cuts each sequence into ``2 * cp`` equal chunks and
 rank ``r`` keeps chunks ``r`` and ``2*cp - 1 - r``, concatenated in that order: every rank holds one cheap
 and one expensive chunk. Torch only (no process group here): the batch split (``data/context_parallel``),
 the CPU CP attention and the final-layer capture (``models/``) and the CP scan (``credit/scan``) all read
-the layout from these functions.
+the chunk order from these functions.
 
 >>> rank_chunks(cp_rank=0, cp_size=2), chunk_owner(3, cp_size=2)
 ((0, 3), (0, 1))
@@ -35,7 +35,7 @@ def chunk_owner(j: int, *, cp_size: int) -> tuple[int, int]:
 
 
 def split_for_cp(x: torch.Tensor, *, cp_size: int, cp_rank: int, seq_dim: int = 1) -> torch.Tensor:
-    """This rank's part of ``x`` in megatron's load-balanced layout: chunks ``r`` and ``2*cp-1-r`` of 2*cp.
+    """This rank's part of ``x`` in megatron's load-balanced chunk order: chunks ``r`` and ``2*cp-1-r`` of 2*cp.
 
     ``x: [..., T, ...]`` (T at ``seq_dim``) -> ``[..., 2*T/(2*cp), ...]``. Differentiable (slices and a
     concatenation). Raises ``ValueError`` naming the length when ``T`` is not a multiple of ``2*cp``.
