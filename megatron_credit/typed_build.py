@@ -1,7 +1,7 @@
 """Plain mappings (parsed YAML) -> keyword-only dataclasses, with every value checked against its field's
-type hint. Standard library only: the recipe sections (``config``, ``training_config``) and the
-algorithms' parameter dataclasses (``algorithms``) are all built here, so none of them imports another
-to build.
+type hint. Standard library only: the recipe's sections (``recipe/sections.py``, ``recipe/env_section.py``)
+and the algorithms' typed configs (``algorithm/``) are all built here, so none of them imports another to
+build.
 
 A field's hint says what it takes: ``bool``, ``int``, ``float``, ``str``, a ``Literal`` of choices, a
 mapping (``Mapping[str, Any]``), a tuple or list of checked elements, a nested dataclass, any of them
