@@ -150,13 +150,45 @@ def draw_until_full(draw: Callable[[int], list[T]], *, count: int, max_draws: in
     return kept, draws
 
 
-def check_full(kept: int, *, count: int, max_draws: int) -> None:
-    """The recipe's to fix when dynamic sampling kept fewer than ``count`` groups: one error line."""
-    if kept < count:
+def check_full(kept: int, *, count: int, max_draws: int, env_failed: tuple[int, int, str] = (0, 0, "")) -> None:
+    """The recipe's to fix when dynamic sampling kept fewer than ``count`` groups: one error line. When the
+    environment failed on every trajectory of the draws (``env_failed``: :func:`env_failures` summed over the
+    engines), that is the line: every trajectory was then scored by the abort rule, so no group could have
+    mixed accuracy, and more draws would not help.
+
+    >>> check_full(0, count=2, max_draws=3, env_failed=(12, 12, "environment step raised KeyError: 'x'"))
+    Traceback (most recent call last):
+    ValueError: dynamic sampling kept no group: the environment failed on every trajectory of algorithm.max_draws=3 draws (12, ended by the abort rule and scored as wrong): environment step raised KeyError: 'x'; fix the environment
+    """
+    if kept >= count:
+        return
+    aborted, trajectories, why = env_failed
+    if trajectories and aborted == trajectories:
         raise ValueError(
-            f"dynamic sampling: fewer than rollout.prompts_per_step = {count} groups with mixed accuracy "
-            f"after algorithm.max_draws={max_draws} draws ({kept} kept); raise algorithm.max_draws, "
-            "or turn algorithm.dynamic_sampling off")
+            f"dynamic sampling kept no group: the environment failed on every trajectory of "
+            f"algorithm.max_draws={max_draws} draws ({trajectories}, ended by the abort rule and scored as wrong): "
+            f"{why or 'no reason reached this rank'}; fix the environment")
+    raise ValueError(
+        f"dynamic sampling: fewer than rollout.prompts_per_step = {count} groups with mixed accuracy "
+        f"after algorithm.max_draws={max_draws} draws ({kept} kept); raise algorithm.max_draws, "
+        "or turn algorithm.dynamic_sampling off")
+
+
+def env_failures(groups: Iterable[tuple[Sequence[Any], Any, Any]]) -> tuple[int, int, str]:
+    """Of drawn groups ``(samples, rewards, correct)``: the trajectories the environment failed on (ended by
+    the abort rule), the trajectories, and the first failure's one-line reason ("" when none). Single-turn
+    samples are no trajectories."""
+    aborted = trajectories = 0
+    why = ""
+    for samples, _, _ in groups:
+        for s in samples:
+            if s.episode is None:
+                continue
+            trajectories += 1
+            if s.episode.aborted:
+                aborted += 1
+                why = why or s.error
+    return aborted, trajectories, why
 
 
 def counted(buckets: Iterable[Bucket], sizes: list[int]) -> Iterator[Bucket]:

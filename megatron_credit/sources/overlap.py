@@ -184,7 +184,7 @@ class OverlapSource(RolloutSourceBase):
         info = self._wait(f"batch/{iteration}", f"iteration {iteration} waited for its batch")
         wait = time.perf_counter() - t0
         count = self.rollout.prompts_per_step
-        check_full(info["kept"], count=count, max_draws=self.max_draws)
+        check_full(info["kept"], count=count, max_draws=self.max_draws, env_failed=tuple(info["env_failed"]))
         versions = info["versions"]
         too_old = [v for v in versions if (iteration - 1) - v > self.bound]
         if too_old:  # the pool never makes these; refused rather than trained on

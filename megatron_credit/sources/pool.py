@@ -356,13 +356,14 @@ class PoolEngine:
         """Iteration ``step``'s kept groups, as ``sync`` draws them: this engine's go to the trainer's replica
         heads; the first engine puts the batch's facts."""
         from megatron_credit.rollout.placement import dp_rank_of_group, draw_seed
-        from megatron_credit.sources.base import VERIFIER_COUNTS, draw_share, draw_until_full
+        from megatron_credit.sources.base import VERIFIER_COUNTS, draw_share, draw_until_full, env_failures
 
         r, recipe = self.rollout, self.recipe
         count, n = r.prompts_per_step, r.n
         self._load_newest()
         held: dict[tuple[int, int], Any] = {}
-        tally = torch.zeros(len(VERIFIER_COUNTS) + 2, dtype=torch.float64)  # verifier counts, partial draws, wall
+        # verifier counts, the environment's failed and all trajectories, partial draws, wall
+        tally = torch.zeros(len(VERIFIER_COUNTS) + 4, dtype=torch.float64)
         versions: dict[tuple[int, int], int] = {}
 
         def draw(d: int) -> list:
@@ -398,10 +399,13 @@ class PoolEngine:
             if key in held:
                 by_head[self.heads[dp_rank_of_group(k, groups=count, dp_size=self.dp_size)]].append((k, held[key]))
         self.bridge.send_groups(step, by_head)
+        aborted, trajectories, why = env_failures(held.values())
+        tally[-4] += aborted
+        tally[-3] += trajectories
         self.bridge.pool_sum(tally)
         if self.e == 0:
             sums = dict(zip(VERIFIER_COUNTS, tally[:len(VERIFIER_COUNTS)].tolist()))
             self.bridge.put(f"batch/{step}", {
                 "versions": [versions[key] for key in kept[:count]], "draws": draws, "kept": len(kept),
                 "verifier": sums, "cursor": self.prompts.state_dict(), "gen_s": float(tally[-1]) / self.engines,
-                "partial": min(int(tally[-2]), draws)})
+                "partial": min(int(tally[-2]), draws), "env_failed": [int(tally[-4]), int(tally[-3]), why]})

@@ -28,7 +28,8 @@ from megatron_credit.recipe import rollout_modes as modes
 from megatron_credit.rollout.placement import EnginePlacement, draw_seed, split
 from megatron_credit.rollout.types import SamplingParams
 from megatron_credit.sources.base import (ROLLOUT_SOURCES, Offload, SourceInputs, Weights, build_verifier_workers,
-                                          check_full, counted, draw_share, draw_until_full, sampling_params)
+                                          check_full, counted, draw_share, draw_until_full, env_failures,
+                                          sampling_params)
 from megatron_credit.sources.routing import RolloutSourceBase
 
 if TYPE_CHECKING:
@@ -206,7 +207,11 @@ class SyncSource(RolloutSourceBase, modes.Sync):
             kept, draws = draw_until_full(lambda d: self._draw(iteration, d, held, verifier_sums), count=count,
                                           max_draws=self.max_draws)
             wall = time.perf_counter() - t0
-        check_full(len(kept), count=count, max_draws=self.max_draws)
+        failed = (0, 0, "")
+        if len(kept) < count:  # the run stops: why, from every engine's groups (an object collective: only then)
+            parts = self._all_gather(env_failures(held.values()))
+            failed = (sum(p[0] for p in parts), sum(p[1] for p in parts), next((p[2] for p in parts if p[2]), ""))
+        check_full(len(kept), count=count, max_draws=self.max_draws, env_failed=failed)
         rows = self._route(kept[:count], held)
         batch, metrics = self._assemble(rows, [weights.version] * len(rows), iteration, draws=draws, kept=len(kept),
                                         wall=wall, engines=self.placement.num_engines, verifier_sums=verifier_sums)

@@ -48,6 +48,37 @@ def test_the_draw_loop_stops_when_full_or_out_of_draws_and_keeps_the_surplus():
     check_full(3, count=3, max_draws=4)
 
 
+def test_dynamic_sampling_that_an_environment_starved_says_so():
+    """When the environment failed on every trajectory of the draws, every group scored all-wrong and the
+    one line names the environment's reason; a draw with any trajectory it did not fail on, or single-turn
+    samples, keep the line about the draws."""
+    import torch
+
+    from megatron_credit.rollout.types import Episode, FinishStatus, RolloutSample
+    from megatron_credit.sources.base import env_failures
+
+    def sample(env_errors=None, error=""):
+        ep = None if env_errors is None else Episode(turn_rewards=(0.0,), env_errors=env_errors)
+        return RolloutSample(prompt_ids=[1], response_ids=[2], logprobs=torch.zeros(1), status=FinishStatus.STOPPED,
+                             group_id=0, sample_index=0, logprobs_mode="raw", episode=ep, error=error)
+
+    why = "environment step raised TimeoutError: slow"
+    failed = [([sample(1, why), sample(1, "other")], None, None), ([sample(2, why)], None, None)]
+    assert env_failures(failed) == (3, 3, why)
+    with pytest.raises(ValueError, match=r"^dynamic sampling kept no group: the environment failed on every trajectory "
+                                         r"of algorithm.max_draws=4 draws \(3, ended by the abort rule and scored as "
+                                         r"wrong\): environment step raised TimeoutError: slow; fix the environment$"):
+        check_full(0, count=3, max_draws=4, env_failed=env_failures(failed))
+    some = failed + [([sample(0)], None, None)]
+    assert env_failures(some) == (3, 4, why)
+    with pytest.raises(ValueError, match="fewer than rollout.prompts_per_step = 3"):
+        check_full(1, count=3, max_draws=4, env_failed=env_failures(some))
+    assert env_failures([([sample(), sample()], None, None)]) == (0, 0, "")
+    with pytest.raises(ValueError, match="fewer than rollout.prompts_per_step = 3"):
+        check_full(0, count=3, max_draws=4, env_failed=(0, 0, ""))
+    check_full(3, count=3, max_draws=4, env_failed=env_failures(failed))  # full: no line at all
+
+
 def test_a_sync_draw_waits_for_the_leaders_on_the_host_before_its_device_exchange():
     """``SyncSource._draw`` on a rank that leads no engine: it samples nothing, waits in ``leaders_done`` (a
     gloo barrier: on the host, not inside an NCCL kernel on a GPU an engine's worker generates on), and only
