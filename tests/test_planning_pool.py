@@ -35,12 +35,53 @@ def test_the_32b_async_recipe_fits_with_its_pool_on_nodes_of_its_own():
     assert pool.staging_host_bytes == 2 * (2 * 2 ** 31 + 64 * 2 ** 30 + 2 ** 14)
     assert pool.engines_per_node == 2 and pool.buckets_in_flight == 2  # vLLM: one received, one loaded
     assert pool.update_s == pytest.approx(params * 2 / 50e9)  # 400 Gb/s; engines 0-7 from trainer ranks 0-7 at once
-    per_sample = 4 * (2048 + 20480) + 4 * 20480 + 52
-    assert pool.sample_bytes == 512 * 16 * per_sample == pool.sample_bytes_per_head  # DP 1: one head
+    per_sample = 4 * (2048 + 20480) + 4 * 20480 + 57  # ids, log-probs, header words, timings, reward, verdict
+    assert pool.sample_bytes == 512 * (16 * per_sample + 24) == pool.sample_bytes_per_head  # DP 1: one head
     # the trainer on the first 4 nodes, with no engine on its GPUs
     assert trainer_gpus(recipe, nodes=8, gpus_per_node=8) == (4, 8)
     trainer = plan(recipe, cfg, nodes=4, gpus_per_node=8, gpu="h100-80gb")
     assert trainer.fits and trainer.terms["rollout_engine"] == 0 and trainer.layout["world"] == 32
+
+
+@pytest.mark.parametrize("prompt,response,routed,turns", [(10, 20, (0, 0), 0), (7, 13, (3, 2), 0), (9, 11, (0, 0), 3),
+                                                          (5, 17, (2, 8), 2)])
+@pytest.mark.parametrize("n", [1, 4])
+def test_the_planned_sample_bytes_are_what_the_wire_encodes(prompt, response, routed, turns, n):
+    """``wire_bytes`` against ``rollout/wire.encode`` of a group at those lengths: an MoE engine's routing and
+    a trajectory's turns included, byte for byte."""
+    import torch
+
+    from megatron_credit.planning.pool import wire_bytes
+    from megatron_credit.rollout.types import Episode, FinishStatus, RolloutSample
+    from megatron_credit.rollout.wire import encode
+
+    def sample():
+        kw = {}
+        if routed[0]:
+            kw["routed_experts"] = torch.zeros(prompt + response, *routed, dtype=torch.int16)
+        if turns:
+            kw.update(action_mask=torch.ones(response, dtype=torch.bool), turn_ids=torch.zeros(response, dtype=torch.int16),
+                      episode=Episode(turn_rewards=(0.5,) * turns))
+        return RolloutSample(prompt_ids=[1] * prompt, response_ids=[2] * response, logprobs=torch.zeros(response),
+                             status=FinishStatus.STOPPED, group_id=0, sample_index=0, logprobs_mode="raw", **kw)
+
+    group = ([sample() for _ in range(n)], torch.zeros(n), torch.zeros(n, dtype=torch.bool))
+    assert encode([(0, group)]).numel() == wire_bytes(prompt, response, n=n, routed=routed, turns=turns)
+
+
+def test_an_moe_pool_plans_the_routing_it_returns_for_replay():
+    recipe = load_recipe(os.path.join(ROOT, "examples", "fipo_qwen3_30b_a3b.yaml"),
+                         overrides=["rollout.mode=async", "rollout.ranks=8"])
+    cfg = resolve_hf_config(recipe.model)
+    a = Architecture.from_hf(cfg)
+    replayed = plan_pool(recipe, cfg, nodes=4, gpus_per_node=8, gpu="h100-80gb")
+    off = plan_pool(load_recipe(os.path.join(ROOT, "examples", "fipo_qwen3_30b_a3b.yaml"),
+                                overrides=["rollout.mode=async", "rollout.ranks=8", "moe.routing_replay=none"]),
+                    cfg, nodes=4, gpus_per_node=8, gpu="h100-80gb")
+    r = recipe.rollout
+    tokens = recipe.data.max_prompt_len + recipe.response_budget
+    assert (a.num_layers, a.top_k) == (48, 8)
+    assert replayed.sample_bytes - off.sample_bytes == r.prompts_per_step * r.n * 2 * tokens * 48 * 8
 
 
 def test_the_update_time_scales_with_the_engines_each_trainer_rank_serves():

@@ -17,9 +17,9 @@ here (:func:`plan_pool`):
 * **pinned host memory** per engine (its leader's ring, ``sources/staging.py``): :data:`STAGING_BANKS`
   versions, each bucket (:func:`weight_buckets`: whole sync groups, a decoder layer at 32B, 0.91 GiB) in a
   chunk of the next power of two (:func:`host_block_bytes`, as torch's pinned allocator rounds it).
-* **the samples**: each iteration's ``prompts_per_step x n`` samples once, at most ``4 (P + R) + 4 R + 52``
-  bytes each (``rollout/wire.py``: int32 ids, float32 log-probs, the header) at the longest prompt and
-  response, to the replicas' heads (``/ DP`` each).
+* **the samples**: each iteration's ``prompts_per_step`` groups of ``n`` samples once, at the longest prompt
+  and response (:func:`wire_bytes`, ``rollout/wire.py``: int32 ids, float32 log-probs, the headers, an MoE
+  engine's routing when the trainer replays it, a trajectory's turns), to the replicas' heads (``/ DP`` each).
 """
 from __future__ import annotations
 
@@ -38,8 +38,28 @@ own (:func:`weight_buckets`)."""
 STAGING_BANKS = 2
 """Versions an engine leader's ring holds at once (``sources/staging.py``): the one received or loaded, and at
 most one staged."""
-SAMPLE_HEADER_BYTES = 52
-"""``rollout/wire.py``'s header per sample."""
+SAMPLE_HEADER_BYTES = 57
+"""``rollout/wire.py``'s bytes per sample besides its tokens: 9 int32 header words, 2 float64 timings, and its
+group's reward (float32) and verdict (uint8) of it."""
+GROUP_HEADER_BYTES = 24
+"""``rollout/wire.py``'s bytes per group of samples besides its samples (its key, count and kind words, and the
+message's item count), at most."""
+
+
+def wire_bytes(prompt: int, response: int, *, n: int, routed: tuple[int, int] = (0, 0), turns: int = 0) -> int:
+    """The bytes of a group of ``n`` samples of ``prompt`` and ``response`` tokens on ``rollout/wire.py``: ids
+    (int32) and log-probs (float32), with ``routed = (MoE layers, top_k)`` their routing (int16 per token,
+    layer and expert), with ``turns`` a trajectory's turn codes (int16 per response token), turn rewards
+    (float32) and counts (4 int32).
+
+    >>> wire_bytes(10, 20, n=2), wire_bytes(10, 20, n=2, routed=(3, 2), turns=2)
+    (538, 1386)
+    """
+    per = 4 * (prompt + response) + 4 * response + SAMPLE_HEADER_BYTES
+    per += 2 * (prompt + response) * routed[0] * routed[1]
+    if turns:
+        per += 2 * response + 4 * turns + 16
+    return n * per + GROUP_HEADER_BYTES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,7 +232,10 @@ def plan_pool(recipe, hf_config, *, nodes: int, gpus_per_node: int, gpu: str,
     weight_bytes = total_param_count(a) * wb
     update_s = update_seconds(weight_bytes, engines=engines, trainer_world=trainer_world, network_gbps=network_gbps)
     response, prompt = recipe.response_budget, recipe.data.max_prompt_len
-    samples = r.prompts_per_step * r.n * (4 * (prompt + response) + 4 * response + SAMPLE_HEADER_BYTES)
+    # an MoE engine returns its routing when the trainer replays it (moe.routing_replay: rollout)
+    routed = (a.num_layers, a.top_k) if a.moe is not None and recipe.moe.routing_replay == "rollout" else (0, 0)
+    samples = r.prompts_per_step * wire_bytes(prompt, response, n=r.n, routed=routed,
+                                              turns=recipe.env.max_turns if recipe.env.enabled else 0)
     dp = max(trainer_world // p.model_parallel_size, 1)
     return PoolPlan(ranks=pool, engines=engines, gpus_per_engine=rtp, trainer_world=trainer_world,
                     engine_gpu_bytes=engine_gpu, engine_note=note, kv_tokens=kv_tokens, gpu_bytes=gpu_bytes,
