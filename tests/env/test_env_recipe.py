@@ -43,3 +43,43 @@ def test_a_stop_text_of_several_tokens_is_one_line(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
     assert "env.options: the environment's stop text '</call>' is" in errors[0] and "a single token of its own" in errors[0]
+
+
+BROKEN_ENV = '''
+from megatron_credit.env import ENVIRONMENTS, Environment, StepResult
+
+
+@ENVIRONMENTS.register("broken")
+class Broken(Environment):
+    def start(self, record):
+        raise KeyError("ground_truth")
+
+    def step(self, state, action):
+        return StepResult(observation="", reward=0.0, done=True)
+'''
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("mode", [[], ["rollout.mode=one_step_off", "rollout.ranks=1"]], ids=["sync", "one_step_off"])
+def test_dynamic_sampling_that_the_environment_starved_stops_on_the_environments_line(tmp_path, mode):
+    """An environment failing on every trajectory leaves no group with mixed accuracy: under DAPO's dynamic
+    sampling the run stops on the environment's reason (summed over the engines: sync's, or the rollout pool's
+    batch facts), not on the line that asks for more draws."""
+    import yaml
+
+    from tests.support.paths import ROOT
+
+    with open(f"{ROOT}/examples/tool_calc_cpu.yaml") as f:
+        recipe = yaml.safe_load(f)
+    recipe["env"] = {"name": "broken", "max_turns": 3, "max_total_tokens": 40}
+    (tmp_path / "broken.yaml").write_text(yaml.safe_dump(recipe))
+    (tmp_path / "broken_env.py").write_text(BROKEN_ENV)
+    proc = run_pretrain_rl("--config", tmp_path / "broken.yaml", "--plugin", tmp_path / "broken_env.py",
+                           "--output-dir", tmp_path / "run", "algorithm.name=dapo", "algorithm.dynamic_sampling=true",
+                           "algorithm.max_draws=2", "train.steps=1", "warmup.steps=0", "train.val_every=0",
+                           "rollout.prompts_per_step=4", "logging.progress=false", *mode, timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]  # the user's to fix: exit 2
+    assert errors[0] == ("error: dynamic sampling kept no group: the environment failed on every trajectory of "
+                         "algorithm.max_draws=2 draws (64, ended by the abort rule and scored as wrong): environment "
+                         "start raised KeyError: 'ground_truth'; fix the environment")
