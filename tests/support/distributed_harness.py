@@ -47,7 +47,12 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    except BaseException:  # noqa: BLE001 - e.g. the port was taken after it was chosen: start() tries another
+        results.put((rank, "init_err", traceback.format_exc()))
+        return
+    results.put((rank, "ready", None))
     try:
         while True:
             item = tasks.get()
@@ -72,10 +77,35 @@ class DistributedPool:
         self._tasks: list = []
         self._results = None
 
-    def start(self) -> None:
+    def start(self, attempts: int = 3) -> None:
+        """Spawn the ranks and wait until every one has joined the group. A port is free when chosen but may be
+        taken by another process before rank 0 listens on it; then the ranks are ended and another port tried."""
         from tests.support import spawn_guard
 
         spawn_guard.require(("dist",), f"{self.world_size} gloo worker processes (DistributedPool)")
+        for attempt in range(attempts):
+            self._spawn()
+            why = self._wait_ready()
+            if why is None:
+                return
+            self.close()
+            if attempt == attempts - 1:
+                raise RuntimeError(f"the gloo ranks could not form a group in {attempts} tries:\n{why}")
+
+    def _wait_ready(self) -> "str | None":
+        """None once every rank joined the group; else the first failure's traceback."""
+        ready = 0
+        while ready < self.world_size:
+            try:
+                rank, status, value = self._results.get(timeout=self.timeout)
+            except queue.Empty:
+                return f"no rank joined the group in {self.timeout}s"
+            if status == "init_err":
+                return value
+            ready += 1
+        return None
+
+    def _spawn(self) -> None:
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._results = ctx.Queue()
