@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_credit.algorithm.knobs import StepKnobs
-from megatron_credit.metrics.sums import Reduction, StatSums
+from megatron_credit.metrics.sums import Reduction
 
 if TYPE_CHECKING:  # annotations only: nothing of these is imported at run time here
     from megatron_credit.algorithm.base import Algorithm
@@ -130,7 +130,3 @@ class Context:
         bad = (~torch.isfinite(x)).any().to(torch.float64).reshape(1).to(self.actor.device)  # no read yet
         dist.all_reduce(bad)
         return float(bad) == 0.0  # the one read
-
-    def reduce_stats(self, stats: StatSums) -> dict[str, float]:
-        """The iteration's metrics from its sums (:attr:`reduction`)."""
-        return self.reduction(stats)

@@ -98,7 +98,7 @@ def _run_fixed(parallel: dict, algorithm: str, *, max_tokens: int = 4096, overri
             before = [p.detach().clone() for p in actor.model.parameters()]
             stats = StatSums()
             step.update_minibatch(ctx, batch, mini, stats)
-            m = ctx.reduce_stats(stats)
+            m = ctx.reduction(stats)
             m["changed"] = any(not torch.equal(a, p) for a, p in zip(before, actor.model.parameters()))
             # which parameters moved: a LoRA run's frozen base must not (models/lora.py)
             m["base_changed"] = any(not torch.equal(a, p) for a, (n, p) in zip(before, actor.model.named_parameters())

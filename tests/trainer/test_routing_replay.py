@@ -93,7 +93,7 @@ def _behaviour(ctx, samples, *, replay: bool):
     step.behaviour_pass(ctx, tb, step.plan_microbatches(ctx, tb))
     stats = StatSums()
     stats.add(ctx.actor.model_statistics())
-    return tb, ctx.reduce_stats(stats)["moe/routing_agreement"]
+    return tb, ctx.reduction(stats)["moe/routing_agreement"]
 
 
 def replay_worker(parallel: dict, overrides=()):
@@ -140,7 +140,7 @@ def update_worker(parallel: dict, overrides=(), replay: bool = True):
         actor.reset_model_statistics()
         step.update_minibatch(ctx, tb, plan[0], stats)
         model_stats = actor.model_statistics()
-        m = ctx.reduce_stats(stats)
+        m = ctx.reduction(stats)
         m["slots"] = float(sum(v for k, v in model_stats.items() if k.startswith("sum:moe/tokens/")))
         computed = sum(mb.computed_tokens for mb in step.microbatch_cut(ctx).cut(tb, plan[0]))
         m["expected_slots"] = float(computed * TINY_MOE["num_experts_per_tok"] * TINY_MOE["num_hidden_layers"])
